@@ -1,0 +1,49 @@
+"""datadist_aio: asyncio-native KV-cache transfer with the LLM-DataDist v2 API.
+
+Code written for ``llm_datadist`` runs after changing the import; every
+data-moving call also has an ``_async`` form returning an awaitable
+``CacheTask``.
+"""
+
+from .cache import Cache
+from .cache_desc import CacheDesc
+from .cache_key import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex
+from .cache_manager import CacheManager
+from .cache_task import CacheTask
+from .cluster_info import LLMClusterInfo
+from .config import LlmConfig, LLMConfig
+from .data_type import DataType
+from .enums import LLMRole, Memtype, Placement, RegisterMemStatus
+from .layer_synchronizer import LayerSynchronizer
+from .llm_datadist import LLMDataDist
+from .mem_info import MemInfo
+from .status import LLMException, LLMStatusCode, Status
+from .transfer_config import TransferConfig, TransferWithCacheKeyConfig
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BlocksCacheKey",
+    "Cache",
+    "CacheDesc",
+    "CacheKey",
+    "CacheKeyByIdAndIndex",
+    "CacheManager",
+    "CacheTask",
+    "DataType",
+    "LLMClusterInfo",
+    "LLMConfig",
+    "LLMDataDist",
+    "LLMException",
+    "LLMRole",
+    "LLMStatusCode",
+    "LayerSynchronizer",
+    "LlmConfig",
+    "MemInfo",
+    "Memtype",
+    "Placement",
+    "RegisterMemStatus",
+    "Status",
+    "TransferConfig",
+    "TransferWithCacheKeyConfig",
+]

@@ -1,0 +1,338 @@
+"""CacheManager: registration, allocation and movement of KV caches."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, Union
+
+from ._checks import (
+    check_dict,
+    check_int64,
+    check_isinstance,
+    check_uint32,
+    check_uint64,
+    raise_if_false,
+    raise_if_true,
+)
+from .cache import Cache
+from .cache_desc import CacheDesc
+from .cache_key import BlocksCacheKey, CacheKey
+from .cache_task import CacheTask
+from .completions import CompletionDispatcher
+from .enums import Placement
+from .status import LLMException, LLMStatusCode, raise_for_status
+
+__all__ = ["CacheManager"]
+
+_INVALID_ID = 2**64 - 1
+_BufferLike = Any
+_Address = Union[int, _BufferLike]
+
+
+def _device_unsupported(what: str) -> LLMException:
+    return LLMException(
+        f"{what}: Placement.DEVICE needs an accelerator backend, which this build does not have; "
+        "use Placement.HOST",
+        status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+    )
+
+
+def _key_tuple(key: CacheKey) -> tuple[int, int, int]:
+    return (key.req_id, key.model_id, key.prefix_id)
+
+
+def _view(cache: Cache) -> tuple[int, int, list[int], int, int, list[int]]:
+    desc = cache.cache_desc
+    return (
+        cache.cache_id,
+        desc.num_tensors,
+        list(desc.shape),
+        desc.data_type.value,
+        desc.placement.value,
+        list(cache.tensor_addrs),
+    )
+
+
+def _waited(start: Callable[..., CacheTask]) -> Callable[..., None]:
+    """The blocking twin of an ``X_async`` method: waits and raises on failure."""
+
+    @functools.wraps(start)
+    def method(self: "CacheManager", *args: Any, **kwargs: Any) -> None:
+        task = start(self, *args, **kwargs)
+        task.synchronize()
+        task.result()
+
+    method.__name__ = method.__qualname__ = start.__name__.removesuffix("_async")
+    method.__doc__ = f"``{start.__name__}``, waited for; raises ``LLMException`` on failure."
+    return method
+
+
+class CacheManager:
+    """Caches of one ``LLMDataDist``; obtained from ``LLMDataDist.cache_manager``.
+
+    Every data-moving method ``X`` blocks until the data has moved and raises
+    ``LLMException`` on failure; ``X_async`` checks its arguments the same
+    way, starts the work and returns a ``CacheTask`` at once.
+    """
+
+    def __init__(self, engine: Any, dispatcher: CompletionDispatcher, *, remote_cache_accessible: bool) -> None:
+        self._engine = engine
+        self._dispatcher = dispatcher
+        self._remote_cache_accessible = remote_cache_accessible
+        self._valid = True
+        # Buffers of registered caches stay alive (and exported) while registered.
+        self._buffers: dict[int, list[memoryview]] = {}
+
+    def _check_valid(self) -> None:
+        raise_if_false(self._valid, "the cache manager is finalized", status_code=LLMStatusCode.LLM_ENGINE_FINALIZED)
+
+    def _invalidate(self) -> None:
+        self._valid = False
+        self._buffers.clear()
+
+    # -- allocation ---------------------------------------------------------
+
+    def _allocate(
+        self, cache_desc: CacheDesc, keys: Sequence[CacheKey], blocks_key: Optional[BlocksCacheKey], is_blocks: bool
+    ) -> Cache:
+        self._check_valid()
+        raise_if_false(cache_desc.num_tensors > 0, "cache_desc.num_tensors must be > 0")
+        if cache_desc.placement is Placement.DEVICE:
+            raise _device_unsupported("allocate")
+        raise_if_false(
+            self._engine.has_host_pool,
+            "allocating a HOST cache needs a host memory pool: set LLMConfig.host_mem_pool_cfg",
+        )
+        status, cache_id, addrs = self._engine.allocate_cache(
+            cache_desc.num_tensors,
+            list(cache_desc.shape),
+            cache_desc.data_type.value,
+            cache_desc.placement.value,
+            is_blocks,
+            [_key_tuple(k) for k in keys],
+            None if blocks_key is None else blocks_key.model_id,
+        )
+        raise_for_status(status, f"allocate {cache_desc!r}")
+        return Cache(cache_id, cache_desc, list(addrs), is_blocks)
+
+    def allocate_cache(self, cache_desc: CacheDesc, cache_keys: Union[tuple[CacheKey, ...], list[CacheKey]] = ()) -> Cache:
+        """Allocates a contiguous cache from the host pool; ``cache_keys[i]`` names batch slot i."""
+        check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
+        check_isinstance("cache_keys", cache_keys, (list, tuple), CacheKey, allow_none=False)
+        return self._allocate(cache_desc, cache_keys, None, False)
+
+    def allocate_blocks_cache(self, cache_desc: CacheDesc, blocks_cache_key: Optional[BlocksCacheKey] = None) -> Cache:
+        """Allocates a blocks (paged) cache from the host pool."""
+        check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
+        check_isinstance("blocks_cache_key", blocks_cache_key, BlocksCacheKey)
+        cache_desc._is_blocks = True
+        return self._allocate(cache_desc, (), blocks_cache_key, True)
+
+    def _deallocate(self, cache: Cache, blocks: bool) -> None:
+        check_isinstance("cache", cache, Cache, allow_none=False)
+        kind = "a blocks" if blocks else "a contiguous"
+        raise_if_false(cache.is_blocks_cache == blocks, f"cache {cache.cache_id} is not {kind} cache")
+        self._check_valid()
+        if cache.cache_id > 0:
+            raise_for_status(self._engine.deallocate_cache(cache.cache_id), f"deallocate cache {cache.cache_id}")
+        cache._invalidate()
+
+    def deallocate_cache(self, cache: Cache) -> None:
+        """Frees an allocated contiguous cache once no bound key refers to it."""
+        self._deallocate(cache, False)
+
+    def deallocate_blocks_cache(self, cache: Cache) -> None:
+        """Frees an allocated blocks cache and unbinds its blocks key."""
+        self._deallocate(cache, True)
+
+    # -- registration -------------------------------------------------------
+
+    def _addresses(self, cache_desc: CacheDesc, addrs: list[_Address]) -> tuple[list[int], list[memoryview]]:
+        from . import _native
+
+        out: list[int] = []
+        buffers: list[memoryview] = []
+        for index, addr in enumerate(addrs):
+            if isinstance(addr, int) and not isinstance(addr, bool):
+                check_uint64(f"addrs[{index}]", addr)
+                raise_if_true(addr == 0, f"addrs[{index}] is 0")
+                out.append(addr)
+                continue
+            try:
+                view = memoryview(addr)
+            except TypeError:
+                raise TypeError(
+                    f"addrs[{index}] must be an int address or a writable buffer, got {type(addr).__name__}"
+                ) from None
+            address, nbytes = _native.buffer_address(view)
+            raise_if_false(
+                nbytes == cache_desc.size,
+                f"addrs[{index}] holds {nbytes} bytes but one tensor of the cache is {cache_desc.size} bytes",
+            )
+            out.append(address)
+            buffers.append(view)
+        return out, buffers
+
+    def _register(
+        self,
+        cache_desc: CacheDesc,
+        addrs: list[_Address],
+        keys: Sequence[CacheKey],
+        blocks_key: Optional[BlocksCacheKey],
+        remote_accessible: Optional[bool],
+        is_blocks: bool,
+    ) -> Cache:
+        self._check_valid()
+        raise_if_false(len(addrs) > 0, "addrs must not be empty")
+        if cache_desc.placement is Placement.DEVICE:
+            raise _device_unsupported("register")
+        raw, buffers = self._addresses(cache_desc, addrs)
+        if remote_accessible is None:
+            remote_accessible = True
+        status, cache_id = self._engine.register_cache(
+            cache_desc.num_tensors,
+            list(cache_desc.shape),
+            cache_desc.data_type.value,
+            cache_desc.placement.value,
+            is_blocks,
+            raw,
+            [_key_tuple(k) for k in keys],
+            None if blocks_key is None else blocks_key.model_id,
+            remote_accessible,
+        )
+        raise_for_status(status, f"register {cache_desc!r}")
+        if buffers:
+            self._buffers[cache_id] = buffers
+        return Cache(cache_id, cache_desc, raw, is_blocks, buffers=buffers or None)
+
+    @staticmethod
+    def _check_register_args(cache_desc: Any, addrs: Any, remote_accessible: Any) -> None:
+        check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
+        check_isinstance("addrs", addrs, list, allow_none=False)
+        check_isinstance("remote_accessible", remote_accessible, bool)
+
+    def register_cache(
+        self,
+        cache_desc: CacheDesc,
+        addrs: list[_Address],
+        cache_keys: Union[tuple[CacheKey, ...], list[CacheKey]] = (),
+        remote_accessible: Optional[bool] = None,
+    ) -> Cache:
+        """Registers user memory as a contiguous cache.
+
+        ``addrs`` holds one entry per tensor: a raw address, or a writable
+        C-contiguous buffer (a numpy array, ...) of exactly one tensor's size,
+        which stays referenced while the cache is registered.
+        """
+        self._check_register_args(cache_desc, addrs, remote_accessible)
+        check_isinstance("cache_keys", cache_keys, (list, tuple), CacheKey, allow_none=False)
+        raise_if_false(
+            len(addrs) == cache_desc.num_tensors,
+            f"len(addrs)={len(addrs)} does not match cache_desc.num_tensors={cache_desc.num_tensors}",
+        )
+        return self._register(cache_desc, addrs, cache_keys, None, remote_accessible, False)
+
+    def register_blocks_cache(
+        self,
+        cache_desc: CacheDesc,
+        addrs: list[_Address],
+        blocks_cache_key: Optional[BlocksCacheKey] = None,
+        remote_accessible: Optional[bool] = None,
+    ) -> Cache:
+        """Registers user memory as a blocks (paged) cache; ``addrs`` as in ``register_cache``."""
+        self._check_register_args(cache_desc, addrs, remote_accessible)
+        check_isinstance("blocks_cache_key", blocks_cache_key, BlocksCacheKey)
+        cache_desc._is_blocks = True
+        return self._register(cache_desc, addrs, (), blocks_cache_key, remote_accessible, True)
+
+    def unregister_cache(self, cache_id: int) -> None:
+        """Forgets a registered cache; an unknown id is not an error."""
+        check_int64("cache_id", cache_id)
+        self._check_valid()
+        raise_for_status(self._engine.unregister_cache(cache_id), f"unregister cache {cache_id}")
+        self._buffers.pop(cache_id, None)
+
+    def remove_cache_key(self, cache_key: CacheKey) -> None:
+        """Unbinds a key from its allocated cache; unknown keys are ignored."""
+        check_isinstance("cache_key", cache_key, CacheKey, allow_none=False)
+        self._check_valid()
+        raise_for_status(self._engine.remove_cache_key(*_key_tuple(cache_key)), f"remove {cache_key!r}")
+
+    # -- local data movement --------------------------------------------------
+
+    def _task(self, started: tuple[int, Any], operation: str) -> CacheTask:
+        status, request = started
+        raise_for_status(status, operation)
+        return CacheTask(request, self._dispatcher, operation)
+
+    def copy_cache_async(
+        self,
+        dst: Cache,
+        src: Cache,
+        dst_batch_index: int = 0,
+        src_batch_index: int = 0,
+        offset: int = 0,
+        size: int = -1,
+        req_id: Optional[int] = None,
+    ) -> CacheTask:
+        """Starts copying bytes ``[offset, offset + size)`` of a batch slot, every tensor."""
+        check_isinstance("dst", dst, Cache, allow_none=False)
+        check_isinstance("src", src, Cache, allow_none=False)
+        check_uint32("dst_batch_index", dst_batch_index)
+        check_uint32("src_batch_index", src_batch_index)
+        check_uint64("offset", offset)
+        check_int64("size", size)
+        if req_id is not None:
+            check_uint64("req_id", req_id)
+        raise_if_true(dst.is_blocks_cache or src.is_blocks_cache, "copy_cache does not take blocks caches")
+        raise_if_false(size == -1 or size > 0, f"size must be -1 or > 0, got {size}")
+        self._check_valid()
+        started = self._engine.copy_cache(dst.cache_id, src.cache_id, dst_batch_index, src_batch_index, offset, size)
+        return self._task(started, f"copy_cache({src.cache_id}[{src_batch_index}] -> {dst.cache_id}[{dst_batch_index}])")
+
+    copy_cache = _waited(copy_cache_async)
+
+    def copy_blocks_async(self, cache: Cache, copy_block_info: dict[int, list[int]]) -> CacheTask:
+        """Starts copying, inside one blocks cache, each source block to its listed destinations."""
+        check_isinstance("cache", cache, Cache, allow_none=False)
+        check_dict("copy_block_info", copy_block_info, int, list, int)
+        raise_if_false(cache.is_blocks_cache, "copy_blocks needs a blocks cache")
+        pairs = []
+        for src_block, dst_blocks in copy_block_info.items():
+            check_uint64("copy_block_info key", src_block)
+            for dst_block in dst_blocks:
+                check_uint64("copy_block_info value", dst_block)
+                pairs.append((src_block, dst_block))
+        self._check_valid()
+        view = _view(cache)
+        return self._task(self._engine.copy_blocks(view, view, pairs), f"copy_blocks(cache {cache.cache_id})")
+
+    copy_blocks = _waited(copy_blocks_async)
+
+    def swap_blocks_async(self, src_cache: Cache, dst_cache: Cache, src_to_dst: dict[int, int]) -> CacheTask:
+        """Starts copying block ``k`` of ``src_cache`` to block ``src_to_dst[k]`` of ``dst_cache``.
+
+        Both caches live in host memory here, so HOST to HOST is allowed; a
+        DEVICE side needs an accelerator backend.
+        """
+        check_isinstance("src_cache", src_cache, Cache, allow_none=False)
+        check_isinstance("dst_cache", dst_cache, Cache, allow_none=False)
+        check_dict("src_to_dst", src_to_dst, int, int)
+        raise_if_false(src_cache.is_blocks_cache and dst_cache.is_blocks_cache, "swap_blocks needs two blocks caches")
+        src_desc, dst_desc = src_cache.cache_desc, dst_cache.cache_desc
+        raise_if_false(
+            src_desc.slot_size == dst_desc.slot_size,
+            f"block sizes differ: {src_desc.slot_size} != {dst_desc.slot_size}",
+        )
+        raise_if_false(src_desc.num_tensors == dst_desc.num_tensors, "the caches have different tensor counts")
+        for src_block, dst_block in src_to_dst.items():
+            raise_if_false(0 <= src_block < src_desc.shape[0], f"source block {src_block} out of range")
+            raise_if_false(0 <= dst_block < dst_desc.shape[0], f"destination block {dst_block} out of range")
+        if Placement.DEVICE in (src_desc.placement, dst_desc.placement):
+            raise _device_unsupported("swap_blocks")
+        self._check_valid()
+        started = self._engine.copy_blocks(_view(dst_cache), _view(src_cache), list(src_to_dst.items()))
+        return self._task(started, f"swap_blocks({src_cache.cache_id} -> {dst_cache.cache_id})")
+
+    swap_blocks = _waited(swap_blocks_async)

@@ -1,0 +1,110 @@
+"""CacheTask: the awaitable handle of one asynchronous cache operation."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Generator
+from typing import Any, Optional
+
+from ._checks import check_uint32
+from .completions import CompletionDispatcher
+from .status import LLMException, LLMStatusCode, code_from_native
+
+__all__ = ["CacheTask"]
+
+
+class CacheTask:
+    """Handle of an operation running in the engine, one result per config.
+
+    ``await task`` returns the list of statuses when every part succeeded and
+    raises ``LLMException`` with the first failing status otherwise.
+    ``synchronize`` and ``get_results`` block the calling thread instead and
+    work with or without an event loop. ``cancel()`` stops the work in the
+    engine; the task is done only once everything it started has settled,
+    and cancelling an ``await`` (``asyncio.timeout``, ``wait_for``) cancels
+    the task the same way.
+    """
+
+    __slots__ = ("_request", "_dispatcher", "_operation")
+
+    def __init__(self, request: Any, dispatcher: CompletionDispatcher, operation: str) -> None:
+        self._request = request
+        self._dispatcher = dispatcher
+        self._operation = operation
+
+    def __repr__(self) -> str:
+        state = "cancelled" if self.cancelled() else "done" if self.done() else "pending"
+        return f"<CacheTask {self._operation} {state}>"
+
+    def done(self) -> bool:
+        """True once every part has settled, whatever its outcome."""
+        return bool(self._request.done())
+
+    def cancelled(self) -> bool:
+        """True if ``cancel()`` stopped work before it was carried out."""
+        return bool(self._request.cancelled())
+
+    def cancel(self) -> bool:
+        """Stops the work still to do. False if the task had already finished."""
+        return bool(self._request.cancel())
+
+    def _statuses(self) -> list[LLMStatusCode]:
+        return [code_from_native(code) for code in self._request.results()]
+
+    def _wait(self, timeout_in_millis: Optional[int]) -> bool:
+        if timeout_in_millis is None:
+            return bool(self._request.wait(-1))
+        check_uint32("timeout_in_millis", timeout_in_millis)
+        return bool(self._request.wait(timeout_in_millis))
+
+    def synchronize(self, timeout_in_millis: Optional[int] = None) -> LLMStatusCode:
+        """Waits for the task; the first failing status, else ``LLM_SUCCESS``.
+
+        Returns ``LLM_TIMEOUT`` when the task is still running after
+        ``timeout_in_millis``; the work goes on.
+        """
+        if not self._wait(timeout_in_millis):
+            return LLMStatusCode.LLM_TIMEOUT
+        for status in self._statuses():
+            if status is not LLMStatusCode.LLM_SUCCESS:
+                return status
+        return LLMStatusCode.LLM_SUCCESS
+
+    def get_results(self, timeout_in_millis: Optional[int] = None) -> list[LLMStatusCode]:
+        """Waits for the task; one status per config, in the order given.
+
+        On timeout every entry is ``LLM_TIMEOUT``; the work goes on.
+        """
+        if not self._wait(timeout_in_millis):
+            return [LLMStatusCode.LLM_TIMEOUT] * self._request.num_results
+        return self._statuses()
+
+    def result(self) -> list[LLMStatusCode]:
+        """The outcome of a finished task, as ``await`` gives it."""
+        if not self.done():
+            raise asyncio.InvalidStateError(f"{self!r} is still running")
+        if self.cancelled():
+            raise asyncio.CancelledError(f"{self._operation} was cancelled")
+        statuses = self._statuses()
+        for status in statuses:
+            if status is not LLMStatusCode.LLM_SUCCESS:
+                raise LLMException(f"{self._operation} failed: {status.name}", status_code=status)
+        return statuses
+
+    def __await__(self) -> Generator[Any, None, list[LLMStatusCode]]:
+        if not self.done():
+            try:
+                yield from self._dispatcher.future_for(self._request).__await__()
+            except asyncio.CancelledError:
+                self.cancel()
+                yield from self._settle().__await__()
+                raise
+        return self.result()
+
+    async def _settle(self) -> None:
+        """Waits, through further cancellations, until nothing is in flight."""
+        while not self.done():
+            try:
+                await asyncio.shield(self._dispatcher.future_for(self._request))
+            except asyncio.CancelledError:
+                continue

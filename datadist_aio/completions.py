@@ -1,0 +1,110 @@
+"""Delivery of engine completions into asyncio event loops.
+
+The engine pushes ``(request id, status)`` into one queue and writes an
+eventfd when the queue goes from empty to non-empty. Each event loop that
+awaits a request watches that fd with ``loop.add_reader``; one wake-up drains
+the whole queue and resolves the waiting futures in a batch. A future that
+belongs to another loop is resolved through that loop's
+``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import weakref
+from typing import Any
+
+__all__ = ["CompletionDispatcher"]
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+class CompletionDispatcher:
+    """Turns engine request completions into resolved asyncio futures.
+
+    Thread rules: ``future_for`` must be called on the thread running the
+    loop it creates the future for; ``close`` may be called from any thread.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self._fd: int = engine.completion_fd()
+        self._lock = threading.Lock()
+        self._waiters: dict[int, list[asyncio.Future[None]]] = {}
+        self._loops: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
+        self._closed = False
+
+    def future_for(self, request: Any) -> asyncio.Future[None]:
+        """A future of the running loop that resolves when ``request`` completes."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        with self._lock:
+            if self._closed:
+                future.set_result(None)  # finalize settled every request
+                return future
+            self._waiters.setdefault(request.id, []).append(future)
+            if loop not in self._loops:
+                loop.add_reader(self._fd, self._on_readable, loop)
+                self._loops.add(loop)
+        # Registered before asking for the queue entry, so a drain on another
+        # thread cannot miss it; if the request is already done no entry comes.
+        if not request.watch():
+            with self._lock:
+                waiting = self._waiters.get(request.id, [])
+                if future in waiting:
+                    waiting.remove(future)
+                    if not waiting:
+                        del self._waiters[request.id]
+            _resolve(future)
+        return future
+
+    def _on_readable(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._dispatch(self._engine.drain_completions(), loop)
+
+    def _dispatch(self, completions: list[tuple[int, int]], loop: asyncio.AbstractEventLoop | None) -> None:
+        with self._lock:
+            ready = [f for request_id, _ in completions for f in self._waiters.pop(request_id, ())]
+        for future in ready:
+            owner = future.get_loop()
+            if owner is loop:
+                _resolve(future)
+            elif not owner.is_closed():
+                owner.call_soon_threadsafe(_resolve, future)
+
+    def close(self) -> None:
+        """Resolves what is left and stops watching the fd (after engine finalize)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            loops = list(self._loops)
+            self._loops.clear()
+        try:
+            current: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            current = None
+        self._dispatch(self._engine.drain_completions(), current)
+        with self._lock:
+            leftover = [f for waiting in self._waiters.values() for f in waiting]
+            self._waiters.clear()
+        for future in leftover:
+            owner = future.get_loop()
+            if owner is current:
+                _resolve(future)
+            elif not owner.is_closed():
+                owner.call_soon_threadsafe(_resolve, future)
+        for loop in loops:
+            if loop.is_closed():
+                continue
+            if loop is current:
+                loop.remove_reader(self._fd)
+            else:
+                # Keeps the engine (and so the fd) alive until the loop has let go.
+                loop.call_soon_threadsafe(self._remove_reader, loop, self._engine)
+
+    def _remove_reader(self, loop: asyncio.AbstractEventLoop, _engine: Any) -> None:
+        loop.remove_reader(self._fd)

@@ -1,0 +1,439 @@
+"""Builder of the options dict passed to `LLMDataDist.init`."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional, Union
+
+from ._checks import (
+    UINT32_MAX,
+    check_dict,
+    check_int32,
+    check_isinstance,
+    check_uint32,
+    parse_listen_ip_info,
+    raise_if_false,
+)
+from .cluster_info import ipv4_to_int
+
+__all__ = ["LLMConfig", "LlmConfig"]
+
+DeviceId = Union[int, list[int], tuple[int, ...]]
+
+
+def _flag(value: bool) -> str:
+    return "1" if value else "0"
+
+
+def _check_int_in(name: str, value: Any, low: int, high: int) -> None:
+    check_isinstance(name, value, int, allow_none=False)
+    raise_if_false(low <= value <= high, "{} must be in [{}, {}], got {}", name, low, high, value)
+
+
+class LLMConfig:
+    """Collects engine options; every setter validates its value at once.
+
+    `generate_options()` returns one dict that accumulates across calls:
+    `ge_options` first, then every option that is set. A key, once emitted,
+    stays in the dict.
+    """
+
+    def __init__(self) -> None:
+        self._options: dict[str, str] = {}
+        self._ge_options: dict[str, str] = {}
+        self._listen_ip_info = ""
+        self._device_id: Optional[DeviceId] = None
+        self._sync_kv_timeout: Optional[Union[int, str]] = None
+        self._mem_pool_cfg = ""
+        self._host_mem_pool_cfg = ""
+        self._enable_cache_manager: Optional[bool] = None
+        self._enable_remote_cache_accessible: Optional[bool] = None
+        self._local_comm_res: Optional[str] = None
+        self._link_total_time: Optional[int] = None
+        self._link_retry_count: Optional[int] = None
+        self._rdma_traffic_class: Optional[int] = None
+        self._rdma_service_level: Optional[int] = None
+        self._deploy_res_path = ""
+        self._buf_pool_cfg = ""
+        self._cluster_info = ""
+        self._cluster_info_json = ""
+        self._output_max_size: Optional[int] = None
+        self._enable_switch_role = False
+        self._mem_utilization = 0.95
+        self._tcp_connections_per_peer: Optional[int] = None
+        self._engine_threads: Optional[int] = None
+
+    @property
+    def ge_options(self) -> dict[str, str]:
+        """Extra engine options (str to str), merged verbatim before the others."""
+        return self._ge_options
+
+    @ge_options.setter
+    def ge_options(self, value: dict[str, str]) -> None:
+        check_dict("ge_options", value, str, str)
+        self._ge_options = dict(value)
+
+    @property
+    def listen_ip_info(self) -> str:
+        """Listen address `"ip:port"` of a server; emits `llm.listenIpInfo`.
+
+        Raises:
+            TypeError: If not a str.
+            LLMException: `LLM_PARAM_INVALID` unless `"ip:port"` (or empty).
+            ValueError: If the port is not an integer in [0, 65535].
+        """
+        return self._listen_ip_info
+
+    @listen_ip_info.setter
+    def listen_ip_info(self, value: str) -> None:
+        check_isinstance("listen_ip_info", value, str, allow_none=False)
+        if value:
+            parse_listen_ip_info("listen_ip_info", value)
+        self._listen_ip_info = value
+
+    @property
+    def device_id(self) -> Optional[DeviceId]:
+        """Device of this process: an int, or a non-empty list/tuple of int.
+
+        An int emits `ge.exec.deviceId` and `ge.session_device_id`; a list
+        emits the first id as `ge.session_device_id` and all ids joined by
+        `;` as `ge.exec.deviceId`.
+
+        Raises:
+            TypeError: If not an int or a list/tuple of int.
+            LLMException: `LLM_PARAM_INVALID` for an empty list or a
+                negative id.
+            ValueError: If an id is outside int32.
+        """
+        return self._device_id
+
+    @device_id.setter
+    def device_id(self, value: DeviceId) -> None:
+        check_isinstance("device_id", value, (int, list, tuple), allow_none=False)
+        if isinstance(value, int):
+            named = [("device_id", value)]
+        else:
+            check_isinstance("device_id", value, (list, tuple), int)
+            raise_if_false(value, "device_id must not be an empty {}", type(value).__name__)
+            named = [(f"device_id[{index}]", device) for index, device in enumerate(value)]
+        for name, device in named:
+            raise_if_false(device >= 0, "{} must be >= 0, got {}", name, device)
+            check_int32(name, device)
+        self._device_id = value if isinstance(value, int) else list(value)
+
+    @property
+    def sync_kv_timeout(self) -> Optional[Union[int, str]]:
+        """Per-transfer timeout in ms (engine default 1000); emits `llm.SyncKvCacheWaitTime`.
+
+        Raises:
+            TypeError: If not an int or str.
+            LLMException: `LLM_PARAM_INVALID` for a str that is not all
+                digits, or a value <= 0.
+            ValueError: If the value is outside int32.
+        """
+        return self._sync_kv_timeout
+
+    @sync_kv_timeout.setter
+    def sync_kv_timeout(self, value: Union[int, str]) -> None:
+        check_isinstance("sync_kv_timeout", value, (int, str), allow_none=False)
+        number = value
+        if isinstance(value, str):
+            raise_if_false(
+                value.isascii() and value.isdigit(),
+                "sync_kv_timeout must be all digits, got {!r}",
+                value,
+            )
+            number = int(value)
+        raise_if_false(number > 0, "sync_kv_timeout must be > 0, got {}", value)
+        check_int32("sync_kv_timeout", number)
+        self._sync_kv_timeout = value
+
+    @property
+    def mem_pool_cfg(self) -> str:
+        """Device pool JSON (`memory_size`, optional `page_shift`); emits `llm.MemPoolConfig`."""
+        return self._mem_pool_cfg
+
+    @mem_pool_cfg.setter
+    def mem_pool_cfg(self, value: str) -> None:
+        check_isinstance("mem_pool_cfg", value, str, allow_none=False)
+        self._mem_pool_cfg = value
+
+    @property
+    def host_mem_pool_cfg(self) -> str:
+        """Host pool JSON (`memory_size`, optional `page_shift`); emits `llm.HostMemPoolConfig`."""
+        return self._host_mem_pool_cfg
+
+    @host_mem_pool_cfg.setter
+    def host_mem_pool_cfg(self, value: str) -> None:
+        check_isinstance("host_mem_pool_cfg", value, str, allow_none=False)
+        self._host_mem_pool_cfg = value
+
+    @property
+    def enable_cache_manager(self) -> bool:
+        """Cache-manager (v2) mode; emits `llm.EnableCacheManager` once set."""
+        return bool(self._enable_cache_manager)
+
+    @enable_cache_manager.setter
+    def enable_cache_manager(self, value: bool) -> None:
+        check_isinstance("enable_cache_manager", value, bool, allow_none=False)
+        self._enable_cache_manager = value
+
+    @property
+    def enable_remote_cache_accessible(self) -> bool:
+        """Remote-cache-accessible (push) mode; emits `llm.EnableRemoteCacheAccessible` once set."""
+        return bool(self._enable_remote_cache_accessible)
+
+    @enable_remote_cache_accessible.setter
+    def enable_remote_cache_accessible(self, value: bool) -> None:
+        check_isinstance("enable_remote_cache_accessible", value, bool, allow_none=False)
+        self._enable_remote_cache_accessible = value
+
+    @property
+    def local_comm_res(self) -> str:
+        """Local communication resource JSON; emits `llm.LocalCommRes` once set, even empty."""
+        return self._local_comm_res or ""
+
+    @local_comm_res.setter
+    def local_comm_res(self, value: str) -> None:
+        check_isinstance("local_comm_res", value, str, allow_none=False)
+        self._local_comm_res = value
+
+    @property
+    def link_total_time(self) -> int:
+        """Link-establishment timeout in s, [0, 2**32 - 1]; emits `llm.LinkTotalTime` once set."""
+        return 0 if self._link_total_time is None else self._link_total_time
+
+    @link_total_time.setter
+    def link_total_time(self, value: int) -> None:
+        _check_int_in("link_total_time", value, 0, UINT32_MAX)
+        self._link_total_time = value
+
+    @property
+    def link_retry_count(self) -> int:
+        """Link retries, [1, 100]; emits `llm.LinkRetryCount` once set."""
+        return 1 if self._link_retry_count is None else self._link_retry_count
+
+    @link_retry_count.setter
+    def link_retry_count(self, value: int) -> None:
+        _check_int_in("link_retry_count", value, 1, 100)
+        self._link_retry_count = value
+
+    @property
+    def rdma_traffic_class(self) -> Optional[int]:
+        """RDMA traffic class, a multiple of 4 in [0, 255]; emits `llm.RdmaTrafficClass`.
+
+        Raises:
+            TypeError: If not an int.
+            ValueError: If outside uint32.
+            LLMException: `LLM_PARAM_INVALID` if outside [0, 255] or not a
+                multiple of 4.
+        """
+        return self._rdma_traffic_class
+
+    @rdma_traffic_class.setter
+    def rdma_traffic_class(self, value: int) -> None:
+        check_uint32("rdma_traffic_class", value)
+        raise_if_false(
+            value <= 255 and value % 4 == 0,
+            "rdma_traffic_class must be a multiple of 4 in [0, 255], got {}",
+            value,
+        )
+        self._rdma_traffic_class = value
+
+    @property
+    def rdma_service_level(self) -> Optional[int]:
+        """RDMA service level in [0, 7]; emits `llm.RdmaServiceLevel`.
+
+        Raises:
+            TypeError: If not an int.
+            ValueError: If outside uint32.
+            LLMException: `LLM_PARAM_INVALID` if outside [0, 7].
+        """
+        return self._rdma_service_level
+
+    @rdma_service_level.setter
+    def rdma_service_level(self, value: int) -> None:
+        check_uint32("rdma_service_level", value)
+        raise_if_false(value <= 7, "rdma_service_level must be in [0, 7], got {}", value)
+        self._rdma_service_level = value
+
+    @property
+    def deploy_res_path(self) -> str:
+        """Legacy deployment path; emits `llm.deployResPath` if non-empty."""
+        return self._deploy_res_path
+
+    @deploy_res_path.setter
+    def deploy_res_path(self, value: str) -> None:
+        check_isinstance("deploy_res_path", value, str, allow_none=False)
+        self._deploy_res_path = value
+
+    @property
+    def buf_pool_cfg(self) -> str:
+        """Legacy buffer-pool config; emits `llm.BufPoolCfg` if non-empty."""
+        return self._buf_pool_cfg
+
+    @buf_pool_cfg.setter
+    def buf_pool_cfg(self, value: str) -> None:
+        check_isinstance("buf_pool_cfg", value, str, allow_none=False)
+        self._buf_pool_cfg = value
+
+    @property
+    def cluster_info(self) -> str:
+        """Legacy cluster JSON; emits `llm.ClusterInfo` if non-empty.
+
+        String ips in its `listen_ip_info` list are encoded as by
+        `ipv4_to_int` in the emitted JSON.
+
+        Raises:
+            TypeError: If not a str, or the JSON is not an object.
+            json.JSONDecodeError: If the JSON is malformed.
+            RuntimeError: If an ip is not a dotted IPv4 address.
+        """
+        return self._cluster_info
+
+    @cluster_info.setter
+    def cluster_info(self, value: str) -> None:
+        check_isinstance("cluster_info", value, str, allow_none=False)
+        encoded = ""
+        if value:
+            data = json.loads(value)
+            check_isinstance("cluster_info JSON", data, dict, allow_none=False)
+            for endpoint in data.get("listen_ip_info", ()):
+                if isinstance(endpoint, dict) and isinstance(endpoint.get("ip"), str):
+                    endpoint["ip"] = ipv4_to_int(endpoint["ip"])
+            encoded = json.dumps(data)
+        self._cluster_info = value
+        self._cluster_info_json = encoded
+
+    @property
+    def output_max_size(self) -> Union[int, str]:
+        """Legacy output size limit; `""` until set; emits `llm.OutputMaxSize` once set."""
+        return "" if self._output_max_size is None else self._output_max_size
+
+    @output_max_size.setter
+    def output_max_size(self, value: int) -> None:
+        check_isinstance("output_max_size", value, int, allow_none=False)
+        self._output_max_size = value
+
+    @property
+    def enable_switch_role(self) -> bool:
+        """Legacy switch-role enable; emits `llm.EnableSwitchRole = "1"` only when True."""
+        return self._enable_switch_role
+
+    @enable_switch_role.setter
+    def enable_switch_role(self, value: bool) -> None:
+        check_isinstance("enable_switch_role", value, bool, allow_none=False)
+        self._enable_switch_role = value
+
+    @property
+    def mem_utilization(self) -> float:
+        """Legacy memory share, a float in [0.0, 1.0]; `llm.MemoryUtilization` is always emitted.
+
+        Raises:
+            TypeError: If not a float (an int is rejected).
+            LLMException: `LLM_PARAM_INVALID` if outside [0.0, 1.0].
+        """
+        return self._mem_utilization
+
+    @mem_utilization.setter
+    def mem_utilization(self, value: float) -> None:
+        check_isinstance("mem_utilization", value, float, allow_none=False)
+        raise_if_false(0.0 <= value <= 1.0, "mem_utilization must be in [0.0, 1.0], got {}", value)
+        self._mem_utilization = value
+
+    @property
+    def tcp_connections_per_peer(self) -> Optional[int]:
+        """TCP connections opened to each linked peer, in [1, 64].
+
+        Transfers over one link are spread across these connections. Emits
+        `llm.TcpConnectionsPerPeer`; unset leaves the engine default.
+
+        Raises:
+            TypeError: If not an int.
+            LLMException: `LLM_PARAM_INVALID` if outside [1, 64].
+        """
+        return self._tcp_connections_per_peer
+
+    @tcp_connections_per_peer.setter
+    def tcp_connections_per_peer(self, value: int) -> None:
+        _check_int_in("tcp_connections_per_peer", value, 1, 64)
+        self._tcp_connections_per_peer = value
+
+    @property
+    def engine_threads(self) -> Optional[int]:
+        """Engine worker threads for local copies, in [1, 64]; emits `llm.EngineThreads`.
+
+        Unset leaves the engine default (2).
+
+        Raises:
+            TypeError: If not an int.
+            LLMException: `LLM_PARAM_INVALID` if outside [1, 64].
+        """
+        return self._engine_threads
+
+    @engine_threads.setter
+    def engine_threads(self, value: int) -> None:
+        _check_int_in("engine_threads", value, 1, 64)
+        self._engine_threads = value
+
+    def generate_options(self) -> dict[str, str]:
+        """Writes the configured options into the accumulated dict and returns it.
+
+        Returns:
+            The same dict object on every call.
+        """
+        options = self._options
+        options.update(self._ge_options)
+        if self._listen_ip_info:
+            options["llm.listenIpInfo"] = self._listen_ip_info
+        if isinstance(self._device_id, int):
+            options["ge.exec.deviceId"] = options["ge.session_device_id"] = str(
+                int(self._device_id)
+            )
+        elif self._device_id is not None:
+            options["ge.session_device_id"] = str(int(self._device_id[0]))
+            options["ge.exec.deviceId"] = ";".join(str(int(d)) for d in self._device_id)
+        if self._sync_kv_timeout is not None:
+            options["llm.SyncKvCacheWaitTime"] = (
+                self._sync_kv_timeout
+                if isinstance(self._sync_kv_timeout, str)
+                else str(int(self._sync_kv_timeout))
+            )
+        if self._mem_pool_cfg:
+            options["llm.MemPoolConfig"] = self._mem_pool_cfg
+        if self._host_mem_pool_cfg:
+            options["llm.HostMemPoolConfig"] = self._host_mem_pool_cfg
+        if self._enable_cache_manager is not None:
+            options["llm.EnableCacheManager"] = _flag(self._enable_cache_manager)
+        if self._enable_remote_cache_accessible is not None:
+            options["llm.EnableRemoteCacheAccessible"] = _flag(
+                self._enable_remote_cache_accessible
+            )
+        if self._local_comm_res is not None:
+            options["llm.LocalCommRes"] = self._local_comm_res
+        for key, value in (
+            ("llm.LinkTotalTime", self._link_total_time),
+            ("llm.LinkRetryCount", self._link_retry_count),
+            ("llm.RdmaTrafficClass", self._rdma_traffic_class),
+            ("llm.RdmaServiceLevel", self._rdma_service_level),
+            ("llm.OutputMaxSize", self._output_max_size),
+            ("llm.TcpConnectionsPerPeer", self._tcp_connections_per_peer),
+            ("llm.EngineThreads", self._engine_threads),
+        ):
+            if value is not None:
+                options[key] = str(int(value))
+        if self._deploy_res_path:
+            options["llm.deployResPath"] = self._deploy_res_path
+        if self._buf_pool_cfg:
+            options["llm.BufPoolCfg"] = self._buf_pool_cfg
+        if self._cluster_info_json:
+            options["llm.ClusterInfo"] = self._cluster_info_json
+        if self._enable_switch_role:
+            options["llm.EnableSwitchRole"] = "1"
+        options["llm.MemoryUtilization"] = str(self._mem_utilization)
+        return options
+
+    gen_options = generate_options
+
+
+LlmConfig = LLMConfig

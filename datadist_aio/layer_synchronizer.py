@@ -1,0 +1,31 @@
+"""Hook that gates a layer-wise transfer on the model's progress."""
+
+from __future__ import annotations
+
+import abc
+from typing import Optional
+
+__all__ = ["LayerSynchronizer"]
+
+
+class LayerSynchronizer(abc.ABC):
+    """Tells a layer-wise transfer when a layer is ready to be sent.
+
+    Subclasses implement `synchronize_layer`. It may be a plain method, which
+    is run in a worker thread so that it may block, or an `async def`
+    coroutine function, which is awaited on the event loop and must not
+    block it.
+    """
+
+    @abc.abstractmethod
+    def synchronize_layer(self, layer_index: int, timeout_in_millis: Optional[int]) -> bool:
+        """Waits until layer `layer_index` has been computed.
+
+        Args:
+            layer_index: Index of the layer about to be sent.
+            timeout_in_millis: Always `None` (no timeout is imposed).
+
+        Returns:
+            True to send the layer, False to abort the transfer.
+        """
+

@@ -1,0 +1,158 @@
+"""LLMDataDist: the per-process entry point, as in LLM-DataDist v2."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+from types import TracebackType
+from typing import Any, ClassVar, Optional
+
+from . import _native
+from ._checks import check_isinstance, check_uint64, parse_listen_ip_info, raise_if_false, raise_if_true
+from .cache_manager import CacheManager
+from .completions import CompletionDispatcher
+from .enums import LLMRole
+from .status import LLMException, LLMStatusCode, raise_for_status
+
+__all__ = ["LLMDataDist"]
+
+_log = logging.getLogger("datadist_aio")
+
+_ROLE_OPTION = {LLMRole.PROMPT: "Prompt", LLMRole.DECODER: "Decoder", LLMRole.MIX: "Mix"}
+_OPT_ROLE = "llm.Role"
+_OPT_CACHE_MANAGER = "llm.EnableCacheManager"
+_OPT_REMOTE_ACCESSIBLE = "llm.EnableRemoteCacheAccessible"
+_OPT_LOCAL_COMM_RES = "llm.LocalCommRes"
+_OPT_LISTEN_IP_INFO = "llm.listenIpInfo"
+_OPT_FLOW_GRAPH_MEM = "ge.flowGraphMemMaxSize"
+
+
+class LLMDataDist:
+    """One KV-cache endpoint of a disaggregated server, identified by ``cluster_id``.
+
+    Only one instance may be initialised per process at a time. Use
+    ``init(options)`` / ``finalize()``, or the instance as a context manager
+    (``finalize`` on exit).
+    """
+
+    _live: ClassVar[Optional["LLMDataDist"]] = None
+    _live_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, role: LLMRole, cluster_id: int) -> None:
+        check_isinstance("role", role, LLMRole, allow_none=False)
+        check_uint64("cluster_id", cluster_id)
+        self._role = role
+        self._cluster_id = cluster_id
+        self._engine: Any = None
+        self._dispatcher: Optional[CompletionDispatcher] = None
+        self._cache_manager: Optional[CacheManager] = None
+
+    def __repr__(self) -> str:
+        state = "initialized" if self._engine is not None else "not initialized"
+        return f"<LLMDataDist {self._role.name} cluster_id={self._cluster_id} {state}>"
+
+    @property
+    def cluster_id(self) -> int:
+        return self._cluster_id
+
+    @property
+    def role(self) -> LLMRole:
+        return self._role
+
+    def _check_init(self) -> None:
+        if self._engine is None:
+            raise RuntimeError("llm datadist is not initialized")
+
+    def init(self, options: dict[str, str]) -> None:
+        """Starts the engine with ``options`` (usually ``LLMConfig().generate_options()``).
+
+        Only cache-manager mode exists here: ``llm.EnableCacheManager`` must be
+        ``"1"`` (``LLMConfig.enable_cache_manager = True``).
+        """
+        if self._engine is not None:
+            return
+        with LLMDataDist._live_lock:
+            raise_if_true(
+                LLMDataDist._live is not None,
+                "another LLMDataDist is initialized in this process; finalize it first",
+                status_code=LLMStatusCode.LLM_FAILED,
+            )
+            self._init_locked(options)
+            LLMDataDist._live = self
+
+    def _init_locked(self, options: dict[str, str]) -> None:
+        check_isinstance("options", options, dict, allow_none=False)
+        flow_graph_mem = options.get(_OPT_FLOW_GRAPH_MEM)
+        if flow_graph_mem is not None:
+            check_isinstance(_OPT_FLOW_GRAPH_MEM, flow_graph_mem, str)
+            raise_if_true("," in flow_graph_mem, f"{_OPT_FLOW_GRAPH_MEM} must be a single number")
+            raise_if_false(flow_graph_mem.isdigit(), f"{_OPT_FLOW_GRAPH_MEM} must be all digits")
+        options[_OPT_ROLE] = _ROLE_OPTION[self._role]
+        if _OPT_LOCAL_COMM_RES in options:
+            options.setdefault(_OPT_CACHE_MANAGER, "1")
+            options.setdefault(_OPT_REMOTE_ACCESSIBLE, "1")
+        cache_manager_mode = options.get(_OPT_CACHE_MANAGER) == "1"
+        raise_if_true(
+            _OPT_LOCAL_COMM_RES in options and not cache_manager_mode,
+            f"{_OPT_LOCAL_COMM_RES} needs cache-manager mode",
+        )
+        raise_if_false(
+            cache_manager_mode,
+            "only cache-manager mode is available: set LLMConfig.enable_cache_manager = True",
+            status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+        )
+        listen = options.get(_OPT_LISTEN_IP_INFO)
+        if listen is not None:
+            ip, port = parse_listen_ip_info(_OPT_LISTEN_IP_INFO, str(listen))
+            options["llm.ListenIp"] = ip
+            options["llm.ListenPort"] = str(port)
+        engine = _native.Engine(self._cluster_id)
+        native_options = {str(k): str(v) for k, v in options.items()}
+        raise_for_status(engine.initialize(native_options), "initialize the engine")
+        self._engine = engine
+        self._dispatcher = CompletionDispatcher(engine)
+        self._cache_manager = CacheManager(
+            engine, self._dispatcher, remote_cache_accessible=options.get(_OPT_REMOTE_ACCESSIBLE) == "1"
+        )
+
+    def finalize(self) -> None:
+        """Stops the engine. Work still in flight is stopped and its tasks fail
+        with ``LLM_ENGINE_FINALIZED`` once everything they started has settled.
+        A no-op when not initialised."""
+        engine = self._engine
+        if engine is None:
+            return
+        engine.finalize()
+        assert self._dispatcher is not None and self._cache_manager is not None
+        self._dispatcher.close()
+        self._cache_manager._invalidate()
+        self._engine = None
+        with LLMDataDist._live_lock:
+            if LLMDataDist._live is self:
+                LLMDataDist._live = None
+
+    @property
+    def cache_manager(self) -> CacheManager:
+        self._check_init()
+        assert self._cache_manager is not None
+        return self._cache_manager
+
+    def __enter__(self) -> "LLMDataDist":
+        return self
+
+    def __exit__(
+        self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]
+    ) -> None:
+        self.finalize()
+
+
+@atexit.register
+def _finalize_at_exit() -> None:
+    live = LLMDataDist._live
+    if live is None:
+        return
+    try:
+        live.finalize()
+    except LLMException:
+        _log.exception("finalize at exit failed")

@@ -1,0 +1,8 @@
+#include "bindings.h"
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "datadist_aio engine: handles and ids only; the Python package holds all policy.";
+  datadist::bindings::bind_request(m);
+  datadist::bindings::bind_engine(m);
+  datadist::bindings::bind_buffer(m);
+}

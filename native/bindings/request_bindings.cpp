@@ -1,0 +1,22 @@
+#include <pybind11/stl.h>
+
+#include "bindings.h"
+#include "request.h"
+
+namespace py = pybind11;
+
+namespace datadist::bindings {
+
+void bind_request(py::module_ &m) {
+  py::class_<Request, std::shared_ptr<Request>>(m, "Request")
+      .def_property_readonly("id", &Request::id)
+      .def_property_readonly("num_results", &Request::num_results)
+      .def("done", &Request::done)
+      .def("wait", &Request::wait, py::arg("timeout_ms"), py::call_guard<py::gil_scoped_release>())
+      .def("cancel", [](Request &r) { return r.cancel(kCancelledStatus); })
+      .def("cancelled", &Request::cancelled)
+      .def("results", &Request::results)
+      .def("watch", &Request::watch);
+}
+
+}  // namespace datadist::bindings

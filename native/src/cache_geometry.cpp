@@ -1,0 +1,50 @@
+#include "cache_geometry.h"
+
+namespace datadist {
+
+using llm_datadist::LLM_PARAM_INVALID;
+using llm_datadist::LLM_SUCCESS;
+
+uint64_t data_type_size(int32_t data_type) {
+  switch (data_type) {
+    case 2:   // DT_INT8
+    case 4:   // DT_UINT8
+    case 12:  // DT_BOOL
+      return 1;
+    case 1:   // DT_FLOAT16
+    case 6:   // DT_INT16
+    case 7:   // DT_UINT16
+    case 27:  // DT_BF16
+      return 2;
+    case 0:  // DT_FLOAT
+    case 3:  // DT_INT32
+    case 8:  // DT_UINT32
+      return 4;
+    case 9:   // DT_INT64
+    case 10:  // DT_UINT64
+    case 11:  // DT_DOUBLE
+      return 8;
+    case 13:  // DT_STRING, two uint64 words
+      return 16;
+    default:
+      return 0;
+  }
+}
+
+Status compute_geometry(const CacheSpec &spec, Geometry &out) {
+  const uint64_t item = data_type_size(spec.data_type);
+  if (item == 0 || spec.num_tensors == 0 || spec.shape.empty() || spec.shape.size() > 31) {
+    return LLM_PARAM_INVALID;
+  }
+  uint64_t size = item;
+  for (int64_t dim : spec.shape) {
+    if (dim <= 0) return LLM_PARAM_INVALID;
+    if (__builtin_mul_overflow(size, static_cast<uint64_t>(dim), &size)) return LLM_PARAM_INVALID;
+  }
+  out.tensor_size = size;
+  out.num_slots = static_cast<uint64_t>(spec.shape[0]);
+  out.slot_size = size / out.num_slots;
+  return LLM_SUCCESS;
+}
+
+}  // namespace datadist

@@ -1,0 +1,148 @@
+#include "local_copy.h"
+
+#include <algorithm>
+#include <cstring>
+#include <unordered_set>
+
+namespace datadist {
+
+using llm_datadist::LLM_ENGINE_FINALIZED;
+using llm_datadist::LLM_PARAM_INVALID;
+using llm_datadist::LLM_SUCCESS;
+
+namespace {
+
+constexpr uint64_t kChunk = 4ULL << 20;       // bytes copied between cancellation checks
+constexpr uint64_t kShardMin = 8ULL << 20;     // below this one worker does the whole copy
+
+}  // namespace
+
+std::vector<BlockRun> merge_block_runs(const BlockPairs &pairs) {
+  std::vector<BlockRun> runs;
+  for (const auto &pair : pairs) {
+    if (!runs.empty()) {
+      BlockRun &last = runs.back();
+      if (pair.first == last.src + last.count && pair.second == last.dst + last.count) {
+        ++last.count;
+        continue;
+      }
+    }
+    runs.push_back({pair.first, pair.second, 1});
+  }
+  return runs;
+}
+
+Status check_block_destinations(const BlockPairs &pairs, bool same_cache) {
+  std::unordered_set<uint64_t> dsts;
+  for (const auto &pair : pairs) {
+    if (!dsts.insert(pair.second).second) return LLM_PARAM_INVALID;
+  }
+  if (same_cache) {
+    for (const auto &pair : pairs) {
+      if (dsts.count(pair.first) != 0) return LLM_PARAM_INVALID;
+    }
+  }
+  return LLM_SUCCESS;
+}
+
+Status plan_copy_cache(const CacheEntry &dst, const CacheEntry &src, uint64_t dst_slot,
+                       uint64_t src_slot, uint64_t offset, int64_t size, std::vector<CopySegment> &out) {
+  const Geometry &dg = dst.geometry;
+  const Geometry &sg = src.geometry;
+  if (dst.addrs.size() != src.addrs.size()) return LLM_PARAM_INVALID;
+  if (dst_slot >= dg.num_slots || src_slot >= sg.num_slots) return LLM_PARAM_INVALID;
+  if (offset >= dg.slot_size || offset >= sg.slot_size) return LLM_PARAM_INVALID;
+  const uint64_t room = std::min(dg.slot_size, sg.slot_size) - offset;
+  uint64_t len = room;
+  if (size >= 0) {
+    len = static_cast<uint64_t>(size);
+  } else if (dg.slot_size != sg.slot_size) {
+    return LLM_PARAM_INVALID;  // "the whole slot" is ambiguous
+  }
+  if (len == 0 || len > room) return LLM_PARAM_INVALID;
+  if (&dst == &src && dst_slot == src_slot) return LLM_SUCCESS;  // copying a range onto itself
+  for (size_t t = 0; t < dst.addrs.size(); ++t) {
+    out.push_back({dst.addrs[t] + dst_slot * dg.slot_size + offset,
+                   src.addrs[t] + src_slot * sg.slot_size + offset, len});
+  }
+  return LLM_SUCCESS;
+}
+
+Status plan_copy_blocks(const CacheEntry &dst, const CacheEntry &src, const BlockPairs &pairs,
+                        std::vector<CopySegment> &out) {
+  const Geometry &dg = dst.geometry;
+  const Geometry &sg = src.geometry;
+  if (dst.addrs.size() != src.addrs.size() || dg.slot_size != sg.slot_size) return LLM_PARAM_INVALID;
+  for (const auto &pair : pairs) {
+    if (pair.first >= sg.num_slots || pair.second >= dg.num_slots) return LLM_PARAM_INVALID;
+  }
+  Status st = check_block_destinations(pairs, &dst == &src);
+  if (st != LLM_SUCCESS) return st;
+  const uint64_t block = sg.slot_size;
+  for (const BlockRun &run : merge_block_runs(pairs)) {
+    for (size_t t = 0; t < dst.addrs.size(); ++t) {
+      out.push_back({dst.addrs[t] + run.dst * block, src.addrs[t] + run.src * block, run.count * block});
+    }
+  }
+  return LLM_SUCCESS;
+}
+
+namespace {
+
+// Copies its segments; every worker of one request settles result slot 0.
+void copy_shard(const std::shared_ptr<Request> &request, const std::vector<CopySegment> &shard) {
+  for (const CopySegment &seg : shard) {
+    for (uint64_t done = 0; done < seg.len; done += kChunk) {
+      if (request->cancel_requested()) {
+        request->release(0, request->cancel_reason(), true);
+        return;
+      }
+      std::memcpy(seg.dst + done, seg.src + done, std::min(kChunk, seg.len - done));
+    }
+  }
+  request->release(0, LLM_SUCCESS);
+}
+
+std::vector<std::vector<CopySegment>> split_into_shards(std::vector<CopySegment> segments, size_t workers) {
+  uint64_t total = 0;
+  for (const CopySegment &seg : segments) total += seg.len;
+  const size_t count = static_cast<size_t>(std::clamp<uint64_t>(total / kShardMin, 1, workers));
+  std::vector<std::vector<CopySegment>> shards(1);
+  if (count == 1) {
+    shards[0] = std::move(segments);
+    return shards;
+  }
+  const uint64_t share = (total + count - 1) / count;
+  uint64_t filled = 0;
+  for (CopySegment seg : segments) {
+    while (seg.len > 0) {
+      const uint64_t take = std::min(seg.len, share - filled);
+      shards.back().push_back({seg.dst, seg.src, take});
+      seg.dst += take;
+      seg.src += take;
+      seg.len -= take;
+      filled += take;
+      if (filled == share) {
+        shards.emplace_back();
+        filled = 0;
+      }
+    }
+  }
+  if (shards.back().empty()) shards.pop_back();
+  return shards;
+}
+
+}  // namespace
+
+void run_local_copy(WorkerPool &pool, const std::shared_ptr<Request> &request,
+                    std::vector<CopySegment> segments, std::vector<std::shared_ptr<CacheEntry>> pins) {
+  auto shared_pins = std::make_shared<std::vector<std::shared_ptr<CacheEntry>>>(std::move(pins));
+  for (auto &shard : split_into_shards(std::move(segments), pool.size())) {
+    request->hold();
+    auto job = [request, shared_pins, shard = std::move(shard)] { copy_shard(request, shard); };
+    if (!pool.submit(std::move(job))) request->release(0, LLM_ENGINE_FINALIZED, true);
+  }
+  request->release(0, LLM_SUCCESS);
+}
+
+}  // namespace datadist

@@ -1,0 +1,139 @@
+#include "options.h"
+
+#include <cctype>
+#include <thread>
+
+namespace datadist {
+
+using llm_datadist::LLM_PARAM_INVALID;
+using llm_datadist::LLM_SUCCESS;
+
+namespace {
+
+// Parses a decimal unsigned integer that makes up the whole string.
+bool parse_uint(const std::string &text, uint64_t max, uint64_t &out) {
+  if (text.empty() || text.size() > 20) return false;
+  uint64_t value = 0;
+  for (char c : text) {
+    if (c < '0' || c > '9') return false;
+    if (__builtin_mul_overflow(value, 10, &value) || __builtin_add_overflow(value, c - '0', &value)) {
+      return false;
+    }
+  }
+  if (value > max) return false;
+  out = value;
+  return true;
+}
+
+// A reader for the one JSON shape pool configs use: a flat object whose
+// values are unsigned integers.
+class FlatJsonReader {
+ public:
+  explicit FlatJsonReader(const std::string &text) : s_(text) {}
+
+  bool read(std::map<std::string, uint64_t> &out) {
+    if (!expect('{')) return false;
+    skip_space();
+    if (peek() == '}') return ++pos_, at_end();
+    for (;;) {
+      std::string key;
+      uint64_t value;
+      if (!read_string(key) || !expect(':') || !read_number(value)) return false;
+      if (!out.emplace(key, value).second) return false;
+      skip_space();
+      if (peek() == ',') {
+        ++pos_;
+        continue;
+      }
+      return expect('}') && at_end();
+    }
+  }
+
+ private:
+  char peek() const { return pos_ < s_.size() ? s_[pos_] : '\0'; }
+  void skip_space() {
+    while (pos_ < s_.size() && std::isspace(static_cast<unsigned char>(s_[pos_]))) ++pos_;
+  }
+  bool expect(char c) {
+    skip_space();
+    if (peek() != c) return false;
+    ++pos_;
+    return true;
+  }
+  bool at_end() {
+    skip_space();
+    return pos_ == s_.size();
+  }
+  bool read_string(std::string &out) {
+    if (!expect('"')) return false;
+    const size_t end = s_.find('"', pos_);
+    if (end == std::string::npos || end - pos_ > 64) return false;
+    out = s_.substr(pos_, end - pos_);
+    pos_ = end + 1;
+    return out.find('\\') == std::string::npos;
+  }
+  bool read_number(uint64_t &out) {
+    skip_space();
+    const size_t start = pos_;
+    while (pos_ < s_.size() && std::isdigit(static_cast<unsigned char>(s_[pos_]))) ++pos_;
+    return parse_uint(s_.substr(start, pos_ - start), UINT64_MAX, out);
+  }
+
+  const std::string &s_;
+  size_t pos_ = 0;
+};
+
+const std::string *find(const OptionMap &options, const char *key) {
+  auto it = options.find(key);
+  return it == options.end() ? nullptr : &it->second;
+}
+
+}  // namespace
+
+Status parse_pool_config(const std::string &json, PoolConfig &out) {
+  std::map<std::string, uint64_t> fields;
+  if (!FlatJsonReader(json).read(fields)) return LLM_PARAM_INVALID;
+  auto size = fields.find("memory_size");
+  if (size == fields.end() || size->second == 0) return LLM_PARAM_INVALID;
+  out.memory_size = size->second;
+  auto shift = fields.find("page_shift");
+  if (shift != fields.end()) {
+    if (shift->second < 10 || shift->second >= 31) return LLM_PARAM_INVALID;
+    out.page_shift = static_cast<uint32_t>(shift->second);
+  }
+  return LLM_SUCCESS;
+}
+
+Status parse_options(const OptionMap &options, EngineOptions &out) {
+  if (const std::string *role = find(options, kOptRole)) {
+    if (*role != "Prompt" && *role != "Decoder" && *role != "Mix") return LLM_PARAM_INVALID;
+    out.role = *role;
+  }
+  PoolConfig pool;
+  if (const std::string *cfg = find(options, kOptHostMemPool)) {
+    if (parse_pool_config(*cfg, pool) != LLM_SUCCESS) return LLM_PARAM_INVALID;
+    out.host_pool = pool;
+  }
+  if (const std::string *cfg = find(options, kOptDeviceMemPool)) {
+    if (parse_pool_config(*cfg, pool) != LLM_SUCCESS) return LLM_PARAM_INVALID;
+    out.device_pool = pool;
+  }
+  uint64_t value;
+  if (const std::string *timeout = find(options, kOptSyncKvTimeout)) {
+    if (!parse_uint(*timeout, INT32_MAX, value) || value == 0) return LLM_PARAM_INVALID;
+    out.sync_kv_timeout_ms = static_cast<uint32_t>(value);
+  }
+  const unsigned cores = std::thread::hardware_concurrency();
+  out.engine_threads = cores == 0 ? 2 : (cores < 4 ? cores : 4);
+  if (const std::string *threads = find(options, kOptEngineThreads)) {
+    if (!parse_uint(*threads, 64, value) || value == 0) return LLM_PARAM_INVALID;
+    out.engine_threads = static_cast<uint32_t>(value);
+  }
+  if (const std::string *rca = find(options, kOptRemoteCacheAccessible)) {
+    if (*rca != "0" && *rca != "1") return LLM_PARAM_INVALID;
+    out.remote_cache_accessible = *rca == "1";
+  }
+  return LLM_SUCCESS;
+}
+
+}  // namespace datadist

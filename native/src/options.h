@@ -1,0 +1,44 @@
+// Engine options: the string map given to initialize(), parsed and checked
+// once. Keys keep LLM-DataDist's spelling.
+#ifndef DATADIST_OPTIONS_H_
+#define DATADIST_OPTIONS_H_
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+
+#include "host_pool.h"
+#include "llm_datadist/llm_error_codes.h"
+
+namespace datadist {
+
+using llm_datadist::Status;
+using OptionMap = std::map<std::string, std::string>;
+
+inline constexpr const char *kOptRole = "llm.Role";
+inline constexpr const char *kOptHostMemPool = "llm.HostMemPoolConfig";
+inline constexpr const char *kOptDeviceMemPool = "llm.MemPoolConfig";
+inline constexpr const char *kOptSyncKvTimeout = "llm.SyncKvCacheWaitTime";
+inline constexpr const char *kOptEngineThreads = "llm.EngineThreads";
+inline constexpr const char *kOptRemoteCacheAccessible = "llm.EnableRemoteCacheAccessible";
+
+struct EngineOptions {
+  std::string role = "Prompt";
+  std::optional<PoolConfig> host_pool;
+  std::optional<PoolConfig> device_pool;
+  uint32_t sync_kv_timeout_ms = 1000;
+  uint32_t engine_threads = 2;
+  bool remote_cache_accessible = false;
+};
+
+// LLM_PARAM_INVALID for a malformed value; unknown keys are ignored.
+Status parse_options(const OptionMap &options, EngineOptions &out);
+
+// Parses a pool config: a JSON object with "memory_size" (required, > 0)
+// and "page_shift" (optional, in [10, 31), default 16).
+Status parse_pool_config(const std::string &json, PoolConfig &out);
+
+}  // namespace datadist
+
+#endif  // DATADIST_OPTIONS_H_

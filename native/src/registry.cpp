@@ -1,0 +1,120 @@
+#include "registry.h"
+
+#include <set>
+
+namespace datadist {
+
+using llm_datadist::LLM_PARAM_INVALID;
+using llm_datadist::LLM_SUCCESS;
+
+namespace {
+constexpr uint8_t kRequestKeys = 0;
+constexpr uint8_t kPrefixKeys = 1;
+constexpr uint8_t kBlocksKeys = 2;
+}  // namespace
+
+CacheEntry::~CacheEntry() {
+  if (pool) pool->free(pool_block);
+}
+
+Registry::KeyId Registry::key_id(const KeySpec &key) {
+  if (key.prefix_id != kInvalidId) return KeyId{kPrefixKeys, key.prefix_id, key.model_id};
+  return KeyId{kRequestKeys, key.req_id, key.model_id};
+}
+
+Status Registry::add(std::shared_ptr<CacheEntry> entry, const std::vector<KeySpec> &keys,
+                     std::optional<uint64_t> blocks_model_id, bool check_keys, int64_t &cache_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (check_keys) {
+    if (keys.size() > entry->geometry.num_slots) return LLM_PARAM_INVALID;
+    std::set<KeyId> seen;
+    for (const KeySpec &key : keys) {
+      if (key.is_placeholder()) continue;
+      const KeyId id = key_id(key);
+      if (by_key_.count(id) != 0 || !seen.insert(id).second) return LLM_PARAM_INVALID;
+    }
+    if (blocks_model_id && by_key_.count(KeyId{kBlocksKeys, *blocks_model_id, 0}) != 0) {
+      return LLM_PARAM_INVALID;
+    }
+  }
+  entry->id = next_id_++;
+  by_id_.emplace(entry->id, entry);
+  for (size_t slot = 0; slot < keys.size(); ++slot) {
+    if (keys[slot].is_placeholder()) continue;
+    by_key_.emplace(key_id(keys[slot]), CacheRef{entry, slot});  // keeps an existing binding
+  }
+  if (blocks_model_id) by_key_[KeyId{kBlocksKeys, *blocks_model_id, 0}] = CacheRef{entry, 0};
+  cache_id = entry->id;
+  return LLM_SUCCESS;
+}
+
+std::shared_ptr<CacheEntry> Registry::find(int64_t cache_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = by_id_.find(cache_id);
+  return it == by_id_.end() ? nullptr : it->second;
+}
+
+CacheRef Registry::find_by_key(const KeySpec &key) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = by_key_.find(key_id(key));
+  return it == by_key_.end() ? CacheRef{} : it->second;
+}
+
+std::shared_ptr<CacheEntry> Registry::find_blocks(uint64_t model_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = by_key_.find(KeyId{kBlocksKeys, model_id, 0});
+  return it == by_key_.end() ? nullptr : it->second.entry;
+}
+
+void Registry::drop_keys_locked(const CacheEntry *entry) {
+  for (auto it = by_key_.begin(); it != by_key_.end();) {
+    it = it->second.entry.get() == entry ? by_key_.erase(it) : std::next(it);
+  }
+}
+
+void Registry::deallocate(int64_t cache_id) {
+  std::shared_ptr<CacheEntry> doomed;  // released after the lock
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = by_id_.find(cache_id);
+  if (it == by_id_.end() || !it->second->pool) return;
+  doomed = it->second;
+  by_id_.erase(it);
+  for (auto key = by_key_.begin(); key != by_key_.end();) {
+    const bool blocks_key = std::get<0>(key->first) == kBlocksKeys;
+    key = (blocks_key && key->second.entry == doomed) ? by_key_.erase(key) : std::next(key);
+  }
+}
+
+void Registry::unregister(int64_t cache_id) {
+  std::shared_ptr<CacheEntry> doomed;
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = by_id_.find(cache_id);
+  if (it == by_id_.end()) return;
+  doomed = it->second;
+  by_id_.erase(it);
+  drop_keys_locked(doomed.get());
+}
+
+void Registry::remove_key(const KeySpec &key) {
+  CacheRef doomed;
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = by_key_.find(key_id(key));
+  if (it == by_key_.end() || !it->second.entry->pool) return;  // registered caches keep their keys
+  doomed = it->second;
+  by_key_.erase(it);
+}
+
+void Registry::clear() {
+  std::map<int64_t, std::shared_ptr<CacheEntry>> ids;
+  std::map<KeyId, CacheRef> keys;
+  std::lock_guard<std::mutex> lock(mu_);
+  ids.swap(by_id_);
+  keys.swap(by_key_);
+}
+
+size_t Registry::size() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return by_id_.size();
+}
+
+}  // namespace datadist

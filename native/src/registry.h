@@ -1,0 +1,93 @@
+// Registry: every cache this process owns or registered, by cache id and by
+// the keys bound to it.
+//
+// Ownership: entries are shared. The registry, every key binding and every
+// operation in flight hold a reference, so memory returns to the pool only
+// when the cache is deallocated, none of its keys is bound any more and no
+// transfer touches it.
+// Threads: every method may be called from any thread.
+#ifndef DATADIST_REGISTRY_H_
+#define DATADIST_REGISTRY_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "cache_geometry.h"
+#include "host_pool.h"
+
+namespace datadist {
+
+constexpr uint64_t kInvalidId = UINT64_MAX;
+
+struct CacheEntry {
+  CacheEntry() = default;
+  ~CacheEntry();
+  CacheEntry(const CacheEntry &) = delete;
+  CacheEntry &operator=(const CacheEntry &) = delete;
+
+  int64_t id = -1;
+  CacheSpec spec;
+  Geometry geometry;
+  std::vector<uint8_t *> addrs;
+  bool remote_accessible = false;
+  // Set for allocated caches: the pool their memory returns to.
+  std::shared_ptr<HostPool> pool;
+  uint8_t *pool_block = nullptr;
+};
+
+// A key as the user spells it: `req_id` (or `prefix_id` when it is not the
+// invalid id) together with `model_id`.
+struct KeySpec {
+  uint64_t req_id = kInvalidId;
+  uint64_t model_id = 0;
+  uint64_t prefix_id = kInvalidId;
+  bool is_placeholder() const { return req_id == kInvalidId && prefix_id == kInvalidId; }
+};
+
+struct CacheRef {
+  std::shared_ptr<CacheEntry> entry;
+  uint64_t slot = 0;
+};
+
+class Registry {
+ public:
+  // Adds a cache, binds `keys[i]` to slot i (placeholders skip a slot) and,
+  // when given, binds `blocks_model_id` to the whole cache. With
+  // `check_keys`, more keys than slots, a key bound already or a key given
+  // twice is LLM_PARAM_INVALID and nothing is added.
+  Status add(std::shared_ptr<CacheEntry> entry, const std::vector<KeySpec> &keys,
+             std::optional<uint64_t> blocks_model_id, bool check_keys, int64_t &cache_id);
+
+  std::shared_ptr<CacheEntry> find(int64_t cache_id) const;
+  CacheRef find_by_key(const KeySpec &key) const;
+  std::shared_ptr<CacheEntry> find_blocks(uint64_t model_id) const;
+
+  // Deallocation of an allocated cache: it leaves the id table and, for a
+  // blocks cache, its blocks key; bound contiguous keys keep it alive until
+  // they are removed. Registered caches are left alone.
+  void deallocate(int64_t cache_id);
+  // Forgets a cache and every key bound to it.
+  void unregister(int64_t cache_id);
+  void remove_key(const KeySpec &key);
+  void clear();
+  size_t size() const;
+
+ private:
+  using KeyId = std::tuple<uint8_t, uint64_t, uint64_t>;  // namespace, id, model id
+  static KeyId key_id(const KeySpec &key);
+  void drop_keys_locked(const CacheEntry *entry);
+
+  mutable std::mutex mu_;
+  int64_t next_id_ = 1;
+  std::map<int64_t, std::shared_ptr<CacheEntry>> by_id_;
+  std::map<KeyId, CacheRef> by_key_;
+};
+
+}  // namespace datadist
+
+#endif  // DATADIST_REGISTRY_H_

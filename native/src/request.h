@@ -1,0 +1,109 @@
+// Request: one asynchronous operation of the engine (a local copy, a push, a
+// layer-wise transfer) with one result slot per transfer config.
+//
+// Ownership: shared by its submitter (the Python CacheTask or a C++ caller)
+// and by every piece of work in flight for it.
+// Holds: the request completes when its last hold is released. The tracker
+// hands it out with one hold owned by the submitter; each piece of work in
+// flight takes one more. Every release names the result slot it settles and
+// the first failure per slot is kept.
+// Threads: every method may be called from any thread.
+#ifndef DATADIST_REQUEST_H_
+#define DATADIST_REQUEST_H_
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "completion_queue.h"
+#include "llm_datadist/llm_error_codes.h"
+
+namespace datadist {
+
+using llm_datadist::Status;
+
+class RequestTracker;
+
+class Request {
+ public:
+  Request(uint64_t id, size_t num_results, std::shared_ptr<CompletionQueue> completions,
+          std::weak_ptr<RequestTracker> tracker);
+  ~Request();
+  Request(const Request &) = delete;
+  Request &operator=(const Request &) = delete;
+
+  uint64_t id() const { return id_; }
+  size_t num_results() const { return results_.size(); }
+
+  void hold(size_t n = 1);
+  // `skipped` marks work that was not carried out because of a cancellation.
+  void release(size_t result_index, Status status, bool skipped = false);
+
+  // Asks every piece of work to stop before its next byte; returns false if
+  // the request had already completed. The first reason given is kept.
+  bool cancel(Status reason);
+  bool cancel_requested() const { return cancel_requested_.load(std::memory_order_acquire); }
+  Status cancel_reason() const;
+  // True when the user cancelled it and some of its work was skipped.
+  bool cancelled() const;
+
+  bool done() const;
+  // Waits for completion; timeout_ms < 0 waits forever. True if done.
+  bool wait(int64_t timeout_ms) const;
+  std::vector<Status> results() const;
+  // Asks for a completion-queue entry when the request completes. Returns
+  // false, and queues nothing, if it has already completed.
+  bool watch();
+
+ private:
+  void complete_locked(std::unique_lock<std::mutex> &lock);
+
+  const uint64_t id_;
+  std::shared_ptr<CompletionQueue> completions_;
+  std::weak_ptr<RequestTracker> tracker_;
+  std::atomic<bool> cancel_requested_{false};
+
+  mutable std::mutex mu_;
+  mutable std::condition_variable cv_;
+  std::vector<Status> results_;
+  size_t holds_ = 1;
+  bool done_ = false;
+  bool watched_ = false;
+  bool skipped_ = false;
+  Status cancel_reason_ = llm_datadist::LLM_SUCCESS;
+};
+
+// Status used for work the user cancelled.
+constexpr Status kCancelledStatus = llm_datadist::LLM_FAILED;
+
+// Creates requests with unique ids and knows every one still in flight, so
+// finalize can stop them all and wait for them to settle.
+class RequestTracker : public std::enable_shared_from_this<RequestTracker> {
+ public:
+  explicit RequestTracker(std::shared_ptr<CompletionQueue> completions);
+
+  std::shared_ptr<Request> create(size_t num_results);
+  void cancel_all(Status reason);
+  // Waits until no request is in flight; false on timeout.
+  bool wait_idle(int64_t timeout_ms);
+  size_t in_flight() const;
+  const std::shared_ptr<CompletionQueue> &completions() const { return completions_; }
+
+ private:
+  friend class Request;
+  void forget(uint64_t id);
+
+  std::shared_ptr<CompletionQueue> completions_;
+  mutable std::mutex mu_;
+  std::condition_variable idle_cv_;
+  uint64_t next_id_ = 1;
+  std::unordered_map<uint64_t, std::weak_ptr<Request>> live_;
+};
+
+}  // namespace datadist
+
+#endif  // DATADIST_REQUEST_H_
