@@ -99,6 +99,9 @@ class CacheTask:
                 self.cancel()
                 yield from self._settle().__await__()
                 raise
+            # The completion is signalled as the request leaves the engine; the
+            # last bookkeeping step may still be finishing on the engine thread.
+            self._request.wait(-1)
         return self.result()
 
     async def _settle(self) -> None:

@@ -14,7 +14,7 @@ Request::Request(uint64_t id, size_t num_results, std::shared_ptr<CompletionQueu
       results_(num_results == 0 ? 1 : num_results, LLM_SUCCESS) {}
 
 Request::~Request() {
-  if (!done_) {
+  if (holds_ != 0) {
     if (auto tracker = tracker_.lock()) tracker->forget(id_);
   }
 }
@@ -34,6 +34,11 @@ void Request::release(size_t result_index, Status status, bool skipped) {
 }
 
 void Request::complete_locked(std::unique_lock<std::mutex> &lock) {
+  // Leave the tracker first: whoever sees the request done also sees it no
+  // longer in flight.
+  lock.unlock();
+  if (auto tracker = tracker_.lock()) tracker->forget(id_);
+  lock.lock();
   done_ = true;
   const bool notify = watched_;
   Status first = LLM_SUCCESS;
@@ -46,7 +51,6 @@ void Request::complete_locked(std::unique_lock<std::mutex> &lock) {
   lock.unlock();
   cv_.notify_all();
   if (notify) completions_->push(id_, first);
-  if (auto tracker = tracker_.lock()) tracker->forget(id_);
 }
 
 bool Request::cancel(Status reason) {
