@@ -42,7 +42,25 @@ def _parse_key_args(
     return values
 
 
-class CacheKey:
+class _Key:
+    """Value semantics shared by the key classes: equal when of the same
+    class with the same fields."""
+
+    __slots__ = ()
+
+    def _fields(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is type(self):
+            return self._fields() == other._fields()  # type: ignore[attr-defined]
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, *self._fields()))
+
+
+class CacheKey(_Key):
     """Names one batch slot of a contiguous cache, by request id or prefix id.
 
     Accepts `(cluster_id, req_id, model_id=0, prefix_id=2**64 - 1)`
@@ -99,14 +117,6 @@ class CacheKey:
     def _fields(self) -> tuple[int, int, int, int]:
         return (self._cluster_id, self._req_id, self._model_id, self._prefix_id)
 
-    def __eq__(self, other: object) -> bool:
-        if type(other) is CacheKey:
-            return self._fields() == other._fields()
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash((CacheKey, *self._fields()))
-
     def __repr__(self) -> str:
         return (
             f"CacheKey(cluster_id={self._cluster_id}, req_id={self._req_id}, "
@@ -114,7 +124,7 @@ class CacheKey:
         )
 
 
-class CacheKeyByIdAndIndex:
+class CacheKeyByIdAndIndex(_Key):
     """Names a cache on a peer by its id, plus a batch slot.
 
     Args:
@@ -155,14 +165,6 @@ class CacheKeyByIdAndIndex:
     def _fields(self) -> tuple[int, int, int]:
         return (self._cluster_id, self._cache_id, self._batch_index)
 
-    def __eq__(self, other: object) -> bool:
-        if type(other) is CacheKeyByIdAndIndex:
-            return self._fields() == other._fields()
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash((CacheKeyByIdAndIndex, *self._fields()))
-
     def __repr__(self) -> str:
         return (
             f"CacheKeyByIdAndIndex(cluster_id={self._cluster_id}, "
@@ -170,7 +172,7 @@ class CacheKeyByIdAndIndex:
         )
 
 
-class BlocksCacheKey:
+class BlocksCacheKey(_Key):
     """Names the blocks cache bound to `model_id` on an instance.
 
     Accepts `(cluster_id, model_id=0)` positionally or by keyword;
@@ -210,13 +212,8 @@ class BlocksCacheKey:
         """Model id the blocks cache is bound to."""
         return self._model_id
 
-    def __eq__(self, other: object) -> bool:
-        if type(other) is BlocksCacheKey:
-            return (self._cluster_id, self._model_id) == (other._cluster_id, other._model_id)
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash((BlocksCacheKey, self._cluster_id, self._model_id))
+    def _fields(self) -> tuple[int, int]:
+        return (self._cluster_id, self._model_id)
 
     def __repr__(self) -> str:
         return f"BlocksCacheKey(cluster_id={self._cluster_id}, model_id={self._model_id})"

@@ -23,6 +23,16 @@ def _resolve(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
+def _resolve_all(futures: list[asyncio.Future[None]], loop: asyncio.AbstractEventLoop | None) -> None:
+    """Resolves futures of ``loop`` (the caller's) directly, others through their own loop."""
+    for future in futures:
+        owner = future.get_loop()
+        if owner is loop:
+            _resolve(future)
+        elif not owner.is_closed():
+            owner.call_soon_threadsafe(_resolve, future)
+
+
 class CompletionDispatcher:
     """Turns engine request completions into resolved asyncio futures.
 
@@ -68,12 +78,7 @@ class CompletionDispatcher:
     def _dispatch(self, completions: list[tuple[int, int]], loop: asyncio.AbstractEventLoop | None) -> None:
         with self._lock:
             ready = [f for request_id, _ in completions for f in self._waiters.pop(request_id, ())]
-        for future in ready:
-            owner = future.get_loop()
-            if owner is loop:
-                _resolve(future)
-            elif not owner.is_closed():
-                owner.call_soon_threadsafe(_resolve, future)
+        _resolve_all(ready, loop)
 
     def close(self) -> None:
         """Resolves what is left and stops watching the fd (after engine finalize)."""
@@ -91,12 +96,7 @@ class CompletionDispatcher:
         with self._lock:
             leftover = [f for waiting in self._waiters.values() for f in waiting]
             self._waiters.clear()
-        for future in leftover:
-            owner = future.get_loop()
-            if owner is current:
-                _resolve(future)
-            elif not owner.is_closed():
-                owner.call_soon_threadsafe(_resolve, future)
+        _resolve_all(leftover, current)
         for loop in loops:
             if loop.is_closed():
                 continue
