@@ -10,6 +10,8 @@ from ._checks import (
     check_dict,
     check_int64,
     check_isinstance,
+    check_layer_range,
+    check_list_uint64,
     check_uint32,
     check_uint64,
     raise_if_false,
@@ -17,7 +19,7 @@ from ._checks import (
 )
 from .cache import Cache
 from .cache_desc import CacheDesc
-from .cache_key import BlocksCacheKey, CacheKey
+from .cache_key import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex
 from .cache_task import CacheTask
 from .completions import CompletionDispatcher
 from .enums import Placement
@@ -26,6 +28,8 @@ from .status import LLMException, LLMStatusCode, raise_for_status
 __all__ = ["CacheManager"]
 
 _INVALID_ID = 2**64 - 1
+_TENSORS_PER_LAYER = 2
+_BY_ID, _BY_KEY, _BLOCKS_OF_MODEL = 1, 2, 3
 _BufferLike = Any
 _Address = Union[int, _BufferLike]
 
@@ -40,6 +44,45 @@ def _device_unsupported(what: str) -> LLMException:
 
 def _key_tuple(key: CacheKey) -> tuple[int, int, int]:
     return (key.req_id, key.model_id, key.prefix_id)
+
+
+def _remote_name(key: Union[CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey]) -> tuple[int, int, int, int, int, int]:
+    """How the engine names the peer's cache: (kind, cache_id, req_id, model_id, prefix_id, slot)."""
+    if isinstance(key, CacheKeyByIdAndIndex):
+        return (_BY_ID, key.cache_id, _INVALID_ID, 0, _INVALID_ID, key.batch_index)
+    if isinstance(key, BlocksCacheKey):
+        return (_BLOCKS_OF_MODEL, -1, _INVALID_ID, key.model_id, _INVALID_ID, 0)
+    return (_BY_KEY, -1, key.req_id, key.model_id, key.prefix_id, 0)
+
+
+def _check_pull_key(key: CacheKey) -> None:
+    valid = [0 <= ident < _INVALID_ID for ident in (key.req_id, key.prefix_id)]
+    raise_if_false(valid.count(True) == 1, f"{key!r} must have exactly one of req_id and prefix_id set")
+
+
+def _check_tensor_num_per_layer(value: Any) -> None:
+    check_uint32("tensor_num_per_layer", value)
+    raise_if_false(value > 0, f"tensor_num_per_layer must be > 0, got {value}")
+
+
+def _layer_span(
+    src_range: Optional[range], dst_range: Optional[range], per_layer: int, local: Cache, local_is_src: bool
+) -> tuple[int, int, int, int]:
+    """(local_first, remote_first, count, per_layer) for the engine.
+
+    A missing range takes the other one; with neither, every layer of the
+    local cache moves.
+    """
+    check_layer_range("src_layer_range", src_range)
+    check_layer_range("dst_layer_range", dst_range)
+    if src_range is None and dst_range is None:
+        src_range = dst_range = range(local.cache_desc.num_tensors // per_layer)
+    src = src_range if src_range is not None else dst_range
+    dst = dst_range if dst_range is not None else src_range
+    assert src is not None and dst is not None
+    raise_if_false(len(src) == len(dst), f"src and dst layer ranges differ in length: {len(src)} != {len(dst)}")
+    local_range, remote_range = (src, dst) if local_is_src else (dst, src)
+    return (local_range.start, remote_range.start, len(src), per_layer)
 
 
 def _view(cache: Cache) -> tuple[int, int, list[int], int, int, list[int]]:
@@ -336,3 +379,155 @@ class CacheManager:
         return self._task(started, f"swap_blocks({src_cache.cache_id} -> {dst_cache.cache_id})")
 
     swap_blocks = _waited(swap_blocks_async)
+
+    # -- transfers with a linked peer --------------------------------------------
+
+    def _check_rca(self, operation: str) -> None:
+        raise_if_false(
+            self._remote_cache_accessible,
+            f"{operation} needs remote-cache-accessible mode: set LLMConfig.enable_remote_cache_accessible = True",
+        )
+
+    def push_cache_async(
+        self,
+        dst_cache_key: CacheKeyByIdAndIndex,
+        src_cache: Cache,
+        src_batch_index: int = 0,
+        src_layer_range: Optional[range] = None,
+        dst_layer_range: Optional[range] = None,
+        size: int = -1,
+        tensor_num_per_layer: int = _TENSORS_PER_LAYER,
+    ) -> CacheTask:
+        """Starts pushing batch slot ``src_batch_index`` of every selected layer
+        into slot ``dst_cache_key.batch_index`` of the peer's cache ``dst_cache_key.cache_id``."""
+        self._check_rca("push_cache")
+        check_isinstance("dst_cache_key", dst_cache_key, CacheKeyByIdAndIndex, allow_none=False)
+        check_isinstance("src_cache", src_cache, Cache, allow_none=False)
+        check_uint32("src_batch_index", src_batch_index)
+        raise_if_true(src_cache.is_blocks_cache, "push_cache needs a contiguous source cache; use push_blocks")
+        _check_tensor_num_per_layer(tensor_num_per_layer)
+        span = _layer_span(src_layer_range, dst_layer_range, tensor_num_per_layer, src_cache, True)
+        check_int64("size", size)
+        raise_if_false(size == -1, f"push_cache moves whole slots: size must be -1, got {size}")
+        self._check_valid()
+        started = self._engine.push_cache(
+            src_cache.cache_id,
+            src_batch_index,
+            dst_cache_key.cluster_id,
+            dst_cache_key.cache_id,
+            dst_cache_key.batch_index,
+            span,
+        )
+        return self._task(started, f"push_cache(cache {src_cache.cache_id} -> {dst_cache_key!r})")
+
+    push_cache = _waited(push_cache_async)
+
+    def push_blocks_async(
+        self,
+        dst_cache_key: BlocksCacheKey,
+        src_cache: Cache,
+        src_blocks: Optional[Union[tuple[int, ...], list[int]]] = (),
+        dst_blocks: Union[tuple[int, ...], list[int]] = (),
+        src_layer_range: Optional[range] = None,
+        dst_layer_range: Optional[range] = None,
+        tensor_num_per_layer: int = _TENSORS_PER_LAYER,
+    ) -> CacheTask:
+        """Starts pushing block ``src_blocks[k]`` to block ``dst_blocks[k]`` of the
+        peer's blocks cache, for every selected layer, as one operation."""
+        self._check_rca("push_blocks")
+        check_isinstance("dst_cache_key", dst_cache_key, BlocksCacheKey, allow_none=False)
+        check_isinstance("src_cache", src_cache, Cache, allow_none=False)
+        check_isinstance("src_blocks", src_blocks, (list, tuple), int)
+        check_isinstance("dst_blocks", dst_blocks, (list, tuple), int, allow_none=False)
+        raise_if_false(src_cache.is_blocks_cache, "push_blocks needs a blocks source cache")
+        raise_if_false(len(dst_blocks) > 0, "dst_blocks must not be empty")
+        src_blocks = list(src_blocks or ())
+        check_list_uint64("src_blocks", src_blocks)
+        check_list_uint64("dst_blocks", dst_blocks)
+        _check_tensor_num_per_layer(tensor_num_per_layer)
+        span = _layer_span(src_layer_range, dst_layer_range, tensor_num_per_layer, src_cache, True)
+        self._check_valid()
+        started = self._engine.push_blocks(
+            src_cache.cache_id, dst_cache_key.cluster_id, dst_cache_key.model_id, src_blocks, list(dst_blocks), span
+        )
+        return self._task(started, f"push_blocks(cache {src_cache.cache_id} -> {dst_cache_key!r})")
+
+    push_blocks = _waited(push_blocks_async)
+
+    @staticmethod
+    def _pull_span(cache: Cache, kwargs: dict[str, Any]) -> tuple[int, int, int, int]:
+        per_layer = kwargs.get("tensor_num_per_layer", _TENSORS_PER_LAYER)
+        _check_tensor_num_per_layer(per_layer)
+        return _layer_span(kwargs.get("src_layer_range"), kwargs.get("dst_layer_range"), per_layer, cache, False)
+
+    def pull_cache_async(
+        self,
+        cache_key: Union[CacheKey, CacheKeyByIdAndIndex],
+        cache: Cache,
+        batch_index: int = 0,
+        size: int = -1,
+        **kwargs: Any,
+    ) -> CacheTask:
+        """Starts pulling the peer's batch slot named by ``cache_key`` into slot
+        ``batch_index`` of ``cache`` (the first ``size`` bytes of each tensor's
+        slot, or all of it with -1). Keywords: ``src_layer_range``,
+        ``dst_layer_range``, ``tensor_num_per_layer``."""
+        key_kinds = (CacheKeyByIdAndIndex,) if self._remote_cache_accessible else (CacheKey, CacheKeyByIdAndIndex)
+        check_isinstance("cache_key", cache_key, key_kinds, allow_none=False)
+        check_isinstance("cache", cache, Cache, allow_none=False)
+        check_uint32("batch_index", batch_index)
+        check_int64("size", size)
+        raise_if_true(cache.is_blocks_cache, "pull_cache needs a contiguous destination; use pull_blocks")
+        raise_if_false(size == -1 or size > 0, f"size must be -1 or > 0, got {size}")
+        if isinstance(cache_key, CacheKey):
+            _check_pull_key(cache_key)
+        span = self._pull_span(cache, kwargs)
+        self._check_valid()
+        started = self._engine.pull_cache(
+            cache.cache_id, batch_index, cache_key.cluster_id, _remote_name(cache_key), size, span
+        )
+        return self._task(started, f"pull_cache({cache_key!r} -> cache {cache.cache_id})")
+
+    pull_cache = _waited(pull_cache_async)
+
+    def pull_blocks_async(
+        self,
+        src_cache_key: Union[CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey],
+        dst_cache: Cache,
+        src_blocks: Union[tuple[int, ...], list[int]] = (),
+        dst_blocks: Union[tuple[int, ...], list[int]] = (),
+        **kwargs: Any,
+    ) -> CacheTask:
+        """Starts pulling into blocks ``dst_blocks`` of ``dst_cache``: the peer's
+        blocks ``src_blocks`` (a ``BlocksCacheKey``), or the peer's batch slot
+        cut into blocks (a ``CacheKey`` / ``CacheKeyByIdAndIndex``, no
+        ``src_blocks``). Keywords as ``pull_cache``."""
+        check_isinstance(
+            "src_cache_key", src_cache_key, (CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey), allow_none=False
+        )
+        check_isinstance("dst_cache", dst_cache, Cache, allow_none=False)
+        check_isinstance("src_blocks", src_blocks, (list, tuple), int, allow_none=False)
+        check_isinstance("dst_blocks", dst_blocks, (list, tuple), int, allow_none=False)
+        check_list_uint64("src_blocks", src_blocks)
+        check_list_uint64("dst_blocks", dst_blocks)
+        raise_if_false(dst_cache.is_blocks_cache, "pull_blocks needs a blocks destination cache")
+        raise_if_false(len(dst_blocks) > 0, "dst_blocks must not be empty")
+        span = self._pull_span(dst_cache, kwargs)
+        if isinstance(src_cache_key, BlocksCacheKey):
+            raise_if_false(len(src_blocks) > 0, "src_blocks must not be empty with a BlocksCacheKey")
+        else:
+            raise_if_false(len(src_blocks) == 0, "src_blocks must be empty when pulling a contiguous slot")
+            if isinstance(src_cache_key, CacheKey):
+                _check_pull_key(src_cache_key)
+        self._check_valid()
+        started = self._engine.pull_blocks(
+            dst_cache.cache_id,
+            src_cache_key.cluster_id,
+            _remote_name(src_cache_key),
+            list(src_blocks),
+            list(dst_blocks),
+            span,
+        )
+        return self._task(started, f"pull_blocks({src_cache_key!r} -> cache {dst_cache.cache_id})")
+
+    pull_blocks = _waited(pull_blocks_async)

@@ -8,7 +8,7 @@ from typing import Optional, Union
 from ._checks import check_isinstance, check_uint16, check_uint32, check_uint64
 from .enums import LLMRole
 
-__all__ = ["LLMClusterInfo", "ipv4_to_int"]
+__all__ = ["LLMClusterInfo", "int_to_ipv4", "ipv4_to_int"]
 
 
 def ipv4_to_int(ip: str) -> int:
@@ -31,6 +31,11 @@ def ipv4_to_int(ip: str) -> int:
             "(IPv6 addresses and host names are not supported)"
         ) from None
     return int.from_bytes(packed, "little")
+
+
+def int_to_ipv4(value: int) -> str:
+    """The dotted form of an address encoded by `ipv4_to_int`."""
+    return str(ipaddress.IPv4Address(value.to_bytes(4, "little")))
 
 
 class LLMClusterInfo:

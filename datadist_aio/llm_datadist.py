@@ -6,14 +6,22 @@ import atexit
 import logging
 import threading
 from types import TracebackType
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, Optional, Union
 
 from . import _native
-from ._checks import check_isinstance, check_uint64, parse_listen_ip_info, raise_if_false, raise_if_true
+from ._checks import (
+    check_int32,
+    check_isinstance,
+    check_uint64,
+    parse_listen_ip_info,
+    raise_if_false,
+    raise_if_true,
+)
 from .cache_manager import CacheManager
+from .cluster_info import LLMClusterInfo, int_to_ipv4
 from .completions import CompletionDispatcher
 from .enums import LLMRole
-from .status import LLMException, LLMStatusCode, raise_for_status
+from .status import LLMException, LLMStatusCode, code_from_native, raise_for_status
 
 __all__ = ["LLMDataDist"]
 
@@ -47,6 +55,7 @@ class LLMDataDist:
         self._engine: Any = None
         self._dispatcher: Optional[CompletionDispatcher] = None
         self._cache_manager: Optional[CacheManager] = None
+        self._local_comm_res = False
 
     def __repr__(self) -> str:
         state = "initialized" if self._engine is not None else "not initialized"
@@ -102,11 +111,8 @@ class LLMDataDist:
             "only cache-manager mode is available: set LLMConfig.enable_cache_manager = True",
             status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
         )
-        listen = options.get(_OPT_LISTEN_IP_INFO)
-        if listen is not None:
-            ip, port = parse_listen_ip_info(_OPT_LISTEN_IP_INFO, str(listen))
-            options["llm.ListenIp"] = ip
-            options["llm.ListenPort"] = str(port)
+        _add_listen_options(options)
+        self._local_comm_res = bool(options.get(_OPT_LOCAL_COMM_RES))
         engine = _native.Engine(self._cluster_id)
         native_options = {str(k): str(v) for k, v in options.items()}
         raise_for_status(engine.initialize(native_options), "initialize the engine")
@@ -133,6 +139,104 @@ class LLMDataDist:
                 LLMDataDist._live = None
 
     @property
+    def listen_port(self) -> Optional[int]:
+        """The port this instance accepts links on (``listen_ip_info`` with
+        port 0 picks a free one), or None when it does not listen."""
+        self._check_init()
+        port = self._engine.listen_port
+        return port or None
+
+    def _check_clusters(self, clusters: Any, timeout: Any) -> None:
+        check_int32("timeout", timeout)
+        raise_if_false(timeout > 0, f"timeout must be > 0, got {timeout}")
+        check_isinstance("clusters", clusters, (list, tuple), LLMClusterInfo, allow_none=False)
+        for cluster in clusters:
+            if cluster.remote_cluster_id is None:
+                raise TypeError("remote_cluster_id of every cluster must be set")
+
+    def link_clusters(
+        self, clusters: Union[list[LLMClusterInfo], tuple[LLMClusterInfo, ...]], timeout: int = 3000
+    ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+        """Links to every cluster in ``clusters`` (at most ``timeout`` ms each).
+
+        Does not raise for link failures: returns the overall status and one
+        status per cluster (``LLM_ALREADY_LINK``, ``LLM_LINK_FAILED``,
+        ``LLM_TIMEOUT``, ``LLM_PARAM_INVALID`` ...).
+        """
+        self._check_init()
+        self._check_clusters(clusters, timeout)
+        if not self._local_comm_res:
+            for cluster in clusters:
+                raise_if_false(
+                    len(cluster.local_ip_info_list) > 0,
+                    f"cluster {cluster.remote_cluster_id} has no local ip info",
+                )
+        statuses: list[Optional[LLMStatusCode]] = [None] * len(clusters)
+        targets, where = [], []
+        for index, cluster in enumerate(clusters):
+            if len(cluster.remote_ip_info_list) != 1 or len(cluster.local_ip_info_list) > 1:
+                statuses[index] = LLMStatusCode.LLM_PARAM_INVALID
+                continue
+            remote_ip, remote_port = cluster.remote_ip_info_list[0]
+            local_ip = int_to_ipv4(cluster.local_ip_info_list[0][0]) if cluster.local_ip_info_list else ""
+            targets.append((cluster.remote_cluster_id, int_to_ipv4(remote_ip), remote_port, local_ip))
+            where.append(index)
+        return self._collect(statuses, where, self._engine.link_clusters(targets, timeout) if targets else None)
+
+    def unlink_clusters(
+        self,
+        clusters: Union[list[LLMClusterInfo], tuple[LLMClusterInfo, ...]],
+        timeout: int = 3000,
+        force: bool = False,
+    ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+        """Removes the links to ``clusters``; the peers drop their ends too.
+
+        Same return convention as ``link_clusters``.
+        """
+        self._check_init()
+        self._check_clusters(clusters, timeout)
+        check_isinstance("force", force, bool, allow_none=False)
+        statuses: list[Optional[LLMStatusCode]] = [None] * len(clusters)
+        peers, where = [], []
+        for index, cluster in enumerate(clusters):
+            if not force and len(cluster.remote_ip_info_list) != 1:
+                statuses[index] = LLMStatusCode.LLM_PARAM_INVALID
+                continue
+            peers.append(cluster.remote_cluster_id)
+            where.append(index)
+        return self._collect(statuses, where, self._engine.unlink_clusters(peers, force) if peers else None)
+
+    @staticmethod
+    def _collect(
+        statuses: list[Optional[LLMStatusCode]], where: list[int], native: Optional[tuple[int, list[int]]]
+    ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+        if native is not None:
+            for index, code in zip(where, native[1]):
+                statuses[index] = code_from_native(code)
+        final = [s if s is not None else LLMStatusCode.LLM_PARAM_INVALID for s in statuses]
+        if not final:
+            return LLMStatusCode.LLM_PARAM_INVALID, final
+        failed = [s for s in final if s is not LLMStatusCode.LLM_SUCCESS]
+        return (failed[0] if failed else LLMStatusCode.LLM_SUCCESS), final
+
+    def switch_role(self, role: LLMRole, switch_options: Optional[dict[str, str]] = None) -> None:
+        """Changes the role label and the listening state.
+
+        With ``llm.listenIpInfo`` in ``switch_options`` the instance listens
+        there (the same address keeps the current listener); without it, it
+        stops listening. Raises ``LLMException(LLM_EXIST_LINK)`` while links exist.
+        """
+        self._check_init()
+        check_isinstance("role", role, LLMRole, allow_none=False)
+        check_isinstance("switch_options", switch_options, dict)
+        options = dict(switch_options or {})
+        _add_listen_options(options)
+        ip = options.get("llm.ListenIp")
+        port = int(options.get("llm.ListenPort", "0"))
+        raise_for_status(self._engine.switch_role(_ROLE_OPTION[role], ip, port), f"switch_role to {role.name}")
+        self._role = role
+
+    @property
     def cache_manager(self) -> CacheManager:
         self._check_init()
         assert self._cache_manager is not None
@@ -145,6 +249,15 @@ class LLMDataDist:
         self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]
     ) -> None:
         self.finalize()
+
+
+def _add_listen_options(options: dict[str, str]) -> None:
+    """Splits ``llm.listenIpInfo`` ("ip:port") into the engine's ip and port options."""
+    listen = options.get(_OPT_LISTEN_IP_INFO)
+    if listen is not None:
+        ip, port = parse_listen_ip_info(_OPT_LISTEN_IP_INFO, str(listen))
+        options["llm.ListenIp"] = ip
+        options["llm.ListenPort"] = str(port)
 
 
 @atexit.register

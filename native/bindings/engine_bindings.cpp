@@ -42,8 +42,36 @@ CacheView make_view(const ViewTuple &t) {
   return view;
 }
 
-// Status plus the started request (None unless the status is success).
-py::tuple started(Status st, std::shared_ptr<Request> request) {
+// local_first, remote_first, count, per_layer
+using SpanTuple = std::tuple<uint32_t, uint32_t, uint32_t, uint32_t>;
+// kind, cache_id, req_id, model_id, prefix_id, slot
+using NameTuple = std::tuple<uint8_t, int64_t, uint64_t, uint64_t, uint64_t, uint64_t>;
+// peer id, remote ip, remote port, local ip
+using LinkTuple = std::tuple<uint64_t, std::string, uint16_t, std::string>;
+
+LayerSpan make_span(const SpanTuple &t) {
+  return LayerSpan{std::get<0>(t), std::get<1>(t), std::get<2>(t), std::get<3>(t)};
+}
+
+RemoteName make_name(const NameTuple &t) {
+  RemoteName name;
+  name.kind = std::get<0>(t);
+  name.cache_id = std::get<1>(t);
+  name.key = KeySpec{std::get<2>(t), std::get<3>(t), std::get<4>(t)};
+  name.model_id = std::get<3>(t);
+  name.slot = std::get<5>(t);
+  return name;
+}
+
+// Runs `start` without the GIL; returns (status, request or None).
+template <typename Start>
+py::tuple start_request(Start &&start) {
+  std::shared_ptr<Request> request;
+  Status st;
+  {
+    py::gil_scoped_release release;
+    st = start(request);
+  }
   if (st != llm_datadist::LLM_SUCCESS) return py::make_tuple(st, py::none());
   return py::make_tuple(st, std::move(request));
 }
@@ -122,13 +150,9 @@ void bind_engine(py::module_ &m) {
           "copy_cache",
           [](Engine &e, int64_t dst_id, int64_t src_id, uint64_t dst_slot, uint64_t src_slot, uint64_t offset,
              int64_t size) {
-            std::shared_ptr<Request> request;
-            Status st;
-            {
-              py::gil_scoped_release release;
-              st = e.copy_cache(dst_id, src_id, dst_slot, src_slot, offset, size, request);
-            }
-            return started(st, std::move(request));
+            return start_request([&](std::shared_ptr<Request> &out) {
+              return e.copy_cache(dst_id, src_id, dst_slot, src_slot, offset, size, out);
+            });
           },
           py::arg("dst_id"), py::arg("src_id"), py::arg("dst_slot"), py::arg("src_slot"), py::arg("offset"),
           py::arg("size"))
@@ -137,15 +161,79 @@ void bind_engine(py::module_ &m) {
           [](Engine &e, const ViewTuple &dst, const ViewTuple &src, const BlockPairs &pairs) {
             CacheView dst_view = make_view(dst);
             CacheView src_view = make_view(src);
-            std::shared_ptr<Request> request;
+            return start_request([&](std::shared_ptr<Request> &out) {
+              return e.copy_blocks(dst_view, src_view, pairs, out);
+            });
+          },
+          py::arg("dst"), py::arg("src"), py::arg("pairs"))
+      .def_property_readonly("listen_port", &Engine::listen_port)
+      .def(
+          "link_clusters",
+          [](Engine &e, const std::vector<LinkTuple> &targets, int timeout_ms) {
+            std::vector<LinkTarget> list;
+            for (const auto &[peer, rip, rport, lip] : targets) list.push_back({peer, rip, rport, lip});
+            std::vector<Status> rets;
             Status st;
             {
               py::gil_scoped_release release;
-              st = e.copy_blocks(dst_view, src_view, pairs, request);
+              st = e.link_clusters(list, timeout_ms, rets);
             }
-            return started(st, std::move(request));
+            return py::make_tuple(st, rets);
           },
-          py::arg("dst"), py::arg("src"), py::arg("pairs"));
+          py::arg("targets"), py::arg("timeout_ms"))
+      .def(
+          "unlink_clusters",
+          [](Engine &e, const std::vector<uint64_t> &peers, bool force) {
+            std::vector<Status> rets;
+            Status st;
+            {
+              py::gil_scoped_release release;
+              st = e.unlink_clusters(peers, force, rets);
+            }
+            return py::make_tuple(st, rets);
+          },
+          py::arg("peers"), py::arg("force"))
+      .def("switch_role", &Engine::switch_role, py::arg("role"), py::arg("listen_ip"), py::arg("listen_port"),
+           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "push_cache",
+          [](Engine &e, int64_t src_id, uint64_t src_slot, uint64_t peer, int64_t dst_cache_id, uint64_t dst_slot,
+             const SpanTuple &span) {
+            return start_request([&](std::shared_ptr<Request> &out) {
+              return e.push_cache(src_id, src_slot, peer, dst_cache_id, dst_slot, make_span(span), out);
+            });
+          },
+          py::arg("src_id"), py::arg("src_slot"), py::arg("peer"), py::arg("dst_cache_id"), py::arg("dst_slot"),
+          py::arg("span"))
+      .def(
+          "push_blocks",
+          [](Engine &e, int64_t src_id, uint64_t peer, uint64_t model_id, const std::vector<uint64_t> &src_blocks,
+             const std::vector<uint64_t> &dst_blocks, const SpanTuple &span) {
+            return start_request([&](std::shared_ptr<Request> &out) {
+              return e.push_blocks(src_id, peer, model_id, src_blocks, dst_blocks, make_span(span), out);
+            });
+          },
+          py::arg("src_id"), py::arg("peer"), py::arg("model_id"), py::arg("src_blocks"), py::arg("dst_blocks"),
+          py::arg("span"))
+      .def(
+          "pull_cache",
+          [](Engine &e, int64_t dst_id, uint64_t dst_slot, uint64_t peer, const NameTuple &src, int64_t size,
+             const SpanTuple &span) {
+            return start_request([&](std::shared_ptr<Request> &out) {
+              return e.pull_cache(dst_id, dst_slot, peer, make_name(src), size, make_span(span), out);
+            });
+          },
+          py::arg("dst_id"), py::arg("dst_slot"), py::arg("peer"), py::arg("src"), py::arg("size"), py::arg("span"))
+      .def(
+          "pull_blocks",
+          [](Engine &e, int64_t dst_id, uint64_t peer, const NameTuple &src, const std::vector<uint64_t> &src_blocks,
+             const std::vector<uint64_t> &dst_blocks, const SpanTuple &span) {
+            return start_request([&](std::shared_ptr<Request> &out) {
+              return e.pull_blocks(dst_id, peer, make_name(src), src_blocks, dst_blocks, make_span(span), out);
+            });
+          },
+          py::arg("dst_id"), py::arg("peer"), py::arg("src"), py::arg("src_blocks"), py::arg("dst_blocks"),
+          py::arg("span"));
 }
 
 }  // namespace datadist::bindings

@@ -2,10 +2,13 @@
 
 #include <mutex>
 #include <system_error>
+#include <thread>
 
 namespace datadist {
 
 using llm_datadist::LLM_ENGINE_FINALIZED;
+using llm_datadist::LLM_EXIST_LINK;
+using llm_datadist::LLM_NOT_YET_LINK;
 using llm_datadist::LLM_FAILED;
 using llm_datadist::LLM_FEATURE_NOT_ENABLED;
 using llm_datadist::LLM_KV_CACHE_NOT_EXIST;
@@ -36,7 +39,15 @@ Status Engine::initialize(const OptionMap &options) {
   } catch (const std::system_error &) {
     return LLM_OUT_OF_MEMORY;
   }
+  TransportOptions transport_options;
+  transport_options.connections_per_peer = parsed.tcp_connections_per_peer;
+  auto transport = std::make_unique<TcpTransport>(cluster_id_, role_code(parsed.role), registry_, transport_options);
+  if (parsed.listen_ip) {
+    st = transport->listen(*parsed.listen_ip, parsed.listen_port);
+    if (st != LLM_SUCCESS) return st;
+  }
   options_ = parsed;
+  transport_ = std::move(transport);
   workers_ = std::make_unique<WorkerPool>(options_.engine_threads);
   state_ = State::kReady;
   return LLM_SUCCESS;
@@ -55,6 +66,7 @@ void Engine::finalize() {
   }
   state_ = State::kFinalized;
   tracker_->cancel_all(LLM_ENGINE_FINALIZED);
+  transport_->shutdown(LLM_ENGINE_FINALIZED);  // settles every operation with a peer
   workers_->shutdown();  // runs what is queued; cancelled work is skipped
   tracker_->wait_idle(-1);
   registry_.clear();
@@ -179,6 +191,250 @@ Status Engine::copy_blocks(const CacheView &dst_view, const CacheView &src_view,
   st = plan_copy_blocks(*dst, *src, pairs, segments);
   if (st != LLM_SUCCESS) return st;
   return start_copy(std::move(segments), {dst, src}, out);
+}
+
+uint16_t Engine::listen_port() const {
+  std::shared_lock<std::shared_mutex> lock(state_mu_);
+  return state_ == State::kReady ? transport_->listen_port() : 0;
+}
+
+Status Engine::link_clusters(const std::vector<LinkTarget> &targets, int timeout_ms, std::vector<Status> &rets) {
+  std::shared_lock<std::shared_mutex> lock(state_mu_);
+  if (state_ != State::kReady) return LLM_FAILED;
+  if (targets.empty() || timeout_ms <= 0) return LLM_PARAM_INVALID;
+  constexpr size_t kParallel = 16;
+  rets.assign(targets.size(), LLM_SUCCESS);
+  for (size_t first = 0; first < targets.size(); first += kParallel) {
+    std::vector<std::thread> threads;
+    for (size_t i = first; i < std::min(targets.size(), first + kParallel); ++i) {
+      threads.emplace_back([this, &targets, &rets, timeout_ms, i] {
+        const LinkTarget &t = targets[i];
+        rets[i] = t.peer_id == cluster_id_
+                      ? LLM_PARAM_INVALID
+                      : transport_->link(t.peer_id, t.remote_ip, t.remote_port, t.local_ip, timeout_ms);
+      });
+    }
+    for (auto &thread : threads) thread.join();
+  }
+  for (Status st : rets) {
+    if (st != LLM_SUCCESS) return st;
+  }
+  return LLM_SUCCESS;
+}
+
+Status Engine::unlink_clusters(const std::vector<uint64_t> &peers, bool force, std::vector<Status> &rets) {
+  std::shared_lock<std::shared_mutex> lock(state_mu_);
+  if (state_ != State::kReady) return LLM_FAILED;
+  if (peers.empty()) return LLM_PARAM_INVALID;
+  rets.clear();
+  Status first = LLM_SUCCESS;
+  for (uint64_t peer : peers) {
+    rets.push_back(transport_->unlink(peer, force));
+    if (first == LLM_SUCCESS) first = rets.back();
+  }
+  return first;
+}
+
+Status Engine::switch_role(const std::string &role, const std::optional<std::string> &listen_ip,
+                           uint16_t listen_port) {
+  std::shared_lock<std::shared_mutex> lock(state_mu_);
+  if (state_ != State::kReady) return LLM_FAILED;
+  const uint32_t code = role_code(role);
+  if (code == 0) return LLM_PARAM_INVALID;
+  if (transport_->link_count() != 0) return LLM_EXIST_LINK;
+  const bool same = listen_ip && transport_->listen_port() != 0 && *listen_ip == transport_->listen_ip() &&
+                    (listen_port == 0 || listen_port == transport_->listen_port());
+  if (!same) {
+    transport_->stop_listening();
+    if (listen_ip) {
+      Status st = transport_->listen(*listen_ip, listen_port);
+      if (st != LLM_SUCCESS) return st;
+    }
+  }
+  transport_->set_role(code);
+  options_.role = role;
+  return LLM_SUCCESS;
+}
+
+namespace {
+
+wire::Target name_target(const RemoteName &name) {
+  wire::Target t{};
+  t.kind = name.kind;
+  t.cache_id = name.cache_id;
+  t.req_id = name.key.req_id;
+  t.model_id = name.kind == wire::kBlocksOfModel ? name.model_id : name.key.model_id;
+  t.prefix_id = name.key.prefix_id;
+  return t;
+}
+
+// Every (local tensor, remote tensor) pair of a layer span, layer-major.
+template <typename Fn>
+void for_each_tensor(const LayerSpan &span, Fn &&fn) {
+  for (uint32_t l = 0; l < span.count; ++l) {
+    for (uint32_t i = 0; i < span.per_layer; ++i) {
+      fn((span.local_first + l) * span.per_layer + i, (span.remote_first + l) * span.per_layer + i);
+    }
+  }
+}
+
+BlockPairs zip_blocks(const std::vector<uint64_t> &first, const std::vector<uint64_t> &second) {
+  BlockPairs pairs;
+  pairs.reserve(first.size());
+  for (size_t k = 0; k < first.size(); ++k) pairs.emplace_back(first[k], second[k]);
+  return pairs;
+}
+
+bool all_below(const std::vector<uint64_t> &blocks, uint64_t limit) {
+  for (uint64_t b : blocks) {
+    if (b >= limit) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+Status Engine::prepare_remote(int64_t local_id, uint64_t peer, const LayerSpan &span,
+                              std::shared_ptr<CacheEntry> &entry, std::shared_ptr<Link> &link) const {
+  if (state_ != State::kReady) return LLM_FAILED;
+  entry = registry_.find(local_id);
+  if (!entry) return LLM_KV_CACHE_NOT_EXIST;
+  if (peer == cluster_id_) return LLM_PARAM_INVALID;
+  link = transport_->find(peer);
+  if (!link) return LLM_NOT_YET_LINK;
+  if (options_.remote_cache_accessible && !entry->remote_accessible) return LLM_PARAM_INVALID;
+  const uint32_t tensors = entry->spec.num_tensors;
+  if (span.per_layer == 0 || tensors % span.per_layer != 0) return LLM_PARAM_INVALID;
+  if (uint64_t{span.local_first} + span.count > tensors / span.per_layer) return LLM_PARAM_INVALID;
+  if ((uint64_t{span.remote_first} + span.count) * span.per_layer > UINT32_MAX) return LLM_PARAM_INVALID;
+  return LLM_SUCCESS;
+}
+
+Status Engine::start_remote(const std::shared_ptr<Link> &link, bool write, FramePlanner &planner,
+                            std::shared_ptr<CacheEntry> pin, std::shared_ptr<Request> &out) {
+  out = tracker_->create(1);
+  auto frames = planner.take();
+  if (!frames.empty()) {
+    const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(options_.sync_kv_timeout_ms);
+    link->submit(write, std::move(frames), out, 0, deadline, std::move(pin));
+    transport_->operations_started();
+  }
+  out->release(0, LLM_SUCCESS);
+  return LLM_SUCCESS;
+}
+
+Status Engine::push_cache(int64_t src_id, uint64_t src_slot, uint64_t peer, int64_t dst_cache_id, uint64_t dst_slot,
+                          const LayerSpan &span, std::shared_ptr<Request> &out) {
+  std::shared_lock<std::shared_mutex> lock(state_mu_);
+  std::shared_ptr<CacheEntry> src;
+  std::shared_ptr<Link> link;
+  Status st = prepare_remote(src_id, peer, span, src, link);
+  if (st != LLM_SUCCESS) return st;
+  const uint64_t slot = src->geometry.slot_size;
+  if (src_slot >= src->geometry.num_slots) return LLM_PARAM_INVALID;
+  if (dst_cache_id <= 0) return LLM_KV_CACHE_NOT_EXIST;
+  RemoteName name;
+  name.cache_id = dst_cache_id;
+  wire::Target target = name_target(name);
+  target.flags = wire::kWithinSlot;
+  target.expected_slot_size = slot;
+  FramePlanner planner(target);
+  for_each_tensor(span, [&](uint32_t local, uint32_t remote) {
+    planner.add(src->addrs[local] + src_slot * slot, remote, dst_slot, 0, slot);
+  });
+  return start_remote(link, true, planner, src, out);
+}
+
+Status Engine::push_blocks(int64_t src_id, uint64_t peer, uint64_t dst_model_id,
+                           const std::vector<uint64_t> &src_blocks, const std::vector<uint64_t> &dst_blocks,
+                           const LayerSpan &span, std::shared_ptr<Request> &out) {
+  std::shared_lock<std::shared_mutex> lock(state_mu_);
+  std::shared_ptr<CacheEntry> src;
+  std::shared_ptr<Link> link;
+  Status st = prepare_remote(src_id, peer, span, src, link);
+  if (st != LLM_SUCCESS) return st;
+  if (src_blocks.empty() || src_blocks.size() != dst_blocks.size()) return LLM_PARAM_INVALID;
+  if (!all_below(src_blocks, src->geometry.num_slots)) return LLM_PARAM_INVALID;
+  const BlockPairs pairs = zip_blocks(src_blocks, dst_blocks);
+  st = check_block_destinations(pairs, false);
+  if (st != LLM_SUCCESS) return st;
+  RemoteName name;
+  name.kind = wire::kBlocksOfModel;
+  name.model_id = dst_model_id;
+  wire::Target target = name_target(name);
+  const uint64_t block = src->geometry.slot_size;
+  target.expected_slot_size = block;
+  FramePlanner planner(target);
+  const std::vector<BlockRun> runs = merge_block_runs(pairs);
+  for_each_tensor(span, [&](uint32_t local, uint32_t remote) {
+    for (const BlockRun &run : runs) planner.add(src->addrs[local] + run.src * block, remote, run.dst, 0, run.count * block);
+  });
+  return start_remote(link, true, planner, src, out);
+}
+
+Status Engine::pull_cache(int64_t dst_id, uint64_t dst_slot, uint64_t peer, const RemoteName &src_name,
+                          int64_t size, const LayerSpan &span, std::shared_ptr<Request> &out) {
+  std::shared_lock<std::shared_mutex> lock(state_mu_);
+  std::shared_ptr<CacheEntry> dst;
+  std::shared_ptr<Link> link;
+  Status st = prepare_remote(dst_id, peer, span, dst, link);
+  if (st != LLM_SUCCESS) return st;
+  const uint64_t slot = dst->geometry.slot_size;
+  if (dst_slot >= dst->geometry.num_slots) return LLM_PARAM_INVALID;
+  if (size == 0 || size < -1 || (size > 0 && static_cast<uint64_t>(size) > slot)) return LLM_PARAM_INVALID;
+  const uint64_t length = size < 0 ? slot : static_cast<uint64_t>(size);
+  wire::Target target = name_target(src_name);
+  target.flags = wire::kWithinSlot;
+  target.expected_slot_size = size < 0 ? slot : 0;
+  FramePlanner planner(target);
+  for_each_tensor(span, [&](uint32_t local, uint32_t remote) {
+    planner.add(dst->addrs[local] + dst_slot * slot, remote, src_name.slot, 0, length);
+  });
+  return start_remote(link, false, planner, dst, out);
+}
+
+Status Engine::pull_blocks(int64_t dst_id, uint64_t peer, const RemoteName &src_name,
+                           const std::vector<uint64_t> &src_blocks, const std::vector<uint64_t> &dst_blocks,
+                           const LayerSpan &span, std::shared_ptr<Request> &out) {
+  std::shared_lock<std::shared_mutex> lock(state_mu_);
+  std::shared_ptr<CacheEntry> dst;
+  std::shared_ptr<Link> link;
+  Status st = prepare_remote(dst_id, peer, span, dst, link);
+  if (st != LLM_SUCCESS) return st;
+  if (dst_blocks.empty() || !all_below(dst_blocks, dst->geometry.num_slots)) return LLM_PARAM_INVALID;
+  const uint64_t block = dst->geometry.slot_size;
+  wire::Target target = name_target(src_name);
+  if (!src_blocks.empty()) {
+    if (src_blocks.size() != dst_blocks.size()) return LLM_PARAM_INVALID;
+    const BlockPairs pairs = zip_blocks(src_blocks, dst_blocks);
+    st = check_block_destinations(pairs, false);
+    if (st != LLM_SUCCESS) return st;
+    target.expected_slot_size = block;
+    FramePlanner planner(target);
+    const std::vector<BlockRun> runs = merge_block_runs(pairs);
+    for_each_tensor(span, [&](uint32_t local, uint32_t remote) {
+      for (const BlockRun &run : runs) planner.add(dst->addrs[local] + run.dst * block, remote, run.src, 0, run.count * block);
+    });
+    return start_remote(link, false, planner, dst, out);
+  }
+  // A contiguous slot of the peer, cut into this cache's blocks.
+  st = check_block_destinations(zip_blocks(dst_blocks, dst_blocks), false);
+  if (st != LLM_SUCCESS) return st;
+  wire::LookupReply remote;
+  st = link->lookup(target, remote, static_cast<int>(options_.sync_kv_timeout_ms));
+  if (st != LLM_SUCCESS) return st;
+  const uint64_t chunks = (remote.slot_size + block - 1) / block;
+  if (dst_blocks.size() > chunks) return LLM_PARAM_INVALID;
+  target.flags = wire::kWithinSlot;
+  FramePlanner planner(target);
+  for_each_tensor(span, [&](uint32_t local, uint32_t remote_tensor) {
+    for (size_t j = 0; j < dst_blocks.size(); ++j) {
+      const uint64_t offset = j * block;
+      planner.add(dst->addrs[local] + dst_blocks[j] * block, remote_tensor, src_name.slot, offset,
+                  std::min(block, remote.slot_size - offset));
+    }
+  });
+  return start_remote(link, false, planner, dst, out);
 }
 
 }  // namespace datadist

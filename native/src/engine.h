@@ -21,7 +21,9 @@
 #include "local_copy.h"
 #include "options.h"
 #include "registry.h"
+#include "remote_plan.h"
 #include "request.h"
+#include "transport/tcp_transport.h"
 #include "worker_pool.h"
 
 namespace datadist {
@@ -32,6 +34,24 @@ struct CacheView {
   int64_t cache_id = -1;
   CacheSpec spec;
   std::vector<uintptr_t> addrs;
+};
+
+// A cache on a peer: by id, by a key bound to one of its slots, or the
+// blocks cache of a model id; `slot` is the batch slot to use (counted from
+// the key's slot for a key).
+struct RemoteName {
+  uint8_t kind = wire::kById;
+  int64_t cache_id = -1;
+  KeySpec key;
+  uint64_t model_id = 0;
+  uint64_t slot = 0;
+};
+
+struct LinkTarget {
+  uint64_t peer_id = 0;
+  std::string remote_ip;
+  uint16_t remote_port = 0;
+  std::string local_ip;
 };
 
 class Engine {
@@ -66,12 +86,38 @@ class Engine {
   Status copy_blocks(const CacheView &dst, const CacheView &src, const BlockPairs &pairs,
                      std::shared_ptr<Request> &out);
 
+  // Links. Statuses per target, in order; the return is LLM_SUCCESS only if
+  // every one succeeded.
+  uint16_t listen_port() const;
+  Status link_clusters(const std::vector<LinkTarget> &targets, int timeout_ms, std::vector<Status> &rets);
+  Status unlink_clusters(const std::vector<uint64_t> &peers, bool force, std::vector<Status> &rets);
+  // New role and listening state: listens on `listen_ip:listen_port` when
+  // given (port 0 picks one), else stops listening. LLM_EXIST_LINK while
+  // any link exists.
+  Status switch_role(const std::string &role, const std::optional<std::string> &listen_ip, uint16_t listen_port);
+
+  // Transfers with a peer. `span.local_first` counts layers of the local
+  // cache (the source of a push, the destination of a pull).
+  Status push_cache(int64_t src_id, uint64_t src_slot, uint64_t peer, int64_t dst_cache_id, uint64_t dst_slot,
+                    const LayerSpan &span, std::shared_ptr<Request> &out);
+  Status push_blocks(int64_t src_id, uint64_t peer, uint64_t dst_model_id, const std::vector<uint64_t> &src_blocks,
+                     const std::vector<uint64_t> &dst_blocks, const LayerSpan &span, std::shared_ptr<Request> &out);
+  Status pull_cache(int64_t dst_id, uint64_t dst_slot, uint64_t peer, const RemoteName &src, int64_t size,
+                    const LayerSpan &span, std::shared_ptr<Request> &out);
+  Status pull_blocks(int64_t dst_id, uint64_t peer, const RemoteName &src, const std::vector<uint64_t> &src_blocks,
+                     const std::vector<uint64_t> &dst_blocks, const LayerSpan &span, std::shared_ptr<Request> &out);
+
  private:
   enum class State { kCreated, kReady, kFinalized };
 
   Status resolve(const CacheView &view, std::shared_ptr<CacheEntry> &out) const;
   Status start_copy(std::vector<CopySegment> segments, std::vector<std::shared_ptr<CacheEntry>> pins,
                     std::shared_ptr<Request> &out);
+  // Checks shared by every transfer with a peer.
+  Status prepare_remote(int64_t local_id, uint64_t peer, const LayerSpan &span,
+                        std::shared_ptr<CacheEntry> &entry, std::shared_ptr<Link> &link) const;
+  Status start_remote(const std::shared_ptr<Link> &link, bool write, FramePlanner &planner,
+                      std::shared_ptr<CacheEntry> pin, std::shared_ptr<Request> &out);
 
   const uint64_t cluster_id_;
   std::shared_ptr<CompletionQueue> completions_;
@@ -80,6 +126,7 @@ class Engine {
   EngineOptions options_;
   std::shared_ptr<HostPool> host_pool_;
   std::unique_ptr<WorkerPool> workers_;
+  std::unique_ptr<TcpTransport> transport_;
 
   mutable std::shared_mutex state_mu_;  // shared by calls, exclusive for init/finalize
   State state_ = State::kCreated;

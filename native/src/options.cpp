@@ -90,6 +90,28 @@ const std::string *find(const OptionMap &options, const char *key) {
 
 }  // namespace
 
+uint32_t role_code(const std::string &role) {
+  if (role == "Prompt") return 1;
+  if (role == "Decoder") return 2;
+  if (role == "Mix") return 3;
+  return 0;
+}
+
+Status parse_listen(const OptionMap &options, std::optional<std::string> &ip, uint16_t &port) {
+  const std::string *listen_ip = find(options, kOptListenIp);
+  if (listen_ip == nullptr) {
+    ip.reset();
+    port = 0;
+    return LLM_SUCCESS;
+  }
+  uint64_t value = 0;
+  const std::string *listen_port = find(options, kOptListenPort);
+  if (listen_port == nullptr || !parse_uint(*listen_port, UINT16_MAX, value)) return LLM_PARAM_INVALID;
+  ip = *listen_ip;
+  port = static_cast<uint16_t>(value);
+  return LLM_SUCCESS;
+}
+
 Status parse_pool_config(const std::string &json, PoolConfig &out) {
   std::map<std::string, uint64_t> fields;
   if (!FlatJsonReader(json).read(fields)) return LLM_PARAM_INVALID;
@@ -106,7 +128,7 @@ Status parse_pool_config(const std::string &json, PoolConfig &out) {
 
 Status parse_options(const OptionMap &options, EngineOptions &out) {
   if (const std::string *role = find(options, kOptRole)) {
-    if (*role != "Prompt" && *role != "Decoder" && *role != "Mix") return LLM_PARAM_INVALID;
+    if (role_code(*role) == 0) return LLM_PARAM_INVALID;
     out.role = *role;
   }
   PoolConfig pool;
@@ -129,6 +151,11 @@ Status parse_options(const OptionMap &options, EngineOptions &out) {
     if (!parse_uint(*threads, 64, value) || value == 0) return LLM_PARAM_INVALID;
     out.engine_threads = static_cast<uint32_t>(value);
   }
+  if (const std::string *conns = find(options, kOptTcpConnections)) {
+    if (!parse_uint(*conns, 64, value) || value == 0) return LLM_PARAM_INVALID;
+    out.tcp_connections_per_peer = static_cast<uint32_t>(value);
+  }
+  if (parse_listen(options, out.listen_ip, out.listen_port) != LLM_SUCCESS) return LLM_PARAM_INVALID;
   if (const std::string *rca = find(options, kOptRemoteCacheAccessible)) {
     if (*rca != "0" && *rca != "1") return LLM_PARAM_INVALID;
     out.remote_cache_accessible = *rca == "1";

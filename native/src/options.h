@@ -22,6 +22,9 @@ inline constexpr const char *kOptDeviceMemPool = "llm.MemPoolConfig";
 inline constexpr const char *kOptSyncKvTimeout = "llm.SyncKvCacheWaitTime";
 inline constexpr const char *kOptEngineThreads = "llm.EngineThreads";
 inline constexpr const char *kOptRemoteCacheAccessible = "llm.EnableRemoteCacheAccessible";
+inline constexpr const char *kOptListenIp = "llm.ListenIp";
+inline constexpr const char *kOptListenPort = "llm.ListenPort";
+inline constexpr const char *kOptTcpConnections = "llm.TcpConnectionsPerPeer";
 
 struct EngineOptions {
   std::string role = "Prompt";
@@ -30,7 +33,16 @@ struct EngineOptions {
   uint32_t sync_kv_timeout_ms = 1000;
   uint32_t engine_threads = 2;
   bool remote_cache_accessible = false;
+  std::optional<std::string> listen_ip;
+  uint16_t listen_port = 0;
+  uint32_t tcp_connections_per_peer = 2;
 };
+
+// Role names as options spell them: "Prompt" 1, "Decoder" 2, "Mix" 3; 0 if unknown.
+uint32_t role_code(const std::string &role);
+
+// Reads llm.ListenIp / llm.ListenPort when present.
+Status parse_listen(const OptionMap &options, std::optional<std::string> &ip, uint16_t &port);
 
 // LLM_PARAM_INVALID for a malformed value; unknown keys are ignored.
 Status parse_options(const OptionMap &options, EngineOptions &out);

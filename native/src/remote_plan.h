@@ -1,0 +1,45 @@
+// Planning of push and pull operations: which local bytes go to (or come
+// from) which named ranges of a peer's cache, packed into frames. Small
+// blocks share a frame; large ranges are split so frames stay bounded and
+// spread over the link's connections.
+#ifndef DATADIST_REMOTE_PLAN_H_
+#define DATADIST_REMOTE_PLAN_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "transport/link.h"
+#include "transport/wire.h"
+
+namespace datadist {
+
+// Layers moved by one call: local layer `local_first + l` pairs with remote
+// layer `remote_first + l` for l < count; layer i is tensors
+// [i * per_layer, (i + 1) * per_layer).
+struct LayerSpan {
+  uint32_t local_first = 0;
+  uint32_t remote_first = 0;
+  uint32_t count = 0;
+  uint32_t per_layer = 2;
+};
+
+class FramePlanner {
+ public:
+  explicit FramePlanner(const wire::Target &target, uint64_t frame_bytes = 4ull << 20, size_t frame_ranges = 2048);
+
+  // Local bytes [local, local + length) pair with bytes
+  // [slot * slot_size + offset, + length) of remote tensor `tensor`.
+  void add(uint8_t *local, uint32_t tensor, uint64_t slot, uint64_t offset, uint64_t length);
+  std::vector<PlannedFrame> take();
+
+ private:
+  wire::Target target_;
+  uint64_t frame_bytes_;
+  size_t frame_ranges_;
+  uint64_t filled_ = 0;
+  std::vector<PlannedFrame> frames_;
+};
+
+}  // namespace datadist
+
+#endif  // DATADIST_REMOTE_PLAN_H_

@@ -1,0 +1,373 @@
+#include "transport/link.h"
+
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "log.h"
+#include "transport/socket_util.h"
+#include "transport/target_resolver.h"
+
+namespace datadist {
+
+using llm_datadist::LLM_LINK_FAILED;
+using llm_datadist::LLM_SUCCESS;
+using llm_datadist::LLM_TIMEOUT;
+using wire::FrameHeader;
+using wire::FrameType;
+
+Link::Link(uint64_t peer_id, uint32_t peer_role, bool initiated_here, std::vector<int> fds, LinkHost *host)
+    : peer_id_(peer_id), peer_role_(peer_role), initiated_here_(initiated_here), host_(host) {
+  for (int fd : fds) {
+    auto conn = std::make_unique<Connection>();
+    conn->fd = fd;
+    conns_.push_back(std::move(conn));
+  }
+}
+
+Link::~Link() {
+  for (auto &conn : conns_) {
+    if (conn->fd >= 0) ::close(conn->fd);
+  }
+}
+
+void Link::start() {
+  auto self = shared_from_this();
+  for (auto &conn : conns_) {
+    Connection *c = conn.get();
+    c->reader = std::thread([self, c] { self->reader_loop(*c); });
+    c->writer = std::thread([self, c] { self->writer_loop(*c); });
+  }
+}
+
+Link::Connection &Link::next_connection() {
+  return *conns_[next_conn_.fetch_add(1, std::memory_order_relaxed) % conns_.size()];
+}
+
+void Link::enqueue(Connection &conn, OutFrame frame) {
+  {
+    std::lock_guard<std::mutex> lock(conn.mu);
+    conn.queue.push_back(std::move(frame));
+  }
+  conn.cv.notify_one();
+}
+
+void Link::submit(bool write, std::vector<PlannedFrame> frames, const std::shared_ptr<Request> &request,
+                  size_t result_index, Clock::time_point deadline, std::shared_ptr<const void> pin) {
+  for (PlannedFrame &planned : frames) {
+    request->hold();
+    OutFrame out;
+    uint64_t data_len = 0;
+    for (const wire::Range &r : planned.ranges) data_len += r.length;
+    out.body = wire::encode_request(planned.target, planned.ranges);
+    out.header = wire::make_header(write ? FrameType::kWrite : FrameType::kRead, 0,
+                                   static_cast<uint32_t>(out.body.size()), write ? data_len : 0);
+    out.pin = pin;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (reaped_) {
+        request->release(result_index, down_reason_, true);
+        continue;
+      }
+      out.op_id = next_op_++;
+      OpenOp &op = open_[out.op_id];
+      op.request = request;
+      op.result_index = result_index;
+      op.deadline = deadline;
+      op.pin = pin;
+      if (!write) {
+        op.recv = std::move(planned.local);
+        op.recv_bytes = data_len;
+      }
+    }
+    out.header.op_id = out.op_id;
+    if (write) out.data = std::move(planned.local);
+    enqueue(next_connection(), std::move(out));
+  }
+}
+
+Status Link::lookup(const wire::Target &target, wire::LookupReply &reply, int timeout_ms) {
+  auto state = std::make_shared<LookupState>();
+  OutFrame out;
+  out.body = wire::encode_request(target, {});
+  out.header = wire::make_header(FrameType::kLookup, 0, static_cast<uint32_t>(out.body.size()), 0);
+  const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (reaped_ || is_down()) return down_reason_;
+    out.op_id = next_op_++;
+    OpenOp &op = open_[out.op_id];
+    op.deadline = deadline;
+    op.lookup = state;
+  }
+  out.header.op_id = out.op_id;
+  enqueue(next_connection(), std::move(out));
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!answered_cv_.wait_until(lock, deadline, [&] { return state->done; })) return LLM_TIMEOUT;
+  reply = state->reply;
+  return state->status;
+}
+
+void Link::mark(uint64_t op_id, bool sent, bool answered, Status status, bool skipped) {
+  OpenOp done;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = open_.find(op_id);
+    if (it == open_.end()) return;
+    OpenOp &op = it->second;
+    op.sent = op.sent || sent;
+    op.answered = op.answered || answered;
+    op.skipped = op.skipped || skipped;
+    if (status != LLM_SUCCESS && op.status == LLM_SUCCESS) op.status = status;
+    if (!(op.sent && op.answered)) return;
+    done = std::move(op);
+    open_.erase(it);
+    if (done.lookup) {
+      done.lookup->status = done.status;
+      done.lookup->done = true;
+    }
+  }
+  answered_cv_.notify_all();
+  settle(done);
+}
+
+void Link::settle(OpenOp &op) {
+  if (op.request) op.request->release(op.result_index, op.status, op.skipped);
+}
+
+void Link::writer_loop(Connection &conn) {
+  for (;;) {
+    OutFrame frame;
+    {
+      std::unique_lock<std::mutex> lock(conn.mu);
+      conn.cv.wait(lock, [&] { return is_down() || !conn.queue.empty(); });
+      if (is_down()) return;  // what is left is settled by reap()
+      frame = std::move(conn.queue.front());
+      conn.queue.pop_front();
+    }
+    if (frame.op_id != 0) {
+      std::shared_ptr<Request> request;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = open_.find(frame.op_id);
+        if (it != open_.end()) request = it->second.request;
+      }
+      if (request && request->cancel_requested()) {
+        mark(frame.op_id, true, true, request->cancel_reason(), true);
+        continue;
+      }
+    }
+    std::vector<iovec> iov;
+    iov.reserve(2 + frame.data.size());
+    iov.push_back({&frame.header, sizeof(frame.header)});
+    if (!frame.body.empty()) iov.push_back({frame.body.data(), frame.body.size()});
+    iov.insert(iov.end(), frame.data.begin(), frame.data.end());
+    const bool ok = net::writev_full(conn.fd, iov.data(), iov.size());
+    if (frame.op_id != 0) mark(frame.op_id, true, false, ok ? LLM_SUCCESS : LLM_LINK_FAILED);
+    if (!ok) {
+      fail(LLM_LINK_FAILED, "send to peer failed: " + net::errno_text());
+      return;
+    }
+  }
+}
+
+void Link::reader_loop(Connection &conn) {
+  for (;;) {
+    FrameHeader header;
+    if (!net::read_full(conn.fd, &header, sizeof(header))) {
+      fail(LLM_LINK_FAILED, "connection closed by the peer");
+      return;
+    }
+    const std::string problem = wire::check_header(header);
+    if (!problem.empty()) {
+      fail(LLM_LINK_FAILED, "malformed frame from the peer (" + problem + "); closing the link");
+      return;
+    }
+    std::vector<uint8_t> body(header.body_len);
+    if (!body.empty() && !net::read_full(conn.fd, body.data(), body.size())) {
+      fail(LLM_LINK_FAILED, "connection closed by the peer");
+      return;
+    }
+    if (!handle_frame(conn, header, body)) return;
+  }
+}
+
+bool Link::handle_frame(Connection &conn, const FrameHeader &header, std::vector<uint8_t> &body) {
+  const auto type = static_cast<FrameType>(header.type);
+  switch (type) {
+    case FrameType::kWrite:
+    case FrameType::kRead:
+    case FrameType::kLookup: {
+      wire::Request req;
+      std::string problem = wire::decode_request(body, req);
+      if (problem.empty() && type == FrameType::kWrite && header.data_len != req.total_bytes) {
+        problem = "data length does not match the ranges";
+      }
+      if (!problem.empty()) {
+        fail(LLM_LINK_FAILED, "malformed request from the peer (" + problem + "); closing the link");
+        return false;
+      }
+      if (type == FrameType::kWrite) {
+        serve_write(conn, header, req);
+      } else if (type == FrameType::kRead) {
+        serve_read(conn, header, req);
+      } else {
+        serve_lookup(conn, header, req);
+      }
+      return !is_down();
+    }
+    case FrameType::kWriteAck:
+    case FrameType::kReadData:
+    case FrameType::kLookupReply:
+      return take_answer(header, body, conn);
+    default:
+      fail(LLM_LINK_FAILED, "unexpected frame type " + std::to_string(header.type) + "; closing the link");
+      return false;
+  }
+}
+
+void Link::serve_write(Connection &conn, const FrameHeader &header, const wire::Request &req) {
+  ResolvedTarget target;
+  Status st = resolve_request(host_->registry(), req, target);
+  const bool ok = st == LLM_SUCCESS ? net::readv_full(conn.fd, target.iov.data(), target.iov.size())
+                                    : net::discard(conn.fd, header.data_len);
+  if (!ok) {
+    fail(LLM_LINK_FAILED, "connection closed by the peer");
+    return;
+  }
+  OutFrame ack;
+  ack.header = wire::make_header(FrameType::kWriteAck, header.op_id, 0, 0, st);
+  enqueue(conn, std::move(ack));
+}
+
+void Link::serve_read(Connection &conn, const FrameHeader &header, const wire::Request &req) {
+  ResolvedTarget target;
+  Status st = resolve_request(host_->registry(), req, target);
+  OutFrame out;
+  out.header = wire::make_header(FrameType::kReadData, header.op_id, 0, st == LLM_SUCCESS ? req.total_bytes : 0, st);
+  if (st == LLM_SUCCESS) {
+    out.data = std::move(target.iov);
+    out.pin = target.entry;
+  }
+  enqueue(conn, std::move(out));
+}
+
+void Link::serve_lookup(Connection &conn, const FrameHeader &header, const wire::Request &req) {
+  ResolvedTarget target;
+  Status st = find_target(host_->registry(), req.target, target);
+  wire::LookupReply reply{};
+  if (st == LLM_SUCCESS) {
+    const CacheEntry &entry = *target.entry;
+    reply.cache_id = entry.id;
+    reply.num_tensors = static_cast<uint32_t>(entry.addrs.size());
+    reply.remote_accessible = entry.remote_accessible ? 1 : 0;
+    reply.slot_size = entry.geometry.slot_size;
+    reply.num_slots = entry.geometry.num_slots;
+    reply.bound_slot = target.bound_slot;
+  }
+  OutFrame out;
+  out.body.resize(sizeof(reply));
+  std::memcpy(out.body.data(), &reply, sizeof(reply));
+  out.header = wire::make_header(FrameType::kLookupReply, header.op_id, sizeof(reply), 0, st);
+  enqueue(conn, std::move(out));
+}
+
+bool Link::take_answer(const FrameHeader &header, std::vector<uint8_t> &body, Connection &conn) {
+  const auto type = static_cast<FrameType>(header.type);
+  std::vector<iovec> recv;
+  bool known = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = open_.find(header.op_id);
+    if (it != open_.end() && !it->second.answered) {
+      OpenOp &op = it->second;
+      known = true;
+      if (type == FrameType::kReadData) {
+        if (header.status == LLM_SUCCESS && header.data_len != op.recv_bytes) known = false;
+        if (header.status == LLM_SUCCESS) recv = op.recv;
+      } else if (type == FrameType::kLookupReply) {
+        if (!op.lookup || body.size() != sizeof(wire::LookupReply)) {
+          known = false;
+        } else if (header.status == LLM_SUCCESS) {
+          std::memcpy(&op.lookup->reply, body.data(), sizeof(wire::LookupReply));
+        }
+      }
+    }
+  }
+  if (!known || (header.status != LLM_SUCCESS && header.data_len != 0)) {
+    fail(LLM_LINK_FAILED, "unexpected answer from the peer; closing the link");
+    return false;
+  }
+  if (!recv.empty() && !net::readv_full(conn.fd, recv.data(), recv.size())) {
+    fail(LLM_LINK_FAILED, "connection closed by the peer");
+    return false;
+  }
+  mark(header.op_id, false, true, header.status);
+  return true;
+}
+
+void Link::fail(Status reason, const std::string &why) {
+  if (down_.exchange(true, std::memory_order_acq_rel)) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    down_reason_ = reason;
+  }
+  if (!why.empty()) log_warning("link to cluster " + std::to_string(peer_id_) + ": " + why);
+  for (auto &conn : conns_) {
+    ::shutdown(conn->fd, SHUT_RDWR);
+    std::lock_guard<std::mutex> lock(conn->mu);
+    conn->cv.notify_all();
+  }
+  host_->link_down(shared_from_this());
+}
+
+void Link::reap() {
+  for (auto &conn : conns_) {
+    if (conn->reader.joinable()) conn->reader.join();
+    if (conn->writer.joinable()) conn->writer.join();
+  }
+  for (auto &conn : conns_) {
+    std::deque<OutFrame> dropped;
+    {
+      std::lock_guard<std::mutex> lock(conn->mu);
+      dropped.swap(conn->queue);
+    }
+  }
+  std::vector<OpenOp> open;
+  Status reason;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    reaped_ = true;
+    reason = down_reason_;
+    for (auto &entry : open_) {
+      if (entry.second.lookup) {
+        entry.second.lookup->status = reason;
+        entry.second.lookup->done = true;
+      }
+      open.push_back(std::move(entry.second));
+    }
+    open_.clear();
+  }
+  answered_cv_.notify_all();
+  for (OpenOp &op : open) {
+    if (op.status == LLM_SUCCESS) op.status = reason;
+    op.skipped = op.skipped || !op.sent;
+    settle(op);
+  }
+}
+
+bool Link::overdue(Clock::time_point now) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto &entry : open_) {
+    if (entry.second.deadline <= now) return true;
+  }
+  return false;
+}
+
+size_t Link::open_operations() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return open_.size();
+}
+
+}  // namespace datadist

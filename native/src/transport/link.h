@@ -1,0 +1,154 @@
+// Link: the established connection set to one peer engine, usable in both
+// directions.
+//
+// Threads: each connection has one reader and one writer thread. submit(),
+// lookup(), fail() may be called from any thread. reap() is called once,
+// by the transport's housekeeping thread, after fail(): it joins the
+// connection threads and only then settles every operation still open, so
+// no byte of a settled operation can move afterwards.
+// An operation is settled when its frame has left the writer (or was
+// skipped) and its answer has come (or the link died).
+#ifndef DATADIST_TRANSPORT_LINK_H_
+#define DATADIST_TRANSPORT_LINK_H_
+
+#include <sys/uio.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "registry.h"
+#include "request.h"
+#include "transport/wire.h"
+
+namespace datadist {
+
+using Clock = std::chrono::steady_clock;
+
+class Link;
+
+// What a link needs from the transport that owns it.
+class LinkHost {
+ public:
+  virtual ~LinkHost() = default;
+  virtual const Registry &registry() const = 0;
+  // The link has failed or was closed; the host reaps it.
+  virtual void link_down(const std::shared_ptr<Link> &link) = 0;
+};
+
+// One frame of an operation, planned by the initiator.
+struct PlannedFrame {
+  wire::Target target{};
+  std::vector<wire::Range> ranges;
+  std::vector<iovec> local;  // source (write) or destination (read), one per range
+};
+
+class Link : public std::enable_shared_from_this<Link> {
+ public:
+  Link(uint64_t peer_id, uint32_t peer_role, bool initiated_here, std::vector<int> fds, LinkHost *host);
+  ~Link();
+  Link(const Link &) = delete;
+  Link &operator=(const Link &) = delete;
+
+  void start();
+  uint64_t peer_id() const { return peer_id_; }
+  uint32_t peer_role() const { return peer_role_; }
+  bool initiated_here() const { return initiated_here_; }
+  bool is_down() const { return down_.load(std::memory_order_acquire); }
+
+  // Sends the frames of one operation; each settles `result_index` of
+  // `request` (one hold per frame is taken here). `pin` stays alive until
+  // every frame has settled.
+  void submit(bool write, std::vector<PlannedFrame> frames, const std::shared_ptr<Request> &request,
+              size_t result_index, Clock::time_point deadline, std::shared_ptr<const void> pin);
+
+  // Asks the peer for the geometry of a cache; blocks up to timeout_ms.
+  Status lookup(const wire::Target &target, wire::LookupReply &reply, int timeout_ms);
+
+  // Marks the link down with `reason` (the status its open operations
+  // get), wakes its threads and asks the host to reap it. Idempotent.
+  void fail(Status reason, const std::string &why);
+  void reap();
+
+  // True if an open operation is past its deadline.
+  bool overdue(Clock::time_point now) const;
+  size_t open_operations() const;
+
+ private:
+  struct OutFrame {
+    wire::FrameHeader header{};
+    std::vector<uint8_t> body;
+    std::vector<iovec> data;
+    std::shared_ptr<const void> pin;
+    uint64_t op_id = 0;  // set for frames this end is waiting an answer to
+  };
+
+  struct Connection {
+    int fd = -1;
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<OutFrame> queue;
+    std::thread reader;
+    std::thread writer;
+  };
+
+  struct LookupState {
+    wire::LookupReply reply{};
+    Status status = llm_datadist::LLM_SUCCESS;
+    bool done = false;
+  };
+
+  struct OpenOp {
+    std::shared_ptr<Request> request;
+    size_t result_index = 0;
+    Clock::time_point deadline;
+    std::shared_ptr<const void> pin;
+    std::vector<iovec> recv;  // where answered data lands
+    uint64_t recv_bytes = 0;
+    bool sent = false;
+    bool answered = false;
+    bool skipped = false;
+    Status status = llm_datadist::LLM_SUCCESS;
+    std::shared_ptr<LookupState> lookup;  // set for lookups
+  };
+
+  void enqueue(Connection &conn, OutFrame frame);
+  Connection &next_connection();
+  void reader_loop(Connection &conn);
+  void writer_loop(Connection &conn);
+  bool handle_frame(Connection &conn, const wire::FrameHeader &header, std::vector<uint8_t> &body);
+  void serve_write(Connection &conn, const wire::FrameHeader &header, const wire::Request &req);
+  void serve_read(Connection &conn, const wire::FrameHeader &header, const wire::Request &req);
+  void serve_lookup(Connection &conn, const wire::FrameHeader &header, const wire::Request &req);
+  bool take_answer(const wire::FrameHeader &header, std::vector<uint8_t> &body, Connection &conn);
+  // Marks a side of an open operation done; settles it when both are.
+  void mark(uint64_t op_id, bool sent, bool answered, Status status, bool skipped = false);
+  void settle(OpenOp &op);
+
+  const uint64_t peer_id_;
+  const uint32_t peer_role_;
+  const bool initiated_here_;
+  LinkHost *host_;
+  std::vector<std::unique_ptr<Connection>> conns_;
+  std::atomic<bool> down_{false};
+  std::atomic<uint64_t> next_conn_{0};
+
+  mutable std::mutex mu_;
+  std::condition_variable answered_cv_;
+  uint64_t next_op_ = 1;
+  std::unordered_map<uint64_t, OpenOp> open_;
+  Status down_reason_ = llm_datadist::LLM_LINK_FAILED;
+  bool reaped_ = false;
+};
+
+}  // namespace datadist
+
+#endif  // DATADIST_TRANSPORT_LINK_H_

@@ -1,0 +1,165 @@
+#include "socket_util.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <vector>
+
+namespace datadist::net {
+
+namespace {
+
+constexpr size_t kMaxIov = 1024;
+
+bool to_addr(const std::string &ip, uint16_t port, sockaddr_in &addr) {
+  std::memset(&addr, 0, sizeof(addr));
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  return ::inet_pton(AF_INET, ip.c_str(), &addr.sin_addr) == 1;
+}
+
+// Drops `done` bytes from the front of an iovec array; returns the new start.
+size_t advance(iovec *iov, size_t count, size_t start, size_t done) {
+  while (start < count && done >= iov[start].iov_len) {
+    done -= iov[start].iov_len;
+    ++start;
+  }
+  if (start < count) {
+    iov[start].iov_base = static_cast<uint8_t *>(iov[start].iov_base) + done;
+    iov[start].iov_len -= done;
+  }
+  return start;
+}
+
+}  // namespace
+
+std::string errno_text() { return std::strerror(errno); }
+
+int listen_tcp(const std::string &ip, uint16_t port, uint16_t &bound_port, std::string &error) {
+  sockaddr_in addr;
+  if (!to_addr(ip, port, addr)) {
+    error = "not an IPv4 address: " + ip;
+    return -1;
+  }
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) {
+    error = errno_text();
+    return -1;
+  }
+  int one = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  if (::bind(fd, reinterpret_cast<sockaddr *>(&addr), sizeof(addr)) != 0 || ::listen(fd, 128) != 0) {
+    error = errno_text();
+    ::close(fd);
+    return -1;
+  }
+  socklen_t len = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr *>(&addr), &len);
+  bound_port = ntohs(addr.sin_port);
+  return fd;
+}
+
+int connect_tcp(const std::string &ip, uint16_t port, const std::string &local_ip, int timeout_ms, bool &timed_out) {
+  timed_out = false;
+  sockaddr_in addr;
+  if (!to_addr(ip, port, addr)) return -1;
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return -1;
+  sockaddr_in local;
+  if (!local_ip.empty() && local_ip != "0.0.0.0" && to_addr(local_ip, 0, local) &&
+      ::bind(fd, reinterpret_cast<sockaddr *>(&local), sizeof(local)) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  if (::connect(fd, reinterpret_cast<sockaddr *>(&addr), sizeof(addr)) != 0) {
+    if (errno != EINPROGRESS) {
+      ::close(fd);
+      return -1;
+    }
+    pollfd p{fd, POLLOUT, 0};
+    int n;
+    do {
+      n = ::poll(&p, 1, timeout_ms);
+    } while (n < 0 && errno == EINTR);
+    int err = 0;
+    socklen_t len = sizeof(err);
+    if (n == 0) timed_out = true;
+    if (n <= 0 || ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0 || err != 0) {
+      ::close(fd);
+      return -1;
+    }
+  }
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+  return fd;
+}
+
+void tune_data_socket(int fd, unsigned user_timeout_ms) {
+  int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  ::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
+  int idle = 5, interval = 2, count = 3;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle));
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof(interval));
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof(count));
+  ::setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout_ms, sizeof(user_timeout_ms));
+}
+
+void set_receive_timeout(int fd, int timeout_ms) {
+  timeval tv{timeout_ms / 1000, (timeout_ms % 1000) * 1000};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+}
+
+bool read_full(int fd, void *buf, size_t len) {
+  iovec iov{buf, len};
+  return readv_full(fd, &iov, 1);
+}
+
+bool write_full(int fd, const void *buf, size_t len) {
+  iovec iov{const_cast<void *>(buf), len};
+  return writev_full(fd, &iov, 1);
+}
+
+bool readv_full(int fd, iovec *iov, size_t count) {
+  size_t start = advance(iov, count, 0, 0);
+  while (start < count) {
+    ssize_t n = ::readv(fd, iov + start, static_cast<int>(std::min(count - start, kMaxIov)));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    start = advance(iov, count, start, static_cast<size_t>(n));
+  }
+  return true;
+}
+
+bool writev_full(int fd, iovec *iov, size_t count) {
+  size_t start = advance(iov, count, 0, 0);
+  while (start < count) {
+    msghdr msg{};
+    msg.msg_iov = iov + start;
+    msg.msg_iovlen = std::min(count - start, kMaxIov);
+    ssize_t n = ::sendmsg(fd, &msg, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    start = advance(iov, count, start, static_cast<size_t>(n));
+  }
+  return true;
+}
+
+bool discard(int fd, uint64_t len) {
+  std::vector<uint8_t> scratch(static_cast<size_t>(std::min<uint64_t>(len, 1 << 20)));
+  while (len > 0) {
+    const size_t take = static_cast<size_t>(std::min<uint64_t>(len, scratch.size()));
+    if (!read_full(fd, scratch.data(), take)) return false;
+    len -= take;
+  }
+  return true;
+}
+
+}  // namespace datadist::net

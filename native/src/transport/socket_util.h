@@ -1,0 +1,42 @@
+// Blocking socket helpers for the TCP transport. Every function retries on
+// EINTR and never raises SIGPIPE.
+#ifndef DATADIST_TRANSPORT_SOCKET_UTIL_H_
+#define DATADIST_TRANSPORT_SOCKET_UTIL_H_
+
+#include <sys/uio.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace datadist::net {
+
+// A listening socket on ip:port (port 0 picks one); -1 on failure, with the
+// reason in `error`.
+int listen_tcp(const std::string &ip, uint16_t port, uint16_t &bound_port, std::string &error);
+
+// Connects within timeout_ms; -1 on failure. `timed_out` tells a timeout
+// from a refusal. `local_ip`, when not empty, is bound first.
+int connect_tcp(const std::string &ip, uint16_t port, const std::string &local_ip, int timeout_ms, bool &timed_out);
+
+// TCP_NODELAY, keepalive and TCP_USER_TIMEOUT so a dead peer is noticed in
+// bounded time.
+void tune_data_socket(int fd, unsigned user_timeout_ms);
+
+// Bounds blocking reads (0 clears the bound).
+void set_receive_timeout(int fd, int timeout_ms);
+
+bool read_full(int fd, void *buf, size_t len);
+bool write_full(int fd, const void *buf, size_t len);
+// Reads or writes exactly the bytes the iovecs describe; the array is
+// consumed (modified) on the way.
+bool readv_full(int fd, iovec *iov, size_t count);
+bool writev_full(int fd, iovec *iov, size_t count);
+// Reads and drops `len` bytes.
+bool discard(int fd, uint64_t len);
+
+std::string errno_text();
+
+}  // namespace datadist::net
+
+#endif  // DATADIST_TRANSPORT_SOCKET_UTIL_H_

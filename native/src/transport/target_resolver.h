@@ -1,0 +1,33 @@
+// The owner's side of a cache operation: turns a peer's request (a named
+// cache and byte ranges) into local memory, checking every range before
+// any byte moves. A request with any bad part is refused whole.
+#ifndef DATADIST_TRANSPORT_TARGET_RESOLVER_H_
+#define DATADIST_TRANSPORT_TARGET_RESOLVER_H_
+
+#include <sys/uio.h>
+
+#include <memory>
+#include <vector>
+
+#include "registry.h"
+#include "transport/wire.h"
+
+namespace datadist {
+
+struct ResolvedTarget {
+  std::shared_ptr<CacheEntry> entry;  // pins the memory while bytes move
+  uint64_t bound_slot = 0;
+  std::vector<iovec> iov;             // one per range, in order
+};
+
+// Finds the cache a target names (LLM_KV_CACHE_NOT_EXIST if none).
+Status find_target(const Registry &registry, const wire::Target &target, ResolvedTarget &out);
+
+// find_target, then: remote access allowed, expected slot size, and every
+// range inside its tensor (and inside one slot when asked); otherwise
+// LLM_PARAM_INVALID and `out.iov` stays empty.
+Status resolve_request(const Registry &registry, const wire::Request &request, ResolvedTarget &out);
+
+}  // namespace datadist
+
+#endif  // DATADIST_TRANSPORT_TARGET_RESOLVER_H_

@@ -1,0 +1,365 @@
+#include "transport/tcp_transport.h"
+
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <random>
+
+#include "log.h"
+#include "transport/socket_util.h"
+
+namespace datadist {
+
+using llm_datadist::LLM_ALREADY_LINK;
+using llm_datadist::LLM_LINK_FAILED;
+using llm_datadist::LLM_NOT_YET_LINK;
+using llm_datadist::LLM_PARAM_INVALID;
+using llm_datadist::LLM_SUCCESS;
+using llm_datadist::LLM_TIMEOUT;
+using wire::FrameHeader;
+using wire::FrameType;
+
+namespace {
+
+constexpr int kHandshakeTimeoutMs = 2000;
+constexpr auto kFormingLimit = std::chrono::seconds(10);
+constexpr auto kDeadlinePoll = std::chrono::milliseconds(20);
+constexpr uint32_t kMaxConnections = 64;
+
+uint64_t new_nonce() {
+  static std::mt19937_64 gen{std::random_device{}()};
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
+  return gen();
+}
+
+bool send_frame(int fd, FrameType type, const void *body, uint32_t body_len, Status status = LLM_SUCCESS) {
+  FrameHeader header = wire::make_header(type, 0, body_len, 0, status);
+  iovec iov[2] = {{&header, sizeof(header)}, {const_cast<void *>(body), body_len}};
+  return net::writev_full(fd, iov, body_len ? 2 : 1);
+}
+
+// Reads a handshake frame of type `type` whose body is exactly sizeof(T).
+template <typename T>
+bool recv_frame(int fd, FrameType type, FrameHeader &header, T &body) {
+  if (!net::read_full(fd, &header, sizeof(header))) return false;
+  if (!wire::check_header(header).empty() || header.type != static_cast<uint16_t>(type)) return false;
+  if (header.body_len != sizeof(T)) return false;
+  return net::read_full(fd, &body, sizeof(T));
+}
+
+void close_all(const std::vector<int> &fds) {
+  for (int fd : fds) {
+    if (fd >= 0) ::close(fd);
+  }
+}
+
+}  // namespace
+
+TcpTransport::TcpTransport(uint64_t cluster_id, uint32_t role, const Registry &registry, TransportOptions options)
+    : cluster_id_(cluster_id), role_(role), registry_(registry), options_(options) {
+  housekeeping_ = std::thread([this] { housekeeping_loop(); });
+}
+
+TcpTransport::~TcpTransport() { shutdown(llm_datadist::LLM_LINK_FAILED); }
+
+Status TcpTransport::listen(const std::string &ip, uint16_t port) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stopping_) return llm_datadist::LLM_FAILED;
+  if (listen_fd_ >= 0) return LLM_SUCCESS;
+  std::string error;
+  uint16_t bound = 0;
+  int fd = net::listen_tcp(ip, port, bound, error);
+  if (fd < 0) {
+    log_warning("cannot listen on " + ip + ":" + std::to_string(port) + ": " + error);
+    return LLM_PARAM_INVALID;
+  }
+  listen_fd_ = fd;
+  listen_port_ = bound;
+  listen_ip_ = ip;
+  accept_thread_ = std::thread([this, fd] { accept_loop(fd); });
+  return LLM_SUCCESS;
+}
+
+void TcpTransport::stop_listening() {
+  std::thread accept;
+  int fd;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    fd = listen_fd_;
+    listen_fd_ = -1;
+    listen_port_ = 0;
+    listen_ip_.clear();
+    accept.swap(accept_thread_);
+  }
+  if (fd < 0) return;
+  ::shutdown(fd, SHUT_RDWR);
+  if (accept.joinable()) accept.join();
+  ::close(fd);
+}
+
+uint16_t TcpTransport::listen_port() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return listen_port_;
+}
+
+void TcpTransport::accept_loop(int listen_fd) {
+  for (;;) {
+    int fd = ::accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      return;  // the listener was shut down
+    }
+    accept_one(fd);
+  }
+}
+
+void TcpTransport::accept_one(int fd) {
+  net::tune_data_socket(fd, options_.user_timeout_ms);
+  net::set_receive_timeout(fd, kHandshakeTimeoutMs);
+  FrameHeader header;
+  wire::Hello hello;
+  if (!recv_frame(fd, FrameType::kHello, header, hello) || hello.conn_count == 0 ||
+      hello.conn_count > kMaxConnections || hello.conn_index >= hello.conn_count) {
+    log_warning("refused a connection: no valid handshake");
+    ::close(fd);
+    return;
+  }
+  if (hello.expected_peer_id != cluster_id_) {
+    wire::HelloAck ack{cluster_id_, role_.load(), 0};
+    send_frame(fd, FrameType::kHelloAck, &ack, sizeof(ack), LLM_LINK_FAILED);
+    ::close(fd);
+    return;
+  }
+  const auto key = std::make_pair(hello.cluster_id, hello.link_nonce);
+  bool complete;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Forming &forming = forming_[key];
+    if (forming.fds.empty()) {
+      forming.fds.assign(hello.conn_count, -1);
+      forming.started = Clock::now();
+      forming.role = hello.role;
+    }
+    if (forming.fds.size() != hello.conn_count || forming.fds[hello.conn_index] >= 0) {
+      ::close(fd);
+      return;
+    }
+    forming.fds[hello.conn_index] = fd;
+    complete = ++forming.arrived == forming.fds.size();
+  }
+  if (complete) admit(hello.cluster_id, hello.link_nonce);
+}
+
+void TcpTransport::admit(uint64_t peer_id, uint64_t nonce) {
+  Forming forming;
+  std::shared_ptr<Link> replaced;
+  Status st = LLM_SUCCESS;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = forming_.find({peer_id, nonce});
+    forming = std::move(it->second);
+    forming_.erase(it);
+    auto existing = links_.find(peer_id);
+    if (existing != links_.end() && existing->second->initiated_here()) {
+      st = LLM_ALREADY_LINK;
+    } else if (linking_.count(peer_id) != 0) {
+      st = LLM_ALREADY_LINK;
+    } else if (existing != links_.end()) {
+      replaced = existing->second;  // the peer linked again: its old link is gone
+      links_.erase(existing);
+    }
+  }
+  if (replaced) replaced->fail(LLM_LINK_FAILED, "replaced by a new link from the same cluster");
+  wire::HelloAck ack{cluster_id_, role_.load(), 0};
+  bool sent = true;
+  for (int fd : forming.fds) sent = send_frame(fd, FrameType::kHelloAck, &ack, sizeof(ack), st) && sent;
+  if (st != LLM_SUCCESS || !sent) {
+    close_all(forming.fds);
+    return;
+  }
+  for (int fd : forming.fds) net::set_receive_timeout(fd, 0);
+  auto link = std::make_shared<Link>(peer_id, forming.role, false, forming.fds, this);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return;  // the unstarted link closes its sockets
+    links_[peer_id] = link;
+  }
+  link->start();
+}
+
+Status TcpTransport::link(uint64_t peer_id, const std::string &ip, uint16_t port, const std::string &local_ip,
+                          int timeout_ms) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return llm_datadist::LLM_FAILED;
+    if (links_.count(peer_id) != 0 || !linking_.insert(peer_id).second) return LLM_ALREADY_LINK;
+  }
+  const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+  auto remaining = [&] {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    return static_cast<int>(left > 0 ? left : 0);
+  };
+  std::vector<int> fds;
+  Status st = LLM_SUCCESS;
+  const uint64_t nonce = new_nonce();
+  const uint32_t count = options_.connections_per_peer;
+  for (uint32_t i = 0; i < count && st == LLM_SUCCESS; ++i) {
+    bool timed_out = false;
+    int fd = net::connect_tcp(ip, port, local_ip, remaining(), timed_out);
+    if (fd < 0) {
+      st = timed_out ? LLM_TIMEOUT : LLM_LINK_FAILED;
+      break;
+    }
+    fds.push_back(fd);
+    net::tune_data_socket(fd, options_.user_timeout_ms);
+    wire::Hello hello{cluster_id_, peer_id, nonce, role_.load(), i, count, 0};
+    if (!send_frame(fd, FrameType::kHello, &hello, sizeof(hello))) st = LLM_LINK_FAILED;
+  }
+  uint32_t peer_role = 0;
+  for (size_t i = 0; i < fds.size() && st == LLM_SUCCESS; ++i) {
+    const int left = remaining();
+    if (left == 0) {
+      st = LLM_TIMEOUT;
+      break;
+    }
+    net::set_receive_timeout(fds[i], left);
+    FrameHeader header;
+    wire::HelloAck ack;
+    if (!recv_frame(fds[i], FrameType::kHelloAck, header, ack)) {
+      st = (errno == EAGAIN || errno == EWOULDBLOCK) ? LLM_TIMEOUT : LLM_LINK_FAILED;
+    } else if (header.status != LLM_SUCCESS) {
+      st = header.status;
+    } else if (ack.cluster_id != peer_id) {
+      st = LLM_LINK_FAILED;
+    }
+    peer_role = ack.role;
+  }
+  std::shared_ptr<Link> link;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    linking_.erase(peer_id);
+    if (st == LLM_SUCCESS && stopping_) st = llm_datadist::LLM_FAILED;
+    if (st == LLM_SUCCESS) {
+      for (int fd : fds) net::set_receive_timeout(fd, 0);
+      link = std::make_shared<Link>(peer_id, peer_role, true, fds, this);
+      links_[peer_id] = link;
+    }
+  }
+  if (!link) {
+    close_all(fds);
+    return st;
+  }
+  link->start();
+  return LLM_SUCCESS;
+}
+
+Status TcpTransport::unlink(uint64_t peer_id, bool force) {
+  std::shared_ptr<Link> link;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = links_.find(peer_id);
+    if (it == links_.end()) return force ? LLM_SUCCESS : LLM_NOT_YET_LINK;
+    link = it->second;
+    links_.erase(it);
+  }
+  // Closing the connections tells the peer, which drops its end too.
+  link->fail(LLM_LINK_FAILED, "");
+  return LLM_SUCCESS;
+}
+
+std::shared_ptr<Link> TcpTransport::find(uint64_t peer_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = links_.find(peer_id);
+  return it == links_.end() ? nullptr : it->second;
+}
+
+size_t TcpTransport::link_count() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return links_.size();
+}
+
+void TcpTransport::link_down(const std::shared_ptr<Link> &link) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = links_.find(link->peer_id());
+    if (it != links_.end() && it->second == link) links_.erase(it);
+    down_.push_back(link);
+    ++generation_;
+  }
+  cv_.notify_all();
+}
+
+void TcpTransport::operations_started() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++generation_;
+  }
+  cv_.notify_all();
+}
+
+void TcpTransport::reap_down_links() {
+  std::vector<std::shared_ptr<Link>> down;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    down.swap(down_);
+  }
+  for (auto &link : down) link->reap();
+}
+
+void TcpTransport::housekeeping_loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    bool open = !forming_.empty();
+    for (auto &entry : links_) open = open || entry.second->open_operations() != 0;
+    const uint64_t seen = generation_;
+    auto woken = [&] { return stopping_ || !down_.empty() || generation_ != seen; };
+    if (open) {
+      cv_.wait_for(lock, kDeadlinePoll, woken);
+    } else {
+      cv_.wait(lock, woken);
+    }
+    if (stopping_) return;
+    const Clock::time_point now = Clock::now();
+    std::vector<std::shared_ptr<Link>> overdue;
+    for (auto &entry : links_) {
+      if (entry.second->overdue(now)) overdue.push_back(entry.second);
+    }
+    std::vector<int> stale;
+    for (auto it = forming_.begin(); it != forming_.end();) {
+      if (now - it->second.started < kFormingLimit) {
+        ++it;
+        continue;
+      }
+      stale.insert(stale.end(), it->second.fds.begin(), it->second.fds.end());
+      it = forming_.erase(it);
+    }
+    lock.unlock();
+    close_all(stale);
+    for (auto &link : overdue) link->fail(LLM_TIMEOUT, "an operation exceeded sync_kv_timeout; closing the link");
+    reap_down_links();
+    lock.lock();
+  }
+}
+
+void TcpTransport::shutdown(Status reason) {
+  stop_listening();
+  std::vector<std::shared_ptr<Link>> links;
+  std::thread housekeeping;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_ && !housekeeping_.joinable()) return;
+    stopping_ = true;
+    for (auto &entry : links_) links.push_back(entry.second);
+    housekeeping.swap(housekeeping_);
+    for (auto &entry : forming_) close_all(entry.second.fds);
+    forming_.clear();
+  }
+  cv_.notify_all();
+  if (housekeeping.joinable()) housekeeping.join();
+  for (auto &link : links) link->fail(reason, "");
+  reap_down_links();
+}
+
+}  // namespace datadist

@@ -1,0 +1,95 @@
+// TcpTransport: listens for peers, establishes and tears down links, and
+// watches open operations for their deadlines.
+//
+// Threads: an accept thread while listening, and one housekeeping thread
+// that reaps links that went down and fails links whose operations overran
+// sync_kv_timeout. Public methods may be called from any thread; shutdown()
+// must be the last call.
+#ifndef DATADIST_TRANSPORT_TCP_TRANSPORT_H_
+#define DATADIST_TRANSPORT_TCP_TRANSPORT_H_
+
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "registry.h"
+#include "transport/link.h"
+
+namespace datadist {
+
+struct TransportOptions {
+  uint32_t connections_per_peer = 2;
+  unsigned user_timeout_ms = 10000;
+};
+
+class TcpTransport : public LinkHost {
+ public:
+  TcpTransport(uint64_t cluster_id, uint32_t role, const Registry &registry, TransportOptions options);
+  ~TcpTransport() override;
+  TcpTransport(const TcpTransport &) = delete;
+  TcpTransport &operator=(const TcpTransport &) = delete;
+
+  // Starts listening; the bound port is listen_port().
+  Status listen(const std::string &ip, uint16_t port);
+  void stop_listening();
+  uint16_t listen_port() const;
+  const std::string &listen_ip() const { return listen_ip_; }
+
+  Status link(uint64_t peer_id, const std::string &ip, uint16_t port, const std::string &local_ip, int timeout_ms);
+  Status unlink(uint64_t peer_id, bool force);
+  std::shared_ptr<Link> find(uint64_t peer_id) const;
+  size_t link_count() const;
+  void set_role(uint32_t role) { role_ = role; }
+
+  // Tells the housekeeping thread that operations with deadlines are open.
+  void operations_started();
+  // Fails every link with `reason`, settles every operation, stops threads.
+  void shutdown(Status reason);
+
+  const Registry &registry() const override { return registry_; }
+  void link_down(const std::shared_ptr<Link> &link) override;
+
+ private:
+  struct Forming {
+    std::vector<int> fds;
+    uint32_t role = 0;
+    size_t arrived = 0;
+    Clock::time_point started;
+  };
+
+  void accept_loop(int listen_fd);
+  void accept_one(int fd);
+  void admit(uint64_t peer_id, uint64_t nonce);
+  void housekeeping_loop();
+  void reap_down_links();
+
+  const uint64_t cluster_id_;
+  std::atomic<uint32_t> role_;
+  const Registry &registry_;
+  const TransportOptions options_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<uint64_t, std::shared_ptr<Link>> links_;
+  std::set<uint64_t> linking_;
+  std::map<std::pair<uint64_t, uint64_t>, Forming> forming_;
+  std::vector<std::shared_ptr<Link>> down_;
+  uint64_t generation_ = 0;
+  bool stopping_ = false;
+
+  int listen_fd_ = -1;
+  uint16_t listen_port_ = 0;
+  std::string listen_ip_;
+  std::thread accept_thread_;
+  std::thread housekeeping_;
+};
+
+}  // namespace datadist
+
+#endif  // DATADIST_TRANSPORT_TCP_TRANSPORT_H_

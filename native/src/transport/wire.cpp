@@ -1,0 +1,65 @@
+#include "wire.h"
+
+#include <cstring>
+
+namespace datadist::wire {
+
+FrameHeader make_header(FrameType type, uint64_t op_id, uint32_t body_len, uint64_t data_len, Status status) {
+  FrameHeader h;
+  h.magic = kMagic;
+  h.version = kVersion;
+  h.type = static_cast<uint16_t>(type);
+  h.body_len = body_len;
+  h.status = status;
+  h.op_id = op_id;
+  h.data_len = data_len;
+  return h;
+}
+
+std::string check_header(const FrameHeader &h) {
+  if (h.magic != kMagic) return "bad magic";
+  if (h.version != kVersion) return "unsupported protocol version " + std::to_string(h.version);
+  if (h.type < static_cast<uint16_t>(FrameType::kHello) || h.type > static_cast<uint16_t>(FrameType::kLookupReply)) {
+    return "unknown frame type " + std::to_string(h.type);
+  }
+  if (h.body_len > kMaxBodyBytes) return "body too long";
+  if (h.data_len > kMaxFrameData) return "data too long";
+  const auto type = static_cast<FrameType>(h.type);
+  const bool carries_data = type == FrameType::kWrite || type == FrameType::kReadData;
+  if (!carries_data && h.data_len != 0) return "unexpected data";
+  return {};
+}
+
+std::vector<uint8_t> encode_request(const Target &target, const std::vector<Range> &ranges) {
+  std::vector<uint8_t> body(sizeof(Target) + ranges.size() * sizeof(Range));
+  Target t = target;
+  t.range_count = static_cast<uint32_t>(ranges.size());
+  std::memcpy(body.data(), &t, sizeof(t));
+  if (!ranges.empty()) std::memcpy(body.data() + sizeof(Target), ranges.data(), ranges.size() * sizeof(Range));
+  return body;
+}
+
+std::string decode_request(const std::vector<uint8_t> &body, Request &out) {
+  if (body.size() < sizeof(Target)) return "request body too short";
+  std::memcpy(&out.target, body.data(), sizeof(Target));
+  const Target &t = out.target;
+  if (t.kind < kById || t.kind > kBlocksOfModel) return "unknown target kind";
+  if ((t.flags & ~kWithinSlot) != 0) return "unknown target flags";
+  if (t.range_count > kMaxRanges) return "too many ranges";
+  if (body.size() != sizeof(Target) + static_cast<size_t>(t.range_count) * sizeof(Range)) {
+    return "range table length mismatch";
+  }
+  out.ranges.resize(t.range_count);
+  if (t.range_count != 0) {
+    std::memcpy(out.ranges.data(), body.data() + sizeof(Target), t.range_count * sizeof(Range));
+  }
+  out.total_bytes = 0;
+  for (const Range &r : out.ranges) {
+    if (r.length == 0 || r.length > kMaxFrameData) return "bad range length";
+    out.total_bytes += r.length;
+    if (out.total_bytes > kMaxFrameData) return "ranges exceed the frame limit";
+  }
+  return {};
+}
+
+}  // namespace datadist::wire

@@ -1,0 +1,131 @@
+// The wire protocol between two engines: framed, versioned, binary,
+// little-endian. Every frame is a fixed header, a body of at most
+// kMaxBodyBytes and, for data-carrying frames, exactly `data_len` raw bytes.
+//
+// A cache operation never carries a raw remote pointer: it names a cache
+// (by id, by key, or the blocks cache of a model id) and byte ranges inside
+// its tensors; the owner resolves and bounds-checks them itself.
+#ifndef DATADIST_TRANSPORT_WIRE_H_
+#define DATADIST_TRANSPORT_WIRE_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "llm_datadist/llm_error_codes.h"
+
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the wire encoding assumes a little-endian host"
+#endif
+
+namespace datadist::wire {
+
+using llm_datadist::Status;
+
+constexpr uint32_t kMagic = 0x4F414444;  // "DDAO"
+constexpr uint16_t kVersion = 1;
+constexpr uint32_t kMaxBodyBytes = 1u << 20;
+constexpr uint64_t kMaxFrameData = 64ull << 20;
+constexpr uint32_t kMaxRanges = (kMaxBodyBytes - 64) / 32;
+
+enum class FrameType : uint16_t {
+  kHello = 1,
+  kHelloAck = 2,
+  kWrite = 3,
+  kWriteAck = 4,
+  kRead = 5,
+  kReadData = 6,
+  kLookup = 7,
+  kLookupReply = 8,
+};
+
+#pragma pack(push, 1)
+struct FrameHeader {
+  uint32_t magic;
+  uint16_t version;
+  uint16_t type;
+  uint32_t body_len;
+  uint32_t status;
+  uint64_t op_id;
+  uint64_t data_len;
+};
+static_assert(sizeof(FrameHeader) == 32, "header layout");
+
+struct Hello {
+  uint64_t cluster_id;
+  uint64_t expected_peer_id;  // the id the initiator means to reach
+  uint64_t link_nonce;        // identifies the link the connection belongs to
+  uint32_t role;
+  uint32_t conn_index;
+  uint32_t conn_count;
+  uint32_t reserved;
+};
+static_assert(sizeof(Hello) == 40, "hello layout");
+
+struct HelloAck {
+  uint64_t cluster_id;
+  uint32_t role;
+  uint32_t reserved;
+};
+
+enum TargetKind : uint8_t { kById = 1, kByKey = 2, kBlocksOfModel = 3 };
+enum TargetFlags : uint8_t {
+  kWithinSlot = 1,  // every range must stay inside one slot
+};
+
+// Names a cache on the owner and how the initiator sees its geometry.
+struct Target {
+  uint8_t kind;
+  uint8_t flags;
+  uint16_t reserved;
+  uint32_t range_count;
+  int64_t cache_id;
+  uint64_t req_id;
+  uint64_t model_id;
+  uint64_t prefix_id;
+  uint64_t expected_slot_size;  // 0: any
+};
+static_assert(sizeof(Target) == 48, "target layout");
+
+// Bytes [slot * slot_size + offset, + length) of tensor `tensor`; for a
+// target named by key, `slot` counts from the slot the key is bound to.
+struct Range {
+  uint32_t tensor;
+  uint32_t reserved;
+  uint64_t slot;
+  uint64_t offset;
+  uint64_t length;
+};
+static_assert(sizeof(Range) == 32, "range layout");
+
+struct LookupReply {
+  int64_t cache_id;
+  uint32_t num_tensors;
+  uint32_t remote_accessible;
+  uint64_t slot_size;
+  uint64_t num_slots;
+  uint64_t bound_slot;
+};
+#pragma pack(pop)
+
+FrameHeader make_header(FrameType type, uint64_t op_id, uint32_t body_len, uint64_t data_len,
+                        Status status = llm_datadist::LLM_SUCCESS);
+
+// Empty string when the header may be followed; otherwise why not.
+std::string check_header(const FrameHeader &header);
+
+// A decoded request body: the target and its ranges.
+struct Request {
+  Target target{};
+  std::vector<Range> ranges;
+  uint64_t total_bytes = 0;
+};
+
+// Encodes a target and ranges into a body.
+std::vector<uint8_t> encode_request(const Target &target, const std::vector<Range> &ranges);
+// Empty string on success; otherwise why the body is malformed.
+std::string decode_request(const std::vector<uint8_t> &body, Request &out);
+
+}  // namespace datadist::wire
+
+#endif  // DATADIST_TRANSPORT_WIRE_H_
