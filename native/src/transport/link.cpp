@@ -176,7 +176,8 @@ void Link::reader_loop(Connection &conn) {
   for (;;) {
     FrameHeader header;
     if (!net::read_full(conn.fd, &header, sizeof(header))) {
-      fail(LLM_LINK_FAILED, "connection closed by the peer");
+      // Between frames with nothing open this is an ordinary unlink or exit.
+      fail(LLM_LINK_FAILED, open_operations() != 0 ? "connection lost with operations in flight" : "");
       return;
     }
     const std::string problem = wire::check_header(header);

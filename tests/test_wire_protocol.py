@@ -1,0 +1,192 @@
+"""The wire protocol as a hostile peer sees it: forged and malformed frames.
+
+A raw socket speaks the protocol to a listening engine in this process. Every
+refused request must leave the target memory untouched; a malformed frame
+closes only that connection.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import numpy as np
+import pytest
+
+import datadist_aio as dd
+from conftest import make_options
+
+HEADER = struct.Struct("<IHHIIQQ")
+HELLO = struct.Struct("<QQQIIII")
+HELLO_ACK = struct.Struct("<QII")
+TARGET = struct.Struct("<BBHIqQQQQ")
+RANGE = struct.Struct("<IIQQQ")
+MAGIC, VERSION = 0x4F414444, 1
+HELLO_T, HELLO_ACK_T, WRITE_T, WRITE_ACK_T, READ_T, READ_DATA_T = 1, 2, 3, 4, 5, 6
+BY_ID, BY_KEY, BLOCKS_OF_MODEL = 1, 2, 3
+INVALID = 2**64 - 1
+SERVER_ID, FORGER_ID = 7, 99
+BLOCKS, BLOCK = 16, 256
+
+Code = dd.LLMStatusCode
+
+
+def frame(kind: int, body: bytes = b"", data: bytes = b"", op_id: int = 1, magic: int = MAGIC) -> bytes:
+    return HEADER.pack(magic, VERSION, kind, len(body), 0, op_id, len(data)) + body + data
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            raise ConnectionError("closed")
+        out += chunk
+    return out
+
+
+def recv_frame(sock: socket.socket) -> tuple[int, int, int, bytes, bytes]:
+    magic, version, kind, body_len, status, op_id, data_len = HEADER.unpack(recv_exact(sock, HEADER.size))
+    assert (magic, version) == (MAGIC, VERSION)
+    return kind, status, op_id, recv_exact(sock, body_len), recv_exact(sock, data_len)
+
+
+def request(ranges: list[tuple[int, int, int, int]], kind=BLOCKS_OF_MODEL, cache_id=-1, expected=BLOCK) -> bytes:
+    body = TARGET.pack(kind, 0, 0, len(ranges), cache_id, INVALID, 0, INVALID, expected)
+    return body + b"".join(RANGE.pack(t, 0, slot, off, length) for t, slot, off, length in ranges)
+
+
+@pytest.fixture
+def server():
+    """A listening engine with a zeroed blocks cache (2 tensors x 16 blocks of 256 bytes)."""
+    options = make_options(listen_ip_info="127.0.0.1:0", enable_remote_cache_accessible=True)
+    datadist = dd.LLMDataDist(dd.LLMRole.DECODER, SERVER_ID)
+    datadist.init(options)
+    desc = dd.CacheDesc(2, [BLOCKS, BLOCK], dd.DataType.DT_UINT8, dd.Placement.HOST)
+    cache = datadist.cache_manager.allocate_blocks_cache(desc, dd.BlocksCacheKey(SERVER_ID, 0))
+    for t in range(2):
+        cache.as_numpy(t)[:] = 0
+    yield datadist, cache
+    datadist.finalize()
+
+
+def connect(port: int, expected: int = SERVER_ID, nonce: int = 1) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sock.sendall(frame(HELLO_T, HELLO.pack(FORGER_ID, expected, nonce, 1, 0, 1, 0)))
+    return sock
+
+
+def linked(port: int, nonce: int = 1) -> socket.socket:
+    sock = connect(port, nonce=nonce)
+    kind, status, _, body, _ = recv_frame(sock)
+    assert kind == HELLO_ACK_T and status == 0
+    assert HELLO_ACK.unpack(body)[0] == SERVER_ID
+    return sock
+
+
+def untouched(cache: dd.Cache) -> bool:
+    return all(not cache.as_numpy(t).any() for t in range(2))
+
+
+def test_handshake_to_the_wrong_cluster_is_refused(server):
+    datadist, _ = server
+    with connect(datadist.listen_port, expected=SERVER_ID + 1) as sock:
+        kind, status, _, _, _ = recv_frame(sock)
+        assert kind == HELLO_ACK_T
+        assert status == Code.LLM_LINK_FAILED.value
+
+
+@pytest.mark.parametrize(
+    "ranges, expected, code",
+    [
+        ([(0, 3, 0, BLOCK), (1, BLOCKS, 0, BLOCK)], BLOCK, Code.LLM_PARAM_INVALID),  # second range past the end
+        ([(0, BLOCKS - 1, 0, 2 * BLOCK)], BLOCK, Code.LLM_PARAM_INVALID),  # straddles the end
+        ([(2, 0, 0, BLOCK)], BLOCK, Code.LLM_PARAM_INVALID),  # no tensor 2
+        ([(0, 0, 0, BLOCK)], 2 * BLOCK, Code.LLM_PARAM_INVALID),  # block size mismatch
+        ([(0, 2**62, 0, BLOCK)], BLOCK, Code.LLM_PARAM_INVALID),  # offset overflows
+    ],
+)
+def test_forged_write_is_refused_whole(server, ranges, expected, code):
+    datadist, cache = server
+    with linked(datadist.listen_port) as sock:
+        data = b"\xff" * sum(r[3] for r in ranges)
+        sock.sendall(frame(WRITE_T, request(ranges, expected=expected), data, op_id=5))
+        kind, status, op_id, _, _ = recv_frame(sock)
+        assert (kind, op_id) == (WRITE_ACK_T, 5)
+        assert status == code.value
+        assert untouched(cache)
+        # The connection stays usable: a valid write lands.
+        sock.sendall(frame(WRITE_T, request([(1, 4, 0, BLOCK)]), b"\x07" * BLOCK, op_id=6))
+        assert recv_frame(sock)[:3] == (WRITE_ACK_T, 0, 6)
+        assert (cache.as_numpy(1)[4] == 7).all()
+        assert not cache.as_numpy(0).any()
+
+
+def test_unknown_cache_is_reported(server):
+    datadist, cache = server
+    with linked(datadist.listen_port) as sock:
+        sock.sendall(frame(WRITE_T, request([(0, 0, 0, BLOCK)], kind=BY_ID, cache_id=12345), b"\x01" * BLOCK))
+        assert recv_frame(sock)[1] == Code.LLM_KV_CACHE_NOT_EXIST.value
+        assert untouched(cache)
+
+
+def test_read_outside_the_cache_is_refused(server):
+    datadist, cache = server
+    cache.as_numpy(0)[:] = 3
+    with linked(datadist.listen_port) as sock:
+        sock.sendall(frame(READ_T, request([(0, BLOCKS - 1, 0, 2 * BLOCK)]), op_id=9))
+        kind, status, op_id, _, data = recv_frame(sock)
+        assert (kind, op_id, data) == (READ_DATA_T, 9, b"")
+        assert status == Code.LLM_PARAM_INVALID.value
+        sock.sendall(frame(READ_T, request([(0, 2, 0, BLOCK)]), op_id=10))
+        kind, status, op_id, _, data = recv_frame(sock)
+        assert (kind, status, op_id) == (READ_DATA_T, 0, 10)
+        assert data == b"\x03" * BLOCK
+
+
+def test_memory_not_remote_accessible_is_refused(server):
+    datadist, _ = server
+    private = np.zeros((4, BLOCK), dtype=np.uint8)
+    desc = dd.CacheDesc(1, [4, BLOCK], dd.DataType.DT_UINT8, dd.Placement.HOST)
+    cache = datadist.cache_manager.register_cache(desc, [private], remote_accessible=False)
+    with linked(datadist.listen_port) as sock:
+        sock.sendall(frame(WRITE_T, request([(0, 0, 0, BLOCK)], kind=BY_ID, cache_id=cache.cache_id), b"\x01" * BLOCK))
+        assert recv_frame(sock)[1] == Code.LLM_PARAM_INVALID.value
+    assert not private.any()
+    datadist.cache_manager.unregister_cache(cache.cache_id)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        frame(WRITE_T, request([(0, 0, 0, BLOCK)]), b"\x01" * BLOCK, magic=0xDEADBEEF),  # bad magic
+        HEADER.pack(MAGIC, VERSION, 77, 0, 0, 1, 0),  # unknown frame type
+        HEADER.pack(MAGIC, VERSION, WRITE_T, 1 << 30, 0, 1, 0),  # body over the limit
+        frame(WRITE_T, request([(0, 0, 0, BLOCK)]), b"\x01" * (BLOCK - 1)) + b"\x00" * 64,  # data length mismatch
+        frame(WRITE_T, request([(0, 0, 0, BLOCK)])[:-8], b""),  # truncated range table
+        frame(WRITE_ACK_T, op_id=424242),  # an answer nobody asked for
+    ],
+)
+def test_malformed_frame_closes_only_that_connection(server, payload):
+    datadist, cache = server
+    with linked(datadist.listen_port, nonce=11) as sock:
+        sock.sendall(payload)
+        sock.settimeout(5)
+        with pytest.raises(ConnectionError):
+            recv_frame(sock)
+    assert untouched(cache)
+    # The process keeps serving: a new link works and its writes land.
+    with linked(datadist.listen_port, nonce=12) as sock:
+        sock.sendall(frame(WRITE_T, request([(0, 1, 0, BLOCK)]), b"\x05" * BLOCK, op_id=2))
+        assert recv_frame(sock)[:3] == (WRITE_ACK_T, 0, 2)
+    assert (cache.as_numpy(0)[1] == 5).all()
+
+
+def test_garbage_instead_of_a_handshake(server):
+    datadist, _ = server
+    with socket.create_connection(("127.0.0.1", datadist.listen_port), timeout=5) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\n\r\n" + b"\x00" * 64)
+        with pytest.raises(ConnectionError):
+            recv_frame(sock)
+    with linked(datadist.listen_port, nonce=13):
+        pass
