@@ -1,0 +1,679 @@
+"""A datadist_aio endpoint in a child process, driven from the test over a Pipe.
+
+The parent sends ``(command, args, kwargs)``; the child runs the function that
+``_COMMANDS`` names and answers ``("ok", result)`` or ``("error", exception,
+traceback)``. An exception comes back as the same kind (``LLMException`` keeps
+its status code) and is raised again in the parent, with the child's
+traceback as a note. Every command has a deadline: a peer that misses it is
+killed and ``PeerTimeout`` is raised, so a hung engine cannot hang the run.
+
+Caches stay in the child; the parent holds ``CacheRef``s, which the child
+turns back into its ``Cache`` objects wherever one appears as an argument.
+Children are started with the spawn method, listen on loopback only, and die
+with the parent (``PR_SET_PDEATHSIG``) if it is killed before it can close
+them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import importlib.util
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.resource_tracker
+import os
+import pickle
+import signal
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Any, NamedTuple, Optional
+
+import numpy as np
+
+import datadist_aio as dd
+from cache_bytes import tensor_bytes
+
+__all__ = [
+    "HAVE_UVLOOP",
+    "LOOPBACK",
+    "MiB",
+    "CacheRef",
+    "Peer",
+    "PeerError",
+    "PeerGroup",
+    "PeerTimeout",
+    "cluster_info",
+    "free_port",
+    "pool_cfg",
+    "raises_status",
+    "seeded_tensors",
+]
+
+LOOPBACK = "127.0.0.1"
+MiB = 1 << 20
+HAVE_UVLOOP = importlib.util.find_spec("uvloop") is not None
+
+_SPAWN = multiprocessing.get_context("spawn")
+# Spawning starts multiprocessing's resource tracker once per process and keeps
+# a descriptor to it; starting it now keeps it out of the per-test fd check.
+multiprocessing.resource_tracker.ensure_running()
+
+
+def pool_cfg(memory_size: int) -> str:
+    """``host_mem_pool_cfg`` for a host pool of ``memory_size`` bytes."""
+    return f'{{"memory_size": {memory_size}}}'
+
+
+DEFAULT_OPTIONS: dict[str, Any] = {
+    "enable_cache_manager": True,
+    "enable_remote_cache_accessible": True,
+    "host_mem_pool_cfg": pool_cfg(64 * MiB),
+    "sync_kv_timeout": 5000,
+}
+
+
+def seeded_tensors(desc: dd.CacheDesc, seed: int) -> list[np.ndarray]:
+    """The bytes ``Peer.fill(ref, seed)`` writes: one flat uint8 array per tensor."""
+    rng = np.random.default_rng(seed)
+    return [np.frombuffer(rng.bytes(desc.size), dtype=np.uint8) for _ in range(desc.num_tensors)]
+
+
+def cluster_info(cluster_id: int, port: Optional[int]) -> dd.LLMClusterInfo:
+    """The peer ``cluster_id`` listening on loopback ``port`` (no remote address if None)."""
+    info = dd.LLMClusterInfo()
+    info.remote_cluster_id = cluster_id
+    info.append_local_ip_info(LOOPBACK, 0)
+    if port is not None:
+        info.append_remote_ip_info(LOOPBACK, port)
+    return info
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on (free when this returns)."""
+    with socket.socket() as sock:
+        sock.bind((LOOPBACK, 0))
+        return sock.getsockname()[1]
+
+
+class _RaisesStatus:
+    def __init__(self, codes: tuple[dd.LLMStatusCode, ...]) -> None:
+        self.codes = codes
+        self.value: Optional[dd.LLMException] = None
+
+    def __enter__(self) -> "_RaisesStatus":
+        return self
+
+    def __exit__(self, kind: Any, exc: Optional[BaseException], tb: Optional[TracebackType]) -> bool:
+        names = " or ".join(code.name for code in self.codes)
+        if exc is None:
+            raise AssertionError(f"LLMException({names}) was not raised")
+        if not isinstance(exc, dd.LLMException):
+            return False
+        assert exc.status_code in self.codes, f"expected {names}, got {exc!r}"
+        self.value = exc
+        return True
+
+
+def raises_status(*codes: dd.LLMStatusCode) -> _RaisesStatus:
+    """Like ``pytest.raises(LLMException)``, also checking the status is one of
+    ``codes``; the exception is in ``.value`` afterwards."""
+    return _RaisesStatus(codes)
+
+
+class CacheRef(NamedTuple):
+    """A cache living in a peer: the owner's cluster id, the cache's id and geometry."""
+
+    cluster_id: int
+    cache_id: int
+    desc: dd.CacheDesc
+    blocks: bool
+    model_id: Optional[int] = None
+
+    def key(self, batch_index: int = 0) -> dd.CacheKeyByIdAndIndex:
+        """The key a linked process uses to reach batch slot ``batch_index`` of this cache."""
+        return dd.CacheKeyByIdAndIndex(self.cluster_id, self.cache_id, batch_index)
+
+    def blocks_key(self) -> dd.BlocksCacheKey:
+        """The key a linked process uses to reach this blocks cache by its model id."""
+        assert self.model_id is not None, f"cache {self.cache_id} was not bound to a model id"
+        return dd.BlocksCacheKey(self.cluster_id, self.model_id)
+
+
+class PeerError(RuntimeError):
+    """The peer process failed: it died, was killed, or is not running."""
+
+
+class PeerTimeout(PeerError):
+    """A command got no answer in time; the peer has been killed."""
+
+
+# -- child side -------------------------------------------------------------------
+
+
+class _Endpoint:
+    """What the child holds: its LLMDataDist, caches, started tasks, event loop."""
+
+    def __init__(self, role: dd.LLMRole, cluster_id: int, listen: bool, options: dict[str, Any], loop: str) -> None:
+        config = dd.LLMConfig()
+        listen_options = {"listen_ip_info": f"{LOOPBACK}:0"} if listen else {}
+        for name, value in {**DEFAULT_OPTIONS, **listen_options, **options}.items():
+            setattr(config, name, value)
+        if loop == "uvloop":
+            import uvloop
+
+            self.loop = uvloop.new_event_loop()
+        else:
+            self.loop = asyncio.new_event_loop()
+        self.cluster_id = cluster_id
+        self.datadist = dd.LLMDataDist(role, cluster_id)
+        self.datadist.init(config.generate_options())
+        self.cm = self.datadist.cache_manager
+        self.caches: dict[int, tuple[dd.Cache, bool]] = {}  # id -> (cache, registered)
+        self.tasks: dict[int, dd.CacheTask] = {}
+
+    def resolve(self, value: Any) -> Any:
+        if not isinstance(value, CacheRef):
+            return value
+        if value.cluster_id != self.cluster_id:
+            raise PeerError(f"{value} belongs to cluster {value.cluster_id}, not to this peer ({self.cluster_id})")
+        if value.cache_id not in self.caches:
+            raise PeerError(f"no cache {value.cache_id} here: it was freed or never made by this harness")
+        return self.caches[value.cache_id][0]
+
+    def call(self, method: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        args = [self.resolve(a) for a in args]
+        kwargs = {k: self.resolve(v) for k, v in kwargs.items()}
+        return getattr(self.cm, method)(*args, **kwargs)
+
+    async def awaited(self, method: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        return await self.call(f"{method}_async", args, kwargs)
+
+    def run(self, coroutine: Any) -> Any:
+        return self.loop.run_until_complete(coroutine)
+
+    def keep(self, cache: dd.Cache, registered: bool, model_id: Optional[int]) -> CacheRef:
+        self.caches[cache.cache_id] = (cache, registered)
+        return CacheRef(self.cluster_id, cache.cache_id, cache.cache_desc, cache.is_blocks_cache, model_id)
+
+    def free(self, cache_id: int) -> None:
+        cache, registered = self.caches.pop(cache_id)
+        if registered:
+            self.cm.unregister_cache(cache_id)
+        elif cache.is_blocks_cache:
+            self.cm.deallocate_blocks_cache(cache)
+        else:
+            self.cm.deallocate_cache(cache)
+
+
+_COMMANDS: dict[str, Callable[..., Any]] = {}
+
+
+def _command(function: Callable[..., Any]) -> Callable[..., Any]:
+    _COMMANDS[function.__name__.lstrip("_")] = function
+    return function
+
+
+@_command
+def _listen_port(ep: _Endpoint) -> Optional[int]:
+    return ep.datadist.listen_port
+
+
+@_command
+def _allocate(
+    ep: _Endpoint, desc: dd.CacheDesc, blocks: bool, keys: Sequence[dd.CacheKey], model_id: Optional[int]
+) -> CacheRef:
+    if blocks:
+        key = None if model_id is None else dd.BlocksCacheKey(ep.cluster_id, model_id)
+        return ep.keep(ep.cm.allocate_blocks_cache(desc, key), False, model_id)
+    return ep.keep(ep.cm.allocate_cache(desc, list(keys)), False, None)
+
+
+@_command
+def _register(
+    ep: _Endpoint,
+    desc: dd.CacheDesc,
+    blocks: bool,
+    keys: Sequence[dd.CacheKey],
+    model_id: Optional[int],
+    remote_accessible: Optional[bool],
+) -> CacheRef:
+    arrays = [np.zeros(desc.size, dtype=np.uint8) for _ in range(desc.num_tensors)]
+    if blocks:
+        key = None if model_id is None else dd.BlocksCacheKey(ep.cluster_id, model_id)
+        return ep.keep(ep.cm.register_blocks_cache(desc, arrays, key, remote_accessible), True, model_id)
+    return ep.keep(ep.cm.register_cache(desc, arrays, list(keys), remote_accessible), True, None)
+
+
+@_command
+def _free(ep: _Endpoint, ref: CacheRef) -> None:
+    ep.resolve(ref)
+    ep.free(ref.cache_id)
+
+
+@_command
+def _free_all(ep: _Endpoint) -> None:
+    for cache_id in list(ep.caches):
+        ep.free(cache_id)
+
+
+@_command
+def _fill(ep: _Endpoint, ref: CacheRef, seed: int) -> None:
+    cache = ep.resolve(ref)
+    for t, data in enumerate(seeded_tensors(cache.cache_desc, seed)):
+        tensor_bytes(cache, t)[:] = data
+
+
+@_command
+def _read(ep: _Endpoint, ref: CacheRef, tensor: Optional[int]) -> Any:
+    cache = ep.resolve(ref)
+    if tensor is not None:
+        return tensor_bytes(cache, tensor).copy()
+    return [tensor_bytes(cache, t).copy() for t in range(cache.cache_desc.num_tensors)]
+
+
+@_command
+def _link(ep: _Endpoint, cluster_id: int, port: Optional[int], timeout: int) -> Any:
+    return ep.datadist.link_clusters([cluster_info(cluster_id, port)], timeout)
+
+
+@_command
+def _unlink(ep: _Endpoint, cluster_id: int, port: Optional[int], timeout: int, force: bool) -> Any:
+    return ep.datadist.unlink_clusters([cluster_info(cluster_id, port)], timeout, force)
+
+
+@_command
+def _datadist(ep: _Endpoint, method: str, *args: Any, **kwargs: Any) -> Any:
+    return getattr(ep.datadist, method)(*args, **kwargs)
+
+
+@_command
+def _cm(ep: _Endpoint, method: str, *args: Any, **kwargs: Any) -> Any:
+    return ep.call(method, args, kwargs)
+
+
+@_command
+def _cm_async(ep: _Endpoint, method: str, *args: Any, **kwargs: Any) -> Any:
+    return ep.run(ep.awaited(method, args, kwargs))
+
+
+@_command
+def _gather(
+    ep: _Endpoint, method: str, calls: Sequence[tuple[Sequence[Any], dict[str, Any]]], return_exceptions: bool
+) -> Any:
+    async def everything() -> list[Any]:
+        return await asyncio.gather(
+            *(ep.awaited(method, args, kwargs) for args, kwargs in calls), return_exceptions=return_exceptions
+        )
+
+    return ep.run(everything())
+
+
+@_command
+def _start_task(ep: _Endpoint, method: str, *args: Any, **kwargs: Any) -> int:
+    task = ep.call(f"{method}_async", args, kwargs)
+    handle = len(ep.tasks) + 1
+    ep.tasks[handle] = task
+    return handle
+
+
+@_command
+def _task_done(ep: _Endpoint, handle: int) -> bool:
+    return ep.tasks[handle].done()
+
+
+@_command
+def _wait_task(ep: _Endpoint, handle: int) -> Any:
+    async def wait() -> Any:
+        return await ep.tasks[handle]
+
+    return ep.run(wait())
+
+
+@_command
+def _close(ep: _Endpoint) -> None:
+    ep.datadist.finalize()
+    ep.loop.close()
+
+
+def _die_with_parent() -> None:
+    if sys.platform == "linux":
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+def _answer_error(conn: multiprocessing.connection.Connection, exc: BaseException) -> None:
+    text = "".join(traceback.format_exception(exc))
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:
+        exc = PeerError(f"{type(exc).__name__}: {exc}")
+    conn.send(("error", exc, text))
+
+
+def _child_main(
+    conn: multiprocessing.connection.Connection,
+    role: dd.LLMRole,
+    cluster_id: int,
+    listen: bool,
+    options: dict[str, Any],
+    loop: str,
+) -> None:
+    _die_with_parent()
+    try:
+        endpoint = _Endpoint(role, cluster_id, listen, options, loop)
+    except BaseException as exc:
+        _answer_error(conn, exc)
+        return
+    conn.send(("ok", None))
+    while True:
+        try:
+            command, args, kwargs = conn.recv()
+        except EOFError:  # the parent is gone
+            endpoint.datadist.finalize()
+            return
+        try:
+            result = _COMMANDS[command](endpoint, *args, **kwargs)
+        except BaseException as exc:
+            _answer_error(conn, exc)
+        else:
+            try:
+                conn.send(("ok", result))
+            except Exception as exc:  # an unpicklable result
+                _answer_error(conn, exc)
+        if command == "close":
+            return
+
+
+# -- parent side ------------------------------------------------------------------
+
+
+class Peer:
+    """A datadist_aio endpoint in a child process; a context manager that closes it.
+
+    Args:
+        name: Shown in messages.
+        command_timeout: Seconds any command may take before the peer is
+            killed and ``PeerTimeout`` raised.
+    """
+
+    def __init__(self, name: str = "peer", command_timeout: float = 30.0) -> None:
+        self.name = name
+        self.command_timeout = command_timeout
+        self.cluster_id: Optional[int] = None
+        self._process: Optional[Any] = None
+        self._conn: Optional[multiprocessing.connection.Connection] = None
+        self._stopped = False
+        self._dead = False
+
+    def __repr__(self) -> str:
+        pid = self._process.pid if self._process is not None else None
+        return f"<Peer {self.name} cluster_id={self.cluster_id} pid={pid}>"
+
+    def __enter__(self) -> "Peer":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    @property
+    def pid(self) -> int:
+        assert self._process is not None and self._process.pid is not None, f"{self!r} was not started"
+        return self._process.pid
+
+    # -- life cycle
+
+    def start(
+        self,
+        role: dd.LLMRole,
+        cluster_id: int,
+        listen: bool = True,
+        options: Optional[dict[str, Any]] = None,
+        loop: str = "asyncio",
+    ) -> "Peer":
+        """Starts the child and initialises its LLMDataDist; returns ``self``.
+
+        Args:
+            role: Role of the instance.
+            cluster_id: Its cluster id.
+            listen: Whether it listens (on ``127.0.0.1``, a free port).
+            options: ``LLMConfig`` attribute values over ``DEFAULT_OPTIONS``
+                (RCA mode, a 64 MiB host pool, ``sync_kv_timeout`` 5000).
+            loop: Event loop of the async commands: ``"asyncio"`` or ``"uvloop"``.
+        """
+        assert self._process is None, f"{self!r} was already started"
+        self.cluster_id = cluster_id
+        parent_end, child_end = _SPAWN.Pipe()
+        process = _SPAWN.Process(
+            target=_child_main,
+            args=(child_end, role, cluster_id, listen, dict(options or {}), loop),
+            name=f"peer-{self.name}",
+            daemon=True,
+        )
+        process.start()
+        child_end.close()
+        self._process, self._conn = process, parent_end
+        try:
+            self._answer("start", self.command_timeout)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self, timeout: float = 10.0) -> Optional[int]:
+        """Finalizes the child, joins it (killing it after ``timeout`` s), returns its exit code.
+
+        Safe to call more than once and on a dead or stopped peer. An error of
+        the child's ``finalize`` is raised once the process is gone.
+        """
+        process, conn = self._process, self._conn
+        if process is None or conn is None:
+            return None
+        error: Optional[BaseException] = None
+        try:
+            if not self._dead and process.is_alive():
+                if self._stopped:
+                    self.cont()
+                try:
+                    self._call("close", deadline=timeout)
+                except PeerError:
+                    pass
+                except BaseException as exc:
+                    error = exc
+            process.join(timeout)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout)
+        finally:
+            exitcode = process.exitcode
+            conn.close()
+            process.close()
+            self._process = self._conn = None
+            self._dead = True
+        if error is not None:
+            raise error
+        return exitcode
+
+    def kill(self) -> None:
+        """SIGKILLs the child and reaps it; later commands raise ``PeerError``."""
+        os.kill(self.pid, signal.SIGKILL)
+        self._dead = True
+        assert self._process is not None
+        self._process.join(10)
+
+    def stop(self) -> None:
+        """SIGSTOPs the child and waits until it is stopped; commands are refused until ``cont``."""
+        os.kill(self.pid, signal.SIGSTOP)
+        self._stopped = True
+        deadline = time.monotonic() + 5
+        while _process_state(self.pid) != "T":
+            assert time.monotonic() < deadline, f"{self!r} did not stop"
+            time.sleep(0.005)
+
+    def cont(self) -> None:
+        """SIGCONTs a stopped child."""
+        os.kill(self.pid, signal.SIGCONT)
+        self._stopped = False
+
+    # -- the pipe
+
+    def _call(self, command: str, *args: Any, deadline: Optional[float] = None, **kwargs: Any) -> Any:
+        if self._dead or self._conn is None:
+            raise PeerError(f"{command}: {self!r} is not running")
+        if self._stopped:
+            raise PeerError(f"{command}: {self!r} is stopped (SIGSTOP); call cont() first")
+        assert command in _COMMANDS, command
+        self._conn.send((command, args, kwargs))
+        return self._answer(command, self.command_timeout if deadline is None else deadline)
+
+    def _answer(self, command: str, seconds: float) -> Any:
+        assert self._process is not None and self._conn is not None
+        ready = multiprocessing.connection.wait([self._conn, self._process.sentinel], timeout=seconds)
+        if not ready:
+            self.kill()
+            raise PeerTimeout(f"{command}: no answer from {self!r} within {seconds:g} s; the peer was killed")
+        try:
+            status, *payload = self._conn.recv()
+        except (EOFError, OSError):
+            self._process.join(5)
+            self._dead = True
+            raise PeerError(f"{command}: {self!r} exited with code {self._process.exitcode}") from None
+        if status == "ok":
+            return payload[0]
+        exc, text = payload
+        exc.add_note(f"raised in {self!r} by command {command!r}:\n{text}")
+        raise exc
+
+    # -- commands
+
+    @property
+    def listen_port(self) -> Optional[int]:
+        """``LLMDataDist.listen_port`` in the child (asked each time)."""
+        return self._call("listen_port")
+
+    def allocate(
+        self, desc: dd.CacheDesc, blocks: bool = False, keys: Sequence[dd.CacheKey] = (), model_id: Optional[int] = None
+    ) -> CacheRef:
+        """``allocate_cache`` (or ``allocate_blocks_cache``, bound to ``model_id`` if given) from the host pool."""
+        return self._call("allocate", desc, blocks, list(keys), model_id)
+
+    def register(
+        self,
+        desc: dd.CacheDesc,
+        blocks: bool = False,
+        keys: Sequence[dd.CacheKey] = (),
+        model_id: Optional[int] = None,
+        remote_accessible: Optional[bool] = None,
+    ) -> CacheRef:
+        """``register_cache`` (or ``register_blocks_cache``) of zeroed numpy arrays owned by the child."""
+        return self._call("register", desc, blocks, list(keys), model_id, remote_accessible)
+
+    def free(self, ref: CacheRef) -> None:
+        """Deallocates or unregisters one cache."""
+        self._call("free", ref)
+
+    def free_all(self) -> None:
+        """Deallocates or unregisters every cache the commands above created."""
+        self._call("free_all")
+
+    def fill(self, ref: CacheRef, seed: int) -> list[np.ndarray]:
+        """Writes ``seeded_tensors(ref.desc, seed)`` into the cache and returns those bytes."""
+        self._call("fill", ref, seed)
+        return seeded_tensors(ref.desc, seed)
+
+    def read(self, ref: CacheRef, tensor: Optional[int] = None) -> Any:
+        """A copy of one tensor (flat uint8), or of all of them as a list."""
+        return self._call("read", ref, tensor)
+
+    def link(self, target: "Peer | int", port: Optional[int] = None, timeout: int = 3000) -> Any:
+        """``link_clusters`` to a peer (its cluster id and port) or to ``target`` id at ``port``."""
+        cluster_id, port = _address(target, port)
+        return self._call("link", cluster_id, port, timeout)
+
+    def unlink(self, target: "Peer | int", port: Optional[int] = None, timeout: int = 3000, force: bool = False) -> Any:
+        """``unlink_clusters``; a dead peer's last port is not needed with ``force``."""
+        cluster_id, port = _address(target, port, needed=not force)
+        return self._call("unlink", cluster_id, port, timeout, force)
+
+    def datadist(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Calls ``LLMDataDist.<method>`` in the child."""
+        return self._call("datadist", method, *args, **kwargs)
+
+    def cm(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Calls ``CacheManager.<method>`` in the child; ``CacheRef`` arguments become its caches."""
+        return self._call("cm", method, *args, **kwargs)
+
+    def cm_async(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Awaits ``CacheManager.<method>_async`` in the child's event loop; returns what ``await`` gave."""
+        return self._call("cm_async", method, *args, **kwargs)
+
+    def run(self, via: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``cm`` when ``via == "sync"``, else ``cm_async``."""
+        assert via in ("sync", "async"), via
+        return (self.cm if via == "sync" else self.cm_async)(method, *args, **kwargs)
+
+    def gather(
+        self, method: str, calls: Sequence[tuple[Sequence[Any], dict[str, Any]]], return_exceptions: bool = False
+    ) -> list[Any]:
+        """Awaits ``<method>_async(*args, **kwargs)`` for every call at once (``asyncio.gather``)."""
+        return self._call("gather", method, [(list(a), dict(k)) for a, k in calls], return_exceptions)
+
+    def start_task(self, method: str, *args: Any, **kwargs: Any) -> int:
+        """Starts ``<method>_async`` and returns a handle for ``task_done`` / ``wait_task``."""
+        return self._call("start_task", method, *args, **kwargs)
+
+    def task_done(self, handle: int) -> bool:
+        return self._call("task_done", handle)
+
+    def wait_task(self, handle: int, deadline: Optional[float] = None) -> Any:
+        """Awaits a started task in the child's loop; returns its statuses or raises its error."""
+        return self._call("wait_task", handle, deadline=deadline)
+
+
+def _address(target: "Peer | int", port: Optional[int], needed: bool = True) -> tuple[int, Optional[int]]:
+    if isinstance(target, Peer):
+        assert target.cluster_id is not None
+        if port is None and needed:
+            port = target.listen_port
+            assert port is not None, f"{target!r} does not listen"
+        return target.cluster_id, port
+    return target, port
+
+
+def _process_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0]
+
+
+class PeerGroup:
+    """Starts peers and closes every one of them on ``close`` / exit, whatever happened."""
+
+    def __init__(self) -> None:
+        self.peers: list[Peer] = []
+
+    def start(self, name: str, role: dd.LLMRole, cluster_id: int, **kwargs: Any) -> Peer:
+        """``Peer(name).start(role, cluster_id, **kwargs)``, closed with the group."""
+        peer = Peer(name)
+        self.peers.append(peer)
+        return peer.start(role, cluster_id, **kwargs)
+
+    def close(self) -> None:
+        errors = []
+        for peer in reversed(self.peers):
+            try:
+                peer.close()
+            except BaseException as exc:
+                errors.append(exc)
+        self.peers.clear()
+        if errors:
+            raise errors[0]
+
+    def __enter__(self) -> "PeerGroup":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()

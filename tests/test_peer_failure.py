@@ -1,0 +1,177 @@
+"""A peer that dies or stalls mid-transfer, and the harness that runs peers."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+import datadist_aio as dd
+from peer import MiB, Peer, PeerError, PeerGroup, PeerTimeout, pool_cfg, raises_status
+
+SUCCESS = dd.LLMStatusCode.LLM_SUCCESS
+LINKED = (SUCCESS, [SUCCESS])
+LINK_LOST = (dd.LLMStatusCode.LLM_LINK_FAILED, dd.LLMStatusCode.LLM_TIMEOUT)
+
+
+@pytest.fixture
+def group() -> Iterator[PeerGroup]:
+    with PeerGroup() as peers:
+        yield peers
+
+
+def big_desc() -> dd.CacheDesc:
+    """256 MiB in one layer: two tensors of one 128 MiB slot."""
+    return dd.CacheDesc(2, [1, 128 * MiB], dd.DataType.DT_UINT8, dd.Placement.HOST)
+
+
+def small_desc() -> dd.CacheDesc:
+    return dd.CacheDesc(2, [16, 256], dd.DataType.DT_UINT8, dd.Placement.HOST)
+
+
+def assert_blocks_push(src: Peer, dst: Peer, model_id: int, seed: int) -> None:
+    local = src.allocate(small_desc(), blocks=True)
+    remote = dst.allocate(small_desc(), blocks=True, model_id=model_id)
+    sent = src.fill(local, seed)
+    src.cm_async("push_blocks", remote.blocks_key(), local, [1, 2, 7], [15, 0, 3])
+    got = dst.read(remote)
+    for t in range(2):
+        for s, d in [(1, 15), (2, 0), (7, 3)]:
+            np.testing.assert_array_equal(got[t][d * 256 : (d + 1) * 256], sent[t][s * 256 : (s + 1) * 256])
+
+
+# -- a peer killed mid-transfer ------------------------------------------------------
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("direction", ["push", "pull"])
+def test_peer_killed_mid_transfer(group, direction):
+    timeout_ms = 3000
+    big = {"host_mem_pool_cfg": pool_cfg(288 * MiB)}
+    survivor = group.start("survivor", dd.LLMRole.PROMPT, 1, options=big | {"sync_kv_timeout": timeout_ms})
+    victim = group.start("victim", dd.LLMRole.DECODER, 2, options=big)
+    third = group.start("third", dd.LLMRole.DECODER, 3)
+    assert survivor.link(victim) == LINKED
+    assert survivor.link(third) == LINKED
+    local, remote = survivor.allocate(big_desc()), victim.allocate(big_desc())
+    side = survivor.allocate(small_desc(), blocks=True)
+    side_remote = third.allocate(small_desc(), blocks=True, model_id=5)
+    side_sent = survivor.fill(side, 1)
+
+    if direction == "push":
+        doomed = survivor.start_task("push_cache", remote.key(), local)
+    else:
+        doomed = survivor.start_task("pull_cache", remote.key(), local)
+    # Another peer's transfer in flight at the same time is not affected.
+    bystander = survivor.start_task("push_blocks", side_remote.blocks_key(), side, [0, 1], [8, 9])
+    assert not survivor.task_done(doomed), "the transfer ended before the peer was killed; make it bigger"
+    killed_at = time.monotonic()
+    victim.kill()
+    with raises_status(*LINK_LOST):
+        survivor.wait_task(doomed)
+    elapsed = time.monotonic() - killed_at
+    assert elapsed < timeout_ms / 1000 + 1.0, f"the transfer failed {elapsed:.2f} s after the kill"
+
+    assert survivor.wait_task(bystander) == [SUCCESS]
+    got = third.read(side_remote)
+    for t in range(2):
+        np.testing.assert_array_equal(got[t][8 * 256 : 10 * 256], side_sent[t][: 2 * 256])
+    assert_blocks_push(survivor, third, 6, 2)
+
+    # The same cluster comes back on another port and is linked again.
+    again = group.start("victim-again", dd.LLMRole.DECODER, 2)
+    assert survivor.link(again) == LINKED
+    assert_blocks_push(survivor, again, 7, 3)
+    assert_blocks_push(again, survivor, 8, 4)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("via", ["sync", "async"])
+def test_stopped_peer_times_out(group, via):
+    timeout_ms = 1000
+    a = group.start("a", dd.LLMRole.PROMPT, 1, options={"sync_kv_timeout": timeout_ms})
+    b = group.start("b", dd.LLMRole.DECODER, 2)
+    assert a.link(b) == LINKED
+    desc = dd.CacheDesc(2, [1, 8 * MiB], dd.DataType.DT_UINT8, dd.Placement.HOST)
+    local, remote = a.allocate(desc), b.allocate(desc)
+    sent = a.fill(local, 5)
+    b.stop()
+    started = time.monotonic()
+    with raises_status(dd.LLMStatusCode.LLM_TIMEOUT):
+        a.run(via, "push_cache", remote.key(), local)
+    elapsed = time.monotonic() - started
+    assert timeout_ms / 1000 <= elapsed < timeout_ms / 1000 + 1.5, f"timed out after {elapsed:.2f} s"
+    b.cont()
+    # Recovery: both ends drop whatever is left of the link, then link again.
+    a.unlink(b, force=True)
+    b.unlink(a, force=True)
+    assert a.link(b) == LINKED
+    a.run(via, "push_cache", remote.key(), local)
+    for got, data in zip(b.read(remote), sent):
+        np.testing.assert_array_equal(got, data)
+    assert a.close() == 0
+    assert b.close() == 0
+
+
+# -- the harness itself (no network needed) ---------------------------------------------
+
+
+def test_harness_round_trip_and_cleanup():
+    with PeerGroup() as group:
+        peer = group.start("solo", dd.LLMRole.PROMPT, 1, listen=False, loop="asyncio")
+        desc = dd.CacheDesc(3, [8, 4, 8], dd.DataType.DT_FLOAT16, dd.Placement.HOST)
+        ref = peer.allocate(desc, blocks=True, model_id=0)
+        assert ref.cache_id == 1 and ref.blocks and ref.cluster_id == 1
+        data = peer.fill(ref, 42)
+        for got, sent in zip(peer.read(ref), data):
+            np.testing.assert_array_equal(got, sent)
+        np.testing.assert_array_equal(peer.read(ref, 2), data[2])
+        assert peer.cm_async("copy_blocks", ref, {0: [5]}) == [SUCCESS]
+        np.testing.assert_array_equal(peer.read(ref, 1)[5 * 64 : 6 * 64], data[1][:64])
+        # Errors come back as the same kind, with the status code and the child's traceback.
+        with raises_status(dd.LLMStatusCode.LLM_PARAM_INVALID) as refused:
+            peer.cm("copy_blocks", ref, {0: [8]})
+        assert "copy_blocks" in refused.value.__notes__[0]
+        with pytest.raises(TypeError):
+            peer.cm("copy_blocks", ref, {0: 1})
+        with pytest.raises(PeerError):  # a reference to a cache of another process
+            peer.cm("copy_blocks", ref._replace(cluster_id=2), {0: [5]})
+        registered = peer.register(desc)
+        assert registered.cache_id == 2 and not registered.blocks
+        peer.free_all()
+        with pytest.raises(PeerError, match="no cache"):
+            peer.read(ref)
+        pid = peer.pid
+    assert peer.close() is None  # already closed by the group
+    assert not multiprocessing.active_children()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_harness_reports_dead_and_hung_peers():
+    with Peer("victim") as victim:
+        victim.start(dd.LLMRole.PROMPT, 1, listen=False)
+        victim.kill()
+        with pytest.raises(PeerError, match="not running"):
+            victim.free_all()
+    with Peer("hung", command_timeout=0.5) as hung:
+        hung.start(dd.LLMRole.PROMPT, 1, listen=False)
+        os.kill(hung.pid, signal.SIGSTOP)  # behind the harness's back: the command cannot be answered
+        started = time.monotonic()
+        with pytest.raises(PeerTimeout, match="killed"):
+            hung.free_all()
+        assert time.monotonic() - started < 5
+        with pytest.raises(PeerError):
+            hung.free_all()
+    with Peer("stopped") as stopped:
+        stopped.start(dd.LLMRole.PROMPT, 1, listen=False)
+        stopped.stop()
+        with pytest.raises(PeerError, match="stopped"):
+            stopped.free_all()
+    assert stopped.close() is None
+    assert not multiprocessing.active_children()
