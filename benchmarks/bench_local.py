@@ -11,13 +11,13 @@ waited for synchronously (no event loop), under asyncio and uvloop.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import statistics
 import time
 
 import numpy as np
 
 import datadist_aio as dd
+from loops import available_loops, awaited_latency, median_p99_us
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -72,44 +72,24 @@ def bench_copy_blocks(cache_manager: dd.CacheManager, moved_bytes: int, block_by
     }
 
 
-def percentile(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))]
-
-
 def bench_completion(cache_manager: dd.CacheManager, loop_name: str, ops: int) -> dict:
     desc = dd.CacheDesc(1, [4, 64], dd.DataType.DT_UINT8, dd.Placement.HOST)
     cache = cache_manager.allocate_blocks_cache(desc)
-
-    async def awaited() -> list[float]:
-        samples = []
-        for _ in range(ops):
-            start = time.perf_counter()
-            await cache_manager.copy_blocks_async(cache, {0: [1]})
-            samples.append(time.perf_counter() - start)
-        return samples
-
-    if loop_name == "uvloop":
-        import uvloop
-
-        runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
-    else:
-        runner = asyncio.Runner()
-    with runner:
-        runner.run(awaited())  # warm up
-        samples = runner.run(awaited())
+    awaited = awaited_latency(loop_name, lambda: cache_manager.copy_blocks_async(cache, {0: [1]}), ops)
     blocking = []
     for _ in range(ops):
         start = time.perf_counter()
         cache_manager.copy_blocks(cache, {0: [1]})
         blocking.append(time.perf_counter() - start)
     cache_manager.deallocate_blocks_cache(cache)
+    await_med, await_p99 = median_p99_us(awaited)
+    block_med, block_p99 = median_p99_us(blocking)
     return {
         "loop": loop_name,
-        "await_median_us": statistics.median(samples) * 1e6,
-        "await_p99_us": percentile(samples, 99) * 1e6,
-        "blocking_median_us": statistics.median(blocking) * 1e6,
-        "blocking_p99_us": percentile(blocking, 99) * 1e6,
+        "await_median_us": await_med,
+        "await_p99_us": await_p99,
+        "blocking_median_us": block_med,
+        "blocking_p99_us": block_p99,
     }
 
 
@@ -131,14 +111,7 @@ def main() -> None:
             print(f"{block // KiB:>6} KiB {row['engine_gbps']:>12.2f} {row['memcpy_gbps']:>12.2f} {row['ratio']:>7.2f}")
         print(f"\nawaited completion of one tiny copy, {ops} sequential operations")
         print(f"{'loop':>8} {'await med':>10} {'await p99':>10} {'block med':>10} {'block p99':>10}  (us)")
-        loops = ["asyncio"]
-        try:
-            import uvloop  # noqa: F401
-
-            loops.append("uvloop")
-        except ImportError:
-            print("(uvloop not installed: pip install 'datadist_aio[uvloop]')")
-        for loop_name in loops:
+        for loop_name in available_loops():
             row = bench_completion(cache_manager, loop_name, ops)
             print(
                 f"{loop_name:>8} {row['await_median_us']:>10.1f} {row['await_p99_us']:>10.1f} "

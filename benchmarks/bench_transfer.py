@@ -14,7 +14,6 @@ are checked once (a digest computed on each side).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import hashlib
 import multiprocessing as mp
 import os
@@ -26,6 +25,7 @@ import time
 import numpy as np
 
 import datadist_aio as dd
+from loops import available_loops, awaited_latency, median_p99_us
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -172,26 +172,9 @@ def latency(cm, loop_name: str, ops: int) -> tuple[float, float]:
     desc = dd.CacheDesc(TENSORS, [4, 2 * KiB], dd.DataType.DT_UINT8, dd.Placement.HOST)  # 4 KiB per block
     cache = cm.allocate_blocks_cache(desc)
     key = dd.BlocksCacheKey(2, 0)
-
-    async def run() -> list[float]:
-        samples = []
-        for _ in range(ops):
-            start = time.perf_counter()
-            await cm.push_blocks_async(key, cache, [0], [1])
-            samples.append(time.perf_counter() - start)
-        return samples
-
-    if loop_name == "uvloop":
-        import uvloop
-
-        runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
-    else:
-        runner = asyncio.Runner()
-    with runner:
-        runner.run(run())
-        samples = sorted(runner.run(run()))
+    samples = awaited_latency(loop_name, lambda: cm.push_blocks_async(key, cache, [0], [1]), ops)
     cm.deallocate_blocks_cache(cache)
-    return statistics.median(samples) * 1e6, samples[int(0.99 * len(samples))] * 1e6
+    return median_p99_us(samples)
 
 
 def main() -> None:
@@ -232,14 +215,7 @@ def main() -> None:
         parent.send(("layout", 2 * KiB))  # 2 tensors x 2 KiB: 4 KiB per block
         parent.recv()
         print("\nawaited push of one 4 KiB block (us)")
-        loops = ["asyncio"]
-        try:
-            import uvloop  # noqa: F401
-
-            loops.append("uvloop")
-        except ImportError:
-            pass
-        for loop_name in loops:
+        for loop_name in available_loops():
             med, p99 = latency(cm, loop_name, 300 if args.quick else 2000)
             print(f"{loop_name:>8}: median {med:.1f}, p99 {p99:.1f}")
 
