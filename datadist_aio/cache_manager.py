@@ -23,7 +23,10 @@ from .cache_key import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex
 from .cache_task import CacheTask
 from .completions import CompletionDispatcher
 from .enums import Placement
+from .layer_synchronizer import LayerSynchronizer
+from .layerwise import BlockPlan, LayerwiseTransfer, TensorsPerLayer
 from .status import LLMException, LLMStatusCode, raise_for_status
+from .transfer_config import TransferConfig, TransferWithCacheKeyConfig
 
 __all__ = ["CacheManager"]
 
@@ -126,9 +129,16 @@ class CacheManager:
         self._valid = True
         # Buffers of registered caches stay alive (and exported) while registered.
         self._buffers: dict[int, list[memoryview]] = {}
+        # Running layer-wise transfers; each leaves the set when it finishes.
+        self._transfers: set[LayerwiseTransfer] = set()
 
     def _check_valid(self) -> None:
         raise_if_false(self._valid, "the cache manager is finalized", status_code=LLMStatusCode.LLM_ENGINE_FINALIZED)
+
+    def _abandon_transfers(self) -> None:
+        """Lets every layer-wise transfer's request complete (before finalize)."""
+        for transfer in list(self._transfers):
+            transfer.abandon(LLMStatusCode.LLM_ENGINE_FINALIZED)
 
     def _invalidate(self) -> None:
         self._valid = False
@@ -531,3 +541,89 @@ class CacheManager:
         return self._task(started, f"pull_blocks({src_cache_key!r} -> cache {dst_cache.cache_id})")
 
     pull_blocks = _waited(pull_blocks_async)
+
+    # -- layer-wise transfer -----------------------------------------------------
+
+    def transfer_cache_async(
+        self,
+        src_cache: Cache,
+        layer_synchronizer: LayerSynchronizer,
+        transfer_configs: Union[
+            list[Union[TransferConfig, TransferWithCacheKeyConfig]], tuple[Union[TransferConfig, TransferWithCacheKeyConfig], ...]
+        ],
+        src_block_indices: Optional[Union[list[int], tuple[int, ...]]] = None,
+        dst_block_indices: Optional[Union[list[int], tuple[int, ...]]] = None,
+        dst_block_memory_size: Optional[int] = None,
+    ) -> CacheTask:
+        """Sends ``src_cache`` layer by layer, as ``layer_synchronizer`` releases
+        each layer, to every destination in ``transfer_configs``.
+
+        Returns a ``CacheTask`` at once, with one result per config in the
+        order given. With ``TransferWithCacheKeyConfig`` (remote-cache-accessible
+        mode) the destination is a cache of the peer; with ``TransferConfig``
+        it is raw addresses, which the peer accepts only inside memory it
+        registered. Source layer ``l`` of a config goes to destination layer
+        ``dst_layer_range.start + (l - src_layer_range.start)``. Block lists:
+        none moves the batch slot ``src_batch_index``; both move blocks to
+        blocks; destination blocks alone cut the slot into chunks of
+        ``dst_block_memory_size`` bytes.
+        """
+        check_isinstance("src_cache", src_cache, Cache, allow_none=False)
+        for name, blocks in (("dst_block_indices", dst_block_indices), ("src_block_indices", src_block_indices)):
+            check_isinstance(name, blocks, (list, tuple), int)
+            check_list_uint64(name, blocks or ())
+        if dst_block_memory_size is not None:
+            check_uint64("dst_block_memory_size", dst_block_memory_size)
+        src_blocks, dst_blocks = list(src_block_indices or ()), list(dst_block_indices or ())
+        if src_blocks:
+            raise_if_false(len(dst_blocks) > 0, "blocks to a contiguous cache are not supported: give dst_block_indices")
+            raise_if_false(
+                len(src_blocks) == len(dst_blocks),
+                f"src_block_indices and dst_block_indices differ in length: {len(src_blocks)} != {len(dst_blocks)}",
+            )
+        elif dst_blocks:
+            raise_if_true(dst_block_memory_size is None, "dst_block_indices without src blocks need dst_block_memory_size")
+        check_isinstance("layer_synchronizer", layer_synchronizer, LayerSynchronizer, allow_none=False)
+        config_kind = TransferWithCacheKeyConfig if self._remote_cache_accessible else TransferConfig
+        check_isinstance("transfer_configs", transfer_configs, (list, tuple), config_kind, allow_none=False)
+        raise_if_false(len(transfer_configs) > 0, "transfer_configs must not be empty")
+        if not dst_blocks:
+            raise_if_false(
+                dst_block_memory_size in (None, 0), "dst_block_memory_size is only used with dst_block_indices"
+            )
+        num_tensors = src_cache.cache_desc.num_tensors
+        raise_if_false(num_tensors % TensorsPerLayer == 0, f"src_cache has an odd tensor count {num_tensors}")
+        layers = num_tensors // TensorsPerLayer
+        for index, config in enumerate(transfer_configs):
+            if config.src_layer_range is None:
+                config.src_layer_range = range(layers)
+            rng = config.src_layer_range
+            raise_if_true(src_blocks and config.src_batch_index != 0, f"transfer_configs[{index}]: src_batch_index must be 0 with src blocks")
+            raise_if_false(
+                0 <= rng.start < rng.stop <= layers,
+                f"transfer_configs[{index}]: src_layer_range {rng} is outside the {layers} layers of src_cache",
+            )
+            if isinstance(config, TransferWithCacheKeyConfig):
+                config._validate()
+            else:
+                raise_if_false(
+                    len(config.dst_addrs) == TensorsPerLayer * len(rng),
+                    f"transfer_configs[{index}]: dst_addrs needs {TensorsPerLayer * len(rng)} addresses, "
+                    f"got {len(config.dst_addrs)}",
+                )
+        self._check_valid()
+        request = self._engine.create_request(len(transfer_configs))
+        transfer = LayerwiseTransfer(
+            self._engine,
+            request,
+            src_cache,
+            layer_synchronizer,
+            transfer_configs,
+            BlockPlan(src_blocks, dst_blocks, dst_block_memory_size or 0),
+            self._engine.sync_kv_timeout_ms,
+            on_finished=self._transfers.discard,
+        )
+        self._transfers.add(transfer)
+        task = CacheTask(request, self._dispatcher, f"transfer_cache_async(cache {src_cache.cache_id})", transfer.stop)
+        transfer.start()
+        return task

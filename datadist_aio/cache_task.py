@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any, Optional
 
 from ._checks import check_uint32
@@ -25,12 +25,19 @@ class CacheTask:
     the task the same way.
     """
 
-    __slots__ = ("_request", "_dispatcher", "_operation")
+    __slots__ = ("_request", "_dispatcher", "_operation", "_on_cancel")
 
-    def __init__(self, request: Any, dispatcher: CompletionDispatcher, operation: str) -> None:
+    def __init__(
+        self,
+        request: Any,
+        dispatcher: CompletionDispatcher,
+        operation: str,
+        on_cancel: Optional[Callable[[], None]] = None,
+    ) -> None:
         self._request = request
         self._dispatcher = dispatcher
         self._operation = operation
+        self._on_cancel = on_cancel
 
     def __repr__(self) -> str:
         state = "cancelled" if self.cancelled() else "done" if self.done() else "pending"
@@ -46,7 +53,11 @@ class CacheTask:
 
     def cancel(self) -> bool:
         """Stops the work still to do. False if the task had already finished."""
-        return bool(self._request.cancel())
+        if not self._request.cancel():
+            return False
+        if self._on_cancel is not None:
+            self._on_cancel()
+        return True
 
     def _statuses(self) -> list[LLMStatusCode]:
         return [code_from_native(code) for code in self._request.results()]

@@ -129,6 +129,8 @@ class LLMDataDist:
         engine = self._engine
         if engine is None:
             return
+        assert self._cache_manager is not None
+        self._cache_manager._abandon_transfers()
         engine.finalize()
         assert self._dispatcher is not None and self._cache_manager is not None
         self._dispatcher.close()

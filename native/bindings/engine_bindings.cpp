@@ -167,6 +167,28 @@ void bind_engine(py::module_ &m) {
           },
           py::arg("dst"), py::arg("src"), py::arg("pairs"))
       .def_property_readonly("listen_port", &Engine::listen_port)
+      .def("create_request", &Engine::create_request, py::arg("num_results"))
+      .def(
+          "transfer_step",
+          [](Engine &e, const std::shared_ptr<Request> &into, size_t result_index, int64_t src_id, uint64_t peer,
+             uint32_t src_layer, uint32_t dst_layer, uint64_t src_slot, std::vector<uint64_t> src_blocks,
+             std::vector<uint64_t> dst_blocks, uint64_t chunk_size, const NameTuple &dst,
+             std::vector<uint64_t> dst_addrs) {
+            TransferStep step;
+            step.src_layer = src_layer;
+            step.dst_layer = dst_layer;
+            step.src_slot = src_slot;
+            step.src_blocks = std::move(src_blocks);
+            step.dst_blocks = std::move(dst_blocks);
+            step.chunk_size = chunk_size;
+            step.dst = make_name(dst);
+            step.dst_addrs = std::move(dst_addrs);
+            py::gil_scoped_release release;
+            return e.transfer_step(into, result_index, src_id, peer, step);
+          },
+          py::arg("into"), py::arg("result_index"), py::arg("src_id"), py::arg("peer"), py::arg("src_layer"),
+          py::arg("dst_layer"), py::arg("src_slot"), py::arg("src_blocks"), py::arg("dst_blocks"),
+          py::arg("chunk_size"), py::arg("dst"), py::arg("dst_addrs"))
       .def(
           "link_clusters",
           [](Engine &e, const std::vector<LinkTuple> &targets, int timeout_ms) {

@@ -311,15 +311,16 @@ Status Engine::prepare_remote(int64_t local_id, uint64_t peer, const LayerSpan &
 }
 
 Status Engine::start_remote(const std::shared_ptr<Link> &link, bool write, FramePlanner &planner,
-                            std::shared_ptr<CacheEntry> pin, std::shared_ptr<Request> &out) {
-  out = tracker_->create(1);
+                            std::shared_ptr<CacheEntry> pin, std::shared_ptr<Request> &out,
+                            const std::shared_ptr<Request> &into, size_t result_index) {
+  out = into ? into : tracker_->create(1);
   auto frames = planner.take();
   if (!frames.empty()) {
     const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(options_.sync_kv_timeout_ms);
-    link->submit(write, std::move(frames), out, 0, deadline, std::move(pin));
+    link->submit(write, std::move(frames), out, result_index, deadline, std::move(pin));
     transport_->operations_started();
   }
-  out->release(0, LLM_SUCCESS);
+  if (!into) out->release(0, LLM_SUCCESS);
   return LLM_SUCCESS;
 }
 
@@ -435,6 +436,76 @@ Status Engine::pull_blocks(int64_t dst_id, uint64_t peer, const RemoteName &src_
     }
   });
   return start_remote(link, false, planner, dst, out);
+}
+
+std::shared_ptr<Request> Engine::create_request(size_t num_results) { return tracker_->create(num_results); }
+
+Status Engine::transfer_step(const std::shared_ptr<Request> &into, size_t result_index, int64_t src_id,
+                             uint64_t peer, const TransferStep &step) {
+  std::shared_lock<std::shared_mutex> lock(state_mu_);
+  std::shared_ptr<CacheEntry> src;
+  std::shared_ptr<Link> link;
+  const LayerSpan span{step.src_layer, step.dst_layer, 1, step.per_layer};
+  Status st = prepare_remote(src_id, peer, span, src, link);
+  if (st != LLM_SUCCESS) return st;
+  const uint64_t slot = src->geometry.slot_size;
+  const bool raw = !step.dst_addrs.empty();
+  const bool blocks_to_blocks = !step.src_blocks.empty();
+  const bool slot_to_blocks = !blocks_to_blocks && !step.dst_blocks.empty();
+  if (raw && step.dst_addrs.size() != step.per_layer) return LLM_PARAM_INVALID;
+  uint64_t chunk = slot;
+  std::vector<BlockRun> runs;
+  if (blocks_to_blocks) {
+    if (step.src_blocks.size() != step.dst_blocks.size() || !all_below(step.src_blocks, src->geometry.num_slots)) {
+      return LLM_PARAM_INVALID;
+    }
+    if (step.chunk_size != 0 && step.chunk_size != slot) return LLM_PARAM_INVALID;
+    const BlockPairs pairs = zip_blocks(step.src_blocks, step.dst_blocks);
+    st = check_block_destinations(pairs, false);
+    if (st != LLM_SUCCESS) return st;
+    runs = merge_block_runs(pairs);
+  } else {
+    if (step.src_slot >= src->geometry.num_slots) return LLM_PARAM_INVALID;
+    if (slot_to_blocks) {
+      chunk = step.chunk_size;
+      if (chunk == 0 || chunk > slot || (slot + chunk - 1) / chunk < step.dst_blocks.size()) return LLM_PARAM_INVALID;
+      st = check_block_destinations(zip_blocks(step.dst_blocks, step.dst_blocks), false);
+      if (st != LLM_SUCCESS) return st;
+    }
+  }
+  wire::Target target{};
+  if (raw) {
+    target.kind = wire::kRawAddress;
+  } else {
+    target = name_target(step.dst);
+    target.expected_slot_size = chunk;
+    if (!blocks_to_blocks && !slot_to_blocks) target.flags = wire::kWithinSlot;
+  }
+  FramePlanner planner(target);
+  // Where `length` bytes for remote tensor `remote` (index `i` in the layer)
+  // land: a slot of the named cache, or an address of the peer's.
+  auto add = [&](uint8_t *local, uint32_t i, uint32_t remote, uint64_t slot_index, uint64_t length) {
+    if (raw) {
+      planner.add(local, 0, 0, step.dst_addrs[i] + slot_index * chunk, length);
+    } else {
+      planner.add(local, remote, slot_index, 0, length);
+    }
+  };
+  for (uint32_t i = 0; i < step.per_layer; ++i) {
+    uint8_t *base = src->addrs[step.src_layer * step.per_layer + i];
+    const uint32_t remote = step.dst_layer * step.per_layer + i;
+    if (blocks_to_blocks) {
+      for (const BlockRun &run : runs) add(base + run.src * slot, i, remote, run.dst, run.count * slot);
+    } else if (slot_to_blocks) {
+      for (size_t j = 0; j < step.dst_blocks.size(); ++j) {
+        add(base + step.src_slot * slot + j * chunk, i, remote, step.dst_blocks[j], std::min(chunk, slot - j * chunk));
+      }
+    } else {
+      add(base + step.src_slot * slot, i, remote, raw ? 0 : step.dst.slot, slot);
+    }
+  }
+  std::shared_ptr<Request> out;
+  return start_remote(link, true, planner, src, out, into, result_index);
 }
 
 }  // namespace datadist

@@ -47,6 +47,24 @@ struct RemoteName {
   uint64_t slot = 0;
 };
 
+// One layer of a layer-wise transfer to one destination. With no block
+// lists the source batch slot moves whole; with both, blocks move to
+// blocks; with destination blocks only, the slot is cut into chunks of
+// `chunk_size` bytes, chunk j going to destination block j. The destination
+// is `dst`, or, when `dst_addrs` is not empty, one raw address per tensor
+// of the layer that the peer checks against its registered memory.
+struct TransferStep {
+  uint32_t src_layer = 0;
+  uint32_t dst_layer = 0;
+  uint32_t per_layer = 2;
+  uint64_t src_slot = 0;
+  std::vector<uint64_t> src_blocks;
+  std::vector<uint64_t> dst_blocks;
+  uint64_t chunk_size = 0;
+  RemoteName dst;
+  std::vector<uint64_t> dst_addrs;
+};
+
 struct LinkTarget {
   uint64_t peer_id = 0;
   std::string remote_ip;
@@ -107,6 +125,14 @@ class Engine {
   Status pull_blocks(int64_t dst_id, uint64_t peer, const RemoteName &src, const std::vector<uint64_t> &src_blocks,
                      const std::vector<uint64_t> &dst_blocks, const LayerSpan &span, std::shared_ptr<Request> &out);
 
+  // A request for work its creator adds step by step (one hold, owned by the
+  // creator, released when it has added everything).
+  std::shared_ptr<Request> create_request(size_t num_results);
+  // Starts one layer-wise step; its frames settle `result_index` of `into`.
+  // Any status but LLM_SUCCESS means nothing was started.
+  Status transfer_step(const std::shared_ptr<Request> &into, size_t result_index, int64_t src_id, uint64_t peer,
+                       const TransferStep &step);
+
  private:
   enum class State { kCreated, kReady, kFinalized };
 
@@ -116,8 +142,11 @@ class Engine {
   // Checks shared by every transfer with a peer.
   Status prepare_remote(int64_t local_id, uint64_t peer, const LayerSpan &span,
                         std::shared_ptr<CacheEntry> &entry, std::shared_ptr<Link> &link) const;
+  // Submits the planned frames into `into` (result `result_index`) or, when
+  // `into` is null, into a new request returned in `out`.
   Status start_remote(const std::shared_ptr<Link> &link, bool write, FramePlanner &planner,
-                      std::shared_ptr<CacheEntry> pin, std::shared_ptr<Request> &out);
+                      std::shared_ptr<CacheEntry> pin, std::shared_ptr<Request> &out,
+                      const std::shared_ptr<Request> &into = nullptr, size_t result_index = 0);
 
   const uint64_t cluster_id_;
   std::shared_ptr<CompletionQueue> completions_;

@@ -66,6 +66,20 @@ std::shared_ptr<CacheEntry> Registry::find_blocks(uint64_t model_id) const {
   return it == by_key_.end() ? nullptr : it->second.entry;
 }
 
+std::shared_ptr<CacheEntry> Registry::find_by_address(uintptr_t addr, uint64_t length) const {
+  uintptr_t end;
+  if (__builtin_add_overflow(addr, length, &end)) return nullptr;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto &entry : by_id_) {
+    const uint64_t size = entry.second->geometry.tensor_size;
+    for (uint8_t *base : entry.second->addrs) {
+      const auto start = reinterpret_cast<uintptr_t>(base);
+      if (addr >= start && end <= start + size) return entry.second;
+    }
+  }
+  return nullptr;
+}
+
 void Registry::drop_keys_locked(const CacheEntry *entry) {
   for (auto it = by_key_.begin(); it != by_key_.end();) {
     it = it->second.entry.get() == entry ? by_key_.erase(it) : std::next(it);

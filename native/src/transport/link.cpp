@@ -249,7 +249,7 @@ void Link::serve_read(Connection &conn, const FrameHeader &header, const wire::R
   out.header = wire::make_header(FrameType::kReadData, header.op_id, 0, st == LLM_SUCCESS ? req.total_bytes : 0, st);
   if (st == LLM_SUCCESS) {
     out.data = std::move(target.iov);
-    out.pin = target.entry;
+    out.pin = std::make_shared<std::vector<std::shared_ptr<CacheEntry>>>(std::move(target.pins));
   }
   enqueue(conn, std::move(out));
 }

@@ -20,13 +20,35 @@ Status find_target(const Registry &registry, const wire::Target &target, Resolve
     case wire::kBlocksOfModel:
       out.entry = registry.find_blocks(target.model_id);
       break;
+    case wire::kRawAddress:
+      return LLM_PARAM_INVALID;  // names no cache
     default:
       return LLM_PARAM_INVALID;
   }
   return out.entry ? LLM_SUCCESS : LLM_KV_CACHE_NOT_EXIST;
 }
 
+namespace {
+
+// Raw addresses: every range must lie inside one remotely accessible tensor.
+Status resolve_addresses(const Registry &registry, const wire::Request &request, ResolvedTarget &out) {
+  std::vector<iovec> iov;
+  iov.reserve(request.ranges.size());
+  for (const wire::Range &r : request.ranges) {
+    if (r.tensor != 0 || r.slot != 0) return LLM_PARAM_INVALID;
+    auto entry = registry.find_by_address(static_cast<uintptr_t>(r.offset), r.length);
+    if (!entry || !entry->remote_accessible) return LLM_PARAM_INVALID;
+    if (out.pins.empty() || out.pins.back() != entry) out.pins.push_back(entry);
+    iov.push_back({reinterpret_cast<void *>(static_cast<uintptr_t>(r.offset)), r.length});
+  }
+  out.iov = std::move(iov);
+  return LLM_SUCCESS;
+}
+
+}  // namespace
+
 Status resolve_request(const Registry &registry, const wire::Request &request, ResolvedTarget &out) {
+  if (request.target.kind == wire::kRawAddress) return resolve_addresses(registry, request, out);
   Status st = find_target(registry, request.target, out);
   if (st != LLM_SUCCESS) return st;
   const CacheEntry &entry = *out.entry;
@@ -50,6 +72,7 @@ Status resolve_request(const Registry &registry, const wire::Request &request, R
     iov.push_back({entry.addrs[r.tensor] + start, r.length});
   }
   out.iov = std::move(iov);
+  out.pins.push_back(out.entry);
   return LLM_SUCCESS;
 }
 

@@ -15,9 +15,10 @@
 namespace datadist {
 
 struct ResolvedTarget {
-  std::shared_ptr<CacheEntry> entry;  // pins the memory while bytes move
+  std::shared_ptr<CacheEntry> entry;  // the named cache (none for raw addresses)
   uint64_t bound_slot = 0;
   std::vector<iovec> iov;             // one per range, in order
+  std::vector<std::shared_ptr<CacheEntry>> pins;  // keep the memory alive while bytes move
 };
 
 // Finds the cache a target names (LLM_KV_CACHE_NOT_EXIST if none).

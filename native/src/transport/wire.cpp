@@ -43,7 +43,7 @@ std::string decode_request(const std::vector<uint8_t> &body, Request &out) {
   if (body.size() < sizeof(Target)) return "request body too short";
   std::memcpy(&out.target, body.data(), sizeof(Target));
   const Target &t = out.target;
-  if (t.kind < kById || t.kind > kBlocksOfModel) return "unknown target kind";
+  if (t.kind < kById || t.kind > kRawAddress) return "unknown target kind";
   if ((t.flags & ~kWithinSlot) != 0) return "unknown target flags";
   if (t.range_count > kMaxRanges) return "too many ranges";
   if (body.size() != sizeof(Target) + static_cast<size_t>(t.range_count) * sizeof(Range)) {

@@ -68,7 +68,9 @@ struct HelloAck {
   uint32_t reserved;
 };
 
-enum TargetKind : uint8_t { kById = 1, kByKey = 2, kBlocksOfModel = 3 };
+// kRawAddress: each range's `offset` is an address in the owner's memory,
+// accepted only inside one tensor the owner registered (tensor, slot 0).
+enum TargetKind : uint8_t { kById = 1, kByKey = 2, kBlocksOfModel = 3, kRawAddress = 4 };
 enum TargetFlags : uint8_t {
   kWithinSlot = 1,  // every range must stay inside one slot
 };

@@ -1,0 +1,226 @@
+"""The driver of a layer-wise ``transfer_cache_async``.
+
+It walks the source layers in order. For each layer some config still needs,
+it waits for the ``LayerSynchronizer`` (an ``async def synchronize_layer`` is
+awaited on the loop, a plain one runs in a worker thread), then starts that
+layer's steps for every such config without waiting for earlier layers'
+acknowledgements, so the transfer overlaps the model's compute. All steps
+settle into one native request with a result slot per config; the request
+completes once the driver has finished and every write it issued has settled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from .cache import Cache
+from .cache_key import BlocksCacheKey, CacheKeyByIdAndIndex
+from .layer_synchronizer import LayerSynchronizer
+from .status import LLMStatusCode
+from .transfer_config import TransferConfig, TransferWithCacheKeyConfig
+
+__all__ = ["LayerwiseTransfer", "TensorsPerLayer"]
+
+_log = logging.getLogger("datadist_aio")
+
+TensorsPerLayer = 2
+_INVALID_ID = 2**64 - 1
+_SUCCESS = LLMStatusCode.LLM_SUCCESS.value
+
+AnyConfig = Union[TransferConfig, TransferWithCacheKeyConfig]
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """How each layer moves: block lists and the chunk size, as given."""
+
+    src_blocks: list[int]
+    dst_blocks: list[int]
+    chunk_size: int
+
+
+def _destination(config: AnyConfig) -> tuple[int, int, int, int, int, int]:
+    """The engine's name of a config's destination cache (unused for raw addresses)."""
+    if isinstance(config, TransferConfig):
+        return (1, -1, _INVALID_ID, 0, _INVALID_ID, 0)
+    key = config.cache_key
+    if isinstance(key, CacheKeyByIdAndIndex):
+        return (1, key.cache_id, _INVALID_ID, 0, _INVALID_ID, key.batch_index)
+    assert isinstance(key, BlocksCacheKey)
+    return (3, -1, _INVALID_ID, key.model_id, _INVALID_ID, 0)
+
+
+class LayerwiseTransfer:
+    """One running ``transfer_cache_async``; see the module docstring.
+
+    Thread rules: ``start`` on the caller's thread; ``stop`` from any thread.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        request: Any,
+        src_cache: Cache,
+        synchronizer: LayerSynchronizer,
+        configs: Sequence[AnyConfig],
+        blocks: BlockPlan,
+        timeout_ms: int,
+        on_finished: Callable[["LayerwiseTransfer"], None] = lambda _transfer: None,
+    ) -> None:
+        self._engine = engine
+        self._on_finished = on_finished
+        self._request = request
+        self._src = src_cache
+        self._synchronizer = synchronizer
+        self._configs = list(configs)
+        self._blocks = blocks
+        self._timeout_ms = timeout_ms
+        self._lock = threading.Lock()
+        self._finished = False
+        self._open = set(range(len(self._configs)))  # configs with layers still to start
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._task: Optional[asyncio.Task[None]] = None
+
+    def start(self) -> None:
+        """Runs the driver on the running loop, or on a loop of its own thread."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            threading.Thread(target=asyncio.run, args=(self._drive(),), name="datadist-layerwise", daemon=True).start()
+            return
+        self._loop = loop
+        self._task = loop.create_task(self._drive())
+
+    def stop(self) -> None:
+        """Stops asking for further layers (the request was cancelled)."""
+        loop, task = self._loop, self._task
+        if loop is None or task is None or task.done() or loop.is_closed():
+            return
+        if _running_loop() is loop:
+            task.cancel()
+        else:
+            loop.call_soon_threadsafe(task.cancel)
+
+    def abandon(self, status: LLMStatusCode) -> None:
+        """Settles every config still open with ``status`` and lets the request
+        complete (the engine is being finalized)."""
+        self.stop()
+        self._finish(status.value)
+
+    async def _drive(self) -> None:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self._task = asyncio.current_task()
+        try:
+            await self._walk_layers()
+        except asyncio.CancelledError:
+            pass
+        except Exception:  # a bug here must still settle the request
+            _log.exception("layer-wise transfer driver failed")
+            self._finish(LLMStatusCode.LLM_FAILED.value)
+        self._finish(self._request.cancel_reason() if self._request.cancel_requested() else _SUCCESS)
+
+    async def _walk_layers(self) -> None:
+        last_layer = max(config.src_layer_range.stop for config in self._configs)
+        for layer in range(last_layer):
+            needing = [i for i in sorted(self._open) if layer in self._configs[i].src_layer_range]
+            if not needing:
+                continue
+            if self._request.cancel_requested():
+                return
+            status = await self._wait_for_layer(layer)
+            for index in needing:
+                config = self._configs[index]
+                if status is LLMStatusCode.LLM_SUCCESS:
+                    code = self._start_step(index, config, layer)
+                else:
+                    code = status.value
+                if code != _SUCCESS:
+                    self._fail(index, code)
+                elif layer == config.src_layer_range.stop - 1:
+                    with self._lock:
+                        self._open.discard(index)
+
+    async def _wait_for_layer(self, layer: int) -> LLMStatusCode:
+        sync = self._synchronizer.synchronize_layer
+        try:
+            if inspect.iscoroutinefunction(sync):
+                pending = sync(layer, self._timeout_ms)
+            else:
+                pending = asyncio.get_running_loop().run_in_executor(None, sync, layer, self._timeout_ms)
+            ready = await asyncio.wait_for(pending, self._timeout_ms / 1000)
+            if inspect.isawaitable(ready):
+                ready = await asyncio.wait_for(ready, self._timeout_ms / 1000)
+        except asyncio.TimeoutError:
+            _log.error("layer %d: synchronize_layer did not answer within %d ms", layer, self._timeout_ms)
+            return LLMStatusCode.LLM_TIMEOUT
+        except Exception:
+            _log.exception("layer %d: synchronize_layer raised", layer)
+            return LLMStatusCode.LLM_FAILED
+        if not ready:
+            _log.error("layer %d: synchronize_layer returned %r; the configs that need it fail", layer, ready)
+            return LLMStatusCode.LLM_PARAM_INVALID
+        return LLMStatusCode.LLM_SUCCESS
+
+    def _start_step(self, index: int, config: AnyConfig, layer: int) -> int:
+        rng = config.src_layer_range
+        dst_layer = layer
+        dst_addrs: list[int] = []
+        if isinstance(config, TransferWithCacheKeyConfig):
+            dst_layer = config.dst_layer_range.start + (layer - rng.start)
+        else:
+            first = TensorsPerLayer * (layer - rng.start)
+            dst_addrs = list(config.dst_addrs[first : first + TensorsPerLayer])
+        with self._lock:
+            if self._finished:
+                return LLMStatusCode.LLM_ENGINE_FINALIZED.value
+            return int(
+                self._engine.transfer_step(
+                    self._request,
+                    index,
+                    self._src.cache_id,
+                    config.dst_cluster_id,
+                    layer,
+                    dst_layer,
+                    config.src_batch_index,
+                    self._blocks.src_blocks,
+                    self._blocks.dst_blocks,
+                    self._blocks.chunk_size,
+                    _destination(config),
+                    dst_addrs,
+                )
+            )
+
+    def _fail(self, index: int, code: int) -> None:
+        with self._lock:
+            self._open.discard(index)
+            if not self._finished:
+                self._request.hold()
+                self._request.release(index, code)
+
+    def _finish(self, code: int) -> None:
+        """Settles open configs with ``code`` (when it is a failure) and
+        releases the driver's hold, once."""
+        with self._lock:
+            if self._finished:
+                return
+            self._finished = True
+            if code != _SUCCESS:
+                for index in self._open:
+                    self._request.hold()
+                    self._request.release(index, code, True)
+            self._request.release(0, _SUCCESS)
+        self._on_finished(self)
+
+
+def _running_loop() -> Optional[asyncio.AbstractEventLoop]:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
