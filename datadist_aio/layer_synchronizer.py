@@ -23,9 +23,12 @@ class LayerSynchronizer(abc.ABC):
 
         Args:
             layer_index: Index of the layer about to be sent.
-            timeout_in_millis: Always `None` (no timeout is imposed).
+            timeout_in_millis: How long the transfer waits for this call
+                (the instance's `sync_kv_timeout`); past it, the configs that
+                need the layer fail with `LLM_TIMEOUT`.
 
         Returns:
-            True to send the layer, False to abort the transfer.
+            True to send the layer; False fails the configs that need it
+            (`LLM_PARAM_INVALID`), as does an exception (`LLM_FAILED`).
         """
 
