@@ -586,7 +586,7 @@ class CacheManager:
         check_isinstance("layer_synchronizer", layer_synchronizer, LayerSynchronizer, allow_none=False)
         config_kind = TransferWithCacheKeyConfig if self._remote_cache_accessible else TransferConfig
         check_isinstance("transfer_configs", transfer_configs, (list, tuple), config_kind, allow_none=False)
-        raise_if_false(len(transfer_configs) > 0, "transfer_configs must not be empty")
+        raise_if_false(0 < len(transfer_configs) < 2**16, "transfer_configs must hold 1 to 65535 configs")
         if not dst_blocks:
             raise_if_false(
                 dst_block_memory_size in (None, 0), "dst_block_memory_size is only used with dst_block_indices"

@@ -194,8 +194,14 @@ class LayerwiseTransfer:
                     self._blocks.chunk_size,
                     _destination(config),
                     dst_addrs,
+                    self._group(index),
                 )
             )
+
+    def _group(self, index: int) -> int:
+        """The ordered group of a config's steps: after a refused layer the
+        peer refuses that config's later layers, so none of them lands."""
+        return (self._request.id << 16) | (index + 1)
 
     def _fail(self, index: int, code: int) -> None:
         with self._lock:

@@ -191,7 +191,9 @@ class LLMDataDist:
         timeout: int = 3000,
         force: bool = False,
     ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
-        """Removes the links to ``clusters``; the peers drop their ends too.
+        """Removes the links to ``clusters``. Without ``force`` each peer is asked
+        to drop its end and the call returns once it has (``LLM_UNLINK_FAILED``
+        if it did not answer within ``timeout`` ms; the local end is gone anyway).
 
         Same return convention as ``link_clusters``.
         """
@@ -206,7 +208,7 @@ class LLMDataDist:
                 continue
             peers.append(cluster.remote_cluster_id)
             where.append(index)
-        return self._collect(statuses, where, self._engine.unlink_clusters(peers, force) if peers else None)
+        return self._collect(statuses, where, self._engine.unlink_clusters(peers, force, timeout) if peers else None)
 
     @staticmethod
     def _collect(

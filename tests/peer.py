@@ -277,6 +277,11 @@ def _read(ep: _Endpoint, ref: CacheRef, tensor: Optional[int]) -> Any:
 
 
 @_command
+def _tensor_addrs(ep: _Endpoint, ref: CacheRef) -> list[int]:
+    return list(ep.resolve(ref).tensor_addrs)
+
+
+@_command
 def _link(ep: _Endpoint, cluster_id: int, port: Optional[int], timeout: int) -> Any:
     return ep.datadist.link_clusters([cluster_info(cluster_id, port)], timeout)
 
@@ -588,6 +593,10 @@ class Peer:
     def read(self, ref: CacheRef, tensor: Optional[int] = None) -> Any:
         """A copy of one tensor (flat uint8), or of all of them as a list."""
         return self._call("read", ref, tensor)
+
+    def tensor_addrs(self, ref: CacheRef) -> list[int]:
+        """The base address of each tensor of the cache, in the child's memory."""
+        return self._call("tensor_addrs", ref)
 
     def link(self, target: "Peer | int", port: Optional[int] = None, timeout: int = 3000) -> Any:
         """``link_clusters`` to a peer (its cluster id and port) or to ``target`` id at ``port``."""

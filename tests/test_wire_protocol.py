@@ -19,7 +19,7 @@ from conftest import make_options
 HEADER = struct.Struct("<IHHIIQQ")
 HELLO = struct.Struct("<QQQIIII")
 HELLO_ACK = struct.Struct("<QII")
-TARGET = struct.Struct("<BBHIqQQQQ")
+TARGET = struct.Struct("<BBHIqQQQQQ")
 RANGE = struct.Struct("<IIQQQ")
 MAGIC, VERSION = 0x4F414444, 1
 HELLO_T, HELLO_ACK_T, WRITE_T, WRITE_ACK_T, READ_T, READ_DATA_T = 1, 2, 3, 4, 5, 6
@@ -51,8 +51,10 @@ def recv_frame(sock: socket.socket) -> tuple[int, int, int, bytes, bytes]:
     return kind, status, op_id, recv_exact(sock, body_len), recv_exact(sock, data_len)
 
 
-def request(ranges: list[tuple[int, int, int, int]], kind=BLOCKS_OF_MODEL, cache_id=-1, expected=BLOCK) -> bytes:
-    body = TARGET.pack(kind, 0, 0, len(ranges), cache_id, INVALID, 0, INVALID, expected)
+def request(
+    ranges: list[tuple[int, int, int, int]], kind=BLOCKS_OF_MODEL, cache_id=-1, expected=BLOCK, group=0
+) -> bytes:
+    body = TARGET.pack(kind, 0, 0, len(ranges), cache_id, INVALID, 0, INVALID, expected, group)
     return body + b"".join(RANGE.pack(t, 0, slot, off, length) for t, slot, off, length in ranges)
 
 
@@ -190,3 +192,19 @@ def test_garbage_instead_of_a_handshake(server):
             recv_frame(sock)
     with linked(datadist.listen_port, nonce=13):
         pass
+
+
+def test_a_refused_request_refuses_the_rest_of_its_group(server):
+    datadist, cache = server
+    with linked(datadist.listen_port, nonce=14) as sock:
+        sock.sendall(frame(WRITE_T, request([(0, 0, 0, BLOCK)], group=3), b"\x01" * BLOCK, op_id=1))
+        assert recv_frame(sock)[1] == 0
+        sock.sendall(frame(WRITE_T, request([(0, BLOCKS, 0, BLOCK)], group=3), b"\x02" * BLOCK, op_id=2))
+        assert recv_frame(sock)[1] == Code.LLM_PARAM_INVALID.value
+        sock.sendall(frame(WRITE_T, request([(1, 1, 0, BLOCK)], group=3), b"\x03" * BLOCK, op_id=3))
+        assert recv_frame(sock)[1] == Code.LLM_FAILED.value
+        sock.sendall(frame(WRITE_T, request([(1, 2, 0, BLOCK)], group=4), b"\x04" * BLOCK, op_id=4))
+        assert recv_frame(sock)[1] == 0
+    assert (cache.as_numpy(0)[0] == 1).all()
+    assert not cache.as_numpy(1)[1].any()
+    assert (cache.as_numpy(1)[2] == 4).all()

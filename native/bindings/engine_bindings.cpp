@@ -173,7 +173,7 @@ void bind_engine(py::module_ &m) {
           [](Engine &e, const std::shared_ptr<Request> &into, size_t result_index, int64_t src_id, uint64_t peer,
              uint32_t src_layer, uint32_t dst_layer, uint64_t src_slot, std::vector<uint64_t> src_blocks,
              std::vector<uint64_t> dst_blocks, uint64_t chunk_size, const NameTuple &dst,
-             std::vector<uint64_t> dst_addrs) {
+             std::vector<uint64_t> dst_addrs, uint64_t group) {
             TransferStep step;
             step.src_layer = src_layer;
             step.dst_layer = dst_layer;
@@ -183,12 +183,13 @@ void bind_engine(py::module_ &m) {
             step.chunk_size = chunk_size;
             step.dst = make_name(dst);
             step.dst_addrs = std::move(dst_addrs);
+            step.group = group;
             py::gil_scoped_release release;
             return e.transfer_step(into, result_index, src_id, peer, step);
           },
           py::arg("into"), py::arg("result_index"), py::arg("src_id"), py::arg("peer"), py::arg("src_layer"),
           py::arg("dst_layer"), py::arg("src_slot"), py::arg("src_blocks"), py::arg("dst_blocks"),
-          py::arg("chunk_size"), py::arg("dst"), py::arg("dst_addrs"))
+          py::arg("chunk_size"), py::arg("dst"), py::arg("dst_addrs"), py::arg("group"))
       .def(
           "link_clusters",
           [](Engine &e, const std::vector<LinkTuple> &targets, int timeout_ms) {
@@ -205,16 +206,16 @@ void bind_engine(py::module_ &m) {
           py::arg("targets"), py::arg("timeout_ms"))
       .def(
           "unlink_clusters",
-          [](Engine &e, const std::vector<uint64_t> &peers, bool force) {
+          [](Engine &e, const std::vector<uint64_t> &peers, bool force, int timeout_ms) {
             std::vector<Status> rets;
             Status st;
             {
               py::gil_scoped_release release;
-              st = e.unlink_clusters(peers, force, rets);
+              st = e.unlink_clusters(peers, force, timeout_ms, rets);
             }
             return py::make_tuple(st, rets);
           },
-          py::arg("peers"), py::arg("force"))
+          py::arg("peers"), py::arg("force"), py::arg("timeout_ms"))
       .def("switch_role", &Engine::switch_role, py::arg("role"), py::arg("listen_ip"), py::arg("listen_port"),
            py::call_guard<py::gil_scoped_release>())
       .def(

@@ -222,14 +222,15 @@ Status Engine::link_clusters(const std::vector<LinkTarget> &targets, int timeout
   return LLM_SUCCESS;
 }
 
-Status Engine::unlink_clusters(const std::vector<uint64_t> &peers, bool force, std::vector<Status> &rets) {
+Status Engine::unlink_clusters(const std::vector<uint64_t> &peers, bool force, int timeout_ms,
+                               std::vector<Status> &rets) {
   std::shared_lock<std::shared_mutex> lock(state_mu_);
   if (state_ != State::kReady) return LLM_FAILED;
   if (peers.empty()) return LLM_PARAM_INVALID;
   rets.clear();
   Status first = LLM_SUCCESS;
   for (uint64_t peer : peers) {
-    rets.push_back(transport_->unlink(peer, force));
+    rets.push_back(transport_->unlink(peer, force, timeout_ms));
     if (first == LLM_SUCCESS) first = rets.back();
   }
   return first;
@@ -481,7 +482,9 @@ Status Engine::transfer_step(const std::shared_ptr<Request> &into, size_t result
     target.expected_slot_size = chunk;
     if (!blocks_to_blocks && !slot_to_blocks) target.flags = wire::kWithinSlot;
   }
-  FramePlanner planner(target);
+  target.group = step.group;
+  FramePlanner planner = step.group != 0 ? FramePlanner(target, wire::kMaxFrameData, wire::kMaxRanges)
+                                         : FramePlanner(target);
   // Where `length` bytes for remote tensor `remote` (index `i` in the layer)
   // land: a slot of the named cache, or an address of the peer's.
   auto add = [&](uint8_t *local, uint32_t i, uint32_t remote, uint64_t slot_index, uint64_t length) {

@@ -63,6 +63,10 @@ struct TransferStep {
   uint64_t chunk_size = 0;
   RemoteName dst;
   std::vector<uint64_t> dst_addrs;
+  // Steps sharing a non-zero group go out in order on one connection, each
+  // as one frame (refused or written whole); after a refusal the peer
+  // refuses the group's later steps.
+  uint64_t group = 0;
 };
 
 struct LinkTarget {
@@ -108,7 +112,7 @@ class Engine {
   // every one succeeded.
   uint16_t listen_port() const;
   Status link_clusters(const std::vector<LinkTarget> &targets, int timeout_ms, std::vector<Status> &rets);
-  Status unlink_clusters(const std::vector<uint64_t> &peers, bool force, std::vector<Status> &rets);
+  Status unlink_clusters(const std::vector<uint64_t> &peers, bool force, int timeout_ms, std::vector<Status> &rets);
   // New role and listening state: listens on `listen_ip:listen_port` when
   // given (port 0 picks one), else stops listening. LLM_EXIST_LINK while
   // any link exists.

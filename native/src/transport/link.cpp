@@ -7,7 +7,6 @@
 
 #include "log.h"
 #include "transport/socket_util.h"
-#include "transport/target_resolver.h"
 
 namespace datadist {
 
@@ -83,15 +82,16 @@ void Link::submit(bool write, std::vector<PlannedFrame> frames, const std::share
     }
     out.header.op_id = out.op_id;
     if (write) out.data = std::move(planned.local);
-    enqueue(next_connection(), std::move(out));
+    const uint64_t group = planned.target.group;
+    enqueue(group != 0 ? *conns_[group % conns_.size()] : next_connection(), std::move(out));
   }
 }
 
-Status Link::lookup(const wire::Target &target, wire::LookupReply &reply, int timeout_ms) {
+Status Link::ask(FrameType type, const std::vector<uint8_t> &body, int timeout_ms, wire::LookupReply *reply) {
   auto state = std::make_shared<LookupState>();
   OutFrame out;
-  out.body = wire::encode_request(target, {});
-  out.header = wire::make_header(FrameType::kLookup, 0, static_cast<uint32_t>(out.body.size()), 0);
+  out.body = body;
+  out.header = wire::make_header(type, 0, static_cast<uint32_t>(out.body.size()), 0);
   const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -105,9 +105,15 @@ Status Link::lookup(const wire::Target &target, wire::LookupReply &reply, int ti
   enqueue(next_connection(), std::move(out));
   std::unique_lock<std::mutex> lock(mu_);
   if (!answered_cv_.wait_until(lock, deadline, [&] { return state->done; })) return LLM_TIMEOUT;
-  reply = state->reply;
+  if (reply != nullptr) *reply = state->reply;
   return state->status;
 }
+
+Status Link::lookup(const wire::Target &target, wire::LookupReply &reply, int timeout_ms) {
+  return ask(FrameType::kLookup, wire::encode_request(target, {}), timeout_ms, &reply);
+}
+
+Status Link::request_unlink(int timeout_ms) { return ask(FrameType::kUnlink, {}, timeout_ms, nullptr); }
 
 void Link::mark(uint64_t op_id, bool sent, bool answered, Status status, bool skipped) {
   OpenOp done;
@@ -169,6 +175,10 @@ void Link::writer_loop(Connection &conn) {
       fail(LLM_LINK_FAILED, "send to peer failed: " + net::errno_text());
       return;
     }
+    if (frame.close_after) {
+      fail(LLM_LINK_FAILED, "");
+      return;
+    }
   }
 }
 
@@ -221,16 +231,40 @@ bool Link::handle_frame(Connection &conn, const FrameHeader &header, std::vector
     case FrameType::kWriteAck:
     case FrameType::kReadData:
     case FrameType::kLookupReply:
+    case FrameType::kUnlinkAck:
       return take_answer(header, body, conn);
+    case FrameType::kUnlink: {
+      // Forget the link first, so the peer's unlink returns with both ends gone.
+      host_->detach(shared_from_this());
+      OutFrame ack;
+      ack.header = wire::make_header(FrameType::kUnlinkAck, header.op_id, 0, 0);
+      ack.close_after = true;
+      enqueue(conn, std::move(ack));
+      return true;
+    }
     default:
       fail(LLM_LINK_FAILED, "unexpected frame type " + std::to_string(header.type) + "; closing the link");
       return false;
   }
 }
 
+Status Link::resolve_in_group(const wire::Request &req, ResolvedTarget &target) {
+  const uint64_t group = req.target.group;
+  if (group != 0) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (refused_groups_.count(group) != 0) return llm_datadist::LLM_FAILED;
+  }
+  Status st = resolve_request(host_->registry(), req, target);
+  if (st != LLM_SUCCESS && group != 0) {
+    std::lock_guard<std::mutex> lock(mu_);
+    refused_groups_.insert(group);
+  }
+  return st;
+}
+
 void Link::serve_write(Connection &conn, const FrameHeader &header, const wire::Request &req) {
   ResolvedTarget target;
-  Status st = resolve_request(host_->registry(), req, target);
+  Status st = resolve_in_group(req, target);
   const bool ok = st == LLM_SUCCESS ? net::readv_full(conn.fd, target.iov.data(), target.iov.size())
                                     : net::discard(conn.fd, header.data_len);
   if (!ok) {
@@ -244,7 +278,7 @@ void Link::serve_write(Connection &conn, const FrameHeader &header, const wire::
 
 void Link::serve_read(Connection &conn, const FrameHeader &header, const wire::Request &req) {
   ResolvedTarget target;
-  Status st = resolve_request(host_->registry(), req, target);
+  Status st = resolve_in_group(req, target);
   OutFrame out;
   out.header = wire::make_header(FrameType::kReadData, header.op_id, 0, st == LLM_SUCCESS ? req.total_bytes : 0, st);
   if (st == LLM_SUCCESS) {
@@ -287,6 +321,8 @@ bool Link::take_answer(const FrameHeader &header, std::vector<uint8_t> &body, Co
       if (type == FrameType::kReadData) {
         if (header.status == LLM_SUCCESS && header.data_len != op.recv_bytes) known = false;
         if (header.status == LLM_SUCCESS) recv = op.recv;
+      } else if (type == FrameType::kUnlinkAck) {
+        known = op.lookup != nullptr && body.empty();
       } else if (type == FrameType::kLookupReply) {
         if (!op.lookup || body.size() != sizeof(wire::LookupReply)) {
           known = false;

@@ -23,10 +23,12 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "registry.h"
 #include "request.h"
+#include "transport/target_resolver.h"
 #include "transport/wire.h"
 
 namespace datadist {
@@ -42,6 +44,8 @@ class LinkHost {
   virtual const Registry &registry() const = 0;
   // The link has failed or was closed; the host reaps it.
   virtual void link_down(const std::shared_ptr<Link> &link) = 0;
+  // The peer unlinks: forget the link now (it closes right after).
+  virtual void detach(const std::shared_ptr<Link> &link) = 0;
 };
 
 // One frame of an operation, planned by the initiator.
@@ -67,11 +71,15 @@ class Link : public std::enable_shared_from_this<Link> {
   // Sends the frames of one operation; each settles `result_index` of
   // `request` (one hold per frame is taken here). `pin` stays alive until
   // every frame has settled.
+  // Frames of a group (their target's `group` is not 0) all take the same
+  // connection, so the peer sees them in order.
   void submit(bool write, std::vector<PlannedFrame> frames, const std::shared_ptr<Request> &request,
               size_t result_index, Clock::time_point deadline, std::shared_ptr<const void> pin);
 
   // Asks the peer for the geometry of a cache; blocks up to timeout_ms.
   Status lookup(const wire::Target &target, wire::LookupReply &reply, int timeout_ms);
+  // Asks the peer to drop its end and waits up to timeout_ms for it.
+  Status request_unlink(int timeout_ms);
 
   // Marks the link down with `reason` (the status its open operations
   // get), wakes its threads and asks the host to reap it. Idempotent.
@@ -89,6 +97,7 @@ class Link : public std::enable_shared_from_this<Link> {
     std::vector<iovec> data;
     std::shared_ptr<const void> pin;
     uint64_t op_id = 0;  // set for frames this end is waiting an answer to
+    bool close_after = false;  // the last frame before this end closes
   };
 
   struct Connection {
@@ -100,6 +109,7 @@ class Link : public std::enable_shared_from_this<Link> {
     std::thread writer;
   };
 
+  // A request answered by one frame (lookup, unlink), waited for by its caller.
   struct LookupState {
     wire::LookupReply reply{};
     Status status = llm_datadist::LLM_SUCCESS;
@@ -129,6 +139,10 @@ class Link : public std::enable_shared_from_this<Link> {
   void serve_read(Connection &conn, const wire::FrameHeader &header, const wire::Request &req);
   void serve_lookup(Connection &conn, const wire::FrameHeader &header, const wire::Request &req);
   bool take_answer(const wire::FrameHeader &header, std::vector<uint8_t> &body, Connection &conn);
+  // Sends a body-less question frame and waits for its answer.
+  Status ask(wire::FrameType type, const std::vector<uint8_t> &body, int timeout_ms, wire::LookupReply *reply);
+  // resolve_request, refusing the rest of a group once one of it was refused.
+  Status resolve_in_group(const wire::Request &req, ResolvedTarget &target);
   // Marks a side of an open operation done; settles it when both are.
   void mark(uint64_t op_id, bool sent, bool answered, Status status, bool skipped = false);
   void settle(OpenOp &op);
@@ -146,6 +160,7 @@ class Link : public std::enable_shared_from_this<Link> {
   uint64_t next_op_ = 1;
   std::unordered_map<uint64_t, OpenOp> open_;
   Status down_reason_ = llm_datadist::LLM_LINK_FAILED;
+  std::unordered_set<uint64_t> refused_groups_;  // owner side
   bool reaped_ = false;
 };
 

@@ -255,7 +255,7 @@ Status TcpTransport::link(uint64_t peer_id, const std::string &ip, uint16_t port
   return LLM_SUCCESS;
 }
 
-Status TcpTransport::unlink(uint64_t peer_id, bool force) {
+Status TcpTransport::unlink(uint64_t peer_id, bool force, int timeout_ms) {
   std::shared_ptr<Link> link;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -264,9 +264,16 @@ Status TcpTransport::unlink(uint64_t peer_id, bool force) {
     link = it->second;
     links_.erase(it);
   }
-  // Closing the connections tells the peer, which drops its end too.
+  const Status st = force ? LLM_SUCCESS : link->request_unlink(timeout_ms);
+  // Closing the connections also tells a peer that did not answer.
   link->fail(LLM_LINK_FAILED, "");
-  return LLM_SUCCESS;
+  return st == LLM_SUCCESS ? LLM_SUCCESS : llm_datadist::LLM_UNLINK_FAILED;
+}
+
+void TcpTransport::detach(const std::shared_ptr<Link> &link) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = links_.find(link->peer_id());
+  if (it != links_.end() && it->second == link) links_.erase(it);
 }
 
 std::shared_ptr<Link> TcpTransport::find(uint64_t peer_id) const {

@@ -42,7 +42,9 @@ class TcpTransport : public LinkHost {
   const std::string &listen_ip() const { return listen_ip_; }
 
   Status link(uint64_t peer_id, const std::string &ip, uint16_t port, const std::string &local_ip, int timeout_ms);
-  Status unlink(uint64_t peer_id, bool force);
+  // Drops the link; without `force` the peer is asked to drop its end first
+  // and the call waits (up to timeout_ms) until it has.
+  Status unlink(uint64_t peer_id, bool force, int timeout_ms);
   std::shared_ptr<Link> find(uint64_t peer_id) const;
   size_t link_count() const;
   void set_role(uint32_t role) { role_ = role; }
@@ -54,6 +56,7 @@ class TcpTransport : public LinkHost {
 
   const Registry &registry() const override { return registry_; }
   void link_down(const std::shared_ptr<Link> &link) override;
+  void detach(const std::shared_ptr<Link> &link) override;
 
  private:
   struct Forming {

@@ -37,6 +37,8 @@ enum class FrameType : uint16_t {
   kReadData = 6,
   kLookup = 7,
   kLookupReply = 8,
+  kUnlink = 9,     // the initiator is going away; answered once the owner dropped the link
+  kUnlinkAck = 10,
 };
 
 #pragma pack(push, 1)
@@ -86,8 +88,12 @@ struct Target {
   uint64_t model_id;
   uint64_t prefix_id;
   uint64_t expected_slot_size;  // 0: any
+  // Non-zero: the request belongs to an ordered group (one config of a
+  // layer-wise transfer, sent on one connection); once a request of the
+  // group is refused, the owner refuses the rest of it.
+  uint64_t group;
 };
-static_assert(sizeof(Target) == 48, "target layout");
+static_assert(sizeof(Target) == 56, "target layout");
 
 // Bytes [slot * slot_size + offset, + length) of tensor `tensor`; for a
 // target named by key, `slot` counts from the slot the key is bound to.
