@@ -199,8 +199,13 @@ class LayerwiseTransfer:
             )
 
     def _group(self, index: int) -> int:
-        """The ordered group of a config's steps: after a refused layer the
-        peer refuses that config's later layers, so none of them lands."""
+        """Raw destination addresses are checked per layer by the peer: the
+        config's steps then go out in order as one group, so after a refused
+        layer the peer refuses the later ones and none of them lands. A named
+        cache needs no group (a layer it refuses, it refuses for every later
+        layer too), and its steps spread over all connections."""
+        if not isinstance(self._configs[index], TransferConfig):
+            return 0
         return (self._request.id << 16) | (index + 1)
 
     def _fail(self, index: int, code: int) -> None:

@@ -603,3 +603,25 @@ def test_push_needs_remote_cache_accessible_mode(group):
     # Without that mode pull_cache also takes a CacheKey (here: no link yet).
     with raises_status(NOT_YET_LINK):
         plain.cm("pull_cache", dd.CacheKey(B, 1), contiguous)
+
+
+@pytest.mark.parametrize("case", ["last-block", "last-layer"])
+def test_operation_over_many_frames_is_refused_whole(checked, case):
+    """16 MiB go out as several frames; only the last part falls outside the
+    peer's cache, and still no frame of the operation lands."""
+    a, b = checked.a, checked.b
+    model_id = next(_model_ids)
+    desc = blocks_desc(num_tensors=4, num_blocks=64, block_elems=32 * 1024)  # 64 KiB blocks
+    local = a.allocate(desc, blocks=True)
+    remote = b.allocate(desc, blocks=True, model_id=model_id)
+    a.fill(local, 27)
+    before = b.fill(remote, 28)
+    if case == "last-block":
+        blocks = (list(range(64)), list(range(63)) + [64])
+        kwargs: dict[str, Any] = {}
+    else:  # source layers 0..1 to remote layers 1..2: there is no remote layer 2
+        blocks = (list(range(64)), list(range(64)))
+        kwargs = {"src_layer_range": range(0, 2), "dst_layer_range": range(1, 3)}
+    with raises_status(PARAM_INVALID):
+        a.run(checked.via, "push_blocks", remote.blocks_key(), local, *blocks, **kwargs)
+    assert_tensors(b.read(remote), before)

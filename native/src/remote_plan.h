@@ -30,6 +30,8 @@ class FramePlanner {
   // Local bytes [local, local + length) pair with bytes
   // [slot * slot_size + offset, + length) of remote tensor `tensor`.
   void add(uint8_t *local, uint32_t tensor, uint64_t slot, uint64_t offset, uint64_t length);
+  // The frames; when there are several, each carries the operation's
+  // outermost ranges (highest tensor, farthest end) as bounds.
   std::vector<PlannedFrame> take();
 
  private:
@@ -38,6 +40,8 @@ class FramePlanner {
   size_t frame_ranges_;
   uint64_t filled_ = 0;
   std::vector<PlannedFrame> frames_;
+  wire::Range highest_tensor_{};
+  wire::Range farthest_{};
 };
 
 }  // namespace datadist

@@ -59,7 +59,7 @@ void Link::submit(bool write, std::vector<PlannedFrame> frames, const std::share
     OutFrame out;
     uint64_t data_len = 0;
     for (const wire::Range &r : planned.ranges) data_len += r.length;
-    out.body = wire::encode_request(planned.target, planned.ranges);
+    out.body = wire::encode_request(planned.target, planned.ranges, planned.bounds);
     out.header = wire::make_header(write ? FrameType::kWrite : FrameType::kRead, 0,
                                    static_cast<uint32_t>(out.body.size()), write ? data_len : 0);
     out.pin = pin;

@@ -53,6 +53,7 @@ struct PlannedFrame {
   wire::Target target{};
   std::vector<wire::Range> ranges;
   std::vector<iovec> local;  // source (write) or destination (read), one per range
+  std::vector<wire::Range> bounds;  // the whole operation's outermost ranges
 };
 
 class Link : public std::enable_shared_from_this<Link> {

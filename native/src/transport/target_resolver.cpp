@@ -48,7 +48,10 @@ Status resolve_addresses(const Registry &registry, const wire::Request &request,
 }  // namespace
 
 Status resolve_request(const Registry &registry, const wire::Request &request, ResolvedTarget &out) {
-  if (request.target.kind == wire::kRawAddress) return resolve_addresses(registry, request, out);
+  if (request.target.kind == wire::kRawAddress) {
+    if (!request.bounds.empty()) return LLM_PARAM_INVALID;
+    return resolve_addresses(registry, request, out);
+  }
   Status st = find_target(registry, request.target, out);
   if (st != LLM_SUCCESS) return st;
   const CacheEntry &entry = *out.entry;
@@ -56,19 +59,25 @@ Status resolve_request(const Registry &registry, const wire::Request &request, R
   const wire::Target &t = request.target;
   if (!entry.remote_accessible) return LLM_PARAM_INVALID;
   if (t.expected_slot_size != 0 && t.expected_slot_size != g.slot_size) return LLM_PARAM_INVALID;
+  // Where a range lies in its tensor; false if anywhere outside.
+  auto place = [&](const wire::Range &r, uint64_t &start) {
+    uint64_t slot, end;
+    if (r.tensor >= entry.addrs.size()) return false;
+    if (__builtin_add_overflow(r.slot, out.bound_slot, &slot) || __builtin_mul_overflow(slot, g.slot_size, &start) ||
+        __builtin_add_overflow(start, r.offset, &start) || __builtin_add_overflow(start, r.length, &end) ||
+        end > g.tensor_size) {
+      return false;
+    }
+    return (t.flags & wire::kWithinSlot) == 0 || (r.offset < g.slot_size && r.length <= g.slot_size - r.offset);
+  };
+  uint64_t start;
+  for (const wire::Range &r : request.bounds) {
+    if (!place(r, start)) return LLM_PARAM_INVALID;
+  }
   std::vector<iovec> iov;
   iov.reserve(request.ranges.size());
   for (const wire::Range &r : request.ranges) {
-    uint64_t slot, start, end;
-    if (r.tensor >= entry.addrs.size()) return LLM_PARAM_INVALID;
-    if (__builtin_add_overflow(r.slot, out.bound_slot, &slot) ||
-        __builtin_mul_overflow(slot, g.slot_size, &start) || __builtin_add_overflow(start, r.offset, &start) ||
-        __builtin_add_overflow(start, r.length, &end) || end > g.tensor_size) {
-      return LLM_PARAM_INVALID;
-    }
-    if ((t.flags & wire::kWithinSlot) != 0 && (r.offset >= g.slot_size || r.length > g.slot_size - r.offset)) {
-      return LLM_PARAM_INVALID;
-    }
+    if (!place(r, start)) return LLM_PARAM_INVALID;
     iov.push_back({entry.addrs[r.tensor] + start, r.length});
   }
   out.iov = std::move(iov);

@@ -30,12 +30,16 @@ std::string check_header(const FrameHeader &h) {
   return {};
 }
 
-std::vector<uint8_t> encode_request(const Target &target, const std::vector<Range> &ranges) {
-  std::vector<uint8_t> body(sizeof(Target) + ranges.size() * sizeof(Range));
+std::vector<uint8_t> encode_request(const Target &target, const std::vector<Range> &ranges,
+                                    const std::vector<Range> &bounds) {
+  std::vector<uint8_t> body(sizeof(Target) + (ranges.size() + bounds.size()) * sizeof(Range));
   Target t = target;
   t.range_count = static_cast<uint32_t>(ranges.size());
+  t.bound_count = static_cast<uint16_t>(bounds.size());
   std::memcpy(body.data(), &t, sizeof(t));
-  if (!ranges.empty()) std::memcpy(body.data() + sizeof(Target), ranges.data(), ranges.size() * sizeof(Range));
+  uint8_t *at = body.data() + sizeof(Target);
+  if (!ranges.empty()) std::memcpy(at, ranges.data(), ranges.size() * sizeof(Range));
+  if (!bounds.empty()) std::memcpy(at + ranges.size() * sizeof(Range), bounds.data(), bounds.size() * sizeof(Range));
   return body;
 }
 
@@ -45,13 +49,15 @@ std::string decode_request(const std::vector<uint8_t> &body, Request &out) {
   const Target &t = out.target;
   if (t.kind < kById || t.kind > kRawAddress) return "unknown target kind";
   if ((t.flags & ~kWithinSlot) != 0) return "unknown target flags";
-  if (t.range_count > kMaxRanges) return "too many ranges";
-  if (body.size() != sizeof(Target) + static_cast<size_t>(t.range_count) * sizeof(Range)) {
-    return "range table length mismatch";
-  }
+  if (t.range_count > kMaxRanges || t.bound_count > kMaxBounds) return "too many ranges";
+  const size_t count = static_cast<size_t>(t.range_count) + t.bound_count;
+  if (body.size() != sizeof(Target) + count * sizeof(Range)) return "range table length mismatch";
   out.ranges.resize(t.range_count);
-  if (t.range_count != 0) {
-    std::memcpy(out.ranges.data(), body.data() + sizeof(Target), t.range_count * sizeof(Range));
+  out.bounds.resize(t.bound_count);
+  const uint8_t *at = body.data() + sizeof(Target);
+  if (t.range_count != 0) std::memcpy(out.ranges.data(), at, t.range_count * sizeof(Range));
+  if (t.bound_count != 0) {
+    std::memcpy(out.bounds.data(), at + t.range_count * sizeof(Range), t.bound_count * sizeof(Range));
   }
   out.total_bytes = 0;
   for (const Range &r : out.ranges) {

@@ -26,7 +26,8 @@ constexpr uint32_t kMagic = 0x4F414444;  // "DDAO"
 constexpr uint16_t kVersion = 1;
 constexpr uint32_t kMaxBodyBytes = 1u << 20;
 constexpr uint64_t kMaxFrameData = 64ull << 20;
-constexpr uint32_t kMaxRanges = (kMaxBodyBytes - 64) / 32;
+constexpr uint32_t kMaxBounds = 2;
+constexpr uint32_t kMaxRanges = (kMaxBodyBytes - 64) / 32 - kMaxBounds;
 
 enum class FrameType : uint16_t {
   kHello = 1,
@@ -81,7 +82,7 @@ enum TargetFlags : uint8_t {
 struct Target {
   uint8_t kind;
   uint8_t flags;
-  uint16_t reserved;
+  uint16_t bound_count;  // ranges after the data ranges that only bound the operation
   uint32_t range_count;
   int64_t cache_id;
   uint64_t req_id;
@@ -97,6 +98,9 @@ static_assert(sizeof(Target) == 56, "target layout");
 
 // Bytes [slot * slot_size + offset, + length) of tensor `tensor`; for a
 // target named by key, `slot` counts from the slot the key is bound to.
+// Every frame of an operation split over several frames also carries the
+// operation's outermost ranges as bounds, checked like its own ranges, so the
+// owner refuses all of the operation's frames or none of them.
 struct Range {
   uint32_t tensor;
   uint32_t reserved;
@@ -122,15 +126,17 @@ FrameHeader make_header(FrameType type, uint64_t op_id, uint32_t body_len, uint6
 // Empty string when the header may be followed; otherwise why not.
 std::string check_header(const FrameHeader &header);
 
-// A decoded request body: the target and its ranges.
+// A decoded request body: the target, its ranges and its bounds.
 struct Request {
   Target target{};
   std::vector<Range> ranges;
+  std::vector<Range> bounds;
   uint64_t total_bytes = 0;
 };
 
-// Encodes a target and ranges into a body.
-std::vector<uint8_t> encode_request(const Target &target, const std::vector<Range> &ranges);
+// Encodes a target, ranges and bounds into a body.
+std::vector<uint8_t> encode_request(const Target &target, const std::vector<Range> &ranges,
+                                    const std::vector<Range> &bounds = {});
 // Empty string on success; otherwise why the body is malformed.
 std::string decode_request(const std::vector<uint8_t> &body, Request &out);
 
