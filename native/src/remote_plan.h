@@ -25,7 +25,7 @@ struct LayerSpan {
 
 class FramePlanner {
  public:
-  explicit FramePlanner(const wire::Target &target, uint64_t frame_bytes = 4ull << 20, size_t frame_ranges = 2048);
+  explicit FramePlanner(const wire::Target &target, uint64_t frame_bytes = 8ull << 20, size_t frame_ranges = 2048);
 
   // Local bytes [local, local + length) pair with bytes
   // [slot * slot_size + offset, + length) of remote tensor `tensor`.
