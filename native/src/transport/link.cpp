@@ -170,7 +170,9 @@ void Link::writer_loop(Connection &conn) {
     if (!frame.body.empty()) iov.push_back({frame.body.data(), frame.body.size()});
     iov.insert(iov.end(), frame.data.begin(), frame.data.end());
     const bool ok = net::writev_full(conn.fd, iov.data(), iov.size());
-    if (frame.op_id != 0) mark(frame.op_id, true, false, ok ? LLM_SUCCESS : LLM_LINK_FAILED);
+    // Sent or not, the writer is done with the frame's memory; an operation
+    // left unanswered gets the reason the link went down when it is reaped.
+    if (frame.op_id != 0) mark(frame.op_id, true, false, LLM_SUCCESS);
     if (!ok) {
       fail(LLM_LINK_FAILED, "send to peer failed: " + net::errno_text());
       return;
