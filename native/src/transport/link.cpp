@@ -33,6 +33,9 @@ Link::~Link() {
 
 void Link::start() {
   auto self = shared_from_this();
+  // Under the lock, so reap() either joins every thread or none was started.
+  std::lock_guard<std::mutex> lock(mu_);
+  if (reaping_ || is_down()) return;
   for (auto &conn : conns_) {
     Connection *c = conn.get();
     c->reader = std::thread([self, c] { self->reader_loop(*c); });
@@ -362,6 +365,10 @@ void Link::fail(Status reason, const std::string &why) {
 }
 
 void Link::reap() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    reaping_ = true;
+  }
   for (auto &conn : conns_) {
     if (conn->reader.joinable()) conn->reader.join();
     if (conn->writer.joinable()) conn->writer.join();

@@ -162,6 +162,7 @@ class Link : public std::enable_shared_from_this<Link> {
   std::unordered_map<uint64_t, OpenOp> open_;
   Status down_reason_ = llm_datadist::LLM_LINK_FAILED;
   std::unordered_set<uint64_t> refused_groups_;  // owner side
+  bool reaping_ = false;  // no thread may start any more
   bool reaped_ = false;
 };
 

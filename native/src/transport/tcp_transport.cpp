@@ -173,19 +173,26 @@ void TcpTransport::admit(uint64_t peer_id, uint64_t nonce) {
   }
   if (replaced) replaced->fail(LLM_LINK_FAILED, "replaced by a new link from the same cluster");
   wire::HelloAck ack{cluster_id_, role_.load(), 0};
-  bool sent = true;
-  for (int fd : forming.fds) sent = send_frame(fd, FrameType::kHelloAck, &ack, sizeof(ack), st) && sent;
-  if (st != LLM_SUCCESS || !sent) {
+  if (st != LLM_SUCCESS) {
+    for (int fd : forming.fds) send_frame(fd, FrameType::kHelloAck, &ack, sizeof(ack), st);
     close_all(forming.fds);
     return;
   }
-  for (int fd : forming.fds) net::set_receive_timeout(fd, 0);
+  // Known before the initiator hears back, so its link_clusters returns with
+  // both ends in place.
   auto link = std::make_shared<Link>(peer_id, forming.role, false, forming.fds, this);
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return;  // the unstarted link closes its sockets
     links_[peer_id] = link;
   }
+  bool sent = true;
+  for (int fd : forming.fds) sent = send_frame(fd, FrameType::kHelloAck, &ack, sizeof(ack)) && sent;
+  if (!sent) {
+    link->fail(LLM_LINK_FAILED, "the initiator went away during the handshake");
+    return;
+  }
+  for (int fd : forming.fds) net::set_receive_timeout(fd, 0);
   link->start();
 }
 
