@@ -232,8 +232,11 @@ void bind_engine(py::module_ &m) {
           "push_blocks",
           [](Engine &e, int64_t src_id, uint64_t peer, uint64_t model_id, const std::vector<uint64_t> &src_blocks,
              const std::vector<uint64_t> &dst_blocks, const SpanTuple &span) {
+            RemoteName dst;
+            dst.kind = wire::kBlocksOfModel;
+            dst.model_id = model_id;
             return start_request([&](std::shared_ptr<Request> &out) {
-              return e.push_blocks(src_id, peer, model_id, src_blocks, dst_blocks, make_span(span), out);
+              return e.push_blocks(src_id, peer, dst, src_blocks, dst_blocks, make_span(span), out);
             });
           },
           py::arg("src_id"), py::arg("peer"), py::arg("model_id"), py::arg("src_blocks"), py::arg("dst_blocks"),

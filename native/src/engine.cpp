@@ -139,6 +139,11 @@ Status Engine::remove_cache_key(const KeySpec &key) {
   return LLM_SUCCESS;
 }
 
+uint32_t Engine::cache_tensors(int64_t cache_id) const {
+  auto entry = registry_.find(cache_id);
+  return entry ? entry->spec.num_tensors : 0;
+}
+
 Status Engine::resolve(const CacheView &view, std::shared_ptr<CacheEntry> &out) const {
   if (view.cache_id >= 0) {
     out = registry_.find(view.cache_id);
@@ -347,7 +352,7 @@ Status Engine::push_cache(int64_t src_id, uint64_t src_slot, uint64_t peer, int6
   return start_remote(link, true, planner, src, out);
 }
 
-Status Engine::push_blocks(int64_t src_id, uint64_t peer, uint64_t dst_model_id,
+Status Engine::push_blocks(int64_t src_id, uint64_t peer, const RemoteName &dst,
                            const std::vector<uint64_t> &src_blocks, const std::vector<uint64_t> &dst_blocks,
                            const LayerSpan &span, std::shared_ptr<Request> &out) {
   std::shared_lock<std::shared_mutex> lock(state_mu_);
@@ -360,10 +365,7 @@ Status Engine::push_blocks(int64_t src_id, uint64_t peer, uint64_t dst_model_id,
   const BlockPairs pairs = zip_blocks(src_blocks, dst_blocks);
   st = check_block_destinations(pairs, false);
   if (st != LLM_SUCCESS) return st;
-  RemoteName name;
-  name.kind = wire::kBlocksOfModel;
-  name.model_id = dst_model_id;
-  wire::Target target = name_target(name);
+  wire::Target target = name_target(dst);
   const uint64_t block = src->geometry.slot_size;
   target.expected_slot_size = block;
   FramePlanner planner(target);

@@ -100,6 +100,8 @@ class Engine {
   Status deallocate_cache(int64_t cache_id);
   Status unregister_cache(int64_t cache_id);
   Status remove_cache_key(const KeySpec &key);
+  // Tensor count of a cache of this engine, 0 if there is none with that id.
+  uint32_t cache_tensors(int64_t cache_id) const;
 
   // Data movement. On LLM_SUCCESS `out` is a request already under way;
   // any other status means nothing was started.
@@ -122,7 +124,7 @@ class Engine {
   // cache (the source of a push, the destination of a pull).
   Status push_cache(int64_t src_id, uint64_t src_slot, uint64_t peer, int64_t dst_cache_id, uint64_t dst_slot,
                     const LayerSpan &span, std::shared_ptr<Request> &out);
-  Status push_blocks(int64_t src_id, uint64_t peer, uint64_t dst_model_id, const std::vector<uint64_t> &src_blocks,
+  Status push_blocks(int64_t src_id, uint64_t peer, const RemoteName &dst, const std::vector<uint64_t> &src_blocks,
                      const std::vector<uint64_t> &dst_blocks, const LayerSpan &span, std::shared_ptr<Request> &out);
   Status pull_cache(int64_t dst_id, uint64_t dst_slot, uint64_t peer, const RemoteName &src, int64_t size,
                     const LayerSpan &span, std::shared_ptr<Request> &out);

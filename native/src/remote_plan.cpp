@@ -23,7 +23,7 @@ FramePlanner::FramePlanner(const wire::Target &target, uint64_t frame_bytes, siz
 void FramePlanner::add(uint8_t *local, uint32_t tensor, uint64_t slot, uint64_t offset, uint64_t length) {
   while (length > 0) {
     if (frames_.empty() || filled_ >= frame_bytes_ || frames_.back().ranges.size() >= frame_ranges_) {
-      frames_.push_back(PlannedFrame{target_, {}, {}});
+      frames_.push_back(PlannedFrame{target_, {}, {}, {}});
       filled_ = 0;
     }
     PlannedFrame &frame = frames_.back();
