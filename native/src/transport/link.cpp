@@ -367,6 +367,7 @@ void Link::fail(Status reason, const std::string &why) {
 void Link::reap() {
   {
     std::lock_guard<std::mutex> lock(mu_);
+    if (reaping_) return;  // reaped already, or being reaped
     reaping_ = true;
   }
   for (auto &conn : conns_) {

@@ -85,6 +85,7 @@ class Link : public std::enable_shared_from_this<Link> {
   // Marks the link down with `reason` (the status its open operations
   // get), wakes its threads and asks the host to reap it. Idempotent.
   void fail(Status reason, const std::string &why);
+  // Idempotent; returns once the link's threads are gone.
   void reap();
 
   // True if an open operation is past its deadline.

@@ -3,6 +3,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <random>
 
@@ -185,6 +186,7 @@ void TcpTransport::admit(uint64_t peer_id, uint64_t nonce) {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return;  // the unstarted link closes its sockets
     links_[peer_id] = link;
+    made_.push_back(link);
   }
   bool sent = true;
   for (int fd : forming.fds) sent = send_frame(fd, FrameType::kHelloAck, &ack, sizeof(ack)) && sent;
@@ -252,6 +254,7 @@ Status TcpTransport::link(uint64_t peer_id, const std::string &ip, uint16_t port
       for (int fd : fds) net::set_receive_timeout(fd, 0);
       link = std::make_shared<Link>(peer_id, peer_role, true, fds, this);
       links_[peer_id] = link;
+      made_.push_back(link);
     }
   }
   if (!link) {
@@ -313,13 +316,19 @@ void TcpTransport::operations_started() {
   cv_.notify_all();
 }
 
+void TcpTransport::reap(const std::vector<std::shared_ptr<Link>> &links) {
+  for (auto &link : links) link->reap();
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto &link : links) made_.erase(std::remove(made_.begin(), made_.end(), link), made_.end());
+}
+
 void TcpTransport::reap_down_links() {
   std::vector<std::shared_ptr<Link>> down;
   {
     std::lock_guard<std::mutex> lock(mu_);
     down.swap(down_);
   }
-  for (auto &link : down) link->reap();
+  reap(down);
 }
 
 void TcpTransport::housekeeping_loop() {
@@ -359,21 +368,29 @@ void TcpTransport::housekeeping_loop() {
 
 void TcpTransport::shutdown(Status reason) {
   stop_listening();
-  std::vector<std::shared_ptr<Link>> links;
   std::thread housekeeping;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_ && !housekeeping_.joinable()) return;
     stopping_ = true;
-    for (auto &entry : links_) links.push_back(entry.second);
     housekeeping.swap(housekeeping_);
     for (auto &entry : forming_) close_all(entry.second.fds);
     forming_.clear();
   }
   cv_.notify_all();
   if (housekeeping.joinable()) housekeeping.join();
+  // Every link made, including one whose threads are still telling us it
+  // went down: reaping joins those threads.
+  std::vector<std::shared_ptr<Link>> links;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    links = made_;
+  }
   for (auto &link : links) link->fail(reason, "");
-  reap_down_links();
+  reap(links);
+  std::lock_guard<std::mutex> lock(mu_);
+  links_.clear();
+  down_.clear();
 }
 
 }  // namespace datadist

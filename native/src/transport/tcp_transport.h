@@ -71,6 +71,7 @@ class TcpTransport : public LinkHost {
   void admit(uint64_t peer_id, uint64_t nonce);
   void housekeeping_loop();
   void reap_down_links();
+  void reap(const std::vector<std::shared_ptr<Link>> &links);
 
   const uint64_t cluster_id_;
   std::atomic<uint32_t> role_;
@@ -83,6 +84,9 @@ class TcpTransport : public LinkHost {
   std::set<uint64_t> linking_;
   std::map<std::pair<uint64_t, uint64_t>, Forming> forming_;
   std::vector<std::shared_ptr<Link>> down_;
+  // Every link made and not reaped yet, whatever state it is in: shutdown()
+  // reaps them all, so no link thread outlives the transport.
+  std::vector<std::shared_ptr<Link>> made_;
   uint64_t generation_ = 0;
   bool stopping_ = false;
 
