@@ -116,7 +116,10 @@ Status Link::lookup(const wire::Target &target, wire::LookupReply &reply, int ti
   return ask(FrameType::kLookup, wire::encode_request(target, {}), timeout_ms, &reply);
 }
 
-Status Link::request_unlink(int timeout_ms) { return ask(FrameType::kUnlink, {}, timeout_ms, nullptr); }
+Status Link::request_unlink(int timeout_ms) {
+  closing_.store(true, std::memory_order_release);
+  return ask(FrameType::kUnlink, {}, timeout_ms, nullptr);
+}
 
 void Link::mark(uint64_t op_id, bool sent, bool answered, Status status, bool skipped) {
   OpenOp done;
@@ -191,8 +194,10 @@ void Link::reader_loop(Connection &conn) {
   for (;;) {
     FrameHeader header;
     if (!net::read_full(conn.fd, &header, sizeof(header))) {
-      // Between frames with nothing open this is an ordinary unlink or exit.
-      fail(LLM_LINK_FAILED, open_operations() != 0 ? "connection lost with operations in flight" : "");
+      // Between frames with nothing open (or while unlinking) this is an
+      // ordinary unlink or exit.
+      const bool expected = closing_.load(std::memory_order_acquire) || open_operations() == 0;
+      fail(LLM_LINK_FAILED, expected ? "" : "connection lost with operations in flight");
       return;
     }
     const std::string problem = wire::check_header(header);

@@ -155,6 +155,7 @@ class Link : public std::enable_shared_from_this<Link> {
   LinkHost *host_;
   std::vector<std::unique_ptr<Connection>> conns_;
   std::atomic<bool> down_{false};
+  std::atomic<bool> closing_{false};  // this end asked the peer to unlink
   std::atomic<uint64_t> next_conn_{0};
 
   mutable std::mutex mu_;
