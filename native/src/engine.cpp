@@ -291,6 +291,21 @@ BlockPairs zip_blocks(const std::vector<uint64_t> &first, const std::vector<uint
   return pairs;
 }
 
+// Adds every run of (first, second) block pairs for every tensor of `span`:
+// a pair's first block is the local one for a push, the remote one for a pull.
+void add_block_runs(FramePlanner &planner, const CacheEntry &local, const LayerSpan &span, const BlockPairs &pairs,
+                    bool local_is_first) {
+  const uint64_t block = local.geometry.slot_size;
+  const std::vector<BlockRun> runs = merge_block_runs(pairs);
+  for_each_tensor(span, [&](uint32_t local_tensor, uint32_t remote_tensor) {
+    for (const BlockRun &run : runs) {
+      const uint64_t local_block = local_is_first ? run.src : run.dst;
+      const uint64_t remote_block = local_is_first ? run.dst : run.src;
+      planner.add(local.addrs[local_tensor] + local_block * block, remote_tensor, remote_block, 0, run.count * block);
+    }
+  });
+}
+
 bool all_below(const std::vector<uint64_t> &blocks, uint64_t limit) {
   for (uint64_t b : blocks) {
     if (b >= limit) return false;
@@ -366,13 +381,9 @@ Status Engine::push_blocks(int64_t src_id, uint64_t peer, const RemoteName &dst,
   st = check_block_destinations(pairs, false);
   if (st != LLM_SUCCESS) return st;
   wire::Target target = name_target(dst);
-  const uint64_t block = src->geometry.slot_size;
-  target.expected_slot_size = block;
+  target.expected_slot_size = src->geometry.slot_size;
   FramePlanner planner(target);
-  const std::vector<BlockRun> runs = merge_block_runs(pairs);
-  for_each_tensor(span, [&](uint32_t local, uint32_t remote) {
-    for (const BlockRun &run : runs) planner.add(src->addrs[local] + run.src * block, remote, run.dst, 0, run.count * block);
-  });
+  add_block_runs(planner, *src, span, pairs, true);
   return start_remote(link, true, planner, src, out);
 }
 
@@ -415,10 +426,7 @@ Status Engine::pull_blocks(int64_t dst_id, uint64_t peer, const RemoteName &src_
     if (st != LLM_SUCCESS) return st;
     target.expected_slot_size = block;
     FramePlanner planner(target);
-    const std::vector<BlockRun> runs = merge_block_runs(pairs);
-    for_each_tensor(span, [&](uint32_t local, uint32_t remote) {
-      for (const BlockRun &run : runs) planner.add(dst->addrs[local] + run.dst * block, remote, run.src, 0, run.count * block);
-    });
+    add_block_runs(planner, *dst, span, pairs, false);
     return start_remote(link, false, planner, dst, out);
   }
   // A contiguous slot of the peer, cut into this cache's blocks.
