@@ -625,3 +625,30 @@ def test_operation_over_many_frames_is_refused_whole(checked, case):
     with raises_status(PARAM_INVALID):
         a.run(checked.via, "push_blocks", remote.blocks_key(), local, *blocks, **kwargs)
     assert_tensors(b.read(remote), before)
+
+
+def test_pull_through_a_key_releases_it(group):
+    """A key is released once a peer has pulled every tensor through it
+    (here in two layer-wise pulls); keys of registered caches stay."""
+    owner = group.start("owner", dd.LLMRole.PROMPT, 31, options={"enable_remote_cache_accessible": False})
+    puller = group.start("puller", dd.LLMRole.DECODER, 32, listen=False, options={"enable_remote_cache_accessible": False})
+    assert puller.link(owner) == (SUCCESS, [SUCCESS])
+    allocated = owner.allocate(slots_desc(), keys=[dd.CacheKey(31, 7), dd.CacheKey(31, 8)])
+    registered = owner.register(slots_desc(), keys=[dd.CacheKey(31, 9)])
+    sent = owner.fill(allocated, 40)
+    owner.fill(registered, 41)
+    local = puller.allocate(slots_desc())
+    first_half = {"src_layer_range": range(0, 1), "dst_layer_range": range(0, 1)}
+    second_half = {"src_layer_range": range(1, 2), "dst_layer_range": range(1, 2)}
+    puller.cm("pull_cache", dd.CacheKey(31, 7), local, 2, **first_half)
+    puller.cm("pull_cache", dd.CacheKey(31, 7), local, 2, **first_half)  # layer 1 not read yet: still bound
+    puller.cm("pull_cache", dd.CacheKey(31, 7), local, 2, **second_half)
+    with raises_status(NOT_EXIST):
+        puller.cm("pull_cache", dd.CacheKey(31, 7), local, 2)
+    got = puller.read(local)
+    slot = slots_desc().size // 4
+    for t in range(4):
+        np.testing.assert_array_equal(got[t][2 * slot : 3 * slot], sent[t][:slot])
+    puller.cm("pull_cache", dd.CacheKey(31, 8), local, 1)  # the other key is still bound
+    for _ in range(2):
+        puller.cm("pull_cache", dd.CacheKey(31, 9), local, 0)

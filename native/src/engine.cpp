@@ -306,6 +306,9 @@ void add_block_runs(FramePlanner &planner, const CacheEntry &local, const LayerS
   });
 }
 
+// A pull through a key releases it on the owner once every tensor was read.
+uint8_t release_flag(const RemoteName &src) { return src.kind == wire::kByKey ? wire::kReleaseKey : 0; }
+
 bool all_below(const std::vector<uint64_t> &blocks, uint64_t limit) {
   for (uint64_t b : blocks) {
     if (b >= limit) return false;
@@ -399,7 +402,7 @@ Status Engine::pull_cache(int64_t dst_id, uint64_t dst_slot, uint64_t peer, cons
   if (size == 0 || size < -1 || (size > 0 && static_cast<uint64_t>(size) > slot)) return LLM_PARAM_INVALID;
   const uint64_t length = size < 0 ? slot : static_cast<uint64_t>(size);
   wire::Target target = name_target(src_name);
-  target.flags = wire::kWithinSlot;
+  target.flags = wire::kWithinSlot | release_flag(src_name);
   target.expected_slot_size = size < 0 ? slot : 0;
   FramePlanner planner(target);
   for_each_tensor(span, [&](uint32_t local, uint32_t remote) {
@@ -437,7 +440,7 @@ Status Engine::pull_blocks(int64_t dst_id, uint64_t peer, const RemoteName &src_
   if (st != LLM_SUCCESS) return st;
   const uint64_t chunks = (remote.slot_size + block - 1) / block;
   if (dst_blocks.size() > chunks) return LLM_PARAM_INVALID;
-  target.flags = wire::kWithinSlot;
+  target.flags = wire::kWithinSlot | release_flag(src_name);
   FramePlanner planner(target);
   for_each_tensor(span, [&](uint32_t local, uint32_t remote_tensor) {
     for (size_t j = 0; j < dst_blocks.size(); ++j) {

@@ -82,7 +82,12 @@ std::shared_ptr<CacheEntry> Registry::find_by_address(uintptr_t addr, uint64_t l
 
 void Registry::drop_keys_locked(const CacheEntry *entry) {
   for (auto it = by_key_.begin(); it != by_key_.end();) {
-    it = it->second.entry.get() == entry ? by_key_.erase(it) : std::next(it);
+    if (it->second.entry.get() != entry) {
+      ++it;
+      continue;
+    }
+    pulled_.erase(it->first);
+    it = by_key_.erase(it);
   }
 }
 
@@ -115,7 +120,27 @@ void Registry::remove_key(const KeySpec &key) {
   auto it = by_key_.find(key_id(key));
   if (it == by_key_.end() || !it->second.entry->pool) return;  // registered caches keep their keys
   doomed = it->second;
+  pulled_.erase(it->first);
   by_key_.erase(it);
+}
+
+void Registry::note_pulled(const KeySpec &key, const std::vector<uint32_t> &tensors) {
+  CacheRef released;
+  std::lock_guard<std::mutex> lock(mu_);
+  const KeyId id = key_id(key);
+  auto it = by_key_.find(id);
+  if (it == by_key_.end() || !it->second.entry->pool) return;
+  std::vector<bool> &seen = pulled_[id];
+  seen.resize(it->second.entry->addrs.size(), false);
+  for (uint32_t t : tensors) {
+    if (t < seen.size()) seen[t] = true;
+  }
+  for (bool read : seen) {
+    if (!read) return;
+  }
+  released = it->second;
+  by_key_.erase(it);
+  pulled_.erase(id);
 }
 
 void Registry::clear() {
@@ -124,6 +149,7 @@ void Registry::clear() {
   std::lock_guard<std::mutex> lock(mu_);
   ids.swap(by_id_);
   keys.swap(by_key_);
+  pulled_.clear();
 }
 
 size_t Registry::size() const {

@@ -76,6 +76,9 @@ class Registry {
   // Forgets a cache and every key bound to it.
   void unregister(int64_t cache_id);
   void remove_key(const KeySpec &key);
+  // A peer read `tensors` of the slot bound to `key`; once every tensor was
+  // read, the key is released (allocated caches only, as remove_key).
+  void note_pulled(const KeySpec &key, const std::vector<uint32_t> &tensors);
   void clear();
   size_t size() const;
 
@@ -88,6 +91,7 @@ class Registry {
   int64_t next_id_ = 1;
   std::map<int64_t, std::shared_ptr<CacheEntry>> by_id_;
   std::map<KeyId, CacheRef> by_key_;
+  std::map<KeyId, std::vector<bool>> pulled_;  // tensors read so far, per key
 };
 
 }  // namespace datadist

@@ -291,6 +291,11 @@ void Link::serve_read(Connection &conn, const FrameHeader &header, const wire::R
   Status st = resolve_in_group(req, target);
   OutFrame out;
   out.header = wire::make_header(FrameType::kReadData, header.op_id, 0, st == LLM_SUCCESS ? req.total_bytes : 0, st);
+  if (st == LLM_SUCCESS && (req.target.flags & wire::kReleaseKey) != 0) {
+    std::vector<uint32_t> tensors;
+    for (const wire::Range &r : req.ranges) tensors.push_back(r.tensor);
+    host_->registry().note_pulled({req.target.req_id, req.target.model_id, req.target.prefix_id}, tensors);
+  }
   if (st == LLM_SUCCESS) {
     out.data = std::move(target.iov);
     out.pin = std::make_shared<std::vector<std::shared_ptr<CacheEntry>>>(std::move(target.pins));

@@ -41,7 +41,7 @@ class Link;
 class LinkHost {
  public:
   virtual ~LinkHost() = default;
-  virtual const Registry &registry() const = 0;
+  virtual Registry &registry() = 0;
   // The link has failed or was closed; the host reaps it.
   virtual void link_down(const std::shared_ptr<Link> &link) = 0;
   // The peer unlinks: forget the link now (it closes right after).

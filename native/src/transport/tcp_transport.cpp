@@ -58,7 +58,7 @@ void close_all(const std::vector<int> &fds) {
 
 }  // namespace
 
-TcpTransport::TcpTransport(uint64_t cluster_id, uint32_t role, const Registry &registry, TransportOptions options)
+TcpTransport::TcpTransport(uint64_t cluster_id, uint32_t role, Registry &registry, TransportOptions options)
     : cluster_id_(cluster_id), role_(role), registry_(registry), options_(options) {
   housekeeping_ = std::thread([this] { housekeeping_loop(); });
 }

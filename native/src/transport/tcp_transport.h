@@ -30,7 +30,7 @@ struct TransportOptions {
 
 class TcpTransport : public LinkHost {
  public:
-  TcpTransport(uint64_t cluster_id, uint32_t role, const Registry &registry, TransportOptions options);
+  TcpTransport(uint64_t cluster_id, uint32_t role, Registry &registry, TransportOptions options);
   ~TcpTransport() override;
   TcpTransport(const TcpTransport &) = delete;
   TcpTransport &operator=(const TcpTransport &) = delete;
@@ -54,7 +54,7 @@ class TcpTransport : public LinkHost {
   // Fails every link with `reason`, settles every operation, stops threads.
   void shutdown(Status reason);
 
-  const Registry &registry() const override { return registry_; }
+  Registry &registry() override { return registry_; }
   void link_down(const std::shared_ptr<Link> &link) override;
   void detach(const std::shared_ptr<Link> &link) override;
 
@@ -75,7 +75,7 @@ class TcpTransport : public LinkHost {
 
   const uint64_t cluster_id_;
   std::atomic<uint32_t> role_;
-  const Registry &registry_;
+  Registry &registry_;
   const TransportOptions options_;
 
   mutable std::mutex mu_;

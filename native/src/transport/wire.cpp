@@ -48,7 +48,8 @@ std::string decode_request(const std::vector<uint8_t> &body, Request &out) {
   std::memcpy(&out.target, body.data(), sizeof(Target));
   const Target &t = out.target;
   if (t.kind < kById || t.kind > kRawAddress) return "unknown target kind";
-  if ((t.flags & ~kWithinSlot) != 0) return "unknown target flags";
+  if ((t.flags & ~(kWithinSlot | kReleaseKey)) != 0) return "unknown target flags";
+  if ((t.flags & kReleaseKey) != 0 && t.kind != kByKey) return "key release without a key";
   if (t.range_count > kMaxRanges || t.bound_count > kMaxBounds) return "too many ranges";
   const size_t count = static_cast<size_t>(t.range_count) + t.bound_count;
   if (body.size() != sizeof(Target) + count * sizeof(Range)) return "range table length mismatch";

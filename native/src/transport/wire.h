@@ -76,6 +76,7 @@ struct HelloAck {
 enum TargetKind : uint8_t { kById = 1, kByKey = 2, kBlocksOfModel = 3, kRawAddress = 4 };
 enum TargetFlags : uint8_t {
   kWithinSlot = 1,  // every range must stay inside one slot
+  kReleaseKey = 2,  // a read through a key: the owner releases the key once every tensor was read
 };
 
 // Names a cache on the owner and how the initiator sees its geometry.
