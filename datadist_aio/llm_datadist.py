@@ -240,6 +240,40 @@ class LLMDataDist:
         raise_for_status(self._engine.switch_role(_ROLE_OPTION[role], ip, port), f"switch_role to {role.name}")
         self._role = role
 
+    # -- upstream surface that has no meaning here --------------------------------
+
+    def link(self, comm_name: str, cluster_rank_info: dict[int, int], rank_table: str) -> int:
+        """Upstream's two-sided link over a device rank table: not available
+        (``LLM_FEATURE_NOT_ENABLED``); use ``link_clusters``."""
+        self._check_init()
+        raise LLMException(
+            "two-sided links over a device rank table are not available; use link_clusters",
+            status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+        )
+
+    def unlink(self, comm_id: int) -> None:
+        """Counterpart of ``link``: not available (``LLM_FEATURE_NOT_ENABLED``)."""
+        self.link("", {}, "")
+
+    def query_register_mem_status(self, comm_id: int) -> Any:
+        """Counterpart of ``link``: not available (``LLM_FEATURE_NOT_ENABLED``)."""
+        self.link("", {}, "")
+
+    @property
+    def kv_cache_manager(self) -> Any:
+        """Legacy (non cache-manager) mode only: ``LLMException`` here, as upstream
+        in cache-manager mode."""
+        self._check_init()
+        raise LLMException("kv_cache_manager exists only in the legacy mode; use cache_manager",
+                           status_code=LLMStatusCode.LLM_PARAM_INVALID)
+
+    def check_link_status(self, remote_cluster_id: int) -> None:
+        """Legacy (non cache-manager) mode only: ``LLMException``, as upstream in
+        cache-manager mode."""
+        self._check_init()
+        raise LLMException("check_link_status exists only in the legacy mode",
+                           status_code=LLMStatusCode.LLM_PARAM_INVALID)
+
     @property
     def cache_manager(self) -> CacheManager:
         self._check_init()

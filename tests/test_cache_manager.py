@@ -445,3 +445,18 @@ def test_native_data_type_sizes_match():
 
     for data_type in dd.DataType:
         assert _native.data_type_size(data_type.value) == data_type.itemsize, data_type
+
+
+def test_upstream_calls_without_meaning_here_raise(datadist):
+    with raises_status(dd.LLMStatusCode.LLM_FEATURE_NOT_ENABLED):
+        datadist.link("comm", {1: 0, 2: 1}, "{}")
+    with raises_status(dd.LLMStatusCode.LLM_FEATURE_NOT_ENABLED):
+        datadist.unlink(1)
+    with raises_status(dd.LLMStatusCode.LLM_FEATURE_NOT_ENABLED):
+        datadist.query_register_mem_status(1)
+    with raises_status(PARAM_INVALID):
+        datadist.kv_cache_manager
+    with raises_status(PARAM_INVALID):
+        datadist.check_link_status(2)
+    with pytest.raises(RuntimeError, match="not initialized"):
+        dd.LLMDataDist(dd.LLMRole.PROMPT, 5).link("comm", {}, "")
