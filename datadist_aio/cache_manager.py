@@ -24,15 +24,13 @@ from .cache_task import CacheTask
 from .completions import CompletionDispatcher
 from .enums import Placement
 from .layer_synchronizer import LayerSynchronizer
-from .layerwise import BlockPlan, LayerwiseTransfer, TensorsPerLayer
+from ._remote import INVALID_ID, TENSORS_PER_LAYER, remote_name
+from .layerwise import BlockPlan, LayerwiseTransfer
 from .status import LLMException, LLMStatusCode, raise_for_status
 from .transfer_config import TransferConfig, TransferWithCacheKeyConfig
 
 __all__ = ["CacheManager"]
 
-_INVALID_ID = 2**64 - 1
-_TENSORS_PER_LAYER = 2
-_BY_ID, _BY_KEY, _BLOCKS_OF_MODEL = 1, 2, 3
 _BufferLike = Any
 _Address = Union[int, _BufferLike]
 
@@ -49,17 +47,8 @@ def _key_tuple(key: CacheKey) -> tuple[int, int, int]:
     return (key.req_id, key.model_id, key.prefix_id)
 
 
-def _remote_name(key: Union[CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey]) -> tuple[int, int, int, int, int, int]:
-    """How the engine names the peer's cache: (kind, cache_id, req_id, model_id, prefix_id, slot)."""
-    if isinstance(key, CacheKeyByIdAndIndex):
-        return (_BY_ID, key.cache_id, _INVALID_ID, 0, _INVALID_ID, key.batch_index)
-    if isinstance(key, BlocksCacheKey):
-        return (_BLOCKS_OF_MODEL, -1, _INVALID_ID, key.model_id, _INVALID_ID, 0)
-    return (_BY_KEY, -1, key.req_id, key.model_id, key.prefix_id, 0)
-
-
 def _check_pull_key(key: CacheKey) -> None:
-    valid = [0 <= ident < _INVALID_ID for ident in (key.req_id, key.prefix_id)]
+    valid = [0 <= ident < INVALID_ID for ident in (key.req_id, key.prefix_id)]
     raise_if_false(valid.count(True) == 1, f"{key!r} must have exactly one of req_id and prefix_id set")
 
 
@@ -406,7 +395,7 @@ class CacheManager:
         src_layer_range: Optional[range] = None,
         dst_layer_range: Optional[range] = None,
         size: int = -1,
-        tensor_num_per_layer: int = _TENSORS_PER_LAYER,
+        tensor_num_per_layer: int = TENSORS_PER_LAYER,
     ) -> CacheTask:
         """Starts pushing batch slot ``src_batch_index`` of every selected layer
         into slot ``dst_cache_key.batch_index`` of the peer's cache ``dst_cache_key.cache_id``."""
@@ -440,7 +429,7 @@ class CacheManager:
         dst_blocks: Union[tuple[int, ...], list[int]] = (),
         src_layer_range: Optional[range] = None,
         dst_layer_range: Optional[range] = None,
-        tensor_num_per_layer: int = _TENSORS_PER_LAYER,
+        tensor_num_per_layer: int = TENSORS_PER_LAYER,
     ) -> CacheTask:
         """Starts pushing block ``src_blocks[k]`` to block ``dst_blocks[k]`` of the
         peer's blocks cache, for every selected layer, as one operation."""
@@ -466,7 +455,7 @@ class CacheManager:
 
     @staticmethod
     def _pull_span(cache: Cache, kwargs: dict[str, Any]) -> tuple[int, int, int, int]:
-        per_layer = kwargs.get("tensor_num_per_layer", _TENSORS_PER_LAYER)
+        per_layer = kwargs.get("tensor_num_per_layer", TENSORS_PER_LAYER)
         _check_tensor_num_per_layer(per_layer)
         return _layer_span(kwargs.get("src_layer_range"), kwargs.get("dst_layer_range"), per_layer, cache, False)
 
@@ -494,7 +483,7 @@ class CacheManager:
         span = self._pull_span(cache, kwargs)
         self._check_valid()
         started = self._engine.pull_cache(
-            cache.cache_id, batch_index, cache_key.cluster_id, _remote_name(cache_key), size, span
+            cache.cache_id, batch_index, cache_key.cluster_id, remote_name(cache_key), size, span
         )
         return self._task(started, f"pull_cache({cache_key!r} -> cache {cache.cache_id})")
 
@@ -533,7 +522,7 @@ class CacheManager:
         started = self._engine.pull_blocks(
             dst_cache.cache_id,
             src_cache_key.cluster_id,
-            _remote_name(src_cache_key),
+            remote_name(src_cache_key),
             list(src_blocks),
             list(dst_blocks),
             span,
@@ -592,8 +581,8 @@ class CacheManager:
                 dst_block_memory_size in (None, 0), "dst_block_memory_size is only used with dst_block_indices"
             )
         num_tensors = src_cache.cache_desc.num_tensors
-        raise_if_false(num_tensors % TensorsPerLayer == 0, f"src_cache has an odd tensor count {num_tensors}")
-        layers = num_tensors // TensorsPerLayer
+        raise_if_false(num_tensors % TENSORS_PER_LAYER == 0, f"src_cache has an odd tensor count {num_tensors}")
+        layers = num_tensors // TENSORS_PER_LAYER
         for index, config in enumerate(transfer_configs):
             if config.src_layer_range is None:
                 config.src_layer_range = range(layers)
@@ -607,8 +596,8 @@ class CacheManager:
                 config._validate()
             else:
                 raise_if_false(
-                    len(config.dst_addrs) == TensorsPerLayer * len(rng),
-                    f"transfer_configs[{index}]: dst_addrs needs {TensorsPerLayer * len(rng)} addresses, "
+                    len(config.dst_addrs) == TENSORS_PER_LAYER * len(rng),
+                    f"transfer_configs[{index}]: dst_addrs needs {TENSORS_PER_LAYER * len(rng)} addresses, "
                     f"got {len(config.dst_addrs)}",
                 )
         self._check_valid()

@@ -110,8 +110,8 @@ class CacheTask:
                 self.cancel()
                 yield from self._settle().__await__()
                 raise
-            # The completion is signalled as the request leaves the engine; the
-            # last bookkeeping step may still be finishing on the engine thread.
+            # finalize() resolves every waiting future once no request is in
+            # flight, which may be a moment before a request marks itself done.
             self._request.wait(-1)
         return self.result()
 

@@ -19,18 +19,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
+from ._remote import INVALID_ID, TENSORS_PER_LAYER, RemoteName, remote_name
 from .cache import Cache
-from .cache_key import BlocksCacheKey, CacheKeyByIdAndIndex
 from .layer_synchronizer import LayerSynchronizer
 from .status import LLMStatusCode
 from .transfer_config import TransferConfig, TransferWithCacheKeyConfig
 
-__all__ = ["LayerwiseTransfer", "TensorsPerLayer"]
+__all__ = ["BlockPlan", "LayerwiseTransfer"]
 
 _log = logging.getLogger("datadist_aio")
 
-TensorsPerLayer = 2
-_INVALID_ID = 2**64 - 1
 _SUCCESS = LLMStatusCode.LLM_SUCCESS.value
 
 AnyConfig = Union[TransferConfig, TransferWithCacheKeyConfig]
@@ -45,15 +43,11 @@ class BlockPlan:
     chunk_size: int
 
 
-def _destination(config: AnyConfig) -> tuple[int, int, int, int, int, int]:
+def _destination(config: AnyConfig) -> RemoteName:
     """The engine's name of a config's destination cache (unused for raw addresses)."""
     if isinstance(config, TransferConfig):
-        return (1, -1, _INVALID_ID, 0, _INVALID_ID, 0)
-    key = config.cache_key
-    if isinstance(key, CacheKeyByIdAndIndex):
-        return (1, key.cache_id, _INVALID_ID, 0, _INVALID_ID, key.batch_index)
-    assert isinstance(key, BlocksCacheKey)
-    return (3, -1, _INVALID_ID, key.model_id, _INVALID_ID, 0)
+        return (1, -1, INVALID_ID, 0, INVALID_ID, 0)
+    return remote_name(config.cache_key)
 
 
 class LayerwiseTransfer:
@@ -175,8 +169,8 @@ class LayerwiseTransfer:
         if isinstance(config, TransferWithCacheKeyConfig):
             dst_layer = config.dst_layer_range.start + (layer - rng.start)
         else:
-            first = TensorsPerLayer * (layer - rng.start)
-            dst_addrs = list(config.dst_addrs[first : first + TensorsPerLayer])
+            first = TENSORS_PER_LAYER * (layer - rng.start)
+            dst_addrs = list(config.dst_addrs[first : first + TENSORS_PER_LAYER])
         with self._lock:
             if self._finished:
                 return LLMStatusCode.LLM_ENGINE_FINALIZED.value

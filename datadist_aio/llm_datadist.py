@@ -242,22 +242,25 @@ class LLMDataDist:
 
     # -- upstream surface that has no meaning here --------------------------------
 
-    def link(self, comm_name: str, cluster_rank_info: dict[int, int], rank_table: str) -> int:
-        """Upstream's two-sided link over a device rank table: not available
-        (``LLM_FEATURE_NOT_ENABLED``); use ``link_clusters``."""
+    def _no_rank_table_links(self) -> LLMException:
         self._check_init()
-        raise LLMException(
+        return LLMException(
             "two-sided links over a device rank table are not available; use link_clusters",
             status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
         )
 
+    def link(self, comm_name: str, cluster_rank_info: dict[int, int], rank_table: str) -> int:
+        """Upstream's two-sided link over a device rank table: not available
+        (``LLM_FEATURE_NOT_ENABLED``); use ``link_clusters``."""
+        raise self._no_rank_table_links()
+
     def unlink(self, comm_id: int) -> None:
         """Counterpart of ``link``: not available (``LLM_FEATURE_NOT_ENABLED``)."""
-        self.link("", {}, "")
+        raise self._no_rank_table_links()
 
     def query_register_mem_status(self, comm_id: int) -> Any:
         """Counterpart of ``link``: not available (``LLM_FEATURE_NOT_ENABLED``)."""
-        self.link("", {}, "")
+        raise self._no_rank_table_links()
 
     @property
     def kv_cache_manager(self) -> Any:
