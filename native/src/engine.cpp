@@ -3,6 +3,7 @@
 #include <mutex>
 #include <system_error>
 #include <thread>
+#include <unordered_set>
 
 namespace datadist {
 
@@ -284,11 +285,30 @@ void for_each_tensor(const LayerSpan &span, Fn &&fn) {
   }
 }
 
-BlockPairs zip_blocks(const std::vector<uint64_t> &first, const std::vector<uint64_t> &second) {
-  BlockPairs pairs;
+bool all_below(const std::vector<uint64_t> &blocks, uint64_t limit) {
+  for (uint64_t b : blocks) {
+    if (b >= limit) return false;
+  }
+  return true;
+}
+
+bool all_distinct(const std::vector<uint64_t> &blocks) {
+  return std::unordered_set<uint64_t>(blocks.begin(), blocks.end()).size() == blocks.size();
+}
+
+// Pairs first[k] with second[k]; LLM_PARAM_INVALID unless both lists have
+// the same length, the local list stays below `local_blocks` and no
+// destination (second) is named twice.
+Status pair_blocks(const std::vector<uint64_t> &first, const std::vector<uint64_t> &second, bool local_is_first,
+                   uint64_t local_blocks, BlockPairs &pairs) {
+  if (first.size() != second.size() || !all_below(local_is_first ? first : second, local_blocks) ||
+      !all_distinct(second)) {
+    return LLM_PARAM_INVALID;
+  }
+  pairs.clear();
   pairs.reserve(first.size());
   for (size_t k = 0; k < first.size(); ++k) pairs.emplace_back(first[k], second[k]);
-  return pairs;
+  return LLM_SUCCESS;
 }
 
 // Adds every run of (first, second) block pairs for every tensor of `span`:
@@ -308,13 +328,6 @@ void add_block_runs(FramePlanner &planner, const CacheEntry &local, const LayerS
 
 // A pull through a key releases it on the owner once every tensor was read.
 uint8_t release_flag(const RemoteName &src) { return src.kind == wire::kByKey ? wire::kReleaseKey : 0; }
-
-bool all_below(const std::vector<uint64_t> &blocks, uint64_t limit) {
-  for (uint64_t b : blocks) {
-    if (b >= limit) return false;
-  }
-  return true;
-}
 
 }  // namespace
 
@@ -378,10 +391,9 @@ Status Engine::push_blocks(int64_t src_id, uint64_t peer, const RemoteName &dst,
   std::shared_ptr<Link> link;
   Status st = prepare_remote(src_id, peer, span, src, link);
   if (st != LLM_SUCCESS) return st;
-  if (src_blocks.empty() || src_blocks.size() != dst_blocks.size()) return LLM_PARAM_INVALID;
-  if (!all_below(src_blocks, src->geometry.num_slots)) return LLM_PARAM_INVALID;
-  const BlockPairs pairs = zip_blocks(src_blocks, dst_blocks);
-  st = check_block_destinations(pairs, false);
+  if (src_blocks.empty()) return LLM_PARAM_INVALID;
+  BlockPairs pairs;
+  st = pair_blocks(src_blocks, dst_blocks, true, src->geometry.num_slots, pairs);
   if (st != LLM_SUCCESS) return st;
   wire::Target target = name_target(dst);
   target.expected_slot_size = src->geometry.slot_size;
@@ -423,9 +435,8 @@ Status Engine::pull_blocks(int64_t dst_id, uint64_t peer, const RemoteName &src_
   const uint64_t block = dst->geometry.slot_size;
   wire::Target target = name_target(src_name);
   if (!src_blocks.empty()) {
-    if (src_blocks.size() != dst_blocks.size()) return LLM_PARAM_INVALID;
-    const BlockPairs pairs = zip_blocks(src_blocks, dst_blocks);
-    st = check_block_destinations(pairs, false);
+    BlockPairs pairs;
+    st = pair_blocks(src_blocks, dst_blocks, false, dst->geometry.num_slots, pairs);
     if (st != LLM_SUCCESS) return st;
     target.expected_slot_size = block;
     FramePlanner planner(target);
@@ -433,8 +444,7 @@ Status Engine::pull_blocks(int64_t dst_id, uint64_t peer, const RemoteName &src_
     return start_remote(link, false, planner, dst, out);
   }
   // A contiguous slot of the peer, cut into this cache's blocks.
-  st = check_block_destinations(zip_blocks(dst_blocks, dst_blocks), false);
-  if (st != LLM_SUCCESS) return st;
+  if (!all_distinct(dst_blocks)) return LLM_PARAM_INVALID;
   wire::LookupReply remote;
   st = link->lookup(target, remote, static_cast<int>(options_.sync_kv_timeout_ms));
   if (st != LLM_SUCCESS) return st;
@@ -470,12 +480,9 @@ Status Engine::transfer_step(const std::shared_ptr<Request> &into, size_t result
   uint64_t chunk = slot;
   std::vector<BlockRun> runs;
   if (blocks_to_blocks) {
-    if (step.src_blocks.size() != step.dst_blocks.size() || !all_below(step.src_blocks, src->geometry.num_slots)) {
-      return LLM_PARAM_INVALID;
-    }
     if (step.chunk_size != 0 && step.chunk_size != slot) return LLM_PARAM_INVALID;
-    const BlockPairs pairs = zip_blocks(step.src_blocks, step.dst_blocks);
-    st = check_block_destinations(pairs, false);
+    BlockPairs pairs;
+    st = pair_blocks(step.src_blocks, step.dst_blocks, true, src->geometry.num_slots, pairs);
     if (st != LLM_SUCCESS) return st;
     runs = merge_block_runs(pairs);
   } else {
@@ -483,8 +490,7 @@ Status Engine::transfer_step(const std::shared_ptr<Request> &into, size_t result
     if (slot_to_blocks) {
       chunk = step.chunk_size;
       if (chunk == 0 || chunk > slot || (slot + chunk - 1) / chunk < step.dst_blocks.size()) return LLM_PARAM_INVALID;
-      st = check_block_destinations(zip_blocks(step.dst_blocks, step.dst_blocks), false);
-      if (st != LLM_SUCCESS) return st;
+      if (!all_distinct(step.dst_blocks)) return LLM_PARAM_INVALID;
     }
   }
   wire::Target target{};
