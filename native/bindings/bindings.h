@@ -9,6 +9,7 @@ namespace datadist::bindings {
 void bind_engine(pybind11::module_ &m);
 void bind_request(pybind11::module_ &m);
 void bind_buffer(pybind11::module_ &m);
+void bind_bench(pybind11::module_ &m);
 
 }  // namespace datadist::bindings
 

@@ -5,4 +5,5 @@ PYBIND11_MODULE(_native, m) {
   datadist::bindings::bind_request(m);
   datadist::bindings::bind_engine(m);
   datadist::bindings::bind_buffer(m);
+  datadist::bindings::bind_bench(m);
 }

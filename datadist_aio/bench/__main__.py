@@ -1,0 +1,201 @@
+"""Command line of the benchmark.
+
+    python -m datadist_aio.bench [--quick] [--output DIR] [--compare] ...
+    python -m datadist_aio.bench serve --listen IP:PORT --authkey KEY
+
+The first form measures; with ``--peer IP:PORT`` its target side is a
+``serve`` process on another host, otherwise one it starts on loopback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import secrets
+import sys
+from pathlib import Path
+
+from .engines.base import LAYERWISE, PULL, PUSH
+from .progress import Progress
+from .runner import COMPARED, Options, Outcome, available_loops, build_report, memcpy_baseline, plans, run_plan, steps
+from .session import serve, start_local_server, stop_local_server
+
+AUTHKEY_ENV = "DATADIST_BENCH_AUTHKEY"
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20,
+          "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+
+
+def byte_size(text: str) -> int:
+    """'16K', '256KiB', '4M', '1G' or a plain number of bytes (binary units)."""
+    match = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).upper() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4096, 16K, 4M, 1G)")
+    value = int(match.group(1)) * _UNITS[match.group(2).upper()]
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"a size must be positive: {text!r}")
+    return value
+
+
+def listed(kind, choices=None):
+    def parse(text: str) -> list:
+        items = [kind(part) for part in text.split(",") if part.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError("give at least one value")
+        bad = [i for i in items if choices is not None and i not in choices]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{', '.join(map(str, bad))}: choose from {', '.join(choices)}")
+        return items
+
+    return parse
+
+
+def address(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected IP:PORT, got {text!r}")
+    return host, int(port)
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
+    return value
+
+
+def run_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m datadist_aio.bench",
+        description="Throughput and latency of KV-cache transfers between two processes, with raw TCP and memcpy "
+        "baselines measured in the same run. Writes DIR/datadist_bench.json and, with matplotlib, "
+        "DIR/datadist_bench.png. Run 'python -m datadist_aio.bench serve -h' for the remote target side.")
+    p.add_argument("--quick", action="store_true", help="a run of under a minute: 64 MiB cache, 3 batches, 300 latency ops")
+    p.add_argument("--output", type=Path, metavar="DIR", default=Path("bench-results"), help="directory for the JSON and PNG (default: %(default)s)")
+    p.add_argument("--cache-size", type=byte_size, metavar="SIZE", help="bytes moved per batch (default 256M; quick 64M)")
+    p.add_argument("--block-sizes", type=listed(byte_size), metavar="SIZES", help="block sizes per tensor (default 16K,256K,4M)")
+    p.add_argument("--layers", type=positive, default=4, help="layers of the cache, K and V each (default: %(default)s)")
+    p.add_argument("--ops", type=listed(str, [PUSH, PULL, LAYERWISE]), default=[PUSH, PULL, LAYERWISE],
+                   help="operations (default: push,pull,layerwise; the other engines do push and pull)")
+    p.add_argument("--loop", type=listed(str, ["asyncio", "uvloop"]), help="event loops to await on (default: each installed)")
+    p.add_argument("--iterations", type=positive, help="timed batches per measurement (default 7; quick 3)")
+    p.add_argument("--latency-ops", type=non_negative, help="4 KiB writes in the latency run, 0 for none (default 2000; quick 300)")
+    p.add_argument("--streams", type=listed(positive), default=[1, 2, 4], help="raw TCP stream counts (default 1,2,4)")
+    p.add_argument("--connections", type=positive, help="datadist_aio TCP connections per peer (default: the library's)")
+    p.add_argument("--compare", nargs="?", const=list(COMPARED), type=listed(str, COMPARED), default=[],
+                   metavar="ENGINES", help="also measure these engines where installed: mooncake, nixl (default: both; "
+                   "pip install 'datadist_aio[compare]')")
+    p.add_argument("--peer", type=address, metavar="IP:PORT", help="the IP:PORT of a 'serve' process on the decode host (default: one on loopback)")
+    p.add_argument("--authkey", help=f"the serve process's key (default: ${AUTHKEY_ENV}; a fresh one on loopback)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds without progress before a session is given up")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    return p
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m datadist_aio.bench serve",
+        description="The decode (target) side for runs from another host: one process per session, each engine's "
+        "data plane bound to the listen IP. The control channel carries pickles behind an HMAC key: expose it to "
+        "trusted hosts only.")
+    p.add_argument("--listen", type=address, metavar="IP:PORT", default=("127.0.0.1", 7400), help="IP:PORT (default 127.0.0.1:7400)")
+    p.add_argument("--authkey", help=f"shared key (default: ${AUTHKEY_ENV})")
+    return p
+
+
+def _authkey(given: str | None, required: bool) -> bytes:
+    key = given or os.environ.get(AUTHKEY_ENV)
+    if key:
+        return key.encode()
+    if required:
+        sys.exit(f"error: give --authkey or set {AUTHKEY_ENV}")
+    return secrets.token_bytes(16)
+
+
+def options_from(args: argparse.Namespace) -> Options:
+    quick = args.quick
+    return Options(
+        cache_bytes=args.cache_size or ((64 if quick else 256) << 20),
+        block_sizes=args.block_sizes or [16 << 10, 256 << 10, 4 << 20],
+        layers=args.layers,
+        ops=args.ops,
+        loops=args.loop or available_loops(),
+        iterations=args.iterations or (3 if quick else 7),
+        latency_ops=args.latency_ops if args.latency_ops is not None else (300 if quick else 2000),
+        streams=args.streams,
+        connections=args.connections,
+        compare=args.compare,
+        timeout=args.timeout,
+    )
+
+
+def run(argv: list[str]) -> int:
+    parser = run_parser()
+    args = parser.parse_args(argv)
+    options = options_from(args)
+    try:
+        plan_list = plans(options)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if "uvloop" in options.loops and "uvloop" not in available_loops():
+        parser.error("uvloop is not installed (pip install 'datadist_aio[uvloop]')")
+    args.output.mkdir(parents=True, exist_ok=True)
+    authkey = _authkey(args.authkey, required=args.peer is not None)
+    server = None
+    if args.peer is None:
+        server, peer_address = start_local_server("127.0.0.1", authkey)
+        peer = "loopback"
+    else:
+        peer_address, peer = args.peer, f"{args.peer[0]}:{args.peer[1]}"
+    outcome = Outcome()
+    progress = Progress(sum(steps(p) for p in plan_list) + 1)
+    try:
+        progress.set_phase("memcpy baseline")
+        memcpy = memcpy_baseline(options.cache_bytes, options.iterations)
+        progress.advance()
+        for plan in plan_list:
+            run_plan(plan, peer_address, authkey, progress, options.timeout, outcome)
+    finally:
+        progress.close()
+        if server is not None:
+            stop_local_server(server)
+    report = build_report(options, outcome, memcpy, peer, ["python", "-m", "datadist_aio.bench", *argv])
+    json_path = args.output / "datadist_bench.json"
+    json_path.write_text(json.dumps(report, indent=1) + "\n")
+    from .report import plot, tables
+
+    print(tables(report))
+    print(f"\nwrote {json_path}")
+    if not args.no_plot:
+        try:
+            png = args.output / "datadist_bench.png"
+            plot(report, png)
+            print(f"wrote {png}")
+        except ImportError:
+            print("no plot: matplotlib is not installed (pip install 'datadist_aio[bench]')")
+    wrong = [r for r in report["results"] if not r["verified"]] + [r for r in report["latency"] if not r["verified"]]
+    return 1 if report["errors"] or wrong else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        args = serve_parser().parse_args(argv[1:])
+        try:
+            serve(args.listen[0], args.listen[1], _authkey(args.authkey, required=True))
+        except KeyboardInterrupt:
+            pass
+        return 0
+    return run(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""What an engine plugs into the benchmark.
+
+An engine is two classes, each living in its own spawned process:
+
+* ``Target`` (the decode side) owns the remote memory. The benchmark calls
+  ``open()`` once, then for each layout ``prepare(layout, seed)``, ``fill``
+  and ``digest`` as the run needs them, and finally ``close()``.
+* ``Initiator`` (the prefill side) owns the local memory and moves the bytes.
+  It gets what ``Target.open()`` and ``Target.prepare()`` returned (plain
+  picklable values: ports, addresses, metadata) and never touches remote
+  memory except through the engine.
+
+``batch(op, table)`` moves the whole cache once and returns only when every byte
+has landed; the benchmark times it. ``latency(ops)`` returns the seconds of
+``ops`` sequential single-block writes, each waited for before the next.
+An initiator whose ``contiguous`` is true moves the memory as it lies (the
+raw socket baseline): it is given the identity table.
+
+``variant`` is a dict of engine settings (event loop, transports, progress
+thread); ``label`` names the variant in tables and plots. A class may raise
+``Unavailable`` from its constructor when the engine is not installed or
+cannot run here; the benchmark then reports it as skipped, with the reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Protocol
+
+import numpy as np
+
+from ..layout import Layout
+
+PUSH, PULL, LAYERWISE = "push", "pull", "layerwise"
+
+
+class Unavailable(RuntimeError):
+    """The engine is not installed or cannot run on this machine."""
+
+
+class Target(Protocol):
+    def __init__(self, variant: dict[str, Any], host: str) -> None: ...
+
+    def open(self) -> Any:
+        """Start listening; returns what the initiator needs to reach this side."""
+
+    def prepare(self, layout: Layout) -> Any:
+        """Allocate (or reuse) remote memory for ``layout``; returns what the
+        initiator needs to address it."""
+
+    def tensors(self) -> list[np.ndarray]:
+        """The remote memory of the current layout, one ``[blocks, block_size]`` view per tensor."""
+
+    def close(self) -> None: ...
+
+
+class Initiator(Protocol):
+    ops: ClassVar[tuple[str, ...]]  # the operations it supports, of PUSH, PULL, LAYERWISE
+    contiguous: ClassVar[bool] = False
+
+    def __init__(self, variant: dict[str, Any], opened: Any) -> None: ...
+
+    def prepare(self, layout: Layout, prepared: Any) -> None:
+        """Allocate local memory for ``layout``; ``prepared`` is what ``Target.prepare`` returned."""
+
+    def tensors(self) -> list[np.ndarray]:
+        """The local memory of the current layout."""
+
+    def batch(self, op: str, table: list[int]) -> None:
+        """Move every tensor's block ``i`` to/from remote block ``table[i]``; return once all landed."""
+
+    def latency(self, ops: int) -> list[float]:
+        """Seconds of each of ``ops`` sequential writes of local block 0 into remote block 0
+        of the current layout (one tensor of one 4 KiB block), each waited for."""
+
+    def close(self) -> None: ...
+
+
+def label(engine: str, variant: dict[str, Any]) -> str:
+    """``engine`` followed by the variant's settings, for tables and plots."""
+    if not variant:
+        return engine
+    return engine + " (" + ", ".join(f"{k}={v}" if not isinstance(v, bool) else (k if v else f"no {k}")
+                                     for k, v in variant.items()) + ")"

@@ -1,0 +1,165 @@
+"""datadist_aio itself: push_blocks, pull_blocks and a layer-wise
+transfer_cache_async, each awaited on the event loop the variant names.
+
+Both sides register their benchmark memory as a blocks cache (as a serving
+framework registers the KV tensors it already has); the target's cache
+carries the blocks key the initiator addresses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Optional
+
+import numpy as np
+
+from ...cache import Cache
+from ...cache_desc import CacheDesc
+from ...cache_key import BlocksCacheKey
+from ...cluster_info import LLMClusterInfo
+from ...config import LLMConfig
+from ...data_type import DataType
+from ...enums import LLMRole, Placement
+from ...layer_synchronizer import LayerSynchronizer
+from ...llm_datadist import LLMDataDist
+from ...status import LLMStatusCode
+from ...transfer_config import TransferWithCacheKeyConfig
+from ..layout import Layout, aligned_tensors
+from .base import LAYERWISE, PULL, PUSH, Unavailable
+
+INITIATOR_ID, TARGET_ID = 1, 2
+KEY = BlocksCacheKey(TARGET_ID, 0)
+
+
+def _datadist(role: LLMRole, cluster_id: int, variant: dict[str, Any], listen: Optional[str]) -> LLMDataDist:
+    config = LLMConfig()
+    config.enable_cache_manager = True
+    config.enable_remote_cache_accessible = True
+    config.host_mem_pool_cfg = '{"memory_size": 16777216}'  # the benchmark registers its own memory
+    config.sync_kv_timeout = 120000
+    if "connections" in variant:
+        config.tcp_connections_per_peer = int(variant["connections"])
+    if listen is not None:
+        config.listen_ip_info = f"{listen}:0"
+    datadist = LLMDataDist(role, cluster_id)
+    datadist.init(config.generate_options())
+    return datadist
+
+
+class _Registered:
+    """Benchmark memory registered as the blocks cache of one layout."""
+
+    def __init__(self) -> None:
+        self.cache: Optional[Cache] = None
+        self.views: list[np.ndarray] = []
+
+    def register(self, datadist: LLMDataDist, layout: Layout, key: Optional[BlocksCacheKey]) -> Cache:
+        self.release(datadist)
+        _, self.views = aligned_tensors(layout)
+        desc = CacheDesc(layout.tensors, [layout.blocks, layout.block_size], DataType.DT_UINT8, Placement.HOST)
+        self.cache = datadist.cache_manager.register_blocks_cache(desc, list(self.views), key)
+        return self.cache
+
+    def release(self, datadist: LLMDataDist) -> None:
+        if self.cache is not None:
+            datadist.cache_manager.unregister_cache(self.cache.cache_id)
+            self.cache = None
+            self.views = []
+
+
+class Target:
+    def __init__(self, variant: dict[str, Any], host: str) -> None:
+        self.host = host
+        self.datadist = _datadist(LLMRole.DECODER, TARGET_ID, variant, host)
+        self.memory = _Registered()
+
+    def open(self) -> Any:
+        return self.host, self.datadist.listen_port
+
+    def prepare(self, layout: Layout) -> Any:
+        self.memory.register(self.datadist, layout, KEY)
+        return None
+
+    def tensors(self) -> list[np.ndarray]:
+        return self.memory.views
+
+    def close(self) -> None:
+        self.memory.release(self.datadist)
+        self.datadist.finalize()
+
+
+class _Ready(LayerSynchronizer):
+    """Every layer is ready at once: the layer-wise path at full speed."""
+
+    async def synchronize_layer(self, layer_index: int, timeout_in_millis: Optional[int]) -> bool:
+        return True
+
+
+class Initiator:
+    ops = (PUSH, PULL, LAYERWISE)
+
+    def __init__(self, variant: dict[str, Any], opened: Any) -> None:
+        loop = variant.get("loop", "asyncio")
+        if loop == "uvloop":
+            try:
+                import uvloop
+            except ImportError:
+                raise Unavailable("uvloop is not installed (pip install 'datadist_aio[uvloop]')") from None
+            self.runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
+        elif loop == "asyncio":
+            self.runner = asyncio.Runner()
+        else:
+            raise Unavailable(f"unknown event loop {loop!r}")
+        self.datadist = _datadist(LLMRole.PROMPT, INITIATOR_ID, variant, None)
+        host, port = opened
+        cluster = LLMClusterInfo()
+        cluster.remote_cluster_id = TARGET_ID
+        cluster.append_local_ip_info(host if host != "0.0.0.0" else "127.0.0.1", 0)
+        cluster.append_remote_ip_info(host, port)
+        status, per_cluster = self.datadist.link_clusters([cluster], 10000)
+        if status is not LLMStatusCode.LLM_SUCCESS:
+            raise RuntimeError(f"link to {host}:{port} failed: {status} {per_cluster}")
+        self.cm = self.datadist.cache_manager
+        self.memory = _Registered()
+        self.layers = 0
+        self.blocks: list[int] = []
+
+    def prepare(self, layout: Layout, prepared: Any) -> None:
+        self.memory.register(self.datadist, layout, None)
+        self.layers = layout.tensors // 2
+        self.blocks = list(range(layout.blocks))
+
+    def tensors(self) -> list[np.ndarray]:
+        return self.memory.views
+
+    async def _move(self, op: str, table: list[int]) -> None:
+        cache = self.memory.cache
+        if op == PUSH:
+            await self.cm.push_blocks_async(KEY, cache, self.blocks, table)
+        elif op == PULL:
+            await self.cm.pull_blocks_async(KEY, cache, table, self.blocks)
+        else:
+            config = TransferWithCacheKeyConfig(KEY, range(self.layers), range(self.layers))
+            await self.cm.transfer_cache_async(cache, _Ready(), [config], self.blocks, table)
+
+    def batch(self, op: str, table: list[int]) -> None:
+        self.runner.run(self._move(op, table))
+
+    def latency(self, ops: int) -> list[float]:
+        cache = self.memory.cache
+
+        async def sample() -> list[float]:
+            seconds = []
+            for _ in range(ops):
+                start = time.perf_counter()
+                await self.cm.push_blocks_async(KEY, cache, [0], [0], tensor_num_per_layer=1)
+                seconds.append(time.perf_counter() - start)
+            return seconds
+
+        return self.runner.run(sample())
+
+    def close(self) -> None:
+        self.memory.release(self.datadist)
+        self.datadist.finalize()
+        self.runner.close()

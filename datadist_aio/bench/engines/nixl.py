@@ -1,0 +1,199 @@
+"""NIXL with its UCX backend, on host memory.
+
+Each side runs an agent and registers its one page-aligned allocation as
+``DRAM``. The initiator loads the target's agent metadata (what ``open`` and
+``prepare`` return; ``prepare`` returns it again after registering, since it
+then carries the memory's keys) and moves a batch as one transfer request:
+two ``N x 3`` descriptor lists, one row per block of every tensor, built with
+numpy, then ``initialize_xfer`` / ``transfer`` / polling ``check_xfer_state``.
+
+Variant settings:
+
+* ``tls``: ``"default"`` leaves ``UCX_TLS`` alone, so UCX picks its shared
+  memory transports between processes of one machine; ``"tcp"`` sets
+  ``UCX_TLS=tcp``.
+* ``progress_thread``: whether the agents run NIXL's progress thread.
+
+Environment, set in the constructor before the agent exists (only where the
+user has not set it, except ``UCX_TLS`` for ``tls="tcp"``):
+
+* ``UCX_NET_DEVICES=lo``: both sides share the machine, and UCX would
+  otherwise stripe its network transports over every interface it finds.
+* ``NIXL_LOG_LEVEL=WARN``: NIXL announces each agent and backend at INFO.
+
+A process that has created a UCX backend crashes in NIXL's teardown at
+interpreter exit, so it must leave through ``os._exit`` (the benchmark's
+session processes do). ``close()`` releases the transfer handles, memory and
+remote agent, and leaves the agent itself to that exit.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, ClassVar
+
+import numpy as np
+
+from ..layout import Layout, aligned_tensors
+from .base import PULL, PUSH, Unavailable
+
+TLS = ("default", "tcp")
+_OPERATION = {PUSH: "WRITE", PULL: "READ"}
+_CONNECT_SECONDS = 10.0
+
+
+def _agent(variant: dict[str, Any], role: str) -> Any:
+    """A NIXL agent with a UCX backend, configured by ``variant``."""
+    tls = variant.get("tls", "default")
+    if tls not in TLS:
+        raise ValueError(f"nixl: tls must be one of {TLS}, not {tls!r}")
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    if tls == "tcp":
+        os.environ["UCX_TLS"] = "tcp"
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+    except ImportError as e:
+        raise Unavailable(f"nixl is not installed ({e})") from e
+    config = nixl_agent_config(enable_prog_thread=bool(variant.get("progress_thread", False)), backends=["UCX"])
+    agent = nixl_agent(f"datadist-bench-{role}-{os.getpid()}", config)
+    if "UCX" not in agent.backends:
+        raise Unavailable("nixl has no UCX backend here")
+    return agent
+
+
+def _wait(agent: Any, handle: Any, state: str) -> None:
+    """Poll ``handle`` (``state`` is what posting it returned) until it is done."""
+    while state == "PROC":
+        state = agent.check_xfer_state(handle)
+    if state != "DONE":
+        raise RuntimeError(f"nixl transfer failed ({state})")
+
+
+class _Memory:
+    """One registered allocation holding every tensor of a layout."""
+
+    def __init__(self, agent: Any) -> None:
+        self.agent = agent
+        self.layout: Layout | None = None
+        self.memory: np.ndarray | None = None
+        self.views: list[np.ndarray] = []
+        self.registered: Any = None
+
+    @property
+    def address(self) -> int:
+        assert self.memory is not None, "prepare() first"
+        return self.memory.ctypes.data
+
+    def prepare(self, layout: Layout) -> None:
+        if layout == self.layout:
+            return
+        self.release()
+        self.memory, self.views = aligned_tensors(layout)
+        region = np.array([[self.address, layout.total_bytes, 0]], dtype=np.uint64)
+        self.registered = self.agent.register_memory(region, "DRAM", backends=["UCX"])
+        self.layout = layout
+
+    def release(self) -> None:
+        if self.registered is not None:
+            self.agent.deregister_memory(self.registered, backends=["UCX"])
+        self.layout, self.memory, self.views, self.registered = None, None, [], None
+
+
+class Target:
+    def __init__(self, variant: dict[str, Any], host: str) -> None:
+        # UCX finds its own addresses (UCX_NET_DEVICES); ``host`` has no use here.
+        self.agent = _agent(variant, "target")
+        self.memory = _Memory(self.agent)
+
+    def open(self) -> bytes:
+        """The agent's metadata: its name and how to connect to it."""
+        return self.agent.get_agent_metadata()
+
+    def prepare(self, layout: Layout) -> list[Any]:
+        """The agent's metadata, now with the registered memory, and that memory's address."""
+        self.memory.prepare(layout)
+        return [self.agent.get_agent_metadata(), self.memory.address]
+
+    def tensors(self) -> list[np.ndarray]:
+        return self.memory.views
+
+    def close(self) -> None:
+        self.memory.release()
+
+
+class Initiator:
+    ops: ClassVar[tuple[str, ...]] = (PUSH, PULL)
+
+    def __init__(self, variant: dict[str, Any], opened: bytes) -> None:
+        self.agent = _agent(variant, "initiator")
+        self.memory = _Memory(self.agent)
+        self.remote = 0
+        self.peer: str | None = None
+        self._load(opened)
+        self.agent.make_connection(self.peer)
+
+    def _load(self, metadata: bytes) -> None:
+        """Load the target's metadata, replacing what was loaded before."""
+        if self.peer is not None:
+            self.agent.remove_remote_agent(self.peer)
+        self.peer = self.agent.add_remote_agent(metadata)
+        deadline = time.monotonic() + _CONNECT_SECONDS
+        while not self.agent.check_remote_metadata(self.peer):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"nixl: metadata of {self.peer} did not load")
+            time.sleep(0.001)
+
+    def prepare(self, layout: Layout, prepared: list[Any]) -> None:
+        metadata, self.remote = prepared
+        self.memory.prepare(layout)
+        self._load(metadata)
+
+    def tensors(self) -> list[np.ndarray]:
+        return self.memory.views
+
+    def _descriptors(self, base: int, blocks: np.ndarray) -> Any:
+        """A ``DRAM`` descriptor list of ``blocks`` (block numbers) of every tensor in memory at ``base``."""
+        layout = self.memory.layout
+        assert layout is not None, "prepare() first"
+        tensors = np.arange(layout.tensors, dtype=np.uint64)[:, None] * np.uint64(layout.tensor_bytes)
+        rows = np.empty((layout.tensors * blocks.size, 3), dtype=np.uint64)
+        rows[:, 0] = (tensors + blocks * np.uint64(layout.block_size) + np.uint64(base)).ravel()
+        rows[:, 1] = layout.block_size
+        rows[:, 2] = 0
+        return self.agent.get_xfer_descs(rows, "DRAM")
+
+    def batch(self, op: str, table: list[int]) -> None:
+        layout = self.memory.layout
+        assert layout is not None and self.peer is not None, "prepare() first"
+        local = self._descriptors(self.memory.address, np.arange(layout.blocks, dtype=np.uint64))
+        remote = self._descriptors(self.remote, np.asarray(table, dtype=np.uint64))
+        handle = self.agent.initialize_xfer(_OPERATION[op], local, remote, self.peer)
+        try:
+            _wait(self.agent, handle, self.agent.transfer(handle))
+        finally:
+            self.agent.release_xfer_handle(handle)
+
+    def latency(self, ops: int) -> list[float]:
+        layout = self.memory.layout
+        assert layout is not None and self.peer is not None, "prepare() first"
+        row = lambda address: self.agent.get_xfer_descs(np.array([[address, 4096, 0]], dtype=np.uint64), "DRAM")
+        # One request, posted again for each op once the previous one is done.
+        handle = self.agent.initialize_xfer("WRITE", row(self.memory.address), row(self.remote + layout.block_size),
+                                            self.peer)
+        agent, seconds = self.agent, []
+        try:
+            for _ in range(ops):
+                start = time.perf_counter()
+                _wait(agent, handle, agent.transfer(handle))
+                seconds.append(time.perf_counter() - start)
+        finally:
+            agent.release_xfer_handle(handle)
+        return seconds
+
+    def close(self) -> None:
+        self.memory.release()
+        if self.peer is not None:
+            self.agent.remove_remote_agent(self.peer)
+            self.peer = None

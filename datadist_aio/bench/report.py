@@ -1,0 +1,102 @@
+"""The report of a run as text tables and as a plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .session import size_text
+
+
+def _cell(row: dict[str, Any] | None) -> str:
+    if row is None:
+        return f"{'-':>22}"
+    mark = "" if row["verified"] else "!"
+    tcp = f"{row['ratio_raw_tcp']:.2f}" if row["ratio_raw_tcp"] is not None else "-"
+    return f"{row['gbps']:>7.2f}{mark:1} {tcp:>5} {row['ratio_memcpy']:>6.2f}"
+
+
+def tables(report: dict[str, Any]) -> str:
+    """Throughput per engine, operation and block size (GB/s, then its ratio to the
+    best raw TCP and to memcpy), then the latency of one 4 KiB write."""
+    base = report["baselines"]
+    work = report["workload"]
+    lines = [
+        f"{work['cache_bytes'] >> 20} MiB cache, {work['tensors']} tensors, random destination table, "
+        f"median of {work['iterations']} batches; peer {work['peer']}",
+        f"memcpy {base['memcpy']['gbps']:.2f} GB/s; raw TCP "
+        + ", ".join(f"{r['streams']} stream{'s' if r['streams'] > 1 else ''} {r['gbps']:.2f}" for r in base["raw_tcp"])
+        + " GB/s",
+        "",
+    ]
+    rows = [r for r in report["results"] if r["engine"] != "raw_tcp"]
+    sizes = work["block_sizes"]
+    keys = list(dict.fromkeys((r["label"], r["op"]) for r in rows))
+    width = max([len(k[0]) for k in keys] + [6])
+    head = f"{'engine':<{width}} {'op':<9}" + "".join(f" {size_text(s) + ': GB/s  tcp×  mem×':>22}" for s in sizes)
+    lines.append(head)
+    for name, op in keys:
+        cells = [next((r for r in rows if (r["label"], r["op"], r["block_size"]) == (name, op, s)), None) for s in sizes]
+        lines.append(f"{name:<{width}} {op:<9}" + "".join(f" {_cell(c)}" for c in cells))
+    if report["latency"]:
+        lines += ["", f"one {work['latency_bytes'] >> 10} KiB write, waited for, {report['latency'][0]['ops']} in a row (µs)"]
+        width = max(len(lat["label"]) for lat in report["latency"])
+        lines.append(f"{'engine':<{width}} {'median':>8} {'p90':>8} {'p99':>8} {'/raw':>6}")
+        for lat in report["latency"]:
+            ratio = f"{lat['ratio_raw_tcp']:.1f}" if lat["ratio_raw_tcp"] else "-"
+            mark = "" if lat["verified"] else "  WRONG BYTES"
+            lines.append(f"{lat['label']:<{width}} {lat['median_us']:>8.1f} {lat['p90_us']:>8.1f} "
+                         f"{lat['p99_us']:>8.1f} {ratio:>6}{mark}")
+    for skipped in report["skipped"]:
+        lines.append(f"skipped {skipped['label']}: {skipped['reason']}")
+    for error in report["errors"]:
+        lines.append(f"FAILED {error['label']}: {error['error'].strip().splitlines()[-1]}")
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    """GB/s against block size per engine and operation, baselines as lines;
+    the latency distribution of each engine. Needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(15, 6.5), gridspec_kw={"width_ratios": [3, 2]})
+    rows = [r for r in report["results"] if r["engine"] != "raw_tcp"]
+    styles = {"push": "-", "pull": "--", "layerwise": ":"}
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    colors = {name: plt.cm.tab10(i % 10) for i, name in enumerate(labels)}
+    for name, op in dict.fromkeys((r["label"], r["op"]) for r in rows):
+        points = sorted((r["block_size"], r["gbps"]) for r in rows if (r["label"], r["op"]) == (name, op))
+        left.plot([p[0] for p in points], [p[1] for p in points], styles.get(op, "-"), marker="o",
+                  color=colors[name], label=f"{name} {op}")
+    base = report["baselines"]
+    if base["raw_tcp_best_gbps"]:
+        left.axhline(base["raw_tcp_best_gbps"], color="black", linewidth=1.2,
+                     label=f"raw TCP, best of {len(base['raw_tcp'])} stream counts")
+    left.axhline(base["memcpy"]["gbps"], color="gray", linewidth=1.2, linestyle="-.", label="memcpy (1 thread)")
+    sizes = report["workload"]["block_sizes"]
+    left.set_xscale("log", base=2)
+    left.set_xticks(sizes, [size_text(s) for s in sizes])
+    left.set_xlabel("block size")
+    left.set_ylabel("GB/s (median batch)")
+    left.set_ylim(bottom=0)
+    left.set_title(f"{report['workload']['cache_bytes'] >> 20} MiB per batch, random destination blocks")
+    left.grid(True, alpha=0.3)
+    left.legend(fontsize=7, loc="upper left")
+    for lat in report["latency"]:
+        ordered = sorted(lat["samples_us"])
+        fraction = [(i + 1) / len(ordered) for i in range(len(ordered))]
+        right.plot(ordered, fraction, label=lat["label"], color=colors.get(lat["label"], "black"))
+    right.set_xscale("log")
+    right.set_xlabel("µs per 4 KiB write (waited for)")
+    right.set_ylabel("fraction of writes")
+    right.set_title("latency distribution")
+    right.grid(True, alpha=0.3)
+    right.legend(fontsize=7, loc="lower right")
+    cpu = report["machine"].get("cpu") or report["machine"]["platform"]
+    fig.suptitle(f"datadist_aio.bench, {report['created']}: {report['machine']['usable_cpus']} CPUs, {cpu}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

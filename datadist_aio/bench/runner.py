@@ -1,0 +1,232 @@
+"""One benchmark run: the plans, the sessions that carry them out, the baselines
+and the report."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import importlib.util
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+from .engines.base import LAYERWISE, PULL, PUSH, label
+from .layout import Layout
+from .progress import Progress
+from .session import LATENCY_LAYOUT, Plan, Result, engine_module, initiator_main
+
+COMPARED = ("mooncake", "nixl")
+NIXL_VARIANTS = [{"tls": tls, "progress_thread": thread} for tls in ("default", "tcp") for thread in (True, False)]
+DISTRIBUTIONS = ("datadist_aio", "numpy", "uvloop", "mooncake-transfer-engine-non-cuda",
+                 "mooncake-transfer-engine", "nixl", "nixl-cu12", "matplotlib")
+
+
+@dataclass
+class Options:
+    cache_bytes: int = 256 << 20
+    block_sizes: list[int] = field(default_factory=lambda: [16 << 10, 256 << 10, 4 << 20])
+    layers: int = 4
+    ops: list[str] = field(default_factory=lambda: [PUSH, PULL, LAYERWISE])
+    loops: list[str] = field(default_factory=lambda: ["asyncio", "uvloop"])
+    iterations: int = 7
+    latency_ops: int = 2000
+    streams: list[int] = field(default_factory=lambda: [1, 2, 4])
+    connections: Optional[int] = None
+    compare: list[str] = field(default_factory=list)  # of COMPARED
+    timeout: float = 300.0
+    seed: int = 0
+
+
+def plans(options: Options) -> list[Plan]:
+    """Baselines first, then this library on each loop, then the other engines."""
+    layouts = [Layout.for_cache(options.cache_bytes, size, options.layers, options.seed) for size in options.block_sizes]
+    uneven = [n for n in options.streams if options.cache_bytes % n]
+    if uneven:
+        raise ValueError(f"the cache size must split evenly over {uneven[0]} raw TCP streams")
+    whole = Layout(1, 1, options.cache_bytes, options.seed)
+    out = [Plan("raw_tcp", {"streams": n}, [whole], [PUSH], options.iterations,
+                options.latency_ops if n == 1 else 0) for n in options.streams]
+    for loop in options.loops:
+        variant: dict[str, Any] = {"loop": loop}
+        if options.connections is not None:
+            variant["connections"] = options.connections
+        out.append(Plan("datadist_aio", variant, layouts, options.ops, options.iterations, options.latency_ops))
+    if "mooncake" in options.compare:
+        out.append(Plan("mooncake", {}, layouts, options.ops, options.iterations, options.latency_ops))
+    if "nixl" in options.compare:
+        out += [Plan("nixl", v, layouts, options.ops, options.iterations, options.latency_ops) for v in NIXL_VARIANTS]
+    return out
+
+
+def steps(plan: Plan) -> int:
+    """Progress steps of a plan: a tick per batch, one for the latency run."""
+    supported = engine_module(plan.engine).Initiator.ops
+    ops = sum(1 for op in plan.ops if op in supported)
+    return len(plan.layouts) * ops * (plan.iterations + 1) + (1 if plan.latency_ops else 0)
+
+
+@dataclass
+class Outcome:
+    results: list[Result] = field(default_factory=list)
+    latency: list[dict[str, Any]] = field(default_factory=list)
+    skipped: list[dict[str, str]] = field(default_factory=list)
+    errors: list[dict[str, str]] = field(default_factory=list)
+
+
+def run_plan(plan: Plan, address: Any, authkey: bytes, progress: Progress, timeout: float, outcome: Outcome) -> None:
+    """Carry out one plan in a fresh initiator process; what it reports goes into ``outcome``."""
+    ctx = mp.get_context("spawn")
+    reader, writer = ctx.Pipe(duplex=False)
+    process = ctx.Process(target=initiator_main, args=(writer, address, authkey, plan))
+    process.start()
+    writer.close()
+    expected = steps(plan)
+    ticks = 0
+    finished = False
+    try:
+        while not finished:
+            if not reader.poll(timeout):
+                outcome.errors.append({"label": plan.label, "error": f"no progress within {timeout:.0f} s"})
+                break
+            try:
+                kind, value = reader.recv()
+            except EOFError:
+                outcome.errors.append({"label": plan.label,
+                                       "error": f"the initiator process died (exit code {process.exitcode})"})
+                break
+            if kind == "tick":
+                ticks += value
+                progress.advance(value)
+            elif kind == "phase":
+                progress.set_phase(value)
+            elif kind == "result":
+                outcome.results.append(value)
+                if not value.verified:
+                    progress.note(f"{plan.label}: {value.op} {value.block_size} B: the bytes that arrived are WRONG")
+            elif kind == "latency":
+                outcome.latency.append(value)
+            elif kind == "unavailable":
+                outcome.skipped.append({"label": plan.label, "reason": value})
+                progress.note(f"skipped {plan.label}: {value}")
+                finished = True
+            elif kind == "error":
+                outcome.errors.append({"label": plan.label, "error": value})
+                progress.note(f"{plan.label} failed:\n{value}")
+                finished = True
+            elif kind == "done":
+                finished = True
+    finally:
+        reader.close()
+        process.join(30)
+        if process.is_alive():
+            process.kill()
+            process.join(5)
+        process.close()
+        progress.advance(expected - ticks)
+
+
+def memcpy_baseline(nbytes: int, iterations: int) -> dict[str, Any]:
+    """Single-threaded memcpy (numpy.copyto of contiguous bytes), median GB/s; checks the copy."""
+    src = np.frombuffer(np.random.default_rng(1).bytes(nbytes), dtype=np.uint8)
+    dst = np.zeros(nbytes, dtype=np.uint8)
+    seconds = []
+    for i in range(iterations + 1):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        if i:
+            seconds.append(time.perf_counter() - start)
+    if not np.array_equal(src, dst):
+        raise RuntimeError("memcpy baseline: the copy differs")
+    return {"bytes": nbytes, "seconds": seconds, "gbps": nbytes / statistics.median(seconds) / 1e9}
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "kernel": platform.release(),
+        "python": sys.version.split()[0],
+        "logical_cpus": os.cpu_count(),
+        "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            info["cpu"] = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+        with open("/proc/meminfo") as f:
+            kib = int(next(line for line in f if line.startswith("MemTotal")).split()[1])
+            info["memory_gib"] = round(kib / (1 << 20), 1)
+    except (OSError, StopIteration, ValueError):
+        pass
+    return info
+
+
+def versions() -> dict[str, str]:
+    out = {}
+    for name in DISTRIBUTIONS:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def percentile(ordered: list[float], q: float) -> float:
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def build_report(options: Options, outcome: Outcome, memcpy: dict[str, Any], peer: str, argv: list[str]) -> dict[str, Any]:
+    raw = [r for r in outcome.results if r.engine == "raw_tcp"]
+    best_raw = max((r.gbps for r in raw), default=None)
+    results = []
+    for r in outcome.results:
+        row = r.to_json()
+        row["ratio_raw_tcp"] = row["gbps"] / best_raw if best_raw else None
+        row["ratio_memcpy"] = row["gbps"] / memcpy["gbps"]
+        results.append(row)
+    raw_latency = next((lat for lat in outcome.latency if lat["engine"] == "raw_tcp"), None)
+    raw_median = statistics.median(raw_latency["seconds"]) if raw_latency else None
+    latency = []
+    for lat in outcome.latency:
+        ordered = sorted(lat["seconds"])
+        median = statistics.median(ordered)
+        latency.append({
+            "engine": lat["engine"], "variant": lat["variant"], "label": lat["label"], "verified": lat["verified"],
+            "ops": len(ordered), "median_us": median * 1e6, "p90_us": percentile(ordered, 0.9) * 1e6,
+            "p99_us": percentile(ordered, 0.99) * 1e6, "ratio_raw_tcp": median / raw_median if raw_median else None,
+            "samples_us": [s * 1e6 for s in lat["seconds"]],
+        })
+    return {
+        "schema": 1,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": argv,
+        "machine": machine(),
+        "versions": versions(),
+        "workload": {
+            "cache_bytes": options.cache_bytes, "layers": options.layers, "tensors": 2 * options.layers,
+            "block_sizes": options.block_sizes, "ops": options.ops, "iterations": options.iterations,
+            "latency_ops": options.latency_ops, "latency_bytes": LATENCY_LAYOUT.total_bytes,
+            "destination_table": "random permutation", "peer": peer,
+        },
+        "baselines": {
+            "memcpy": memcpy,
+            "raw_tcp": [{"streams": r.variant["streams"], "gbps": r.gbps} for r in raw],
+            "raw_tcp_best_gbps": best_raw,
+        },
+        "results": results,
+        "latency": latency,
+        "skipped": outcome.skipped,
+        "errors": outcome.errors,
+    }
+
+
+def available_loops() -> list[str]:
+    return ["asyncio", "uvloop"] if importlib.util.find_spec("uvloop") else ["asyncio"]
+
+
+__all__ = ["Options", "Outcome", "available_loops", "build_report", "label", "memcpy_baseline", "plans", "run_plan"]

@@ -1,0 +1,266 @@
+"""The two sides of a benchmark session and the channel between them.
+
+``serve`` runs on the decode host (or in a local process for loopback runs):
+it accepts control connections and gives each its own spawned process, in
+which one engine's ``Target`` lives for the whole session. The prefill side
+runs ``initiator_main`` in a spawned process of its own, drives the session
+through the control connection and reports to the command line's process
+through a pipe: a tick per timed batch, a record per result.
+
+Engine processes leave through ``os._exit``: some engines (NIXL with UCX)
+crash in their own teardown at interpreter exit, and nothing of theirs
+needs flushing. The control channel is ``multiprocessing.connection`` with
+an HMAC key, and carries pickles: expose ``serve`` to trusted hosts only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import multiprocessing as mp
+import os
+import signal
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Client, Connection, Listener
+from typing import Any, Optional
+
+from .engines.base import PULL, Unavailable, label
+from .layout import KiB, Layout, digest, fill
+
+ENGINES = {"datadist_aio": "datadist", "raw_tcp": "raw_tcp", "mooncake": "mooncake", "nixl": "nixl"}
+CONTROL_TIMEOUT = 300.0  # seconds any one control request may take (a 256 MiB digest, a slow engine start)
+LATENCY_LAYOUT = Layout(tensors=1, blocks=1, block_size=4 * KiB)
+
+
+def engine_module(engine: str) -> Any:
+    return importlib.import_module(f".engines.{ENGINES[engine]}", __package__)
+
+
+def _die_with_parent() -> None:
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class RemoteError(RuntimeError):
+    """The target side failed; the message carries its traceback."""
+
+
+def _call(conn: Connection, *request: Any) -> Any:
+    conn.send(request)
+    if not conn.poll(CONTROL_TIMEOUT):
+        raise TimeoutError(f"the target did not answer {request[0]!r} within {CONTROL_TIMEOUT:.0f} s")
+    kind, value = conn.recv()
+    if kind == "unavailable":
+        raise Unavailable(value)
+    if kind == "error":
+        raise RemoteError(value)
+    return value
+
+
+# -- the target (decode) side -------------------------------------------------------
+
+
+def _target_session(conn: Connection, host: str) -> None:
+    _die_with_parent()
+    target = None
+    try:
+        while conn.poll(CONTROL_TIMEOUT * 4):
+            request = conn.recv()
+            command, args = request[0], request[1:]
+            try:
+                if command == "open":
+                    engine, variant = args
+                    target = engine_module(engine).Target(variant, host)
+                    answer = target.open()
+                elif command == "prepare":
+                    answer = target.prepare(args[0])
+                elif command == "fill":
+                    answer = fill(target.tensors(), args[0])
+                elif command == "digest":
+                    answer = digest(target.tensors(), args[0])
+                elif command == "close":
+                    conn.send(("ok", None))
+                    break
+                else:
+                    raise ValueError(f"unknown command {command!r}")
+                conn.send(("ok", answer))
+            except Unavailable as exc:
+                conn.send(("unavailable", str(exc)))
+            except Exception:
+                conn.send(("error", traceback.format_exc()))
+    except (EOFError, OSError):
+        pass
+    finally:
+        if target is not None:
+            try:
+                target.close()
+            except Exception:
+                pass
+        os._exit(0)
+
+
+def serve(host: str, port: int, authkey: bytes, ready: Optional[Connection] = None) -> None:
+    """Accept control connections on host:port until terminated (SIGTERM or SIGINT)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    ctx = mp.get_context("spawn")
+    sessions: list[Any] = []
+    with Listener((host, port), authkey=authkey) as listener:
+        if ready is not None:
+            ready.send(listener.address)
+            ready.close()
+        else:
+            print(f"datadist_aio.bench serving on {listener.address[0]}:{listener.address[1]}", flush=True)
+        try:
+            while True:
+                try:
+                    conn = listener.accept()
+                except mp.AuthenticationError:
+                    continue
+                process = ctx.Process(target=_target_session, args=(conn, host), daemon=True)
+                process.start()
+                conn.close()
+                sessions = [p for p in sessions if p.is_alive()] + [process]
+        finally:
+            for process in sessions:
+                process.kill()
+                process.join(5)
+
+
+def start_local_server(host: str, authkey: bytes) -> tuple[Any, tuple[str, int]]:
+    """A ``serve`` process on host (loopback runs); returns it and its address."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    process = ctx.Process(target=serve, args=(host, 0, authkey, child), daemon=False)
+    process.start()
+    child.close()
+    with parent:
+        if not parent.poll(60):
+            stop_local_server(process)
+            raise TimeoutError("the local benchmark server did not start within 60 s")
+        return process, parent.recv()
+
+
+def stop_local_server(process: Any) -> None:
+    process.terminate()
+    process.join(15)
+    if process.is_alive():
+        process.kill()
+        process.join(5)
+    process.close()
+
+
+# -- the initiator (prefill) side ---------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    """What one engine variant measures in one session."""
+
+    engine: str
+    variant: dict[str, Any]
+    layouts: list[Layout]
+    ops: list[str]
+    iterations: int
+    latency_ops: int = 0  # 0: no latency run
+    label: str = ""
+
+    def __post_init__(self) -> None:
+        self.label = self.label or label(self.engine, self.variant)
+
+
+@dataclass
+class Result:
+    engine: str
+    variant: dict[str, Any]
+    label: str
+    op: str
+    block_size: int
+    blocks: int
+    tensors: int
+    bytes: int
+    seconds: list[float] = field(default_factory=list)  # every timed batch, in order
+    verified: bool = False
+
+    @property
+    def gbps(self) -> float:
+        ordered = sorted(self.seconds)
+        return self.bytes / ordered[len(ordered) // 2] / 1e9
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "gbps": self.gbps}
+
+
+def initiator_main(report: Connection, address: Any, authkey: bytes, plan: Plan) -> None:
+    """Run ``plan`` against the server at ``address``; report ticks and results on ``report``."""
+    _die_with_parent()
+    conn: Optional[Connection] = None
+    initiator = None
+    try:
+        conn = Client(address, authkey=authkey)
+        module = engine_module(plan.engine)
+        opened = _call(conn, "open", plan.engine, plan.variant)
+        initiator = module.Initiator(plan.variant, opened)
+        seed = 1
+        for layout in plan.layouts:
+            initiator.prepare(layout, _call(conn, "prepare", layout))
+            fill(initiator.tensors(), seed)
+            table = list(range(layout.blocks)) if getattr(module.Initiator, "contiguous", False) else layout.table()
+            for op in plan.ops:
+                if op not in module.Initiator.ops:
+                    continue
+                seed += 1
+                if op == PULL:
+                    fill(initiator.tensors(), seed)  # the destination starts out different
+                else:
+                    _call(conn, "fill", seed)
+                result = Result(plan.engine, plan.variant, plan.label, op, layout.block_size, layout.blocks,
+                                 layout.tensors, layout.total_bytes)
+                report.send(("phase", f"{plan.label}: {op} {size_text(layout.block_size)}"))
+                for i in range(plan.iterations + 1):  # the first, untimed, also faults pages in
+                    start = time.perf_counter()
+                    initiator.batch(op, table)
+                    if i:
+                        result.seconds.append(time.perf_counter() - start)
+                    report.send(("tick", 1))
+                local = digest(initiator.tensors())
+                remote = _call(conn, "digest", table)
+                result.verified = local == remote
+                report.send(("result", result))
+        if plan.latency_ops:
+            report.send(("phase", f"{plan.label}: 4 KiB latency"))
+            initiator.prepare(LATENCY_LAYOUT, _call(conn, "prepare", LATENCY_LAYOUT))
+            initiator.latency(max(10, plan.latency_ops // 10))  # warm-up
+            fill(initiator.tensors(), seed + 1)
+            _call(conn, "fill", seed + 2)
+            samples = initiator.latency(plan.latency_ops)
+            verified = digest(initiator.tensors()) == _call(conn, "digest", [0])
+            report.send(("latency", {"engine": plan.engine, "variant": plan.variant, "label": plan.label,
+                                     "seconds": samples, "verified": verified}))
+            report.send(("tick", 1))
+        initiator.close()
+        initiator = None
+        _call(conn, "close")
+        report.send(("done", None))
+    except Unavailable as exc:
+        report.send(("unavailable", str(exc)))
+    except BaseException:
+        report.send(("error", traceback.format_exc()))
+    finally:
+        if initiator is not None:
+            try:
+                initiator.close()
+            except Exception:
+                pass
+        if conn is not None:
+            conn.close()
+        report.close()
+        os._exit(0)
+
+
+def size_text(nbytes: int) -> str:
+    if nbytes >= 1 << 20 and nbytes % (1 << 20) == 0:
+        return f"{nbytes >> 20} MiB"
+    return f"{nbytes >> 10} KiB" if nbytes % 1024 == 0 else f"{nbytes} B"

@@ -1,0 +1,66 @@
+// Raw TCP streams: the baseline the benchmark measures the engines against.
+//
+// A RawTcpSink listens, accepts `streams` connections and gives each a
+// thread that reads its share of a destination buffer (stream s owns bytes
+// [s * share, (s + 1) * share)) and answers every complete share with one
+// byte. A RawTcpSource connects the same number of streams and, per round,
+// sends each share from the source buffer on its own thread and waits for
+// the answers. No framing, no descriptors: the most a transfer over these
+// sockets can reach.
+#ifndef DATADIST_BENCH_RAW_TCP_H_
+#define DATADIST_BENCH_RAW_TCP_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace datadist::bench {
+
+class RawTcpSink {
+ public:
+  // Listens on ip (port chosen by the kernel); throws std::runtime_error.
+  RawTcpSink(const std::string &ip, char *dest, size_t bytes, int streams);
+  ~RawTcpSink();
+  RawTcpSink(const RawTcpSink &) = delete;
+  RawTcpSink &operator=(const RawTcpSink &) = delete;
+
+  uint16_t port() const { return port_; }
+  // Stops accepting and receiving; joins every thread.
+  void close();
+
+ private:
+  void accept_loop();
+
+  char *dest_;
+  size_t share_;
+  int streams_;
+  int listener_ = -1;
+  uint16_t port_ = 0;
+  std::thread acceptor_;
+  std::vector<std::thread> receivers_;
+  std::vector<int> fds_;
+};
+
+class RawTcpSource {
+ public:
+  RawTcpSource(const std::string &ip, uint16_t port, const char *src, size_t bytes, int streams);
+  ~RawTcpSource();
+  RawTcpSource(const RawTcpSource &) = delete;
+  RawTcpSource &operator=(const RawTcpSource &) = delete;
+
+  // Sends the whole source buffer once, split over the streams, and returns
+  // when the sink has acknowledged every share; throws on a broken stream.
+  void send_round();
+  void close();
+
+ private:
+  const char *src_;
+  size_t share_;
+  std::vector<int> fds_;
+};
+
+}  // namespace datadist::bench
+
+#endif  // DATADIST_BENCH_RAW_TCP_H_

@@ -1,0 +1,189 @@
+"""The benchmark command: its workload, its byte checks, its sessions on
+loopback and through a separate serve process, and its report files."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import multiprocessing as mp
+import multiprocessing.resource_tracker
+from multiprocessing.connection import Client
+
+import numpy as np
+import pytest
+
+from datadist_aio.bench.__main__ import byte_size, main
+from datadist_aio.bench.engines.base import PUSH, label
+from datadist_aio.bench.layout import Layout, aligned_tensors, digest, fill
+from datadist_aio.bench.progress import Progress
+from datadist_aio.bench.runner import Options, Outcome, plans, run_plan
+from datadist_aio.bench.session import Plan, start_local_server, stop_local_server
+
+KiB, MiB = 1 << 10, 1 << 20
+# Spawning starts multiprocessing's resource tracker once per process, with a
+# descriptor kept open; start it before the per-test descriptor check counts.
+multiprocessing.resource_tracker.ensure_running()
+
+SMALL = ["--cache-size", "4M", "--block-sizes", "16K,1M", "--layers", "2", "--iterations", "1",
+         "--latency-ops", "20", "--streams", "1,2"]
+
+
+def test_layout_of_a_cache():
+    layout = Layout.for_cache(256 * MiB, 16 * KiB, layers=4)
+    assert (layout.tensors, layout.blocks, layout.block_size) == (8, 2048, 16 * KiB)
+    assert layout.total_bytes == 256 * MiB
+    assert sorted(layout.table()) == list(range(2048))
+    assert layout.table() != list(range(2048))
+    assert layout.table() == Layout.for_cache(256 * MiB, 16 * KiB, layers=4).table()
+    with pytest.raises(ValueError, match="no room"):
+        Layout.for_cache(1 * MiB, 4 * MiB, layers=1)
+
+
+def test_digest_sees_a_swapped_block_and_a_flipped_byte():
+    layout = Layout(2, 8, 4 * KiB)
+    _, tensors = aligned_tensors(layout)
+    assert all(t.ctypes.data % 4096 == 0 for t in tensors)
+    fill(tensors, 7)
+    order = layout.table()
+    before = digest(tensors, order)
+    assert digest(tensors, order[1:2] + order[:1] + order[2:]) != before
+    tensors[1][order[3], 100] ^= 1
+    assert digest(tensors, order) != before
+
+
+@pytest.mark.parametrize(("text", "value"), [("4096", 4096), ("16K", 16 * KiB), ("256KiB", 256 * KiB),
+                                             ("4M", 4 * MiB), ("1g", 1 << 30)])
+def test_sizes(text, value):
+    assert byte_size(text) == value
+
+
+@pytest.mark.parametrize("argv", [["--block-sizes", "3X"], ["--cache-size", "0"], ["--cache-size", "1K"],
+                                  ["--ops", "push,fly"], ["--compare", "rdma"], ["--peer", "nowhere"],
+                                  ["--cache-size", "3M", "--streams", "2"], ["--latency-ops", "-1"]])
+def test_bad_arguments_exit_2(argv, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--output", str(tmp_path)])
+    assert exc.value.code == 2
+    assert "error" in capsys.readouterr().err
+    assert not (tmp_path / "datadist_bench.json").exists()
+
+
+def test_plans_put_baselines_first():
+    options = Options(cache_bytes=32 * MiB, loops=["asyncio"], compare=["mooncake", "nixl"], streams=[1, 4])
+    got = plans(options)
+    assert [p.label for p in got[:3]] == ["raw_tcp (streams=1)", "raw_tcp (streams=4)", "datadist_aio (loop=asyncio)"]
+    assert [p.latency_ops > 0 for p in got[:2]] == [True, False]
+    assert [p.engine for p in got[3:]] == ["mooncake"] + ["nixl"] * 4
+    assert label("nixl", {"tls": "tcp", "progress_thread": False}) == "nixl (tls=tcp, no progress_thread)"
+
+
+def _run(argv: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "datadist_aio.bench", *argv], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_a_run_writes_checked_figures_and_a_plot(tmp_path):
+    done = _run([*SMALL, "--output", str(tmp_path)])
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "datadist_bench.json").read_text())
+    rows = {(r["label"], r["op"], r["block_size"]): r for r in report["results"]}
+    for loop in ["asyncio", "uvloop"]:
+        for op in ("push", "pull", "layerwise"):
+            for block in (16 * KiB, MiB):
+                row = rows[(f"datadist_aio (loop={loop})", op, block)]
+                assert row["verified"] and row["bytes"] == 4 * MiB and len(row["seconds"]) == 1
+                assert row["gbps"] > 0 and row["ratio_raw_tcp"] > 0 and row["ratio_memcpy"] > 0
+    assert [r["streams"] for r in report["baselines"]["raw_tcp"]] == [1, 2]
+    assert report["baselines"]["raw_tcp_best_gbps"] == max(r["gbps"] for r in report["baselines"]["raw_tcp"])
+    assert report["baselines"]["memcpy"]["gbps"] > 0
+    latency = {lat["label"]: lat for lat in report["latency"]}
+    assert set(latency) == {"raw_tcp (streams=1)", "datadist_aio (loop=asyncio)", "datadist_aio (loop=uvloop)"}
+    assert all(lat["verified"] and len(lat["samples_us"]) == 20 for lat in latency.values())
+    assert report["machine"]["usable_cpus"] >= 1 and report["versions"]["numpy"] == np.__version__
+    assert report["errors"] == [] and report["skipped"] == []
+    assert (tmp_path / "datadist_bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "datadist_aio (loop=asyncio) push" in done.stdout
+
+
+def _collect(plan: Plan, address, key: bytes) -> Outcome:
+    outcome = Outcome()
+    run_plan(plan, address, key, Progress(1, stream=io.StringIO()), 120, outcome)
+    return outcome
+
+
+def test_unavailable_engine_is_skipped_with_its_reason():
+    key = os.urandom(8)
+    server, address = start_local_server("127.0.0.1", key)
+    try:
+        plan = Plan("datadist_aio", {"loop": "trio"}, [Layout(2, 4, 4 * KiB)], [PUSH], 1)
+        outcome = _collect(plan, address, key)
+    finally:
+        stop_local_server(server)
+    assert outcome.results == [] and outcome.errors == []
+    assert outcome.skipped == [{"label": "datadist_aio (loop=trio)", "reason": "unknown event loop 'trio'"}]
+
+
+def test_server_turns_away_a_wrong_key_and_keeps_serving():
+    key = os.urandom(8)
+    server, address = start_local_server("127.0.0.1", key)
+    try:
+        with pytest.raises(mp.AuthenticationError):
+            Client(address, authkey=b"not the key")
+        plan = Plan("raw_tcp", {"streams": 2}, [Layout(1, 1, 2 * MiB)], [PUSH], 2)
+        outcome = _collect(plan, address, key)
+    finally:
+        stop_local_server(server)
+    assert outcome.errors == [] and len(outcome.results) == 1
+    result = outcome.results[0]
+    assert result.verified and len(result.seconds) == 2 and result.bytes == 2 * MiB
+
+
+def test_a_failing_session_is_reported_not_hung():
+    """A session whose transfer raises reports the error with its traceback and ends."""
+    key = os.urandom(8)
+    server, address = start_local_server("127.0.0.1", key)
+    try:
+        # Three tensors do not split into layers of two: the layer-wise config is refused.
+        plan = Plan("datadist_aio", {"loop": "asyncio"}, [Layout(3, 4, 4 * KiB)], ["layerwise"], 1)
+        outcome = _collect(plan, address, key)
+    finally:
+        stop_local_server(server)
+    assert outcome.results == [] and len(outcome.errors) == 1
+    assert "LLMException: src_cache has an odd tensor count 3 [LLM_PARAM_INVALID]" in outcome.errors[0]["error"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_run_against_a_serve_process(tmp_path):
+    port = _free_port()
+    env = {**os.environ, "DATADIST_BENCH_AUTHKEY": "sesame"}
+    server = subprocess.Popen([sys.executable, "-m", "datadist_aio.bench", "serve", "--listen", f"127.0.0.1:{port}"],
+                              env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert f"serving on 127.0.0.1:{port}" in server.stdout.readline()
+        done = _run(["--peer", f"127.0.0.1:{port}", "--authkey", "sesame", "--loop", "asyncio", "--ops", "push",
+                     "--no-plot", *SMALL, "--output", str(tmp_path)])
+        assert done.returncode == 0, done.stdout + done.stderr
+        report = json.loads((tmp_path / "datadist_bench.json").read_text())
+        assert report["workload"]["peer"] == f"127.0.0.1:{port}"
+        assert all(r["verified"] for r in report["results"]) and len(report["results"]) == 2 + 2
+        assert not (tmp_path / "datadist_bench.png").exists()
+    finally:
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(30) == 0
+        server.stdout.close()
+
+
+def test_peer_needs_a_key(tmp_path, monkeypatch):
+    monkeypatch.delenv("DATADIST_BENCH_AUTHKEY", raising=False)
+    with pytest.raises(SystemExit, match="authkey"):
+        main(["--peer", "127.0.0.1:1", "--output", str(tmp_path)])
