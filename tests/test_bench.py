@@ -30,7 +30,7 @@ KiB, MiB = 1 << 10, 1 << 20
 multiprocessing.resource_tracker.ensure_running()
 
 SMALL = ["--cache-size", "4M", "--block-sizes", "16K,1M", "--layers", "2", "--iterations", "1",
-         "--latency-ops", "20", "--streams", "1,2"]
+         "--latency-ops", "20", "--streams", "1,2", "--idle", "0.2"]
 
 
 def test_layout_of_a_cache():
@@ -64,7 +64,8 @@ def test_sizes(text, value):
 
 @pytest.mark.parametrize("argv", [["--block-sizes", "3X"], ["--cache-size", "0"], ["--cache-size", "1K"],
                                   ["--ops", "push,fly"], ["--compare", "rdma"], ["--peer", "nowhere"],
-                                  ["--cache-size", "3M", "--streams", "2"], ["--latency-ops", "-1"]])
+                                  ["--cache-size", "3M", "--streams", "2"], ["--latency-ops", "-1"],
+                                  ["--idle", "-1"]])
 def test_bad_arguments_exit_2(argv, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main([*argv, "--output", str(tmp_path)])
@@ -105,6 +106,9 @@ def test_a_run_writes_checked_figures_and_a_plot(tmp_path):
     assert set(latency) == {"raw_tcp (streams=1)", "datadist_aio (loop=asyncio)", "datadist_aio (loop=uvloop)"}
     assert all(lat["verified"] and len(lat["samples_us"]) == 20 for lat in latency.values())
     assert report["machine"]["usable_cpus"] >= 1 and report["versions"]["numpy"] == np.__version__
+    idle = {i["label"]: i for i in report["idle_cpu"]}
+    assert set(idle) == {"datadist_aio (loop=asyncio)", "datadist_aio (loop=uvloop)"}
+    assert all(i["seconds"] == 0.2 and 0 <= i["initiator_percent"] and 0 <= i["target_percent"] for i in idle.values())
     assert report["errors"] == [] and report["skipped"] == []
     assert (tmp_path / "datadist_bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "datadist_aio (loop=asyncio) push" in done.stdout

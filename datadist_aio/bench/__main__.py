@@ -72,6 +72,13 @@ def non_negative(text: str) -> int:
     return value
 
 
+def seconds(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"expected 0 to 3600 seconds, got {text}")
+    return value
+
+
 def run_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m datadist_aio.bench",
@@ -88,6 +95,8 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--loop", type=listed(str, ["asyncio", "uvloop"]), help="event loops to await on (default: each installed)")
     p.add_argument("--iterations", type=positive, help="timed batches per measurement (default 7; quick 3)")
     p.add_argument("--latency-ops", type=non_negative, help="4 KiB writes in the latency run, 0 for none (default 2000; quick 300)")
+    p.add_argument("--idle", type=seconds, metavar="SECONDS",
+                   help="read each engine's CPU use while connected and idle for this long, 0 for none (default 2; quick 1)")
     p.add_argument("--streams", type=listed(positive), default=[1, 2, 4], help="raw TCP stream counts (default 1,2,4)")
     p.add_argument("--connections", type=positive, help="datadist_aio TCP connections per peer (default: the library's)")
     p.add_argument("--compare", nargs="?", const=list(COMPARED), type=listed(str, COMPARED), default=[],
@@ -130,6 +139,7 @@ def options_from(args: argparse.Namespace) -> Options:
         loops=args.loop or available_loops(),
         iterations=args.iterations or (3 if quick else 7),
         latency_ops=args.latency_ops if args.latency_ops is not None else (300 if quick else 2000),
+        idle_seconds=args.idle if args.idle is not None else (1.0 if quick else 2.0),
         streams=args.streams,
         connections=args.connections,
         compare=args.compare,

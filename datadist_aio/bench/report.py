@@ -47,6 +47,12 @@ def tables(report: dict[str, Any]) -> str:
             mark = "" if lat["verified"] else "  WRONG BYTES"
             lines.append(f"{lat['label']:<{width}} {lat['median_us']:>8.1f} {lat['p90_us']:>8.1f} "
                          f"{lat['p99_us']:>8.1f} {ratio:>6}{mark}")
+    if report["idle_cpu"]:
+        lines += ["", f"CPU while connected and idle for {report['idle_cpu'][0]['seconds']:g} s (% of one core)"]
+        width = max(len(idle["label"]) for idle in report["idle_cpu"])
+        lines.append(f"{'engine':<{width}} {'initiator':>10} {'target':>8}")
+        for idle in report["idle_cpu"]:
+            lines.append(f"{idle['label']:<{width}} {idle['initiator_percent']:>10.2f} {idle['target_percent']:>8.2f}")
     for skipped in report["skipped"]:
         lines.append(f"skipped {skipped['label']}: {skipped['reason']}")
     for error in report["errors"]:

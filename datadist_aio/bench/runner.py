@@ -37,6 +37,7 @@ class Options:
     loops: list[str] = field(default_factory=lambda: ["asyncio", "uvloop"])
     iterations: int = 7
     latency_ops: int = 2000
+    idle_seconds: float = 2.0
     streams: list[int] = field(default_factory=lambda: [1, 2, 4])
     connections: Optional[int] = None
     compare: list[str] = field(default_factory=list)  # of COMPARED
@@ -57,25 +58,29 @@ def plans(options: Options) -> list[Plan]:
         variant: dict[str, Any] = {"loop": loop}
         if options.connections is not None:
             variant["connections"] = options.connections
-        out.append(Plan("datadist_aio", variant, layouts, options.ops, options.iterations, options.latency_ops))
+        out.append(Plan("datadist_aio", variant, layouts, options.ops, options.iterations, options.latency_ops,
+                        options.idle_seconds))
     if "mooncake" in options.compare:
-        out.append(Plan("mooncake", {}, layouts, options.ops, options.iterations, options.latency_ops))
+        out.append(Plan("mooncake", {}, layouts, options.ops, options.iterations, options.latency_ops,
+                        options.idle_seconds))
     if "nixl" in options.compare:
-        out += [Plan("nixl", v, layouts, options.ops, options.iterations, options.latency_ops) for v in NIXL_VARIANTS]
+        out += [Plan("nixl", v, layouts, options.ops, options.iterations, options.latency_ops, options.idle_seconds)
+                for v in NIXL_VARIANTS]
     return out
 
 
 def steps(plan: Plan) -> int:
-    """Progress steps of a plan: a tick per batch, one for the latency run."""
+    """Progress steps of a plan: a tick per batch, one for the latency run, one for the idle reading."""
     supported = engine_module(plan.engine).Initiator.ops
     ops = sum(1 for op in plan.ops if op in supported)
-    return len(plan.layouts) * ops * (plan.iterations + 1) + (1 if plan.latency_ops else 0)
+    return len(plan.layouts) * ops * (plan.iterations + 1) + bool(plan.latency_ops) + bool(plan.idle_seconds)
 
 
 @dataclass
 class Outcome:
     results: list[Result] = field(default_factory=list)
     latency: list[dict[str, Any]] = field(default_factory=list)
+    idle: list[dict[str, Any]] = field(default_factory=list)
     skipped: list[dict[str, str]] = field(default_factory=list)
     errors: list[dict[str, str]] = field(default_factory=list)
 
@@ -112,6 +117,10 @@ def run_plan(plan: Plan, address: Any, authkey: bytes, progress: Progress, timeo
                     progress.note(f"{plan.label}: {value.op} {value.block_size} B: the bytes that arrived are WRONG")
             elif kind == "latency":
                 outcome.latency.append(value)
+            elif kind == "idle":
+                outcome.idle.append(value)
+                progress.advance()
+                ticks += 1
             elif kind == "unavailable":
                 outcome.skipped.append({"label": plan.label, "reason": value})
                 progress.note(f"skipped {plan.label}: {value}")
@@ -210,7 +219,7 @@ def build_report(options: Options, outcome: Outcome, memcpy: dict[str, Any], pee
         "workload": {
             "cache_bytes": options.cache_bytes, "layers": options.layers, "tensors": 2 * options.layers,
             "block_sizes": options.block_sizes, "ops": options.ops, "iterations": options.iterations,
-            "latency_ops": options.latency_ops, "latency_bytes": LATENCY_LAYOUT.total_bytes,
+            "latency_ops": options.latency_ops, "idle_seconds": options.idle_seconds, "latency_bytes": LATENCY_LAYOUT.total_bytes,
             "destination_table": "random permutation", "peer": peer,
         },
         "baselines": {
@@ -220,6 +229,7 @@ def build_report(options: Options, outcome: Outcome, memcpy: dict[str, Any], pee
         },
         "results": results,
         "latency": latency,
+        "idle_cpu": outcome.idle,
         "skipped": outcome.skipped,
         "errors": outcome.errors,
     }

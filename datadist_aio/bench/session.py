@@ -81,6 +81,8 @@ def _target_session(conn: Connection, host: str) -> None:
                     answer = fill(target.tensors(), args[0])
                 elif command == "digest":
                     answer = digest(target.tensors(), args[0])
+                elif command == "cpu":
+                    answer = time.process_time()
                 elif command == "close":
                     conn.send(("ok", None))
                     break
@@ -165,6 +167,7 @@ class Plan:
     ops: list[str]
     iterations: int
     latency_ops: int = 0  # 0: no latency run
+    idle_seconds: float = 0.0  # 0: no idle CPU reading
     label: str = ""
 
     def __post_init__(self) -> None:
@@ -240,6 +243,9 @@ def initiator_main(report: Connection, address: Any, authkey: bytes, plan: Plan)
             report.send(("latency", {"engine": plan.engine, "variant": plan.variant, "label": plan.label,
                                      "seconds": samples, "verified": verified}))
             report.send(("tick", 1))
+        if plan.idle_seconds:
+            report.send(("phase", f"{plan.label}: idle CPU"))
+            report.send(("idle", _idle_cpu(conn, plan)))
         initiator.close()
         initiator = None
         _call(conn, "close")
@@ -258,6 +264,17 @@ def initiator_main(report: Connection, address: Any, authkey: bytes, plan: Plan)
             conn.close()
         report.close()
         os._exit(0)
+
+
+def _idle_cpu(conn: Connection, plan: Plan) -> dict[str, Any]:
+    """CPU each side's process burns while connected and idle, in percent of one core."""
+    remote = _call(conn, "cpu")
+    local = time.process_time()
+    time.sleep(plan.idle_seconds)
+    local = time.process_time() - local
+    remote = _call(conn, "cpu") - remote
+    return {"label": plan.label, "seconds": plan.idle_seconds,
+            "initiator_percent": 100 * local / plan.idle_seconds, "target_percent": 100 * remote / plan.idle_seconds}
 
 
 def size_text(nbytes: int) -> str:
