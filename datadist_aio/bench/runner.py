@@ -25,7 +25,7 @@ from .session import LATENCY_LAYOUT, Plan, Result, engine_module, initiator_main
 COMPARED = ("mooncake", "nixl")
 NIXL_VARIANTS = [{"tls": tls, "progress_thread": thread} for tls in ("default", "tcp") for thread in (True, False)]
 DISTRIBUTIONS = ("datadist_aio", "numpy", "uvloop", "mooncake-transfer-engine-non-cuda",
-                 "mooncake-transfer-engine", "nixl", "nixl-cu12", "matplotlib")
+                 "mooncake-transfer-engine", "nixl", "nixl-cu12", "nixl-cu13", "matplotlib")
 
 
 @dataclass

@@ -3,7 +3,7 @@
 Both sides run an engine in P2P-handshake mode (no metadata server): the
 target's segment is named ``host:rpc_port`` and the initiator fetches its
 descriptor from that port on the first transfer. Each side registers its one
-page-aligned allocation; a batch is one ``batch_transfer_sync_*`` call with a
+page-aligned allocation; a batch is a ``batch_transfer_sync_*`` call with a
 descriptor per block (local address, remote address, length).
 
 Environment, set in the constructor before the engine exists and only where
@@ -25,6 +25,7 @@ Mooncake takes no variant settings.
 from __future__ import annotations
 
 import os
+import socket
 import time
 from typing import Any, ClassVar
 
@@ -60,6 +61,14 @@ def _engine(host: str) -> Any:
     if engine.initialize(host, "P2PHANDSHAKE", "tcp", "") != 0:
         raise Unavailable(f"mooncake cannot start its TCP transport on {host}")
     return engine
+
+
+def _local_address(segment: str) -> str:
+    """This machine's address on the route to the target's ``host:port`` (no packet is sent)."""
+    host, _, port = segment.rpartition(":")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, int(port)))
+        return probe.getsockname()[0]
 
 
 class _Memory:
@@ -118,8 +127,7 @@ class Initiator:
 
     def __init__(self, variant: dict[str, Any], opened: str) -> None:
         self.segment = opened
-        # Both sides of the benchmark share one machine: bind where the target does.
-        self.engine = _engine(opened.rpartition(":")[0])
+        self.engine = _engine(_local_address(opened))
         self.memory = _Memory(self.engine)
         self.remote = 0
         self.chunk = _queue_limit()
@@ -151,12 +159,12 @@ class Initiator:
     def latency(self, ops: int) -> list[float]:
         layout = self.memory.layout
         assert layout is not None, "prepare() first"
-        local, remote = self.memory.address, self.remote + layout.block_size
+        local, remote, size = self.memory.address, self.remote, layout.block_size  # block 0 to block 0
         write, segment = self.engine.transfer_sync_write, self.segment
         seconds = []
         for _ in range(ops):
             start = time.perf_counter()
-            if write(segment, local, remote, 4096) != 0:
+            if write(segment, local, remote, size) != 0:
                 raise RuntimeError(f"mooncake write to {segment} failed")
             seconds.append(time.perf_counter() - start)
         return seconds

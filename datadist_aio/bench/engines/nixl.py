@@ -9,26 +9,34 @@ numpy, then ``initialize_xfer`` / ``transfer`` / polling ``check_xfer_state``.
 
 Variant settings:
 
-* ``tls``: ``"default"`` leaves ``UCX_TLS`` alone, so UCX picks its shared
-  memory transports between processes of one machine; ``"tcp"`` sets
-  ``UCX_TLS=tcp``.
-* ``progress_thread``: whether the agents run NIXL's progress thread.
+* ``tls``: ``"default"`` leaves ``UCX_TLS`` alone, so UCX picks what suits
+  two processes of one machine (cross-memory attach for the bytes, TCP on
+  ``lo`` for its own messages); ``"tcp"`` sets ``UCX_TLS=tcp``.
+* ``progress_thread``: whether the initiator's agent runs NIXL's progress
+  thread; without it, polling ``check_xfer_state`` drives UCX. The target's
+  agent always runs it: the target makes no call during a transfer, yet UCX
+  needs its worker driven to finish one (to answer the flush that completes
+  a transfer; over TCP even to take in the bytes), or the initiator waits
+  forever. NIXL's Python agent runs that thread without a delay, so it keeps
+  a core busy.
 
 Environment, set in the constructor before the agent exists (only where the
 user has not set it, except ``UCX_TLS`` for ``tls="tcp"``):
 
-* ``UCX_NET_DEVICES=lo``: both sides share the machine, and UCX would
-  otherwise stripe its network transports over every interface it finds.
+* ``UCX_NET_DEVICES=lo`` when the target's host is a loopback address: both
+  sides share the machine, and UCX would otherwise stripe its network
+  transports over every interface it finds.
 * ``NIXL_LOG_LEVEL=WARN``: NIXL announces each agent and backend at INFO.
 
 A process that has created a UCX backend crashes in NIXL's teardown at
 interpreter exit, so it must leave through ``os._exit`` (the benchmark's
-session processes do). ``close()`` releases the transfer handles, memory and
-remote agent, and leaves the agent itself to that exit.
+session processes do). ``close()`` releases the memory and the remote agent
+and leaves the agent itself to that exit.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import time
 from typing import Any, ClassVar
@@ -43,12 +51,20 @@ _OPERATION = {PUSH: "WRITE", PULL: "READ"}
 _CONNECT_SECONDS = 10.0
 
 
-def _agent(variant: dict[str, Any], role: str) -> Any:
-    """A NIXL agent with a UCX backend, configured by ``variant``."""
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _agent(variant: dict[str, Any], role: str, host: str, progress_thread: bool) -> Any:
+    """A NIXL agent with a UCX backend, on the transports ``variant`` names, for a target on ``host``."""
     tls = variant.get("tls", "default")
     if tls not in TLS:
         raise ValueError(f"nixl: tls must be one of {TLS}, not {tls!r}")
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    if _loopback(host):
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     if tls == "tcp":
         os.environ["UCX_TLS"] = "tcp"
@@ -56,19 +72,28 @@ def _agent(variant: dict[str, Any], role: str) -> Any:
         from nixl._api import nixl_agent, nixl_agent_config
     except ImportError as e:
         raise Unavailable(f"nixl is not installed ({e})") from e
-    config = nixl_agent_config(enable_prog_thread=bool(variant.get("progress_thread", False)), backends=["UCX"])
+    config = nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
     agent = nixl_agent(f"datadist-bench-{role}-{os.getpid()}", config)
     if "UCX" not in agent.backends:
         raise Unavailable("nixl has no UCX backend here")
     return agent
 
 
-def _wait(agent: Any, handle: Any, state: str) -> None:
-    """Poll ``handle`` (``state`` is what posting it returned) until it is done."""
+def _post(agent: Any, handle: Any) -> None:
+    """Post ``handle`` and poll it until it is done."""
+    state = agent.transfer(handle)
     while state == "PROC":
         state = agent.check_xfer_state(handle)
     if state != "DONE":
         raise RuntimeError(f"nixl transfer failed ({state})")
+
+
+def _request(agent: Any, operation: str, local: Any, remote: Any, peer: str) -> Any:
+    """A transfer request, with NIXL's errors (which are not RuntimeErrors) turned into one."""
+    try:
+        return agent.initialize_xfer(operation, local, remote, peer)
+    except Exception as e:
+        raise RuntimeError(f"nixl cannot set up a {operation} of {local.descCount()} blocks: {e!r}") from e
 
 
 class _Memory:
@@ -103,13 +128,14 @@ class _Memory:
 
 class Target:
     def __init__(self, variant: dict[str, Any], host: str) -> None:
-        # UCX finds its own addresses (UCX_NET_DEVICES); ``host`` has no use here.
-        self.agent = _agent(variant, "target")
+        # UCX advertises its own addresses; ``host`` only tells whether the run is local.
+        self.host = host
+        self.agent = _agent(variant, "target", host, progress_thread=True)
         self.memory = _Memory(self.agent)
 
-    def open(self) -> bytes:
-        """The agent's metadata: its name and how to connect to it."""
-        return self.agent.get_agent_metadata()
+    def open(self) -> list[Any]:
+        """The agent's metadata (its name and how to connect to it) and the host."""
+        return [self.agent.get_agent_metadata(), self.host]
 
     def prepare(self, layout: Layout) -> list[Any]:
         """The agent's metadata, now with the registered memory, and that memory's address."""
@@ -126,16 +152,17 @@ class Target:
 class Initiator:
     ops: ClassVar[tuple[str, ...]] = (PUSH, PULL)
 
-    def __init__(self, variant: dict[str, Any], opened: bytes) -> None:
-        self.agent = _agent(variant, "initiator")
+    def __init__(self, variant: dict[str, Any], opened: list[Any]) -> None:
+        metadata, host = opened
+        self.agent = _agent(variant, "initiator", host, progress_thread=bool(variant.get("progress_thread", False)))
         self.memory = _Memory(self.agent)
         self.remote = 0
         self.peer: str | None = None
-        self._load(opened)
-        self.agent.make_connection(self.peer)
+        self._load(metadata)
 
     def _load(self, metadata: bytes) -> None:
-        """Load the target's metadata, replacing what was loaded before."""
+        """Load the target's metadata, replacing what was loaded before (whose memory keys
+        are stale), and connect, so that the first batch does not pay for it."""
         if self.peer is not None:
             self.agent.remove_remote_agent(self.peer)
         self.peer = self.agent.add_remote_agent(metadata)
@@ -144,6 +171,7 @@ class Initiator:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"nixl: metadata of {self.peer} did not load")
             time.sleep(0.001)
+        self.agent.make_connection(self.peer)
 
     def prepare(self, layout: Layout, prepared: list[Any]) -> None:
         metadata, self.remote = prepared
@@ -169,24 +197,24 @@ class Initiator:
         assert layout is not None and self.peer is not None, "prepare() first"
         local = self._descriptors(self.memory.address, np.arange(layout.blocks, dtype=np.uint64))
         remote = self._descriptors(self.remote, np.asarray(table, dtype=np.uint64))
-        handle = self.agent.initialize_xfer(_OPERATION[op], local, remote, self.peer)
+        handle = _request(self.agent, _OPERATION[op], local, remote, self.peer)
         try:
-            _wait(self.agent, handle, self.agent.transfer(handle))
+            _post(self.agent, handle)
         finally:
             self.agent.release_xfer_handle(handle)
 
     def latency(self, ops: int) -> list[float]:
         layout = self.memory.layout
         assert layout is not None and self.peer is not None, "prepare() first"
-        row = lambda address: self.agent.get_xfer_descs(np.array([[address, 4096, 0]], dtype=np.uint64), "DRAM")
-        # One request, posted again for each op once the previous one is done.
-        handle = self.agent.initialize_xfer("WRITE", row(self.memory.address), row(self.remote + layout.block_size),
-                                            self.peer)
         agent, seconds = self.agent, []
+        local, remote = ([[address, layout.block_size, 0]] for address in (self.memory.address, self.remote))
+        # One request, posted again for each op once the previous one is done.
+        handle = _request(agent, "WRITE", agent.get_xfer_descs(np.array(local, dtype=np.uint64), "DRAM"),
+                          agent.get_xfer_descs(np.array(remote, dtype=np.uint64), "DRAM"), self.peer)
         try:
             for _ in range(ops):
                 start = time.perf_counter()
-                _wait(agent, handle, agent.transfer(handle))
+                _post(agent, handle)
                 seconds.append(time.perf_counter() - start)
         finally:
             agent.release_xfer_handle(handle)
