@@ -10,6 +10,9 @@ awaited under uvloop in the child processes.
 from __future__ import annotations
 
 import itertools
+import os
+import signal
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple, Optional
 
@@ -321,6 +324,52 @@ def test_many_concurrent_transfers_on_one_link(async_pair):
     pulls = [((remote.blocks_key(), back, [order[i]], [i]), {}) for i in range(64)]
     assert pair.a.gather("pull_blocks", pulls) == [[SUCCESS]] * 64
     assert_tensors(pair.a.read(back), expect_copy(back_before, sent, [(i, i) for i in range(64)], 256))
+
+
+def test_hundreds_of_small_transfers_at_once_fill_the_socket(async_pair):
+    """Small frames go out from the submitting thread while the connection is
+    idle, and through the writer when it is not or the socket is full; a
+    burst of them (more than the socket holds) arrives whole and in place."""
+    pair = async_pair
+    count = 384
+    desc = blocks_desc(num_tensors=2, num_blocks=count, block_elems=15360)  # 30 KiB blocks: 60 KiB a push
+    local = pair.a.allocate(desc, blocks=True)
+    remote = pair.b.allocate(desc, blocks=True, model_id=next(_model_ids))
+    sent = pair.a.fill(local, 40)
+    before = pair.b.fill(remote, 41)
+    order = [int(block) for block in np.random.default_rng(42).permutation(count)]
+    pushes = [((remote.blocks_key(), local, [s], [order[s]]), {}) for s in range(count)]
+    assert pair.a.gather("push_blocks", pushes) == [[SUCCESS]] * count
+    assert_tensors(pair.b.read(remote), expect_copy(before, sent, list(enumerate(order)), 30720))
+    back = pair.a.allocate(desc, blocks=True)
+    back_before = pair.a.fill(back, 43)
+    pulls = [((remote.blocks_key(), back, [order[s]], [s]), {}) for s in range(count)]
+    assert pair.a.gather("pull_blocks", pulls) == [[SUCCESS]] * count
+    assert_tensors(pair.a.read(back), expect_copy(back_before, sent, [(s, s) for s in range(count)], 30720))
+
+
+def test_small_transfers_wait_out_a_stalled_peer(async_pair):
+    """With the peer stopped, the socket fills under a burst of small pushes:
+    what the submitting thread could not send, the writer sends once the
+    peer runs again, every byte in place."""
+    pair = async_pair
+    count = 256
+    desc = blocks_desc(num_tensors=2, num_blocks=count, block_elems=15360)
+    local = pair.a.allocate(desc, blocks=True)
+    remote = pair.b.allocate(desc, blocks=True, model_id=next(_model_ids))
+    sent = pair.a.fill(local, 50)
+    before = pair.b.fill(remote, 51)
+    order = [int(block) for block in np.random.default_rng(52).permutation(count)]
+    pushes = [((remote.blocks_key(), local, [s], [order[s]]), {}) for s in range(count)]
+    os.kill(pair.b.pid, signal.SIGSTOP)
+    resume = threading.Timer(1.0, os.kill, (pair.b.pid, signal.SIGCONT))
+    resume.start()
+    try:
+        assert pair.a.gather("push_blocks", pushes) == [[SUCCESS]] * count
+    finally:
+        resume.join()
+        os.kill(pair.b.pid, signal.SIGCONT)
+    assert_tensors(pair.b.read(remote), expect_copy(before, sent, list(enumerate(order)), 30720))
 
 
 def test_first_cache_of_a_process_is_id_1(group):

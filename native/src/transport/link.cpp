@@ -47,12 +47,60 @@ Link::Connection &Link::next_connection() {
   return *conns_[next_conn_.fetch_add(1, std::memory_order_relaxed) % conns_.size()];
 }
 
+namespace {
+
+// Frames this small may be sent by the thread that makes them.
+constexpr size_t kDirectBytes = 64 * 1024;
+
+}  // namespace
+
+std::vector<iovec> Link::frame_bytes(OutFrame &frame) {
+  std::vector<iovec> iov;
+  iov.reserve(2 + frame.data.size());
+  iov.push_back({&frame.header, sizeof(frame.header)});
+  if (!frame.body.empty()) iov.push_back({frame.body.data(), frame.body.size()});
+  iov.insert(iov.end(), frame.data.begin(), frame.data.end());
+  return iov;
+}
+
 void Link::enqueue(Connection &conn, OutFrame frame) {
   {
     std::lock_guard<std::mutex> lock(conn.mu);
     conn.queue.push_back(std::move(frame));
   }
   conn.cv.notify_one();
+}
+
+void Link::post(Connection &conn, OutFrame frame) {
+  const size_t total = sizeof(frame.header) + frame.body.size() + frame.header.data_len;
+  std::unique_lock<std::mutex> lock(conn.mu);
+  if (total > kDirectBytes || frame.close_after || conn.busy || !conn.queue.empty() || is_down()) {
+    conn.queue.push_back(std::move(frame));
+    lock.unlock();
+    conn.cv.notify_one();
+    return;
+  }
+  conn.busy = true;
+  lock.unlock();
+  std::vector<iovec> iov = frame_bytes(frame);
+  const ssize_t n = net::writev_now(conn.fd, iov.data(), iov.size());
+  if (n >= 0 && static_cast<size_t>(n) < total) {
+    // The socket is full: the writer sends the rest, ahead of anything queued since.
+    frame.sent = static_cast<size_t>(n);
+    lock.lock();
+    conn.queue.push_front(std::move(frame));
+    conn.busy = false;
+    lock.unlock();
+    conn.cv.notify_one();
+    return;
+  }
+  if (frame.op_id != 0) mark(frame.op_id, true, false, LLM_SUCCESS);
+  if (n < 0) fail(LLM_LINK_FAILED, "send to peer failed: " + net::errno_text());
+  lock.lock();
+  conn.busy = false;
+  const bool more = !conn.queue.empty();
+  lock.unlock();
+  if (more) conn.cv.notify_one();
 }
 
 void Link::submit(bool write, std::vector<PlannedFrame> frames, const std::shared_ptr<Request> &request,
@@ -86,7 +134,7 @@ void Link::submit(bool write, std::vector<PlannedFrame> frames, const std::share
     out.header.op_id = out.op_id;
     if (write) out.data = std::move(planned.local);
     const uint64_t group = planned.target.group;
-    enqueue(group != 0 ? *conns_[group % conns_.size()] : next_connection(), std::move(out));
+    post(group != 0 ? *conns_[group % conns_.size()] : next_connection(), std::move(out));
   }
 }
 
@@ -148,17 +196,37 @@ void Link::settle(OpenOp &op) {
   if (op.request) op.request->release(op.result_index, op.status, op.skipped);
 }
 
+bool Link::finish(Connection &conn, OutFrame &frame) {
+  std::vector<iovec> iov = frame_bytes(frame);
+  net::drop_front(iov, frame.sent);
+  const bool ok = net::writev_full(conn.fd, iov.data(), iov.size());
+  // Sent or not, the writer is done with the frame's memory; an operation
+  // left unanswered gets the reason the link went down when it is reaped.
+  if (frame.op_id != 0) mark(frame.op_id, true, false, LLM_SUCCESS);
+  if (!ok) {
+    fail(LLM_LINK_FAILED, "send to peer failed: " + net::errno_text());
+    return false;
+  }
+  if (frame.close_after) {
+    fail(LLM_LINK_FAILED, "");
+    return false;
+  }
+  return true;
+}
+
 void Link::writer_loop(Connection &conn) {
   for (;;) {
     OutFrame frame;
     {
       std::unique_lock<std::mutex> lock(conn.mu);
-      conn.cv.wait(lock, [&] { return is_down() || !conn.queue.empty(); });
+      conn.cv.wait(lock, [&] { return is_down() || (!conn.queue.empty() && !conn.busy); });
       if (is_down()) return;  // what is left is settled by reap()
       frame = std::move(conn.queue.front());
       conn.queue.pop_front();
+      conn.busy = true;
     }
-    if (frame.op_id != 0) {
+    bool cancelled = false;
+    if (frame.op_id != 0 && frame.sent == 0) {
       std::shared_ptr<Request> request;
       {
         std::lock_guard<std::mutex> lock(mu_);
@@ -167,26 +235,15 @@ void Link::writer_loop(Connection &conn) {
       }
       if (request && request->cancel_requested()) {
         mark(frame.op_id, true, true, request->cancel_reason(), true);
-        continue;
+        cancelled = true;
       }
     }
-    std::vector<iovec> iov;
-    iov.reserve(2 + frame.data.size());
-    iov.push_back({&frame.header, sizeof(frame.header)});
-    if (!frame.body.empty()) iov.push_back({frame.body.data(), frame.body.size()});
-    iov.insert(iov.end(), frame.data.begin(), frame.data.end());
-    const bool ok = net::writev_full(conn.fd, iov.data(), iov.size());
-    // Sent or not, the writer is done with the frame's memory; an operation
-    // left unanswered gets the reason the link went down when it is reaped.
-    if (frame.op_id != 0) mark(frame.op_id, true, false, LLM_SUCCESS);
-    if (!ok) {
-      fail(LLM_LINK_FAILED, "send to peer failed: " + net::errno_text());
-      return;
+    const bool go_on = cancelled || finish(conn, frame);
+    {
+      std::lock_guard<std::mutex> lock(conn.mu);
+      conn.busy = false;
     }
-    if (frame.close_after) {
-      fail(LLM_LINK_FAILED, "");
-      return;
-    }
+    if (!go_on) return;
   }
 }
 
@@ -283,7 +340,7 @@ void Link::serve_write(Connection &conn, const FrameHeader &header, const wire::
   }
   OutFrame ack;
   ack.header = wire::make_header(FrameType::kWriteAck, header.op_id, 0, 0, st);
-  enqueue(conn, std::move(ack));
+  post(conn, std::move(ack));
 }
 
 void Link::serve_read(Connection &conn, const FrameHeader &header, const wire::Request &req) {
@@ -300,7 +357,7 @@ void Link::serve_read(Connection &conn, const FrameHeader &header, const wire::R
     out.data = std::move(target.iov);
     out.pin = std::make_shared<std::vector<std::shared_ptr<CacheEntry>>>(std::move(target.pins));
   }
-  enqueue(conn, std::move(out));
+  post(conn, std::move(out));
 }
 
 void Link::serve_lookup(Connection &conn, const FrameHeader &header, const wire::Request &req) {

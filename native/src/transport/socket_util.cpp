@@ -152,6 +152,23 @@ bool writev_full(int fd, iovec *iov, size_t count) {
   return true;
 }
 
+ssize_t writev_now(int fd, const iovec *iov, size_t count) {
+  msghdr msg{};
+  msg.msg_iov = const_cast<iovec *>(iov);
+  msg.msg_iovlen = std::min(count, kMaxIov);
+  for (;;) {
+    ssize_t n = ::sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n >= 0) return n;
+    if (errno == EINTR) continue;
+    return errno == EAGAIN || errno == EWOULDBLOCK ? 0 : -1;
+  }
+}
+
+void drop_front(std::vector<iovec> &iov, size_t bytes) {
+  const size_t start = advance(iov.data(), iov.size(), 0, bytes);
+  iov.erase(iov.begin(), iov.begin() + static_cast<std::ptrdiff_t>(start));
+}
+
 bool discard(int fd, uint64_t len) {
   std::vector<uint8_t> scratch(static_cast<size_t>(std::min<uint64_t>(len, 1 << 20)));
   while (len > 0) {

@@ -3,11 +3,13 @@
 #ifndef DATADIST_TRANSPORT_SOCKET_UTIL_H_
 #define DATADIST_TRANSPORT_SOCKET_UTIL_H_
 
+#include <sys/types.h>
 #include <sys/uio.h>
 
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace datadist::net {
 
@@ -32,6 +34,11 @@ bool write_full(int fd, const void *buf, size_t len);
 // consumed (modified) on the way.
 bool readv_full(int fd, iovec *iov, size_t count);
 bool writev_full(int fd, iovec *iov, size_t count);
+// One sendmsg that does not wait: the bytes the socket took (0 when it was
+// full), or -1 on an error.
+ssize_t writev_now(int fd, const iovec *iov, size_t count);
+// Drops the first `bytes` bytes of `iov` (already sent).
+void drop_front(std::vector<iovec> &iov, size_t bytes);
 // Reads and drops `len` bytes.
 bool discard(int fd, uint64_t len);
 

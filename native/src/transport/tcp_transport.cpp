@@ -309,11 +309,16 @@ void TcpTransport::link_down(const std::shared_ptr<Link> &link) {
 }
 
 void TcpTransport::operations_started() {
+  bool wake;
   {
     std::lock_guard<std::mutex> lock(mu_);
     ++generation_;
+    // Already polling deadlines, the housekeeper sees the new operations at
+    // its next round; only an idle one needs waking (a wake-up per operation
+    // costs the latency of small transfers).
+    wake = housekeeper_idle_;
   }
-  cv_.notify_all();
+  if (wake) cv_.notify_all();
 }
 
 void TcpTransport::reap(const std::vector<std::shared_ptr<Link>> &links) {
@@ -341,7 +346,9 @@ void TcpTransport::housekeeping_loop() {
     if (open) {
       cv_.wait_for(lock, kDeadlinePoll, woken);
     } else {
+      housekeeper_idle_ = true;
       cv_.wait(lock, woken);
+      housekeeper_idle_ = false;
     }
     if (stopping_) return;
     const Clock::time_point now = Clock::now();

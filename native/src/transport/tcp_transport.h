@@ -89,6 +89,7 @@ class TcpTransport : public LinkHost {
   std::vector<std::shared_ptr<Link>> made_;
   uint64_t generation_ = 0;
   bool stopping_ = false;
+  bool housekeeper_idle_ = false;  // waiting with no deadline to watch
 
   int listen_fd_ = -1;
   uint16_t listen_port_ = 0;
