@@ -326,19 +326,27 @@ def test_many_concurrent_transfers_on_one_link(async_pair):
     assert_tensors(pair.a.read(back), expect_copy(back_before, sent, [(i, i) for i in range(64)], 256))
 
 
+def _small_pushes(pair: Pair, count: int, seed: int) -> tuple[Any, ...]:
+    """Caches of ``count`` 30 KiB blocks (two tensors: a push of one block is a
+    60 KiB frame) filled on both sides, a random block order, and one
+    ``push_blocks`` call per block: block s to order[s]."""
+    desc = blocks_desc(num_tensors=2, num_blocks=count, block_elems=15360)
+    local = pair.a.allocate(desc, blocks=True)
+    remote = pair.b.allocate(desc, blocks=True, model_id=next(_model_ids))
+    sent = pair.a.fill(local, seed)
+    before = pair.b.fill(remote, seed + 1)
+    order = [int(block) for block in np.random.default_rng(seed + 2).permutation(count)]
+    pushes = [((remote.blocks_key(), local, [s], [order[s]]), {}) for s in range(count)]
+    return desc, local, remote, sent, before, order, pushes
+
+
 def test_hundreds_of_small_transfers_at_once_fill_the_socket(async_pair):
     """Small frames go out from the submitting thread while the connection is
     idle, and through the writer when it is not or the socket is full; a
     burst of them (more than the socket holds) arrives whole and in place."""
     pair = async_pair
     count = 384
-    desc = blocks_desc(num_tensors=2, num_blocks=count, block_elems=15360)  # 30 KiB blocks: 60 KiB a push
-    local = pair.a.allocate(desc, blocks=True)
-    remote = pair.b.allocate(desc, blocks=True, model_id=next(_model_ids))
-    sent = pair.a.fill(local, 40)
-    before = pair.b.fill(remote, 41)
-    order = [int(block) for block in np.random.default_rng(42).permutation(count)]
-    pushes = [((remote.blocks_key(), local, [s], [order[s]]), {}) for s in range(count)]
+    desc, local, remote, sent, before, order, pushes = _small_pushes(pair, count, 40)
     assert pair.a.gather("push_blocks", pushes) == [[SUCCESS]] * count
     assert_tensors(pair.b.read(remote), expect_copy(before, sent, list(enumerate(order)), 30720))
     back = pair.a.allocate(desc, blocks=True)
@@ -354,13 +362,7 @@ def test_small_transfers_wait_out_a_stalled_peer(async_pair):
     peer runs again, every byte in place."""
     pair = async_pair
     count = 256
-    desc = blocks_desc(num_tensors=2, num_blocks=count, block_elems=15360)
-    local = pair.a.allocate(desc, blocks=True)
-    remote = pair.b.allocate(desc, blocks=True, model_id=next(_model_ids))
-    sent = pair.a.fill(local, 50)
-    before = pair.b.fill(remote, 51)
-    order = [int(block) for block in np.random.default_rng(52).permutation(count)]
-    pushes = [((remote.blocks_key(), local, [s], [order[s]]), {}) for s in range(count)]
+    _, _, remote, sent, before, order, pushes = _small_pushes(pair, count, 50)
     os.kill(pair.b.pid, signal.SIGSTOP)
     resume = threading.Timer(1.0, os.kill, (pair.b.pid, signal.SIGCONT))
     resume.start()

@@ -58,26 +58,22 @@ def address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def bounded(kind: type, low: float, high: float = float("inf")):
+    """An argument type: a ``kind`` number from ``low`` to ``high``."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected {low:g} to {high:g}, got {text}")
+        return value
+
+    return parse
 
 
-def non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
-    return value
-
-
-def seconds(text: str) -> float:
-    value = float(text)
-    if not 0 <= value <= 3600:
-        raise argparse.ArgumentTypeError(f"expected 0 to 3600 seconds, got {text}")
-    return value
-
+positive = bounded(int, 1)
 
 def run_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -94,8 +90,8 @@ def run_parser() -> argparse.ArgumentParser:
                    help="operations (default: push,pull,layerwise; the other engines do push and pull)")
     p.add_argument("--loop", type=listed(str, ["asyncio", "uvloop"]), help="event loops to await on (default: each installed)")
     p.add_argument("--iterations", type=positive, help="timed batches per measurement (default 7; quick 3)")
-    p.add_argument("--latency-ops", type=non_negative, help="4 KiB writes in the latency run, 0 for none (default 2000; quick 300)")
-    p.add_argument("--idle", type=seconds, metavar="SECONDS",
+    p.add_argument("--latency-ops", type=bounded(int, 0), help="4 KiB writes in the latency run, 0 for none (default 2000; quick 300)")
+    p.add_argument("--idle", type=bounded(float, 0, 3600), metavar="SECONDS",
                    help="read each engine's CPU use while connected and idle for this long, 0 for none (default 2; quick 1)")
     p.add_argument("--streams", type=listed(positive), default=[1, 2, 4], help="raw TCP stream counts (default 1,2,4)")
     p.add_argument("--connections", type=positive, help="datadist_aio TCP connections per peer (default: the library's)")

@@ -28,7 +28,7 @@ from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
-from ..layout import Layout
+from ..layout import Layout, aligned_tensors
 
 PUSH, PULL, LAYERWISE = "push", "pull", "layerwise"
 
@@ -81,3 +81,39 @@ def label(engine: str, variant: dict[str, Any]) -> str:
         return engine
     return engine + " (" + ", ".join(f"{k}={v}" if not isinstance(v, bool) else (k if v else f"no {k}")
                                      for k, v in variant.items()) + ")"
+
+
+class Memory:
+    """The memory of one layout on one side: one page-aligned allocation
+    holding every tensor. Engines that must know about it override
+    ``register`` and ``unregister``."""
+
+    def __init__(self) -> None:
+        self.layout: Layout | None = None
+        self.memory: np.ndarray | None = None
+        self.views: list[np.ndarray] = []
+
+    @property
+    def address(self) -> int:
+        assert self.memory is not None, "prepare() first"
+        return self.memory.ctypes.data
+
+    def prepare(self, layout: Layout) -> None:
+        """Allocate and register memory for ``layout`` (kept when it is the current one)."""
+        if layout == self.layout:
+            return
+        self.release()
+        self.memory, self.views = aligned_tensors(layout)
+        self.layout = layout
+        self.register(layout)
+
+    def release(self) -> None:
+        if self.memory is not None:
+            self.unregister()
+        self.layout, self.memory, self.views = None, None, []
+
+    def register(self, layout: Layout) -> None:
+        pass
+
+    def unregister(self) -> None:
+        pass

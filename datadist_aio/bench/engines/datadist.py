@@ -25,8 +25,8 @@ from ...layer_synchronizer import LayerSynchronizer
 from ...llm_datadist import LLMDataDist
 from ...status import LLMStatusCode
 from ...transfer_config import TransferWithCacheKeyConfig
-from ..layout import Layout, aligned_tensors
-from .base import LAYERWISE, PULL, PUSH, Unavailable
+from ..layout import Layout
+from .base import LAYERWISE, PULL, PUSH, Memory, Unavailable
 
 INITIATOR_ID, TARGET_ID = 1, 2
 KEY = BlocksCacheKey(TARGET_ID, 0)
@@ -47,45 +47,43 @@ def _datadist(role: LLMRole, cluster_id: int, variant: dict[str, Any], listen: O
     return datadist
 
 
-class _Registered:
-    """Benchmark memory registered as the blocks cache of one layout."""
+class _Registered(Memory):
+    """Memory registered as the blocks cache of one layout (under ``key`` on the target)."""
 
-    def __init__(self) -> None:
+    def __init__(self, datadist: LLMDataDist, key: Optional[BlocksCacheKey]) -> None:
+        super().__init__()
+        self.datadist = datadist
+        self.key = key
         self.cache: Optional[Cache] = None
-        self.views: list[np.ndarray] = []
 
-    def register(self, datadist: LLMDataDist, layout: Layout, key: Optional[BlocksCacheKey]) -> Cache:
-        self.release(datadist)
-        _, self.views = aligned_tensors(layout)
+    def register(self, layout: Layout) -> None:
         desc = CacheDesc(layout.tensors, [layout.blocks, layout.block_size], DataType.DT_UINT8, Placement.HOST)
-        self.cache = datadist.cache_manager.register_blocks_cache(desc, list(self.views), key)
-        return self.cache
+        self.cache = self.datadist.cache_manager.register_blocks_cache(desc, list(self.views), self.key)
 
-    def release(self, datadist: LLMDataDist) -> None:
+    def unregister(self) -> None:
         if self.cache is not None:
-            datadist.cache_manager.unregister_cache(self.cache.cache_id)
+            self.datadist.cache_manager.unregister_cache(self.cache.cache_id)
             self.cache = None
-            self.views = []
 
 
 class Target:
     def __init__(self, variant: dict[str, Any], host: str) -> None:
         self.host = host
         self.datadist = _datadist(LLMRole.DECODER, TARGET_ID, variant, host)
-        self.memory = _Registered()
+        self.memory = _Registered(self.datadist, KEY)
 
     def open(self) -> Any:
         return self.host, self.datadist.listen_port
 
     def prepare(self, layout: Layout) -> Any:
-        self.memory.register(self.datadist, layout, KEY)
+        self.memory.prepare(layout)
         return None
 
     def tensors(self) -> list[np.ndarray]:
         return self.memory.views
 
     def close(self) -> None:
-        self.memory.release(self.datadist)
+        self.memory.release()
         self.datadist.finalize()
 
 
@@ -121,12 +119,12 @@ class Initiator:
         if status is not LLMStatusCode.LLM_SUCCESS:
             raise RuntimeError(f"link to {host}:{port} failed: {status} {per_cluster}")
         self.cm = self.datadist.cache_manager
-        self.memory = _Registered()
+        self.memory = _Registered(self.datadist, None)
         self.layers = 0
         self.blocks: list[int] = []
 
     def prepare(self, layout: Layout, prepared: Any) -> None:
-        self.memory.register(self.datadist, layout, None)
+        self.memory.prepare(layout)
         self.layers = layout.tensors // 2
         self.blocks = list(range(layout.blocks))
 
@@ -160,6 +158,6 @@ class Initiator:
         return self.runner.run(sample())
 
     def close(self) -> None:
-        self.memory.release(self.datadist)
+        self.memory.release()
         self.datadist.finalize()
         self.runner.close()

@@ -31,8 +31,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ..layout import Layout, aligned_tensors
-from .base import PULL, PUSH, Unavailable
+from ..layout import Layout
+from .base import PULL, PUSH, Memory, Unavailable
 
 # The largest per-peer queue and admission limits the TCP transport accepts.
 _QUEUED = "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"
@@ -71,33 +71,19 @@ def _local_address(segment: str) -> str:
         return probe.getsockname()[0]
 
 
-class _Memory:
-    """One registered allocation holding every tensor of a layout."""
+class _Memory(Memory):
+    """Memory registered with a Mooncake engine."""
 
     def __init__(self, engine: Any) -> None:
+        super().__init__()
         self.engine = engine
-        self.layout: Layout | None = None
-        self.memory: np.ndarray | None = None
-        self.views: list[np.ndarray] = []
 
-    @property
-    def address(self) -> int:
-        assert self.memory is not None, "prepare() first"
-        return self.memory.ctypes.data
-
-    def prepare(self, layout: Layout) -> None:
-        if layout == self.layout:
-            return
-        self.release()
-        self.memory, self.views = aligned_tensors(layout)
+    def register(self, layout: Layout) -> None:
         if self.engine.register_memory(self.address, layout.total_bytes) != 0:
             raise RuntimeError(f"mooncake cannot register {layout.total_bytes} bytes")
-        self.layout = layout
 
-    def release(self) -> None:
-        if self.memory is not None:
-            self.engine.unregister_memory(self.address)
-        self.layout, self.memory, self.views = None, None, []
+    def unregister(self) -> None:
+        self.engine.unregister_memory(self.address)
 
 
 class Target:

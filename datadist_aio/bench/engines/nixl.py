@@ -43,8 +43,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ..layout import Layout, aligned_tensors
-from .base import PULL, PUSH, Unavailable
+from ..layout import Layout
+from .base import PULL, PUSH, Memory, Unavailable
 
 TLS = ("default", "tcp")
 _OPERATION = {PUSH: "WRITE", PULL: "READ"}
@@ -96,34 +96,22 @@ def _request(agent: Any, operation: str, local: Any, remote: Any, peer: str) -> 
         raise RuntimeError(f"nixl cannot set up a {operation} of {local.descCount()} blocks: {e!r}") from e
 
 
-class _Memory:
-    """One registered allocation holding every tensor of a layout."""
+class _Memory(Memory):
+    """Memory registered with a NIXL agent as ``DRAM``."""
 
     def __init__(self, agent: Any) -> None:
+        super().__init__()
         self.agent = agent
-        self.layout: Layout | None = None
-        self.memory: np.ndarray | None = None
-        self.views: list[np.ndarray] = []
         self.registered: Any = None
 
-    @property
-    def address(self) -> int:
-        assert self.memory is not None, "prepare() first"
-        return self.memory.ctypes.data
-
-    def prepare(self, layout: Layout) -> None:
-        if layout == self.layout:
-            return
-        self.release()
-        self.memory, self.views = aligned_tensors(layout)
+    def register(self, layout: Layout) -> None:
         region = np.array([[self.address, layout.total_bytes, 0]], dtype=np.uint64)
         self.registered = self.agent.register_memory(region, "DRAM", backends=["UCX"])
-        self.layout = layout
 
-    def release(self) -> None:
+    def unregister(self) -> None:
         if self.registered is not None:
             self.agent.deregister_memory(self.registered, backends=["UCX"])
-        self.layout, self.memory, self.views, self.registered = None, None, [], None
+            self.registered = None
 
 
 class Target:

@@ -10,18 +10,8 @@ from typing import Any, Optional
 import numpy as np
 
 from ... import _native
-from ..layout import Layout, aligned_tensors
-from .base import PUSH
-
-
-class _Memory:
-    def __init__(self) -> None:
-        self.memory: Optional[np.ndarray] = None
-        self.views: list[np.ndarray] = []
-
-    def allocate(self, layout: Layout) -> np.ndarray:
-        self.memory, self.views = aligned_tensors(layout)
-        return self.memory
+from ..layout import Layout
+from .base import PUSH, Memory
 
 
 def _streams(variant: dict[str, Any], layout: Layout) -> int:
@@ -35,15 +25,15 @@ class Target:
         self.variant = variant
         self.host = host
         self.sink: Optional[Any] = None
-        self.memory = _Memory()
+        self.memory = Memory()
 
     def open(self) -> Any:
         return self.host
 
     def prepare(self, layout: Layout) -> Any:
         self.close()
-        memory = self.memory.allocate(layout)
-        self.sink = _native.RawTcpSink(self.host, memory, _streams(self.variant, layout))
+        self.memory.prepare(layout)
+        self.sink = _native.RawTcpSink(self.host, self.memory.memory, _streams(self.variant, layout))
         return self.sink.port
 
     def tensors(self) -> list[np.ndarray]:
@@ -63,12 +53,12 @@ class Initiator:
         self.variant = variant
         self.host = opened
         self.source: Optional[Any] = None
-        self.memory = _Memory()
+        self.memory = Memory()
 
     def prepare(self, layout: Layout, prepared: Any) -> None:
         self.close()
-        memory = self.memory.allocate(layout)
-        self.source = _native.RawTcpSource(self.host, prepared, memory, _streams(self.variant, layout))
+        self.memory.prepare(layout)
+        self.source = _native.RawTcpSource(self.host, prepared, self.memory.memory, _streams(self.variant, layout))
 
     def tensors(self) -> list[np.ndarray]:
         return self.memory.views
