@@ -75,6 +75,7 @@ def bounded(kind: type, low: float, high: float = float("inf")):
 
 positive = bounded(int, 1)
 
+
 def run_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m datadist_aio.bench",
