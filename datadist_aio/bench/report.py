@@ -43,7 +43,7 @@ def tables(report: dict[str, Any]) -> str:
         width = max(len(lat["label"]) for lat in report["latency"])
         lines.append(f"{'engine':<{width}} {'median':>8} {'p90':>8} {'p99':>8} {'/raw':>6}")
         for lat in report["latency"]:
-            ratio = f"{lat['ratio_raw_tcp']:.1f}" if lat["ratio_raw_tcp"] else "-"
+            ratio = f"{lat['ratio_raw_tcp']:.2f}" if lat["ratio_raw_tcp"] else "-"
             mark = "" if lat["verified"] else "  WRONG BYTES"
             lines.append(f"{lat['label']:<{width}} {lat['median_us']:>8.1f} {lat['p90_us']:>8.1f} "
                          f"{lat['p99_us']:>8.1f} {ratio:>6}{mark}")
@@ -61,48 +61,58 @@ def tables(report: dict[str, Any]) -> str:
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    """GB/s against block size per engine and operation, baselines as lines;
-    the latency distribution of each engine. Needs matplotlib."""
+    """GB/s against block size, one panel for writes (push and layer-wise) and
+    one for reads (pull), one line per engine, the baselines as horizontal
+    lines; then the latency distribution of each engine. Needs matplotlib."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(15, 6.5), gridspec_kw={"width_ratios": [3, 2]})
     rows = [r for r in report["results"] if r["engine"] != "raw_tcp"]
-    styles = {"push": "-", "pull": "--", "layerwise": ":"}
-    labels = list(dict.fromkeys(r["label"] for r in rows))
-    colors = {name: plt.cm.tab10(i % 10) for i, name in enumerate(labels)}
-    for name, op in dict.fromkeys((r["label"], r["op"]) for r in rows):
-        points = sorted((r["block_size"], r["gbps"]) for r in rows if (r["label"], r["op"]) == (name, op))
-        left.plot([p[0] for p in points], [p[1] for p in points], styles.get(op, "-"), marker="o",
-                  color=colors[name], label=f"{name} {op}")
+    names = list(dict.fromkeys([r["label"] for r in rows] + [lat["label"] for lat in report["latency"]]))
+    colors = {name: plt.cm.tab10(i % 10) for i, name in enumerate(names)}
+    fig, axes = plt.subplots(1, 3, figsize=(17, 6.2), gridspec_kw={"width_ratios": [1, 1, 1]})
     base = report["baselines"]
-    if base["raw_tcp_best_gbps"]:
-        left.axhline(base["raw_tcp_best_gbps"], color="black", linewidth=1.2,
-                     label=f"raw TCP, best of {len(base['raw_tcp'])} stream counts")
-    left.axhline(base["memcpy"]["gbps"], color="gray", linewidth=1.2, linestyle="-.", label="memcpy (1 thread)")
     sizes = report["workload"]["block_sizes"]
-    left.set_xscale("log", base=2)
-    left.set_xticks(sizes, [size_text(s) for s in sizes])
-    left.set_xlabel("block size")
-    left.set_ylabel("GB/s (median batch)")
-    left.set_ylim(bottom=0)
-    left.set_title(f"{report['workload']['cache_bytes'] >> 20} MiB per batch, random destination blocks")
-    left.grid(True, alpha=0.3)
-    left.legend(fontsize=7, loc="upper left")
+    ceiling = max([base["memcpy"]["gbps"]] + [r["gbps"] for r in rows]) * 1.08
+    for ax, title, ops in ((axes[0], "push (write)", {"push": "-", "layerwise": ":"}), (axes[1], "pull (read)", {"pull": "-"})):
+        for name in names:
+            for op, style in ops.items():
+                points = sorted((r["block_size"], r["gbps"]) for r in rows if (r["label"], r["op"]) == (name, op))
+                if points:
+                    ax.plot([p[0] for p in points], [p[1] for p in points], style, marker="o", color=colors[name])
+        if base["raw_tcp_best_gbps"]:
+            ax.axhline(base["raw_tcp_best_gbps"], color="black", linewidth=1.2)
+        ax.axhline(base["memcpy"]["gbps"], color="gray", linewidth=1.2, linestyle="-.")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [size_text(s) for s in sizes])
+        ax.set_xlabel("block size")
+        ax.set_ylabel("GB/s (median batch)")
+        ax.set_ylim(0, ceiling)
+        ax.set_title(f"{title}, {report['workload']['cache_bytes'] >> 20} MiB per batch, random blocks", fontsize=10)
+        ax.grid(True, alpha=0.3)
+    latency = axes[2]
     for lat in report["latency"]:
         ordered = sorted(lat["samples_us"])
         fraction = [(i + 1) / len(ordered) for i in range(len(ordered))]
-        right.plot(ordered, fraction, label=lat["label"], color=colors.get(lat["label"], "black"))
-    right.set_xscale("log")
-    right.set_xlabel("µs per 4 KiB write (waited for)")
-    right.set_ylabel("fraction of writes")
-    right.set_title("latency distribution")
-    right.grid(True, alpha=0.3)
-    right.legend(fontsize=7, loc="lower right")
+        color = "black" if lat["engine"] == "raw_tcp" else colors[lat["label"]]
+        latency.plot(ordered, fraction, color=color)
+    latency.set_xscale("log")
+    latency.set_xlabel("µs per 4 KiB write, waited for")
+    latency.set_ylabel("fraction of writes")
+    latency.set_title("latency distribution", fontsize=10)
+    latency.grid(True, alpha=0.3)
+    handles = [Line2D([], [], color=colors[name], marker="o", label=name) for name in names if name in colors
+               and not name.startswith("raw_tcp")]
+    handles += [Line2D([], [], color="black", label="raw TCP (best stream count; 1 stream for latency)"),
+                Line2D([], [], color="gray", linestyle="-.", label="memcpy, 1 thread"),
+                Line2D([], [], color="gray", linestyle=":", label="layer-wise transfer_cache_async")]
+    fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=8, frameon=False)
     cpu = report["machine"].get("cpu") or report["machine"]["platform"]
-    fig.suptitle(f"datadist_aio.bench, {report['created']}: {report['machine']['usable_cpus']} CPUs, {cpu}", fontsize=9)
-    fig.tight_layout()
+    fig.suptitle(f"datadist_aio.bench, {report['created']}: {report['machine']['usable_cpus']} CPUs, {cpu}, "
+                 f"peer {report['workload']['peer']}", fontsize=9)
+    fig.tight_layout(rect=(0, 0.05 + 0.03 * ((len(handles) + 3) // 4), 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
