@@ -187,6 +187,22 @@ def test_a_run_against_a_serve_process(tmp_path):
         server.stdout.close()
 
 
+def test_an_unreachable_peer_is_named_before_any_measurement(tmp_path, capsys):
+    port = _free_port()
+    assert main(["--peer", f"127.0.0.1:{port}", "--authkey", "k", "--output", str(tmp_path)]) == 1
+    assert f"no benchmark server at 127.0.0.1:{port}" in capsys.readouterr().err
+    assert not (tmp_path / "datadist_bench.json").exists()
+
+
+def test_a_wrong_key_is_named(tmp_path, capsys):
+    server, address = start_local_server("127.0.0.1", b"right")
+    try:
+        assert main(["--peer", f"{address[0]}:{address[1]}", "--authkey", "wrong", "--output", str(tmp_path)]) == 1
+    finally:
+        stop_local_server(server)
+    assert "refused the key" in capsys.readouterr().err
+
+
 def test_peer_needs_a_key(tmp_path, monkeypatch):
     monkeypatch.delenv("DATADIST_BENCH_AUTHKEY", raising=False)
     with pytest.raises(SystemExit, match="authkey"):

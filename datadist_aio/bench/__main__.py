@@ -20,7 +20,7 @@ from pathlib import Path
 from .engines.base import LAYERWISE, PULL, PUSH
 from .progress import Progress
 from .runner import COMPARED, Options, Outcome, available_loops, build_report, memcpy_baseline, plans, run_plan, steps
-from .session import serve, start_local_server, stop_local_server
+from .session import check_peer, serve, start_local_server, stop_local_server
 
 AUTHKEY_ENV = "DATADIST_BENCH_AUTHKEY"
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20,
@@ -162,6 +162,11 @@ def run(argv: list[str]) -> int:
         peer = "loopback"
     else:
         peer_address, peer = args.peer, f"{args.peer[0]}:{args.peer[1]}"
+        try:
+            check_peer(peer_address, authkey)
+        except ConnectionError as exc:
+            print(f"error: {exc} (start one there with 'python -m datadist_aio.bench serve')", file=sys.stderr)
+            return 1
     outcome = Outcome()
     progress = Progress(sum(steps(p) for p in plan_list) + 1)
     try:

@@ -131,6 +131,16 @@ def serve(host: str, port: int, authkey: bytes, ready: Optional[Connection] = No
                 process.join(5)
 
 
+def check_peer(address: Any, authkey: bytes) -> None:
+    """Connect once to a ``serve`` process; raises ConnectionError with the reason."""
+    try:
+        Client(address, authkey=authkey).close()
+    except mp.AuthenticationError:
+        raise ConnectionError(f"the benchmark server at {address[0]}:{address[1]} refused the key") from None
+    except OSError as exc:
+        raise ConnectionError(f"no benchmark server at {address[0]}:{address[1]}: {exc.strerror or exc}") from None
+
+
 def start_local_server(host: str, authkey: bytes) -> tuple[Any, tuple[str, int]]:
     """A ``serve`` process on host (loopback runs); returns it and its address."""
     ctx = mp.get_context("spawn")
