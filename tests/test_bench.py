@@ -3,6 +3,7 @@ loopback and through a separate serve process, and its report files."""
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import os
@@ -207,3 +208,27 @@ def test_peer_needs_a_key(tmp_path, monkeypatch):
     monkeypatch.delenv("DATADIST_BENCH_AUTHKEY", raising=False)
     with pytest.raises(SystemExit, match="authkey"):
         main(["--peer", "127.0.0.1:1", "--output", str(tmp_path)])
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        pytest.param("mooncake", marks=pytest.mark.skipif(
+            importlib.util.find_spec("mooncake") is None, reason="mooncake-transfer-engine is not installed")),
+        pytest.param("nixl", marks=[pytest.mark.slow, pytest.mark.skipif(
+            importlib.util.find_spec("nixl") is None, reason="nixl is not installed")]),
+    ],
+)
+def test_compared_engines_move_checked_bytes(engine, tmp_path):
+    """Where installed, the other engines run the same workload and pass the same byte checks."""
+    done = _run([*SMALL, "--compare", engine, "--loop", "asyncio", "--streams", "1", "--no-plot",
+                 "--output", str(tmp_path)])
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "datadist_bench.json").read_text())
+    theirs = [r for r in report["results"] if r["engine"] == engine]
+    variants = 4 if engine == "nixl" else 1
+    assert len(theirs) == variants * 2 * 2  # push and pull, two block sizes
+    assert all(r["verified"] and r["gbps"] > 0 for r in theirs)
+    latency = [lat for lat in report["latency"] if lat["engine"] == engine]
+    assert len(latency) == variants and all(lat["verified"] for lat in latency)
+    assert report["errors"] == [] and report["skipped"] == []
