@@ -64,14 +64,6 @@ std::vector<iovec> Link::frame_bytes(OutFrame &frame) {
 }
 
 void Link::enqueue(Connection &conn, OutFrame frame) {
-  {
-    std::lock_guard<std::mutex> lock(conn.mu);
-    conn.queue.push_back(std::move(frame));
-  }
-  conn.cv.notify_one();
-}
-
-void Link::post(Connection &conn, OutFrame frame) {
   const size_t total = sizeof(frame.header) + frame.body.size() + frame.header.data_len;
   std::unique_lock<std::mutex> lock(conn.mu);
   if (total > kDirectBytes || frame.close_after || conn.busy || !conn.queue.empty() || is_down()) {
@@ -94,8 +86,7 @@ void Link::post(Connection &conn, OutFrame frame) {
     conn.cv.notify_one();
     return;
   }
-  if (frame.op_id != 0) mark(frame.op_id, true, false, LLM_SUCCESS);
-  if (n < 0) fail(LLM_LINK_FAILED, "send to peer failed: " + net::errno_text());
+  after_send(frame, n >= 0);
   lock.lock();
   conn.busy = false;
   const bool more = !conn.queue.empty();
@@ -134,7 +125,7 @@ void Link::submit(bool write, std::vector<PlannedFrame> frames, const std::share
     out.header.op_id = out.op_id;
     if (write) out.data = std::move(planned.local);
     const uint64_t group = planned.target.group;
-    post(group != 0 ? *conns_[group % conns_.size()] : next_connection(), std::move(out));
+    enqueue(group != 0 ? *conns_[group % conns_.size()] : next_connection(), std::move(out));
   }
 }
 
@@ -199,8 +190,11 @@ void Link::settle(OpenOp &op) {
 bool Link::finish(Connection &conn, OutFrame &frame) {
   std::vector<iovec> iov = frame_bytes(frame);
   net::drop_front(iov, frame.sent);
-  const bool ok = net::writev_full(conn.fd, iov.data(), iov.size());
-  // Sent or not, the writer is done with the frame's memory; an operation
+  return after_send(frame, net::writev_full(conn.fd, iov.data(), iov.size()));
+}
+
+bool Link::after_send(OutFrame &frame, bool ok) {
+  // Sent or not, the sender is done with the frame's memory; an operation
   // left unanswered gets the reason the link went down when it is reaped.
   if (frame.op_id != 0) mark(frame.op_id, true, false, LLM_SUCCESS);
   if (!ok) {
@@ -340,7 +334,7 @@ void Link::serve_write(Connection &conn, const FrameHeader &header, const wire::
   }
   OutFrame ack;
   ack.header = wire::make_header(FrameType::kWriteAck, header.op_id, 0, 0, st);
-  post(conn, std::move(ack));
+  enqueue(conn, std::move(ack));
 }
 
 void Link::serve_read(Connection &conn, const FrameHeader &header, const wire::Request &req) {
@@ -357,7 +351,7 @@ void Link::serve_read(Connection &conn, const FrameHeader &header, const wire::R
     out.data = std::move(target.iov);
     out.pin = std::make_shared<std::vector<std::shared_ptr<CacheEntry>>>(std::move(target.pins));
   }
-  post(conn, std::move(out));
+  enqueue(conn, std::move(out));
 }
 
 void Link::serve_lookup(Connection &conn, const FrameHeader &header, const wire::Request &req) {

@@ -134,16 +134,19 @@ class Link : public std::enable_shared_from_this<Link> {
     std::shared_ptr<LookupState> lookup;  // set for lookups
   };
 
+  // Hands a frame to the connection's writer thread, in order. A frame of
+  // at most kDirectBytes (not the last before closing) is sent by the
+  // calling thread instead when the connection is idle (nothing queued or
+  // being written); what the socket does not take at once is left to the
+  // writer. Saves the writer's wake-up on small requests and answers.
   void enqueue(Connection &conn, OutFrame frame);
-  // Sends a frame of at most kDirectBytes from the calling thread when the
-  // connection is idle (nothing queued or being written) and the socket
-  // takes it at once; the writer thread sends it, or what is left of it,
-  // otherwise. Saves the writer's wake-up on small requests and answers.
-  void post(Connection &conn, OutFrame frame);
   // The bytes of a frame, in the order they go out.
   static std::vector<iovec> frame_bytes(OutFrame &frame);
   // Writes the rest of `frame`, blocking; false once the link must stop writing.
   bool finish(Connection &conn, OutFrame &frame);
+  // Settles the sending side of a frame written whole (`ok`) or not; false
+  // once the link must stop writing.
+  bool after_send(OutFrame &frame, bool ok);
   Connection &next_connection();
   void reader_loop(Connection &conn);
   void writer_loop(Connection &conn);
