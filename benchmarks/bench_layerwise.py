@@ -23,21 +23,11 @@ import time
 import numpy as np
 
 import datadist_aio as dd
-from loops import available_loops, runner
+from datadist_aio.bench.engines.datadist import options
+from loops import available_loops, loop_runner
 
 MiB = 1 << 20
 BLOCK = 256 * 1024
-
-
-def options(pool_bytes: int, listen: bool) -> dict[str, str]:
-    config = dd.LLMConfig()
-    config.enable_cache_manager = True
-    config.enable_remote_cache_accessible = True
-    config.host_mem_pool_cfg = f'{{"memory_size": {pool_bytes}}}'
-    config.sync_kv_timeout = 30000
-    if listen:
-        config.listen_ip_info = "127.0.0.1:0"
-    return config.generate_options()
 
 
 def kv_desc(layers: int, blocks: int) -> dd.CacheDesc:
@@ -47,7 +37,7 @@ def kv_desc(layers: int, blocks: int) -> dd.CacheDesc:
 def decode_main(conn, layers: int, blocks: int) -> None:
     desc = kv_desc(layers, blocks)
     with dd.LLMDataDist(dd.LLMRole.DECODER, 2) as decode:
-        decode.init(options(desc.num_tensors * desc.size + 64 * MiB, True))
+        decode.init(options(desc.num_tensors * desc.size + 64 * MiB, "127.0.0.1", 30000))
         cache = decode.cache_manager.allocate_blocks_cache(desc, dd.BlocksCacheKey(2, 0))
         conn.send(decode.listen_port)
         expected = conn.recv()  # (layer, block) sample the prefill side wrote
@@ -99,7 +89,7 @@ def main() -> None:
     try:
         port = parent.recv()
         with dd.LLMDataDist(dd.LLMRole.PROMPT, 1) as prefill:
-            prefill.init(options(desc.num_tensors * desc.size + 64 * MiB, False))
+            prefill.init(options(desc.num_tensors * desc.size + 64 * MiB, None, 30000))
             cluster = dd.LLMClusterInfo()
             cluster.remote_cluster_id = 2
             cluster.append_local_ip_info("127.0.0.1", 0)
@@ -122,7 +112,7 @@ def main() -> None:
                   f"t = {t_ms:.2f} ms per layer")
             print(f"{'loop':>8} {'c ms':>6} {'ideal ms':>9} {'measured':>9} {'ideal/measured':>15}")
             for loop_name in available_loops():
-                with runner(loop_name) as r:
+                with loop_runner(loop_name) as r:
                     for compute_ms in (t_ms / 2, t_ms, 2 * t_ms):
                         measured = r.run(measure(cm, cache, layers, blocks, compute_ms, repeats)) * 1e3
                         ideal = layers * max(compute_ms, t_ms) + min(compute_ms, t_ms)

@@ -2,27 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import statistics
 import time
 from collections.abc import Awaitable, Callable
 
+from datadist_aio.bench.loops import available_loops, loop_runner
 
-def available_loops() -> list[str]:
-    """"asyncio", and "uvloop" when it is installed."""
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:
-        return ["asyncio"]
-    return ["asyncio", "uvloop"]
-
-
-def runner(loop_name: str) -> asyncio.Runner:
-    if loop_name == "uvloop":
-        import uvloop
-
-        return asyncio.Runner(loop_factory=uvloop.new_event_loop)
-    return asyncio.Runner()
+__all__ = ["available_loops", "awaited_latency", "loop_runner", "median_p99_us"]
 
 
 def awaited_latency(loop_name: str, operation: Callable[[], Awaitable[object]], ops: int) -> list[float]:
@@ -37,7 +23,7 @@ def awaited_latency(loop_name: str, operation: Callable[[], Awaitable[object]], 
             samples.append(time.perf_counter() - start)
         return samples
 
-    with runner(loop_name) as r:
+    with loop_runner(loop_name) as r:
         r.run(sample())
         return sorted(r.run(sample()))
 

@@ -18,8 +18,9 @@ import sys
 from pathlib import Path
 
 from .engines.base import LAYERWISE, PULL, PUSH
+from .loops import LOOPS, available_loops
 from .progress import Progress
-from .runner import COMPARED, Options, Outcome, available_loops, build_report, memcpy_baseline, plans, run_plan, steps
+from .runner import COMPARED, Options, Outcome, build_report, memcpy_baseline, plans, run_plan, steps
 from .session import check_peer, serve, start_local_server, stop_local_server
 
 AUTHKEY_ENV = "DATADIST_BENCH_AUTHKEY"
@@ -89,7 +90,7 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=positive, default=4, help="layers of the cache, K and V each (default: %(default)s)")
     p.add_argument("--ops", type=listed(str, [PUSH, PULL, LAYERWISE]), default=[PUSH, PULL, LAYERWISE],
                    help="operations (default: push,pull,layerwise; the other engines do push and pull)")
-    p.add_argument("--loop", type=listed(str, ["asyncio", "uvloop"]), help="event loops to await on (default: each installed)")
+    p.add_argument("--loop", type=listed(str, LOOPS), help="event loops to await on (default: each installed)")
     p.add_argument("--iterations", type=positive, help="timed batches per measurement (default 7; quick 3)")
     p.add_argument("--latency-ops", type=bounded(int, 0), help="4 KiB writes in the latency run, 0 for none (default 2000; quick 300)")
     p.add_argument("--idle", type=bounded(float, 0, 3600), metavar="SECONDS",

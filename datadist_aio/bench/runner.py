@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
-import importlib.util
 import multiprocessing as mp
 import os
 import platform
@@ -19,6 +18,7 @@ import numpy as np
 
 from .engines.base import LAYERWISE, PULL, PUSH, label
 from .layout import Layout
+from .loops import available_loops
 from .progress import Progress
 from .session import LATENCY_LAYOUT, Plan, Result, engine_module, initiator_main
 
@@ -233,10 +233,6 @@ def build_report(options: Options, outcome: Outcome, memcpy: dict[str, Any], pee
         "skipped": outcome.skipped,
         "errors": outcome.errors,
     }
-
-
-def available_loops() -> list[str]:
-    return ["asyncio", "uvloop"] if importlib.util.find_spec("uvloop") else ["asyncio"]
 
 
 __all__ = ["Options", "Outcome", "available_loops", "build_report", "label", "memcpy_baseline", "plans", "run_plan"]

@@ -8,7 +8,6 @@ carries the blocks key the initiator addresses.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any, Optional
 
@@ -26,24 +25,35 @@ from ...llm_datadist import LLMDataDist
 from ...status import LLMStatusCode
 from ...transfer_config import TransferWithCacheKeyConfig
 from ..layout import Layout
+from ..loops import loop_runner
 from .base import LAYERWISE, PULL, PUSH, Memory, Unavailable
 
 INITIATOR_ID, TARGET_ID = 1, 2
 KEY = BlocksCacheKey(TARGET_ID, 0)
 
 
-def _datadist(role: LLMRole, cluster_id: int, variant: dict[str, Any], listen: Optional[str]) -> LLMDataDist:
+def options(pool_bytes: int, listen: Optional[str] = None, sync_kv_timeout_ms: int = 120000,
+            connections: Optional[int] = None) -> dict[str, str]:
+    """Options of an instance in remote-cache-accessible mode, with a host pool
+    of ``pool_bytes``, listening on ``listen`` (an IP; port chosen by the
+    kernel) when given."""
     config = LLMConfig()
     config.enable_cache_manager = True
     config.enable_remote_cache_accessible = True
-    config.host_mem_pool_cfg = '{"memory_size": 16777216}'  # the benchmark registers its own memory
-    config.sync_kv_timeout = 120000
-    if "connections" in variant:
-        config.tcp_connections_per_peer = int(variant["connections"])
+    config.host_mem_pool_cfg = f'{{"memory_size": {pool_bytes}}}'
+    config.sync_kv_timeout = sync_kv_timeout_ms
+    if connections is not None:
+        config.tcp_connections_per_peer = connections
     if listen is not None:
         config.listen_ip_info = f"{listen}:0"
+    return config.generate_options()
+
+
+def _datadist(role: LLMRole, cluster_id: int, variant: dict[str, Any], listen: Optional[str]) -> LLMDataDist:
     datadist = LLMDataDist(role, cluster_id)
-    datadist.init(config.generate_options())
+    # The benchmark registers its own memory: the pool stays small.
+    connections = int(variant["connections"]) if "connections" in variant else None
+    datadist.init(options(16 << 20, listen, connections=connections))
     return datadist
 
 
@@ -98,17 +108,12 @@ class Initiator:
     ops = (PUSH, PULL, LAYERWISE)
 
     def __init__(self, variant: dict[str, Any], opened: Any) -> None:
-        loop = variant.get("loop", "asyncio")
-        if loop == "uvloop":
-            try:
-                import uvloop
-            except ImportError:
-                raise Unavailable("uvloop is not installed (pip install 'datadist_aio[uvloop]')") from None
-            self.runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
-        elif loop == "asyncio":
-            self.runner = asyncio.Runner()
-        else:
-            raise Unavailable(f"unknown event loop {loop!r}")
+        try:
+            self.runner = loop_runner(variant.get("loop", "asyncio"))
+        except ImportError:
+            raise Unavailable("uvloop is not installed (pip install 'datadist_aio[uvloop]')") from None
+        except ValueError as exc:
+            raise Unavailable(str(exc)) from None
         self.datadist = _datadist(LLMRole.PROMPT, INITIATOR_ID, variant, None)
         host, port = opened
         cluster = LLMClusterInfo()
