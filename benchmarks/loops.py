@@ -7,6 +7,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from datadist_aio.bench.loops import available_loops, loop_runner
+from datadist_aio.bench.runner import percentile
 
 __all__ = ["available_loops", "awaited_latency", "loop_runner", "median_p99_us"]
 
@@ -30,4 +31,4 @@ def awaited_latency(loop_name: str, operation: Callable[[], Awaitable[object]], 
 
 def median_p99_us(samples: list[float]) -> tuple[float, float]:
     ordered = sorted(samples)
-    return statistics.median(ordered) * 1e6, ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1e6
+    return statistics.median(ordered) * 1e6, percentile(ordered, 0.99) * 1e6

@@ -20,6 +20,7 @@ import importlib
 import multiprocessing as mp
 import os
 import signal
+import statistics
 import sys
 import time
 import traceback
@@ -199,8 +200,8 @@ class Result:
 
     @property
     def gbps(self) -> float:
-        ordered = sorted(self.seconds)
-        return self.bytes / ordered[len(ordered) // 2] / 1e9
+        """Bytes per second of the median batch, in GB/s (as the memcpy baseline)."""
+        return self.bytes / statistics.median(self.seconds) / 1e9
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "gbps": self.gbps}
