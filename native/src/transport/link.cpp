@@ -406,7 +406,10 @@ bool Link::take_answer(const FrameHeader &header, std::vector<uint8_t> &body, Co
     fail(LLM_LINK_FAILED, "connection closed by the peer");
     return false;
   }
-  mark(header.op_id, false, true, header.status);
+  // An answer means the peer took the whole frame: the op counts as sent
+  // too, though its sender may not have marked it yet (a direct send's
+  // syscall can still be returning when the answer, and a close, arrive).
+  mark(header.op_id, true, true, header.status);
   return true;
 }
 
