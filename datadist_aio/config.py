@@ -62,6 +62,7 @@ class LLMConfig:
         self._mem_utilization = 0.95
         self._tcp_connections_per_peer: Optional[int] = None
         self._engine_threads: Optional[int] = None
+        self._transport: Optional[str] = None
 
     @property
     def ge_options(self) -> dict[str, str]:
@@ -376,6 +377,28 @@ class LLMConfig:
         _check_int_in("engine_threads", value, 1, 64)
         self._engine_threads = value
 
+    @property
+    def transport(self) -> Optional[str]:
+        """How links move bytes: ``"auto"`` or ``"tcp"``; emits `llm.Transport`.
+
+        ``"auto"`` (the engine default) moves the bytes of a link between two
+        processes on one host with one kernel copy (``process_vm_readv`` /
+        ``process_vm_writev``) once the handshake has proven that each can
+        reach the other's memory, and over TCP otherwise; ``"tcp"`` always uses
+        sockets. The owner of a cache checks every range either way.
+
+        Raises:
+            TypeError: If not a str.
+            LLMException: `LLM_PARAM_INVALID` for any other value.
+        """
+        return self._transport
+
+    @transport.setter
+    def transport(self, value: str) -> None:
+        check_isinstance("transport", value, str, allow_none=False)
+        raise_if_false(value in ("auto", "tcp"), "transport must be 'auto' or 'tcp', got {!r}", value)
+        self._transport = value
+
     def generate_options(self) -> dict[str, str]:
         """Writes the configured options into the accumulated dict and returns it.
 
@@ -430,6 +453,8 @@ class LLMConfig:
             options["llm.ClusterInfo"] = self._cluster_info_json
         if self._enable_switch_role:
             options["llm.EnableSwitchRole"] = "1"
+        if self._transport is not None:
+            options["llm.Transport"] = self._transport
         options["llm.MemoryUtilization"] = str(self._mem_utilization)
         return options
 

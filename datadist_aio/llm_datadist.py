@@ -148,6 +148,20 @@ class LLMDataDist:
         port = self._engine.listen_port
         return port or None
 
+    def link_transport(self, remote_cluster_id: int) -> str:
+        """How transfers this instance starts toward ``remote_cluster_id`` move
+        their bytes: ``"same_host"`` (the peer copies them with one kernel call)
+        or ``"tcp"``.
+
+        Raises:
+            LLMException: ``LLM_NOT_YET_LINK`` without a link to that cluster.
+        """
+        self._check_init()
+        check_uint64("remote_cluster_id", remote_cluster_id)
+        code, name = self._engine.link_transport(remote_cluster_id)
+        raise_for_status(code, f"link_transport({remote_cluster_id})")
+        return name
+
     def _check_clusters(self, clusters: Any, timeout: Any) -> None:
         check_int32("timeout", timeout)
         raise_if_false(timeout > 0, f"timeout must be > 0, got {timeout}")

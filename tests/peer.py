@@ -345,6 +345,34 @@ def _close(ep: _Endpoint) -> None:
     ep.loop.close()
 
 
+def deny_memory_access() -> None:
+    """Makes the kernel refuse cross-process copies with this process where it
+    can: drops CAP_SYS_PTRACE (a root peer's memory is then out of reach) and
+    turns the process non-dumpable (an unprivileged peer cannot reach it)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+    header, data = Header(0x20080522, 0), (Data * 2)()  # _LINUX_CAPABILITY_VERSION_3
+    if libc.capget(ctypes.byref(header), data) != 0:
+        raise OSError(ctypes.get_errno(), "capget")
+    cap_sys_ptrace = 1 << 19
+    data[0].effective &= ~cap_sys_ptrace
+    data[0].permitted &= ~cap_sys_ptrace
+    if libc.capset(ctypes.byref(header), data) != 0:
+        raise OSError(ctypes.get_errno(), "capset")
+    pr_set_dumpable = 4
+    if libc.prctl(pr_set_dumpable, 0, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE)")
+
+
+_PREPARE: dict[str, Callable[[], None]] = {"deny_memory_access": deny_memory_access}
+
+
 def _die_with_parent() -> None:
     if sys.platform == "linux":
         pr_set_pdeathsig = 1
@@ -367,9 +395,12 @@ def _child_main(
     listen: bool,
     options: dict[str, Any],
     loop: str,
+    prepare: Optional[str],
 ) -> None:
     _die_with_parent()
     try:
+        if prepare is not None:
+            _PREPARE[prepare]()
         endpoint = _Endpoint(role, cluster_id, listen, options, loop)
     except BaseException as exc:
         _answer_error(conn, exc)
@@ -439,6 +470,7 @@ class Peer:
         listen: bool = True,
         options: Optional[dict[str, Any]] = None,
         loop: str = "asyncio",
+        prepare: Optional[str] = None,
     ) -> "Peer":
         """Starts the child and initialises its LLMDataDist; returns ``self``.
 
@@ -449,13 +481,15 @@ class Peer:
             options: ``LLMConfig`` attribute values over ``DEFAULT_OPTIONS``
                 (RCA mode, a 64 MiB host pool, ``sync_kv_timeout`` 5000).
             loop: Event loop of the async commands: ``"asyncio"`` or ``"uvloop"``.
+            prepare: A function the child runs before anything else, by its
+                name in ``_PREPARE`` (``"deny_memory_access"``).
         """
         assert self._process is None, f"{self!r} was already started"
         self.cluster_id = cluster_id
         parent_end, child_end = _SPAWN.Pipe()
         process = _SPAWN.Process(
             target=_child_main,
-            args=(child_end, role, cluster_id, listen, dict(options or {}), loop),
+            args=(child_end, role, cluster_id, listen, dict(options or {}), loop, prepare),
             name=f"peer-{self.name}",
             daemon=True,
         )

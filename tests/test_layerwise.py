@@ -220,8 +220,11 @@ class Prefill:
 def prefill_side(mode: str, peers: Sequence[Peer], link: bool = True) -> Iterator[Prefill]:
     """An initialised PROMPT instance, cluster A, linked to ``peers``; finalized on exit
     and every cache of the peers freed."""
-    assert mode in ("key", "raw"), mode
+    mode, _, transport = mode.partition("-")
+    assert mode in ("key", "raw") and transport in ("", "tcp"), (mode, transport)
     config = dd.LLMConfig()
+    if transport:
+        config.transport = transport
     config.enable_cache_manager = True
     config.enable_remote_cache_accessible = mode == "key"
     config.host_mem_pool_cfg = pool_cfg(64 * MiB)
@@ -233,6 +236,8 @@ def prefill_side(mode: str, peers: Sequence[Peer], link: bool = True) -> Iterato
         if link and peers:
             clusters = [cluster_info(peer.cluster_id, peer.listen_port) for peer in peers]
             assert datadist.link_clusters(clusters, 3000) == (SUCCESS, [SUCCESS] * len(peers))
+            for peer in peers:
+                assert datadist.link_transport(peer.cluster_id) == (transport or "same_host")
         yield side
     finally:
         side.release_threads()
@@ -444,7 +449,7 @@ async def test_layers_do_not_wait_for_acknowledgements(prefill):
     assert_tensors(b.read(dst), expect(before, sent, pairs(range(0, 4)), slot_moves(1, 2)))
 
 
-@pytest.mark.parametrize("prefill", ["key", "raw"], indirect=True)
+@pytest.mark.parametrize("prefill", ["key", "raw", "key-tcp", "raw-tcp"], indirect=True)
 @pytest.mark.parametrize("kind", list(KINDS))
 async def test_each_kind(prefill, kind):
     spec = KINDS[kind]

@@ -49,14 +49,17 @@ def assert_blocks_push(src: Peer, dst: Peer, model_id: int, seed: int) -> None:
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
 @pytest.mark.parametrize("direction", ["push", "pull"])
-def test_peer_killed_mid_transfer(group, direction):
+def test_peer_killed_mid_transfer(group, direction, transport):
     timeout_ms = 3000
     big = {"host_mem_pool_cfg": pool_cfg(288 * MiB)}
-    survivor = group.start("survivor", dd.LLMRole.PROMPT, 1, options=big | {"sync_kv_timeout": timeout_ms})
+    options = big | {"sync_kv_timeout": timeout_ms, "transport": transport}
+    survivor = group.start("survivor", dd.LLMRole.PROMPT, 1, options=options)
     victim = group.start("victim", dd.LLMRole.DECODER, 2, options=big)
     third = group.start("third", dd.LLMRole.DECODER, 3)
     assert survivor.link(victim) == LINKED
+    assert survivor.datadist("link_transport", 2) == ("same_host" if transport == "auto" else "tcp")
     assert survivor.link(third) == LINKED
     local, remote = survivor.allocate(big_desc()), victim.allocate(big_desc())
     side = survivor.allocate(small_desc(), blocks=True)

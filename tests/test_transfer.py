@@ -13,6 +13,7 @@ import itertools
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple, Optional
 
@@ -46,15 +47,33 @@ class Pair(NamedTuple):
 
 @pytest.fixture(scope="module")
 def pairs() -> Iterator[dict[str, tuple[Peer, Peer]]]:
-    """One linked pair of processes per event loop kind, shared by the module."""
+    """One linked pair of processes per event loop kind, shared by the module:
+    on one host their bytes move by kernel copy; the "tcp" pair (asyncio) is
+    told to use sockets."""
     with PeerGroup() as group:
         made = {}
-        for loop in ["asyncio"] + (["uvloop"] if HAVE_UVLOOP else []):
-            a = group.start(f"a-{loop}", dd.LLMRole.PROMPT, A, loop=loop)
-            b = group.start(f"b-{loop}", dd.LLMRole.DECODER, B, loop=loop)
+        for name in ["asyncio", "tcp"] + (["uvloop"] if HAVE_UVLOOP else []):
+            loop = "asyncio" if name == "tcp" else name
+            options = {"transport": "tcp"} if name == "tcp" else {}
+            a = group.start(f"a-{name}", dd.LLMRole.PROMPT, A, loop=loop, options=options)
+            b = group.start(f"b-{name}", dd.LLMRole.DECODER, B, loop=loop, options=options)
             assert a.link(b) == (SUCCESS, [SUCCESS])
-            made[loop] = (a, b)
+            path = "tcp" if name == "tcp" else "same_host"
+            assert a.datadist("link_transport", B) == path
+            assert wait_for_path(b, A, path)
+            made[name] = (a, b)
         yield made
+
+
+def wait_for_path(peer: Peer, other: int, path: str, seconds: float = 5.0) -> bool:
+    """True once ``peer`` reports ``path`` toward ``other``: the accepting end
+    learns that it may use the same-host path from the link's first frame."""
+    deadline = time.monotonic() + seconds
+    while peer.datadist("link_transport", other) != path:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def _pair(pairs: dict[str, tuple[Peer, Peer]], loop: str, via: str) -> Iterator[Pair]:
@@ -69,6 +88,7 @@ def _pair(pairs: dict[str, tuple[Peer, Peer]], loop: str, via: str) -> Iterator[
         pytest.param(("asyncio", "sync"), id="sync"),
         pytest.param(("asyncio", "async"), id="asyncio"),
         pytest.param(("uvloop", "async"), id="uvloop", marks=pytest.mark.skipif(not HAVE_UVLOOP, reason="no uvloop")),
+        pytest.param(("tcp", "async"), id="tcp"),
     ]
 )
 def pair(request, pairs) -> Iterator[Pair]:

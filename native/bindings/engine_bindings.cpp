@@ -167,6 +167,14 @@ void bind_engine(py::module_ &m) {
           },
           py::arg("dst"), py::arg("src"), py::arg("pairs"))
       .def_property_readonly("listen_port", &Engine::listen_port)
+      .def(
+          "link_transport",
+          [](const Engine &e, uint64_t peer) {
+            std::string name;
+            const Status st = e.link_transport(peer, name);
+            return std::make_pair(static_cast<uint32_t>(st), name);
+          },
+          py::arg("peer"))
       .def("create_request", &Engine::create_request, py::arg("num_results"))
       .def(
           "transfer_step",

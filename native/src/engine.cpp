@@ -42,6 +42,7 @@ Status Engine::initialize(const OptionMap &options) {
   }
   TransportOptions transport_options;
   transport_options.connections_per_peer = parsed.tcp_connections_per_peer;
+  transport_options.same_host = parsed.same_host;
   auto transport = std::make_unique<TcpTransport>(cluster_id_, role_code(parsed.role), registry_, transport_options);
   if (parsed.listen_ip) {
     st = transport->listen(*parsed.listen_ip, parsed.listen_port);
@@ -202,6 +203,15 @@ Status Engine::copy_blocks(const CacheView &dst_view, const CacheView &src_view,
 uint16_t Engine::listen_port() const {
   std::shared_lock<std::shared_mutex> lock(state_mu_);
   return state_ == State::kReady ? transport_->listen_port() : 0;
+}
+
+Status Engine::link_transport(uint64_t peer, std::string &out) const {
+  std::shared_lock<std::shared_mutex> lock(state_mu_);
+  if (state_ != State::kReady) return LLM_FAILED;
+  const char *name = transport_->link_transport(peer);
+  if (name == nullptr) return llm_datadist::LLM_NOT_YET_LINK;
+  out = name;
+  return LLM_SUCCESS;
 }
 
 Status Engine::link_clusters(const std::vector<LinkTarget> &targets, int timeout_ms, std::vector<Status> &rets) {

@@ -113,6 +113,9 @@ class Engine {
   // Links. Statuses per target, in order; the return is LLM_SUCCESS only if
   // every one succeeded.
   uint16_t listen_port() const;
+  // How operations started here toward `peer` move their bytes: "same_host"
+  // or "tcp"; LLM_NOT_YET_LINK without a link.
+  Status link_transport(uint64_t peer, std::string &out) const;
   Status link_clusters(const std::vector<LinkTarget> &targets, int timeout_ms, std::vector<Status> &rets);
   Status unlink_clusters(const std::vector<uint64_t> &peers, bool force, int timeout_ms, std::vector<Status> &rets);
   // New role and listening state: listens on `listen_ip:listen_port` when

@@ -202,6 +202,12 @@ Status LlmDataDist::LinkLlmClusters(const std::vector<ClusterInfo> &clusters, st
   return LLM_SUCCESS;
 }
 
+Status LlmDataDist::GetLinkTransport(uint64_t remote_cluster_id, std::string &transport) const {
+  Engine *engine = impl_->ready();
+  if (engine == nullptr) return LLM_FAILED;
+  return engine->link_transport(remote_cluster_id, transport);
+}
+
 Status LlmDataDist::UnlinkLlmClusters(const std::vector<ClusterInfo> &clusters, std::vector<Status> &rets,
                                       int32_t timeout_in_millis, bool force_flag) {
   Engine *engine = impl_->ready();

@@ -155,6 +155,10 @@ Status parse_options(const OptionMap &options, EngineOptions &out) {
     if (!parse_uint(*conns, 64, value) || value == 0) return LLM_PARAM_INVALID;
     out.tcp_connections_per_peer = static_cast<uint32_t>(value);
   }
+  if (const std::string *transport = find(options, kOptTransport)) {
+    if (*transport != "auto" && *transport != "tcp") return LLM_PARAM_INVALID;
+    out.same_host = *transport == "auto";
+  }
   if (parse_listen(options, out.listen_ip, out.listen_port) != LLM_SUCCESS) return LLM_PARAM_INVALID;
   if (const std::string *rca = find(options, kOptRemoteCacheAccessible)) {
     if (*rca != "0" && *rca != "1") return LLM_PARAM_INVALID;

@@ -25,6 +25,8 @@ inline constexpr const char *kOptRemoteCacheAccessible = "llm.EnableRemoteCacheA
 inline constexpr const char *kOptListenIp = "llm.ListenIp";
 inline constexpr const char *kOptListenPort = "llm.ListenPort";
 inline constexpr const char *kOptTcpConnections = "llm.TcpConnectionsPerPeer";
+// "auto" (default): kernel copies with peers on this host where allowed; "tcp": sockets only.
+inline constexpr const char *kOptTransport = "llm.Transport";
 
 struct EngineOptions {
   std::string role = "Prompt";
@@ -36,6 +38,7 @@ struct EngineOptions {
   std::optional<std::string> listen_ip;
   uint16_t listen_port = 0;
   uint32_t tcp_connections_per_peer = 2;
+  bool same_host = true;  // llm.Transport "auto"
 };
 
 // Role names as options spell them: "Prompt" 1, "Decoder" 2, "Mix" 3; 0 if unknown.

@@ -1,5 +1,8 @@
 // LlmDataDist: LinkLlmClusters, UnlinkLlmClusters and SetRole between two
 // instances of one process over loopback.
+#include <chrono>
+#include <thread>
+
 #include "test_support.h"
 
 namespace dd_test {
@@ -29,7 +32,24 @@ class LinkTest : public LinkedPairTest {
   HostCache client_cache_{2, 4, 32, 22};
 };
 
+// The path each end reports once the link's first frame (the announcement
+// that the initiator reaches the acceptor's memory) has been read.
+std::string SettledTransport(const LlmDataDist &from, uint64_t peer, const std::string &want) {
+  std::string path;
+  for (int i = 0; i < 500; ++i) {
+    if (from.GetLinkTransport(peer, path) == LLM_SUCCESS && path == want) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return path;
+}
+
 TEST_F(LinkTest, LinkedPairMovesDataBothWays) {
+  // Two instances of one process share a host: kernel copies, both ways.
+  std::string path;
+  ASSERT_STATUS(LLM_SUCCESS, client_->GetLinkTransport(kServerId, path));
+  EXPECT_EQ(path, "same_host");
+  EXPECT_EQ(SettledTransport(*server_, kClientId, "same_host"), "same_host");
+  EXPECT_STATUS(LLM_NOT_YET_LINK, client_->GetLinkTransport(kUnlinkedId, path));
   Bytes server_expected = server_cache_.Snapshot();
   ApplyUnits(server_expected, client_cache_.Snapshot(), 32, LayerPairs(0, 0, 1), 2, {0}, {1});
   ASSERT_STATUS(LLM_SUCCESS, ClientPush());
@@ -39,6 +59,33 @@ TEST_F(LinkTest, LinkedPairMovesDataBothWays) {
   ApplyUnits(client_expected, server_cache_.Snapshot(), 32, LayerPairs(0, 0, 1), 2, {2}, {3});
   ASSERT_STATUS(LLM_SUCCESS, ServerPush());
   EXPECT_TRUE(SameBytes(client_cache_.Snapshot(), client_expected));
+}
+
+// OPTION_TRANSPORT "tcp" on either end keeps the link's bytes on sockets.
+class TcpLinkTest : public LinkTest {
+ protected:
+  Options ClientOptions() const override { return {{OPTION_TRANSPORT, "tcp"}}; }
+};
+
+TEST_F(TcpLinkTest, LinkedPairMovesDataBothWaysOverTcp) {
+  std::string path;
+  ASSERT_STATUS(LLM_SUCCESS, client_->GetLinkTransport(kServerId, path));
+  EXPECT_EQ(path, "tcp");
+  ASSERT_STATUS(LLM_SUCCESS, server_->GetLinkTransport(kClientId, path));
+  EXPECT_EQ(path, "tcp");
+  Bytes server_expected = server_cache_.Snapshot();
+  ApplyUnits(server_expected, client_cache_.Snapshot(), 32, LayerPairs(0, 0, 1), 2, {0}, {1});
+  ASSERT_STATUS(LLM_SUCCESS, ClientPush());
+  EXPECT_TRUE(SameBytes(server_cache_.Snapshot(), server_expected));
+  Bytes client_expected = client_cache_.Snapshot();
+  ApplyUnits(client_expected, server_cache_.Snapshot(), 32, LayerPairs(0, 0, 1), 2, {2}, {3});
+  ASSERT_STATUS(LLM_SUCCESS, ServerPush());
+  EXPECT_TRUE(SameBytes(client_cache_.Snapshot(), client_expected));
+}
+
+TEST_F(LinkTest, BadTransportOptionIsParamInvalid) {
+  LlmDataDist other(303, LlmRole::kPrompt);
+  EXPECT_STATUS(LLM_PARAM_INVALID, other.Initialize({{OPTION_TRANSPORT, "shm"}}));
 }
 
 TEST_F(LinkTest, SecondLinkIsAlreadyLink) {

@@ -46,6 +46,9 @@ constexpr const char OPTION_LOCAL_COMM_RES[] = "llm.LocalCommRes";
 // Options of this implementation.
 constexpr const char OPTION_HOST_MEM_POOL_CFG[] = "llm.HostMemPoolConfig";  // {"memory_size": N} for AllocateCache
 constexpr const char OPTION_TCP_CONNECTIONS_PER_PEER[] = "llm.TcpConnectionsPerPeer";
+// "auto" (default): peers on the same host move bytes by kernel copy where
+// the kernel allows it; "tcp": sockets only.
+constexpr const char OPTION_TRANSPORT[] = "llm.Transport";
 
 constexpr uint32_t kDefaultTensorNumPerLayer = 2;
 constexpr uint32_t kMaxRegisterAddrs = 240;
@@ -138,6 +141,10 @@ class LlmDataDist {
                          int32_t timeout_in_millis = 1000);
   Status UnlinkLlmClusters(const std::vector<ClusterInfo> &clusters, std::vector<Status> &rets,
                            int32_t timeout_in_millis = 1000, bool force_flag = false);
+  // Not upstream: how transfers started here toward a linked cluster move
+  // their bytes, "same_host" or "tcp" (see OPTION_TRANSPORT);
+  // LLM_NOT_YET_LINK without a link.
+  Status GetLinkTransport(uint64_t remote_cluster_id, std::string &transport) const;
 
   // Registers caller memory as a cache usable both by batch slot and by
   // block (dimension 0 of the shape); peers may read and write it.

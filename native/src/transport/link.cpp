@@ -3,6 +3,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstring>
 
 #include "log.h"
@@ -16,8 +17,16 @@ using llm_datadist::LLM_TIMEOUT;
 using wire::FrameHeader;
 using wire::FrameType;
 
-Link::Link(uint64_t peer_id, uint32_t peer_role, bool initiated_here, std::vector<int> fds, LinkHost *host)
-    : peer_id_(peer_id), peer_role_(peer_role), initiated_here_(initiated_here), host_(host) {
+Link::Link(uint64_t peer_id, uint32_t peer_role, bool initiated_here, std::vector<int> fds, LinkHost *host,
+           LinkPaths paths)
+    : peer_id_(peer_id),
+      peer_role_(peer_role),
+      initiated_here_(initiated_here),
+      host_(host),
+      offered_same_host_(paths.offered),
+      announce_copies_(paths.announce && paths.peer_memory != nullptr),
+      peer_copies_(paths.offered && paths.peer_copies),
+      peer_memory_(std::move(paths.peer_memory)) {
   for (int fd : fds) {
     auto conn = std::make_unique<Connection>();
     conn->fd = fd;
@@ -36,6 +45,12 @@ void Link::start() {
   // Under the lock, so reap() either joins every thread or none was started.
   std::lock_guard<std::mutex> lock(mu_);
   if (reaping_ || is_down()) return;
+  if (announce_copies_) {
+    // Before any thread runs, so it is the first frame the peer reads.
+    OutFrame hello;
+    hello.header = wire::make_header(FrameType::kPeerCopies, 0, 0, 0);
+    conns_[0]->queue.push_back(std::move(hello));
+  }
   for (auto &conn : conns_) {
     Connection *c = conn.get();
     c->reader = std::thread([self, c] { self->reader_loop(*c); });
@@ -101,9 +116,23 @@ void Link::submit(bool write, std::vector<PlannedFrame> frames, const std::share
     OutFrame out;
     uint64_t data_len = 0;
     for (const wire::Range &r : planned.ranges) data_len += r.length;
-    out.body = wire::encode_request(planned.target, planned.ranges, planned.bounds);
-    out.header = wire::make_header(write ? FrameType::kWrite : FrameType::kRead, 0,
-                                   static_cast<uint32_t>(out.body.size()), write ? data_len : 0);
+    // Same-host: the peer copies the bytes, so the frame names this end's
+    // memory instead of carrying it. A frame whose segment table would not
+    // fit a body goes over TCP.
+    bool same_host = peer_copies_.load(std::memory_order_acquire) &&
+                     sizeof(wire::Target) + planned.ranges.size() * (sizeof(wire::Range) + sizeof(wire::Segment)) +
+                             planned.bounds.size() * sizeof(wire::Range) <=
+                         wire::kMaxBodyBytes;
+    std::vector<wire::Segment> segments;
+    if (same_host) {
+      segments.reserve(planned.local.size());
+      for (const iovec &v : planned.local) segments.push_back({reinterpret_cast<uintptr_t>(v.iov_base), v.iov_len});
+    }
+    out.body = wire::encode_request(planned.target, planned.ranges, planned.bounds, segments);
+    const FrameType type = same_host ? (write ? FrameType::kWriteFrom : FrameType::kReadInto)
+                                     : (write ? FrameType::kWrite : FrameType::kRead);
+    out.header = wire::make_header(type, 0, static_cast<uint32_t>(out.body.size()),
+                                   write && !same_host ? data_len : 0);
     out.pin = pin;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -117,13 +146,13 @@ void Link::submit(bool write, std::vector<PlannedFrame> frames, const std::share
       op.result_index = result_index;
       op.deadline = deadline;
       op.pin = pin;
-      if (!write) {
+      if (!write && !same_host) {
         op.recv = std::move(planned.local);
         op.recv_bytes = data_len;
       }
     }
     out.header.op_id = out.op_id;
-    if (write) out.data = std::move(planned.local);
+    if (write && !same_host) out.data = std::move(planned.local);
     const uint64_t group = planned.target.group;
     enqueue(group != 0 ? *conns_[group % conns_.size()] : next_connection(), std::move(out));
   }
@@ -289,6 +318,25 @@ bool Link::handle_frame(Connection &conn, const FrameHeader &header, std::vector
       }
       return !is_down();
     }
+    case FrameType::kWriteFrom:
+    case FrameType::kReadInto: {
+      wire::Request req;
+      std::string problem = wire::decode_request(body, req, true);
+      if (problem.empty() && !peer_memory_) problem = "same-host frame, but this end cannot reach the peer's memory";
+      if (!problem.empty()) {
+        fail(LLM_LINK_FAILED, "malformed request from the peer (" + problem + "); closing the link");
+        return false;
+      }
+      serve_peer_copy(conn, header, req, type == FrameType::kWriteFrom);
+      return !is_down();
+    }
+    case FrameType::kPeerCopies:
+      if (!offered_same_host_ || !body.empty()) {
+        fail(LLM_LINK_FAILED, "unexpected same-host announcement from the peer; closing the link");
+        return false;
+      }
+      peer_copies_.store(true, std::memory_order_release);
+      return true;
     case FrameType::kWriteAck:
     case FrameType::kReadData:
     case FrameType::kLookupReply:
@@ -316,11 +364,14 @@ Status Link::resolve_in_group(const wire::Request &req, ResolvedTarget &target) 
     if (refused_groups_.count(group) != 0) return llm_datadist::LLM_FAILED;
   }
   Status st = resolve_request(host_->registry(), req, target);
-  if (st != LLM_SUCCESS && group != 0) {
-    std::lock_guard<std::mutex> lock(mu_);
-    refused_groups_.insert(group);
-  }
+  if (st != LLM_SUCCESS) refuse_group(group);
   return st;
+}
+
+void Link::refuse_group(uint64_t group) {
+  if (group == 0) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  refused_groups_.insert(group);
 }
 
 void Link::serve_write(Connection &conn, const FrameHeader &header, const wire::Request &req) {
@@ -342,16 +393,50 @@ void Link::serve_read(Connection &conn, const FrameHeader &header, const wire::R
   Status st = resolve_in_group(req, target);
   OutFrame out;
   out.header = wire::make_header(FrameType::kReadData, header.op_id, 0, st == LLM_SUCCESS ? req.total_bytes : 0, st);
-  if (st == LLM_SUCCESS && (req.target.flags & wire::kReleaseKey) != 0) {
-    std::vector<uint32_t> tensors;
-    for (const wire::Range &r : req.ranges) tensors.push_back(r.tensor);
-    host_->registry().note_pulled({req.target.req_id, req.target.model_id, req.target.prefix_id}, tensors);
-  }
+  if (st == LLM_SUCCESS) note_read(req);
   if (st == LLM_SUCCESS) {
     out.data = std::move(target.iov);
     out.pin = std::make_shared<std::vector<std::shared_ptr<CacheEntry>>>(std::move(target.pins));
   }
   enqueue(conn, std::move(out));
+}
+
+void Link::note_read(const wire::Request &req) {
+  if ((req.target.flags & wire::kReleaseKey) == 0) return;
+  std::vector<uint32_t> tensors;
+  for (const wire::Range &r : req.ranges) tensors.push_back(r.tensor);
+  host_->registry().note_pulled({req.target.req_id, req.target.model_id, req.target.prefix_id}, tensors);
+}
+
+void Link::serve_peer_copy(Connection &conn, const FrameHeader &header, const wire::Request &req, bool write) {
+  ResolvedTarget target;
+  Status st = resolve_in_group(req, target);
+  // The peer's own ranges, checked before any byte moves: a write reads
+  // them, a read writes them.
+  if (st == LLM_SUCCESS && !peer_memory_->mapped(req.segments, !write)) {
+    log_warning("link to cluster " + std::to_string(peer_id_) + ": refused a same-host " +
+                (write ? "write whose source" : "read whose destination") + " is not mapped in the peer");
+    st = llm_datadist::LLM_PARAM_INVALID;
+    refuse_group(req.target.group);
+  }
+  if (st == LLM_SUCCESS) {
+    const int error = same_host::copy_pairs(*peer_memory_, host_->copy_pool(), target.iov, req.segments, write);
+    if (error == ESRCH) {
+      fail(LLM_LINK_FAILED, "the peer process is gone");
+      return;
+    }
+    if (error != 0) {
+      // The peer's memory changed under the copy: its own operation fails.
+      log_warning("link to cluster " + std::to_string(peer_id_) + ": a same-host copy failed: " +
+                  std::strerror(error));
+      st = llm_datadist::LLM_PARAM_INVALID;
+      refuse_group(req.target.group);
+    }
+  }
+  if (st == LLM_SUCCESS && !write) note_read(req);
+  OutFrame answer;
+  answer.header = wire::make_header(write ? FrameType::kWriteAck : FrameType::kReadData, header.op_id, 0, 0, st);
+  enqueue(conn, std::move(answer));
 }
 
 void Link::serve_lookup(Connection &conn, const FrameHeader &header, const wire::Request &req) {

@@ -28,6 +28,7 @@
 
 #include "registry.h"
 #include "request.h"
+#include "transport/same_host.h"
 #include "transport/target_resolver.h"
 #include "transport/wire.h"
 
@@ -46,6 +47,22 @@ class LinkHost {
   virtual void link_down(const std::shared_ptr<Link> &link) = 0;
   // The peer unlinks: forget the link now (it closes right after).
   virtual void detach(const std::shared_ptr<Link> &link) = 0;
+  // Threads that share large same-host copies.
+  virtual same_host::CopyPool &copy_pool() = 0;
+};
+
+// How a link's bytes move, as its handshake settled it.
+struct LinkPaths {
+  // This end offered the same-host path (the peer may reach its memory).
+  bool offered = false;
+  // The peer reaches this end's memory: operations started here go as
+  // same-host frames, the peer copying their bytes.
+  bool peer_copies = false;
+  // Set when this end reaches the peer's memory: it serves the peer's
+  // same-host frames with kernel copies. `announce`: the peer does not know
+  // yet, and is told by the link's first frame.
+  std::shared_ptr<same_host::PeerMemory> peer_memory;
+  bool announce = false;
 };
 
 // One frame of an operation, planned by the initiator.
@@ -58,7 +75,8 @@ struct PlannedFrame {
 
 class Link : public std::enable_shared_from_this<Link> {
  public:
-  Link(uint64_t peer_id, uint32_t peer_role, bool initiated_here, std::vector<int> fds, LinkHost *host);
+  Link(uint64_t peer_id, uint32_t peer_role, bool initiated_here, std::vector<int> fds, LinkHost *host,
+       LinkPaths paths = {});
   ~Link();
   Link(const Link &) = delete;
   Link &operator=(const Link &) = delete;
@@ -68,6 +86,9 @@ class Link : public std::enable_shared_from_this<Link> {
   uint32_t peer_role() const { return peer_role_; }
   bool initiated_here() const { return initiated_here_; }
   bool is_down() const { return down_.load(std::memory_order_acquire); }
+  // How operations started here move their bytes: "same_host" (the peer
+  // copies them with one kernel call) or "tcp".
+  const char *transport() const { return peer_copies_.load(std::memory_order_acquire) ? "same_host" : "tcp"; }
 
   // Sends the frames of one operation; each settles `result_index` of
   // `request` (one hold per frame is taken here). `pin` stays alive until
@@ -154,11 +175,16 @@ class Link : public std::enable_shared_from_this<Link> {
   void serve_write(Connection &conn, const wire::FrameHeader &header, const wire::Request &req);
   void serve_read(Connection &conn, const wire::FrameHeader &header, const wire::Request &req);
   void serve_lookup(Connection &conn, const wire::FrameHeader &header, const wire::Request &req);
+  // A read through a key was served: the owner releases the key once every tensor was read.
+  void note_read(const wire::Request &req);
+  // A same-host write (copy from the peer) or read (copy into the peer).
+  void serve_peer_copy(Connection &conn, const wire::FrameHeader &header, const wire::Request &req, bool write);
   bool take_answer(const wire::FrameHeader &header, std::vector<uint8_t> &body, Connection &conn);
   // Sends a body-less question frame and waits for its answer.
   Status ask(wire::FrameType type, const std::vector<uint8_t> &body, int timeout_ms, wire::LookupReply *reply);
   // resolve_request, refusing the rest of a group once one of it was refused.
   Status resolve_in_group(const wire::Request &req, ResolvedTarget &target);
+  void refuse_group(uint64_t group);
   // Marks a side of an open operation done; settles it when both are.
   void mark(uint64_t op_id, bool sent, bool answered, Status status, bool skipped = false);
   void settle(OpenOp &op);
@@ -167,6 +193,10 @@ class Link : public std::enable_shared_from_this<Link> {
   const uint32_t peer_role_;
   const bool initiated_here_;
   LinkHost *host_;
+  const bool offered_same_host_;
+  const bool announce_copies_;
+  std::atomic<bool> peer_copies_;
+  const std::shared_ptr<same_host::PeerMemory> peer_memory_;
   std::vector<std::unique_ptr<Connection>> conns_;
   std::atomic<bool> down_{false};
   std::atomic<bool> closing_{false};  // this end asked the peer to unlink

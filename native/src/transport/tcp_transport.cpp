@@ -35,19 +35,29 @@ uint64_t new_nonce() {
   return gen();
 }
 
-bool send_frame(int fd, FrameType type, const void *body, uint32_t body_len, Status status = LLM_SUCCESS) {
-  FrameHeader header = wire::make_header(type, 0, body_len, 0, status);
-  iovec iov[2] = {{&header, sizeof(header)}, {const_cast<void *>(body), body_len}};
-  return net::writev_full(fd, iov, body_len ? 2 : 1);
+// Sends a handshake frame: `body`, then `info` when given (the body's flags
+// then offer the same-host path).
+template <typename T>
+bool send_hello(int fd, FrameType type, const T &body, const wire::SameHostInfo *info, Status status = LLM_SUCCESS) {
+  const uint32_t info_len = info != nullptr ? sizeof(*info) : 0;
+  FrameHeader header = wire::make_header(type, 0, sizeof(T) + info_len, 0, status);
+  iovec iov[3] = {{&header, sizeof(header)},
+                  {const_cast<T *>(&body), sizeof(T)},
+                  {const_cast<wire::SameHostInfo *>(info), info_len}};
+  return net::writev_full(fd, iov, info != nullptr ? 3 : 2);
 }
 
-// Reads a handshake frame of type `type` whose body is exactly sizeof(T).
+// Reads a handshake frame of type `type`: a T, then a SameHostInfo exactly
+// when the T's flags offer the same-host path.
 template <typename T>
-bool recv_frame(int fd, FrameType type, FrameHeader &header, T &body) {
+bool recv_hello(int fd, FrameType type, FrameHeader &header, T &body, wire::SameHostInfo &info) {
   if (!net::read_full(fd, &header, sizeof(header))) return false;
   if (!wire::check_header(header).empty() || header.type != static_cast<uint16_t>(type)) return false;
-  if (header.body_len != sizeof(T)) return false;
-  return net::read_full(fd, &body, sizeof(T));
+  if (header.body_len != sizeof(T) && header.body_len != sizeof(T) + sizeof(info)) return false;
+  if (!net::read_full(fd, &body, sizeof(T))) return false;
+  const bool offers = (body.flags & wire::kOffersSameHost) != 0;
+  if (header.body_len != sizeof(T) + (offers ? sizeof(info) : 0)) return false;
+  return !offers || net::read_full(fd, &info, sizeof(info));
 }
 
 void close_all(const std::vector<int> &fds) {
@@ -121,7 +131,8 @@ void TcpTransport::accept_one(int fd) {
   net::set_receive_timeout(fd, kHandshakeTimeoutMs);
   FrameHeader header;
   wire::Hello hello;
-  if (!recv_frame(fd, FrameType::kHello, header, hello) || hello.conn_count == 0 ||
+  wire::SameHostInfo info{};
+  if (!recv_hello(fd, FrameType::kHello, header, hello, info) || hello.conn_count == 0 ||
       hello.conn_count > kMaxConnections || hello.conn_index >= hello.conn_count) {
     log_warning("refused a connection: no valid handshake");
     ::close(fd);
@@ -129,7 +140,7 @@ void TcpTransport::accept_one(int fd) {
   }
   if (hello.expected_peer_id != cluster_id_) {
     wire::HelloAck ack{cluster_id_, role_.load(), 0};
-    send_frame(fd, FrameType::kHelloAck, &ack, sizeof(ack), LLM_LINK_FAILED);
+    send_hello(fd, FrameType::kHelloAck, ack, nullptr, LLM_LINK_FAILED);
     ::close(fd);
     return;
   }
@@ -142,6 +153,8 @@ void TcpTransport::accept_one(int fd) {
       forming.fds.assign(hello.conn_count, -1);
       forming.started = Clock::now();
       forming.role = hello.role;
+      forming.offers_same_host = (hello.flags & wire::kOffersSameHost) != 0;
+      forming.same_host = info;
     }
     if (forming.fds.size() != hello.conn_count || forming.fds[hello.conn_index] >= 0) {
       ::close(fd);
@@ -175,13 +188,22 @@ void TcpTransport::admit(uint64_t peer_id, uint64_t nonce) {
   if (replaced) replaced->fail(LLM_LINK_FAILED, "replaced by a new link from the same cluster");
   wire::HelloAck ack{cluster_id_, role_.load(), 0};
   if (st != LLM_SUCCESS) {
-    for (int fd : forming.fds) send_frame(fd, FrameType::kHelloAck, &ack, sizeof(ack), st);
+    for (int fd : forming.fds) send_hello(fd, FrameType::kHelloAck, ack, nullptr, st);
     close_all(forming.fds);
     return;
   }
+  // Both ends want the same-host path: this end offers its own memory and
+  // says whether it reached the initiator's.
+  LinkPaths paths;
+  paths.offered = options_.same_host && forming.offers_same_host;
+  if (paths.offered) {
+    paths.peer_memory = reach(peer_id, forming.same_host);
+    ack.flags = wire::kOffersSameHost | (paths.peer_memory ? uint32_t{wire::kCopiesForYou} : 0u);
+  }
+  const wire::SameHostInfo *offer = paths.offered ? &same_host::local_info() : nullptr;
   // Known before the initiator hears back, so its link_clusters returns with
   // both ends in place.
-  auto link = std::make_shared<Link>(peer_id, forming.role, false, forming.fds, this);
+  auto link = std::make_shared<Link>(peer_id, forming.role, false, forming.fds, this, paths);
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return;  // the unstarted link closes its sockets
@@ -189,7 +211,7 @@ void TcpTransport::admit(uint64_t peer_id, uint64_t nonce) {
     made_.push_back(link);
   }
   bool sent = true;
-  for (int fd : forming.fds) sent = send_frame(fd, FrameType::kHelloAck, &ack, sizeof(ack)) && sent;
+  for (int fd : forming.fds) sent = send_hello(fd, FrameType::kHelloAck, ack, offer) && sent;
   if (!sent) {
     link->fail(LLM_LINK_FAILED, "the initiator went away during the handshake");
     return;
@@ -223,10 +245,15 @@ Status TcpTransport::link(uint64_t peer_id, const std::string &ip, uint16_t port
     }
     fds.push_back(fd);
     net::tune_data_socket(fd, options_.user_timeout_ms);
-    wire::Hello hello{cluster_id_, peer_id, nonce, role_.load(), i, count, 0};
-    if (!send_frame(fd, FrameType::kHello, &hello, sizeof(hello))) st = LLM_LINK_FAILED;
+    wire::Hello hello{cluster_id_, peer_id, nonce, role_.load(), i, count,
+                      options_.same_host ? wire::kOffersSameHost : 0u};
+    if (!send_hello(fd, FrameType::kHello, hello, options_.same_host ? &same_host::local_info() : nullptr)) {
+      st = LLM_LINK_FAILED;
+    }
   }
   uint32_t peer_role = 0;
+  uint32_t peer_flags = 0;
+  wire::SameHostInfo peer_info{};
   for (size_t i = 0; i < fds.size() && st == LLM_SUCCESS; ++i) {
     const int left = remaining();
     if (left == 0) {
@@ -235,8 +262,8 @@ Status TcpTransport::link(uint64_t peer_id, const std::string &ip, uint16_t port
     }
     net::set_receive_timeout(fds[i], left);
     FrameHeader header;
-    wire::HelloAck ack;
-    if (!recv_frame(fds[i], FrameType::kHelloAck, header, ack)) {
+    wire::HelloAck ack{};
+    if (!recv_hello(fds[i], FrameType::kHelloAck, header, ack, peer_info)) {
       st = (errno == EAGAIN || errno == EWOULDBLOCK) ? LLM_TIMEOUT : LLM_LINK_FAILED;
     } else if (header.status != LLM_SUCCESS) {
       st = header.status;
@@ -244,6 +271,16 @@ Status TcpTransport::link(uint64_t peer_id, const std::string &ip, uint16_t port
       st = LLM_LINK_FAILED;
     }
     peer_role = ack.role;
+    peer_flags = ack.flags;
+  }
+  // The peer offered its memory in return: probe it, and tell it (first
+  // frame of the link) when reached.
+  LinkPaths paths;
+  if (st == LLM_SUCCESS && options_.same_host && (peer_flags & wire::kOffersSameHost) != 0) {
+    paths.offered = true;
+    paths.peer_copies = (peer_flags & wire::kCopiesForYou) != 0;
+    paths.peer_memory = reach(peer_id, peer_info);
+    paths.announce = true;
   }
   std::shared_ptr<Link> link;
   {
@@ -252,7 +289,7 @@ Status TcpTransport::link(uint64_t peer_id, const std::string &ip, uint16_t port
     if (st == LLM_SUCCESS && stopping_) st = llm_datadist::LLM_FAILED;
     if (st == LLM_SUCCESS) {
       for (int fd : fds) net::set_receive_timeout(fd, 0);
-      link = std::make_shared<Link>(peer_id, peer_role, true, fds, this);
+      link = std::make_shared<Link>(peer_id, peer_role, true, fds, this, paths);
       links_[peer_id] = link;
       made_.push_back(link);
     }
@@ -284,6 +321,28 @@ void TcpTransport::detach(const std::shared_ptr<Link> &link) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = links_.find(link->peer_id());
   if (it != links_.end() && it->second == link) links_.erase(it);
+}
+
+std::shared_ptr<same_host::PeerMemory> TcpTransport::reach(uint64_t peer_id, const wire::SameHostInfo &info) {
+  std::string why;
+  switch (same_host::probe(info, why)) {
+    case same_host::Probe::kReachable:
+      return std::make_shared<same_host::PeerMemory>(static_cast<pid_t>(info.pid));
+    case same_host::Probe::kRefused:
+      if (!refusal_logged_.exchange(true)) {
+        log_warning("the kernel refuses copies between this process and cluster " + std::to_string(peer_id) +
+                    " on the same host (" + why +
+                    "; ptrace rules, seccomp, a container or another user); such links move their bytes over TCP");
+      }
+      return nullptr;
+    default:
+      return nullptr;
+  }
+}
+
+const char *TcpTransport::link_transport(uint64_t peer_id) const {
+  std::shared_ptr<Link> link = find(peer_id);
+  return link ? link->transport() : nullptr;
 }
 
 std::shared_ptr<Link> TcpTransport::find(uint64_t peer_id) const {

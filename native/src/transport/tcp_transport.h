@@ -26,6 +26,8 @@ namespace datadist {
 struct TransportOptions {
   uint32_t connections_per_peer = 2;
   unsigned user_timeout_ms = 10000;
+  // Offer the same-host path (kernel copies) to peers on this host.
+  bool same_host = true;
 };
 
 class TcpTransport : public LinkHost {
@@ -46,6 +48,8 @@ class TcpTransport : public LinkHost {
   // and the call waits (up to timeout_ms) until it has.
   Status unlink(uint64_t peer_id, bool force, int timeout_ms);
   std::shared_ptr<Link> find(uint64_t peer_id) const;
+  // The peer's path as Link::transport() names it; nullptr without a link.
+  const char *link_transport(uint64_t peer_id) const;
   size_t link_count() const;
   void set_role(uint32_t role) { role_ = role; }
 
@@ -57,11 +61,14 @@ class TcpTransport : public LinkHost {
   Registry &registry() override { return registry_; }
   void link_down(const std::shared_ptr<Link> &link) override;
   void detach(const std::shared_ptr<Link> &link) override;
+  same_host::CopyPool &copy_pool() override { return copy_pool_; }
 
  private:
   struct Forming {
     std::vector<int> fds;
     uint32_t role = 0;
+    bool offers_same_host = false;
+    wire::SameHostInfo same_host{};
     size_t arrived = 0;
     Clock::time_point started;
   };
@@ -69,6 +76,9 @@ class TcpTransport : public LinkHost {
   void accept_loop(int listen_fd);
   void accept_one(int fd);
   void admit(uint64_t peer_id, uint64_t nonce);
+  // Probes a peer that offered the same-host path; the memory to serve its
+  // same-host frames with, or nullptr when it cannot be reached.
+  std::shared_ptr<same_host::PeerMemory> reach(uint64_t peer_id, const wire::SameHostInfo &info);
   void housekeeping_loop();
   void reap_down_links();
   void reap(const std::vector<std::shared_ptr<Link>> &links);
@@ -77,6 +87,8 @@ class TcpTransport : public LinkHost {
   std::atomic<uint32_t> role_;
   Registry &registry_;
   const TransportOptions options_;
+  same_host::CopyPool copy_pool_;
+  std::atomic<bool> refusal_logged_{false};  // the kernel refused same-host copies
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

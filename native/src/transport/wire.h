@@ -40,6 +40,15 @@ enum class FrameType : uint16_t {
   kLookupReply = 8,
   kUnlink = 9,     // the initiator is going away; answered once the owner dropped the link
   kUnlinkAck = 10,
+  // Same-host operations: the body names the owner's ranges and, one per
+  // range, the initiator's own memory (Segment); no data follows. The owner
+  // copies with one kernel call: from the initiator's memory for kWriteFrom,
+  // into it for kReadInto. Answered by kWriteAck / kReadData without data.
+  kWriteFrom = 11,
+  kReadInto = 12,
+  // The sender can reach the receiver's memory: the receiver may send its
+  // operations as same-host frames from now on.
+  kPeerCopies = 13,
 };
 
 #pragma pack(push, 1)
@@ -54,6 +63,25 @@ struct FrameHeader {
 };
 static_assert(sizeof(FrameHeader) == 32, "header layout");
 
+// Who a process is on its host, for the same-host path: the kernel's boot
+// id, its pid, and where a probe buffer (kProbeMagic then a random token)
+// lies in its memory. A peer that reads the buffer back through the kernel
+// has proven that it runs on the same host and may reach this memory.
+struct SameHostInfo {
+  uint8_t boot_id[16];
+  uint64_t pid;
+  uint64_t probe_addr;
+  uint8_t probe[24];
+};
+static_assert(sizeof(SameHostInfo) == 56, "same-host info layout");
+
+enum HelloFlags : uint32_t {
+  kOffersSameHost = 1,  // a SameHostInfo follows the hello (or its ack)
+  kCopiesForYou = 2,    // ack only: the acceptor reached the initiator's memory
+};
+
+// A hello is followed by a SameHostInfo when its flags offer the same-host
+// path; the ack likewise.
 struct Hello {
   uint64_t cluster_id;
   uint64_t expected_peer_id;  // the id the initiator means to reach
@@ -61,15 +89,22 @@ struct Hello {
   uint32_t role;
   uint32_t conn_index;
   uint32_t conn_count;
-  uint32_t reserved;
+  uint32_t flags;
 };
 static_assert(sizeof(Hello) == 40, "hello layout");
 
 struct HelloAck {
   uint64_t cluster_id;
   uint32_t role;
-  uint32_t reserved;
+  uint32_t flags;
 };
+
+// The initiator's memory for one range of a same-host operation.
+struct Segment {
+  uint64_t addr;
+  uint64_t length;
+};
+static_assert(sizeof(Segment) == 16, "segment layout");
 
 // kRawAddress: each range's `offset` is an address in the owner's memory,
 // accepted only inside one tensor the owner registered (tensor, slot 0).
@@ -128,18 +163,23 @@ FrameHeader make_header(FrameType type, uint64_t op_id, uint32_t body_len, uint6
 std::string check_header(const FrameHeader &header);
 
 // A decoded request body: the target, its ranges and its bounds.
+// A decoded request body: the target, its ranges and its bounds, and for a
+// same-host frame the initiator's segment of each range.
 struct Request {
   Target target{};
   std::vector<Range> ranges;
   std::vector<Range> bounds;
+  std::vector<Segment> segments;
   uint64_t total_bytes = 0;
 };
 
-// Encodes a target, ranges and bounds into a body.
+// Encodes a target, ranges, bounds and (same-host frames) segments into a body.
 std::vector<uint8_t> encode_request(const Target &target, const std::vector<Range> &ranges,
-                                    const std::vector<Range> &bounds = {});
-// Empty string on success; otherwise why the body is malformed.
-std::string decode_request(const std::vector<uint8_t> &body, Request &out);
+                                    const std::vector<Range> &bounds = {},
+                                    const std::vector<Segment> &segments = {});
+// Empty string on success; otherwise why the body is malformed. A body with
+// `with_segments` must carry one segment per range, of the range's length.
+std::string decode_request(const std::vector<uint8_t> &body, Request &out, bool with_segments = false);
 
 }  // namespace datadist::wire
 

@@ -1,0 +1,113 @@
+// The same-host path: when two engines share a kernel and each may reach
+// the other's memory, the owner of a cache moves an operation's bytes with
+// one kernel copy (process_vm_readv / process_vm_writev) instead of TCP.
+// The owner still resolves and checks every one of its own ranges; the
+// initiator's ranges are checked against its mappings before a byte moves,
+// so a request naming memory the initiator does not have is refused with
+// nothing written.
+//
+// Threads: every function may be called from any thread. PeerMemory and
+// CopyPool are shared by a link's reader threads.
+#ifndef DATADIST_TRANSPORT_SAME_HOST_H_
+#define DATADIST_TRANSPORT_SAME_HOST_H_
+
+#include <sys/types.h>
+#include <sys/uio.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "llm_datadist/llm_error_codes.h"
+#include "transport/wire.h"
+
+namespace datadist::same_host {
+
+using llm_datadist::Status;
+
+// This process as its peers see it; the probe buffer lives as long as the
+// process. All zero boot id when the kernel's cannot be read (never same-host).
+const wire::SameHostInfo &local_info();
+
+enum class Probe {
+  kReachable,  // same kernel, and the peer's probe buffer read back intact
+  kOtherHost,  // another kernel boot: never tried
+  kRefused,    // the kernel refused the copy (EPERM): ptrace rules, seccomp, another user
+  kMismatch,   // no such process here, or its buffer was not where it said
+};
+
+// Tries to read `peer`'s probe buffer; `why` says what failed.
+Probe probe(const wire::SameHostInfo &peer, std::string &why);
+
+// A peer process's memory, reached by kernel copies. Its ranges are checked
+// against the readable (or writable) mappings the kernel lists for it; the
+// list is read once and read again when a range is not found in it.
+class PeerMemory {
+ public:
+  explicit PeerMemory(pid_t pid);
+
+  pid_t pid() const { return pid_; }
+  // True if every segment lies inside the peer's mappings (writable ones
+  // when `for_write`).
+  bool mapped(const std::vector<wire::Segment> &segments, bool for_write);
+  // Copies between local iovecs and the peer's segments, pair by pair
+  // (equal lengths): from the peer when `from_peer`, else into it. Returns
+  // 0 or the errno of the call that failed (ESRCH: the peer is gone).
+  int copy(const iovec *local, const iovec *remote, size_t count, bool from_peer) const;
+
+ private:
+  using Spans = std::vector<std::pair<uintptr_t, uintptr_t>>;  // sorted, merged [start, end)
+  void reload();
+  static bool covered(const Spans &spans, const wire::Segment &segment);
+
+  const pid_t pid_;
+  std::mutex mu_;
+  Spans readable_;
+  Spans writable_;
+};
+
+// Threads that share large copies with the thread that receives a frame.
+// Started on first use, so an engine that never copies on one host starts
+// none; stopped by the destructor.
+class CopyPool {
+ public:
+  // `helpers` threads besides the caller; 0 picks one fewer than the cores.
+  explicit CopyPool(size_t helpers = 0);
+  ~CopyPool();
+  CopyPool(const CopyPool &) = delete;
+  CopyPool &operator=(const CopyPool &) = delete;
+
+  size_t threads() const { return helpers_ + 1; }
+  // Runs job(0) .. job(count - 1), on the caller and the helpers; returns
+  // once all have run.
+  void run(size_t count, const std::function<void(size_t)> &job);
+
+ private:
+  struct Batch;
+  void helper_loop();
+  static void work_on(Batch &batch);
+
+  const size_t helpers_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<Batch>> batches_;
+  std::vector<std::thread> threads_;
+  bool stopping_ = false;
+};
+
+// Copies the pairs (local[i], remote[i]) with `memory`, split over `pool`
+// when the operation is large. Returns 0 or the first errno.
+int copy_pairs(PeerMemory &memory, CopyPool &pool, const std::vector<iovec> &local,
+               const std::vector<wire::Segment> &remote, bool from_peer);
+
+}  // namespace datadist::same_host
+
+#endif  // DATADIST_TRANSPORT_SAME_HOST_H_

@@ -1,0 +1,119 @@
+"""The same-host path between processes: chosen by the handshake, reported by
+the link, refused by the kernel or by an option (and then TCP), and robust to
+a peer that dies while its memory is being copied.
+
+Every operation kind also runs over both paths in test_transfer.py,
+test_layerwise.py and test_peer_failure.py; bytes are checked end to end.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+import datadist_aio as dd
+from peer import MiB, Peer, PeerGroup, pool_cfg, raises_status
+from test_transfer import wait_for_path
+
+SUCCESS = dd.LLMStatusCode.LLM_SUCCESS
+LINKED = (SUCCESS, [SUCCESS])
+A, B, C = 1, 2, 3
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture
+def group() -> Iterator[PeerGroup]:
+    with PeerGroup() as peers:
+        yield peers
+
+
+def blocks_desc(blocks: int = 16, block: int = 4096) -> dd.CacheDesc:
+    return dd.CacheDesc(4, [blocks, block], dd.DataType.DT_UINT8, dd.Placement.HOST)
+
+
+def assert_both_ways(x: Peer, y: Peer, model_ids: tuple[int, int], seed: int) -> None:
+    """x pushes and pulls blocks of y's cache, then y of x's: bytes checked."""
+    for src, dst, model_id in ((x, y, model_ids[0]), (y, x, model_ids[1])):
+        local = src.allocate(blocks_desc(), blocks=True)
+        remote = dst.allocate(blocks_desc(), blocks=True, model_id=model_id)
+        sent = src.fill(local, seed)
+        assert src.cm_async("push_blocks", remote.blocks_key(), local, [0, 3, 4, 5], [9, 1, 2, 3]) == [SUCCESS]
+        got = dst.read(remote)
+        for t in range(4):
+            for s, d in [(0, 9), (3, 1), (4, 2), (5, 3)]:
+                np.testing.assert_array_equal(got[t][d * 4096 : (d + 1) * 4096], sent[t][s * 4096 : (s + 1) * 4096])
+        back = src.allocate(blocks_desc(), blocks=True)
+        assert src.cm_async("pull_blocks", remote.blocks_key(), back, [1, 2, 3], [10, 11, 12]) == [SUCCESS]
+        pulled = src.read(back)
+        for t in range(4):
+            np.testing.assert_array_equal(pulled[t][10 * 4096 : 13 * 4096], sent[t][3 * 4096 : 6 * 4096])
+
+
+@pytest.mark.parametrize(
+    "initiator, acceptor, path",
+    [
+        ("auto", "auto", "same_host"),
+        ("tcp", "auto", "tcp"),
+        ("auto", "tcp", "tcp"),
+    ],
+)
+def test_the_link_reports_its_path_and_both_directions_move_bytes(group, initiator, acceptor, path):
+    a = group.start("a", dd.LLMRole.PROMPT, A, options={"transport": initiator})
+    b = group.start("b", dd.LLMRole.DECODER, B, options={"transport": acceptor})
+    assert a.link(b) == LINKED
+    assert a.datadist("link_transport", B) == path
+    assert wait_for_path(b, A, path)
+    assert_both_ways(a, b, (10, 11), seed=1)
+    with raises_status(dd.LLMStatusCode.LLM_NOT_YET_LINK):
+        a.datadist("link_transport", 77)
+
+
+def test_a_kernel_refusal_falls_back_to_tcp_for_that_direction(group):
+    # B cannot reach A's memory, or A cannot reach B's (which one depends on
+    # whether the tests run as root): that direction's operations go over
+    # TCP, the other's by kernel copy, and both work.
+    a = group.start("a", dd.LLMRole.PROMPT, A)
+    b = group.start("b", dd.LLMRole.DECODER, B, prepare="deny_memory_access")
+    assert a.link(b) == LINKED
+    time.sleep(0.2)  # the acceptor's path is settled by the link's first frame
+    paths = {a.datadist("link_transport", B), b.datadist("link_transport", A)}
+    assert paths == {"tcp", "same_host"}
+    assert_both_ways(a, b, (20, 21), seed=2)
+
+
+@pytest.mark.parametrize("direction", ["push", "pull"])
+def test_an_initiator_killed_while_the_owner_copies_leaves_the_owner_serving(group, direction):
+    # The owner copies out of (push) or into (pull) the initiator's memory
+    # when the initiator dies: the owner's copy fails, the owner lives on and
+    # serves the next peer.
+    big = {"host_mem_pool_cfg": pool_cfg(520 * MiB)}
+    initiator = group.start("initiator", dd.LLMRole.PROMPT, A, options=big)
+    owner = group.start("owner", dd.LLMRole.DECODER, B, options=big)
+    assert initiator.link(owner) == LINKED
+    desc = dd.CacheDesc(2, [1, 256 * MiB], dd.DataType.DT_UINT8, dd.Placement.HOST)
+    local, remote = initiator.allocate(desc), owner.allocate(desc)
+    method = "push_cache" if direction == "push" else "pull_cache"
+    handles = [initiator.start_task(method, remote.key(), local) for _ in range(4)]
+    assert not all(initiator.task_done(h) for h in handles)
+    initiator.kill()
+    newcomer = group.start("newcomer", dd.LLMRole.PROMPT, C)
+    assert newcomer.link(owner) == LINKED
+    assert_both_ways(newcomer, owner, (30, 31), seed=3)
+
+
+def test_the_transport_option():
+    config = dd.LLMConfig()
+    assert config.transport is None and "llm.Transport" not in config.generate_options()
+    config.transport = "tcp"
+    assert config.generate_options()["llm.Transport"] == "tcp"
+    with raises_status(dd.LLMStatusCode.LLM_PARAM_INVALID):
+        config.transport = "shm"
+    with pytest.raises(TypeError):
+        config.transport = 1  # type: ignore[assignment]
+    datadist = dd.LLMDataDist(dd.LLMRole.PROMPT, A)
+    with raises_status(dd.LLMStatusCode.LLM_PARAM_INVALID):
+        datadist.init({"llm.EnableCacheManager": "1", "llm.Transport": "udp"})
