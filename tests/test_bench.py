@@ -7,6 +7,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -80,7 +81,8 @@ def test_plans_put_baselines_first():
     got = plans(options)
     assert [p.label for p in got[:3]] == ["raw_tcp (streams=1)", "raw_tcp (streams=4)", "datadist_aio (loop=asyncio)"]
     assert [p.latency_ops > 0 for p in got[:2]] == [True, False]
-    assert [p.engine for p in got[3:]] == ["mooncake"] + ["nixl"] * 4
+    assert got[3].label == "datadist_aio (loop=asyncio, transport=tcp)"
+    assert [p.engine for p in got[4:]] == ["mooncake"] + ["nixl"] * 4
     assert label("nixl", {"tls": "tcp", "progress_thread": False}) == "nixl (tls=tcp, no progress_thread)"
 
 
@@ -94,25 +96,27 @@ def test_a_run_writes_checked_figures_and_a_plot(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((tmp_path / "datadist_bench.json").read_text())
     rows = {(r["label"], r["op"], r["block_size"]): r for r in report["results"]}
-    for loop in ["asyncio", "uvloop"]:
+    ours = [f"datadist_aio (loop={loop}{transport})" for loop in ["asyncio", "uvloop"] for transport in ["", ", transport=tcp"]]
+    for name in ours:
         for op in ("push", "pull", "layerwise"):
             for block in (16 * KiB, MiB):
-                row = rows[(f"datadist_aio (loop={loop})", op, block)]
+                row = rows[(name, op, block)]
                 assert row["verified"] and row["bytes"] == 4 * MiB and len(row["seconds"]) == 1
                 assert row["gbps"] > 0 and row["ratio_raw_tcp"] > 0 and row["ratio_memcpy"] > 0
     assert [r["streams"] for r in report["baselines"]["raw_tcp"]] == [1, 2]
     assert report["baselines"]["raw_tcp_best_gbps"] == max(r["gbps"] for r in report["baselines"]["raw_tcp"])
     assert report["baselines"]["memcpy"]["gbps"] > 0
     latency = {lat["label"]: lat for lat in report["latency"]}
-    assert set(latency) == {"raw_tcp (streams=1)", "datadist_aio (loop=asyncio)", "datadist_aio (loop=uvloop)"}
+    assert set(latency) == {"raw_tcp (streams=1)", *ours}
     assert all(lat["verified"] and len(lat["samples_us"]) == 20 for lat in latency.values())
     assert report["machine"]["usable_cpus"] >= 1 and report["versions"]["numpy"] == np.__version__
     idle = {i["label"]: i for i in report["idle_cpu"]}
-    assert set(idle) == {"datadist_aio (loop=asyncio)", "datadist_aio (loop=uvloop)"}
+    assert set(idle) == set(ours)
     assert all(i["seconds"] == 0.2 and 0 <= i["initiator_percent"] and 0 <= i["target_percent"] for i in idle.values())
     assert report["errors"] == [] and report["skipped"] == []
     assert (tmp_path / "datadist_bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "datadist_aio (loop=asyncio) push" in done.stdout
+    assert re.search(r"^datadist_aio \(loop=asyncio\) +push ", done.stdout, re.M)
+    assert re.search(r"^datadist_aio \(loop=asyncio, transport=tcp\) +push ", done.stdout, re.M)
 
 
 def _collect(plan: Plan, address, key: bytes) -> Outcome:
@@ -175,7 +179,7 @@ def test_a_run_against_a_serve_process(tmp_path):
                               env=env, stdout=subprocess.PIPE, text=True)
     try:
         assert f"serving on 127.0.0.1:{port}" in server.stdout.readline()
-        done = _run(["--peer", f"127.0.0.1:{port}", "--authkey", "sesame", "--loop", "asyncio", "--ops", "push",
+        done = _run(["--peer", f"127.0.0.1:{port}", "--authkey", "sesame", "--loop", "asyncio", "--transport", "auto", "--ops", "push",
                      "--no-plot", *SMALL, "--output", str(tmp_path)])
         assert done.returncode == 0, done.stdout + done.stderr
         report = json.loads((tmp_path / "datadist_bench.json").read_text())

@@ -97,6 +97,8 @@ def run_parser() -> argparse.ArgumentParser:
                    help="read each engine's CPU use while connected and idle for this long, 0 for none (default 2; quick 1)")
     p.add_argument("--streams", type=listed(positive), default=[1, 2, 4], help="raw TCP stream counts (default 1,2,4)")
     p.add_argument("--connections", type=positive, help="datadist_aio TCP connections per peer (default: the library's)")
+    p.add_argument("--transport", type=listed(str, ["auto", "tcp"]), default=["auto", "tcp"],
+                   help="datadist_aio transports to measure: auto (kernel copies on one host) and/or tcp (default: both)")
     p.add_argument("--compare", nargs="?", const=list(COMPARED), type=listed(str, COMPARED), default=[],
                    metavar="ENGINES", help="also measure these engines where installed: mooncake, nixl (default: both; "
                    "pip install 'datadist_aio[compare]')")
@@ -140,6 +142,7 @@ def options_from(args: argparse.Namespace) -> Options:
         idle_seconds=args.idle if args.idle is not None else (1.0 if quick else 2.0),
         streams=args.streams,
         connections=args.connections,
+        transports=args.transport,
         compare=args.compare,
         timeout=args.timeout,
     )

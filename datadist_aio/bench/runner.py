@@ -40,6 +40,7 @@ class Options:
     idle_seconds: float = 2.0
     streams: list[int] = field(default_factory=lambda: [1, 2, 4])
     connections: Optional[int] = None
+    transports: list[str] = field(default_factory=lambda: ["auto", "tcp"])
     compare: list[str] = field(default_factory=list)  # of COMPARED
     timeout: float = 300.0
     seed: int = 0
@@ -55,11 +56,14 @@ def plans(options: Options) -> list[Plan]:
     out = [Plan("raw_tcp", {"streams": n}, [whole], [PUSH], options.iterations,
                 options.latency_ops if n == 1 else 0) for n in options.streams]
     for loop in options.loops:
-        variant: dict[str, Any] = {"loop": loop}
-        if options.connections is not None:
-            variant["connections"] = options.connections
-        out.append(Plan("datadist_aio", variant, layouts, options.ops, options.iterations, options.latency_ops,
-                        options.idle_seconds))
+        for transport in options.transports:
+            variant: dict[str, Any] = {"loop": loop}
+            if transport != "auto":  # "auto" is the library's default
+                variant["transport"] = transport
+            if options.connections is not None:
+                variant["connections"] = options.connections
+            out.append(Plan("datadist_aio", variant, layouts, options.ops, options.iterations, options.latency_ops,
+                            options.idle_seconds))
     if "mooncake" in options.compare:
         out.append(Plan("mooncake", {}, layouts, options.ops, options.iterations, options.latency_ops,
                         options.idle_seconds))

@@ -33,10 +33,10 @@ KEY = BlocksCacheKey(TARGET_ID, 0)
 
 
 def options(pool_bytes: int, listen: Optional[str] = None, sync_kv_timeout_ms: int = 120000,
-            connections: Optional[int] = None) -> dict[str, str]:
+            connections: Optional[int] = None, transport: Optional[str] = None) -> dict[str, str]:
     """Options of an instance in remote-cache-accessible mode, with a host pool
     of ``pool_bytes``, listening on ``listen`` (an IP; port chosen by the
-    kernel) when given."""
+    kernel) when given, on ``transport`` (the library's default when None)."""
     config = LLMConfig()
     config.enable_cache_manager = True
     config.enable_remote_cache_accessible = True
@@ -44,6 +44,8 @@ def options(pool_bytes: int, listen: Optional[str] = None, sync_kv_timeout_ms: i
     config.sync_kv_timeout = sync_kv_timeout_ms
     if connections is not None:
         config.tcp_connections_per_peer = connections
+    if transport is not None:
+        config.transport = transport
     if listen is not None:
         config.listen_ip_info = f"{listen}:0"
     return config.generate_options()
@@ -53,7 +55,7 @@ def _datadist(role: LLMRole, cluster_id: int, variant: dict[str, Any], listen: O
     datadist = LLMDataDist(role, cluster_id)
     # The benchmark registers its own memory: the pool stays small.
     connections = int(variant["connections"]) if "connections" in variant else None
-    datadist.init(options(16 << 20, listen, connections=connections))
+    datadist.init(options(16 << 20, listen, connections=connections, transport=variant.get("transport")))
     return datadist
 
 
