@@ -208,3 +208,29 @@ def test_a_refused_request_refuses_the_rest_of_its_group(server):
     assert (cache.as_numpy(0)[0] == 1).all()
     assert not cache.as_numpy(1)[1].any()
     assert (cache.as_numpy(1)[2] == 4).all()
+
+
+@pytest.mark.parametrize(
+    "ranges, kind, cache_id, expected, words",
+    [
+        ([(0, 3, 0, BLOCK), (1, BLOCKS, 0, BLOCK)], BLOCKS_OF_MODEL, -1, BLOCK,
+         ["range 1 (tensor 1, slot 16", "ends past the 16 slots (blocks) of 256 bytes", "blocks cache of model 0"]),
+        ([(2, 0, 0, BLOCK)], BLOCKS_OF_MODEL, -1, BLOCK, ["range 0 (tensor 2", "has 2 tensors"]),
+        ([(0, 0, 0, BLOCK)], BLOCKS_OF_MODEL, -1, 2 * BLOCK, ["block size differs: 512 bytes here, 256 bytes"]),
+        ([(0, 0, 0, BLOCK)], BY_ID, 12345, BLOCK, ["cache 12345 does not exist on the peer"]),
+    ],
+)
+def test_a_refusal_carries_the_owners_reason(server, ranges, kind, cache_id, expected, words):
+    datadist, cache = server
+    with linked(datadist.listen_port, nonce=15) as sock:
+        data = b"\xff" * sum(r[3] for r in ranges)
+        sock.sendall(frame(WRITE_T, request(ranges, kind=kind, cache_id=cache_id, expected=expected), data, op_id=3))
+        kind_, status, op_id, body, _ = recv_frame(sock)
+        assert (kind_, op_id) == (WRITE_ACK_T, 3) and status != 0
+        reason = body.decode()
+        assert all(w in reason for w in words), reason
+        sock.sendall(frame(READ_T, request(ranges, kind=kind, cache_id=cache_id, expected=expected), op_id=4))
+        kind_, status, op_id, body, data = recv_frame(sock)
+        assert (kind_, op_id, data) == (READ_DATA_T, 4, b"") and status != 0
+        assert all(w in body.decode() for w in words), body
+    assert untouched(cache)

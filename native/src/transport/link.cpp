@@ -3,6 +3,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -189,7 +190,17 @@ Status Link::request_unlink(int timeout_ms) {
   return ask(FrameType::kUnlink, {}, timeout_ms, nullptr);
 }
 
-void Link::mark(uint64_t op_id, bool sent, bool answered, Status status, bool skipped) {
+Link::OutFrame Link::answer(FrameType type, uint64_t op_id, Status status, const std::string &why) {
+  OutFrame out;
+  if (status != LLM_SUCCESS) {
+    const size_t n = std::min<size_t>(why.size(), wire::kMaxReasonBytes);
+    out.body.assign(why.begin(), why.begin() + static_cast<std::ptrdiff_t>(n));
+  }
+  out.header = wire::make_header(type, op_id, static_cast<uint32_t>(out.body.size()), 0, status);
+  return out;
+}
+
+void Link::mark(uint64_t op_id, bool sent, bool answered, Status status, bool skipped, std::string reason) {
   OpenOp done;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -199,7 +210,10 @@ void Link::mark(uint64_t op_id, bool sent, bool answered, Status status, bool sk
     op.sent = op.sent || sent;
     op.answered = op.answered || answered;
     op.skipped = op.skipped || skipped;
-    if (status != LLM_SUCCESS && op.status == LLM_SUCCESS) op.status = status;
+    if (status != LLM_SUCCESS && op.status == LLM_SUCCESS) {
+      op.status = status;
+      op.reason = std::move(reason);
+    }
     if (!(op.sent && op.answered)) return;
     done = std::move(op);
     open_.erase(it);
@@ -361,7 +375,10 @@ Status Link::resolve_in_group(const wire::Request &req, ResolvedTarget &target) 
   const uint64_t group = req.target.group;
   if (group != 0) {
     std::lock_guard<std::mutex> lock(mu_);
-    if (refused_groups_.count(group) != 0) return llm_datadist::LLM_FAILED;
+    if (refused_groups_.count(group) != 0) {
+      target.why = "an earlier request of the same ordered transfer (an earlier layer) was refused";
+      return llm_datadist::LLM_FAILED;
+    }
   }
   Status st = resolve_request(host_->registry(), req, target);
   if (st != LLM_SUCCESS) refuse_group(group);
@@ -383,18 +400,16 @@ void Link::serve_write(Connection &conn, const FrameHeader &header, const wire::
     fail(LLM_LINK_FAILED, "connection closed by the peer");
     return;
   }
-  OutFrame ack;
-  ack.header = wire::make_header(FrameType::kWriteAck, header.op_id, 0, 0, st);
-  enqueue(conn, std::move(ack));
+  enqueue(conn, answer(FrameType::kWriteAck, header.op_id, st, target.why));
 }
 
 void Link::serve_read(Connection &conn, const FrameHeader &header, const wire::Request &req) {
   ResolvedTarget target;
   Status st = resolve_in_group(req, target);
-  OutFrame out;
-  out.header = wire::make_header(FrameType::kReadData, header.op_id, 0, st == LLM_SUCCESS ? req.total_bytes : 0, st);
-  if (st == LLM_SUCCESS) note_read(req);
+  OutFrame out = answer(FrameType::kReadData, header.op_id, st, target.why);
   if (st == LLM_SUCCESS) {
+    note_read(req);
+    out.header.data_len = req.total_bytes;
     out.data = std::move(target.iov);
     out.pin = std::make_shared<std::vector<std::shared_ptr<CacheEntry>>>(std::move(target.pins));
   }
@@ -414,8 +429,9 @@ void Link::serve_peer_copy(Connection &conn, const FrameHeader &header, const wi
   // The peer's own ranges, checked before any byte moves: a write reads
   // them, a read writes them.
   if (st == LLM_SUCCESS && !peer_memory_->mapped(req.segments, !write)) {
-    log_warning("link to cluster " + std::to_string(peer_id_) + ": refused a same-host " +
-                (write ? "write whose source" : "read whose destination") + " is not mapped in the peer");
+    target.why = std::string("the initiator's ") + (write ? "source" : "destination") +
+                 " memory is not mapped " + (write ? "readable" : "writable") + " in its process";
+    log_warning("link to cluster " + std::to_string(peer_id_) + ": refused a same-host operation: " + target.why);
     st = llm_datadist::LLM_PARAM_INVALID;
     refuse_group(req.target.group);
   }
@@ -427,16 +443,14 @@ void Link::serve_peer_copy(Connection &conn, const FrameHeader &header, const wi
     }
     if (error != 0) {
       // The peer's memory changed under the copy: its own operation fails.
-      log_warning("link to cluster " + std::to_string(peer_id_) + ": a same-host copy failed: " +
-                  std::strerror(error));
+      target.why = std::string("the same-host copy failed: ") + std::strerror(error);
+      log_warning("link to cluster " + std::to_string(peer_id_) + ": " + target.why);
       st = llm_datadist::LLM_PARAM_INVALID;
       refuse_group(req.target.group);
     }
   }
   if (st == LLM_SUCCESS && !write) note_read(req);
-  OutFrame answer;
-  answer.header = wire::make_header(write ? FrameType::kWriteAck : FrameType::kReadData, header.op_id, 0, 0, st);
-  enqueue(conn, std::move(answer));
+  enqueue(conn, answer(write ? FrameType::kWriteAck : FrameType::kReadData, header.op_id, st, target.why));
 }
 
 void Link::serve_lookup(Connection &conn, const FrameHeader &header, const wire::Request &req) {
@@ -494,7 +508,11 @@ bool Link::take_answer(const FrameHeader &header, std::vector<uint8_t> &body, Co
   // An answer means the peer took the whole frame: the op counts as sent
   // too, though its sender may not have marked it yet (a direct send's
   // syscall can still be returning when the answer, and a close, arrive).
-  mark(header.op_id, true, true, header.status);
+  std::string reason;
+  if (header.status != LLM_SUCCESS && type != FrameType::kLookupReply) {
+    reason.assign(body.begin(), body.begin() + static_cast<std::ptrdiff_t>(std::min<size_t>(body.size(), wire::kMaxReasonBytes)));
+  }
+  mark(header.op_id, true, true, header.status, false, std::move(reason));
   return true;
 }
 

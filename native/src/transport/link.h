@@ -152,6 +152,7 @@ class Link : public std::enable_shared_from_this<Link> {
     bool answered = false;
     bool skipped = false;
     Status status = llm_datadist::LLM_SUCCESS;
+    std::string reason;  // the peer's words for a refusal
     std::shared_ptr<LookupState> lookup;  // set for lookups
   };
 
@@ -186,7 +187,9 @@ class Link : public std::enable_shared_from_this<Link> {
   Status resolve_in_group(const wire::Request &req, ResolvedTarget &target);
   void refuse_group(uint64_t group);
   // Marks a side of an open operation done; settles it when both are.
-  void mark(uint64_t op_id, bool sent, bool answered, Status status, bool skipped = false);
+  void mark(uint64_t op_id, bool sent, bool answered, Status status, bool skipped = false, std::string reason = {});
+  // An answer to op `op_id` with `status`; a refusal carries `why` as its body.
+  static OutFrame answer(wire::FrameType type, uint64_t op_id, Status status, const std::string &why);
   void settle(OpenOp &op);
 
   const uint64_t peer_id_;

@@ -1,10 +1,40 @@
 #include "transport/target_resolver.h"
 
+#include <cstdint>
+#include <string>
+
 namespace datadist {
 
 using llm_datadist::LLM_KV_CACHE_NOT_EXIST;
 using llm_datadist::LLM_PARAM_INVALID;
 using llm_datadist::LLM_SUCCESS;
+
+namespace {
+
+std::string describe(const wire::Target &t) {
+  switch (t.kind) {
+    case wire::kById:
+      return "cache " + std::to_string(t.cache_id);
+    case wire::kByKey:
+      return "the cache of key (req_id " + std::to_string(t.req_id) + ", model_id " + std::to_string(t.model_id) +
+             ", prefix_id " + std::to_string(t.prefix_id) + ")";
+    case wire::kBlocksOfModel:
+      return "the blocks cache of model " + std::to_string(t.model_id);
+    default:
+      return "target kind " + std::to_string(t.kind);
+  }
+}
+
+// A range of the request, or (index SIZE_MAX) one of its bounds: the outermost
+// ranges of an operation split over several frames.
+std::string describe(size_t index, const wire::Range &r) {
+  return (index == SIZE_MAX ? std::string("the operation's outermost range") : "range " + std::to_string(index)) +
+         " (tensor " + std::to_string(r.tensor) + ", slot " +
+         std::to_string(r.slot) + ", offset " + std::to_string(r.offset) + ", " + std::to_string(r.length) +
+         " bytes)";
+}
+
+}  // namespace
 
 Status find_target(const Registry &registry, const wire::Target &target, ResolvedTarget &out) {
   switch (target.kind) {
@@ -20,12 +50,13 @@ Status find_target(const Registry &registry, const wire::Target &target, Resolve
     case wire::kBlocksOfModel:
       out.entry = registry.find_blocks(target.model_id);
       break;
-    case wire::kRawAddress:
-      return LLM_PARAM_INVALID;  // names no cache
-    default:
+    default:  // a raw address names no cache
+      out.why = describe(target) + " names no cache";
       return LLM_PARAM_INVALID;
   }
-  return out.entry ? LLM_SUCCESS : LLM_KV_CACHE_NOT_EXIST;
+  if (out.entry) return LLM_SUCCESS;
+  out.why = describe(target) + " does not exist on the peer";
+  return LLM_KV_CACHE_NOT_EXIST;
 }
 
 namespace {
@@ -34,10 +65,19 @@ namespace {
 Status resolve_addresses(const Registry &registry, const wire::Request &request, ResolvedTarget &out) {
   std::vector<iovec> iov;
   iov.reserve(request.ranges.size());
-  for (const wire::Range &r : request.ranges) {
-    if (r.tensor != 0 || r.slot != 0) return LLM_PARAM_INVALID;
+  for (size_t i = 0; i < request.ranges.size(); ++i) {
+    const wire::Range &r = request.ranges[i];
+    if (r.tensor != 0 || r.slot != 0) {
+      out.why = "raw-address " + describe(i, r) + " must name tensor 0, slot 0";
+      return LLM_PARAM_INVALID;
+    }
     auto entry = registry.find_by_address(static_cast<uintptr_t>(r.offset), r.length);
-    if (!entry || !entry->remote_accessible) return LLM_PARAM_INVALID;
+    if (!entry || !entry->remote_accessible) {
+      out.why = "address range " + std::to_string(i) + " [" + std::to_string(r.offset) + ", +" +
+                std::to_string(r.length) + ") is not inside one " +
+                (entry ? "remotely accessible " : "") + "tensor registered on the peer";
+      return LLM_PARAM_INVALID;
+    }
     if (out.pins.empty() || out.pins.back() != entry) out.pins.push_back(entry);
     iov.push_back({reinterpret_cast<void *>(static_cast<uintptr_t>(r.offset)), r.length});
   }
@@ -49,7 +89,10 @@ Status resolve_addresses(const Registry &registry, const wire::Request &request,
 
 Status resolve_request(const Registry &registry, const wire::Request &request, ResolvedTarget &out) {
   if (request.target.kind == wire::kRawAddress) {
-    if (!request.bounds.empty()) return LLM_PARAM_INVALID;
+    if (!request.bounds.empty()) {
+      out.why = "a raw-address request has no bounds";
+      return LLM_PARAM_INVALID;
+    }
     return resolve_addresses(registry, request, out);
   }
   Status st = find_target(registry, request.target, out);
@@ -57,27 +100,45 @@ Status resolve_request(const Registry &registry, const wire::Request &request, R
   const CacheEntry &entry = *out.entry;
   const Geometry &g = entry.geometry;
   const wire::Target &t = request.target;
-  if (!entry.remote_accessible) return LLM_PARAM_INVALID;
-  if (t.expected_slot_size != 0 && t.expected_slot_size != g.slot_size) return LLM_PARAM_INVALID;
-  // Where a range lies in its tensor; false if anywhere outside.
-  auto place = [&](const wire::Range &r, uint64_t &start) {
+  if (!entry.remote_accessible) {
+    out.why = describe(t) + " is not remotely accessible (registered with remote_accessible=False)";
+    return LLM_PARAM_INVALID;
+  }
+  if (t.expected_slot_size != 0 && t.expected_slot_size != g.slot_size) {
+    out.why = "the block size differs: " + std::to_string(t.expected_slot_size) + " bytes here, " +
+              std::to_string(g.slot_size) + " bytes in " + describe(t) + " on the peer";
+    return LLM_PARAM_INVALID;
+  }
+  // Where a range lies in its tensor; otherwise why not.
+  auto place = [&](size_t index, const wire::Range &r, uint64_t &start) {
     uint64_t slot, end;
-    if (r.tensor >= entry.addrs.size()) return false;
+    if (r.tensor >= entry.addrs.size()) {
+      out.why = describe(index, r) + ": " + describe(t) + " has " + std::to_string(entry.addrs.size()) + " tensors";
+      return false;
+    }
     if (__builtin_add_overflow(r.slot, out.bound_slot, &slot) || __builtin_mul_overflow(slot, g.slot_size, &start) ||
         __builtin_add_overflow(start, r.offset, &start) || __builtin_add_overflow(start, r.length, &end) ||
         end > g.tensor_size) {
+      out.why = describe(index, r) + " ends past the " + std::to_string(g.num_slots) + " slots (blocks) of " +
+                std::to_string(g.slot_size) + " bytes of " + describe(t);
       return false;
     }
-    return (t.flags & wire::kWithinSlot) == 0 || (r.offset < g.slot_size && r.length <= g.slot_size - r.offset);
+    if ((t.flags & wire::kWithinSlot) != 0 && !(r.offset < g.slot_size && r.length <= g.slot_size - r.offset)) {
+      out.why = describe(index, r) + " crosses a slot boundary of " + describe(t) + " (slot size " +
+                std::to_string(g.slot_size) + " bytes)";
+      return false;
+    }
+    return true;
   };
   uint64_t start;
   for (const wire::Range &r : request.bounds) {
-    if (!place(r, start)) return LLM_PARAM_INVALID;
+    if (!place(SIZE_MAX, r, start)) return LLM_PARAM_INVALID;
   }
   std::vector<iovec> iov;
   iov.reserve(request.ranges.size());
-  for (const wire::Range &r : request.ranges) {
-    if (!place(r, start)) return LLM_PARAM_INVALID;
+  for (size_t i = 0; i < request.ranges.size(); ++i) {
+    const wire::Range &r = request.ranges[i];
+    if (!place(i, r, start)) return LLM_PARAM_INVALID;
     iov.push_back({entry.addrs[r.tensor] + start, r.length});
   }
   out.iov = std::move(iov);

@@ -7,6 +7,7 @@
 #include <sys/uio.h>
 
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "registry.h"
@@ -19,6 +20,7 @@ struct ResolvedTarget {
   uint64_t bound_slot = 0;
   std::vector<iovec> iov;             // one per range, in order
   std::vector<std::shared_ptr<CacheEntry>> pins;  // keep the memory alive while bytes move
+  std::string why;  // a refusal's reason, for the initiator
 };
 
 // Finds the cache a target names (LLM_KV_CACHE_NOT_EXIST if none).
@@ -26,7 +28,7 @@ Status find_target(const Registry &registry, const wire::Target &target, Resolve
 
 // find_target, then: remote access allowed, expected slot size, and every
 // range inside its tensor (and inside one slot when asked); otherwise
-// LLM_PARAM_INVALID and `out.iov` stays empty.
+// LLM_PARAM_INVALID, `out.iov` stays empty and `out.why` says what was wrong.
 Status resolve_request(const Registry &registry, const wire::Request &request, ResolvedTarget &out);
 
 }  // namespace datadist

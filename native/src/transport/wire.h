@@ -28,6 +28,9 @@ constexpr uint32_t kMaxBodyBytes = 1u << 20;
 constexpr uint64_t kMaxFrameData = 64ull << 20;
 constexpr uint32_t kMaxBounds = 2;
 constexpr uint32_t kMaxRanges = (kMaxBodyBytes - 64) / 32 - kMaxBounds;
+// An answer that refuses (kWriteAck, kReadData with a status) carries the
+// owner's reason as its body: text of at most this many bytes.
+constexpr uint32_t kMaxReasonBytes = 512;
 
 enum class FrameType : uint16_t {
   kHello = 1,
