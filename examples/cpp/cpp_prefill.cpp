@@ -3,6 +3,7 @@
 //   cpp_prefill DECODE_PORT DECODE_CACHE_ID
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "kv_pattern.h"
@@ -48,6 +49,8 @@ int main(int argc, char **argv) {
   std::vector<Status> rets;
   st = prefill.LinkLlmClusters({decode}, rets, 5000);
   if (st != LLM_SUCCESS) return std::fprintf(stderr, "LinkLlmClusters: %#x\n", st), 1;
+  std::string transport;
+  if (prefill.GetLinkTransport(2, transport) == LLM_SUCCESS) std::printf("link: %s\n", transport.c_str());
 
   // Blocks 0..7 of every layer go to the decode side's block table 20..27 (reversed).
   const std::vector<uint64_t> src_blocks = {0, 1, 2, 3, 4, 5, 6, 7};

@@ -69,7 +69,9 @@ def cpp_to_python(bin_dir: Path) -> bool:
         cache = decode.cache_manager.allocate_blocks_cache(desc())
         for t in range(TENSORS):
             cache.as_numpy(t)[:] = 0
-        subprocess.run([str(bin_dir / "cpp_prefill"), str(decode.listen_port), str(cache.cache_id)], check=True, timeout=60)
+        run = subprocess.run([str(bin_dir / "cpp_prefill"), str(decode.listen_port), str(cache.cache_id)],
+                             check=True, timeout=60, capture_output=True, text=True)
+        print(f"C++ prefill -> Python decode, {run.stdout.splitlines()[0]}")  # "link: same_host" on one host
         table = np.arange(27, 19, -1)  # the C++ side sent blocks 0..7 to 27..20
         ok = True
         for t in range(TENSORS):
@@ -106,6 +108,7 @@ def python_to_cpp(bin_dir: Path) -> bool:
             cluster.append_remote_ip_info("127.0.0.1", port)
             status, _ = prefill.link_clusters([cluster], 5000)
             assert status is dd.LLMStatusCode.LLM_SUCCESS, status
+            print(f"Python prefill -> C++ decode, link: {prefill.link_transport(2)}")
             config = dd.TransferWithCacheKeyConfig(
                 dd.CacheKeyByIdAndIndex(2, remote_cache), range(TENSORS // 2), range(TENSORS // 2)
             )
