@@ -63,6 +63,7 @@ class LLMConfig:
         self._tcp_connections_per_peer: Optional[int] = None
         self._engine_threads: Optional[int] = None
         self._transport: Optional[str] = None
+        self._auth_key: Optional[str] = None
 
     @property
     def ge_options(self) -> dict[str, str]:
@@ -399,6 +400,32 @@ class LLMConfig:
         raise_if_false(value in ("auto", "tcp"), "transport must be 'auto' or 'tcp', got {!r}", value)
         self._transport = value
 
+    @property
+    def auth_key(self) -> Optional[str]:
+        """A secret shared by the peers that may link to each other; emits `llm.AuthKey`.
+
+        With a secret, every connection of a link proves it in both
+        directions before anything else is accepted (an HMAC-SHA256
+        challenge-response over the whole handshake, with fresh nonces from
+        both sides; the secret never crosses the wire), and a peer without it
+        is refused with ``LLM_AUTH_FAILED``. Unset, the engine reads the
+        environment variable ``DATADIST_AIO_AUTH_KEY``; with neither, links are
+        not authenticated and a warning says so once. The secret decides who
+        may link, read and write remote-accessible caches; it does not hide
+        or protect the bytes on the wire (see docs/security.md).
+
+        Raises:
+            TypeError: If not a str.
+            LLMException: `LLM_PARAM_INVALID` if empty.
+        """
+        return self._auth_key
+
+    @auth_key.setter
+    def auth_key(self, value: str) -> None:
+        check_isinstance("auth_key", value, str, allow_none=False)
+        raise_if_false(len(value) > 0, "auth_key must not be empty")
+        self._auth_key = value
+
     def generate_options(self) -> dict[str, str]:
         """Writes the configured options into the accumulated dict and returns it.
 
@@ -455,6 +482,8 @@ class LLMConfig:
             options["llm.EnableSwitchRole"] = "1"
         if self._transport is not None:
             options["llm.Transport"] = self._transport
+        if self._auth_key is not None:
+            options["llm.AuthKey"] = self._auth_key
         options["llm.MemoryUtilization"] = str(self._mem_utilization)
         return options
 

@@ -49,6 +49,7 @@ class LLMStatusCode(enum.Enum):
     LLM_TIMEOUT = _BASE + 0x1A
     LLM_LINK_BUSY = _BASE + 0x1B
     LLM_OUT_OF_MEMORY = _BASE + 0x1C
+    LLM_AUTH_FAILED = _BASE + 0x80  # not upstream: a link's shared secret was missing or did not match
     LLM_DEVICE_MEM_ERROR = 507053
     LLM_SUSPECT_REMOTE_ERROR = 507057
     LLM_UNKNOWN_ERROR = -1

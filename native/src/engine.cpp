@@ -1,9 +1,13 @@
 #include "engine.h"
 
+#include <atomic>
 #include <mutex>
 #include <system_error>
 #include <thread>
 #include <unordered_set>
+
+#include "log.h"
+#include "transport/auth.h"
 
 namespace datadist {
 
@@ -43,6 +47,21 @@ Status Engine::initialize(const OptionMap &options) {
   TransportOptions transport_options;
   transport_options.connections_per_peer = parsed.tcp_connections_per_peer;
   transport_options.same_host = parsed.same_host;
+  transport_options.auth_key = parsed.auth_key;
+  if (!parsed.auth_key.empty()) {
+    const std::string why = auth::unavailable();
+    if (!why.empty()) {
+      log_warning("a link secret is set, but " + why + "; install OpenSSL (libssl3) to authenticate links");
+      return llm_datadist::LLM_FEATURE_NOT_ENABLED;
+    }
+  } else {
+    static std::atomic<bool> warned{false};
+    if (!warned.exchange(true)) {
+      log_warning("links are not authenticated: any process that reaches this engine's port may link, read and "
+                  "write its remote-accessible caches; set LLMConfig.auth_key (llm.AuthKey) or " +
+                  std::string(kAuthKeyEnv) + " on every peer");
+    }
+  }
   auto transport = std::make_unique<TcpTransport>(cluster_id_, role_code(parsed.role), registry_, transport_options);
   if (parsed.listen_ip) {
     st = transport->listen(*parsed.listen_ip, parsed.listen_port);

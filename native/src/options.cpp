@@ -1,6 +1,7 @@
 #include "options.h"
 
 #include <cctype>
+#include <cstdlib>
 #include <thread>
 
 namespace datadist {
@@ -158,6 +159,12 @@ Status parse_options(const OptionMap &options, EngineOptions &out) {
   if (const std::string *transport = find(options, kOptTransport)) {
     if (*transport != "auto" && *transport != "tcp") return LLM_PARAM_INVALID;
     out.same_host = *transport == "auto";
+  }
+  if (const std::string *key = find(options, kOptAuthKey)) {
+    if (key->empty()) return LLM_PARAM_INVALID;
+    out.auth_key = *key;
+  } else if (const char *env = std::getenv(kAuthKeyEnv); env != nullptr && *env != '\0') {
+    out.auth_key = env;
   }
   if (parse_listen(options, out.listen_ip, out.listen_port) != LLM_SUCCESS) return LLM_PARAM_INVALID;
   if (const std::string *rca = find(options, kOptRemoteCacheAccessible)) {

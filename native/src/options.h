@@ -27,6 +27,11 @@ inline constexpr const char *kOptListenPort = "llm.ListenPort";
 inline constexpr const char *kOptTcpConnections = "llm.TcpConnectionsPerPeer";
 // "auto" (default): kernel copies with peers on this host where allowed; "tcp": sockets only.
 inline constexpr const char *kOptTransport = "llm.Transport";
+// A shared secret every link proves both ways (HMAC-SHA256); without the
+// option, the environment variable DATADIST_AIO_AUTH_KEY; without either,
+// links are not authenticated.
+inline constexpr const char *kOptAuthKey = "llm.AuthKey";
+inline constexpr const char *kAuthKeyEnv = "DATADIST_AIO_AUTH_KEY";
 
 struct EngineOptions {
   std::string role = "Prompt";
@@ -39,6 +44,7 @@ struct EngineOptions {
   uint16_t listen_port = 0;
   uint32_t tcp_connections_per_peer = 2;
   bool same_host = true;  // llm.Transport "auto"
+  std::string auth_key;   // llm.AuthKey, else $DATADIST_AIO_AUTH_KEY
 };
 
 // Role names as options spell them: "Prompt" 1, "Decoder" 2, "Mix" 3; 0 if unknown.

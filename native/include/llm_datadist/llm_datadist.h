@@ -49,6 +49,10 @@ constexpr const char OPTION_TCP_CONNECTIONS_PER_PEER[] = "llm.TcpConnectionsPerP
 // "auto" (default): peers on the same host move bytes by kernel copy where
 // the kernel allows it; "tcp": sockets only.
 constexpr const char OPTION_TRANSPORT[] = "llm.Transport";
+// A shared secret every link proves in both directions (HMAC-SHA256 over the
+// handshake; the secret never crosses the wire). Without it, the environment
+// variable DATADIST_AIO_AUTH_KEY; without either, links are unauthenticated.
+constexpr const char OPTION_AUTH_KEY[] = "llm.AuthKey";
 
 constexpr uint32_t kDefaultTensorNumPerLayer = 2;
 constexpr uint32_t kMaxRegisterAddrs = 240;

@@ -36,6 +36,8 @@ constexpr Status LLM_FEATURE_NOT_ENABLED = 0x5010B019U;
 constexpr Status LLM_TIMEOUT = 0x5010B01AU;
 constexpr Status LLM_LINK_BUSY = 0x5010B01BU;
 constexpr Status LLM_OUT_OF_MEMORY = 0x5010B01CU;
+// Not upstream: a link's shared secret was missing or did not match.
+constexpr Status LLM_AUTH_FAILED = 0x5010B080U;
 
 }  // namespace llm_datadist
 

@@ -3,11 +3,17 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <random>
+#include <type_traits>
 
 #include "log.h"
+#include "transport/auth.h"
 #include "transport/socket_util.h"
 
 namespace datadist {
@@ -35,29 +41,65 @@ uint64_t new_nonce() {
   return gen();
 }
 
-// Sends a handshake frame: `body`, then `info` when given (the body's flags
-// then offer the same-host path).
+// A handshake frame's body: a fixed part T (Hello or HelloAck), then the
+// same-host info and the authentication bytes (a nonce in a hello, a proof
+// in an ack) when the fixed part's flags announce them.
 template <typename T>
-bool send_hello(int fd, FrameType type, const T &body, const wire::SameHostInfo *info, Status status = LLM_SUCCESS) {
-  const uint32_t info_len = info != nullptr ? sizeof(*info) : 0;
-  FrameHeader header = wire::make_header(type, 0, sizeof(T) + info_len, 0, status);
-  iovec iov[3] = {{&header, sizeof(header)},
-                  {const_cast<T *>(&body), sizeof(T)},
-                  {const_cast<wire::SameHostInfo *>(info), info_len}};
-  return net::writev_full(fd, iov, info != nullptr ? 3 : 2);
+struct Greeting {
+  static constexpr size_t kAuthBytes = std::is_same_v<T, wire::Hello> ? auth::kNonceBytes : auth::kProofBytes;
+  T fixed{};
+  wire::SameHostInfo same_host{};
+  std::array<uint8_t, auth::kProofBytes> auth{};
+
+  // The body as sent, without the authentication bytes when `with_auth` is false.
+  std::string bytes(bool with_auth = true) const {
+    std::string out(reinterpret_cast<const char *>(&fixed), sizeof(T));
+    if (fixed.flags & wire::kOffersSameHost) out.append(reinterpret_cast<const char *>(&same_host), sizeof(same_host));
+    if (with_auth && (fixed.flags & wire::kAuthenticated)) out.append(reinterpret_cast<const char *>(auth.data()), kAuthBytes);
+    return out;
+  }
+};
+
+bool send_body(int fd, FrameType type, const std::string &body, Status status = LLM_SUCCESS) {
+  FrameHeader header = wire::make_header(type, 0, static_cast<uint32_t>(body.size()), 0, status);
+  iovec iov[2] = {{&header, sizeof(header)}, {const_cast<char *>(body.data()), body.size()}};
+  return net::writev_full(fd, iov, body.empty() ? 1 : 2);
 }
 
-// Reads a handshake frame of type `type`: a T, then a SameHostInfo exactly
-// when the T's flags offer the same-host path.
+// Reads the body of a frame whose header was read: exactly `len` bytes.
+bool recv_body(int fd, const FrameHeader &header, size_t len, std::string &body) {
+  if (header.body_len != len) return false;
+  body.resize(len);
+  return len == 0 || net::read_full(fd, body.data(), len);
+}
+
+// Reads a handshake frame of type `type` whose header was read.
 template <typename T>
-bool recv_hello(int fd, FrameType type, FrameHeader &header, T &body, wire::SameHostInfo &info) {
-  if (!net::read_full(fd, &header, sizeof(header))) return false;
+bool recv_greeting(int fd, FrameType type, const FrameHeader &header, Greeting<T> &out) {
   if (!wire::check_header(header).empty() || header.type != static_cast<uint16_t>(type)) return false;
-  if (header.body_len != sizeof(T) && header.body_len != sizeof(T) + sizeof(info)) return false;
-  if (!net::read_full(fd, &body, sizeof(T))) return false;
-  const bool offers = (body.flags & wire::kOffersSameHost) != 0;
-  if (header.body_len != sizeof(T) + (offers ? sizeof(info) : 0)) return false;
-  return !offers || net::read_full(fd, &info, sizeof(info));
+  if (header.body_len < sizeof(T) || header.body_len > sizeof(T) + sizeof(out.same_host) + out.kAuthBytes) return false;
+  if (!net::read_full(fd, &out.fixed, sizeof(T))) return false;
+  const bool offers = (out.fixed.flags & wire::kOffersSameHost) != 0;
+  const bool authed = (out.fixed.flags & wire::kAuthenticated) != 0;
+  if (header.body_len != sizeof(T) + (offers ? sizeof(out.same_host) : 0) + (authed ? out.kAuthBytes : 0)) return false;
+  if (offers && !net::read_full(fd, &out.same_host, sizeof(out.same_host))) return false;
+  return !authed || net::read_full(fd, out.auth.data(), out.kAuthBytes);
+}
+
+// A refusal: an ack with `status` that names nothing of this end.
+void refuse(int fd, Status status) { send_body(fd, FrameType::kHelloAck, Greeting<wire::HelloAck>{}.bytes(), status); }
+
+std::string peer_address(int fd) {
+  sockaddr_storage addr{};
+  socklen_t len = sizeof(addr);
+  char host[INET6_ADDRSTRLEN] = "?";
+  uint16_t port = 0;
+  if (::getpeername(fd, reinterpret_cast<sockaddr *>(&addr), &len) == 0 && addr.ss_family == AF_INET) {
+    const auto *in = reinterpret_cast<const sockaddr_in *>(&addr);
+    ::inet_ntop(AF_INET, &in->sin_addr, host, sizeof(host));
+    port = ntohs(in->sin_port);
+  }
+  return std::string(host) + ":" + std::to_string(port);
 }
 
 void close_all(const std::vector<int> &fds) {
@@ -130,40 +172,73 @@ void TcpTransport::accept_one(int fd) {
   net::tune_data_socket(fd, options_.user_timeout_ms);
   net::set_receive_timeout(fd, kHandshakeTimeoutMs);
   FrameHeader header;
-  wire::Hello hello;
-  wire::SameHostInfo info{};
-  if (!recv_hello(fd, FrameType::kHello, header, hello, info) || hello.conn_count == 0 ||
-      hello.conn_count > kMaxConnections || hello.conn_index >= hello.conn_count) {
-    log_warning("refused a connection: no valid handshake");
+  Greeting<wire::Hello> hello;
+  const wire::Hello &h = hello.fixed;
+  if (!net::read_full(fd, &header, sizeof(header)) || !recv_greeting(fd, FrameType::kHello, header, hello) ||
+      h.conn_count == 0 || h.conn_count > kMaxConnections || h.conn_index >= h.conn_count) {
+    log_warning("refused a connection from " + peer_address(fd) + ": no valid handshake");
     ::close(fd);
     return;
   }
-  if (hello.expected_peer_id != cluster_id_) {
-    wire::HelloAck ack{cluster_id_, role_.load(), 0};
-    send_hello(fd, FrameType::kHelloAck, ack, nullptr, LLM_LINK_FAILED);
+  // With a secret, the initiator proves it before this end says anything
+  // about itself; the transcript is what both proofs cover.
+  std::string transcript = hello.bytes();
+  const bool authed = (h.flags & wire::kAuthenticated) != 0;
+  if (!options_.auth_key.empty() || authed) {
+    std::string refusal;
+    if (options_.auth_key.empty()) {
+      refusal = "it offers a link secret and this end has none";
+    } else if (!authed) {
+      refusal = "it did not prove the link secret";
+    } else {
+      std::array<uint8_t, auth::kNonceBytes> nonce;
+      auth::random_bytes(nonce.data(), nonce.size());
+      transcript.append(reinterpret_cast<const char *>(nonce.data()), nonce.size());
+      std::string proof;
+      if (!send_body(fd, FrameType::kChallenge, std::string(reinterpret_cast<const char *>(nonce.data()), nonce.size())) ||
+          !net::read_full(fd, &header, sizeof(header)) || !wire::check_header(header).empty() ||
+          header.type != static_cast<uint16_t>(FrameType::kProof) || !recv_body(fd, header, auth::kProofBytes, proof)) {
+        refusal = "no proof of the link secret";
+      } else if (!auth::same(auth::prove(options_.auth_key, auth::kInitiatorLabel, transcript),
+                             reinterpret_cast<const uint8_t *>(proof.data()))) {
+        refusal = "wrong proof of the link secret";
+      }
+    }
+    if (!refusal.empty()) {
+      log_warning("refused a connection from " + peer_address(fd) + " claiming cluster " +
+                  std::to_string(h.cluster_id) + ": " + refusal);
+      refuse(fd, llm_datadist::LLM_AUTH_FAILED);
+      ::close(fd);
+      return;
+    }
+  }
+  if (h.expected_peer_id != cluster_id_) {
+    refuse(fd, LLM_LINK_FAILED);
     ::close(fd);
     return;
   }
-  const auto key = std::make_pair(hello.cluster_id, hello.link_nonce);
+  const auto key = std::make_pair(h.cluster_id, h.link_nonce);
   bool complete;
   {
     std::lock_guard<std::mutex> lock(mu_);
     Forming &forming = forming_[key];
     if (forming.fds.empty()) {
-      forming.fds.assign(hello.conn_count, -1);
+      forming.fds.assign(h.conn_count, -1);
+      forming.transcripts.assign(h.conn_count, {});
       forming.started = Clock::now();
-      forming.role = hello.role;
-      forming.offers_same_host = (hello.flags & wire::kOffersSameHost) != 0;
-      forming.same_host = info;
+      forming.role = h.role;
+      forming.offers_same_host = (h.flags & wire::kOffersSameHost) != 0;
+      forming.same_host = hello.same_host;
     }
-    if (forming.fds.size() != hello.conn_count || forming.fds[hello.conn_index] >= 0) {
+    if (forming.fds.size() != h.conn_count || forming.fds[h.conn_index] >= 0) {
       ::close(fd);
       return;
     }
-    forming.fds[hello.conn_index] = fd;
+    forming.fds[h.conn_index] = fd;
+    forming.transcripts[h.conn_index] = std::move(transcript);
     complete = ++forming.arrived == forming.fds.size();
   }
-  if (complete) admit(hello.cluster_id, hello.link_nonce);
+  if (complete) admit(h.cluster_id, h.link_nonce);
 }
 
 void TcpTransport::admit(uint64_t peer_id, uint64_t nonce) {
@@ -186,9 +261,10 @@ void TcpTransport::admit(uint64_t peer_id, uint64_t nonce) {
     }
   }
   if (replaced) replaced->fail(LLM_LINK_FAILED, "replaced by a new link from the same cluster");
-  wire::HelloAck ack{cluster_id_, role_.load(), 0};
+  Greeting<wire::HelloAck> ack;
+  ack.fixed = {cluster_id_, role_.load(), 0};
   if (st != LLM_SUCCESS) {
-    for (int fd : forming.fds) send_hello(fd, FrameType::kHelloAck, ack, nullptr, st);
+    for (int fd : forming.fds) send_body(fd, FrameType::kHelloAck, ack.bytes(), st);
     close_all(forming.fds);
     return;
   }
@@ -198,9 +274,10 @@ void TcpTransport::admit(uint64_t peer_id, uint64_t nonce) {
   paths.offered = options_.same_host && forming.offers_same_host;
   if (paths.offered) {
     paths.peer_memory = reach(peer_id, forming.same_host);
-    ack.flags = wire::kOffersSameHost | (paths.peer_memory ? uint32_t{wire::kCopiesForYou} : 0u);
+    ack.fixed.flags = wire::kOffersSameHost | (paths.peer_memory ? uint32_t{wire::kCopiesForYou} : 0u);
+    ack.same_host = same_host::local_info();
   }
-  const wire::SameHostInfo *offer = paths.offered ? &same_host::local_info() : nullptr;
+  if (!options_.auth_key.empty()) ack.fixed.flags |= wire::kAuthenticated;
   // Known before the initiator hears back, so its link_clusters returns with
   // both ends in place.
   auto link = std::make_shared<Link>(peer_id, forming.role, false, forming.fds, this, paths);
@@ -211,13 +288,52 @@ void TcpTransport::admit(uint64_t peer_id, uint64_t nonce) {
     made_.push_back(link);
   }
   bool sent = true;
-  for (int fd : forming.fds) sent = send_hello(fd, FrameType::kHelloAck, ack, offer) && sent;
+  for (size_t i = 0; i < forming.fds.size(); ++i) {
+    if (!options_.auth_key.empty()) {
+      ack.auth = auth::prove(options_.auth_key, auth::kAcceptorLabel, forming.transcripts[i] + ack.bytes(false));
+    }
+    sent = send_body(forming.fds[i], FrameType::kHelloAck, ack.bytes()) && sent;
+  }
   if (!sent) {
     link->fail(LLM_LINK_FAILED, "the initiator went away during the handshake");
     return;
   }
   for (int fd : forming.fds) net::set_receive_timeout(fd, 0);
   link->start();
+}
+
+Status TcpTransport::greet(int fd, uint64_t peer_id, uint64_t nonce, uint32_t index, uint32_t count,
+                           std::string &transcript) {
+  Greeting<wire::Hello> hello;
+  hello.fixed = {cluster_id_, peer_id, nonce, role_.load(), index, count, 0};
+  if (options_.same_host) {
+    hello.fixed.flags |= wire::kOffersSameHost;
+    hello.same_host = same_host::local_info();
+  }
+  const bool authed = !options_.auth_key.empty();
+  if (authed) {
+    hello.fixed.flags |= wire::kAuthenticated;
+    auth::random_bytes(hello.auth.data(), auth::kNonceBytes);
+  }
+  transcript = hello.bytes();
+  if (!send_body(fd, FrameType::kHello, transcript)) return LLM_LINK_FAILED;
+  if (!authed) return LLM_SUCCESS;
+  // The acceptor's challenge, or its refusal.
+  FrameHeader header;
+  std::string body;
+  if (!net::read_full(fd, &header, sizeof(header)) || !wire::check_header(header).empty()) {
+    return (errno == EAGAIN || errno == EWOULDBLOCK) ? LLM_TIMEOUT : LLM_LINK_FAILED;
+  }
+  if (header.type == static_cast<uint16_t>(FrameType::kHelloAck) && header.status != LLM_SUCCESS) {
+    return header.status;
+  }
+  if (header.type != static_cast<uint16_t>(FrameType::kChallenge) || !recv_body(fd, header, auth::kNonceBytes, body)) {
+    return LLM_LINK_FAILED;
+  }
+  transcript += body;
+  const auth::Proof proof = auth::prove(options_.auth_key, auth::kInitiatorLabel, transcript);
+  const std::string sent(reinterpret_cast<const char *>(proof.data()), proof.size());
+  return send_body(fd, FrameType::kProof, sent) ? LLM_SUCCESS : LLM_LINK_FAILED;
 }
 
 Status TcpTransport::link(uint64_t peer_id, const std::string &ip, uint16_t port, const std::string &local_ip,
@@ -233,6 +349,7 @@ Status TcpTransport::link(uint64_t peer_id, const std::string &ip, uint16_t port
     return static_cast<int>(left > 0 ? left : 0);
   };
   std::vector<int> fds;
+  std::vector<std::string> transcripts;
   Status st = LLM_SUCCESS;
   const uint64_t nonce = new_nonce();
   const uint32_t count = options_.connections_per_peer;
@@ -245,15 +362,12 @@ Status TcpTransport::link(uint64_t peer_id, const std::string &ip, uint16_t port
     }
     fds.push_back(fd);
     net::tune_data_socket(fd, options_.user_timeout_ms);
-    wire::Hello hello{cluster_id_, peer_id, nonce, role_.load(), i, count,
-                      options_.same_host ? wire::kOffersSameHost : 0u};
-    if (!send_hello(fd, FrameType::kHello, hello, options_.same_host ? &same_host::local_info() : nullptr)) {
-      st = LLM_LINK_FAILED;
-    }
+    net::set_receive_timeout(fd, std::max(1, remaining()));
+    transcripts.emplace_back();
+    st = greet(fd, peer_id, nonce, i, count, transcripts.back());
   }
   uint32_t peer_role = 0;
-  uint32_t peer_flags = 0;
-  wire::SameHostInfo peer_info{};
+  Greeting<wire::HelloAck> ack;
   for (size_t i = 0; i < fds.size() && st == LLM_SUCCESS; ++i) {
     const int left = remaining();
     if (left == 0) {
@@ -262,24 +376,29 @@ Status TcpTransport::link(uint64_t peer_id, const std::string &ip, uint16_t port
     }
     net::set_receive_timeout(fds[i], left);
     FrameHeader header;
-    wire::HelloAck ack{};
-    if (!recv_hello(fds[i], FrameType::kHelloAck, header, ack, peer_info)) {
+    if (!net::read_full(fds[i], &header, sizeof(header)) || !recv_greeting(fds[i], FrameType::kHelloAck, header, ack)) {
       st = (errno == EAGAIN || errno == EWOULDBLOCK) ? LLM_TIMEOUT : LLM_LINK_FAILED;
     } else if (header.status != LLM_SUCCESS) {
       st = header.status;
-    } else if (ack.cluster_id != peer_id) {
+    } else if (!options_.auth_key.empty() &&
+               ((ack.fixed.flags & wire::kAuthenticated) == 0 ||
+                !auth::same(auth::prove(options_.auth_key, auth::kAcceptorLabel, transcripts[i] + ack.bytes(false)),
+                            ack.auth.data()))) {
+      log_warning("cluster " + std::to_string(peer_id) + " at " + ip + ":" + std::to_string(port) +
+                  " did not prove the link secret");
+      st = llm_datadist::LLM_AUTH_FAILED;
+    } else if (ack.fixed.cluster_id != peer_id) {
       st = LLM_LINK_FAILED;
     }
-    peer_role = ack.role;
-    peer_flags = ack.flags;
+    peer_role = ack.fixed.role;
   }
   // The peer offered its memory in return: probe it, and tell it (first
   // frame of the link) when reached.
   LinkPaths paths;
-  if (st == LLM_SUCCESS && options_.same_host && (peer_flags & wire::kOffersSameHost) != 0) {
+  if (st == LLM_SUCCESS && options_.same_host && (ack.fixed.flags & wire::kOffersSameHost) != 0) {
     paths.offered = true;
-    paths.peer_copies = (peer_flags & wire::kCopiesForYou) != 0;
-    paths.peer_memory = reach(peer_id, peer_info);
+    paths.peer_copies = (ack.fixed.flags & wire::kCopiesForYou) != 0;
+    paths.peer_memory = reach(peer_id, ack.same_host);
     paths.announce = true;
   }
   std::shared_ptr<Link> link;

@@ -28,6 +28,8 @@ struct TransportOptions {
   unsigned user_timeout_ms = 10000;
   // Offer the same-host path (kernel copies) to peers on this host.
   bool same_host = true;
+  // Non-empty: every connection proves this shared secret both ways.
+  std::string auth_key;
 };
 
 class TcpTransport : public LinkHost {
@@ -67,6 +69,7 @@ class TcpTransport : public LinkHost {
   struct Forming {
     std::vector<int> fds;
     uint32_t role = 0;
+    std::vector<std::string> transcripts;  // per connection, what its proofs cover
     bool offers_same_host = false;
     wire::SameHostInfo same_host{};
     size_t arrived = 0;
@@ -76,6 +79,10 @@ class TcpTransport : public LinkHost {
   void accept_loop(int listen_fd);
   void accept_one(int fd);
   void admit(uint64_t peer_id, uint64_t nonce);
+  // The initiator's side of one connection's handshake up to the ack: the
+  // hello and, with a secret, the challenge and the proof. `transcript`
+  // gets what the acceptor's proof will cover.
+  Status greet(int fd, uint64_t peer_id, uint64_t nonce, uint32_t index, uint32_t count, std::string &transcript);
   // Probes a peer that offered the same-host path; the memory to serve its
   // same-host frames with, or nullptr when it cannot be reached.
   std::shared_ptr<same_host::PeerMemory> reach(uint64_t peer_id, const wire::SameHostInfo &info);

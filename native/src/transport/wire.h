@@ -52,6 +52,10 @@ enum class FrameType : uint16_t {
   // The sender can reach the receiver's memory: the receiver may send its
   // operations as same-host frames from now on.
   kPeerCopies = 13,
+  // Handshake with a link secret: the acceptor's fresh nonce, then the
+  // initiator's proof (see transport/auth.h).
+  kChallenge = 14,
+  kProof = 15,
 };
 
 #pragma pack(push, 1)
@@ -81,10 +85,12 @@ static_assert(sizeof(SameHostInfo) == 56, "same-host info layout");
 enum HelloFlags : uint32_t {
   kOffersSameHost = 1,  // a SameHostInfo follows the hello (or its ack)
   kCopiesForYou = 2,    // ack only: the acceptor reached the initiator's memory
+  kAuthenticated = 4,   // hello: the initiator's nonce follows; ack: the acceptor's proof
 };
 
 // A hello is followed by a SameHostInfo when its flags offer the same-host
-// path; the ack likewise.
+// path, then by the initiator's nonce when they say kAuthenticated; the ack
+// likewise, with the acceptor's proof in place of the nonce.
 struct Hello {
   uint64_t cluster_id;
   uint64_t expected_peer_id;  // the id the initiator means to reach
