@@ -25,6 +25,15 @@ inline constexpr const char *kOptRemoteCacheAccessible = "llm.EnableRemoteCacheA
 inline constexpr const char *kOptListenIp = "llm.ListenIp";
 inline constexpr const char *kOptListenPort = "llm.ListenPort";
 inline constexpr const char *kOptTcpConnections = "llm.TcpConnectionsPerPeer";
+inline constexpr const char *kOptLinkTotalTime = "llm.LinkTotalTime";
+inline constexpr const char *kOptLinkRetryCount = "llm.LinkRetryCount";
+inline constexpr const char *kOptRdmaServiceLevel = "llm.RdmaServiceLevel";
+inline constexpr const char *kOptRdmaTrafficClass = "llm.RdmaTrafficClass";
+inline constexpr const char *kOptEnableSwitchRole = "llm.EnableSwitchRole";
+
+// Link time of a rank-table comm when llm.LinkTotalTime is absent or 0, as
+// upstream's default connect timeout.
+inline constexpr uint32_t kDefaultLinkTotalTimeS = 120;
 
 struct EngineOptions {
   std::string role = "Prompt";
@@ -36,6 +45,14 @@ struct EngineOptions {
   std::optional<std::string> listen_ip;
   uint16_t listen_port = 0;
   uint32_t tcp_connections_per_peer = 2;
+  // Rank-table comms: the time their links may take in all (s), and the
+  // attempts it is shared among.
+  uint32_t link_total_time_s = kDefaultLinkTotalTimeS;
+  uint32_t link_retry_count = 1;
+  // Accepted and recorded; the TCP transport has no use for them.
+  std::optional<uint32_t> rdma_service_level;
+  std::optional<uint32_t> rdma_traffic_class;
+  bool enable_switch_role = false;
 };
 
 // Role names as options spell them: "Prompt" 1, "Decoder" 2, "Mix" 3; 0 if unknown.
