@@ -40,6 +40,9 @@ def _body(target: Callable[..., Any], ctl: Any, chan: Any, kwargs: dict[str, Any
     from peer import _die_with_parent  # noqa: PLC0415 (the child's own import)
 
     _die_with_parent()
+    import faulthandler  # noqa: PLC0415
+
+    faulthandler.dump_traceback_later(45, exit=False)  # where a hung body is, before the parent kills it
     try:
         ctl.send(("ok", target(chan, **kwargs)))
     except BaseException as exc:  # noqa: BLE001 (reported to the parent)
@@ -68,7 +71,7 @@ def run_all(bodies: list[tuple[Callable[..., Any], dict[str, Any]]], timeout: fl
             left = deadline - time.monotonic()
             ready = multiprocessing.connection.wait(list(pending.values()), timeout=max(left, 0))
             if not ready:
-                raise TimeoutError(f"client sequence still running after {timeout:g} s")
+                raise TimeoutError(f"client sequence still running after {timeout:g} s: processes {sorted(pending)}")
             for index, conn in list(pending.items()):
                 if conn not in ready:
                     continue
@@ -301,6 +304,9 @@ def mindie_worker(
 
     result: dict[str, Any] = {"role": role}
     src_block_table, dst_block_table = [0, 1, 2, 3], [4, 5, 6, 7]
+    # The coordinator routes requests once both report the link (query_link_status).
+    chan.send("linked")
+    assert chan.recv() == "linked"
     if role == "decoder":
         for model_id in caches:  # pull_kv per model id
             key = dd.BlocksCacheKey(cluster_id=remote["cluster_id"], model_id=model_id)
@@ -374,9 +380,11 @@ def omni_infer_worker(
     result: dict[str, Any] = {}
     src_blocks, tgt_blocks = [2, 3, 4], [5, 6, 7]
     if prefill:
+        chan.send("serving")  # register_link returned: requests reach this instance from now on
         assert chan.recv() == "pulled"
         result["sent"] = [digest(t, src_blocks) for t in flatten]
     else:
+        assert chan.recv() == "serving"  # a request that the prefill has computed
         retries = 0
         for model_id, kv_cache in enumerate(registered):  # pull_kv
             key = dd.BlocksCacheKey(prompt_cluster_id=prefill_cluster_id, model_id=model_id)
