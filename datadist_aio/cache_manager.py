@@ -38,7 +38,7 @@ _Address = Union[int, _BufferLike]
 def _device_unsupported(what: str) -> LLMException:
     return LLMException(
         f"{what}: Placement.DEVICE needs an accelerator backend, which this build does not have; "
-        "use Placement.HOST",
+        "for host memory set placement=Placement.HOST in CacheDesc (its default, as upstream's, is DEVICE)",
         status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
     )
 
@@ -63,10 +63,14 @@ def _layer_span(
     """(local_first, remote_first, count, per_layer) for the engine.
 
     A missing range takes the other one; with neither, every layer of the
-    local cache moves.
+    local cache moves, and a pull moves every tensor, whether or not their
+    count is a multiple of ``per_layer`` (as upstream: an MLA cache holds one
+    tensor per layer, often an odd number of them).
     """
     check_layer_range("src_layer_range", src_range)
     check_layer_range("dst_layer_range", dst_range)
+    if src_range is None and dst_range is None and not local_is_src:
+        return (0, 0, local.cache_desc.num_tensors, 1)
     if src_range is None and dst_range is None:
         src_range = dst_range = range(local.cache_desc.num_tensors // per_layer)
     src = src_range if src_range is not None else dst_range

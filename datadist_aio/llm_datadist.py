@@ -20,7 +20,8 @@ from ._checks import (
 from .cache_manager import CacheManager
 from .cluster_info import LLMClusterInfo, int_to_ipv4
 from .completions import CompletionDispatcher
-from .enums import LLMRole
+from .enums import LLMRole, RegisterMemStatus
+from .rank_table import comm_members
 from .status import LLMException, LLMStatusCode, code_from_native, raise_for_status
 
 __all__ = ["LLMDataDist"]
@@ -254,27 +255,56 @@ class LLMDataDist:
         raise_for_status(self._engine.switch_role(_ROLE_OPTION[role], ip, port), f"switch_role to {role.name}")
         self._role = role
 
-    # -- upstream surface that has no meaning here --------------------------------
-
-    def _no_rank_table_links(self) -> LLMException:
-        self._check_init()
-        return LLMException(
-            "two-sided links over a device rank table are not available; use link_clusters",
-            status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
-        )
+    # -- two-sided links over a rank table --------------------------------------
 
     def link(self, comm_name: str, cluster_rank_info: dict[int, int], rank_table: str) -> int:
-        """Upstream's two-sided link over a device rank table: not available
-        (``LLM_FEATURE_NOT_ENABLED``); use ``link_clusters``."""
-        raise self._no_rank_table_links()
+        """Links the members of a rank table to each other and returns the
+        comm id at once; the links come up in the background.
+
+        Every member calls ``link`` with the same ``cluster_rank_info``
+        (cluster id to rank, ranks ascending, 2 to 4 members) and
+        ``rank_table`` (see ``datadist_aio.rank_table``), at about the same
+        time: the member with the lower rank accepts, the higher connects.
+        ``query_register_mem_status(comm_id)`` is ``PREPARING`` until every
+        link of the comm is up, then ``OK``, or ``FAILED`` once
+        ``link_total_time`` has passed (``llm.LinkTotalTime``, seconds;
+        default 120). Transfers then work as after ``link_clusters``.
+
+        A member that must accept and does not listen yet starts listening at
+        its own entry of the table (``device_ip``, ``device_port``).
+        Raises ``LLMException(LLM_PARAM_INVALID)`` for malformed arguments or
+        tables and unknown ranks, and ``LLMException(LLM_ALREADY_LINK)`` when
+        a live comm has the same name or shares a peer with this one.
+        """
+        self._check_init()
+        members = comm_members(self._cluster_id, comm_name, cluster_rank_info, rank_table)
+        status, comm_id = self._engine.link_comm(comm_name, members)
+        raise_for_status(status, f"link {comm_name!r}")
+        return comm_id
 
     def unlink(self, comm_id: int) -> None:
-        """Counterpart of ``link``: not available (``LLM_FEATURE_NOT_ENABLED``)."""
-        raise self._no_rank_table_links()
+        """Removes the links of comm ``comm_id`` on both ends (a member still
+        linking stops). Every member calls it; the peer that unlinks second
+        finds its end already gone, which is no error.
+        Raises ``LLMException(LLM_PARAM_INVALID)`` for an unknown comm id."""
+        self._check_init()
+        check_uint64("comm_id", comm_id)
+        raise_for_status(self._engine.unlink_comm(comm_id), f"unlink comm {comm_id}")
 
-    def query_register_mem_status(self, comm_id: int) -> Any:
-        """Counterpart of ``link``: not available (``LLM_FEATURE_NOT_ENABLED``)."""
-        raise self._no_rank_table_links()
+    def query_register_mem_status(self, comm_id: int) -> RegisterMemStatus:
+        """``PREPARING`` while comm ``comm_id``'s links are being made, then
+        ``OK`` or ``FAILED``. Raises ``LLMException(LLM_PARAM_INVALID)`` for an
+        unknown comm id."""
+        self._check_init()
+        check_uint64("comm_id", comm_id)
+        status, state = self._engine.comm_state(comm_id)
+        raise_for_status(status, f"query comm {comm_id}")
+        try:
+            return RegisterMemStatus(state)
+        except ValueError:
+            return RegisterMemStatus.FAILED
+
+    # -- upstream surface that has no meaning here --------------------------------
 
     @property
     def kv_cache_manager(self) -> Any:

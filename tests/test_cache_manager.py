@@ -448,12 +448,6 @@ def test_native_data_type_sizes_match():
 
 
 def test_upstream_calls_without_meaning_here_raise(datadist):
-    with raises_status(dd.LLMStatusCode.LLM_FEATURE_NOT_ENABLED):
-        datadist.link("comm", {1: 0, 2: 1}, "{}")
-    with raises_status(dd.LLMStatusCode.LLM_FEATURE_NOT_ENABLED):
-        datadist.unlink(1)
-    with raises_status(dd.LLMStatusCode.LLM_FEATURE_NOT_ENABLED):
-        datadist.query_register_mem_status(1)
     with raises_status(PARAM_INVALID):
         datadist.kv_cache_manager
     with raises_status(PARAM_INVALID):

@@ -48,6 +48,8 @@ using SpanTuple = std::tuple<uint32_t, uint32_t, uint32_t, uint32_t>;
 using NameTuple = std::tuple<uint8_t, int64_t, uint64_t, uint64_t, uint64_t, uint64_t>;
 // peer id, remote ip, remote port, local ip
 using LinkTuple = std::tuple<uint64_t, std::string, uint16_t, std::string>;
+// cluster id, rank, ip, port (0: this member's listen port)
+using CommTuple = std::tuple<uint64_t, uint32_t, std::string, uint16_t>;
 
 LayerSpan make_span(const SpanTuple &t) {
   return LayerSpan{std::get<0>(t), std::get<1>(t), std::get<2>(t), std::get<3>(t)};
@@ -224,6 +226,41 @@ void bind_engine(py::module_ &m) {
             return py::make_tuple(st, rets);
           },
           py::arg("peers"), py::arg("force"), py::arg("timeout_ms"))
+      .def(
+          "link_comm",
+          [](Engine &e, const std::string &name, const std::vector<CommTuple> &members) {
+            std::vector<CommMember> list;
+            for (const auto &[cluster_id, rank, ip, port] : members) list.push_back({cluster_id, rank, ip, port});
+            uint64_t comm_id = 0;
+            Status st;
+            {
+              py::gil_scoped_release release;
+              st = e.link_comm(name, list, comm_id);
+            }
+            return py::make_tuple(st, comm_id);
+          },
+          py::arg("name"), py::arg("members"))
+      .def("unlink_comm", &Engine::unlink_comm, py::arg("comm_id"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "comm_state",
+          [](const Engine &e, uint64_t comm_id) {
+            CommState state = CommState::kFailed;
+            const Status st = e.comm_state(comm_id, state);
+            return py::make_tuple(st, static_cast<int32_t>(state));
+          },
+          py::arg("comm_id"))
+      .def_property_readonly("options_recorded",
+                             [](const Engine &e) {
+                               const EngineOptions &o = e.options();
+                               py::dict out;
+                               out["link_total_time_s"] = o.link_total_time_s;
+                               out["link_retry_count"] = o.link_retry_count;
+                               out["rdma_service_level"] = o.rdma_service_level;
+                               out["rdma_traffic_class"] = o.rdma_traffic_class;
+                               out["enable_switch_role"] = o.enable_switch_role;
+                               out["sync_kv_timeout_ms"] = o.sync_kv_timeout_ms;
+                               return out;
+                             })
       .def("switch_role", &Engine::switch_role, py::arg("role"), py::arg("listen_ip"), py::arg("listen_port"),
            py::call_guard<py::gil_scoped_release>())
       .def(

@@ -23,6 +23,7 @@ using llm_datadist::LLM_SUCCESS;
 
 namespace {
 constexpr uint64_t kTensorAlign = 64;
+constexpr int kCommUnlinkTimeoutMs = 3000;
 }  // namespace
 
 Engine::Engine(uint64_t cluster_id)
@@ -69,6 +70,7 @@ Status Engine::initialize(const OptionMap &options) {
   }
   options_ = parsed;
   transport_ = std::move(transport);
+  comms_ = std::make_unique<CommLinks>(cluster_id_, *transport_);
   workers_ = std::make_unique<WorkerPool>(options_.engine_threads);
   state_ = State::kReady;
   return LLM_SUCCESS;
@@ -87,6 +89,7 @@ void Engine::finalize() {
   }
   state_ = State::kFinalized;
   tracker_->cancel_all(LLM_ENGINE_FINALIZED);
+  comms_->shutdown();  // no comm links any more
   transport_->shutdown(LLM_ENGINE_FINALIZED);  // settles every operation with a peer
   workers_->shutdown();  // runs what is queued; cancelled work is skipped
   tracker_->wait_idle(-1);
@@ -290,6 +293,30 @@ Status Engine::switch_role(const std::string &role, const std::optional<std::str
   transport_->set_role(code);
   options_.role = role;
   return LLM_SUCCESS;
+}
+
+Status Engine::link_comm(const std::string &name, const std::vector<CommMember> &members, uint64_t &comm_id) {
+  std::shared_lock<std::shared_mutex> lock(state_mu_);
+  if (state_ != State::kReady) return LLM_FAILED;
+  CommSpec spec;
+  spec.name = name;
+  spec.members = members;
+  spec.total_time_ms = static_cast<uint32_t>(
+      std::min<uint64_t>(uint64_t{options_.link_total_time_s} * 1000, UINT32_MAX));
+  spec.retry_count = options_.link_retry_count;
+  return comms_->link(spec, comm_id);
+}
+
+Status Engine::unlink_comm(uint64_t comm_id) {
+  std::shared_lock<std::shared_mutex> lock(state_mu_);
+  if (state_ != State::kReady) return LLM_FAILED;
+  return comms_->unlink(comm_id, kCommUnlinkTimeoutMs);
+}
+
+Status Engine::comm_state(uint64_t comm_id, CommState &out) const {
+  std::shared_lock<std::shared_mutex> lock(state_mu_);
+  if (state_ != State::kReady) return LLM_FAILED;
+  return comms_->state(comm_id, out);
 }
 
 namespace {

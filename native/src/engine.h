@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "cache_geometry.h"
+#include "comm_links.h"
 #include "completion_queue.h"
 #include "host_pool.h"
 #include "local_copy.h"
@@ -123,6 +124,12 @@ class Engine {
   // any link exists.
   Status switch_role(const std::string &role, const std::optional<std::string> &listen_ip, uint16_t listen_port);
 
+  // Two-sided links over a rank table (see comm_links.h). The comm's time
+  // and attempts come from llm.LinkTotalTime / llm.LinkRetryCount.
+  Status link_comm(const std::string &name, const std::vector<CommMember> &members, uint64_t &comm_id);
+  Status unlink_comm(uint64_t comm_id);
+  Status comm_state(uint64_t comm_id, CommState &out) const;
+
   // Transfers with a peer. `span.local_first` counts layers of the local
   // cache (the source of a push, the destination of a pull).
   Status push_cache(int64_t src_id, uint64_t src_slot, uint64_t peer, int64_t dst_cache_id, uint64_t dst_slot,
@@ -165,6 +172,7 @@ class Engine {
   std::shared_ptr<HostPool> host_pool_;
   std::unique_ptr<WorkerPool> workers_;
   std::unique_ptr<TcpTransport> transport_;
+  std::unique_ptr<CommLinks> comms_;
 
   mutable std::shared_mutex state_mu_;  // shared by calls, exclusive for init/finalize
   State state_ = State::kCreated;

@@ -167,6 +167,23 @@ Status parse_options(const OptionMap &options, EngineOptions &out) {
     out.auth_key = env;
   }
   if (parse_listen(options, out.listen_ip, out.listen_port) != LLM_SUCCESS) return LLM_PARAM_INVALID;
+  if (const std::string *total = find(options, kOptLinkTotalTime)) {
+    if (!parse_uint(*total, UINT32_MAX, value)) return LLM_PARAM_INVALID;
+    out.link_total_time_s = value == 0 ? kDefaultLinkTotalTimeS : static_cast<uint32_t>(value);
+  }
+  if (const std::string *retries = find(options, kOptLinkRetryCount)) {
+    if (!parse_uint(*retries, 100, value) || value == 0) return LLM_PARAM_INVALID;
+    out.link_retry_count = static_cast<uint32_t>(value);
+  }
+  if (const std::string *level = find(options, kOptRdmaServiceLevel)) {
+    if (!parse_uint(*level, UINT32_MAX, value)) return LLM_PARAM_INVALID;
+    out.rdma_service_level = static_cast<uint32_t>(value);
+  }
+  if (const std::string *traffic = find(options, kOptRdmaTrafficClass)) {
+    if (!parse_uint(*traffic, UINT32_MAX, value)) return LLM_PARAM_INVALID;
+    out.rdma_traffic_class = static_cast<uint32_t>(value);
+  }
+  if (const std::string *flag = find(options, kOptEnableSwitchRole)) out.enable_switch_role = *flag == "1";
   if (const std::string *rca = find(options, kOptRemoteCacheAccessible)) {
     if (*rca != "0" && *rca != "1") return LLM_PARAM_INVALID;
     out.remote_cache_accessible = *rca == "1";

@@ -32,6 +32,15 @@ inline constexpr const char *kOptTransport = "llm.Transport";
 // links are not authenticated.
 inline constexpr const char *kOptAuthKey = "llm.AuthKey";
 inline constexpr const char *kAuthKeyEnv = "DATADIST_AIO_AUTH_KEY";
+inline constexpr const char *kOptLinkTotalTime = "llm.LinkTotalTime";
+inline constexpr const char *kOptLinkRetryCount = "llm.LinkRetryCount";
+inline constexpr const char *kOptRdmaServiceLevel = "llm.RdmaServiceLevel";
+inline constexpr const char *kOptRdmaTrafficClass = "llm.RdmaTrafficClass";
+inline constexpr const char *kOptEnableSwitchRole = "llm.EnableSwitchRole";
+
+// Link time of a rank-table comm when llm.LinkTotalTime is absent or 0, as
+// upstream's default connect timeout.
+inline constexpr uint32_t kDefaultLinkTotalTimeS = 120;
 
 struct EngineOptions {
   std::string role = "Prompt";
@@ -45,6 +54,14 @@ struct EngineOptions {
   uint32_t tcp_connections_per_peer = 2;
   bool same_host = true;  // llm.Transport "auto"
   std::string auth_key;   // llm.AuthKey, else $DATADIST_AIO_AUTH_KEY
+  // Rank-table comms: the time their links may take in all (s), and the
+  // attempts it is shared among.
+  uint32_t link_total_time_s = kDefaultLinkTotalTimeS;
+  uint32_t link_retry_count = 1;
+  // Accepted and recorded; the TCP transport has no use for them.
+  std::optional<uint32_t> rdma_service_level;
+  std::optional<uint32_t> rdma_traffic_class;
+  bool enable_switch_role = false;
 };
 
 // Role names as options spell them: "Prompt" 1, "Decoder" 2, "Mix" 3; 0 if unknown.

@@ -286,6 +286,7 @@ void TcpTransport::admit(uint64_t peer_id, uint64_t nonce) {
     if (stopping_) return;  // the unstarted link closes its sockets
     links_[peer_id] = link;
     made_.push_back(link);
+    ++made_count_[peer_id];
   }
   bool sent = true;
   for (size_t i = 0; i < forming.fds.size(); ++i) {
@@ -411,6 +412,7 @@ Status TcpTransport::link(uint64_t peer_id, const std::string &ip, uint16_t port
       link = std::make_shared<Link>(peer_id, peer_role, true, fds, this, paths);
       links_[peer_id] = link;
       made_.push_back(link);
+      ++made_count_[peer_id];
     }
   }
   if (!link) {
@@ -462,6 +464,12 @@ std::shared_ptr<same_host::PeerMemory> TcpTransport::reach(uint64_t peer_id, con
 const char *TcpTransport::link_transport(uint64_t peer_id) const {
   std::shared_ptr<Link> link = find(peer_id);
   return link ? link->transport() : nullptr;
+}
+
+uint64_t TcpTransport::links_made(uint64_t peer_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = made_count_.find(peer_id);
+  return it == made_count_.end() ? 0 : it->second;
 }
 
 std::shared_ptr<Link> TcpTransport::find(uint64_t peer_id) const {

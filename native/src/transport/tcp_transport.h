@@ -50,6 +50,9 @@ class TcpTransport : public LinkHost {
   // and the call waits (up to timeout_ms) until it has.
   Status unlink(uint64_t peer_id, bool force, int timeout_ms);
   std::shared_ptr<Link> find(uint64_t peer_id) const;
+  // How many links with `peer_id` were ever established (either end
+  // starting them): a link that came and went between two looks is seen.
+  uint64_t links_made(uint64_t peer_id) const;
   // The peer's path as Link::transport() names it; nullptr without a link.
   const char *link_transport(uint64_t peer_id) const;
   size_t link_count() const;
@@ -106,6 +109,7 @@ class TcpTransport : public LinkHost {
   // Every link made and not reaped yet, whatever state it is in: shutdown()
   // reaps them all, so no link thread outlives the transport.
   std::vector<std::shared_ptr<Link>> made_;
+  std::map<uint64_t, uint64_t> made_count_;  // per peer, for links_made()
   uint64_t generation_ = 0;
   bool stopping_ = false;
   bool housekeeper_idle_ = false;  // waiting with no deadline to watch

@@ -1,0 +1,169 @@
+#include "comm_links.h"
+
+#include <algorithm>
+#include <set>
+
+#include "log.h"
+
+namespace datadist {
+
+using llm_datadist::LLM_ALREADY_LINK;
+using llm_datadist::LLM_FAILED;
+using llm_datadist::LLM_PARAM_INVALID;
+using llm_datadist::LLM_SUCCESS;
+
+namespace {
+
+constexpr auto kRound = std::chrono::milliseconds(20);
+constexpr uint32_t kMinAttemptMs = 200;
+constexpr uint32_t kMaxAttemptMs = 2000;
+
+}  // namespace
+
+CommLinks::CommLinks(uint64_t cluster_id, TcpTransport &transport) : cluster_id_(cluster_id), transport_(transport) {}
+
+CommLinks::~CommLinks() { shutdown(); }
+
+Status CommLinks::link(const CommSpec &given, uint64_t &comm_id) {
+  CommSpec spec = given;
+  if (spec.members.size() < 2 || spec.members.size() > kMaxCommMembers || spec.name.empty()) {
+    return LLM_PARAM_INVALID;
+  }
+  std::set<uint64_t> ids;
+  std::set<uint32_t> ranks;
+  const CommMember *self = nullptr;
+  for (const CommMember &m : spec.members) {
+    if (!ids.insert(m.cluster_id).second || !ranks.insert(m.rank).second || m.ip.empty()) return LLM_PARAM_INVALID;
+    if (m.cluster_id == cluster_id_) self = &m;
+  }
+  if (self == nullptr) return LLM_PARAM_INVALID;
+  // A member that accepts from higher ranks must listen: where it already
+  // does, or at its own entry of the table.
+  const bool accepts = std::any_of(spec.members.begin(), spec.members.end(),
+                                   [&](const CommMember &m) { return m.rank > self->rank; });
+  uint16_t listen_port = transport_.listen_port();
+  if (accepts && listen_port == 0) {
+    if (self->port == 0) return LLM_PARAM_INVALID;
+    Status st = transport_.listen(self->ip, self->port);
+    if (st != LLM_SUCCESS) return st;
+    listen_port = transport_.listen_port();
+  }
+  for (CommMember &m : spec.members) {
+    if (m.port != 0 || m.cluster_id == cluster_id_) continue;
+    if (listen_port == 0) return LLM_PARAM_INVALID;  // where the peer is cannot be known
+    m.port = listen_port;
+  }
+  if (spec.retry_count == 0) spec.retry_count = 1;
+  auto comm = std::make_shared<Comm>();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return LLM_FAILED;
+    for (const auto &entry : comms_) {
+      const CommSpec &other = entry.second->spec;
+      if (other.name == spec.name) return LLM_ALREADY_LINK;
+      for (const CommMember &m : other.members) {
+        if (m.cluster_id != cluster_id_ && ids.count(m.cluster_id) != 0) return LLM_ALREADY_LINK;
+      }
+    }
+    comm->spec = std::move(spec);
+    comm_id = next_id_++;
+    comms_[comm_id] = comm;
+    comm->thread = std::thread([this, comm_id, comm] { run(comm_id, comm); });
+  }
+  return LLM_SUCCESS;
+}
+
+void CommLinks::run(uint64_t comm_id, std::shared_ptr<Comm> comm) {
+  const CommSpec &spec = comm->spec;
+  const auto start = Clock::now();
+  const auto deadline = start + std::chrono::milliseconds(spec.total_time_ms);
+  const uint32_t attempt_ms = std::clamp(spec.total_time_ms / spec.retry_count, kMinAttemptMs, kMaxAttemptMs);
+  uint32_t self_rank = 0;
+  for (const CommMember &m : spec.members) {
+    if (m.cluster_id == cluster_id_) self_rank = m.rank;
+  }
+  std::vector<const CommMember *> pending;
+  std::map<uint64_t, uint64_t> made_before;  // a link made since the comm started counts, even if gone
+  for (const CommMember &m : spec.members) {
+    if (m.cluster_id == cluster_id_) continue;
+    pending.push_back(&m);
+    made_before[m.cluster_id] = transport_.links_made(m.cluster_id);
+  }
+  CommState result = CommState::kFailed;
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    if (comm->stop) return;
+    lock.unlock();
+    for (auto it = pending.begin(); it != pending.end();) {
+      const CommMember &peer = **it;
+      bool up = transport_.find(peer.cluster_id) != nullptr ||
+                transport_.links_made(peer.cluster_id) > made_before[peer.cluster_id];
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+      if (!up && peer.rank < self_rank && left > 0) {
+        // This member connects; the peer, lower in rank, accepts.
+        const int timeout = static_cast<int>(std::min<int64_t>(attempt_ms, left));
+        up = transport_.link(peer.cluster_id, peer.ip, peer.port, "", timeout) == LLM_SUCCESS;
+      }
+      it = up ? pending.erase(it) : it + 1;
+    }
+    lock.lock();
+    if (pending.empty()) {
+      result = CommState::kOk;
+      break;
+    }
+    if (Clock::now() >= deadline) break;
+    cv_.wait_for(lock, kRound, [&] { return comm->stop; });
+  }
+  comm->state = result;
+  if (result == CommState::kFailed) {
+    log_warning("comm " + spec.name + " (id " + std::to_string(comm_id) + "): " + std::to_string(pending.size()) +
+                " member(s) did not link within " + std::to_string(spec.total_time_ms) + " ms");
+  }
+}
+
+Status CommLinks::state(uint64_t comm_id, CommState &out) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = comms_.find(comm_id);
+  if (it == comms_.end()) return LLM_PARAM_INVALID;
+  out = it->second->state;
+  return LLM_SUCCESS;
+}
+
+void CommLinks::stop(const std::shared_ptr<Comm> &comm) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    comm->stop = true;
+  }
+  cv_.notify_all();
+  if (comm->thread.joinable()) comm->thread.join();
+}
+
+Status CommLinks::unlink(uint64_t comm_id, int timeout_ms) {
+  std::shared_ptr<Comm> comm;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = comms_.find(comm_id);
+    if (it == comms_.end()) return LLM_PARAM_INVALID;
+    comm = it->second;
+    comms_.erase(it);
+  }
+  stop(comm);
+  for (const CommMember &m : comm->spec.members) {
+    if (m.cluster_id == cluster_id_ || transport_.find(m.cluster_id) == nullptr) continue;
+    // A peer that does not answer still sees the connections close.
+    transport_.unlink(m.cluster_id, false, timeout_ms);
+  }
+  return LLM_SUCCESS;
+}
+
+void CommLinks::shutdown() {
+  std::map<uint64_t, std::shared_ptr<Comm>> comms;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+    comms.swap(comms_);
+  }
+  for (auto &entry : comms) stop(entry.second);
+}
+
+}  // namespace datadist
