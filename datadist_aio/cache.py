@@ -38,12 +38,16 @@ class Cache:
         is_blocks_cache: bool = False,
         *,
         buffers: Optional[Sequence[Any]] = None,
+        memory: Any = None,
     ) -> None:
         self._cache_id = cache_id
         self._cache_desc = cache_desc
         self._tensor_addrs = list(tensor_addrs)
         self._is_blocks_cache = is_blocks_cache
         self._buffers = list(buffers) if buffers is not None else None
+        # What keeps the tensors' memory alive: the engine's pin of an
+        # allocated cache, or the buffers a registered one was made from.
+        self._memory = memory
 
     @classmethod
     def create_cpu_cache(cls, cache_desc: CacheDesc, addrs: list[int]) -> Cache:
@@ -102,9 +106,11 @@ class Cache:
     def as_numpy(self, tensor_index: int) -> np.ndarray:
         """Returns a writable zero-copy view of one tensor.
 
-        The view has the desc's shape and numpy dtype and keeps this `Cache`
-        object alive, but not its memory: it must not be used after the
-        cache is deallocated or unregistered.
+        The view has the desc's shape and numpy dtype and keeps the memory
+        behind it alive: an allocated cache's memory stays mapped (and out of
+        the pool) while a view of it exists, past `deallocate_cache` and
+        `LLMDataDist.finalize()`; a registered cache's buffers likewise. Only
+        memory registered as raw integer addresses is the caller's to keep.
 
         Args:
             tensor_index: Index into `tensor_addrs`; negative values count
@@ -128,15 +134,17 @@ class Cache:
             raise IndexError(f"tensor_index must be in [-{count}, {count}), got {tensor_index}")
         desc = self._cache_desc
         raw = (ctypes.c_ubyte * desc.size).from_address(self._tensor_addrs[tensor_index])
-        raw._owner = self
+        raw._owner = (self._memory, self._buffers)
         return np.frombuffer(raw, dtype=np.uint8).view(desc.data_type.numpy_dtype).reshape(
             desc.shape
         )
 
     def _invalidate(self) -> None:
-        """Forgets the addresses and buffers after deallocation."""
+        """Forgets the addresses and the memory after deallocation: views made
+        before keep what they point at."""
         self._tensor_addrs = []
         self._buffers = None
+        self._memory = None
 
     def __repr__(self) -> str:
         return (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
@@ -124,6 +125,8 @@ class CacheManager:
         self._buffers: dict[int, list[memoryview]] = {}
         # Running layer-wise transfers; each leaves the set when it finishes.
         self._transfers: set[LayerwiseTransfer] = set()
+        # Allocated caches, invalidated with the engine (weakly held).
+        self._allocated: weakref.WeakSet[Cache] = weakref.WeakSet()
 
     def _check_valid(self) -> None:
         raise_if_false(self._valid, "the cache manager is finalized", status_code=LLMStatusCode.LLM_ENGINE_FINALIZED)
@@ -136,6 +139,11 @@ class CacheManager:
     def _invalidate(self) -> None:
         self._valid = False
         self._buffers.clear()
+        # Caches of a finalized engine hold no addresses; views made before
+        # keep their memory.
+        for cache in list(self._allocated):
+            cache._invalidate()
+        self._allocated.clear()
 
     # -- allocation ---------------------------------------------------------
 
@@ -160,7 +168,9 @@ class CacheManager:
             None if blocks_key is None else blocks_key.model_id,
         )
         raise_for_status(status, f"allocate {cache_desc!r}")
-        return Cache(cache_id, cache_desc, list(addrs), is_blocks)
+        cache = Cache(cache_id, cache_desc, list(addrs), is_blocks, memory=self._engine.pin_memory(cache_id))
+        self._allocated.add(cache)
+        return cache
 
     def allocate_cache(self, cache_desc: CacheDesc, cache_keys: Union[tuple[CacheKey, ...], list[CacheKey]] = ()) -> Cache:
         """Allocates a contiguous cache from the host pool; ``cache_keys[i]`` names batch slot i."""
@@ -183,6 +193,7 @@ class CacheManager:
         if cache.cache_id > 0:
             raise_for_status(self._engine.deallocate_cache(cache.cache_id), f"deallocate cache {cache.cache_id}")
         cache._invalidate()
+        self._allocated.discard(cache)
 
     def deallocate_cache(self, cache: Cache) -> None:
         """Frees an allocated contiguous cache once no bound key refers to it."""

@@ -81,6 +81,12 @@ py::tuple start_request(Start &&start) {
 }  // namespace
 
 void bind_engine(py::module_ &m) {
+  // Engine memory held for Python views: opaque, released with the object.
+  struct MemoryPin {
+    std::shared_ptr<const void> memory;
+  };
+  py::class_<MemoryPin>(m, "MemoryPin");
+
   py::class_<Engine>(m, "Engine")
       .def(py::init<uint64_t>(), py::arg("cluster_id"))
       .def("initialize", &Engine::initialize, py::arg("options"), py::call_guard<py::gil_scoped_release>())
@@ -138,6 +144,14 @@ void bind_engine(py::module_ &m) {
           },
           py::arg("num_tensors"), py::arg("shape"), py::arg("data_type"), py::arg("placement"),
           py::arg("is_blocks"), py::arg("keys"), py::arg("blocks_model_id"))
+      .def(
+          "pin_memory",
+          [](const Engine &e, int64_t cache_id) -> std::optional<MemoryPin> {
+            std::shared_ptr<const void> memory = e.pin_memory(cache_id);
+            if (!memory) return std::nullopt;
+            return MemoryPin{std::move(memory)};
+          },
+          py::arg("cache_id"))
       .def("deallocate_cache", &Engine::deallocate_cache, py::arg("cache_id"),
            py::call_guard<py::gil_scoped_release>())
       .def("unregister_cache", &Engine::unregister_cache, py::arg("cache_id"),

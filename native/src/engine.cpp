@@ -142,6 +142,13 @@ Status Engine::allocate_cache(const CacheSpec &spec, const std::vector<KeySpec> 
   return st;  // on failure the entry's destructor returns the memory
 }
 
+std::shared_ptr<const void> Engine::pin_memory(int64_t cache_id) const {
+  std::shared_lock<std::shared_mutex> lock(state_mu_);
+  if (state_ != State::kReady) return nullptr;
+  std::shared_ptr<CacheEntry> entry = registry_.find(cache_id);
+  return entry && entry->pool ? entry : nullptr;
+}
+
 Status Engine::deallocate_cache(int64_t cache_id) {
   std::shared_lock<std::shared_mutex> lock(state_mu_);
   if (state_ != State::kReady) return LLM_FAILED;

@@ -101,6 +101,10 @@ class Engine {
   Status deallocate_cache(int64_t cache_id);
   Status unregister_cache(int64_t cache_id);
   Status remove_cache_key(const KeySpec &key);
+  // Keeps the memory of an allocated cache mapped and out of the pool for as
+  // long as the returned pointer lives, even past deallocate_cache() and
+  // finalize(); null for an unknown or registered (caller-owned) cache.
+  std::shared_ptr<const void> pin_memory(int64_t cache_id) const;
   // Tensor count of a cache of this engine, 0 if there is none with that id.
   uint32_t cache_tensors(int64_t cache_id) const;
 
