@@ -162,8 +162,9 @@ def test_harness_reports_dead_and_hung_peers():
         victim.kill()
         with pytest.raises(PeerError, match="not running"):
             victim.free_all()
-    with Peer("hung", command_timeout=0.5) as hung:
-        hung.start(dd.LLMRole.PROMPT, 1, listen=False)
+    with Peer("hung") as hung:
+        hung.start(dd.LLMRole.PROMPT, 1, listen=False)  # a start may take long on a loaded machine
+        hung.command_timeout = 0.5
         os.kill(hung.pid, signal.SIGSTOP)  # behind the harness's back: the command cannot be answered
         started = time.monotonic()
         with pytest.raises(PeerTimeout, match="killed"):

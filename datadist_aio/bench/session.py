@@ -16,6 +16,8 @@ an HMAC key, and carries pickles: expose ``serve`` to trusted hosts only.
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import hmac
 import importlib
 import multiprocessing as mp
 import os
@@ -64,7 +66,14 @@ def _call(conn: Connection, *request: Any) -> Any:
 # -- the target (decode) side -------------------------------------------------------
 
 
-def _target_session(conn: Connection, host: str) -> None:
+def link_secret(authkey: bytes) -> str:
+    """The link secret both sides of a session derive from the control
+    channel's key: engines that authenticate their links prove it to each
+    other, and it never crosses the wire."""
+    return hmac.new(authkey, b"datadist_aio.bench link secret", hashlib.sha256).hexdigest()
+
+
+def _target_session(conn: Connection, host: str, authkey: bytes) -> None:
     _die_with_parent()
     target = None
     try:
@@ -74,7 +83,7 @@ def _target_session(conn: Connection, host: str) -> None:
             try:
                 if command == "open":
                     engine, variant = args
-                    target = engine_module(engine).Target(variant, host)
+                    target = engine_module(engine).Target({**variant, "link_secret": link_secret(authkey)}, host)
                     answer = target.open()
                 elif command == "prepare":
                     answer = target.prepare(args[0])
@@ -122,7 +131,7 @@ def serve(host: str, port: int, authkey: bytes, ready: Optional[Connection] = No
                     conn = listener.accept()
                 except mp.AuthenticationError:
                     continue
-                process = ctx.Process(target=_target_session, args=(conn, host), daemon=True)
+                process = ctx.Process(target=_target_session, args=(conn, host, authkey), daemon=True)
                 process.start()
                 conn.close()
                 sessions = [p for p in sessions if p.is_alive()] + [process]
@@ -216,7 +225,7 @@ def initiator_main(report: Connection, address: Any, authkey: bytes, plan: Plan)
         conn = Client(address, authkey=authkey)
         module = engine_module(plan.engine)
         opened = _call(conn, "open", plan.engine, plan.variant)
-        initiator = module.Initiator(plan.variant, opened)
+        initiator = module.Initiator({**plan.variant, "link_secret": link_secret(authkey)}, opened)
         seed = 1
         for layout in plan.layouts:
             initiator.prepare(layout, _call(conn, "prepare", layout))

@@ -83,6 +83,31 @@ TEST_F(TcpLinkTest, LinkedPairMovesDataBothWaysOverTcp) {
   EXPECT_TRUE(SameBytes(client_cache_.Snapshot(), client_expected));
 }
 
+// A shared secret on both ends: the link proves it both ways and works.
+class AuthLinkTest : public LinkTest {
+ protected:
+  Options ServerOptions() const override { return {{OPTION_AUTH_KEY, "open sesame"}}; }
+  Options ClientOptions() const override { return {{OPTION_AUTH_KEY, "open sesame"}}; }
+};
+
+TEST_F(AuthLinkTest, MatchingSecretsLinkAndMoveData) {
+  Bytes server_expected = server_cache_.Snapshot();
+  ApplyUnits(server_expected, client_cache_.Snapshot(), 32, LayerPairs(0, 0, 1), 2, {0}, {1});
+  ASSERT_STATUS(LLM_SUCCESS, ClientPush());
+  EXPECT_TRUE(SameBytes(server_cache_.Snapshot(), server_expected));
+}
+
+TEST_F(AuthLinkTest, AWrongOrMissingSecretIsAuthFailed) {
+  for (const char *key : {"open barley", ""}) {
+    LlmDataDist other(303, LlmRole::kPrompt);
+    Options options = BaseOptions();
+    if (*key != '\0') options[OPTION_AUTH_KEY] = key;
+    ASSERT_STATUS(LLM_SUCCESS, other.Initialize(options));
+    std::vector<Status> rets;
+    EXPECT_STATUS(LLM_AUTH_FAILED, other.LinkLlmClusters({ServerInfo()}, rets, 2000)) << key;
+  }
+}
+
 TEST_F(LinkTest, BadTransportOptionIsParamInvalid) {
   LlmDataDist other(303, LlmRole::kPrompt);
   EXPECT_STATUS(LLM_PARAM_INVALID, other.Initialize({{OPTION_TRANSPORT, "shm"}}));

@@ -33,7 +33,8 @@ KEY = BlocksCacheKey(TARGET_ID, 0)
 
 
 def options(pool_bytes: int, listen: Optional[str] = None, sync_kv_timeout_ms: int = 120000,
-            connections: Optional[int] = None, transport: Optional[str] = None) -> dict[str, str]:
+            connections: Optional[int] = None, transport: Optional[str] = None,
+            auth_key: Optional[str] = None) -> dict[str, str]:
     """Options of an instance in remote-cache-accessible mode, with a host pool
     of ``pool_bytes``, listening on ``listen`` (an IP; port chosen by the
     kernel) when given, on ``transport`` (the library's default when None)."""
@@ -46,6 +47,8 @@ def options(pool_bytes: int, listen: Optional[str] = None, sync_kv_timeout_ms: i
         config.tcp_connections_per_peer = connections
     if transport is not None:
         config.transport = transport
+    if auth_key is not None:
+        config.auth_key = auth_key
     if listen is not None:
         config.listen_ip_info = f"{listen}:0"
     return config.generate_options()
@@ -55,7 +58,8 @@ def _datadist(role: LLMRole, cluster_id: int, variant: dict[str, Any], listen: O
     datadist = LLMDataDist(role, cluster_id)
     # The benchmark registers its own memory: the pool stays small.
     connections = int(variant["connections"]) if "connections" in variant else None
-    datadist.init(options(16 << 20, listen, connections=connections, transport=variant.get("transport")))
+    datadist.init(options(16 << 20, listen, connections=connections, transport=variant.get("transport"),
+                          auth_key=variant.get("link_secret")))
     return datadist
 
 
