@@ -97,9 +97,12 @@ class CacheTask:
         if self.cancelled():
             raise asyncio.CancelledError(f"{self._operation} was cancelled")
         statuses = self._statuses()
-        for status in statuses:
+        for index, status in enumerate(statuses):
             if status is not LLMStatusCode.LLM_SUCCESS:
-                raise LLMException(f"{self._operation} failed: {status.name}", status_code=status)
+                reason = self._request.messages()[index]
+                where = f" (transfer_configs[{index}])" if len(statuses) > 1 else ""
+                text = f"{self._operation} failed{where}: {reason}" if reason else f"{self._operation} failed{where}"
+                raise LLMException(text, status_code=status)
         return statuses
 
     def __await__(self) -> Generator[Any, None, list[LLMStatusCode]]:

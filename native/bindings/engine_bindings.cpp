@@ -167,6 +167,7 @@ void bind_engine(py::module_ &m) {
           },
           py::arg("dst"), py::arg("src"), py::arg("pairs"))
       .def_property_readonly("listen_port", &Engine::listen_port)
+      .def("has_link", &Engine::has_link, py::arg("peer"))
       .def("create_request", &Engine::create_request, py::arg("num_results"))
       .def(
           "transfer_step",
