@@ -176,13 +176,15 @@ def test_not_linked_names_the_cluster(linked):
 # -- a layer-wise transfer whose peer dies ------------------------------------------------
 
 
-class _HoldLayerOne(dd.LayerSynchronizer):
+class _HoldFirstLayer(dd.LayerSynchronizer):
+    """Holds layer 0 until released: nothing is sent before the test lets it."""
+
     def __init__(self) -> None:
         self.reached = asyncio.Event()
         self.go = asyncio.Event()
 
     async def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
-        if layer_index == 1:
+        if layer_index == 0:
             self.reached.set()
             await self.go.wait()
         return True
@@ -196,7 +198,7 @@ async def test_layerwise_peer_death_is_link_failed():
         try:
             assert datadist.link_clusters([cluster_info(C, victim.listen_port)], 3000) == (SUCCESS, [SUCCESS])
             cache = datadist.cache_manager.allocate_blocks_cache(_desc())
-            sync = _HoldLayerOne()
+            sync = _HoldFirstLayer()
             config = dd.TransferWithCacheKeyConfig(ref.blocks_key(), range(LAYERS), range(LAYERS))
             task = datadist.cache_manager.transfer_cache_async(cache, sync, [config], [0, 1], [2, 3])
             await asyncio.wait_for(sync.reached.wait(), 10)
@@ -208,7 +210,7 @@ async def test_layerwise_peer_death_is_link_failed():
             sync.go.set()
             with raises_status(LINK_FAILED) as info:
                 await asyncio.wait_for(task, 10)
-            assert f"cluster {C}" in str(info.value)
+            assert f"the link to cluster {C} was lost before layer 0" in str(info.value)
             assert task.get_results() == [LINK_FAILED]
         finally:
             datadist.finalize()
