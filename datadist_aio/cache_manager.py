@@ -403,10 +403,19 @@ class CacheManager:
             src_desc.slot_size == dst_desc.slot_size,
             f"block sizes differ: {src_desc.slot_size} != {dst_desc.slot_size}",
         )
-        raise_if_false(src_desc.num_tensors == dst_desc.num_tensors, "the caches have different tensor counts")
+        raise_if_false(
+            src_desc.num_tensors == dst_desc.num_tensors,
+            f"the caches have different tensor counts: {src_desc.num_tensors} != {dst_desc.num_tensors}",
+        )
         for src_block, dst_block in src_to_dst.items():
-            raise_if_false(0 <= src_block < src_desc.shape[0], f"source block {src_block} out of range")
-            raise_if_false(0 <= dst_block < dst_desc.shape[0], f"destination block {dst_block} out of range")
+            raise_if_false(
+                0 <= src_block < src_desc.shape[0],
+                f"source block {src_block} is out of range: src_cache has {src_desc.shape[0]} blocks",
+            )
+            raise_if_false(
+                0 <= dst_block < dst_desc.shape[0],
+                f"destination block {dst_block} is out of range: dst_cache has {dst_desc.shape[0]} blocks",
+            )
         if Placement.DEVICE in (src_desc.placement, dst_desc.placement):
             raise _device_unsupported("swap_blocks")
         self._check_valid()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -74,6 +75,14 @@ def test_local_copy_names_the_block(local):
     with raises_status(PARAM_INVALID) as info:
         cm.copy_blocks(cache, {0: [1], 2: [1]})
     assert "destination block 1 is named twice" in str(info.value)
+
+
+def test_swap_blocks_names_the_limit(local):
+    cm = local.cache_manager
+    src, dst = cm.allocate_blocks_cache(_desc()), cm.allocate_blocks_cache(_desc(blocks=4))
+    with raises_status(PARAM_INVALID) as info:
+        cm.swap_blocks(src, dst, {1: 6})
+    assert "destination block 6 is out of range: dst_cache has 4 blocks" in str(info.value)
 
 
 def test_bad_option_names_it():
@@ -242,3 +251,33 @@ def test_engine_listen_failure_is_logged_once_not_as_error(caplog):
     _logging.flush(5.0)
     assert "203.0.113.1" in str(info.value) or info.value.status_code is not SUCCESS
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_an_engine_thread_logs_while_python_is_busy(caplog):
+    """A link going down is logged by a transport thread. It never waits for
+    the interpreter: the transfer fails at once even while the loop's thread
+    keeps the GIL busy, and the message reaches logging afterwards."""
+    from datadist_aio import _logging
+
+    caplog.set_level(logging.WARNING, logger="datadist_aio")
+    with PeerGroup() as group:
+        victim = group.start("victim", dd.LLMRole.DECODER, C)
+        ref = victim.allocate(_desc(), blocks=True, model_id=11)
+        datadist = _datadist(A)
+        try:
+            assert datadist.link_clusters([cluster_info(C, victim.listen_port)], 3000) == (SUCCESS, [SUCCESS])
+            cache = datadist.cache_manager.allocate_blocks_cache(_desc())
+            datadist.cache_manager.push_blocks(ref.blocks_key(), cache, [0], [0])
+            victim.stop()  # the next push stays unanswered: in flight when the peer dies
+            task = datadist.cache_manager.push_blocks_async(ref.blocks_key(), cache, [1], [1])
+            victim.kill()
+            deadline = time.monotonic() + 10
+            while datadist._engine.has_link(C):  # the GIL stays busy here: no await, no sleep
+                assert time.monotonic() < deadline, "the link never noticed the peer's death"
+            with raises_status(LINK_FAILED):
+                await asyncio.wait_for(task, 10)
+            assert _logging.flush(5.0)
+        finally:
+            datadist.finalize()
+    native = [r for r in caplog.records if r.name == "datadist_aio.native"]
+    assert any(f"link to cluster {C}" in r.getMessage() and r.levelno == logging.WARNING for r in native), native
