@@ -77,14 +77,16 @@ def check_isinstance(
     """
     if value is None and allow_none:
         return
-    classes = _normalize(classes)
+    if not isinstance(classes, (type, tuple)):  # on the submit path: no call when already normalized
+        classes = tuple(classes)
     if not isinstance(value, classes):
         raise TypeError(
             f"{name} must be {_type_names(classes)}, got {type(value).__name__}"
         )
     if inner_class is None:
         return
-    inner_class = _normalize(inner_class)
+    if not isinstance(inner_class, (type, tuple)):
+        inner_class = tuple(inner_class)
     for index, item in enumerate(cast(Iterable[Any], value)):
         if not isinstance(item, inner_class):
             raise TypeError(

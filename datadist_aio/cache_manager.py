@@ -326,9 +326,11 @@ class CacheManager:
 
     # -- local data movement --------------------------------------------------
 
-    def _task(self, started: tuple[int, Any], operation: str) -> CacheTask:
+    def _task(self, started: tuple[int, Any], operation: Callable[[], str]) -> CacheTask:
+        """The task of a started request; ``operation`` names it, formatted only when needed."""
         status, request = started
-        raise_for_status(status, operation)
+        if status != 0:
+            raise_for_status(status, operation())
         return CacheTask(request, self._dispatcher, operation)
 
     def copy_cache_async(
@@ -354,7 +356,7 @@ class CacheManager:
         raise_if_false(size == -1 or size > 0, f"size must be -1 or > 0, got {size}")
         self._check_valid()
         started = self._engine.copy_cache(dst.cache_id, src.cache_id, dst_batch_index, src_batch_index, offset, size)
-        return self._task(started, f"copy_cache({src.cache_id}[{src_batch_index}] -> {dst.cache_id}[{dst_batch_index}])")
+        return self._task(started, lambda: f"copy_cache({src.cache_id}[{src_batch_index}] -> {dst.cache_id}[{dst_batch_index}])")
 
     def copy_cache(
         self,
@@ -382,7 +384,7 @@ class CacheManager:
                 pairs.append((src_block, dst_block))
         self._check_valid()
         view = _view(cache)
-        return self._task(self._engine.copy_blocks(view, view, pairs), f"copy_blocks(cache {cache.cache_id})")
+        return self._task(self._engine.copy_blocks(view, view, pairs), lambda: f"copy_blocks(cache {cache.cache_id})")
 
     def copy_blocks(self, cache: Cache, copy_block_info: dict[int, list[int]]) -> None:
         """``copy_blocks_async``, waited for; raises ``LLMException`` on failure."""
@@ -420,7 +422,7 @@ class CacheManager:
             raise _device_unsupported("swap_blocks")
         self._check_valid()
         started = self._engine.copy_blocks(_view(dst_cache), _view(src_cache), list(src_to_dst.items()))
-        return self._task(started, f"swap_blocks({src_cache.cache_id} -> {dst_cache.cache_id})")
+        return self._task(started, lambda: f"swap_blocks({src_cache.cache_id} -> {dst_cache.cache_id})")
 
     def swap_blocks(self, src_cache: Cache, dst_cache: Cache, src_to_dst: dict[int, int]) -> None:
         """``swap_blocks_async``, waited for; raises ``LLMException`` on failure."""
@@ -464,7 +466,7 @@ class CacheManager:
             dst_cache_key.batch_index,
             span,
         )
-        return self._task(started, f"push_cache(cache {src_cache.cache_id} -> {dst_cache_key!r})")
+        return self._task(started, lambda: f"push_cache(cache {src_cache.cache_id} -> {dst_cache_key!r})")
 
     def push_cache(
         self,
@@ -510,7 +512,7 @@ class CacheManager:
         started = self._engine.push_blocks(
             src_cache.cache_id, dst_cache_key.cluster_id, dst_cache_key.model_id, src_blocks, list(dst_blocks), span
         )
-        return self._task(started, f"push_blocks(cache {src_cache.cache_id} -> {dst_cache_key!r})")
+        return self._task(started, lambda: f"push_blocks(cache {src_cache.cache_id} -> {dst_cache_key!r})")
 
     def push_blocks(
         self,
@@ -560,7 +562,7 @@ class CacheManager:
         started = self._engine.pull_cache(
             cache.cache_id, batch_index, cache_key.cluster_id, remote_name(cache_key), size, span
         )
-        return self._task(started, f"pull_cache({cache_key!r} -> cache {cache.cache_id})")
+        return self._task(started, lambda: f"pull_cache({cache_key!r} -> cache {cache.cache_id})")
 
     def pull_cache(
         self,
@@ -611,7 +613,7 @@ class CacheManager:
             list(dst_blocks),
             span,
         )
-        return self._task(started, f"pull_blocks({src_cache_key!r} -> cache {dst_cache.cache_id})")
+        return self._task(started, lambda: f"pull_blocks({src_cache_key!r} -> cache {dst_cache.cache_id})")
 
     def pull_blocks(
         self,
