@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, cast
 
 from .status import LLMException, LLMStatusCode
 
@@ -77,15 +77,17 @@ def check_isinstance(
     """
     if value is None and allow_none:
         return
-    classes = _normalize(classes)
+    if not isinstance(classes, (type, tuple)):  # on the submit path: no call when already normalized
+        classes = tuple(classes)
     if not isinstance(value, classes):
         raise TypeError(
             f"{name} must be {_type_names(classes)}, got {type(value).__name__}"
         )
     if inner_class is None:
         return
-    inner_class = _normalize(inner_class)
-    for index, item in enumerate(value):
+    if not isinstance(inner_class, (type, tuple)):
+        inner_class = tuple(inner_class)
+    for index, item in enumerate(cast(Iterable[Any], value)):
         if not isinstance(item, inner_class):
             raise TypeError(
                 f"{name}[{index}] must be {_type_names(inner_class)}, "
@@ -169,8 +171,8 @@ def check_dict(
 
 
 def _fail(fmt: str, args: tuple[Any, ...], status_code: LLMStatusCode) -> None:
+    # Raised to the caller, so not logged as well.
     message = fmt.format(*args) if args else fmt
-    logger.error("%s", message)
     raise LLMException(message, status_code=status_code)
 
 
@@ -180,7 +182,7 @@ def raise_if_false(
     *args: Any,
     status_code: LLMStatusCode = LLMStatusCode.LLM_PARAM_INVALID,
 ) -> None:
-    """Logs and raises `LLMException` unless `condition` holds.
+    """Raises `LLMException` unless `condition` holds.
 
     Args:
         condition: Tested for truth.
@@ -201,7 +203,7 @@ def raise_if_true(
     *args: Any,
     status_code: LLMStatusCode = LLMStatusCode.LLM_PARAM_INVALID,
 ) -> None:
-    """Logs and raises `LLMException` when `condition` holds.
+    """Raises `LLMException` when `condition` holds.
 
     Args:
         condition: Tested for truth.

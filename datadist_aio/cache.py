@@ -133,7 +133,7 @@ class Cache:
         if not -count <= tensor_index < count:
             raise IndexError(f"tensor_index must be in [-{count}, {count}), got {tensor_index}")
         desc = self._cache_desc
-        raw = (ctypes.c_ubyte * desc.size).from_address(self._tensor_addrs[tensor_index])
+        raw: Any = (ctypes.c_ubyte * desc.size).from_address(self._tensor_addrs[tensor_index])
         raw._owner = (self._memory, self._buffers)
         return np.frombuffer(raw, dtype=np.uint8).view(desc.data_type.numpy_dtype).reshape(
             desc.shape

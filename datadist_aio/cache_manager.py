@@ -7,6 +7,8 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
+import numpy as np
+
 from ._checks import (
     check_dict,
     check_int64,
@@ -32,8 +34,13 @@ from .transfer_config import TransferConfig, TransferWithCacheKeyConfig
 
 __all__ = ["CacheManager"]
 
-_BufferLike = Any
-_Address = Union[int, _BufferLike]
+_Buffer = Union["np.ndarray[Any, Any]", memoryview, bytearray]
+# One entry per tensor: a raw address or a writable C-contiguous buffer
+# (numpy arrays, memoryviews, bytearrays; other buffer objects work too).
+# Spelled as a union of list types so that a list[np.ndarray] passes.
+Addresses = Union[
+    list[int], list["np.ndarray[Any, Any]"], list[memoryview], list[bytearray], list[Union[int, _Buffer]]
+]
 
 
 def _device_unsupported(what: str) -> LLMException:
@@ -41,6 +48,29 @@ def _device_unsupported(what: str) -> LLMException:
         f"{what}: Placement.DEVICE needs an accelerator backend, which this build does not have; "
         "for host memory set placement=Placement.HOST in CacheDesc (its default, as upstream's, is DEVICE)",
         status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+    )
+
+
+def _check_addr_count(addrs: Sequence[Any], cache_desc: CacheDesc) -> None:
+    count, tensors = len(addrs), cache_desc.num_tensors
+    raise_if_false(
+        count == tensors,
+        f"too {'few' if count < tensors else 'many'} entries in addrs: {count} given, "
+        f"cache_desc.num_tensors is {tensors} (one address or array per tensor)",
+    )
+
+
+def _check_array(name: str, array: np.ndarray[Any, Any], cache_desc: CacheDesc) -> None:
+    """A numpy array registered as a tensor has the description's dtype and shape."""
+    expected = cache_desc.data_type.numpy_dtype
+    raise_if_false(
+        array.dtype == expected,
+        f"{name} has dtype {array.dtype}, but cache_desc.data_type {cache_desc.data_type.name} "
+        f"needs {expected}",
+    )
+    raise_if_false(
+        list(array.shape) == list(cache_desc.shape),
+        f"{name} has shape {tuple(array.shape)}, but cache_desc.shape is {tuple(cache_desc.shape)}",
     )
 
 
@@ -94,18 +124,10 @@ def _view(cache: Cache) -> tuple[int, int, list[int], int, int, list[int]]:
     )
 
 
-def _waited(start: Callable[..., CacheTask]) -> Callable[..., None]:
-    """The blocking twin of an ``X_async`` method: waits and raises on failure."""
-
-    @functools.wraps(start)
-    def method(self: "CacheManager", *args: Any, **kwargs: Any) -> None:
-        task = start(self, *args, **kwargs)
-        task.synchronize()
-        task.result()
-
-    method.__name__ = method.__qualname__ = start.__name__.removesuffix("_async")
-    method.__doc__ = f"``{start.__name__}``, waited for; raises ``LLMException`` on failure."
-    return method
+def _wait(task: CacheTask) -> None:
+    """Waits for ``task``; raises ``LLMException`` with its first failure."""
+    task.synchronize()
+    task.result()
 
 
 class CacheManager:
@@ -205,24 +227,28 @@ class CacheManager:
 
     # -- registration -------------------------------------------------------
 
-    def _addresses(self, cache_desc: CacheDesc, addrs: list[_Address]) -> tuple[list[int], list[memoryview]]:
+    def _addresses(self, cache_desc: CacheDesc, addrs: Addresses) -> tuple[list[int], list[memoryview]]:
         from . import _native
 
         out: list[int] = []
         buffers: list[memoryview] = []
-        for index, addr in enumerate(addrs):
+        entry: Any  # a buffer of any kind, checked at run time
+        for index, entry in enumerate(addrs):
+            addr = entry
             if isinstance(addr, int) and not isinstance(addr, bool):
                 check_uint64(f"addrs[{index}]", addr)
                 raise_if_true(addr == 0, f"addrs[{index}] is 0")
                 out.append(addr)
                 continue
             try:
-                view = memoryview(addr)
+                view = memoryview(entry)
             except TypeError:
                 raise TypeError(
                     f"addrs[{index}] must be an int address or a writable buffer, got {type(addr).__name__}"
                 ) from None
             address, nbytes = _native.buffer_address(view)
+            if isinstance(addr, np.ndarray):
+                _check_array(f"addrs[{index}]", addr, cache_desc)
             raise_if_false(
                 nbytes == cache_desc.size,
                 f"addrs[{index}] holds {nbytes} bytes but one tensor of the cache is {cache_desc.size} bytes",
@@ -234,7 +260,7 @@ class CacheManager:
     def _register(
         self,
         cache_desc: CacheDesc,
-        addrs: list[_Address],
+        addrs: Addresses,
         keys: Sequence[CacheKey],
         blocks_key: Optional[BlocksCacheKey],
         remote_accessible: Optional[bool],
@@ -272,7 +298,7 @@ class CacheManager:
     def register_cache(
         self,
         cache_desc: CacheDesc,
-        addrs: list[_Address],
+        addrs: Addresses,
         cache_keys: Union[tuple[CacheKey, ...], list[CacheKey]] = (),
         remote_accessible: Optional[bool] = None,
     ) -> Cache:
@@ -284,22 +310,20 @@ class CacheManager:
         """
         self._check_register_args(cache_desc, addrs, remote_accessible)
         check_isinstance("cache_keys", cache_keys, (list, tuple), CacheKey, allow_none=False)
-        raise_if_false(
-            len(addrs) == cache_desc.num_tensors,
-            f"len(addrs)={len(addrs)} does not match cache_desc.num_tensors={cache_desc.num_tensors}",
-        )
+        _check_addr_count(addrs, cache_desc)
         return self._register(cache_desc, addrs, cache_keys, None, remote_accessible, False)
 
     def register_blocks_cache(
         self,
         cache_desc: CacheDesc,
-        addrs: list[_Address],
+        addrs: Addresses,
         blocks_cache_key: Optional[BlocksCacheKey] = None,
         remote_accessible: Optional[bool] = None,
     ) -> Cache:
         """Registers user memory as a blocks (paged) cache; ``addrs`` as in ``register_cache``."""
         self._check_register_args(cache_desc, addrs, remote_accessible)
         check_isinstance("blocks_cache_key", blocks_cache_key, BlocksCacheKey)
+        _check_addr_count(addrs, cache_desc)
         cache_desc._is_blocks = True
         return self._register(cache_desc, addrs, (), blocks_cache_key, remote_accessible, True)
 
@@ -318,9 +342,11 @@ class CacheManager:
 
     # -- local data movement --------------------------------------------------
 
-    def _task(self, started: tuple[int, Any], operation: str) -> CacheTask:
+    def _task(self, started: tuple[int, Any], operation: Callable[[], str]) -> CacheTask:
+        """The task of a started request; ``operation`` names it, formatted only when needed."""
         status, request = started
-        raise_for_status(status, operation)
+        if status != 0:
+            raise_for_status(status, operation())
         return CacheTask(request, self._dispatcher, operation)
 
     def copy_cache_async(
@@ -346,9 +372,20 @@ class CacheManager:
         raise_if_false(size == -1 or size > 0, f"size must be -1 or > 0, got {size}")
         self._check_valid()
         started = self._engine.copy_cache(dst.cache_id, src.cache_id, dst_batch_index, src_batch_index, offset, size)
-        return self._task(started, f"copy_cache({src.cache_id}[{src_batch_index}] -> {dst.cache_id}[{dst_batch_index}])")
+        return self._task(started, lambda: f"copy_cache({src.cache_id}[{src_batch_index}] -> {dst.cache_id}[{dst_batch_index}])")
 
-    copy_cache = _waited(copy_cache_async)
+    def copy_cache(
+        self,
+        dst: Cache,
+        src: Cache,
+        dst_batch_index: int = 0,
+        src_batch_index: int = 0,
+        offset: int = 0,
+        size: int = -1,
+        req_id: Optional[int] = None,
+    ) -> None:
+        """``copy_cache_async``, waited for; raises ``LLMException`` on failure."""
+        _wait(self.copy_cache_async(dst, src, dst_batch_index, src_batch_index, offset, size, req_id))
 
     def copy_blocks_async(self, cache: Cache, copy_block_info: dict[int, list[int]]) -> CacheTask:
         """Starts copying, inside one blocks cache, each source block to its listed destinations."""
@@ -363,9 +400,11 @@ class CacheManager:
                 pairs.append((src_block, dst_block))
         self._check_valid()
         view = _view(cache)
-        return self._task(self._engine.copy_blocks(view, view, pairs), f"copy_blocks(cache {cache.cache_id})")
+        return self._task(self._engine.copy_blocks(view, view, pairs), lambda: f"copy_blocks(cache {cache.cache_id})")
 
-    copy_blocks = _waited(copy_blocks_async)
+    def copy_blocks(self, cache: Cache, copy_block_info: dict[int, list[int]]) -> None:
+        """``copy_blocks_async``, waited for; raises ``LLMException`` on failure."""
+        _wait(self.copy_blocks_async(cache, copy_block_info))
 
     def swap_blocks_async(self, src_cache: Cache, dst_cache: Cache, src_to_dst: dict[int, int]) -> CacheTask:
         """Starts copying block ``k`` of ``src_cache`` to block ``src_to_dst[k]`` of ``dst_cache``.
@@ -382,17 +421,28 @@ class CacheManager:
             src_desc.slot_size == dst_desc.slot_size,
             f"block sizes differ: {src_desc.slot_size} != {dst_desc.slot_size}",
         )
-        raise_if_false(src_desc.num_tensors == dst_desc.num_tensors, "the caches have different tensor counts")
+        raise_if_false(
+            src_desc.num_tensors == dst_desc.num_tensors,
+            f"the caches have different tensor counts: {src_desc.num_tensors} != {dst_desc.num_tensors}",
+        )
         for src_block, dst_block in src_to_dst.items():
-            raise_if_false(0 <= src_block < src_desc.shape[0], f"source block {src_block} out of range")
-            raise_if_false(0 <= dst_block < dst_desc.shape[0], f"destination block {dst_block} out of range")
+            raise_if_false(
+                0 <= src_block < src_desc.shape[0],
+                f"source block {src_block} is out of range: src_cache has {src_desc.shape[0]} blocks",
+            )
+            raise_if_false(
+                0 <= dst_block < dst_desc.shape[0],
+                f"destination block {dst_block} is out of range: dst_cache has {dst_desc.shape[0]} blocks",
+            )
         if Placement.DEVICE in (src_desc.placement, dst_desc.placement):
             raise _device_unsupported("swap_blocks")
         self._check_valid()
         started = self._engine.copy_blocks(_view(dst_cache), _view(src_cache), list(src_to_dst.items()))
-        return self._task(started, f"swap_blocks({src_cache.cache_id} -> {dst_cache.cache_id})")
+        return self._task(started, lambda: f"swap_blocks({src_cache.cache_id} -> {dst_cache.cache_id})")
 
-    swap_blocks = _waited(swap_blocks_async)
+    def swap_blocks(self, src_cache: Cache, dst_cache: Cache, src_to_dst: dict[int, int]) -> None:
+        """``swap_blocks_async``, waited for; raises ``LLMException`` on failure."""
+        _wait(self.swap_blocks_async(src_cache, dst_cache, src_to_dst))
 
     # -- transfers with a linked peer --------------------------------------------
 
@@ -432,9 +482,23 @@ class CacheManager:
             dst_cache_key.batch_index,
             span,
         )
-        return self._task(started, f"push_cache(cache {src_cache.cache_id} -> {dst_cache_key!r})")
+        return self._task(started, lambda: f"push_cache(cache {src_cache.cache_id} -> {dst_cache_key!r})")
 
-    push_cache = _waited(push_cache_async)
+    def push_cache(
+        self,
+        dst_cache_key: CacheKeyByIdAndIndex,
+        src_cache: Cache,
+        src_batch_index: int = 0,
+        src_layer_range: Optional[range] = None,
+        dst_layer_range: Optional[range] = None,
+        size: int = -1,
+        tensor_num_per_layer: int = TENSORS_PER_LAYER,
+    ) -> None:
+        """``push_cache_async``, waited for; raises ``LLMException`` on failure."""
+        task = self.push_cache_async(
+            dst_cache_key, src_cache, src_batch_index, src_layer_range, dst_layer_range, size, tensor_num_per_layer
+        )
+        _wait(task)
 
     def push_blocks_async(
         self,
@@ -464,9 +528,23 @@ class CacheManager:
         started = self._engine.push_blocks(
             src_cache.cache_id, dst_cache_key.cluster_id, dst_cache_key.model_id, src_blocks, list(dst_blocks), span
         )
-        return self._task(started, f"push_blocks(cache {src_cache.cache_id} -> {dst_cache_key!r})")
+        return self._task(started, lambda: f"push_blocks(cache {src_cache.cache_id} -> {dst_cache_key!r})")
 
-    push_blocks = _waited(push_blocks_async)
+    def push_blocks(
+        self,
+        dst_cache_key: BlocksCacheKey,
+        src_cache: Cache,
+        src_blocks: Optional[Union[tuple[int, ...], list[int]]] = (),
+        dst_blocks: Union[tuple[int, ...], list[int]] = (),
+        src_layer_range: Optional[range] = None,
+        dst_layer_range: Optional[range] = None,
+        tensor_num_per_layer: int = TENSORS_PER_LAYER,
+    ) -> None:
+        """``push_blocks_async``, waited for; raises ``LLMException`` on failure."""
+        task = self.push_blocks_async(
+            dst_cache_key, src_cache, src_blocks, dst_blocks, src_layer_range, dst_layer_range, tensor_num_per_layer
+        )
+        _wait(task)
 
     @staticmethod
     def _pull_span(cache: Cache, kwargs: dict[str, Any]) -> tuple[int, int, int, int]:
@@ -500,9 +578,18 @@ class CacheManager:
         started = self._engine.pull_cache(
             cache.cache_id, batch_index, cache_key.cluster_id, remote_name(cache_key), size, span
         )
-        return self._task(started, f"pull_cache({cache_key!r} -> cache {cache.cache_id})")
+        return self._task(started, lambda: f"pull_cache({cache_key!r} -> cache {cache.cache_id})")
 
-    pull_cache = _waited(pull_cache_async)
+    def pull_cache(
+        self,
+        cache_key: Union[CacheKey, CacheKeyByIdAndIndex],
+        cache: Cache,
+        batch_index: int = 0,
+        size: int = -1,
+        **kwargs: Any,
+    ) -> None:
+        """``pull_cache_async``, waited for; raises ``LLMException`` on failure."""
+        _wait(self.pull_cache_async(cache_key, cache, batch_index, size, **kwargs))
 
     def pull_blocks_async(
         self,
@@ -542,9 +629,18 @@ class CacheManager:
             list(dst_blocks),
             span,
         )
-        return self._task(started, f"pull_blocks({src_cache_key!r} -> cache {dst_cache.cache_id})")
+        return self._task(started, lambda: f"pull_blocks({src_cache_key!r} -> cache {dst_cache.cache_id})")
 
-    pull_blocks = _waited(pull_blocks_async)
+    def pull_blocks(
+        self,
+        src_cache_key: Union[CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey],
+        dst_cache: Cache,
+        src_blocks: Union[tuple[int, ...], list[int]] = (),
+        dst_blocks: Union[tuple[int, ...], list[int]] = (),
+        **kwargs: Any,
+    ) -> None:
+        """``pull_blocks_async``, waited for; raises ``LLMException`` on failure."""
+        _wait(self.pull_blocks_async(src_cache_key, dst_cache, src_blocks, dst_blocks, **kwargs))
 
     # -- layer-wise transfer -----------------------------------------------------
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Generator
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from ._checks import check_uint32
 from .completions import CompletionDispatcher
@@ -31,7 +31,7 @@ class CacheTask:
         self,
         request: Any,
         dispatcher: CompletionDispatcher,
-        operation: str,
+        operation: Union[str, Callable[[], str]],
         on_cancel: Optional[Callable[[], None]] = None,
     ) -> None:
         self._request = request
@@ -41,7 +41,13 @@ class CacheTask:
 
     def __repr__(self) -> str:
         state = "cancelled" if self.cancelled() else "done" if self.done() else "pending"
-        return f"<CacheTask {self._operation} {state}>"
+        return f"<CacheTask {self._name()} {state}>"
+
+    def _name(self) -> str:
+        """What the task does, for messages (formatted on first use)."""
+        if not isinstance(self._operation, str):
+            self._operation = self._operation()
+        return self._operation
 
     def done(self) -> bool:
         """True once every part has settled, whatever its outcome."""
@@ -95,11 +101,14 @@ class CacheTask:
         if not self.done():
             raise asyncio.InvalidStateError(f"{self!r} is still running")
         if self.cancelled():
-            raise asyncio.CancelledError(f"{self._operation} was cancelled")
+            raise asyncio.CancelledError(f"{self._name()} was cancelled")
         statuses = self._statuses()
-        for status in statuses:
+        for index, status in enumerate(statuses):
             if status is not LLMStatusCode.LLM_SUCCESS:
-                raise LLMException(f"{self._operation} failed: {status.name}", status_code=status)
+                reason = self._request.messages()[index]
+                where = f" (transfer_configs[{index}])" if len(statuses) > 1 else ""
+                text = f"{self._name()} failed{where}: {reason}" if reason else f"{self._name()} failed{where}"
+                raise LLMException(text, status_code=status)
         return statuses
 
     def __await__(self) -> Generator[Any, None, list[LLMStatusCode]]:

@@ -138,7 +138,7 @@ class LLMConfig:
     @sync_kv_timeout.setter
     def sync_kv_timeout(self, value: Union[int, str]) -> None:
         check_isinstance("sync_kv_timeout", value, (int, str), allow_none=False)
-        number = value
+        number: int = value if isinstance(value, int) else 0
         if isinstance(value, str):
             raise_if_false(
                 value.isascii() and value.isdigit(),

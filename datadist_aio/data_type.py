@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import numpy as np
 
@@ -33,7 +34,7 @@ class DataType(enum.Enum):
         return _NUMPY_DTYPES[self].itemsize
 
     @property
-    def numpy_dtype(self) -> np.dtype:
+    def numpy_dtype(self) -> np.dtype[Any]:
         """The matching numpy dtype.
 
         `DT_BF16` has no numpy equivalent and maps to float16 (same size);
@@ -42,7 +43,7 @@ class DataType(enum.Enum):
         return _NUMPY_DTYPES[self]
 
 
-_NUMPY_DTYPES: dict[DataType, np.dtype] = {
+_NUMPY_DTYPES: dict[DataType, np.dtype[Any]] = {
     DataType.DT_FLOAT: np.dtype(np.float32),
     DataType.DT_FLOAT16: np.dtype(np.float16),
     DataType.DT_INT8: np.dtype(np.int8),

@@ -13,8 +13,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import multiprocessing as mp
+import os
 import time
+import traceback
 from multiprocessing.connection import Connection
+from typing import Any, Optional
 
 import numpy as np
 
@@ -30,6 +33,54 @@ from .status import LLMStatusCode
 
 PREFILL_ID, DECODE_ID = 1, 2
 _TIMEOUT = 60.0
+_POOL_SLACK = 16 << 20  # bytes of each side's pool beyond its cache
+
+
+class DemoError(RuntimeError):
+    """The demo cannot run as asked (arguments, memory, the decode process)."""
+
+
+def needed_bytes(layers: int, blocks: int, block_bytes: int) -> int:
+    """Memory a run takes: each process's pool holds its whole cache, and the
+    prefill side fills its cache through one tensor-sized temporary."""
+    tensor = blocks * block_bytes
+    cache = 2 * layers * tensor
+    return 2 * (cache + _POOL_SLACK) + tensor
+
+
+def available_bytes() -> Optional[int]:
+    """Memory this process may still use: MemAvailable, capped by a cgroup v2
+    limit; None where neither can be read."""
+    found: list[int] = []
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as limit, open("/sys/fs/cgroup/memory.current") as current:
+            text = limit.read().strip()
+            if text != "max":
+                found.append(max(0, int(text) - int(current.read().strip())))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def check_arguments(layers: int, blocks: int, block_bytes: int) -> None:
+    """Raises DemoError, saying what to change, for a run that cannot work."""
+    if layers < 1 or blocks < 2 or block_bytes < 1:
+        raise DemoError(f"--layers must be >= 1 and --blocks >= 2 (got {layers} layers, {blocks} blocks)")
+    need = needed_bytes(layers, blocks, block_bytes)
+    free = available_bytes()
+    if free is not None and need > free:
+        raise DemoError(
+            f"this run needs about {need / (1 << 30):.1f} GiB of memory ({layers} layers x 2 tensors x {blocks} "
+            f"blocks x {block_bytes // 1024} KiB, on each side) but {free / (1 << 30):.1f} GiB are available; "
+            "use fewer --blocks or --layers, or a smaller --block-kib"
+        )
 
 
 def _options(pool_bytes: int, listen: bool) -> dict[str, str]:
@@ -55,25 +106,37 @@ def _digest(cache: Cache, blocks: list[int]) -> str:
 
 
 def _decode_main(conn: Connection, layers: int, blocks: int, block_bytes: int) -> None:
+    """The decode process: reports its failure to the parent instead of dying silently."""
+    try:
+        _decode(conn, layers, blocks, block_bytes)
+    except BaseException as exc:
+        try:
+            conn.send(("error", "".join(traceback.format_exception_only(type(exc), exc)).strip()))
+        except OSError:
+            pass
+        raise
+
+
+def _decode(conn: Connection, layers: int, blocks: int, block_bytes: int) -> None:
     """The decode process: listen, register the KV cache, check what arrives."""
     desc = _desc(layers, blocks, block_bytes)
     with LLMDataDist(LLMRole.DECODER, DECODE_ID) as datadist:
-        datadist.init(_options(desc.num_tensors * desc.size + (16 << 20), listen=True))
+        datadist.init(_options(desc.num_tensors * desc.size + _POOL_SLACK, listen=True))
         cache = datadist.cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(DECODE_ID, 0))
         for t in range(desc.num_tensors):
             cache.as_numpy(t)[:] = 0
-        conn.send(datadist.listen_port)
+        conn.send(("port", datadist.listen_port))
         block_table = conn.recv()  # sent once the prefill side's push has completed
         others = sorted(set(range(blocks)) - set(block_table))
         untouched = all(not cache.as_numpy(t)[others].any() for t in range(desc.num_tensors))
-        conn.send((_digest(cache, block_table), untouched))
+        conn.send(("checked", (_digest(cache, block_table), untouched)))
         conn.recv()
 
 
 async def _prefill(port: int, layers: int, blocks: int, block_bytes: int, seed: int) -> tuple[float, list[int], str]:
     desc = _desc(layers, blocks, block_bytes)
     with LLMDataDist(LLMRole.PROMPT, PREFILL_ID) as datadist:
-        datadist.init(_options(desc.num_tensors * desc.size + (16 << 20), listen=False))
+        datadist.init(_options(desc.num_tensors * desc.size + _POOL_SLACK, listen=False))
         cache_manager = datadist.cache_manager
         cache = cache_manager.allocate_blocks_cache(desc)
         rng = np.random.default_rng(seed)
@@ -97,25 +160,40 @@ async def _prefill(port: int, layers: int, blocks: int, block_bytes: int, seed: 
         return seconds, block_table, sent
 
 
-def _recv(conn: Connection) -> object:
-    if not conn.poll(_TIMEOUT):
-        raise TimeoutError("the decode process did not answer")
-    return conn.recv()
+def _recv(conn: Connection, decode: Any, expected: str) -> Any:
+    """The decode process's next message; its error, or its death, at once."""
+    deadline = time.monotonic() + _TIMEOUT
+    while not conn.poll(0.1):
+        if not decode.is_alive():
+            if conn.poll(0):
+                break
+            raise DemoError(f"the decode process exited with code {decode.exitcode} before sending its {expected}")
+        if time.monotonic() > deadline:
+            raise DemoError(f"the decode process did not send its {expected} within {_TIMEOUT:.0f} s")
+    try:
+        kind, value = conn.recv()
+    except EOFError:
+        raise DemoError(f"the decode process exited (code {decode.exitcode}) before sending its {expected}") from None
+    if kind == "error":
+        raise DemoError(f"the decode process failed: {value}")
+    return value
 
 
 def run_demo(layers: int, blocks: int, block_bytes: int, seed: int) -> int:
+    """Runs the demo; raises DemoError when it cannot run as asked."""
+    check_arguments(layers, blocks, block_bytes)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     decode = ctx.Process(target=_decode_main, args=(child, layers, blocks, block_bytes), name="decode")
     decode.start()
     try:
-        port = _recv(parent)
+        port = _recv(parent, decode, "listen port")
         seconds, block_table, sent = asyncio.run(_prefill(port, layers, blocks, block_bytes, seed))
         parent.send(block_table)
-        received, untouched = _recv(parent)
+        received, untouched = _recv(parent, decode, "check of the received bytes")
         parent.send(None)
     finally:
-        decode.join(_TIMEOUT)
+        decode.join(_TIMEOUT if decode.exitcode is None and not parent.closed else 5)
         if decode.is_alive():
             decode.kill()
             decode.join()

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import abc
-from typing import Optional
+from collections.abc import Awaitable
+from typing import Optional, Union
 
 __all__ = ["LayerSynchronizer"]
 
@@ -18,7 +19,9 @@ class LayerSynchronizer(abc.ABC):
     """
 
     @abc.abstractmethod
-    def synchronize_layer(self, layer_index: int, timeout_in_millis: Optional[int]) -> bool:
+    def synchronize_layer(
+        self, layer_index: int, timeout_in_millis: Optional[int]
+    ) -> Union[bool, Awaitable[bool]]:
         """Waits until layer `layer_index` has been computed.
 
         Args:
@@ -26,6 +29,8 @@ class LayerSynchronizer(abc.ABC):
             timeout_in_millis: How long the transfer waits for this call
                 (the instance's `sync_kv_timeout`); past it, the configs that
                 need the layer fail with `LLM_TIMEOUT`.
+
+        An ``async def`` override (returning ``bool``) type-checks too.
 
         Returns:
             True to send the layer; False fails the configs that need it

@@ -15,10 +15,11 @@ import asyncio
 import inspect
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, cast
 
+from . import _native
 from ._remote import INVALID_ID, TENSORS_PER_LAYER, RemoteName, remote_name
 from .cache import Cache
 from .layer_synchronizer import LayerSynchronizer
@@ -27,7 +28,7 @@ from .transfer_config import TransferConfig, TransferWithCacheKeyConfig
 
 __all__ = ["BlockPlan", "LayerwiseTransfer"]
 
-_log = logging.getLogger("datadist_aio")
+_log = logging.getLogger("datadist_aio.layerwise")
 
 _SUCCESS = LLMStatusCode.LLM_SUCCESS.value
 
@@ -41,6 +42,13 @@ class BlockPlan:
     src_blocks: list[int]
     dst_blocks: list[int]
     chunk_size: int
+
+
+def _src_range(config: AnyConfig) -> range:
+    """A config's source layers; ``transfer_cache_async`` filled in a missing range."""
+    rng = config.src_layer_range
+    assert rng is not None
+    return rng
 
 
 def _destination(config: AnyConfig) -> RemoteName:
@@ -80,6 +88,9 @@ class LayerwiseTransfer:
         self._open = set(range(len(self._configs)))  # configs with layers still to start
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._task: Optional[asyncio.Task[None]] = None
+        # A peer linked now whose link is gone at a later layer has failed:
+        # its configs then fail with LLM_LINK_FAILED, not LLM_NOT_YET_LINK.
+        self._linked = {config.dst_cluster_id: bool(engine.has_link(config.dst_cluster_id)) for config in configs}
 
     def start(self) -> None:
         """Runs the driver on the running loop, or on a loop of its own thread."""
@@ -115,55 +126,64 @@ class LayerwiseTransfer:
             await self._walk_layers()
         except asyncio.CancelledError:
             pass
-        except Exception:  # a bug here must still settle the request
+        except Exception as exc:  # a bug here must still settle the request
             _log.exception("layer-wise transfer driver failed")
-            self._finish(LLMStatusCode.LLM_FAILED.value)
+            self._finish(LLMStatusCode.LLM_FAILED.value, f"the layer-wise driver failed: {exc!r}")
         self._finish(self._request.cancel_reason() if self._request.cancel_requested() else _SUCCESS)
 
     async def _walk_layers(self) -> None:
-        last_layer = max(config.src_layer_range.stop for config in self._configs)
+        last_layer = max(_src_range(config).stop for config in self._configs)
         for layer in range(last_layer):
-            needing = [i for i in sorted(self._open) if layer in self._configs[i].src_layer_range]
+            needing = [i for i in sorted(self._open) if layer in _src_range(self._configs[i])]
             if not needing:
                 continue
             if self._request.cancel_requested():
                 return
-            status = await self._wait_for_layer(layer)
+            status, reason = await self._wait_for_layer(layer)
             for index in needing:
                 config = self._configs[index]
                 if status is LLMStatusCode.LLM_SUCCESS:
-                    code = self._start_step(index, config, layer)
+                    code, reason = self._start_step(index, config, layer)
                 else:
                     code = status.value
                 if code != _SUCCESS:
-                    self._fail(index, code)
-                elif layer == config.src_layer_range.stop - 1:
+                    self._fail(index, code, reason)
+                elif layer == _src_range(config).stop - 1:
                     with self._lock:
                         self._open.discard(index)
 
-    async def _wait_for_layer(self, layer: int) -> LLMStatusCode:
+    async def _wait_for_layer(self, layer: int) -> tuple[LLMStatusCode, str]:
+        """The synchronizer's verdict on ``layer``, and the reason of a failure.
+
+        A failure is reported to the caller through the task (its status and
+        message), so it is logged only at DEBUG here.
+        """
         sync = self._synchronizer.synchronize_layer
         try:
+            pending: Awaitable[Any]
             if inspect.iscoroutinefunction(sync):
-                pending = sync(layer, self._timeout_ms)
+                pending = cast(Awaitable[Any], sync(layer, self._timeout_ms))
             else:
                 pending = asyncio.get_running_loop().run_in_executor(None, sync, layer, self._timeout_ms)
-            ready = await asyncio.wait_for(pending, self._timeout_ms / 1000)
+            ready: Any = await asyncio.wait_for(pending, self._timeout_ms / 1000)
             if inspect.isawaitable(ready):
                 ready = await asyncio.wait_for(ready, self._timeout_ms / 1000)
         except asyncio.TimeoutError:
-            _log.error("layer %d: synchronize_layer did not answer within %d ms", layer, self._timeout_ms)
-            return LLMStatusCode.LLM_TIMEOUT
-        except Exception:
-            _log.exception("layer %d: synchronize_layer raised", layer)
-            return LLMStatusCode.LLM_FAILED
+            reason = f"synchronize_layer({layer}) did not answer within sync_kv_timeout ({self._timeout_ms} ms)"
+            _log.debug("%s", reason)
+            return LLMStatusCode.LLM_TIMEOUT, reason
+        except Exception as exc:
+            _log.debug("synchronize_layer(%d) raised", layer, exc_info=True)
+            return LLMStatusCode.LLM_FAILED, f"synchronize_layer({layer}) raised {exc!r}"
         if not ready:
-            _log.error("layer %d: synchronize_layer returned %r; the configs that need it fail", layer, ready)
-            return LLMStatusCode.LLM_PARAM_INVALID
-        return LLMStatusCode.LLM_SUCCESS
+            reason = f"synchronize_layer({layer}) returned {ready!r}: layer {layer} was not released"
+            _log.debug("%s", reason)
+            return LLMStatusCode.LLM_PARAM_INVALID, reason
+        return LLMStatusCode.LLM_SUCCESS, ""
 
-    def _start_step(self, index: int, config: AnyConfig, layer: int) -> int:
-        rng = config.src_layer_range
+    def _start_step(self, index: int, config: AnyConfig, layer: int) -> tuple[int, str]:
+        """Starts one layer of one config: its status, and the engine's reason for a refusal."""
+        rng = _src_range(config)
         dst_layer = layer
         dst_addrs: list[int] = []
         if isinstance(config, TransferWithCacheKeyConfig):
@@ -173,8 +193,8 @@ class LayerwiseTransfer:
             dst_addrs = list(config.dst_addrs[first : first + TENSORS_PER_LAYER])
         with self._lock:
             if self._finished:
-                return LLMStatusCode.LLM_ENGINE_FINALIZED.value
-            return int(
+                return LLMStatusCode.LLM_ENGINE_FINALIZED.value, "the engine was finalized"
+            code = int(
                 self._engine.transfer_step(
                     self._request,
                     index,
@@ -191,6 +211,14 @@ class LayerwiseTransfer:
                     self._group(index),
                 )
             )
+            reason = _native.last_error_message() if code != _SUCCESS else ""
+        peer = config.dst_cluster_id
+        if code == LLMStatusCode.LLM_NOT_YET_LINK.value and self._linked.get(peer):
+            code = LLMStatusCode.LLM_LINK_FAILED.value
+            reason = f"the link to cluster {peer} was lost before layer {layer} could be sent"
+        elif code != _SUCCESS:
+            reason = f"layer {layer} (to cluster {peer}, destination layer {dst_layer}): {reason}"
+        return code, reason
 
     def _group(self, index: int) -> int:
         """Raw destination addresses are checked per layer by the peer: the
@@ -202,14 +230,14 @@ class LayerwiseTransfer:
             return 0
         return (self._request.id << 16) | (index + 1)
 
-    def _fail(self, index: int, code: int) -> None:
+    def _fail(self, index: int, code: int, reason: str) -> None:
         with self._lock:
             self._open.discard(index)
             if not self._finished:
                 self._request.hold()
-                self._request.release(index, code)
+                self._request.release(index, code, False, reason)
 
-    def _finish(self, code: int) -> None:
+    def _finish(self, code: int, reason: str = "") -> None:
         """Settles open configs with ``code`` (when it is a failure) and
         releases the driver's hold, once."""
         with self._lock:
@@ -219,7 +247,7 @@ class LayerwiseTransfer:
             if code != _SUCCESS:
                 for index in self._open:
                     self._request.hold()
-                    self._request.release(index, code, True)
+                    self._request.release(index, code, True, reason)
             self._request.release(0, _SUCCESS)
         self._on_finished(self)
 

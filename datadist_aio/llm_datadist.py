@@ -8,7 +8,7 @@ import threading
 from types import TracebackType
 from typing import Any, ClassVar, Optional, Union
 
-from . import _native
+from . import _logging, _native
 from ._checks import (
     check_int32,
     check_isinstance,
@@ -26,7 +26,7 @@ from .status import LLMException, LLMStatusCode, code_from_native, raise_for_sta
 
 __all__ = ["LLMDataDist"]
 
-_log = logging.getLogger("datadist_aio")
+_log = logging.getLogger("datadist_aio")  # names: datadist_aio/_logging.py
 
 _ROLE_OPTION = {LLMRole.PROMPT: "Prompt", LLMRole.DECODER: "Decoder", LLMRole.MIX: "Mix"}
 _OPT_ROLE = "llm.Role"
@@ -51,6 +51,7 @@ class LLMDataDist:
     def __init__(self, role: LLMRole, cluster_id: int) -> None:
         check_isinstance("role", role, LLMRole, allow_none=False)
         check_uint64("cluster_id", cluster_id)
+        _logging.start()
         self._role = role
         self._cluster_id = cluster_id
         self._engine: Any = None

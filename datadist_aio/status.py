@@ -7,7 +7,7 @@ codes coming from the engine become `LLMStatusCode` members.
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import Any, Optional
 
 __all__ = [
     "LLMStatusCode",
@@ -147,21 +147,29 @@ def code_from_native(code: int) -> LLMStatusCode:
     return _FROM_NATIVE.get(_as_uint32(code), LLMStatusCode.LLM_FAILED)
 
 
-def raise_for_status(code: int, message: str) -> None:
+def raise_for_status(code: int, message: str, detail: Optional[str] = None) -> None:
     """Raises `LLMException` for a non-zero native code.
+
+    Call it right after the engine call that returned ``code``, on the same
+    thread: without ``detail`` it appends the engine's reason for the
+    refusal (which argument, index or size), or the native code when the
+    engine gave none.
 
     Args:
         code: The native code.
-        message: What failed; the native code is appended.
+        message: What failed.
+        detail: Why, when the caller knows better than the engine.
 
     Raises:
         LLMException: With `code_from_native(code)` when `code != 0`.
     """
     if code == 0:
         return
-    raise LLMException(
-        f"{message}: native code {_as_uint32(code):#x}", status_code=code_from_native(code)
-    )
+    if detail is None:
+        from . import _native
+
+        detail = _native.last_error_message() or f"native code {_as_uint32(code):#x}"
+    raise LLMException(f"{message}: {detail}", status_code=code_from_native(code))
 
 
 def _as_uint32(code: int) -> int:

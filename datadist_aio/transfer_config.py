@@ -135,6 +135,7 @@ class TransferWithCacheKeyConfig:
         _check_cache_key(cache_key)
         check_layer_range("src_layer_range", src_layer_range, allow_none=False)
         check_layer_range("dst_layer_range", dst_layer_range, allow_none=False)
+        assert src_layer_range is not None and dst_layer_range is not None  # checked just above
         self._cache_key = cache_key
         self._src_layer_range = src_layer_range
         self._dst_layer_range = dst_layer_range

@@ -242,7 +242,7 @@ def _register(
     model_id: Optional[int],
     remote_accessible: Optional[bool],
 ) -> CacheRef:
-    arrays = [np.zeros(desc.size, dtype=np.uint8) for _ in range(desc.num_tensors)]
+    arrays = [np.zeros(desc.shape, dtype=desc.data_type.numpy_dtype) for _ in range(desc.num_tensors)]
     if blocks:
         key = None if model_id is None else dd.BlocksCacheKey(ep.cluster_id, model_id)
         return ep.keep(ep.cm.register_blocks_cache(desc, arrays, key, remote_accessible), True, model_id)

@@ -190,11 +190,24 @@ def test_register_checks(cache_manager):
         cache_manager.register_cache(desc, good[:1])
     with raises_status(PARAM_INVALID):
         cache_manager.register_cache(desc, [0, good[1]])
-    with raises_status(PARAM_INVALID) as info:  # wrong size
+    with raises_status(PARAM_INVALID) as info:  # wrong size, a buffer without dtype
+        cache_manager.register_cache(desc, [bytearray(124), good[1]])
+    assert "124 bytes" in str(info.value) and "128 bytes" in str(info.value)
+    with raises_status(PARAM_INVALID) as info:  # a numpy array: dtype and shape, not only the size
         cache_manager.register_cache(desc, [np.zeros(31, dtype=np.float32), good[1]])
-    assert "124 bytes" in str(info.value)
-    with raises_status(PARAM_INVALID):  # blocks registration: the engine checks the count
+    assert "shape (31,)" in str(info.value)
+    with raises_status(PARAM_INVALID) as info:
+        cache_manager.register_cache(desc, [good[0], np.zeros((4, 8), dtype=np.int32)])
+    assert "addrs[1] has dtype int32" in str(info.value) and "float32" in str(info.value)
+    with raises_status(PARAM_INVALID) as info:  # same size, transposed shape
+        cache_manager.register_blocks_cache(desc, [np.zeros((8, 4), dtype=np.float32), good[1]])
+    assert "addrs[0] has shape (8, 4)" in str(info.value) and "(4, 8)" in str(info.value)
+    with raises_status(PARAM_INVALID) as info:  # blocks registration: too few arrays
         cache_manager.register_blocks_cache(desc, good[:1])
+    assert "too few" in str(info.value) and "1 given" in str(info.value) and "num_tensors is 2" in str(info.value)
+    with raises_status(PARAM_INVALID) as info:
+        cache_manager.register_cache(desc, good + good[:1])
+    assert "too many" in str(info.value) and "3 given" in str(info.value)
     with pytest.raises(TypeError):  # not C-contiguous
         cache_manager.register_cache(desc, [np.zeros((8, 8), dtype=np.float32)[:, ::2], good[1]])
 

@@ -85,7 +85,7 @@ CASES = {
         datadist = dd.LLMDataDist(dd.LLMRole.PROMPT, 1)
         datadist.init(options())
         cm = datadist.cache_manager
-        cache = cm.register_cache(desc, [np.full(desc.size, 4, dtype=np.uint8) for _ in range(2)])
+        cache = cm.register_cache(desc, [np.full(desc.shape, 4, dtype=np.uint8) for _ in range(2)])
         view = cache.as_numpy(1)
         cm.unregister_cache(cache.cache_id)
         del cache

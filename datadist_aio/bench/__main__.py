@@ -15,7 +15,9 @@ import os
 import re
 import secrets
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, Optional
 
 from .engines.base import LAYERWISE, PULL, PUSH
 from .loops import LOOPS, available_loops
@@ -39,13 +41,13 @@ def byte_size(text: str) -> int:
     return value
 
 
-def listed(kind, choices=None):
-    def parse(text: str) -> list:
+def listed(kind: Callable[[str], Any], choices: Optional[Sequence[str]] = None) -> Callable[[str], list[Any]]:
+    def parse(text: str) -> list[Any]:
         items = [kind(part) for part in text.split(",") if part.strip()]
         if not items:
             raise argparse.ArgumentTypeError("give at least one value")
         bad = [i for i in items if choices is not None and i not in choices]
-        if bad:
+        if bad and choices is not None:
             raise argparse.ArgumentTypeError(f"{', '.join(map(str, bad))}: choose from {', '.join(choices)}")
         return items
 
@@ -59,10 +61,10 @@ def address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def bounded(kind: type, low: float, high: float = float("inf")):
+def bounded(kind: Callable[[str], Any], low: float, high: float = float("inf")) -> Callable[[str], Any]:
     """An argument type: a ``kind`` number from ``low`` to ``high``."""
 
-    def parse(text: str):
+    def parse(text: str) -> Any:
         try:
             value = kind(text)
         except ValueError:
@@ -74,7 +76,7 @@ def bounded(kind: type, low: float, high: float = float("inf")):
     return parse
 
 
-positive = bounded(int, 1)
+positive: Callable[[str], Any] = bounded(int, 1)
 
 
 def run_parser() -> argparse.ArgumentParser:

@@ -8,14 +8,16 @@ from typing import TextIO
 
 
 class Progress:
+    """Progress over ``total`` steps, drawn on ``stream``."""
+
     def __init__(self, total: int, stream: TextIO = sys.stderr, width: int = 28) -> None:
-        self.total = max(1, total)
-        self.done = 0
-        self.phase = ""
-        self.stream = stream
-        self.width = width
-        self.start = time.monotonic()
-        self.tty = stream.isatty()
+        self.total: int = max(1, total)
+        self.done: int = 0
+        self.phase: str = ""
+        self.stream: TextIO = stream
+        self.width: int = width
+        self.start: float = time.monotonic()
+        self.tty: bool = stream.isatty()
 
     def set_phase(self, phase: str) -> None:
         self.phase = phase

@@ -41,12 +41,27 @@ def tables(report: dict[str, Any]) -> str:
     if report["latency"]:
         lines += ["", f"one {work['latency_bytes'] >> 10} KiB write, waited for, {report['latency'][0]['ops']} in a row (µs)"]
         width = max(len(lat["label"]) for lat in report["latency"])
-        lines.append(f"{'engine':<{width}} {'median':>8} {'p90':>8} {'p99':>8} {'/raw':>6}")
+        lines.append(f"{'engine':<{width}} {'median':>8} {'p90':>8} {'p99':>8} {'/raw':>6} {'/busy':>6} "
+                     f"{'vcsw/op':>8} {'cpu/op':>7} {'submit':>7}")
+
+        def number(value: Any, digits: int) -> str:
+            return f"{value:.{digits}f}" if value is not None else "-"
+
         for lat in report["latency"]:
-            ratio = f"{lat['ratio_raw_tcp']:.2f}" if lat["ratio_raw_tcp"] else "-"
             mark = "" if lat["verified"] else "  WRONG BYTES"
             lines.append(f"{lat['label']:<{width}} {lat['median_us']:>8.1f} {lat['p90_us']:>8.1f} "
-                         f"{lat['p99_us']:>8.1f} {ratio:>6}{mark}")
+                         f"{lat['p99_us']:>8.1f} {number(lat['ratio_raw_tcp'], 2):>6} "
+                         f"{number(lat.get('ratio_busy_poll'), 2):>6} "
+                         f"{number(lat.get('voluntary_switches_per_op'), 2):>8} "
+                         f"{number(lat.get('cpu_us_per_op'), 1):>7} {number(lat.get('submit_median_us'), 1):>7}{mark}")
+        lines.append("/raw: to the blocking raw TCP round trip; /busy: to the busy-polling one; vcsw/op: voluntary "
+                     "context switches per write, both processes; cpu/op: µs of CPU per write, both processes; "
+                     "submit: µs of the call before the await")
+        for lat in report["latency"]:
+            parts = lat.get("submit_parts_us")
+            if parts:
+                lines.append(f"{lat['label']}: submit, timed apart: argument checks {parts['checks_us']:.1f} µs, "
+                             f"task creation {parts['task_us']:.1f} µs, engine submit {parts['native_submit_us']:.1f} µs")
     if report["idle_cpu"]:
         lines += ["", f"CPU while connected and idle for {report['idle_cpu'][0]['seconds']:g} s (% of one core)"]
         width = max(len(idle["label"]) for idle in report["idle_cpu"])
@@ -98,7 +113,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
         ordered = sorted(lat["samples_us"])
         fraction = [(i + 1) / len(ordered) for i in range(len(ordered))]
         color = "black" if lat["engine"] == "raw_tcp" else colors[lat["label"]]
-        latency.plot(ordered, fraction, color=color)
+        busy = bool(lat["variant"].get("busy_poll", False))
+        latency.plot(ordered, fraction, color=color, linestyle="--" if busy else "-")
     latency.set_xscale("log")
     latency.set_xlabel("µs per 4 KiB write, waited for")
     latency.set_ylabel("fraction of writes")
@@ -107,6 +123,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     handles = [Line2D([], [], color=colors[name], marker="o", label=name) for name in names if name in colors
                and not name.startswith("raw_tcp")]
     handles += [Line2D([], [], color="black", label="raw TCP (best stream count; 1 stream for latency)"),
+                Line2D([], [], color="black", linestyle="--", label="raw TCP round trip, busy-polling"),
                 Line2D([], [], color="gray", linestyle="-.", label="memcpy, 1 thread"),
                 Line2D([], [], color="gray", linestyle=":", label="layer-wise transfer_cache_async")]
     fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=8, frameon=False)

@@ -23,7 +23,7 @@ from .progress import Progress
 from .session import LATENCY_LAYOUT, Plan, Result, engine_module, initiator_main
 
 COMPARED = ("mooncake", "nixl")
-NIXL_VARIANTS = [{"tls": tls, "progress_thread": thread} for tls in ("default", "tcp") for thread in (True, False)]
+NIXL_VARIANTS: list[dict[str, Any]] = [{"tls": tls, "progress_thread": thread} for tls in ("default", "tcp") for thread in (True, False)]
 DISTRIBUTIONS = ("datadist_aio", "numpy", "uvloop", "mooncake-transfer-engine-non-cuda",
                  "mooncake-transfer-engine", "nixl", "nixl-cu12", "nixl-cu13", "matplotlib")
 
@@ -55,6 +55,8 @@ def plans(options: Options) -> list[Plan]:
     whole = Layout(1, 1, options.cache_bytes, options.seed)
     out = [Plan("raw_tcp", {"streams": n}, [whole], [PUSH], options.iterations,
                 options.latency_ops if n == 1 else 0) for n in options.streams]
+    if options.latency_ops:  # the round trip without thread wake-ups, latency only
+        out.append(Plan("raw_tcp", {"streams": 1, "busy_poll": True}, [], [], 0, options.latency_ops))
     for loop in options.loops:
         for transport in options.transports:
             variant: dict[str, Any] = {"loop": loop}
@@ -202,18 +204,34 @@ def build_report(options: Options, outcome: Outcome, memcpy: dict[str, Any], pee
         row["ratio_raw_tcp"] = row["gbps"] / best_raw if best_raw else None
         row["ratio_memcpy"] = row["gbps"] / memcpy["gbps"]
         results.append(row)
-    raw_latency = next((lat for lat in outcome.latency if lat["engine"] == "raw_tcp"), None)
-    raw_median = statistics.median(raw_latency["seconds"]) if raw_latency else None
+    def raw_median(busy_poll: bool) -> Optional[float]:
+        found = next((lat for lat in outcome.latency if lat["engine"] == "raw_tcp"
+                      and bool(lat["variant"].get("busy_poll", False)) is busy_poll), None)
+        return statistics.median(found["seconds"]) if found else None
+
+    blocking, busy = raw_median(False), raw_median(True)
     latency = []
     for lat in outcome.latency:
         ordered = sorted(lat["seconds"])
         median = statistics.median(ordered)
-        latency.append({
+        row = {
             "engine": lat["engine"], "variant": lat["variant"], "label": lat["label"], "verified": lat["verified"],
             "ops": len(ordered), "median_us": median * 1e6, "p90_us": percentile(ordered, 0.9) * 1e6,
-            "p99_us": percentile(ordered, 0.99) * 1e6, "ratio_raw_tcp": median / raw_median if raw_median else None,
+            "p99_us": percentile(ordered, 0.99) * 1e6, "ratio_raw_tcp": median / blocking if blocking else None,
+            "ratio_busy_poll": median / busy if busy else None,
             "samples_us": [s * 1e6 for s in lat["seconds"]],
-        })
+        }
+        costs = lat.get("costs")
+        if costs:  # both processes together, per operation
+            ops = len(ordered)
+            row["voluntary_switches_per_op"] = costs["voluntary_switches"] / ops
+            row["involuntary_switches_per_op"] = costs["involuntary_switches"] / ops
+            row["cpu_us_per_op"] = costs["cpu_seconds"] / ops * 1e6
+        if lat.get("submit_seconds"):
+            row["submit_median_us"] = statistics.median(lat["submit_seconds"]) * 1e6
+        if lat.get("submit_parts"):
+            row["submit_parts_us"] = lat["submit_parts"]
+        latency.append(row)
     return {
         "schema": 1,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -21,6 +21,7 @@ import hmac
 import importlib
 import multiprocessing as mp
 import os
+import resource
 import signal
 import statistics
 import sys
@@ -73,6 +74,12 @@ def link_secret(authkey: bytes) -> str:
     return hmac.new(authkey, b"datadist_aio.bench link secret", hashlib.sha256).hexdigest()
 
 
+def _opened(target: Optional[Any]) -> Any:
+    if target is None:
+        raise ValueError("the session has no engine yet: 'open' comes first")
+    return target
+
+
 def _target_session(conn: Connection, host: str, authkey: bytes) -> None:
     _die_with_parent()
     target = None
@@ -86,13 +93,16 @@ def _target_session(conn: Connection, host: str, authkey: bytes) -> None:
                     target = engine_module(engine).Target({**variant, "link_secret": link_secret(authkey)}, host)
                     answer = target.open()
                 elif command == "prepare":
-                    answer = target.prepare(args[0])
+                    answer = _opened(target).prepare(args[0])
                 elif command == "fill":
-                    answer = fill(target.tensors(), args[0])
+                    fill(_opened(target).tensors(), args[0])
+                    answer = None
                 elif command == "digest":
-                    answer = digest(target.tensors(), args[0])
+                    answer = digest(_opened(target).tensors(), args[0])
                 elif command == "cpu":
                     answer = time.process_time()
+                elif command == "rusage":
+                    answer = _rusage()
                 elif command == "close":
                     conn.send(("ok", None))
                     break
@@ -258,10 +268,19 @@ def initiator_main(report: Connection, address: Any, authkey: bytes, plan: Plan)
             initiator.latency(max(10, plan.latency_ops // 10))  # warm-up
             fill(initiator.tensors(), seed + 1)
             _call(conn, "fill", seed + 2)
+            remote_before, local_before = _call(conn, "rusage"), _rusage()
             samples = initiator.latency(plan.latency_ops)
+            local_after, remote_after = _rusage(), _call(conn, "rusage")
+            costs = {name: (local_after[name] - local_before[name]) + (remote_after[name] - remote_before[name])
+                     for name in local_before}
             verified = digest(initiator.tensors()) == _call(conn, "digest", [0])
-            report.send(("latency", {"engine": plan.engine, "variant": plan.variant, "label": plan.label,
-                                     "seconds": samples, "verified": verified}))
+            measured = {"engine": plan.engine, "variant": plan.variant, "label": plan.label, "seconds": samples,
+                        "verified": verified, "costs": costs}
+            if hasattr(initiator, "submit_seconds"):
+                measured["submit_seconds"] = initiator.submit_seconds
+            if hasattr(initiator, "submit_parts"):
+                measured["submit_parts"] = initiator.submit_parts(plan.latency_ops)
+            report.send(("latency", measured))
             report.send(("tick", 1))
         if plan.idle_seconds:
             report.send(("phase", f"{plan.label}: idle CPU"))
@@ -284,6 +303,13 @@ def initiator_main(report: Connection, address: Any, authkey: bytes, plan: Plan)
             conn.close()
         report.close()
         os._exit(0)
+
+
+def _rusage() -> dict[str, float]:
+    """This process's context switches and CPU time so far (every thread)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return {"voluntary_switches": usage.ru_nvcsw, "involuntary_switches": usage.ru_nivcsw,
+            "cpu_seconds": usage.ru_utime + usage.ru_stime}
 
 
 def _idle_cpu(conn: Connection, plan: Plan) -> dict[str, Any]:

@@ -93,6 +93,7 @@ def python_to_cpp(bin_dir: Path) -> bool:
     decode = subprocess.Popen(
         [str(bin_dir / "cpp_decode"), str(port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
+    assert decode.stdout is not None
     try:
         ready = decode.stdout.readline().split()
         assert ready[:2] == ["READY", str(port)], ready

@@ -1,5 +1,6 @@
 #include "raw_tcp.h"
 
+#include <errno.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -19,10 +20,32 @@ size_t share_of(size_t bytes, int streams) {
   return bytes / static_cast<size_t>(streams);
 }
 
+// read_full, spinning on non-blocking reads instead of sleeping in recv.
+bool spin_read_full(int fd, char *buf, size_t len) {
+  while (len > 0) {
+    const ssize_t n = ::recv(fd, buf, len, MSG_DONTWAIT);
+    if (n > 0) {
+      buf += n;
+      len -= static_cast<size_t>(n);
+    } else if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+bool read_all(int fd, char *buf, size_t len, bool busy_poll) {
+  return busy_poll ? spin_read_full(fd, buf, len) : net::read_full(fd, buf, len);
+}
+
 }  // namespace
 
-RawTcpSink::RawTcpSink(const std::string &ip, char *dest, size_t bytes, int streams)
-    : dest_(dest), share_(share_of(bytes, streams)), streams_(streams), fds_(static_cast<size_t>(streams), -1) {
+RawTcpSink::RawTcpSink(const std::string &ip, char *dest, size_t bytes, int streams, bool busy_poll)
+    : dest_(dest),
+      share_(share_of(bytes, streams)),
+      streams_(streams),
+      busy_poll_(busy_poll),
+      fds_(static_cast<size_t>(streams), -1) {
   std::string error;
   listener_ = net::listen_tcp(ip, 0, port_, error);
   if (listener_ < 0) throw std::runtime_error("raw TCP sink cannot listen on " + ip + ": " + error);
@@ -39,7 +62,7 @@ void RawTcpSink::accept_loop() {
     char *share = dest_ + static_cast<size_t>(s) * share_;
     receivers_.emplace_back([fd, share, this] {
       const char ack = 'k';
-      while (net::read_full(fd, share, share_) && net::write_full(fd, &ack, 1)) {
+      while (read_all(fd, share, share_, busy_poll_) && net::write_full(fd, &ack, 1)) {
       }
     });
   }
@@ -63,8 +86,9 @@ void RawTcpSink::close() {
   }
 }
 
-RawTcpSource::RawTcpSource(const std::string &ip, uint16_t port, const char *src, size_t bytes, int streams)
-    : src_(src), share_(share_of(bytes, streams)) {
+RawTcpSource::RawTcpSource(const std::string &ip, uint16_t port, const char *src, size_t bytes, int streams,
+                           bool busy_poll)
+    : src_(src), share_(share_of(bytes, streams)), busy_poll_(busy_poll) {
   for (int s = 0; s < streams; ++s) {
     bool timed_out = false;
     int fd = net::connect_tcp(ip, port, "", 10000, timed_out);
@@ -79,12 +103,21 @@ RawTcpSource::RawTcpSource(const std::string &ip, uint16_t port, const char *src
 RawTcpSource::~RawTcpSource() { close(); }
 
 void RawTcpSource::send_round() {
+  if (fds_.size() == 1) {  // the ping-pong: no thread of its own
+    char ack = 0;
+    if (!net::write_full(fds_[0], src_, share_) || !read_all(fds_[0], &ack, 1, busy_poll_)) {
+      throw std::runtime_error("the raw TCP stream broke");
+    }
+    return;
+  }
   std::atomic<bool> ok{true};
   std::vector<std::thread> senders;
   for (size_t s = 0; s < fds_.size(); ++s) {
     senders.emplace_back([this, s, &ok] {
       char ack = 0;
-      if (!net::write_full(fds_[s], src_ + s * share_, share_) || !net::read_full(fds_[s], &ack, 1)) ok = false;
+      if (!net::write_full(fds_[s], src_ + s * share_, share_) || !read_all(fds_[s], &ack, 1, busy_poll_)) {
+        ok = false;
+      }
     });
   }
   for (auto &t : senders) t.join();

@@ -7,6 +7,13 @@
 // sends each share from the source buffer on its own thread and waits for
 // the answers. No framing, no descriptors: the most a transfer over these
 // sockets can reach.
+//
+// With one stream a round runs on the caller's thread and the sink's
+// receiving thread lives as long as the connection: a 4 KiB round is then
+// the plain ping-pong a latency baseline needs (write, one-byte answer).
+// `busy_poll` makes both ends spin on non-blocking reads instead of
+// sleeping in the kernel: the round trip without the cost of waking a
+// sleeping thread, at the price of a busy core per side while waiting.
 #ifndef DATADIST_BENCH_RAW_TCP_H_
 #define DATADIST_BENCH_RAW_TCP_H_
 
@@ -21,7 +28,7 @@ namespace datadist::bench {
 class RawTcpSink {
  public:
   // Listens on ip (port chosen by the kernel); throws std::runtime_error.
-  RawTcpSink(const std::string &ip, char *dest, size_t bytes, int streams);
+  RawTcpSink(const std::string &ip, char *dest, size_t bytes, int streams, bool busy_poll = false);
   ~RawTcpSink();
   RawTcpSink(const RawTcpSink &) = delete;
   RawTcpSink &operator=(const RawTcpSink &) = delete;
@@ -36,6 +43,7 @@ class RawTcpSink {
   char *dest_;
   size_t share_;
   int streams_;
+  bool busy_poll_;
   int listener_ = -1;
   uint16_t port_ = 0;
   std::thread acceptor_;
@@ -45,7 +53,8 @@ class RawTcpSink {
 
 class RawTcpSource {
  public:
-  RawTcpSource(const std::string &ip, uint16_t port, const char *src, size_t bytes, int streams);
+  RawTcpSource(const std::string &ip, uint16_t port, const char *src, size_t bytes, int streams,
+               bool busy_poll = false);
   ~RawTcpSource();
   RawTcpSource(const RawTcpSource &) = delete;
   RawTcpSource &operator=(const RawTcpSource &) = delete;
@@ -58,6 +67,7 @@ class RawTcpSource {
  private:
   const char *src_;
   size_t share_;
+  bool busy_poll_;
   std::vector<int> fds_;
 };
 

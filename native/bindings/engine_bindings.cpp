@@ -191,6 +191,7 @@ void bind_engine(py::module_ &m) {
             return std::make_pair(static_cast<uint32_t>(st), name);
           },
           py::arg("peer"))
+      .def("has_link", &Engine::has_link, py::arg("peer"))
       .def("create_request", &Engine::create_request, py::arg("num_results"))
       .def(
           "transfer_step",

@@ -16,9 +16,11 @@ void bind_request(py::module_ &m) {
       .def("cancel", [](Request &r) { return r.cancel(kCancelledStatus); })
       .def("cancelled", &Request::cancelled)
       .def("results", &Request::results)
+      .def("messages", &Request::messages)
       .def("watch", &Request::watch)
       .def("hold", [](Request &r) { r.hold(); })
-      .def("release", &Request::release, py::arg("result_index"), py::arg("status"), py::arg("skipped") = false)
+      .def("release", &Request::release, py::arg("result_index"), py::arg("status"), py::arg("skipped") = false,
+           py::arg("message") = std::string())
       .def("cancel_requested", &Request::cancel_requested)
       .def("cancel_reason", &Request::cancel_reason);
 }

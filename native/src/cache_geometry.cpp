@@ -1,5 +1,7 @@
 #include "cache_geometry.h"
 
+#include "error_detail.h"
+
 namespace datadist {
 
 using llm_datadist::LLM_PARAM_INVALID;
@@ -33,13 +35,18 @@ uint64_t data_type_size(int32_t data_type) {
 
 Status compute_geometry(const CacheSpec &spec, Geometry &out) {
   const uint64_t item = data_type_size(spec.data_type);
-  if (item == 0 || spec.num_tensors == 0 || spec.shape.empty() || spec.shape.size() > 31) {
-    return LLM_PARAM_INVALID;
+  if (item == 0) return refuse(LLM_PARAM_INVALID, words("unknown data type code ", spec.data_type));
+  if (spec.num_tensors == 0) return refuse(LLM_PARAM_INVALID, "num_tensors is 0");
+  if (spec.shape.empty() || spec.shape.size() > 31) {
+    return refuse(LLM_PARAM_INVALID, words("shape has ", spec.shape.size(), " dimensions, allowed 1 to 31"));
   }
   uint64_t size = item;
-  for (int64_t dim : spec.shape) {
-    if (dim <= 0) return LLM_PARAM_INVALID;
-    if (__builtin_mul_overflow(size, static_cast<uint64_t>(dim), &size)) return LLM_PARAM_INVALID;
+  for (size_t d = 0; d < spec.shape.size(); ++d) {
+    const int64_t dim = spec.shape[d];
+    if (dim <= 0) return refuse(LLM_PARAM_INVALID, words("shape[", d, "] is ", dim, ", must be > 0"));
+    if (__builtin_mul_overflow(size, static_cast<uint64_t>(dim), &size)) {
+      return refuse(LLM_PARAM_INVALID, "the tensor size overflows 64 bits");
+    }
   }
   out.tensor_size = size;
   out.num_slots = static_cast<uint64_t>(spec.shape[0]);

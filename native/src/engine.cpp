@@ -4,10 +4,12 @@
 #include <mutex>
 #include <system_error>
 #include <thread>
+#include <unordered_map>
 #include <unordered_set>
 
 #include "log.h"
 #include "transport/auth.h"
+#include "error_detail.h"
 
 namespace datadist {
 
@@ -24,6 +26,28 @@ using llm_datadist::LLM_SUCCESS;
 namespace {
 constexpr uint64_t kTensorAlign = 64;
 constexpr int kCommUnlinkTimeoutMs = 3000;
+
+Status not_ready(bool finalized) {
+  return refuse(LLM_FAILED, finalized ? "the engine is finalized" : "the engine is not initialized");
+}
+
+Status device_refused() {
+  return refuse(LLM_FEATURE_NOT_ENABLED,
+                "Placement DEVICE needs an accelerator backend, which this build does not have; use HOST");
+}
+
+// Checks the addresses given for a cache's tensors (one each, none null).
+Status check_addrs(const CacheSpec &spec, const std::vector<uintptr_t> &addrs) {
+  if (addrs.size() != spec.num_tensors) {
+    return refuse(LLM_PARAM_INVALID, words(addrs.size() < spec.num_tensors ? "too few" : "too many",
+                                           " addresses: ", addrs.size(), " given, num_tensors is ",
+                                           spec.num_tensors));
+  }
+  for (size_t i = 0; i < addrs.size(); ++i) {
+    if (addrs[i] == 0) return refuse(LLM_PARAM_INVALID, words("addrs[", i, "] is 0"));
+  }
+  return LLM_SUCCESS;
+}
 }  // namespace
 
 Engine::Engine(uint64_t cluster_id)
@@ -34,16 +58,18 @@ Engine::Engine(uint64_t cluster_id)
 Engine::~Engine() { finalize(); }
 
 Status Engine::initialize(const OptionMap &options) {
+  clear_error_detail();
   std::unique_lock<std::shared_mutex> lock(state_mu_);
   if (state_ == State::kReady) return LLM_SUCCESS;
-  if (state_ == State::kFinalized) return LLM_FAILED;
+  if (state_ == State::kFinalized) return not_ready(true);
   EngineOptions parsed;
   Status st = parse_options(options, parsed);
   if (st != LLM_SUCCESS) return st;
   try {
     if (parsed.host_pool) host_pool_ = std::make_shared<HostPool>(*parsed.host_pool);
-  } catch (const std::system_error &) {
-    return LLM_OUT_OF_MEMORY;
+  } catch (const std::system_error &e) {
+    return refuse(LLM_OUT_OF_MEMORY, words("the host memory pool of ", parsed.host_pool->memory_size,
+                                           " bytes could not be mapped: ", e.what()));
   }
   TransportOptions transport_options;
   transport_options.connections_per_peer = parsed.tcp_connections_per_peer;
@@ -100,18 +126,17 @@ void Engine::finalize() {
 Status Engine::register_cache(const CacheSpec &spec, const std::vector<uintptr_t> &addrs,
                               const std::vector<KeySpec> &keys, std::optional<uint64_t> blocks_model_id,
                               bool remote_accessible, int64_t &cache_id) {
+  clear_error_detail();
   std::shared_lock<std::shared_mutex> lock(state_mu_);
-  if (state_ != State::kReady) return LLM_FAILED;
-  if (spec.placement == Placement::kDevice) return LLM_FEATURE_NOT_ENABLED;
+  if (state_ != State::kReady) return not_ready(state_ == State::kFinalized);
+  if (spec.placement == Placement::kDevice) return device_refused();
   auto entry = std::make_shared<CacheEntry>();
   entry->spec = spec;
   Status st = compute_geometry(spec, entry->geometry);
   if (st != LLM_SUCCESS) return st;
-  if (addrs.size() != spec.num_tensors) return LLM_PARAM_INVALID;
-  for (uintptr_t addr : addrs) {
-    if (addr == 0) return LLM_PARAM_INVALID;
-    entry->addrs.push_back(reinterpret_cast<uint8_t *>(addr));
-  }
+  st = check_addrs(spec, addrs);
+  if (st != LLM_SUCCESS) return st;
+  for (uintptr_t addr : addrs) entry->addrs.push_back(reinterpret_cast<uint8_t *>(addr));
   entry->remote_accessible = remote_accessible;
   return registry_.add(std::move(entry), keys, blocks_model_id, false, cache_id);
 }
@@ -119,18 +144,30 @@ Status Engine::register_cache(const CacheSpec &spec, const std::vector<uintptr_t
 Status Engine::allocate_cache(const CacheSpec &spec, const std::vector<KeySpec> &keys,
                               std::optional<uint64_t> blocks_model_id, int64_t &cache_id,
                               std::vector<uintptr_t> &addrs) {
+  clear_error_detail();
   std::shared_lock<std::shared_mutex> lock(state_mu_);
-  if (state_ != State::kReady) return LLM_FAILED;
-  if (spec.placement == Placement::kDevice || !host_pool_) return LLM_FEATURE_NOT_ENABLED;
+  if (state_ != State::kReady) return not_ready(state_ == State::kFinalized);
+  if (spec.placement == Placement::kDevice) return device_refused();
+  if (!host_pool_) {
+    return refuse(LLM_FEATURE_NOT_ENABLED, "allocating a cache needs a host memory pool (llm.HostMemPoolConfig)");
+  }
   auto entry = std::make_shared<CacheEntry>();
   entry->spec = spec;
   Status st = compute_geometry(spec, entry->geometry);
   if (st != LLM_SUCCESS) return st;
   const uint64_t step = (entry->geometry.tensor_size + kTensorAlign - 1) / kTensorAlign * kTensorAlign;
   uint64_t total;
-  if (__builtin_mul_overflow(step, static_cast<uint64_t>(spec.num_tensors), &total)) return LLM_OUT_OF_MEMORY;
+  if (__builtin_mul_overflow(step, static_cast<uint64_t>(spec.num_tensors), &total)) {
+    return refuse(LLM_OUT_OF_MEMORY, "the cache's size overflows 64 bits");
+  }
   uint8_t *block = host_pool_->allocate(total);
-  if (block == nullptr) return LLM_OUT_OF_MEMORY;
+  if (block == nullptr) {
+    const uint64_t free = host_pool_->bytes_free();
+    return refuse(LLM_OUT_OF_MEMORY, words("the host pool cannot give the ", total, " bytes requested (",
+                                           spec.num_tensors, " tensors of ", entry->geometry.tensor_size,
+                                           " bytes): ", free, " of its ", host_pool_->capacity(), " bytes are free",
+                                           free >= total ? ", but not in one piece" : ""));
+  }
   entry->pool = host_pool_;
   entry->pool_block = block;
   entry->remote_accessible = true;
@@ -150,22 +187,25 @@ std::shared_ptr<const void> Engine::pin_memory(int64_t cache_id) const {
 }
 
 Status Engine::deallocate_cache(int64_t cache_id) {
+  clear_error_detail();
   std::shared_lock<std::shared_mutex> lock(state_mu_);
-  if (state_ != State::kReady) return LLM_FAILED;
+  if (state_ != State::kReady) return not_ready(state_ == State::kFinalized);
   registry_.deallocate(cache_id);
   return LLM_SUCCESS;
 }
 
 Status Engine::unregister_cache(int64_t cache_id) {
+  clear_error_detail();
   std::shared_lock<std::shared_mutex> lock(state_mu_);
-  if (state_ != State::kReady) return LLM_FAILED;
+  if (state_ != State::kReady) return not_ready(state_ == State::kFinalized);
   registry_.unregister(cache_id);
   return LLM_SUCCESS;
 }
 
 Status Engine::remove_cache_key(const KeySpec &key) {
+  clear_error_detail();
   std::shared_lock<std::shared_mutex> lock(state_mu_);
-  if (state_ != State::kReady) return LLM_FAILED;
+  if (state_ != State::kReady) return not_ready(state_ == State::kFinalized);
   registry_.remove_key(key);
   return LLM_SUCCESS;
 }
@@ -178,18 +218,16 @@ uint32_t Engine::cache_tensors(int64_t cache_id) const {
 Status Engine::resolve(const CacheView &view, std::shared_ptr<CacheEntry> &out) const {
   if (view.cache_id >= 0) {
     out = registry_.find(view.cache_id);
-    return out ? LLM_SUCCESS : LLM_KV_CACHE_NOT_EXIST;
+    return out ? LLM_SUCCESS : refuse(LLM_KV_CACHE_NOT_EXIST, words("no cache with id ", view.cache_id));
   }
-  if (view.spec.placement == Placement::kDevice) return LLM_FEATURE_NOT_ENABLED;
+  if (view.spec.placement == Placement::kDevice) return device_refused();
   auto entry = std::make_shared<CacheEntry>();
   entry->spec = view.spec;
   Status st = compute_geometry(view.spec, entry->geometry);
   if (st != LLM_SUCCESS) return st;
-  if (view.addrs.size() != view.spec.num_tensors) return LLM_PARAM_INVALID;
-  for (uintptr_t addr : view.addrs) {
-    if (addr == 0) return LLM_PARAM_INVALID;
-    entry->addrs.push_back(reinterpret_cast<uint8_t *>(addr));
-  }
+  st = check_addrs(view.spec, view.addrs);
+  if (st != LLM_SUCCESS) return st;
+  for (uintptr_t addr : view.addrs) entry->addrs.push_back(reinterpret_cast<uint8_t *>(addr));
   out = std::move(entry);
   return LLM_SUCCESS;
 }
@@ -203,11 +241,13 @@ Status Engine::start_copy(std::vector<CopySegment> segments, std::vector<std::sh
 
 Status Engine::copy_cache(int64_t dst_id, int64_t src_id, uint64_t dst_slot, uint64_t src_slot,
                           uint64_t offset, int64_t size, std::shared_ptr<Request> &out) {
+  clear_error_detail();
   std::shared_lock<std::shared_mutex> lock(state_mu_);
-  if (state_ != State::kReady) return LLM_FAILED;
+  if (state_ != State::kReady) return not_ready(state_ == State::kFinalized);
   auto dst = registry_.find(dst_id);
   auto src = registry_.find(src_id);
-  if (!dst || !src) return LLM_KV_CACHE_NOT_EXIST;
+  if (!dst) return refuse(LLM_KV_CACHE_NOT_EXIST, words("no destination cache with id ", dst_id));
+  if (!src) return refuse(LLM_KV_CACHE_NOT_EXIST, words("no source cache with id ", src_id));
   std::vector<CopySegment> segments;
   Status st = plan_copy_cache(*dst, *src, dst_slot, src_slot, offset, size, segments);
   if (st != LLM_SUCCESS) return st;
@@ -216,8 +256,9 @@ Status Engine::copy_cache(int64_t dst_id, int64_t src_id, uint64_t dst_slot, uin
 
 Status Engine::copy_blocks(const CacheView &dst_view, const CacheView &src_view, const BlockPairs &pairs,
                            std::shared_ptr<Request> &out) {
+  clear_error_detail();
   std::shared_lock<std::shared_mutex> lock(state_mu_);
-  if (state_ != State::kReady) return LLM_FAILED;
+  if (state_ != State::kReady) return not_ready(state_ == State::kFinalized);
   std::shared_ptr<CacheEntry> dst, src;
   Status st = resolve(dst_view, dst);
   if (st == LLM_SUCCESS) st = resolve(src_view, src);
@@ -227,6 +268,11 @@ Status Engine::copy_blocks(const CacheView &dst_view, const CacheView &src_view,
   st = plan_copy_blocks(*dst, *src, pairs, segments);
   if (st != LLM_SUCCESS) return st;
   return start_copy(std::move(segments), {dst, src}, out);
+}
+
+bool Engine::has_link(uint64_t peer) const {
+  std::shared_lock<std::shared_mutex> lock(state_mu_);
+  return state_ == State::kReady && transport_->find(peer) != nullptr;
 }
 
 uint16_t Engine::listen_port() const {
@@ -244,34 +290,47 @@ Status Engine::link_transport(uint64_t peer, std::string &out) const {
 }
 
 Status Engine::link_clusters(const std::vector<LinkTarget> &targets, int timeout_ms, std::vector<Status> &rets) {
+  clear_error_detail();
   std::shared_lock<std::shared_mutex> lock(state_mu_);
-  if (state_ != State::kReady) return LLM_FAILED;
-  if (targets.empty() || timeout_ms <= 0) return LLM_PARAM_INVALID;
+  if (state_ != State::kReady) return not_ready(state_ == State::kFinalized);
+  if (targets.empty()) return refuse(LLM_PARAM_INVALID, "no cluster to link");
+  if (timeout_ms <= 0) return refuse(LLM_PARAM_INVALID, words("timeout ", timeout_ms, " ms must be > 0"));
+  std::vector<std::string> details(targets.size());
   constexpr size_t kParallel = 16;
   rets.assign(targets.size(), LLM_SUCCESS);
   for (size_t first = 0; first < targets.size(); first += kParallel) {
     std::vector<std::thread> threads;
     for (size_t i = first; i < std::min(targets.size(), first + kParallel); ++i) {
-      threads.emplace_back([this, &targets, &rets, timeout_ms, i] {
+      threads.emplace_back([this, &targets, &rets, &details, timeout_ms, i] {
         const LinkTarget &t = targets[i];
-        rets[i] = t.peer_id == cluster_id_
-                      ? LLM_PARAM_INVALID
-                      : transport_->link(t.peer_id, t.remote_ip, t.remote_port, t.local_ip, timeout_ms);
+        if (t.peer_id == cluster_id_) {
+          rets[i] = LLM_PARAM_INVALID;
+          details[i] = "a cluster cannot link to itself";
+          return;
+        }
+        rets[i] = transport_->link(t.peer_id, t.remote_ip, t.remote_port, t.local_ip, timeout_ms);
+        details[i] = error_detail();
       });
     }
     for (auto &thread : threads) thread.join();
   }
-  for (Status st : rets) {
-    if (st != LLM_SUCCESS) return st;
+  for (size_t i = 0; i < rets.size(); ++i) {
+    if (rets[i] == LLM_SUCCESS) continue;
+    const LinkTarget &t = targets[i];
+    std::string why = words("link to cluster ", t.peer_id, " at ", t.remote_ip, ":", t.remote_port, " failed with ",
+                            status_name(rets[i]));
+    if (!details[i].empty()) why += ": " + details[i];
+    return refuse(rets[i], std::move(why));
   }
   return LLM_SUCCESS;
 }
 
 Status Engine::unlink_clusters(const std::vector<uint64_t> &peers, bool force, int timeout_ms,
                                std::vector<Status> &rets) {
+  clear_error_detail();
   std::shared_lock<std::shared_mutex> lock(state_mu_);
-  if (state_ != State::kReady) return LLM_FAILED;
-  if (peers.empty()) return LLM_PARAM_INVALID;
+  if (state_ != State::kReady) return not_ready(state_ == State::kFinalized);
+  if (peers.empty()) return refuse(LLM_PARAM_INVALID, "no cluster to unlink");
   rets.clear();
   Status first = LLM_SUCCESS;
   for (uint64_t peer : peers) {
@@ -283,11 +342,15 @@ Status Engine::unlink_clusters(const std::vector<uint64_t> &peers, bool force, i
 
 Status Engine::switch_role(const std::string &role, const std::optional<std::string> &listen_ip,
                            uint16_t listen_port) {
+  clear_error_detail();
   std::shared_lock<std::shared_mutex> lock(state_mu_);
-  if (state_ != State::kReady) return LLM_FAILED;
+  if (state_ != State::kReady) return not_ready(state_ == State::kFinalized);
   const uint32_t code = role_code(role);
-  if (code == 0) return LLM_PARAM_INVALID;
-  if (transport_->link_count() != 0) return LLM_EXIST_LINK;
+  if (code == 0) return refuse(LLM_PARAM_INVALID, "unknown role '" + role + "'");
+  if (transport_->link_count() != 0) {
+    return refuse(LLM_EXIST_LINK, words("the role cannot change while ", transport_->link_count(),
+                                        " link(s) exist; unlink them first"));
+  }
   const bool same = listen_ip && transport_->listen_port() != 0 && *listen_ip == transport_->listen_ip() &&
                     (listen_port == 0 || listen_port == transport_->listen_port());
   if (!same) {
@@ -348,15 +411,29 @@ void for_each_tensor(const LayerSpan &span, Fn &&fn) {
   }
 }
 
-bool all_below(const std::vector<uint64_t> &blocks, uint64_t limit) {
-  for (uint64_t b : blocks) {
-    if (b >= limit) return false;
+// LLM_PARAM_INVALID naming the first block of `blocks` (called `name`) that
+// is not below `limit`, the block count of the `side` cache.
+Status check_below(const std::vector<uint64_t> &blocks, const char *name, uint64_t limit, const char *side) {
+  for (size_t k = 0; k < blocks.size(); ++k) {
+    if (blocks[k] >= limit) {
+      return refuse(LLM_PARAM_INVALID, words(name, "[", k, "] = ", blocks[k], " is out of range: the ", side,
+                                             " cache has ", limit, " blocks"));
+    }
   }
-  return true;
+  return LLM_SUCCESS;
 }
 
-bool all_distinct(const std::vector<uint64_t> &blocks) {
-  return std::unordered_set<uint64_t>(blocks.begin(), blocks.end()).size() == blocks.size();
+// LLM_PARAM_INVALID naming the first block of `blocks` listed twice.
+Status check_distinct(const std::vector<uint64_t> &blocks, const char *name) {
+  std::unordered_map<uint64_t, size_t> seen;
+  for (size_t k = 0; k < blocks.size(); ++k) {
+    auto [it, fresh] = seen.emplace(blocks[k], k);
+    if (!fresh) {
+      return refuse(LLM_PARAM_INVALID, words("duplicated destination block: ", name, "[", k, "] = ", blocks[k],
+                                             " repeats ", name, "[", it->second, "]"));
+    }
+  }
+  return LLM_SUCCESS;
 }
 
 // Pairs first[k] with second[k]; LLM_PARAM_INVALID unless both lists have
@@ -364,10 +441,15 @@ bool all_distinct(const std::vector<uint64_t> &blocks) {
 // destination (second) is named twice.
 Status pair_blocks(const std::vector<uint64_t> &first, const std::vector<uint64_t> &second, bool local_is_first,
                    uint64_t local_blocks, BlockPairs &pairs) {
-  if (first.size() != second.size() || !all_below(local_is_first ? first : second, local_blocks) ||
-      !all_distinct(second)) {
-    return LLM_PARAM_INVALID;
+  if (first.size() != second.size()) {
+    return refuse(LLM_PARAM_INVALID, words("src_blocks and dst_blocks differ in length: ", first.size(),
+                                           " != ", second.size()));
   }
+  Status st = check_below(local_is_first ? first : second, local_is_first ? "src_blocks" : "dst_blocks",
+                          local_blocks, "local");
+  if (st != LLM_SUCCESS) return st;
+  st = check_distinct(second, "dst_blocks");
+  if (st != LLM_SUCCESS) return st;
   pairs.clear();
   pairs.reserve(first.size());
   for (size_t k = 0; k < first.size(); ++k) pairs.emplace_back(first[k], second[k]);
@@ -396,17 +478,33 @@ uint8_t release_flag(const RemoteName &src) { return src.kind == wire::kByKey ? 
 
 Status Engine::prepare_remote(int64_t local_id, uint64_t peer, const LayerSpan &span,
                               std::shared_ptr<CacheEntry> &entry, std::shared_ptr<Link> &link) const {
-  if (state_ != State::kReady) return LLM_FAILED;
+  clear_error_detail();
+  if (state_ != State::kReady) return not_ready(state_ == State::kFinalized);
   entry = registry_.find(local_id);
-  if (!entry) return LLM_KV_CACHE_NOT_EXIST;
-  if (peer == cluster_id_) return LLM_PARAM_INVALID;
+  if (!entry) return refuse(LLM_KV_CACHE_NOT_EXIST, words("no local cache with id ", local_id));
+  if (peer == cluster_id_) {
+    return refuse(LLM_PARAM_INVALID, words("cluster ", peer, " is this instance itself, not a peer"));
+  }
   link = transport_->find(peer);
-  if (!link) return LLM_NOT_YET_LINK;
-  if (options_.remote_cache_accessible && !entry->remote_accessible) return LLM_PARAM_INVALID;
+  if (!link) return refuse(LLM_NOT_YET_LINK, words("no link to cluster ", peer, "; link_clusters first"));
+  if (options_.remote_cache_accessible && !entry->remote_accessible) {
+    return refuse(LLM_PARAM_INVALID, words("local cache ", local_id, " was registered with remote_accessible=False"));
+  }
   const uint32_t tensors = entry->spec.num_tensors;
-  if (span.per_layer == 0 || tensors % span.per_layer != 0) return LLM_PARAM_INVALID;
-  if (uint64_t{span.local_first} + span.count > tensors / span.per_layer) return LLM_PARAM_INVALID;
-  if ((uint64_t{span.remote_first} + span.count) * span.per_layer > UINT32_MAX) return LLM_PARAM_INVALID;
+  if (span.per_layer == 0 || tensors % span.per_layer != 0) {
+    return refuse(LLM_PARAM_INVALID, words("the local cache's ", tensors,
+                                           " tensors do not split into layers of tensor_num_per_layer=",
+                                           span.per_layer));
+  }
+  if (uint64_t{span.local_first} + span.count > tensors / span.per_layer) {
+    return refuse(LLM_PARAM_INVALID, words("layer range too long: layers [", span.local_first, ", ",
+                                           uint64_t{span.local_first} + span.count, ") of a local cache of ",
+                                           tensors / span.per_layer, " layers"));
+  }
+  if ((uint64_t{span.remote_first} + span.count) * span.per_layer > UINT32_MAX) {
+    return refuse(LLM_PARAM_INVALID, words("remote layer range [", span.remote_first, ", ",
+                                           uint64_t{span.remote_first} + span.count, ") is too far"));
+  }
   return LLM_SUCCESS;
 }
 
@@ -432,8 +530,13 @@ Status Engine::push_cache(int64_t src_id, uint64_t src_slot, uint64_t peer, int6
   Status st = prepare_remote(src_id, peer, span, src, link);
   if (st != LLM_SUCCESS) return st;
   const uint64_t slot = src->geometry.slot_size;
-  if (src_slot >= src->geometry.num_slots) return LLM_PARAM_INVALID;
-  if (dst_cache_id <= 0) return LLM_KV_CACHE_NOT_EXIST;
+  if (src_slot >= src->geometry.num_slots) {
+    return refuse(LLM_PARAM_INVALID, words("src_batch_index ", src_slot, " is out of range: the local cache has ",
+                                           src->geometry.num_slots, " batch slots"));
+  }
+  if (dst_cache_id <= 0) {
+    return refuse(LLM_KV_CACHE_NOT_EXIST, words("destination cache id ", dst_cache_id, " must be > 0"));
+  }
   RemoteName name;
   name.cache_id = dst_cache_id;
   wire::Target target = name_target(name);
@@ -454,7 +557,7 @@ Status Engine::push_blocks(int64_t src_id, uint64_t peer, const RemoteName &dst,
   std::shared_ptr<Link> link;
   Status st = prepare_remote(src_id, peer, span, src, link);
   if (st != LLM_SUCCESS) return st;
-  if (src_blocks.empty()) return LLM_PARAM_INVALID;
+  if (src_blocks.empty()) return refuse(LLM_PARAM_INVALID, "src_blocks is empty");
   BlockPairs pairs;
   st = pair_blocks(src_blocks, dst_blocks, true, src->geometry.num_slots, pairs);
   if (st != LLM_SUCCESS) return st;
@@ -473,8 +576,14 @@ Status Engine::pull_cache(int64_t dst_id, uint64_t dst_slot, uint64_t peer, cons
   Status st = prepare_remote(dst_id, peer, span, dst, link);
   if (st != LLM_SUCCESS) return st;
   const uint64_t slot = dst->geometry.slot_size;
-  if (dst_slot >= dst->geometry.num_slots) return LLM_PARAM_INVALID;
-  if (size == 0 || size < -1 || (size > 0 && static_cast<uint64_t>(size) > slot)) return LLM_PARAM_INVALID;
+  if (dst_slot >= dst->geometry.num_slots) {
+    return refuse(LLM_PARAM_INVALID, words("batch_index ", dst_slot, " is out of range: the local cache has ",
+                                           dst->geometry.num_slots, " batch slots"));
+  }
+  if (size == 0 || size < -1 || (size > 0 && static_cast<uint64_t>(size) > slot)) {
+    return refuse(LLM_PARAM_INVALID, words("size ", size, " must be -1 or in [1, ", slot,
+                                           "] (the local slot size)"));
+  }
   const uint64_t length = size < 0 ? slot : static_cast<uint64_t>(size);
   wire::Target target = name_target(src_name);
   target.flags = wire::kWithinSlot | release_flag(src_name);
@@ -494,7 +603,9 @@ Status Engine::pull_blocks(int64_t dst_id, uint64_t peer, const RemoteName &src_
   std::shared_ptr<Link> link;
   Status st = prepare_remote(dst_id, peer, span, dst, link);
   if (st != LLM_SUCCESS) return st;
-  if (dst_blocks.empty() || !all_below(dst_blocks, dst->geometry.num_slots)) return LLM_PARAM_INVALID;
+  if (dst_blocks.empty()) return refuse(LLM_PARAM_INVALID, "dst_blocks is empty");
+  st = check_below(dst_blocks, "dst_blocks", dst->geometry.num_slots, "local");
+  if (st != LLM_SUCCESS) return st;
   const uint64_t block = dst->geometry.slot_size;
   wire::Target target = name_target(src_name);
   if (!src_blocks.empty()) {
@@ -507,12 +618,21 @@ Status Engine::pull_blocks(int64_t dst_id, uint64_t peer, const RemoteName &src_
     return start_remote(link, false, planner, dst, out);
   }
   // A contiguous slot of the peer, cut into this cache's blocks.
-  if (!all_distinct(dst_blocks)) return LLM_PARAM_INVALID;
+  st = check_distinct(dst_blocks, "dst_blocks");
+  if (st != LLM_SUCCESS) return st;
   wire::LookupReply remote;
   st = link->lookup(target, remote, static_cast<int>(options_.sync_kv_timeout_ms));
-  if (st != LLM_SUCCESS) return st;
+  if (st != LLM_SUCCESS) {
+    if (error_detail().empty()) {
+      set_error_detail(words("cluster ", peer, " answered the lookup of the source cache with ", status_name(st)));
+    }
+    return st;
+  }
   const uint64_t chunks = (remote.slot_size + block - 1) / block;
-  if (dst_blocks.size() > chunks) return LLM_PARAM_INVALID;
+  if (dst_blocks.size() > chunks) {
+    return refuse(LLM_PARAM_INVALID, words(dst_blocks.size(), " dst_blocks for a peer slot of ", remote.slot_size,
+                                           " bytes, which fills only ", chunks, " blocks of ", block, " bytes"));
+  }
   target.flags = wire::kWithinSlot | release_flag(src_name);
   FramePlanner planner(target);
   for_each_tensor(span, [&](uint32_t local, uint32_t remote_tensor) {
@@ -539,21 +659,40 @@ Status Engine::transfer_step(const std::shared_ptr<Request> &into, size_t result
   const bool raw = !step.dst_addrs.empty();
   const bool blocks_to_blocks = !step.src_blocks.empty();
   const bool slot_to_blocks = !blocks_to_blocks && !step.dst_blocks.empty();
-  if (raw && step.dst_addrs.size() != step.per_layer) return LLM_PARAM_INVALID;
+  if (raw && step.dst_addrs.size() != step.per_layer) {
+    return refuse(LLM_PARAM_INVALID, words(step.dst_addrs.size(), " destination addresses for a layer of ",
+                                           step.per_layer, " tensors"));
+  }
   uint64_t chunk = slot;
   std::vector<BlockRun> runs;
   if (blocks_to_blocks) {
-    if (step.chunk_size != 0 && step.chunk_size != slot) return LLM_PARAM_INVALID;
+    if (step.chunk_size != 0 && step.chunk_size != slot) {
+      return refuse(LLM_PARAM_INVALID, words("dst_block_memory_size ", step.chunk_size,
+                                             " differs from the source block size ", slot));
+    }
     BlockPairs pairs;
     st = pair_blocks(step.src_blocks, step.dst_blocks, true, src->geometry.num_slots, pairs);
     if (st != LLM_SUCCESS) return st;
     runs = merge_block_runs(pairs);
   } else {
-    if (step.src_slot >= src->geometry.num_slots) return LLM_PARAM_INVALID;
+    if (step.src_slot >= src->geometry.num_slots) {
+      return refuse(LLM_PARAM_INVALID, words("src_batch_index ", step.src_slot,
+                                             " is out of range: the source cache has ", src->geometry.num_slots,
+                                             " batch slots"));
+    }
     if (slot_to_blocks) {
       chunk = step.chunk_size;
-      if (chunk == 0 || chunk > slot || (slot + chunk - 1) / chunk < step.dst_blocks.size()) return LLM_PARAM_INVALID;
-      if (!all_distinct(step.dst_blocks)) return LLM_PARAM_INVALID;
+      if (chunk == 0 || chunk > slot) {
+        return refuse(LLM_PARAM_INVALID, words("dst_block_memory_size ", chunk, " must be in [1, ", slot,
+                                               "] (the source slot size)"));
+      }
+      if ((slot + chunk - 1) / chunk < step.dst_blocks.size()) {
+        return refuse(LLM_PARAM_INVALID, words(step.dst_blocks.size(), " dst_block_indices for a slot of ", slot,
+                                               " bytes, which fills only ", (slot + chunk - 1) / chunk,
+                                               " blocks of ", chunk, " bytes"));
+      }
+      st = check_distinct(step.dst_blocks, "dst_block_indices");
+      if (st != LLM_SUCCESS) return st;
     }
   }
   wire::Target target{};

@@ -2,7 +2,9 @@
 // memory pool, the worker threads and the completion queue; the Python
 // binding and the C++ API are thin layers over it.
 //
-// Threads: every method may be called from any thread. finalize() waits for
+// Threads: every method may be called from any thread.
+// Errors: a method that refuses its arguments records why on the calling
+// thread (error_detail.h), and clears that record when it starts. finalize() waits for
 // calls already inside the engine, fails every request still in flight with
 // LLM_ENGINE_FINALIZED, and waits until all of them have settled; later
 // calls return LLM_FAILED. An engine is initialised at most once.
@@ -121,6 +123,8 @@ class Engine {
   // How operations started here toward `peer` move their bytes: "same_host"
   // or "tcp"; LLM_NOT_YET_LINK without a link.
   Status link_transport(uint64_t peer, std::string &out) const;
+  // Whether a link to `peer` is up now.
+  bool has_link(uint64_t peer) const;
   Status link_clusters(const std::vector<LinkTarget> &targets, int timeout_ms, std::vector<Status> &rets);
   Status unlink_clusters(const std::vector<uint64_t> &peers, bool force, int timeout_ms, std::vector<Status> &rets);
   // New role and listening state: listens on `listen_ip:listen_port` when

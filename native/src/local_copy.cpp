@@ -4,6 +4,8 @@
 #include <cstring>
 #include <unordered_set>
 
+#include "error_detail.h"
+
 namespace datadist {
 
 using llm_datadist::LLM_ENGINE_FINALIZED;
@@ -35,11 +37,16 @@ std::vector<BlockRun> merge_block_runs(const BlockPairs &pairs) {
 Status check_block_destinations(const BlockPairs &pairs, bool same_cache) {
   std::unordered_set<uint64_t> dsts;
   for (const auto &pair : pairs) {
-    if (!dsts.insert(pair.second).second) return LLM_PARAM_INVALID;
+    if (!dsts.insert(pair.second).second) {
+      return refuse(LLM_PARAM_INVALID, words("destination block ", pair.second, " is named twice"));
+    }
   }
   if (same_cache) {
     for (const auto &pair : pairs) {
-      if (dsts.count(pair.first) != 0) return LLM_PARAM_INVALID;
+      if (dsts.count(pair.first) != 0) {
+        return refuse(LLM_PARAM_INVALID,
+                      words("block ", pair.first, " is both a source and a destination of the same cache"));
+      }
     }
   }
   return LLM_SUCCESS;
@@ -49,17 +56,35 @@ Status plan_copy_cache(const CacheEntry &dst, const CacheEntry &src, uint64_t ds
                        uint64_t src_slot, uint64_t offset, int64_t size, std::vector<CopySegment> &out) {
   const Geometry &dg = dst.geometry;
   const Geometry &sg = src.geometry;
-  if (dst.addrs.size() != src.addrs.size()) return LLM_PARAM_INVALID;
-  if (dst_slot >= dg.num_slots || src_slot >= sg.num_slots) return LLM_PARAM_INVALID;
-  if (offset >= dg.slot_size || offset >= sg.slot_size) return LLM_PARAM_INVALID;
+  if (dst.addrs.size() != src.addrs.size()) {
+    return refuse(LLM_PARAM_INVALID, words("the destination has ", dst.addrs.size(), " tensors, the source ",
+                                           src.addrs.size()));
+  }
+  if (dst_slot >= dg.num_slots) {
+    return refuse(LLM_PARAM_INVALID,
+                  words("destination batch index ", dst_slot, " is out of range: the cache has ", dg.num_slots));
+  }
+  if (src_slot >= sg.num_slots) {
+    return refuse(LLM_PARAM_INVALID,
+                  words("source batch index ", src_slot, " is out of range: the cache has ", sg.num_slots));
+  }
+  if (offset >= dg.slot_size || offset >= sg.slot_size) {
+    return refuse(LLM_PARAM_INVALID, words("offset ", offset, " is not below the slot size ",
+                                           std::min(dg.slot_size, sg.slot_size)));
+  }
   const uint64_t room = std::min(dg.slot_size, sg.slot_size) - offset;
   uint64_t len = room;
   if (size >= 0) {
     len = static_cast<uint64_t>(size);
   } else if (dg.slot_size != sg.slot_size) {
-    return LLM_PARAM_INVALID;  // "the whole slot" is ambiguous
+    // "the whole slot" is ambiguous
+    return refuse(LLM_PARAM_INVALID, words("size -1 needs equal slot sizes; destination ", dg.slot_size,
+                                           " bytes, source ", sg.slot_size));
   }
-  if (len == 0 || len > room) return LLM_PARAM_INVALID;
+  if (len == 0 || len > room) {
+    return refuse(LLM_PARAM_INVALID,
+                  words("size ", len, " does not fit: ", room, " bytes from offset ", offset, " to the slot's end"));
+  }
   if (&dst == &src && dst_slot == src_slot) return LLM_SUCCESS;  // copying a range onto itself
   for (size_t t = 0; t < dst.addrs.size(); ++t) {
     out.push_back({dst.addrs[t] + dst_slot * dg.slot_size + offset,
@@ -72,9 +97,23 @@ Status plan_copy_blocks(const CacheEntry &dst, const CacheEntry &src, const Bloc
                         std::vector<CopySegment> &out) {
   const Geometry &dg = dst.geometry;
   const Geometry &sg = src.geometry;
-  if (dst.addrs.size() != src.addrs.size() || dg.slot_size != sg.slot_size) return LLM_PARAM_INVALID;
+  if (dst.addrs.size() != src.addrs.size()) {
+    return refuse(LLM_PARAM_INVALID, words("the destination has ", dst.addrs.size(), " tensors, the source ",
+                                           src.addrs.size()));
+  }
+  if (dg.slot_size != sg.slot_size) {
+    return refuse(LLM_PARAM_INVALID,
+                  words("block sizes differ: destination ", dg.slot_size, " bytes, source ", sg.slot_size));
+  }
   for (const auto &pair : pairs) {
-    if (pair.first >= sg.num_slots || pair.second >= dg.num_slots) return LLM_PARAM_INVALID;
+    if (pair.first >= sg.num_slots) {
+      return refuse(LLM_PARAM_INVALID,
+                    words("source block ", pair.first, " is out of range: the cache has ", sg.num_slots, " blocks"));
+    }
+    if (pair.second >= dg.num_slots) {
+      return refuse(LLM_PARAM_INVALID, words("destination block ", pair.second,
+                                             " is out of range: the cache has ", dg.num_slots, " blocks"));
+    }
   }
   Status st = check_block_destinations(pairs, &dst == &src);
   if (st != LLM_SUCCESS) return st;

@@ -4,6 +4,8 @@
 #include <cstdlib>
 #include <thread>
 
+#include "error_detail.h"
+
 namespace datadist {
 
 using llm_datadist::LLM_PARAM_INVALID;
@@ -107,7 +109,9 @@ Status parse_listen(const OptionMap &options, std::optional<std::string> &ip, ui
   }
   uint64_t value = 0;
   const std::string *listen_port = find(options, kOptListenPort);
-  if (listen_port == nullptr || !parse_uint(*listen_port, UINT16_MAX, value)) return LLM_PARAM_INVALID;
+  if (listen_port == nullptr || !parse_uint(*listen_port, UINT16_MAX, value)) {
+    return refuse(LLM_PARAM_INVALID, "the listen port must be an integer in [0, 65535]");
+  }
   ip = *listen_ip;
   port = static_cast<uint16_t>(value);
   return LLM_SUCCESS;
@@ -115,13 +119,19 @@ Status parse_listen(const OptionMap &options, std::optional<std::string> &ip, ui
 
 Status parse_pool_config(const std::string &json, PoolConfig &out) {
   std::map<std::string, uint64_t> fields;
-  if (!FlatJsonReader(json).read(fields)) return LLM_PARAM_INVALID;
+  if (!FlatJsonReader(json).read(fields)) {
+    return refuse(LLM_PARAM_INVALID, "memory pool config must be flat JSON of integers, got '" + json + "'");
+  }
   auto size = fields.find("memory_size");
-  if (size == fields.end() || size->second == 0) return LLM_PARAM_INVALID;
+  if (size == fields.end() || size->second == 0) {
+    return refuse(LLM_PARAM_INVALID, "memory pool config needs \"memory_size\" > 0");
+  }
   out.memory_size = size->second;
   auto shift = fields.find("page_shift");
   if (shift != fields.end()) {
-    if (shift->second < 10 || shift->second >= 31) return LLM_PARAM_INVALID;
+    if (shift->second < 10 || shift->second >= 31) {
+      return refuse(LLM_PARAM_INVALID, words("page_shift ", shift->second, " is outside [10, 30]"));
+    }
     out.page_shift = static_cast<uint32_t>(shift->second);
   }
   return LLM_SUCCESS;
@@ -129,31 +139,41 @@ Status parse_pool_config(const std::string &json, PoolConfig &out) {
 
 Status parse_options(const OptionMap &options, EngineOptions &out) {
   if (const std::string *role = find(options, kOptRole)) {
-    if (role_code(*role) == 0) return LLM_PARAM_INVALID;
+    if (role_code(*role) == 0) return refuse(LLM_PARAM_INVALID, "unknown role '" + *role + "'");
     out.role = *role;
   }
   PoolConfig pool;
   if (const std::string *cfg = find(options, kOptHostMemPool)) {
-    if (parse_pool_config(*cfg, pool) != LLM_SUCCESS) return LLM_PARAM_INVALID;
+    if (parse_pool_config(*cfg, pool) != LLM_SUCCESS) {
+      return refuse(LLM_PARAM_INVALID, "host memory pool: " + error_detail());
+    }
     out.host_pool = pool;
   }
   if (const std::string *cfg = find(options, kOptDeviceMemPool)) {
-    if (parse_pool_config(*cfg, pool) != LLM_SUCCESS) return LLM_PARAM_INVALID;
+    if (parse_pool_config(*cfg, pool) != LLM_SUCCESS) {
+      return refuse(LLM_PARAM_INVALID, "device memory pool: " + error_detail());
+    }
     out.device_pool = pool;
   }
   uint64_t value;
   if (const std::string *timeout = find(options, kOptSyncKvTimeout)) {
-    if (!parse_uint(*timeout, INT32_MAX, value) || value == 0) return LLM_PARAM_INVALID;
+    if (!parse_uint(*timeout, INT32_MAX, value) || value == 0) {
+      return refuse(LLM_PARAM_INVALID, "sync kv timeout must be an integer in [1, 2147483647] ms, got '" + *timeout + "'");
+    }
     out.sync_kv_timeout_ms = static_cast<uint32_t>(value);
   }
   const unsigned cores = std::thread::hardware_concurrency();
   out.engine_threads = cores == 0 ? 2 : (cores < 4 ? cores : 4);
   if (const std::string *threads = find(options, kOptEngineThreads)) {
-    if (!parse_uint(*threads, 64, value) || value == 0) return LLM_PARAM_INVALID;
+    if (!parse_uint(*threads, 64, value) || value == 0) {
+      return refuse(LLM_PARAM_INVALID, "engine threads must be an integer in [1, 64], got '" + *threads + "'");
+    }
     out.engine_threads = static_cast<uint32_t>(value);
   }
   if (const std::string *conns = find(options, kOptTcpConnections)) {
-    if (!parse_uint(*conns, 64, value) || value == 0) return LLM_PARAM_INVALID;
+    if (!parse_uint(*conns, 64, value) || value == 0) {
+      return refuse(LLM_PARAM_INVALID, "TCP connections per peer must be an integer in [1, 64], got '" + *conns + "'");
+    }
     out.tcp_connections_per_peer = static_cast<uint32_t>(value);
   }
   if (const std::string *transport = find(options, kOptTransport)) {
@@ -185,7 +205,9 @@ Status parse_options(const OptionMap &options, EngineOptions &out) {
   }
   if (const std::string *flag = find(options, kOptEnableSwitchRole)) out.enable_switch_role = *flag == "1";
   if (const std::string *rca = find(options, kOptRemoteCacheAccessible)) {
-    if (*rca != "0" && *rca != "1") return LLM_PARAM_INVALID;
+    if (*rca != "0" && *rca != "1") {
+      return refuse(LLM_PARAM_INVALID, "remote cache accessible must be 0 or 1, got '" + *rca + "'");
+    }
     out.remote_cache_accessible = *rca == "1";
   }
   return LLM_SUCCESS;

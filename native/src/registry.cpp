@@ -2,6 +2,8 @@
 
 #include <set>
 
+#include "error_detail.h"
+
 namespace datadist {
 
 using llm_datadist::LLM_PARAM_INVALID;
@@ -26,15 +28,25 @@ Status Registry::add(std::shared_ptr<CacheEntry> entry, const std::vector<KeySpe
                      std::optional<uint64_t> blocks_model_id, bool check_keys, int64_t &cache_id) {
   std::lock_guard<std::mutex> lock(mu_);
   if (check_keys) {
-    if (keys.size() > entry->geometry.num_slots) return LLM_PARAM_INVALID;
+    if (keys.size() > entry->geometry.num_slots) {
+      return refuse(LLM_PARAM_INVALID, words(keys.size(), " cache keys for ", entry->geometry.num_slots,
+                                             " batch slots (shape[0])"));
+    }
     std::set<KeyId> seen;
-    for (const KeySpec &key : keys) {
+    for (size_t k = 0; k < keys.size(); ++k) {
+      const KeySpec &key = keys[k];
       if (key.is_placeholder()) continue;
       const KeyId id = key_id(key);
-      if (by_key_.count(id) != 0 || !seen.insert(id).second) return LLM_PARAM_INVALID;
+      if (by_key_.count(id) != 0) {
+        return refuse(LLM_PARAM_INVALID, words("cache_keys[", k, "] is already bound to another cache"));
+      }
+      if (!seen.insert(id).second) {
+        return refuse(LLM_PARAM_INVALID, words("cache_keys[", k, "] repeats an earlier key of the same call"));
+      }
     }
     if (blocks_model_id && by_key_.count(KeyId{kBlocksKeys, *blocks_model_id, 0}) != 0) {
-      return LLM_PARAM_INVALID;
+      return refuse(LLM_PARAM_INVALID,
+                    words("a blocks cache is already bound to model_id ", *blocks_model_id));
     }
   }
   entry->id = next_id_++;

@@ -2,6 +2,8 @@
 
 #include <chrono>
 
+#include "error_detail.h"
+
 namespace datadist {
 
 using llm_datadist::LLM_SUCCESS;
@@ -11,7 +13,8 @@ Request::Request(uint64_t id, size_t num_results, std::shared_ptr<CompletionQueu
     : id_(id),
       completions_(std::move(completions)),
       tracker_(std::move(tracker)),
-      results_(num_results == 0 ? 1 : num_results, LLM_SUCCESS) {}
+      results_(num_results == 0 ? 1 : num_results, LLM_SUCCESS),
+      messages_(results_.size()) {}
 
 Request::~Request() {
   if (holds_ != 0) {
@@ -24,10 +27,12 @@ void Request::hold(size_t n) {
   holds_ += n;
 }
 
-void Request::release(size_t result_index, Status status, bool skipped) {
+void Request::release(size_t result_index, Status status, bool skipped, std::string message) {
+  if (message.size() > kMaxErrorDetail) message.resize(kMaxErrorDetail);
   std::unique_lock<std::mutex> lock(mu_);
   if (result_index < results_.size() && status != LLM_SUCCESS && results_[result_index] == LLM_SUCCESS) {
     results_[result_index] = status;
+    messages_[result_index] = std::move(message);
   }
   skipped_ = skipped_ || skipped;
   if (--holds_ == 0) complete_locked(lock);
@@ -90,6 +95,11 @@ bool Request::wait(int64_t timeout_ms) const {
 std::vector<Status> Request::results() const {
   std::lock_guard<std::mutex> lock(mu_);
   return results_;
+}
+
+std::vector<std::string> Request::messages() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return messages_;
 }
 
 bool Request::watch() {

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -41,7 +42,9 @@ class Request {
 
   void hold(size_t n = 1);
   // `skipped` marks work that was not carried out because of a cancellation.
-  void release(size_t result_index, Status status, bool skipped = false);
+  // `message` says in words why a failure happened (a peer's reason, say);
+  // it is kept, cut to kMaxErrorDetail bytes, with the slot's first failure.
+  void release(size_t result_index, Status status, bool skipped = false, std::string message = {});
 
   // Asks every piece of work to stop before its next byte; returns false if
   // the request had already completed. The first reason given is kept.
@@ -55,6 +58,9 @@ class Request {
   // Waits for completion; timeout_ms < 0 waits forever. True if done.
   bool wait(int64_t timeout_ms) const;
   std::vector<Status> results() const;
+  // One message per result: the reason given with its first failure, or
+  // empty where none was given (or the result is a success).
+  std::vector<std::string> messages() const;
   // Asks for a completion-queue entry when the request completes. Returns
   // false, and queues nothing, if it has already completed.
   bool watch();
@@ -70,6 +76,7 @@ class Request {
   mutable std::mutex mu_;
   mutable std::condition_variable cv_;
   std::vector<Status> results_;
+  std::vector<std::string> messages_;  // beside results_
   size_t holds_ = 1;
   bool done_ = false;
   bool watched_ = false;

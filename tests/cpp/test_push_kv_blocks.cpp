@@ -422,5 +422,28 @@ TEST_F(PushKvBlocksTest, PushAfterAFailureStillWorks) {
   PushAndCheck(src_, dst_, {0, 9}, {1, 2}, KvCacheExtParam{}, LayerPairs(0, 0, 2), 2);
 }
 
+// GetLastErrorMessage says why the last call of this thread failed, in words.
+TEST_F(PushKvBlocksTest, LastErrorMessageNamesTheIndex) {
+  const CacheIndex dst = dst_.At(kServerId);
+  EXPECT_STATUS(LLM_PARAM_INVALID, client_->PushKvBlocks(src_.cache(), dst, {0, 1, 2}, {0, 1}));
+  EXPECT_NE(client_->GetLastErrorMessage().find("differ in length: 3 != 2"), std::string::npos)
+      << client_->GetLastErrorMessage();
+  EXPECT_STATUS(LLM_PARAM_INVALID, client_->PushKvBlocks(src_.cache(), dst, {0, 99}, {0, 1}));
+  EXPECT_NE(client_->GetLastErrorMessage().find("src_blocks[1] = 99 is out of range: the local cache has 16 blocks"),
+            std::string::npos)
+      << client_->GetLastErrorMessage();
+  EXPECT_STATUS(LLM_PARAM_INVALID, client_->PushKvBlocks(src_.cache(), dst, {0, 1, 2}, {5, 6, 5}));
+  EXPECT_NE(client_->GetLastErrorMessage().find("dst_blocks[2] = 5 repeats dst_blocks[0]"), std::string::npos)
+      << client_->GetLastErrorMessage();
+  KvCacheExtParam ext;
+  ext.src_layer_range = {1, 2};
+  ext.dst_layer_range = {0, 1};
+  EXPECT_STATUS(LLM_PARAM_INVALID, client_->PushKvBlocks(src_.cache(), dst, {0}, {0}, ext));
+  EXPECT_NE(client_->GetLastErrorMessage().find("layer range too long"), std::string::npos)
+      << client_->GetLastErrorMessage();
+  ASSERT_STATUS(LLM_SUCCESS, client_->PushKvBlocks(src_.cache(), dst, {0}, {0}));
+  EXPECT_EQ(client_->GetLastErrorMessage(), "");
+}
+
 }  // namespace
 }  // namespace dd_test

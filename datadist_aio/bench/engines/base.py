@@ -42,13 +42,16 @@ class Target(Protocol):
 
     def open(self) -> Any:
         """Start listening; returns what the initiator needs to reach this side."""
+        ...
 
     def prepare(self, layout: Layout) -> Any:
         """Allocate (or reuse) remote memory for ``layout``; returns what the
         initiator needs to address it."""
+        ...
 
     def tensors(self) -> list[np.ndarray]:
         """The remote memory of the current layout, one ``[blocks, block_size]`` view per tensor."""
+        ...
 
     def close(self) -> None: ...
 
@@ -61,16 +64,20 @@ class Initiator(Protocol):
 
     def prepare(self, layout: Layout, prepared: Any) -> None:
         """Allocate local memory for ``layout``; ``prepared`` is what ``Target.prepare`` returned."""
+        ...
 
     def tensors(self) -> list[np.ndarray]:
         """The local memory of the current layout."""
+        ...
 
     def batch(self, op: str, table: list[int]) -> None:
         """Move every tensor's block ``i`` to/from remote block ``table[i]``; return once all landed."""
+        ...
 
     def latency(self, ops: int) -> list[float]:
         """Seconds of each of ``ops`` sequential writes of local block 0 into remote block 0
         of the current layout (one tensor of one 4 KiB block), each waited for."""
+        ...
 
     def close(self) -> None: ...
 
@@ -100,6 +107,7 @@ class Memory:
 
     def prepare(self, layout: Layout) -> None:
         """Allocate and register memory for ``layout`` (kept when it is the current one)."""
+        ...
         if layout == self.layout:
             return
         self.release()

@@ -8,14 +8,18 @@ carries the blocks key the initiator addresses.
 
 from __future__ import annotations
 
+import asyncio
+import statistics
 import time
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import numpy as np
 
 from ...cache import Cache
 from ...cache_desc import CacheDesc
 from ...cache_key import BlocksCacheKey
+from ...cache_manager import CacheManager
+from ...cache_task import CacheTask
 from ...cluster_info import LLMClusterInfo
 from ...config import LLMConfig
 from ...data_type import DataType
@@ -76,6 +80,12 @@ class _Registered(Memory):
         desc = CacheDesc(layout.tensors, [layout.blocks, layout.block_size], DataType.DT_UINT8, Placement.HOST)
         self.cache = self.datadist.cache_manager.register_blocks_cache(desc, list(self.views), self.key)
 
+    def registered(self) -> Cache:
+        """The cache of the current layout."""
+        if self.cache is None:
+            raise RuntimeError("no layout is prepared")
+        return self.cache
+
     def unregister(self) -> None:
         if self.cache is not None:
             self.datadist.cache_manager.unregister_cache(self.cache.cache_id)
@@ -85,8 +95,8 @@ class _Registered(Memory):
 class Target:
     def __init__(self, variant: dict[str, Any], host: str) -> None:
         self.host = host
-        self.datadist = _datadist(LLMRole.DECODER, TARGET_ID, variant, host)
-        self.memory = _Registered(self.datadist, KEY)
+        self.datadist: LLMDataDist = _datadist(LLMRole.DECODER, TARGET_ID, variant, host)
+        self.memory: _Registered = _Registered(self.datadist, KEY)
 
     def open(self) -> Any:
         return self.host, self.datadist.listen_port
@@ -111,16 +121,16 @@ class _Ready(LayerSynchronizer):
 
 
 class Initiator:
-    ops = (PUSH, PULL, LAYERWISE)
+    ops: ClassVar[tuple[str, ...]] = (PUSH, PULL, LAYERWISE)
 
     def __init__(self, variant: dict[str, Any], opened: Any) -> None:
         try:
-            self.runner = loop_runner(variant.get("loop", "asyncio"))
+            self.runner: asyncio.Runner = loop_runner(variant.get("loop", "asyncio"))
         except ImportError:
             raise Unavailable("uvloop is not installed (pip install 'datadist_aio[uvloop]')") from None
         except ValueError as exc:
             raise Unavailable(str(exc)) from None
-        self.datadist = _datadist(LLMRole.PROMPT, INITIATOR_ID, variant, None)
+        self.datadist: LLMDataDist = _datadist(LLMRole.PROMPT, INITIATOR_ID, variant, None)
         host, port = opened
         cluster = LLMClusterInfo()
         cluster.remote_cluster_id = TARGET_ID
@@ -129,10 +139,11 @@ class Initiator:
         status, per_cluster = self.datadist.link_clusters([cluster], 10000)
         if status is not LLMStatusCode.LLM_SUCCESS:
             raise RuntimeError(f"link to {host}:{port} failed: {status} {per_cluster}")
-        self.cm = self.datadist.cache_manager
-        self.memory = _Registered(self.datadist, None)
-        self.layers = 0
+        self.cm: CacheManager = self.datadist.cache_manager
+        self.memory: _Registered = _Registered(self.datadist, None)
+        self.layers: int = 0
         self.blocks: list[int] = []
+        self.submit_seconds: list[float] = []  # of the last latency run: the call, before the await
 
     def prepare(self, layout: Layout, prepared: Any) -> None:
         self.memory.prepare(layout)
@@ -143,7 +154,7 @@ class Initiator:
         return self.memory.views
 
     async def _move(self, op: str, table: list[int]) -> None:
-        cache = self.memory.cache
+        cache = self.memory.registered()
         if op == PUSH:
             await self.cm.push_blocks_async(KEY, cache, self.blocks, table)
         elif op == PULL:
@@ -156,17 +167,61 @@ class Initiator:
         self.runner.run(self._move(op, table))
 
     def latency(self, ops: int) -> list[float]:
-        cache = self.memory.cache
+        cache = self.memory.registered()
 
         async def sample() -> list[float]:
-            seconds = []
+            seconds, submits = [], []
             for _ in range(ops):
                 start = time.perf_counter()
-                await self.cm.push_blocks_async(KEY, cache, [0], [0], tensor_num_per_layer=1)
-                seconds.append(time.perf_counter() - start)
+                task = self.cm.push_blocks_async(KEY, cache, [0], [0], tensor_num_per_layer=1)
+                submitted = time.perf_counter()
+                await task
+                end = time.perf_counter()
+                seconds.append(end - start)
+                submits.append(submitted - start)
+            self.submit_seconds = submits
             return seconds
 
         return self.runner.run(sample())
+
+    def submit_parts(self, ops: int) -> dict[str, float]:
+        """Median µs of the pieces of the submit call, each timed on its own:
+        the whole call with an engine that starts nothing (argument checks
+        and the task), the task's creation alone, and the engine's own submit
+        (argument plan, frames handed to the link), waited for untimed."""
+        cache = self.memory.registered()
+        engine = self.datadist._engine
+        dispatcher = self.datadist._dispatcher
+        assert dispatcher is not None
+        request = engine.create_request(1)
+        request.release(0, 0)  # already complete: a stand-in for the stub engine to return
+
+        class _NoTransfer:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(engine, name)
+
+            def push_blocks(self, *args: Any) -> tuple[int, Any]:
+                return 0, request
+
+        stub = CacheManager(_NoTransfer(), dispatcher, remote_cache_accessible=True)
+        rounds = max(10, min(ops, 1000))
+        python_side, task_alone, native = [], [], []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            stub.push_blocks_async(KEY, cache, [0], [0], tensor_num_per_layer=1)
+            python_side.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            CacheTask(request, dispatcher, "push_blocks")
+            task_alone.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            status, started = engine.push_blocks(cache.cache_id, TARGET_ID, KEY.model_id, [0], [0], (0, 0, 1, 1))
+            native.append(time.perf_counter() - start)
+            if status != 0:
+                raise RuntimeError(f"push_blocks refused: {status:#x}")
+            started.wait(-1)
+        checks = statistics.median(python_side) - statistics.median(task_alone)
+        return {"checks_us": checks * 1e6, "task_us": statistics.median(task_alone) * 1e6,
+                "native_submit_us": statistics.median(native) * 1e6}
 
     def close(self) -> None:
         self.memory.release()

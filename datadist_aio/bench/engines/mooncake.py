@@ -54,7 +54,7 @@ def _engine(host: str) -> Any:
     for name, value in _ENVIRONMENT.items():
         os.environ.setdefault(name, value)
     try:
-        from mooncake.engine import TransferEngine
+        from mooncake.engine import TransferEngine  # type: ignore[import-not-found]  # pyright: ignore[reportMissingImports]
     except ImportError as e:
         raise Unavailable(f"mooncake is not installed ({e})") from e
     engine = TransferEngine()
@@ -89,8 +89,8 @@ class _Memory(Memory):
 class Target:
     def __init__(self, variant: dict[str, Any], host: str) -> None:
         self.host = host
-        self.engine = _engine(host)
-        self.memory = _Memory(self.engine)
+        self.engine: Any = _engine(host)
+        self.memory: _Memory = _Memory(self.engine)
 
     def open(self) -> str:
         """The segment name the initiator addresses: ``host:rpc_port``."""
@@ -113,10 +113,10 @@ class Initiator:
 
     def __init__(self, variant: dict[str, Any], opened: str) -> None:
         self.segment = opened
-        self.engine = _engine(_local_address(opened))
-        self.memory = _Memory(self.engine)
-        self.remote = 0
-        self.chunk = _queue_limit()
+        self.engine: Any = _engine(_local_address(opened))
+        self.memory: _Memory = _Memory(self.engine)
+        self.remote: int = 0
+        self.chunk: int = _queue_limit()
 
     def prepare(self, layout: Layout, prepared: int) -> None:
         self.memory.prepare(layout)

@@ -69,7 +69,7 @@ def _agent(variant: dict[str, Any], role: str, host: str, progress_thread: bool)
     if tls == "tcp":
         os.environ["UCX_TLS"] = "tcp"
     try:
-        from nixl._api import nixl_agent, nixl_agent_config
+        from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[import-not-found]  # pyright: ignore[reportMissingImports]
     except ImportError as e:
         raise Unavailable(f"nixl is not installed ({e})") from e
     config = nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
@@ -118,8 +118,8 @@ class Target:
     def __init__(self, variant: dict[str, Any], host: str) -> None:
         # UCX advertises its own addresses; ``host`` only tells whether the run is local.
         self.host = host
-        self.agent = _agent(variant, "target", host, progress_thread=True)
-        self.memory = _Memory(self.agent)
+        self.agent: Any = _agent(variant, "target", host, progress_thread=True)
+        self.memory: _Memory = _Memory(self.agent)
 
     def open(self) -> list[Any]:
         """The agent's metadata (its name and how to connect to it) and the host."""
@@ -142,9 +142,9 @@ class Initiator:
 
     def __init__(self, variant: dict[str, Any], opened: list[Any]) -> None:
         metadata, host = opened
-        self.agent = _agent(variant, "initiator", host, progress_thread=bool(variant.get("progress_thread", False)))
-        self.memory = _Memory(self.agent)
-        self.remote = 0
+        self.agent: Any = _agent(variant, "initiator", host, progress_thread=bool(variant.get("progress_thread", False)))
+        self.memory: _Memory = _Memory(self.agent)
+        self.remote: int = 0
         self.peer: str | None = None
         self._load(metadata)
 

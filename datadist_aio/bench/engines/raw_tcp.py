@@ -1,11 +1,16 @@
 """The baseline: the cache as one buffer, sent over ``streams`` plain TCP
 connections (native/bench/raw_tcp.cpp), each share acknowledged by the
-receiver. Nothing a transfer engine over TCP does can beat it."""
+receiver. Nothing a transfer engine over TCP does can beat it.
+
+With one stream the latency run is a ping-pong on one connection, from the
+calling thread to the receiver's thread, both living as long as the
+connection. The ``busy_poll`` variant spins on non-blocking reads at both
+ends instead of sleeping: the round trip without thread wake-ups."""
 
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import numpy as np
 
@@ -25,7 +30,7 @@ class Target:
         self.variant = variant
         self.host = host
         self.sink: Optional[Any] = None
-        self.memory = Memory()
+        self.memory: Memory = Memory()
 
     def open(self) -> Any:
         return self.host
@@ -33,7 +38,8 @@ class Target:
     def prepare(self, layout: Layout) -> Any:
         self.close()
         self.memory.prepare(layout)
-        self.sink = _native.RawTcpSink(self.host, self.memory.memory, _streams(self.variant, layout))
+        self.sink = _native.RawTcpSink(self.host, self.memory.memory, _streams(self.variant, layout),
+                                       bool(self.variant.get("busy_poll", False)))
         return self.sink.port
 
     def tensors(self) -> list[np.ndarray]:
@@ -46,31 +52,38 @@ class Target:
 
 
 class Initiator:
-    ops = (PUSH,)
+    ops: ClassVar[tuple[str, ...]] = (PUSH,)
     contiguous = True
 
     def __init__(self, variant: dict[str, Any], opened: Any) -> None:
         self.variant = variant
         self.host = opened
         self.source: Optional[Any] = None
-        self.memory = Memory()
+        self.memory: Memory = Memory()
 
     def prepare(self, layout: Layout, prepared: Any) -> None:
         self.close()
         self.memory.prepare(layout)
-        self.source = _native.RawTcpSource(self.host, prepared, self.memory.memory, _streams(self.variant, layout))
+        self.source = _native.RawTcpSource(self.host, prepared, self.memory.memory, _streams(self.variant, layout),
+                                           bool(self.variant.get("busy_poll", False)))
 
     def tensors(self) -> list[np.ndarray]:
         return self.memory.views
 
+    def _source(self) -> Any:
+        if self.source is None:
+            raise RuntimeError("no layout is prepared")
+        return self.source
+
     def batch(self, op: str, table: list[int]) -> None:
-        self.source.send_round()
+        self._source().send_round()
 
     def latency(self, ops: int) -> list[float]:
         seconds = []
+        source = self._source()
         for _ in range(ops):
             start = time.perf_counter()
-            self.source.send_round()
+            source.send_round()
             seconds.append(time.perf_counter() - start)
         return seconds
 

@@ -178,6 +178,11 @@ class LlmDataDist {
   Status CopyKvBlocks(const Cache &src_cache, const Cache &dst_cache, const std::vector<uint64_t> &src_blocks,
                       const std::vector<std::vector<uint64_t>> &dst_blocks_list);
 
+  // Not in upstream's API. Why the last call made on this thread (to any
+  // LlmDataDist) failed, in words: which argument, index or size, or the
+  // peer's reason; empty after a success or where no reason is known.
+  std::string GetLastErrorMessage() const;
+
  private:
   class Impl;
   std::unique_ptr<Impl> impl_;

@@ -227,7 +227,10 @@ void Link::mark(uint64_t op_id, bool sent, bool answered, Status status, bool sk
 }
 
 void Link::settle(OpenOp &op) {
-  if (op.request) op.request->release(op.result_index, op.status, op.skipped);
+  if (!op.request) return;
+  std::string message;
+  if (!op.reason.empty()) message = "the peer refused: " + op.reason;
+  op.request->release(op.result_index, op.status, op.skipped, std::move(message));
 }
 
 bool Link::finish(Connection &conn, OutFrame &frame) {
