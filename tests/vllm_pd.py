@@ -53,11 +53,15 @@ def connector_config(kind: str, role: str, port: int, **extra: Any) -> dict[str,
 
 
 def _metric_values(llm: Any) -> dict[str, float]:
+    """Counters and gauges by name; a histogram as its count, and ``name + "_sum"``."""
     values: dict[str, float] = {}
     for metric in llm.get_metrics():
         value = getattr(metric, "value", None)
         if value is None:
             value = getattr(metric, "count", None)
+            total = getattr(metric, "sum", None)
+            if isinstance(total, (int, float)):
+                values[metric.name + "_sum"] = values.get(metric.name + "_sum", 0.0) + float(total)
         if isinstance(value, (int, float)):
             values[metric.name] = values.get(metric.name, 0.0) + float(value)
     return values

@@ -1,9 +1,11 @@
 """The connector's worker side: registers vLLM's KV memory, reads and releases blocks.
 
-One ``LLMDataDist`` per worker process and one event loop, run by one
-thread, drive every transfer; vLLM's worker thread hands work to that loop
-and collects results under a lock, so nothing blocks the model step and no
-thread is started per request.
+One ``LLMDataDist`` per worker process. vLLM's worker thread starts each
+read itself (``pull_blocks_async`` returns at once) and looks at the tasks
+when vLLM asks for finished transfers, once per step: no thread per request,
+no polling of its own, and no hop through another thread on the hot path.
+One event loop, run by one thread, does the rest: the side channel, the
+first link to a peer, release notices.
 
 - Registration: each distinct KV tensor vLLM allocated is registered in place
   (``register_blocks_cache`` on its address, no copy). Tensors of the same
@@ -14,8 +16,9 @@ thread is started per request.
   request's blocks when its decode side confirms or its lease runs out.
 - Decode side: links to a prefill on first use (then reuses the link) and
   reads each request's blocks with ``pull_blocks_async``. A load that fails
-  or exceeds ``load_timeout_s`` is cancelled in the engine, settles, and
-  reports its blocks through ``load_errors``; it never blocks the step.
+  or exceeds ``load_timeout_s`` is cancelled in the engine and reported only
+  once it has settled (no byte lands afterwards), with its blocks in
+  ``load_errors``; it never blocks the step.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -169,12 +172,26 @@ class _Peer:
     linked: bool = False
 
 
+@dataclass
+class _Load:
+    """A read in flight; ``tasks`` empty with ``error`` set: it failed before starting."""
+
+    spec: LoadSpec
+    start: float
+    deadline: float
+    tasks: list[dd.CacheTask] = field(default_factory=list)
+    nbytes: int = 0
+    error: str = ""
+    cancelled: bool = False
+
+
 class WorkerSide:
     """Worker-side state of one ``DatadistAioConnector``.
 
-    Thread rules: ``register``, ``start_loads``, ``add_leases``,
-    ``get_finished``, ``load_errors``, ``take_records`` and ``shutdown`` are
-    called from vLLM's worker thread; everything else runs on the loop thread.
+    Thread rules: ``register``, ``start_loads``, ``get_finished``,
+    ``load_errors``, ``take_records`` and ``shutdown`` are called from vLLM's
+    worker thread; the coroutines run on the loop thread; ``_begin`` runs on
+    either.
     """
 
     def __init__(self, settings: WorkerSettings) -> None:
@@ -188,7 +205,10 @@ class WorkerSide:
         self._thread: Optional[threading.Thread] = None
         self._server: Optional[SideChannelServer] = None
         self._peers: dict[tuple[str, int], _Peer] = {}
-        self._loads: set[asyncio.Task[None]] = set()
+        self._linking: set[asyncio.Task[None]] = set()
+        # Cluster ids of linked peers by side-channel address (written on the
+        # loop thread, read on the worker thread).
+        self._linked: dict[tuple[str, int], int] = {}
         # Shared between the loop thread and vLLM's worker thread.
         self._lock = threading.Lock()
         self._finished_recving: set[str] = set()
@@ -196,6 +216,7 @@ class WorkerSide:
         self._invalid_blocks: set[int] = set()
         self._released: OrderedDict[str, float] = OrderedDict()
         self._records: list[TransferRecord] = []
+        self._inflight: list[_Load] = []
         # vLLM's worker thread only.
         self._leases: dict[str, float] = {}
 
@@ -258,10 +279,18 @@ class WorkerSide:
         self._loop = None
 
     async def _stop(self) -> None:
-        for task in list(self._loads):
+        for task in list(self._linking):
             task.cancel()
-        if self._loads:
-            await asyncio.wait(list(self._loads), timeout=self.settings.load_timeout_s + 5)
+        if self._linking:
+            await asyncio.wait(list(self._linking), timeout=self.settings.load_timeout_s + 5)
+        with self._lock:
+            loads, self._inflight = self._inflight, []
+        for load in loads:
+            for task in load.tasks:
+                task.cancel()
+        for load in loads:
+            for task in load.tasks:
+                task.synchronize(int(self.settings.load_timeout_s * 1000) + 5000)
         for peer in self._peers.values():
             peer.client.close()
         if self._server is not None:
@@ -279,11 +308,62 @@ class WorkerSide:
         if not plan.loads:
             return
         assert self._loop is not None, "register_kv_caches was not called"
-        specs = list(plan.loads.values())
-        self._loop.call_soon_threadsafe(self._spawn_loads, specs)
+        for spec in plan.loads.values():
+            if not spec.local_block_ids:
+                # Nothing to read (a local prefix hit or an abort): only release the prefill.
+                self._loop.call_soon_threadsafe(self._spawn_notify, spec)
+                continue
+            start = time.perf_counter()
+            cluster_id = self._linked.get((spec.remote_host, spec.remote_port))
+            if cluster_id is not None:
+                self._begin(spec, cluster_id, start)
+            else:
+                self._loop.call_soon_threadsafe(self._spawn_link, spec, start)
+
+    def _begin(self, spec: LoadSpec, cluster_id: int, start: float, error: str = "") -> None:
+        """Starts the pulls of one load (or records why it could not start)."""
+        load = _Load(spec, start, start + self.settings.load_timeout_s, error=error)
+        if not error:
+            try:
+                assert self._datadist is not None
+                manager = self._datadist.cache_manager
+                for index, (cache, group) in enumerate(zip(self._caches, self.groups)):
+                    load.tasks.append(
+                        manager.pull_blocks_async(
+                            dd.BlocksCacheKey(cluster_id, _MODEL_ID_BASE + index),
+                            cache,
+                            src_blocks=spec.remote_block_ids,
+                            dst_blocks=spec.local_block_ids,
+                            tensor_num_per_layer=group.per_layer,
+                        )
+                    )
+                    load.nbytes += group.block_bytes * len(spec.local_block_ids)
+            except Exception as exc:  # refused before any byte moved (a dropped link, ...)
+                load.error = f"{type(exc).__name__}: {exc}"
+        with self._lock:
+            self._inflight.append(load)
 
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:
-        """(prefill requests whose blocks may be freed, loads settled, loads failed)."""
+        """(prefill requests whose blocks may be freed, loads settled, loads failed).
+
+        A load past its deadline is cancelled here and reported once it has
+        settled.
+        """
+        now = time.perf_counter()
+        settled: list[_Load] = []
+        with self._lock:
+            for load in self._inflight:
+                if all(task.done() for task in load.tasks):
+                    settled.append(load)
+                elif now >= load.deadline and not load.cancelled:
+                    load.cancelled = True
+                    load.error = f"no answer within {self.settings.load_timeout_s:g} s"
+                    for task in load.tasks:
+                        task.cancel()
+            if settled:
+                self._inflight = [load for load in self._inflight if load not in settled]
+        for load in settled:
+            self._settle(load, now)
         now = time.monotonic()
         with self._lock:
             recving, self._finished_recving = self._finished_recving, set()
@@ -297,6 +377,31 @@ class WorkerSide:
         for req_id in sending:
             self._leases.pop(req_id, None)
         return sending, recving, failed
+
+    def _settle(self, load: _Load, now: float) -> None:
+        spec = load.spec
+        if not load.error:
+            for task in load.tasks:
+                bad = [status for status in task.get_results(0) if status is not dd.LLMStatusCode.LLM_SUCCESS]
+                if bad:
+                    load.error = f"pull failed: {bad[0].name}"
+                    break
+        ok = not load.error
+        if not ok:
+            log.warning("datadist_aio connector: load of %s from %s:%d failed: %s",
+                        spec.req_id, spec.remote_host, spec.remote_port, load.error)
+        with self._lock:
+            if not ok:
+                self._invalid_blocks.update(spec.local_block_ids)
+                self._failed_recving.add(spec.req_id)
+            self._finished_recving.add(spec.req_id)
+            self._records.append(TransferRecord(now - load.start, load.nbytes if ok else 0,
+                                                len(spec.local_block_ids), ok))
+        assert self._loop is not None
+        if not ok:
+            self._linked.pop((spec.remote_host, spec.remote_port), None)
+            self._loop.call_soon_threadsafe(self._spawn_forget, spec.remote_host, spec.remote_port)
+        self._loop.call_soon_threadsafe(self._spawn_notify, spec)
 
     def load_errors(self) -> set[int]:
         with self._lock:
@@ -336,11 +441,28 @@ class WorkerSide:
 
     # -- decode side (loop thread) ---------------------------------------------------
 
-    def _spawn_loads(self, specs: Iterable[LoadSpec]) -> None:
-        for spec in specs:
-            task = asyncio.get_running_loop().create_task(self._load(spec))
-            self._loads.add(task)
-            task.add_done_callback(self._loads.discard)
+    def _spawn_link(self, spec: LoadSpec, start: float) -> None:
+        task = asyncio.get_running_loop().create_task(self._link_then_begin(spec, start))
+        self._linking.add(task)
+        task.add_done_callback(self._linking.discard)
+
+    def _spawn_forget(self, host: str, port: int) -> None:
+        asyncio.get_running_loop().create_task(self._forget(host, port))
+
+    def _spawn_notify(self, spec: LoadSpec) -> None:
+        asyncio.get_running_loop().create_task(self._notify(spec))
+
+    async def _link_then_begin(self, spec: LoadSpec, start: float) -> None:
+        """First use of a peer: side-channel hello and link, then the pulls."""
+        try:
+            remaining = max(0.0, start + self.settings.load_timeout_s - time.perf_counter())
+            async with asyncio.timeout(remaining):
+                peer = await self._peer(spec.remote_host, spec.remote_port)
+        except (Exception, TimeoutError) as exc:
+            self._begin(spec, 0, start, error=f"link: {type(exc).__name__}: {exc}")
+            await self._forget(spec.remote_host, spec.remote_port)
+            return
+        self._begin(spec, peer.cluster_id, start)
 
     async def _peer(self, host: str, port: int) -> _Peer:
         """The linked peer at ``host:port`` (its side channel), linking on first use."""
@@ -369,6 +491,7 @@ class WorkerSide:
             if per_cluster[0] not in (dd.LLMStatusCode.LLM_SUCCESS, dd.LLMStatusCode.LLM_ALREADY_LINK):
                 raise dd.LLMException(f"link to {host}:{listen_port} failed", status_code=per_cluster[0])
             peer.cluster_id, peer.layout, peer.cluster, peer.linked = cluster_id, layout, cluster, True
+            self._linked[(host, port)] = cluster_id
             return peer
 
     async def _forget(self, host: str, port: int) -> None:
@@ -382,51 +505,6 @@ class WorkerSide:
                 self._datadist.unlink_clusters([peer.cluster], timeout=100, force=True)
             except Exception as exc:  # the link may already be gone
                 log.debug("unlink after failure: %s", exc)
-
-    async def _load(self, spec: LoadSpec) -> None:
-        start = time.perf_counter()
-        nbytes = 0
-        ok = True
-        error = ""
-        if spec.local_block_ids:
-            try:
-                async with asyncio.timeout(self.settings.load_timeout_s):
-                    peer = await self._peer(spec.remote_host, spec.remote_port)
-                    tasks = []
-                    for index, (cache, group) in enumerate(zip(self._caches, self.groups)):
-                        tasks.append(
-                            self._datadist.cache_manager.pull_blocks_async(  # type: ignore[union-attr]
-                                dd.BlocksCacheKey(peer.cluster_id, _MODEL_ID_BASE + index),
-                                cache,
-                                src_blocks=spec.remote_block_ids,
-                                dst_blocks=spec.local_block_ids,
-                                tensor_num_per_layer=group.per_layer,
-                            )
-                        )
-                        nbytes += group.block_bytes * len(spec.local_block_ids)
-                    await asyncio.gather(*(self._settled(task) for task in tasks))
-            except (Exception, TimeoutError) as exc:
-                ok = False
-                error = f"{type(exc).__name__}: {exc}"
-                log.warning("datadist_aio connector: load of %s from %s:%d failed: %s",
-                            spec.req_id, spec.remote_host, spec.remote_port, error)
-                await self._forget(spec.remote_host, spec.remote_port)
-        elapsed = time.perf_counter() - start
-        with self._lock:
-            if not ok:
-                self._invalid_blocks.update(spec.local_block_ids)
-                self._failed_recving.add(spec.req_id)
-            self._finished_recving.add(spec.req_id)
-            if spec.local_block_ids:
-                self._records.append(TransferRecord(elapsed, nbytes if ok else 0, len(spec.local_block_ids), ok))
-        # Tell the prefill side its blocks may go (best effort; its lease covers the rest).
-        asyncio.get_running_loop().create_task(self._notify(spec))
-
-    @staticmethod
-    async def _settled(task: dd.CacheTask) -> None:
-        """Awaits a transfer; cancelling the wait cancels it in the engine and
-        returns only once it has settled, so no byte lands after a failure."""
-        await task
 
     async def _notify(self, spec: LoadSpec) -> None:
         peer = self._peers.get((spec.remote_host, spec.remote_port))
