@@ -8,9 +8,10 @@ role to ``WorkerSide``; this module only translates vLLM's types. Load it with
                            "kv_role": "kv_producer"}'        # kv_consumer on the decode side
 
 Settings (``kv_connector_extra_config``): ``side_channel_host`` (default
-``kv_ip``), ``side_channel_port`` (default ``kv_port``; each tensor-parallel
-rank adds its rank), ``load_timeout_s`` (10), ``lease_timeout_s`` (120),
-``link_timeout_ms`` (3000).
+127.0.0.1; the address the decode side reaches the prefill at),
+``side_channel_port`` (default ``kv_port``; each tensor-parallel rank adds
+its rank; with ``kv_both`` on one host give each instance its own),
+``load_timeout_s`` (10), ``lease_timeout_s`` (120), ``link_timeout_ms`` (3000).
 """
 
 from __future__ import annotations

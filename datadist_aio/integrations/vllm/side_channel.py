@@ -67,6 +67,7 @@ class SideChannelServer:
         self._idle_timeout = idle_timeout
         self._server: Optional[asyncio.Server] = None
         self._connections: set[asyncio.StreamWriter] = set()
+        self._handlers: set[asyncio.Task[Any]] = set()
 
     async def start(self, host: str, port: int) -> int:
         """Listens on ``host:port`` (0: any free port); returns the port."""
@@ -74,10 +75,14 @@ class SideChannelServer:
         return int(self._server.sockets[0].getsockname()[1])
 
     async def close(self) -> None:
+        """Stops listening and ends every connection; returns once their handlers have."""
         if self._server is not None:
             self._server.close()
         for writer in list(self._connections):
             writer.close()
+        if self._handlers:
+            # A closed transport ends each handler's read; none is cancelled.
+            await asyncio.wait(list(self._handlers), timeout=5)
         if self._server is not None:
             await self._server.wait_closed()
             self._server = None
@@ -86,6 +91,9 @@ class SideChannelServer:
         if len(self._connections) >= self._max_connections:
             writer.close()
             return
+        handler = asyncio.current_task()
+        assert handler is not None
+        self._handlers.add(handler)
         self._connections.add(writer)
         try:
             while True:
@@ -107,6 +115,7 @@ class SideChannelServer:
             return
         finally:
             self._connections.discard(writer)
+            self._handlers.discard(handler)
             writer.close()
 
 

@@ -481,7 +481,7 @@ class WorkerSide:
                 raise ValueError(f"KV layout of {host}:{port} {layout} differs from this side's {mine}")
             cluster = dd.LLMClusterInfo()
             cluster.remote_cluster_id = cluster_id
-            cluster.append_local_ip_info(self.settings.host if self.settings.host else "127.0.0.1", 0)
+            cluster.append_local_ip_info("0.0.0.0", 0)  # any local address: the kernel picks the route
             cluster.append_remote_ip_info(host, listen_port)
             assert self._datadist is not None
             datadist = self._datadist
