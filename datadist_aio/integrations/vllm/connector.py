@@ -1,0 +1,265 @@
+"""``DatadistAioConnector``: vLLM's ``KVConnectorBase_V1`` on datadist_aio.
+
+A thin adapter: the scheduler role delegates to ``SchedulerSide``, the worker
+role to ``WorkerSide``; this module only translates vLLM's types. Load it with
+
+    --kv-transfer-config '{"kv_connector": "DatadistAioConnector",
+                           "kv_connector_module_path": "datadist_aio.integrations.vllm",
+                           "kv_role": "kv_producer"}'        # kv_consumer on the decode side
+
+Settings (``kv_connector_extra_config``): ``side_channel_host`` (default
+127.0.0.1; the address the decode side reaches the prefill at),
+``side_channel_port`` (default ``kv_port``; each tensor-parallel rank adds
+its rank; with ``kv_both`` on one host give each instance its own),
+``load_timeout_s`` (10), ``lease_timeout_s`` (120), ``link_timeout_ms`` (3000).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch  # noqa: F401  (vLLM's own dependency; the tensors come from it)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from . import stats
+from .metadata import StepPlan
+from .scheduler import SchedulerSide, SideSettings
+from .worker import WorkerSettings, WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["DatadistAioConnector", "DatadistAioConnectorMetadata", "DatadistAioStats", "DatadistAioPromMetrics"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DatadistAioConnectorMetadata(KVConnectorMetadata):
+    """One step's plan, from the scheduler side to the worker side."""
+
+    plan: StepPlan = field(default_factory=StepPlan)
+
+
+@dataclass
+class DatadistAioStats(KVConnectorStats):
+    """Per-request transfer observations; ``data`` is ``stats.empty()``-shaped."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.data = stats.empty()
+
+    def reset(self) -> None:
+        self.data = stats.empty()
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        stats.merge(self.data, other.data)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return stats.reduce(self.data)
+
+    def is_empty(self) -> bool:
+        return stats.is_empty(self.data)
+
+
+class DatadistAioPromMetrics(KVConnectorPromMetrics):
+    """``vllm:datadist_aio_*`` histograms and counters, one child per engine."""
+
+    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine_labelvalues: Any):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        time_buckets = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+        byte_buckets = [2 ** (10 + i) for i in range(0, 25, 2)]
+        histogram, counter = self._histogram_cls, self._counter_cls
+        self._xfer_time = self._per_engine(histogram(
+            name="vllm:datadist_aio_xfer_time_seconds",
+            documentation="Time of each request's KV load through datadist_aio, from start to settled.",
+            buckets=time_buckets,
+            labelnames=labelnames,
+        ))
+        self._bytes = self._per_engine(histogram(
+            name="vllm:datadist_aio_bytes_transferred",
+            documentation="Bytes of KV cache each request's load moved through datadist_aio.",
+            buckets=byte_buckets,
+            labelnames=labelnames,
+        ))
+        self._transfers = self._per_engine(counter(
+            name="vllm:datadist_aio_num_transfers",
+            documentation="KV loads through datadist_aio that succeeded.",
+            labelnames=labelnames,
+        ))
+        self._failures = self._per_engine(counter(
+            name="vllm:datadist_aio_num_failed_transfers",
+            documentation="KV loads through datadist_aio that failed or timed out.",
+            labelnames=labelnames,
+        ))
+
+    def _per_engine(self, metric: Any) -> dict[int, Any]:
+        return {index: metric.labels(*values) for index, values in self.per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for seconds in transfer_stats_data.get("transfer_duration", ()):
+            self._xfer_time[engine_idx].observe(seconds)
+        for nbytes in transfer_stats_data.get("bytes_transferred", ()):
+            self._bytes[engine_idx].observe(nbytes)
+        if transfer_stats_data.get("num_successful_transfers"):
+            self._transfers[engine_idx].inc(transfer_stats_data["num_successful_transfers"])
+        if transfer_stats_data.get("num_failed_transfers"):
+            self._failures[engine_idx].inc(transfer_stats_data["num_failed_transfers"])
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except (AssertionError, ImportError, RuntimeError, AttributeError):
+        return 0
+
+
+def _tp_size(vllm_config: Any) -> int:
+    return int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+
+
+class DatadistAioConnector(KVConnectorBase_V1):
+    """Moves each request's prompt KV from a prefill vLLM to a decode vLLM."""
+
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig" = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        extra = dict(transfer.kv_connector_extra_config or {})
+        engine_id = str(transfer.engine_id)
+        host = str(extra.get("side_channel_host", getattr(transfer, "kv_ip", None) or "127.0.0.1"))
+        base_port = int(extra.get("side_channel_port", transfer.kv_port))
+        self.scheduler_side: Optional[SchedulerSide] = None
+        self.worker_side: Optional[WorkerSide] = None
+        self._stats = stats.empty()
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler_side = SchedulerSide(
+                SideSettings(
+                    engine_id=engine_id,
+                    host=host,
+                    port=base_port,
+                    lease_timeout_s=float(extra.get("lease_timeout_s", 120.0)),
+                    tp_size=_tp_size(vllm_config),
+                )
+            )
+        else:
+            rank = _tp_rank()
+            self.worker_side = WorkerSide(
+                WorkerSettings(
+                    engine_id=engine_id,
+                    rank=rank,
+                    is_producer=bool(transfer.is_kv_producer),
+                    is_consumer=bool(transfer.is_kv_consumer),
+                    host=host,
+                    side_channel_port=base_port + rank if transfer.is_kv_producer else 0,
+                    load_timeout_s=float(extra.get("load_timeout_s", 10.0)),
+                    link_timeout_ms=int(extra.get("link_timeout_ms", 3000)),
+                )
+            )
+
+    # -- scheduler side ---------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.scheduler_side is not None
+        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        assert self.scheduler_side is not None
+        local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
+        self.scheduler_side.update_state_after_alloc(request, local, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        assert self.scheduler_side is not None
+        return DatadistAioConnectorMetadata(self.scheduler_side.build_plan())
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        assert self.scheduler_side is not None
+        self.scheduler_side.blocks_freed(connector_output.finished_sending)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler_side is not None
+        return self.scheduler_side.request_finished(request, block_ids)
+
+    def has_pending_block_frees(self) -> bool:
+        return self.scheduler_side is not None and bool(self.scheduler_side.held)
+
+    # -- worker side --------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.worker_side is not None
+        num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
+        self.worker_side.register(kv_caches, num_blocks)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self.worker_side is not None
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, DatadistAioConnectorMetadata)
+        self.worker_side.start_loads(metadata.plan)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads are asynchronous: a request runs only once its load settled
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # the decode side pulls; nothing to push per layer
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self.worker_side is not None
+        sending, recving, _failed = self.worker_side.get_finished()
+        for item in self.worker_side.take_records():
+            stats.record(self._stats, item)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self.worker_side is not None
+        return self.worker_side.load_errors()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if stats.is_empty(self._stats):
+            return None
+        data, self._stats = self._stats, stats.empty()
+        return DatadistAioStats(data=data)
+
+    def shutdown(self) -> None:
+        if self.worker_side is not None:
+            self.worker_side.shutdown()
+
+    # -- metrics (class level, in vLLM's logger process) ---------------------------
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return DatadistAioStats(data=stats.merge(stats.empty(), data) if data else stats.empty())
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: "VllmConfig",
+        metric_types: Any,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return DatadistAioPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -1,0 +1,45 @@
+"""Plain records the scheduler side hands to the worker side each step.
+
+They cross vLLM's own scheduler-to-worker channel, never the network, and
+hold only ints, strings and lists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["LoadSpec", "StepPlan"]
+
+
+@dataclass
+class LoadSpec:
+    """One request whose prompt KV the decode side reads from a prefill instance.
+
+    ``local_block_ids[k]`` receives the prefill's ``remote_block_ids[k]``; an
+    empty ``local_block_ids`` means nothing to read, only the prefill to release.
+    """
+
+    req_id: str
+    local_block_ids: list[int]
+    remote_block_ids: list[int]
+    remote_engine_id: str
+    remote_host: str
+    remote_port: int
+    # The prefill's own request id, used to release its blocks.
+    remote_request_id: str
+
+
+@dataclass
+class StepPlan:
+    """What the worker side does in one scheduler step.
+
+    ``loads``: reads to start. ``leases``: prefill requests whose blocks now
+    wait for a decode side, with the monotonic deadline after which they are
+    freed anyway.
+    """
+
+    loads: dict[str, LoadSpec] = field(default_factory=dict)
+    leases: dict[str, float] = field(default_factory=dict)
+
+    def is_empty(self) -> bool:
+        return not self.loads and not self.leases

@@ -1,0 +1,159 @@
+"""The connector's scheduler side: which requests load, which hold blocks.
+
+It runs in vLLM's scheduler process and never touches KV memory. It speaks
+NixlConnector's ``kv_transfer_params`` so the proxies written for NIXL work
+unchanged:
+
+- a prefill request carries ``do_remote_decode``; when it finishes (length
+  capped) its blocks stay allocated under a lease, and the answer's params
+  tell the decode side where they are (``do_remote_prefill``,
+  ``remote_block_ids``, ``remote_engine_id``, ``remote_host``,
+  ``remote_port``, ``remote_request_id``);
+- a decode request carrying ``do_remote_prefill`` reports its prompt as
+  computed externally and asynchronously, and the worker side reads it.
+
+This module imports nothing from vLLM: requests and block lists are used by
+the few attributes named here, so it is tested without an engine.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from .metadata import LoadSpec, StepPlan
+
+__all__ = ["SchedulerSide", "SideSettings"]
+
+_REMOTE_FIELDS = ("remote_block_ids", "remote_engine_id", "remote_host", "remote_port")
+
+
+@dataclass(frozen=True)
+class SideSettings:
+    """Where this instance's prefill blocks are announced, and how long they are held."""
+
+    engine_id: str
+    host: str
+    port: int
+    lease_timeout_s: float = 120.0
+    tp_size: int = 1
+
+
+def _params(request: Any) -> dict[str, Any]:
+    params = getattr(request, "kv_transfer_params", None)
+    return params if isinstance(params, dict) else {}
+
+
+def _flat_blocks(block_ids: Any) -> list[int]:
+    """Block ids as a flat list; of the first group where vLLM gives one list per group."""
+    block_ids = list(block_ids or ())
+    if block_ids and isinstance(block_ids[0], (list, tuple)):
+        block_ids = list(block_ids[0])
+    return [int(block) for block in block_ids]
+
+
+def _has_remote(params: dict[str, Any]) -> bool:
+    return all(params.get(name) is not None for name in _REMOTE_FIELDS)
+
+
+class SchedulerSide:
+    """Scheduler-side state of one ``DatadistAioConnector``.
+
+    Called only from vLLM's scheduler thread.
+    """
+
+    def __init__(self, settings: SideSettings, clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings = settings
+        self._clock = clock
+        self._loads: dict[str, LoadSpec] = {}
+        self._leases: dict[str, float] = {}
+        # Prefill requests whose blocks are held until the worker side frees them.
+        self.held: set[str] = set()
+
+    # -- decode side ----------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens the prefill instance computed for this request, loaded asynchronously."""
+        params = _params(request)
+        if not params.get("do_remote_prefill") or not _has_remote(params):
+            return 0, False
+        prompt = getattr(request, "prompt_token_ids", None) or []
+        count = len(prompt) - num_computed_tokens
+        if count <= 0:
+            return 0, False
+        return count, True
+
+    def update_state_after_alloc(self, request: Any, local_block_ids: list[int], num_external_tokens: int) -> None:
+        """Plans the read of a request whose blocks were just allocated.
+
+        ``local_block_ids`` are the blocks the external tokens go to (those
+        not found in the local prefix cache). Each request is planned once.
+        """
+        params = _params(request)
+        if not params.get("do_remote_prefill"):
+            return
+        params["do_remote_prefill"] = False
+        if not _has_remote(params):
+            return
+        remote = _flat_blocks(params["remote_block_ids"])
+        local = [int(block) for block in local_block_ids] if num_external_tokens > 0 else []
+        # Local prefix-cache hits cover the leading blocks: read only the tail.
+        if local and len(local) <= len(remote):
+            remote = remote[len(remote) - len(local):]
+        elif local:
+            local = local[: len(remote)]
+        self._loads[request.request_id] = LoadSpec(
+            req_id=request.request_id,
+            local_block_ids=local,
+            remote_block_ids=remote if local else [],
+            remote_engine_id=str(params["remote_engine_id"]),
+            remote_host=str(params["remote_host"]),
+            remote_port=int(params["remote_port"]),
+            remote_request_id=str(params.get("remote_request_id", request.request_id)),
+        )
+
+    # -- prefill side ---------------------------------------------------------
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
+        """Keeps a finished prefill's blocks for the decode side; returns
+        (blocks freed later, params for the decode request)."""
+        params = _params(request)
+        if params.get("do_remote_prefill"):
+            # A decode request that finished (aborted) before its read was
+            # planned: only tell the prefill side to free its blocks.
+            self.update_state_after_alloc(request, [], 0)
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        status = getattr(getattr(request, "status", None), "name", "")
+        if status not in ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"):
+            return False, None  # aborted: nothing for a decode side
+        block_ids = _flat_blocks(block_ids)
+        held = bool(block_ids)
+        if held:
+            self._leases[request.request_id] = self._clock() + self.settings.lease_timeout_s
+            self.held.add(request.request_id)
+        return held, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": block_ids,
+            "remote_engine_id": self.settings.engine_id,
+            "remote_host": self.settings.host,
+            "remote_port": self.settings.port,
+            "remote_request_id": request.request_id,
+            "tp_size": self.settings.tp_size,
+        }
+
+    def blocks_freed(self, req_ids: Any) -> None:
+        """The worker side freed these prefill requests' blocks."""
+        self.held.difference_update(req_ids or ())
+
+    # -- every step -------------------------------------------------------------
+
+    def build_plan(self) -> StepPlan:
+        """What the worker side does this step; the state is handed over."""
+        plan = StepPlan(loads=self._loads, leases=self._leases)
+        self._loads, self._leases = {}, {}
+        return plan

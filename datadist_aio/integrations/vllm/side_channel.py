@@ -1,0 +1,153 @@
+"""A small, bounded request/answer channel between the two workers of a pair.
+
+The decode side asks the prefill side who it is (its cluster id, the port its
+``LLMDataDist`` listens on, the layout of its KV cache) before linking, and
+tells it which requests it has finished reading so their blocks can be freed.
+Bytes move on the library's link, never here.
+
+Frames are a 4-byte big-endian length and a UTF-8 JSON object, at most
+``MAX_FRAME`` bytes; anything else closes the connection. Nothing received is
+unpickled or evaluated. The server caps its connections and every read waits
+at most ``idle_timeout`` seconds.
+
+All coroutines run on the connector's one event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import struct
+from collections.abc import Awaitable, Callable
+from typing import Any, Optional
+
+__all__ = ["MAX_FRAME", "ProtocolError", "SideChannelClient", "SideChannelServer"]
+
+log = logging.getLogger(__name__)
+
+MAX_FRAME = 64 * 1024
+_LENGTH = struct.Struct(">I")
+
+Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+class ProtocolError(Exception):
+    """The peer sent something that is not a valid frame."""
+
+
+async def read_frame(reader: asyncio.StreamReader) -> dict[str, Any]:
+    header = await reader.readexactly(_LENGTH.size)
+    (length,) = _LENGTH.unpack(header)
+    if length == 0 or length > MAX_FRAME:
+        raise ProtocolError(f"frame of {length} bytes (limit {MAX_FRAME})")
+    body = await reader.readexactly(length)
+    try:
+        message = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ProtocolError(f"frame is not UTF-8 JSON: {exc}") from None
+    if not isinstance(message, dict):
+        raise ProtocolError("frame is not a JSON object")
+    return message
+
+
+def encode_frame(message: dict[str, Any]) -> bytes:
+    body = json.dumps(message, separators=(",", ":")).encode("utf-8")
+    if len(body) > MAX_FRAME:
+        raise ProtocolError(f"frame of {len(body)} bytes (limit {MAX_FRAME})")
+    return _LENGTH.pack(len(body)) + body
+
+
+class SideChannelServer:
+    """Answers each frame with ``await handler(message)``."""
+
+    def __init__(self, handler: Handler, *, max_connections: int = 64, idle_timeout: float = 300.0) -> None:
+        self._handler = handler
+        self._max_connections = max_connections
+        self._idle_timeout = idle_timeout
+        self._server: Optional[asyncio.Server] = None
+        self._connections: set[asyncio.StreamWriter] = set()
+        self._handlers: set[asyncio.Task[Any]] = set()
+
+    async def start(self, host: str, port: int) -> int:
+        """Listens on ``host:port`` (0: any free port); returns the port."""
+        self._server = await asyncio.start_server(self._serve, host, port, reuse_address=True)
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        """Stops listening and ends every connection; returns once their handlers have."""
+        if self._server is not None:
+            self._server.close()
+        for writer in list(self._connections):
+            writer.close()
+        if self._handlers:
+            # A closed transport ends each handler's read; none is cancelled.
+            await asyncio.wait(list(self._handlers), timeout=5)
+        if self._server is not None:
+            await self._server.wait_closed()
+            self._server = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self._connections) >= self._max_connections:
+            writer.close()
+            return
+        handler = asyncio.current_task()
+        assert handler is not None
+        self._handlers.add(handler)
+        self._connections.add(writer)
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(self._idle_timeout):
+                        message = await read_frame(reader)
+                except (asyncio.IncompleteReadError, TimeoutError, ConnectionError):
+                    return
+                except ProtocolError as exc:
+                    log.warning("side channel: closing a connection: %s", exc)
+                    return
+                try:
+                    answer = await self._handler(message)
+                except Exception as exc:  # a bad request gets an error answer, not a dead server
+                    answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:512]}
+                writer.write(encode_frame(answer))
+                await writer.drain()
+        except ConnectionError:
+            return
+        finally:
+            self._connections.discard(writer)
+            self._handlers.discard(handler)
+            writer.close()
+
+
+class SideChannelClient:
+    """One connection to a peer's server, one request at a time, reopened after an error."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host = host
+        self.port = port
+        self._lock = asyncio.Lock()
+        self._reader: Optional[asyncio.StreamReader] = None
+        self._writer: Optional[asyncio.StreamWriter] = None
+
+    async def request(self, message: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """Sends ``message`` and returns the answer; raises on error or after ``timeout`` s."""
+        async with asyncio.timeout(timeout):
+            async with self._lock:
+                try:
+                    if self._writer is None:
+                        self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
+                    assert self._reader is not None
+                    self._writer.write(encode_frame(message))
+                    await self._writer.drain()
+                    answer = await read_frame(self._reader)
+                except BaseException:
+                    self.close()
+                    raise
+        if not answer.get("ok", False):
+            raise ProtocolError(f"{self.host}:{self.port} refused {message.get('op')!r}: {answer.get('error')}")
+        return answer
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        self._reader = self._writer = None

@@ -1,0 +1,70 @@
+"""Transfer records and the plain dict vLLM carries from workers to its loggers.
+
+The dict holds lists of observations (one per request's load) and counters;
+``merge`` and ``reduce`` work on it without vLLM, so they are tested alone.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["COUNTER_KEYS", "LIST_KEYS", "TransferRecord", "empty", "is_empty", "merge", "record", "reduce"]
+
+LIST_KEYS = ("transfer_duration", "bytes_transferred", "num_blocks")
+COUNTER_KEYS = ("num_successful_transfers", "num_failed_transfers")
+
+
+@dataclass(frozen=True)
+class TransferRecord:
+    """One request's load: seconds from start to settled, bytes moved, blocks, outcome."""
+
+    seconds: float
+    nbytes: int
+    blocks: int
+    ok: bool
+
+
+def empty() -> dict[str, Any]:
+    data: dict[str, Any] = {key: [] for key in LIST_KEYS}
+    data.update({key: 0 for key in COUNTER_KEYS})
+    return data
+
+
+def record(data: dict[str, Any], item: TransferRecord) -> None:
+    """Adds one load: a success is observed in the histograms, a failure only counted."""
+    if item.ok:
+        data["transfer_duration"].append(item.seconds)
+        data["bytes_transferred"].append(item.nbytes)
+        data["num_blocks"].append(item.blocks)
+        data["num_successful_transfers"] += 1
+    else:
+        data["num_failed_transfers"] += 1
+
+
+def merge(into: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    for key in LIST_KEYS:
+        into.setdefault(key, []).extend(other.get(key, ()))
+    for key in COUNTER_KEYS:
+        into[key] = into.get(key, 0) + int(other.get(key, 0))
+    return into
+
+
+def is_empty(data: dict[str, Any]) -> bool:
+    return not any(data.get(key) for key in COUNTER_KEYS)
+
+
+def reduce(data: dict[str, Any]) -> dict[str, int | float]:
+    """One line's worth for vLLM's periodic log."""
+    durations = data.get("transfer_duration", [])
+    total_bytes = sum(data.get("bytes_transferred", []))
+    total_time = sum(durations)
+    return {
+        "num_successful_transfers": data.get("num_successful_transfers", 0),
+        "num_failed_transfers": data.get("num_failed_transfers", 0),
+        "median_xfer_time_ms": round(statistics.median(durations) * 1e3, 3) if durations else 0.0,
+        "max_xfer_time_ms": round(max(durations) * 1e3, 3) if durations else 0.0,
+        "total_mib": round(total_bytes / 2**20, 3),
+        "throughput_mib_s": round(total_bytes / 2**20 / total_time, 1) if total_time > 0 else 0.0,
+    }

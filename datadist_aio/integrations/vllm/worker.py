@@ -1,0 +1,518 @@
+"""The connector's worker side: registers vLLM's KV memory, reads and releases blocks.
+
+One ``LLMDataDist`` per worker process. vLLM's worker thread starts each
+read itself (``pull_blocks_async`` returns at once) and looks at the tasks
+when vLLM asks for finished transfers, once per step: no thread per request,
+no polling of its own, and no hop through another thread on the hot path.
+One event loop, run by one thread, does the rest: the side channel, the
+first link to a peer, release notices.
+
+- Registration: each distinct KV tensor vLLM allocated is registered in place
+  (``register_blocks_cache`` on its address, no copy). Tensors of the same
+  shape and dtype form one blocks cache (a group); the block dimension and
+  the tensors per layer are read off the tensors.
+- Prefill side: listens for links, answers the side channel (who it is, its
+  layout; which requests a decode side has finished reading) and frees a
+  request's blocks when its decode side confirms or its lease runs out.
+- Decode side: links to a prefill on first use (then reuses the link) and
+  reads each request's blocks with ``pull_blocks_async``. A load that fails
+  or exceeds ``load_timeout_s`` is cancelled in the engine and reported only
+  once it has settled (no byte lands afterwards), with its blocks in
+  ``load_errors``; it never blocks the step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import datadist_aio as dd
+
+from .metadata import LoadSpec, StepPlan
+from .side_channel import SideChannelClient, SideChannelServer
+from .stats import TransferRecord
+
+__all__ = ["CacheGroup", "WorkerSettings", "WorkerSide", "cluster_id_for", "describe_kv_caches"]
+
+log = logging.getLogger(__name__)
+
+_MODEL_ID_BASE = 0
+_MAX_PENDING_RELEASES = 1 << 16
+_TORCH_TO_DATATYPE = {
+    "torch.float32": dd.DataType.DT_FLOAT,
+    "torch.float16": dd.DataType.DT_FLOAT16,
+    "torch.bfloat16": dd.DataType.DT_BF16,
+    "torch.int8": dd.DataType.DT_INT8,
+    "torch.uint8": dd.DataType.DT_UINT8,
+    "torch.float8_e4m3fn": dd.DataType.DT_UINT8,
+    "torch.float8_e5m2": dd.DataType.DT_UINT8,
+}
+
+
+def cluster_id_for(engine_id: str, rank: int) -> int:
+    """A stable 63-bit cluster id for one worker of one engine."""
+    digest = hashlib.blake2b(f"{engine_id}/{rank}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+@dataclass
+class CacheGroup:
+    """KV tensors of one shape and dtype, registered as one blocks cache.
+
+    ``block_shape`` is the shape of one block of one tensor; ``addresses``
+    holds one address per tensor, layer by layer (``per_layer`` tensors each).
+    """
+
+    dtype: str
+    block_shape: list[int]
+    num_blocks: int
+    per_layer: int
+    addresses: list[int] = field(default_factory=list)
+    keep: list[Any] = field(default_factory=list)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block across every tensor of the group."""
+        elements = 1
+        for dim in self.block_shape:
+            elements *= dim
+        return elements * _TORCH_TO_DATATYPE[self.dtype].itemsize * len(self.addresses)
+
+    def layout(self) -> dict[str, Any]:
+        """What must match on both sides (the block count may differ)."""
+        return {
+            "dtype": self.dtype,
+            "block_shape": self.block_shape,
+            "per_layer": self.per_layer,
+            "tensors": len(self.addresses),
+        }
+
+
+def _split_blocks(tensor: Any, num_blocks: Optional[int]) -> tuple[list[Any], int]:
+    """The block-major tensors a layer's KV tensor holds, and how many.
+
+    A tensor whose first dimension is the block count is one tensor; one
+    shaped ``[2, num_blocks, ...]`` (K and V apart) gives two.
+    """
+    shape = list(tensor.shape)
+    if not tensor.is_contiguous():
+        raise ValueError(f"KV tensor of shape {shape} is not contiguous; cannot register it in place")
+    if num_blocks is None or shape[0] == num_blocks:
+        return [tensor], shape[0]
+    if len(shape) > 1 and shape[1] == num_blocks and shape[0] <= 4:
+        return [tensor[i] for i in range(shape[0])], num_blocks
+    raise ValueError(f"cannot find the block dimension ({num_blocks} blocks) in a KV tensor of shape {shape}")
+
+
+def describe_kv_caches(kv_caches: Mapping[str, Any], num_blocks: Optional[int] = None) -> list[CacheGroup]:
+    """Groups vLLM's per-layer KV tensors by shape and dtype, in layer order.
+
+    A tensor shared by several layers is registered once.
+    """
+    groups: dict[tuple[str, tuple[int, ...]], CacheGroup] = {}
+    seen: set[int] = set()
+    for name, tensor in kv_caches.items():
+        if getattr(tensor, "device", None) is not None and tensor.device.type != "cpu":
+            raise ValueError(
+                f"KV tensor {name} is on {tensor.device}; this connector moves host memory only "
+                "(kv_buffer_device='cpu' on a CPU build of vLLM)"
+            )
+        dtype = str(tensor.dtype)
+        if dtype not in _TORCH_TO_DATATYPE:
+            raise ValueError(f"KV tensor {name} has dtype {dtype}, which the connector does not map")
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        parts, blocks = _split_blocks(tensor, num_blocks)
+        block_shape = list(parts[0].shape[1:])
+        key = (dtype, tuple(parts[0].shape))
+        group = groups.get(key)
+        if group is None:
+            group = groups[key] = CacheGroup(dtype, block_shape, blocks, len(parts))
+        if group.per_layer != len(parts):
+            raise ValueError(f"KV tensor {name} splits into {len(parts)} tensors, others into {group.per_layer}")
+        for part in parts:
+            group.addresses.append(int(part.data_ptr()))
+            group.keep.append(part)
+    return list(groups.values())
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """How one worker of a connector behaves."""
+
+    engine_id: str
+    rank: int = 0
+    is_producer: bool = True
+    is_consumer: bool = True
+    host: str = "127.0.0.1"
+    side_channel_port: int = 0
+    load_timeout_s: float = 10.0
+    link_timeout_ms: int = 3000
+    notify_timeout_s: float = 2.0
+
+
+@dataclass
+class _Peer:
+    """A prefill worker this decode side reads from."""
+
+    client: SideChannelClient
+    lock: asyncio.Lock
+    cluster_id: int = 0
+    layout: Optional[list[dict[str, Any]]] = None
+    cluster: Optional[dd.LLMClusterInfo] = None
+    linked: bool = False
+
+
+@dataclass
+class _Load:
+    """A read in flight; ``tasks`` empty with ``error`` set: it failed before starting."""
+
+    spec: LoadSpec
+    start: float
+    deadline: float
+    tasks: list[dd.CacheTask] = field(default_factory=list)
+    nbytes: int = 0
+    error: str = ""
+    cancelled: bool = False
+
+
+class WorkerSide:
+    """Worker-side state of one ``DatadistAioConnector``.
+
+    Thread rules: ``register``, ``start_loads``, ``get_finished``,
+    ``load_errors``, ``take_records`` and ``shutdown`` are called from vLLM's
+    worker thread; the coroutines run on the loop thread; ``_begin`` runs on
+    either.
+    """
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.settings = settings
+        self.cluster_id = cluster_id_for(settings.engine_id, settings.rank)
+        self.groups: list[CacheGroup] = []
+        self.side_channel_port = 0
+        self._datadist: Optional[dd.LLMDataDist] = None
+        self._caches: list[dd.Cache] = []
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._thread: Optional[threading.Thread] = None
+        self._server: Optional[SideChannelServer] = None
+        self._peers: dict[tuple[str, int], _Peer] = {}
+        self._linking: set[asyncio.Task[None]] = set()
+        # Cluster ids of linked peers by side-channel address (written on the
+        # loop thread, read on the worker thread).
+        self._linked: dict[tuple[str, int], int] = {}
+        # Shared between the loop thread and vLLM's worker thread.
+        self._lock = threading.Lock()
+        self._finished_recving: set[str] = set()
+        self._failed_recving: set[str] = set()
+        self._invalid_blocks: set[int] = set()
+        self._released: OrderedDict[str, float] = OrderedDict()
+        self._records: list[TransferRecord] = []
+        self._inflight: list[_Load] = []
+        # vLLM's worker thread only.
+        self._leases: dict[str, float] = {}
+
+    # -- set-up and tear-down (worker thread) -----------------------------------
+
+    def register(self, kv_caches: Mapping[str, Any], num_blocks: Optional[int] = None) -> None:
+        """Registers vLLM's KV tensors in place and starts the loop thread."""
+        self.groups = describe_kv_caches(kv_caches, num_blocks)
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run_loop, args=(loop,), name="datadist-aio-vllm", daemon=True)
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), loop).result(timeout=60)
+
+    @staticmethod
+    def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
+        asyncio.set_event_loop(loop)
+        loop.run_forever()
+
+    async def _start(self) -> None:
+        config = dd.LLMConfig()
+        config.enable_cache_manager = True
+        config.sync_kv_timeout = max(1, int(self.settings.load_timeout_s * 1000))
+        if self.settings.is_producer:
+            config.listen_ip_info = f"{self.settings.host}:0"
+        role = dd.LLMRole.MIX
+        if not self.settings.is_consumer:
+            role = dd.LLMRole.PROMPT
+        elif not self.settings.is_producer:
+            role = dd.LLMRole.DECODER
+        datadist = dd.LLMDataDist(role, self.cluster_id)
+        datadist.init(config.generate_options())
+        self._datadist = datadist
+        for index, group in enumerate(self.groups):
+            desc = dd.CacheDesc(
+                num_tensors=len(group.addresses),
+                shape=[group.num_blocks, *group.block_shape],
+                data_type=_TORCH_TO_DATATYPE[group.dtype],
+                placement=dd.Placement.HOST,
+            )
+            key = dd.BlocksCacheKey(self.cluster_id, _MODEL_ID_BASE + index)
+            self._caches.append(datadist.cache_manager.register_blocks_cache(desc, list(group.addresses), key))
+        if self.settings.is_producer:
+            self._server = SideChannelServer(self._answer)
+            self.side_channel_port = await self._server.start(self.settings.host, self.settings.side_channel_port)
+
+    def shutdown(self) -> None:
+        loop = self._loop
+        if loop is None:
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self._stop(), loop).result(timeout=30)
+        except (concurrent.futures.TimeoutError, RuntimeError) as exc:
+            log.warning("datadist_aio connector: shutdown did not finish cleanly: %s", exc)
+        loop.call_soon_threadsafe(loop.stop)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        if not loop.is_running():
+            loop.close()
+        self._loop = None
+
+    async def _stop(self) -> None:
+        for task in list(self._linking):
+            task.cancel()
+        if self._linking:
+            await asyncio.wait(list(self._linking), timeout=self.settings.load_timeout_s + 5)
+        with self._lock:
+            loads, self._inflight = self._inflight, []
+        for load in loads:
+            for task in load.tasks:
+                task.cancel()
+        for load in loads:
+            for task in load.tasks:
+                task.synchronize(int(self.settings.load_timeout_s * 1000) + 5000)
+        for peer in self._peers.values():
+            peer.client.close()
+        if self._server is not None:
+            await self._server.close()
+        if self._datadist is not None:
+            self._datadist.finalize()
+            self._datadist = None
+
+    # -- per step (worker thread) ---------------------------------------------------
+
+    def start_loads(self, plan: StepPlan) -> None:
+        """Starts the reads the scheduler planned; returns at once."""
+        if plan.leases:
+            self._leases.update(plan.leases)
+        if not plan.loads:
+            return
+        assert self._loop is not None, "register_kv_caches was not called"
+        for spec in plan.loads.values():
+            if not spec.local_block_ids:
+                # Nothing to read (a local prefix hit or an abort): only release the prefill.
+                self._loop.call_soon_threadsafe(self._spawn_notify, spec)
+                continue
+            start = time.perf_counter()
+            cluster_id = self._linked.get((spec.remote_host, spec.remote_port))
+            if cluster_id is not None:
+                self._begin(spec, cluster_id, start)
+            else:
+                self._loop.call_soon_threadsafe(self._spawn_link, spec, start)
+
+    def _begin(self, spec: LoadSpec, cluster_id: int, start: float, error: str = "") -> None:
+        """Starts the pulls of one load (or records why it could not start)."""
+        load = _Load(spec, start, start + self.settings.load_timeout_s, error=error)
+        if not error:
+            try:
+                assert self._datadist is not None
+                manager = self._datadist.cache_manager
+                for index, (cache, group) in enumerate(zip(self._caches, self.groups)):
+                    load.tasks.append(
+                        manager.pull_blocks_async(
+                            dd.BlocksCacheKey(cluster_id, _MODEL_ID_BASE + index),
+                            cache,
+                            src_blocks=spec.remote_block_ids,
+                            dst_blocks=spec.local_block_ids,
+                            tensor_num_per_layer=group.per_layer,
+                        )
+                    )
+                    load.nbytes += group.block_bytes * len(spec.local_block_ids)
+            except Exception as exc:  # refused before any byte moved (a dropped link, ...)
+                load.error = f"{type(exc).__name__}: {exc}"
+        with self._lock:
+            self._inflight.append(load)
+
+    def get_finished(self) -> tuple[set[str], set[str], set[str]]:
+        """(prefill requests whose blocks may be freed, loads settled, loads failed).
+
+        A load past its deadline is cancelled here and reported once it has
+        settled.
+        """
+        now = time.perf_counter()
+        settled: list[_Load] = []
+        with self._lock:
+            for load in self._inflight:
+                if all(task.done() for task in load.tasks):
+                    settled.append(load)
+                elif now >= load.deadline and not load.cancelled:
+                    load.cancelled = True
+                    load.error = f"no answer within {self.settings.load_timeout_s:g} s"
+                    for task in load.tasks:
+                        task.cancel()
+            if settled:
+                self._inflight = [load for load in self._inflight if load not in settled]
+        for load in settled:
+            self._settle(load, now)
+        now = time.monotonic()
+        with self._lock:
+            recving, self._finished_recving = self._finished_recving, set()
+            failed, self._failed_recving = self._failed_recving, set()
+            sending = {req_id for req_id in self._leases if req_id in self._released}
+            for req_id in sending:
+                del self._released[req_id]
+            while self._released and next(iter(self._released.values())) < now:
+                self._released.popitem(last=False)  # confirmations nobody leased
+        sending.update(req_id for req_id, deadline in self._leases.items() if deadline <= now)
+        for req_id in sending:
+            self._leases.pop(req_id, None)
+        return sending, recving, failed
+
+    def _settle(self, load: _Load, now: float) -> None:
+        spec = load.spec
+        if not load.error:
+            for task in load.tasks:
+                bad = [status for status in task.get_results(0) if status is not dd.LLMStatusCode.LLM_SUCCESS]
+                if bad:
+                    load.error = f"pull failed: {bad[0].name}"
+                    break
+        ok = not load.error
+        if not ok:
+            log.warning("datadist_aio connector: load of %s from %s:%d failed: %s",
+                        spec.req_id, spec.remote_host, spec.remote_port, load.error)
+        with self._lock:
+            if not ok:
+                self._invalid_blocks.update(spec.local_block_ids)
+                self._failed_recving.add(spec.req_id)
+            self._finished_recving.add(spec.req_id)
+            self._records.append(TransferRecord(now - load.start, load.nbytes if ok else 0,
+                                                len(spec.local_block_ids), ok))
+        assert self._loop is not None
+        if not ok:
+            self._linked.pop((spec.remote_host, spec.remote_port), None)
+            self._loop.call_soon_threadsafe(self._spawn_forget, spec.remote_host, spec.remote_port)
+        self._loop.call_soon_threadsafe(self._spawn_notify, spec)
+
+    def load_errors(self) -> set[int]:
+        with self._lock:
+            blocks, self._invalid_blocks = self._invalid_blocks, set()
+        return blocks
+
+    def take_records(self) -> list[TransferRecord]:
+        with self._lock:
+            records, self._records = self._records, []
+        return records
+
+    # -- prefill side (loop thread) -------------------------------------------------
+
+    async def _answer(self, message: dict[str, Any]) -> dict[str, Any]:
+        op = message.get("op")
+        if op == "hello":
+            assert self._datadist is not None
+            return {
+                "ok": True,
+                "cluster_id": self.cluster_id,
+                "port": self._datadist.listen_port,
+                "layout": [group.layout() for group in self.groups],
+            }
+        if op == "done":
+            req_ids = message.get("req_ids")
+            if not isinstance(req_ids, list) or not all(isinstance(r, str) and len(r) <= 1024 for r in req_ids):
+                return {"ok": False, "error": "req_ids must be a list of strings"}
+            keep_until = time.monotonic() + 600.0
+            with self._lock:
+                for req_id in req_ids[:4096]:
+                    self._released[req_id] = keep_until
+                    self._released.move_to_end(req_id)
+                while len(self._released) > _MAX_PENDING_RELEASES:
+                    self._released.popitem(last=False)
+            return {"ok": True}
+        return {"ok": False, "error": f"unknown op {op!r}"[:128]}
+
+    # -- decode side (loop thread) ---------------------------------------------------
+
+    def _spawn_link(self, spec: LoadSpec, start: float) -> None:
+        task = asyncio.get_running_loop().create_task(self._link_then_begin(spec, start))
+        self._linking.add(task)
+        task.add_done_callback(self._linking.discard)
+
+    def _spawn_forget(self, host: str, port: int) -> None:
+        asyncio.get_running_loop().create_task(self._forget(host, port))
+
+    def _spawn_notify(self, spec: LoadSpec) -> None:
+        asyncio.get_running_loop().create_task(self._notify(spec))
+
+    async def _link_then_begin(self, spec: LoadSpec, start: float) -> None:
+        """First use of a peer: side-channel hello and link, then the pulls."""
+        try:
+            remaining = max(0.0, start + self.settings.load_timeout_s - time.perf_counter())
+            async with asyncio.timeout(remaining):
+                peer = await self._peer(spec.remote_host, spec.remote_port)
+        except (Exception, TimeoutError) as exc:
+            self._begin(spec, 0, start, error=f"link: {type(exc).__name__}: {exc}")
+            await self._forget(spec.remote_host, spec.remote_port)
+            return
+        self._begin(spec, peer.cluster_id, start)
+
+    async def _peer(self, host: str, port: int) -> _Peer:
+        """The linked peer at ``host:port`` (its side channel), linking on first use."""
+        peer = self._peers.get((host, port))
+        if peer is None:
+            peer = self._peers[(host, port)] = _Peer(SideChannelClient(host, port), asyncio.Lock())
+        async with peer.lock:
+            if peer.linked:
+                return peer
+            hello = await peer.client.request({"op": "hello"}, self.settings.load_timeout_s)
+            cluster_id, listen_port, layout = hello.get("cluster_id"), hello.get("port"), hello.get("layout")
+            if not isinstance(cluster_id, int) or not isinstance(listen_port, int) or not isinstance(layout, list):
+                raise ValueError(f"{host}:{port} answered hello with {hello!r:.200}")
+            mine = [group.layout() for group in self.groups]
+            if layout != mine:
+                raise ValueError(f"KV layout of {host}:{port} {layout} differs from this side's {mine}")
+            cluster = dd.LLMClusterInfo()
+            cluster.remote_cluster_id = cluster_id
+            cluster.append_local_ip_info("0.0.0.0", 0)  # any local address: the kernel picks the route
+            cluster.append_remote_ip_info(host, listen_port)
+            assert self._datadist is not None
+            datadist = self._datadist
+            status, per_cluster = await asyncio.get_running_loop().run_in_executor(
+                None, datadist.link_clusters, [cluster], self.settings.link_timeout_ms
+            )
+            if per_cluster[0] not in (dd.LLMStatusCode.LLM_SUCCESS, dd.LLMStatusCode.LLM_ALREADY_LINK):
+                raise dd.LLMException(f"link to {host}:{listen_port} failed", status_code=per_cluster[0])
+            peer.cluster_id, peer.layout, peer.cluster, peer.linked = cluster_id, layout, cluster, True
+            self._linked[(host, port)] = cluster_id
+            return peer
+
+    async def _forget(self, host: str, port: int) -> None:
+        """Drops a peer after a failure, so the next load links afresh."""
+        peer = self._peers.pop((host, port), None)
+        if peer is None:
+            return
+        peer.client.close()
+        if peer.cluster is not None and self._datadist is not None:
+            try:
+                self._datadist.unlink_clusters([peer.cluster], timeout=100, force=True)
+            except Exception as exc:  # the link may already be gone
+                log.debug("unlink after failure: %s", exc)
+
+    async def _notify(self, spec: LoadSpec) -> None:
+        peer = self._peers.get((spec.remote_host, spec.remote_port))
+        client = peer.client if peer is not None else SideChannelClient(spec.remote_host, spec.remote_port)
+        try:
+            await client.request({"op": "done", "req_ids": [spec.remote_request_id]}, self.settings.notify_timeout_s)
+        except (Exception, TimeoutError) as exc:
+            log.debug("datadist_aio connector: release of %s not confirmed: %s", spec.remote_request_id, exc)
+        finally:
+            if peer is None:
+                client.close()

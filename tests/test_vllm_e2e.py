@@ -1,0 +1,183 @@
+"""A prefill vLLM and a decode vLLM joined by DatadistAioConnector, token for token.
+
+The model is a tiny Llama (``vllm_model/config.json``: 4 layers, GQA 4:2,
+head_dim 64) whose weights are generated from a fixed seed and saved as
+safetensors; prompts are token ids (no tokenizer), the block size is 32 and
+decoding is greedy. Marked ``vllm``: run with ``pytest -m vllm`` in an
+environment with vLLM (the CPU build is enough).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm_pd import Engine, connector_config, model_dir, prompts_of_lengths  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
+
+LOAD_TIMEOUT_S = 3.0
+MAX_TOKENS = 8
+XFERS = "vllm:datadist_aio_num_transfers"
+FAILED = "vllm:datadist_aio_num_failed_transfers"
+REMOTE_HITS = "vllm:external_prefix_cache_hits"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return model_dir(tmp_path_factory.mktemp("vllm-model"))
+
+
+@pytest.fixture(scope="module")
+def pair(model: Path) -> Iterator[dict[str, Any]]:
+    """A prefill instance and a decode instance (policy ``recompute``)."""
+    prefill = Engine(model, connector_config("datadist", "kv_producer", free_port()))
+    try:
+        decode = Engine(
+            model,
+            connector_config("datadist", "kv_consumer", 0, load_timeout_s=LOAD_TIMEOUT_S),
+            policy="recompute",
+        )
+    except BaseException:
+        prefill.close()
+        raise
+    try:
+        yield {"prefill": prefill, "decode": decode}
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def tokens(run: dict[str, Any]) -> list[list[int]]:
+    return [result["tokens"] for result in run["results"]]
+
+
+def prefill_params(prefill: Engine, prompts: list[list[int]]) -> list[dict[str, Any]]:
+    run = prefill.generate(prompts, 1, [{"do_remote_decode": True}] * len(prompts))
+    params = [result["kv_transfer_params"] for result in run["results"]]
+    for p in params:
+        assert p["do_remote_prefill"] is True and p["remote_block_ids"], p
+    return params
+
+
+def delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+def test_disaggregated_output_equals_single_instance(pair: dict[str, Any]) -> None:
+    prefill, decode = pair["prefill"], pair["decode"]
+    prompts = prompts_of_lengths([17, 32, 95, 256, 731, 1500, 3001], seed=1)
+    reference = tokens(prefill.generate(prompts, MAX_TOKENS))  # one instance, no connector involved
+    assert all(len(t) == MAX_TOKENS for t in reference)
+    assert len({tuple(t) for t in reference}) == len(prompts), "the model should not answer every prompt alike"
+    before = decode.metrics()
+    params = prefill_params(prefill, prompts)
+    got = tokens(decode.generate(prompts, MAX_TOKENS, params))
+    after = decode.metrics()
+    assert got == reference
+    assert delta(after, before, XFERS) == len(prompts), "every prompt's KV was read through the connector"
+    assert delta(after, before, FAILED) == 0
+    assert delta(after, before, REMOTE_HITS) == sum(len(p) for p in prompts)
+
+
+def test_swap_control_decode_follows_the_transferred_kv(pair: dict[str, Any]) -> None:
+    """Prompt A's tokens with prompt B's KV: the output is B's, not A's."""
+    prefill, decode = pair["prefill"], pair["decode"]
+    a, b = prompts_of_lengths([300, 300], seed=2)
+    a[-1] = b[-1]  # the decode side recomputes the last token itself: same for both
+    ref_a, ref_b = tokens(prefill.generate([a, b], MAX_TOKENS))
+    assert ref_a != ref_b
+    (params_b,) = prefill_params(prefill, [b])
+    (got,) = tokens(decode.generate([a], MAX_TOKENS, [params_b]))
+    assert got == ref_b
+    assert got != ref_a
+
+
+def _timed(engine: Engine, prompts: list[list[int]], params: list[Any]) -> tuple[dict[str, Any], float]:
+    start = time.monotonic()
+    run = engine.generate(prompts, MAX_TOKENS, params, timeout=120)
+    return run, time.monotonic() - start
+
+
+def _assert_errors(run: dict[str, Any], reference: list[list[int]]) -> None:
+    for result, ref in zip(run["results"], reference):
+        assert result["finish_reason"] == "error", result
+        assert result["tokens"] == ref[: len(result["tokens"])], "a failed request produced a wrong token"
+
+
+def test_prefill_failures_recompute_or_fail_within_the_timeout(pair: dict[str, Any], model: Path) -> None:
+    prefill, decode = pair["prefill"], pair["decode"]
+    prompts = prompts_of_lengths([200, 450], seed=3)
+    reference = tokens(prefill.generate(prompts, MAX_TOKENS))
+    limit = LOAD_TIMEOUT_S + 15  # the load timeout plus two short engine steps on a loaded machine
+
+    # 1. recompute, linked before, prefill frozen with its sockets open.
+    params = prefill_params(prefill, prompts)
+    before = decode.metrics()
+    prefill.stop_signal()
+    try:
+        run, elapsed = _timed(decode, prompts, params)
+    finally:
+        prefill.cont_signal()
+    assert tokens(run) == reference
+    assert elapsed < limit, f"decode took {elapsed:.1f} s"
+    assert delta(decode.metrics(), before, FAILED) == len(prompts)
+
+    failing = Engine(
+        model,
+        connector_config("datadist", "kv_consumer", 0, load_timeout_s=LOAD_TIMEOUT_S),
+        policy="fail",
+    )
+    try:
+        # 2. fail, never linked, prefill frozen.
+        params = prefill_params(prefill, prompts)
+        prefill.stop_signal()
+        try:
+            run, elapsed = _timed(failing, prompts, params)
+        finally:
+            prefill.cont_signal()
+        _assert_errors(run, reference)
+        assert elapsed < limit, f"decode took {elapsed:.1f} s"
+
+        # 3. fail, linked (one good transfer first), prefill killed during the load.
+        warm = prompts_of_lengths([64], seed=4)
+        (warm_ref,) = tokens(prefill.generate(warm, MAX_TOKENS))
+        assert tokens(failing.generate(warm, MAX_TOKENS, prefill_params(prefill, warm))) == [warm_ref]
+        params = prefill_params(prefill, prompts)
+        dead_params = params
+        prefill.stop_signal()  # holds the load in flight until the kill
+        killer = threading.Timer(1.0, prefill.kill)
+        killer.start()
+        try:
+            run, elapsed = _timed(failing, prompts, params)
+        finally:
+            killer.join()
+        _assert_errors(run, reference)
+        assert elapsed < limit, f"decode took {elapsed:.1f} s"
+        assert not prefill.process.is_alive()
+    finally:
+        failing.close()
+
+    # 4. recompute, linked before, prefill dead before the load.
+    run, elapsed = _timed(decode, prompts, dead_params)
+    assert tokens(run) == reference
+    assert elapsed < limit
+
+    # 5. recompute, never linked: nobody listens where the params point.
+    stray = [dict(p, remote_port=free_port(), remote_engine_id="gone") for p in dead_params]
+    run, elapsed = _timed(decode, prompts, stray)
+    assert tokens(run) == reference
+    assert elapsed < limit

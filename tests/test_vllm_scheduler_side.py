@@ -1,0 +1,314 @@
+"""The vLLM connector's scheduler side and metrics, without vLLM engines.
+
+``SchedulerSide`` and ``stats`` import nothing from vLLM, so these run in
+every environment; the tests at the end build the real connector class and
+are skipped where vLLM is not installed.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import pytest
+
+from datadist_aio.integrations.vllm import stats
+from datadist_aio.integrations.vllm.metadata import LoadSpec
+from datadist_aio.integrations.vllm.scheduler import SchedulerSide, SideSettings
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+class Status(enum.Enum):
+    RUNNING = 1
+    FINISHED_STOPPED = 2
+    FINISHED_LENGTH_CAPPED = 3
+    FINISHED_ABORTED = 4
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    kv_transfer_params: Optional[dict[str, Any]] = None
+    status: Status = Status.RUNNING
+
+
+@dataclass
+class Clock:
+    now: float = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+SETTINGS = SideSettings(engine_id="prefill-engine", host="10.0.0.7", port=5710, lease_timeout_s=30.0)
+
+
+def remote_params(**overrides: Any) -> dict[str, Any]:
+    params = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [7, 3, 9],
+        "remote_engine_id": "prefill-engine",
+        "remote_host": "10.0.0.7",
+        "remote_port": 5710,
+        "remote_request_id": "p-req",
+    }
+    params.update(overrides)
+    return params
+
+
+# -- prefill side -----------------------------------------------------------------
+
+
+def test_prefill_finished_holds_blocks_under_a_lease_and_answers_nixl_params() -> None:
+    clock = Clock()
+    side = SchedulerSide(SETTINGS, clock)
+    request = Request("p-req", list(range(100)), {"do_remote_decode": True}, Status.FINISHED_LENGTH_CAPPED)
+    held, params = side.request_finished(request, [4, 5, 6, 8])
+    assert held is True
+    assert params == {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [4, 5, 6, 8],
+        "remote_engine_id": "prefill-engine",
+        "remote_host": "10.0.0.7",
+        "remote_port": 5710,
+        "remote_request_id": "p-req",
+        "tp_size": 1,
+    }
+    assert side.held == {"p-req"}
+    plan = side.build_plan()
+    assert plan.leases == {"p-req": 1030.0}
+    assert plan.loads == {}
+    assert side.build_plan().is_empty(), "the plan hands its state over once"
+    side.blocks_freed({"p-req"})
+    assert side.held == set()
+
+
+def test_prefill_accepts_per_group_block_lists() -> None:
+    side = SchedulerSide(SETTINGS, Clock())
+    request = Request("r", [1] * 64, {"do_remote_decode": True}, Status.FINISHED_STOPPED)
+    held, params = side.request_finished(request, ([2, 3],))
+    assert held and params is not None and params["remote_block_ids"] == [2, 3]
+
+
+@pytest.mark.parametrize("status", [Status.FINISHED_ABORTED, Status.RUNNING])
+def test_prefill_aborted_frees_at_once(status: Status) -> None:
+    side = SchedulerSide(SETTINGS, Clock())
+    request = Request("r", [1] * 64, {"do_remote_decode": True}, status)
+    assert side.request_finished(request, [1, 2]) == (False, None)
+    assert side.build_plan().is_empty()
+    assert side.held == set()
+
+
+def test_prefill_without_blocks_holds_nothing() -> None:
+    side = SchedulerSide(SETTINGS, Clock())
+    request = Request("r", [1], {"do_remote_decode": True}, Status.FINISHED_LENGTH_CAPPED)
+    held, params = side.request_finished(request, [])
+    assert held is False and params is not None and params["remote_block_ids"] == []
+    assert side.build_plan().leases == {}
+
+
+def test_plain_request_is_ignored() -> None:
+    side = SchedulerSide(SETTINGS, Clock())
+    request = Request("r", [1] * 40, None, Status.FINISHED_LENGTH_CAPPED)
+    assert side.get_num_new_matched_tokens(request, 0) == (0, False)
+    side.update_state_after_alloc(request, [1, 2], 0)
+    assert side.request_finished(request, [1, 2]) == (False, None)
+    assert side.build_plan().is_empty()
+
+
+# -- decode side --------------------------------------------------------------------
+
+
+def test_decode_matches_whole_prompt_asynchronously() -> None:
+    side = SchedulerSide(SETTINGS, Clock())
+    request = Request("d-req", list(range(70)), remote_params())
+    assert side.get_num_new_matched_tokens(request, 0) == (70, True)
+    assert side.get_num_new_matched_tokens(request, 32) == (38, True)
+    assert side.get_num_new_matched_tokens(request, 70) == (0, False)
+
+
+@pytest.mark.parametrize("missing", ["remote_block_ids", "remote_engine_id", "remote_host", "remote_port"])
+def test_decode_with_incomplete_params_computes_locally(missing: str) -> None:
+    side = SchedulerSide(SETTINGS, Clock())
+    params = remote_params()
+    del params[missing]
+    request = Request("d", list(range(70)), params)
+    assert side.get_num_new_matched_tokens(request, 0) == (0, False)
+    side.update_state_after_alloc(request, [1, 2, 3], 0)
+    assert side.build_plan().loads == {}
+
+
+def test_decode_plans_one_load_per_request() -> None:
+    side = SchedulerSide(SETTINGS, Clock())
+    request = Request("d-req", list(range(70)), remote_params())
+    side.update_state_after_alloc(request, [11, 12, 13], 70)
+    # A second allocation for the same request (after the load) plans nothing more.
+    side.update_state_after_alloc(request, [11, 12, 13, 14], 0)
+    plan = side.build_plan()
+    assert plan.loads == {
+        "d-req": LoadSpec(
+            req_id="d-req",
+            local_block_ids=[11, 12, 13],
+            remote_block_ids=[7, 3, 9],
+            remote_engine_id="prefill-engine",
+            remote_host="10.0.0.7",
+            remote_port=5710,
+            remote_request_id="p-req",
+        )
+    }
+    assert request.kv_transfer_params is not None and request.kv_transfer_params["do_remote_prefill"] is False
+    assert side.get_num_new_matched_tokens(request, 0) == (0, False)
+
+
+def test_decode_with_local_prefix_hit_reads_only_the_tail() -> None:
+    side = SchedulerSide(SETTINGS, Clock())
+    request = Request("d", list(range(100)), remote_params(remote_block_ids=[1, 2, 3, 4]))
+    side.update_state_after_alloc(request, [20, 21], 36)
+    spec = side.build_plan().loads["d"]
+    assert (spec.local_block_ids, spec.remote_block_ids) == ([20, 21], [3, 4])
+
+
+def test_decode_full_local_hit_only_releases_the_prefill() -> None:
+    side = SchedulerSide(SETTINGS, Clock())
+    request = Request("d", list(range(64)), remote_params())
+    side.update_state_after_alloc(request, [], 0)
+    spec = side.build_plan().loads["d"]
+    assert spec.local_block_ids == [] and spec.remote_block_ids == []
+    assert spec.remote_request_id == "p-req"
+
+
+def test_decode_aborted_before_scheduling_releases_the_prefill() -> None:
+    side = SchedulerSide(SETTINGS, Clock())
+    request = Request("d", list(range(64)), remote_params(), Status.FINISHED_ABORTED)
+    assert side.request_finished(request, []) == (False, None)
+    spec = side.build_plan().loads["d"]
+    assert spec.local_block_ids == [] and spec.remote_request_id == "p-req"
+
+
+def test_remote_request_id_defaults_to_the_local_one() -> None:
+    side = SchedulerSide(SETTINGS, Clock())
+    params = remote_params()
+    del params["remote_request_id"]
+    side.update_state_after_alloc(Request("same-id", list(range(64)), params), [5, 6, 7], 64)
+    assert side.build_plan().loads["same-id"].remote_request_id == "same-id"
+
+
+# -- stats ----------------------------------------------------------------------------
+
+
+def test_stats_record_merge_reduce() -> None:
+    a, b = stats.empty(), stats.empty()
+    assert stats.is_empty(a)
+    stats.record(a, stats.TransferRecord(0.002, 4096, 2, True))
+    stats.record(b, stats.TransferRecord(0.004, 8192, 4, True))
+    stats.record(b, stats.TransferRecord(1.0, 0, 4, False))
+    merged = stats.merge(a, b)
+    assert merged["transfer_duration"] == [0.002, 0.004]
+    assert merged["bytes_transferred"] == [4096, 8192]
+    assert merged["num_successful_transfers"] == 2 and merged["num_failed_transfers"] == 1
+    summary = stats.reduce(merged)
+    assert summary["median_xfer_time_ms"] == 3.0
+    assert summary["num_failed_transfers"] == 1
+    assert not stats.is_empty(merged)
+
+
+# -- the real connector class (needs vLLM) -----------------------------------------------
+
+
+needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed")
+
+
+@needs_vllm
+def test_connector_stats_and_prometheus_metrics() -> None:
+    import prometheus_client
+    from prometheus_client import Counter, Gauge, Histogram
+
+    from datadist_aio.integrations.vllm import DatadistAioConnector
+
+    data = stats.empty()
+    stats.record(data, stats.TransferRecord(0.003, 1 << 20, 8, True))
+    stats.record(data, stats.TransferRecord(2.0, 0, 8, False))
+    built = DatadistAioConnector.build_kv_connector_stats(data)
+    assert built is not None and not built.is_empty()
+    assert built.reduce()["num_failed_transfers"] == 1
+    other = DatadistAioConnector.build_kv_connector_stats(data)
+    assert other is not None
+    assert built.aggregate(other).data["num_successful_transfers"] == 2
+
+    registry = prometheus_client.CollectorRegistry()
+
+    def bound(kind: Any) -> Any:
+        class Bound(kind):  # type: ignore[misc, valid-type]
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, registry=registry, **kwargs)
+
+        return Bound
+
+    class Config:
+        kv_transfer_config = None
+
+    metric_types = {Gauge: bound(Gauge), Counter: bound(Counter), Histogram: bound(Histogram)}
+    prom = DatadistAioConnector.build_prom_metrics(Config(), metric_types, ["engine"], {0: ["0"]})
+    assert prom is not None
+    prom.observe(built.data, 0)
+    sample = registry.get_sample_value
+    assert sample("vllm:datadist_aio_xfer_time_seconds_count", {"engine": "0"}) == 2
+    assert sample("vllm:datadist_aio_bytes_transferred_sum", {"engine": "0"}) == 2 * (1 << 20)
+    assert sample("vllm:datadist_aio_num_transfers_total", {"engine": "0"}) == 2
+    assert sample("vllm:datadist_aio_num_failed_transfers_total", {"engine": "0"}) == 2
+
+
+@dataclass
+class _Blocks:
+    ids: list[int] = field(default_factory=list)
+
+    def get_unhashed_block_ids(self) -> list[int]:
+        return self.ids
+
+
+@needs_vllm
+def test_connector_scheduler_role_end_to_end_of_one_request() -> None:
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from datadist_aio.integrations.vllm import DatadistAioConnector, DatadistAioConnectorMetadata
+
+    class Config:
+        kv_transfer_config = KVTransferConfig(
+            kv_connector="DatadistAioConnector",
+            kv_connector_module_path="datadist_aio.integrations.vllm",
+            kv_role="kv_both",
+            engine_id="engine-a",
+            kv_connector_extra_config={"side_channel_port": 6123, "side_channel_host": "127.0.0.1"},
+        )
+
+        class parallel_config:  # noqa: N801
+            tensor_parallel_size = 1
+
+    connector = DatadistAioConnector(Config(), KVConnectorRole.SCHEDULER, None)
+    prefill = Request("p1", list(range(80)), {"do_remote_decode": True}, Status.FINISHED_LENGTH_CAPPED)
+    held, params = connector.request_finished(prefill, [3, 4, 5])
+    assert held and params is not None
+    assert (params["remote_host"], params["remote_port"], params["remote_engine_id"]) == ("127.0.0.1", 6123, "engine-a")
+    assert connector.has_pending_block_frees()
+
+    decode = Request("d1", list(range(80)), dict(params))
+    assert connector.get_num_new_matched_tokens(decode, 0) == (80, True)
+    connector.update_state_after_alloc(decode, _Blocks([9, 8, 7]), 80)
+    meta = connector.build_connector_meta(None)
+    assert isinstance(meta, DatadistAioConnectorMetadata)
+    assert meta.plan.loads["d1"].remote_block_ids == [3, 4, 5]
+    assert meta.plan.loads["d1"].local_block_ids == [9, 8, 7]
+    assert "p1" in meta.plan.leases
+
+    class Output:
+        finished_sending = {"p1"}
+
+    connector.update_connector_output(Output())
+    assert not connector.has_pending_block_frees()

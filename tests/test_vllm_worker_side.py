@@ -1,0 +1,243 @@
+"""The vLLM connector's worker side between two processes, without vLLM.
+
+Each process holds one ``WorkerSide`` over numpy arrays shaped like the KV
+tensors of vLLM's CPU backend (``[num_blocks, kv_heads, block_size,
+2 * head_dim]`` per layer). The decode side reads a request's blocks from
+the prefill side through the library and the test compares every byte; the
+prefill side frees blocks on the decode side's confirmation or its lease.
+Failures (no prefill, a frozen prefill) must settle within the load timeout
+and name the blocks that did not load.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.resource_tracker
+import os
+import signal
+import socket
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from datadist_aio.integrations.vllm.metadata import LoadSpec, StepPlan
+from datadist_aio.integrations.vllm.worker import WorkerSettings, WorkerSide, describe_kv_caches
+
+# Spawning starts multiprocessing's resource tracker once per process and keeps
+# a descriptor to it; starting it now keeps it out of the per-test fd check.
+multiprocessing.resource_tracker.ensure_running()
+
+LAYERS, BLOCKS, HEADS, BLOCK_SIZE, HEAD_DIM = 3, 24, 2, 32, 64
+SHAPE = (BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_DIM)
+
+
+class FakeTensor:
+    """The few tensor attributes the connector reads, over a numpy array."""
+
+    device = None
+    dtype = "torch.float32"
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+        self.shape = array.shape
+
+    def is_contiguous(self) -> bool:
+        return bool(self.array.flags["C_CONTIGUOUS"])
+
+    def data_ptr(self) -> int:
+        return int(self.array.ctypes.data)
+
+    def __getitem__(self, index: int) -> "FakeTensor":
+        return FakeTensor(self.array[index])
+
+
+def layer_arrays(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {f"model.layers.{i}.self_attn.attn": rng.standard_normal(SHAPE).astype(np.float32) for i in range(LAYERS)}
+
+
+def _prefill(conn: Any, lease_s: float) -> None:
+    arrays = layer_arrays(1)
+    side = WorkerSide(WorkerSettings(engine_id="prefill", is_consumer=False, load_timeout_s=5.0))
+    side.register({name: FakeTensor(a) for name, a in arrays.items()})
+    conn.send(side.side_channel_port)
+    deadline = time.monotonic() + 60
+    try:
+        while time.monotonic() < deadline:
+            if conn.poll(0.05):
+                command, value = conn.recv()
+                if command == "lease":
+                    side.start_loads(StepPlan(leases={req: time.monotonic() + lease_s for req in value}))
+                    conn.send("ok")
+                elif command == "stop":
+                    break
+            freed, _, _ = side.get_finished()
+            if freed:
+                conn.send(("freed", sorted(freed)))
+    finally:
+        side.shutdown()
+
+
+def _decode(conn: Any, port: int, specs: list[tuple[str, list[int], list[int]]], timeout_s: float) -> None:
+    arrays = {name: np.zeros(SHAPE, np.float32) for name in layer_arrays(0)}
+    side = WorkerSide(WorkerSettings(engine_id="decode", is_producer=False, load_timeout_s=timeout_s))
+    side.register({name: FakeTensor(a) for name, a in arrays.items()})
+    loads = {
+        req: LoadSpec(req, local, remote, "prefill", "127.0.0.1", port, "p-" + req) for req, local, remote in specs
+    }
+    start = time.monotonic()
+    side.start_loads(StepPlan(loads=loads))
+    done: set[str] = set()
+    failed: set[str] = set()
+    errors: set[int] = set()
+    expected = {req for req, spec in loads.items() if spec.local_block_ids}
+    while done != expected and time.monotonic() - start < timeout_s + 20:
+        _, recving, fail = side.get_finished()
+        done |= recving
+        failed |= fail
+        errors |= side.load_errors()
+        time.sleep(0.01)
+    elapsed = time.monotonic() - start
+    records = side.take_records()
+    time.sleep(0.3)  # lets the release notices go out
+    side.shutdown()
+    conn.send(
+        {
+            "done": sorted(done),
+            "failed": sorted(failed),
+            "errors": sorted(errors),
+            "elapsed": elapsed,
+            "records": [(r.nbytes, r.blocks, r.ok) for r in records],
+            "arrays": {name: a for name, a in arrays.items()},
+        }
+    )
+
+
+@pytest.fixture
+def ctx() -> Any:
+    return multiprocessing.get_context("spawn")
+
+
+def _start_prefill(ctx: Any, lease_s: float = 60.0) -> tuple[Any, Any, int]:
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=_prefill, args=(child, lease_s), daemon=True)
+    process.start()
+    child.close()
+    assert parent.poll(60), "the prefill process did not start"
+    return process, parent, parent.recv()
+
+
+def _run_decode(ctx: Any, port: int, specs: list[Any], timeout_s: float = 5.0) -> dict[str, Any]:
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=_decode, args=(child, port, specs, timeout_s), daemon=True)
+    process.start()
+    child.close()
+    try:
+        assert parent.poll(timeout_s + 60), "the decode process did not answer"
+        result = parent.recv()
+    finally:
+        process.join(timeout=10)
+        if process.is_alive():
+            process.kill()
+            process.join()
+        parent.close()
+    return result
+
+
+def _stop(process: Any, conn: Any) -> None:
+    try:
+        conn.send(("stop", None))
+    except OSError:
+        pass
+    process.join(timeout=15)
+    if process.is_alive():
+        process.kill()
+        process.join()
+    conn.close()
+
+
+def test_describe_groups_layers_and_splits_kv_pairs() -> None:
+    fused = {f"l{i}": FakeTensor(np.zeros(SHAPE, np.float32)) for i in range(2)}
+    (group,) = describe_kv_caches(fused, BLOCKS)
+    assert (group.per_layer, len(group.addresses), group.block_shape) == (1, 2, [HEADS, BLOCK_SIZE, 2 * HEAD_DIM])
+    assert group.block_bytes == 2 * HEADS * BLOCK_SIZE * 2 * HEAD_DIM * 4
+    split = {"l0": FakeTensor(np.zeros((2, BLOCKS, 4, 8), np.float32))}
+    (group,) = describe_kv_caches(split, BLOCKS)
+    assert group.per_layer == 2 and group.block_shape == [4, 8]
+    shared = np.zeros(SHAPE, np.float32)
+    assert len(describe_kv_caches({"a": FakeTensor(shared), "b": FakeTensor(shared)}, BLOCKS)[0].addresses) == 1
+    with pytest.raises(ValueError, match="block dimension"):
+        describe_kv_caches({"l0": FakeTensor(np.zeros((5, 7), np.float32))}, BLOCKS)
+
+
+def test_decode_reads_exact_blocks_and_releases_the_prefill(ctx: Any) -> None:
+    prefill, conn, port = _start_prefill(ctx)
+    try:
+        conn.send(("lease", ["p-a", "p-b", "p-c"]))
+        assert conn.poll(10) and conn.recv() == "ok"
+        # "c" has nothing to read (a local prefix hit): it only releases the prefill.
+        specs = [("a", [5, 6, 7], [0, 1, 2]), ("b", [10, 12], [20, 3]), ("c", [], [])]
+        result = _run_decode(ctx, port, specs)
+        assert result["done"] == ["a", "b"]
+        assert result["failed"] == [] and result["errors"] == []
+        block_bytes = LAYERS * HEADS * BLOCK_SIZE * 2 * HEAD_DIM * 4
+        assert sorted(result["records"]) == [(2 * block_bytes, 2, True), (3 * block_bytes, 3, True)]
+        source = layer_arrays(1)
+        for name, array in result["arrays"].items():
+            for _req, local, remote in specs:
+                np.testing.assert_array_equal(array[local], source[name][remote])
+            untouched = [b for b in range(BLOCKS) if b not in (5, 6, 7, 10, 12)]
+            assert not array[untouched].any(), "a block nobody asked for was written"
+        freed: list[str] = []
+        deadline = time.monotonic() + 10
+        while sorted(freed) != ["p-a", "p-b", "p-c"] and time.monotonic() < deadline:
+            if conn.poll(0.1):
+                message = conn.recv()
+                freed += message[1]
+        assert sorted(freed) == ["p-a", "p-b", "p-c"], "the decode side's confirmations did not free the blocks"
+    finally:
+        _stop(prefill, conn)
+
+
+def test_lease_frees_blocks_nobody_reads(ctx: Any) -> None:
+    prefill, conn, _port = _start_prefill(ctx, lease_s=0.5)
+    try:
+        conn.send(("lease", ["p-x"]))
+        assert conn.poll(10) and conn.recv() == "ok"
+        assert conn.poll(10)
+        assert conn.recv() == ("freed", ["p-x"])
+    finally:
+        _stop(prefill, conn)
+
+
+def test_no_prefill_fails_the_load_with_its_blocks(ctx: Any) -> None:
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    result = _run_decode(ctx, port, [("a", [1, 2], [3, 4])], timeout_s=3.0)
+    assert result["done"] == ["a"] and result["failed"] == ["a"]
+    assert result["errors"] == [1, 2]
+    assert result["records"] == [(0, 2, False)]
+    assert result["elapsed"] < 3.0 + 2
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="needs SIGSTOP")
+@pytest.mark.parametrize("linked_before", [False, True])
+def test_frozen_prefill_fails_within_the_timeout(ctx: Any, linked_before: bool) -> None:
+    prefill, conn, port = _start_prefill(ctx)
+    try:
+        if linked_before:
+            result = _run_decode(ctx, port, [("warm", [0], [0])], timeout_s=3.0)
+            assert result["failed"] == []
+        os.kill(prefill.pid, signal.SIGSTOP)
+        try:
+            result = _run_decode(ctx, port, [("a", [1, 2, 3], [4, 5, 6])], timeout_s=2.0)
+        finally:
+            os.kill(prefill.pid, signal.SIGCONT)
+        assert result["done"] == ["a"] and result["failed"] == ["a"]
+        assert result["errors"] == [1, 2, 3]
+        assert result["elapsed"] < 2.0 + 3, f"the load took {result['elapsed']:.1f} s to fail"
+    finally:
+        _stop(prefill, conn)

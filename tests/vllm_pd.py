@@ -1,0 +1,226 @@
+"""vLLM engines in child processes, for the end-to-end tests and the benchmark.
+
+Each ``Engine`` is one vLLM instance (engine core and worker in the child
+process itself, so a signal to the child reaches the whole instance) driven
+over a Pipe: token-id prompts in, token ids, finish reasons,
+``kv_transfer_params`` and first-token times out. Children are started with
+the spawn method and killed if they miss a deadline.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Optional
+
+HERE = Path(__file__).resolve().parent
+BLOCK_SIZE = 32
+
+
+def model_dir(root: Path) -> Path:
+    """The tiny test model under ``root`` (weights made once, from a fixed seed)."""
+    import sys
+
+    sys.path.insert(0, str(HERE / "vllm_model"))
+    from make_weights import make
+
+    target = root / "tiny-llama"
+    if not (target / "model.safetensors").exists():
+        make(target)
+    return target
+
+
+def connector_config(kind: str, role: str, port: int, **extra: Any) -> dict[str, Any]:
+    """``KVTransferConfig`` fields for our connector (``datadist``) or vLLM's NIXL one (``nixl``)."""
+    if kind == "datadist":
+        config: dict[str, Any] = {
+            "kv_connector": "DatadistAioConnector",
+            "kv_connector_module_path": "datadist_aio.integrations.vllm",
+            "kv_role": role,
+            "kv_connector_extra_config": {"side_channel_host": "127.0.0.1", "side_channel_port": port, **extra},
+        }
+    elif kind == "nixl":
+        config = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
+        if extra:
+            config["kv_connector_extra_config"] = dict(extra)
+    else:
+        raise ValueError(kind)
+    return config
+
+
+def _metric_values(llm: Any) -> dict[str, float]:
+    """Counters and gauges by name; a histogram as its count, and ``name + "_sum"``."""
+    values: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        value = getattr(metric, "value", None)
+        if value is None:
+            value = getattr(metric, "count", None)
+            total = getattr(metric, "sum", None)
+            if isinstance(total, (int, float)):
+                values[metric.name + "_sum"] = values.get(metric.name + "_sum", 0.0) + float(total)
+        if isinstance(value, (int, float)):
+            values[metric.name] = values.get(metric.name, 0.0) + float(value)
+    return values
+
+
+def _engine_main(conn: Any, model: str, kv_transfer: Optional[dict[str, Any]], env: dict[str, str],
+                 policy: Optional[str]) -> None:
+    os.environ.update(env)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    try:
+        from vllm import LLM, SamplingParams
+        from vllm.config import KVTransferConfig
+        from vllm.inputs import TokensPrompt
+
+        config = None
+        if kv_transfer is not None:
+            fields = dict(kv_transfer)
+            if policy is not None:
+                fields["kv_load_failure_policy"] = policy
+            config = KVTransferConfig(**fields)
+        llm = LLM(
+            model=model,
+            skip_tokenizer_init=True,
+            dtype="float32",
+            block_size=BLOCK_SIZE,
+            max_model_len=4096,
+            max_num_batched_tokens=4096,
+            enforce_eager=True,
+            kv_transfer_config=config,
+            disable_log_stats=False,
+            seed=0,
+        )
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            command, args = conn.recv()
+        except EOFError:
+            return
+        try:
+            if command == "stop":
+                conn.send(("ok", None))
+                return
+            if command == "metrics":
+                conn.send(("ok", _metric_values(llm)))
+                continue
+            assert command == "generate"
+            prompts, max_tokens, params = args
+            sampling = [
+                SamplingParams(
+                    max_tokens=max_tokens,
+                    temperature=0.0,
+                    ignore_eos=True,
+                    extra_args={"kv_transfer_params": dict(p)} if p is not None else None,
+                )
+                for p in params
+            ]
+            start = time.monotonic()
+            outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling, use_tqdm=False)
+            wall = time.monotonic() - start
+            results = []
+            for output in outputs:
+                completion = output.outputs[0]
+                metrics = output.metrics
+                ttft = getattr(metrics, "first_token_latency", None) if metrics is not None else None
+                results.append(
+                    {
+                        "tokens": list(completion.token_ids),
+                        "finish_reason": completion.finish_reason,
+                        "kv_transfer_params": output.kv_transfer_params,
+                        "ttft": ttft,
+                    }
+                )
+            conn.send(("ok", {"results": results, "wall": wall}))
+        except BaseException:
+            conn.send(("error", traceback.format_exc()))
+
+
+class EngineError(RuntimeError):
+    pass
+
+
+class Engine:
+    """One vLLM instance in a child process."""
+
+    def __init__(self, model: Path, kv_transfer: Optional[dict[str, Any]] = None, *,
+                 policy: Optional[str] = None, env: Optional[dict[str, str]] = None,
+                 start_timeout: float = 400.0) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(
+            target=_engine_main, args=(child, str(model), kv_transfer, dict(env or {}), policy), daemon=True
+        )
+        self.process.start()
+        child.close()
+        self.stopped = False
+        kind, value = self._answer(start_timeout)
+        if kind != "ready":
+            self.kill()
+            raise EngineError(f"engine did not start:\n{value}")
+        self.pid = int(value)
+
+    def _answer(self, timeout: float) -> tuple[str, Any]:
+        if not self._conn.poll(timeout):
+            self.kill()
+            raise EngineError(f"engine {self.process.pid} did not answer within {timeout} s")
+        try:
+            return self._conn.recv()
+        except EOFError:
+            self.kill()
+            raise EngineError(f"engine {self.process.pid} died") from None
+
+    def call(self, command: str, args: Any = None, timeout: float = 300.0) -> Any:
+        self._conn.send((command, args))
+        kind, value = self._answer(timeout)
+        if kind != "ok":
+            raise EngineError(value)
+        return value
+
+    def generate(self, prompts: list[list[int]], max_tokens: int, params: Optional[list[Any]] = None,
+                 timeout: float = 300.0) -> dict[str, Any]:
+        return self.call("generate", (prompts, max_tokens, params or [None] * len(prompts)), timeout)
+
+    def metrics(self) -> dict[str, float]:
+        return self.call("metrics", None, 60.0)
+
+    def stop_signal(self) -> None:
+        os.kill(self.process.pid, signal.SIGSTOP)
+        self.stopped = True
+
+    def cont_signal(self) -> None:
+        os.kill(self.process.pid, signal.SIGCONT)
+        self.stopped = False
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(timeout=30)
+        self._conn.close()
+
+    def close(self) -> None:
+        if not self.process.is_alive():
+            self._conn.close()
+            return
+        if self.stopped:
+            self.cont_signal()
+        try:
+            self.call("stop", None, 30.0)
+        except (EngineError, OSError):
+            pass
+        self.process.join(timeout=30)
+        self.kill()
+
+
+def prompts_of_lengths(lengths: list[int], seed: int, vocab: int = 1024) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
