@@ -105,6 +105,34 @@ def test_an_initiator_killed_while_the_owner_copies_leaves_the_owner_serving(gro
     assert_both_ways(newcomer, owner, (30, 31), seed=3)
 
 
+def test_an_owner_held_up_past_the_timeout_writes_nothing_afterwards(group):
+    # The owner is stopped with the pull's request already in its socket; the
+    # initiator's timeout closes the link and fails the pull. When the owner
+    # runs again it must see the closed link before it copies: the
+    # initiator's memory, told the pull failed, keeps what it had.
+    initiator = group.start("initiator", dd.LLMRole.DECODER, A, options={"sync_kv_timeout": 1000})
+    owner = group.start("owner", dd.LLMRole.PROMPT, B)
+    assert initiator.link(owner) == LINKED
+    wait_for_path(initiator, B, "same_host")
+    remote = owner.allocate(blocks_desc(), blocks=True, model_id=5)
+    local = initiator.allocate(blocks_desc(), blocks=True)
+    owner.fill(remote, 7)
+    before = initiator.fill(local, 8)
+    owner.stop()
+    try:
+        handle = initiator.start_task("pull_blocks", remote.blocks_key(), local, [0, 1, 2], [3, 4, 5])
+        with raises_status(dd.LLMStatusCode.LLM_TIMEOUT):
+            initiator.wait_task(handle)
+    finally:
+        owner.cont()
+    time.sleep(0.5)  # the owner's receive thread meets the queued request, then the closed link
+    got = initiator.read(local)
+    for t in range(4):
+        np.testing.assert_array_equal(got[t], before[t])
+    assert initiator.link(owner) == LINKED  # the link was closed by the timeout; a new one serves as before
+    assert_both_ways(initiator, owner, (10, 11), seed=4)
+
+
 def test_the_transport_option():
     config = dd.LLMConfig()
     assert config.transport is None and "llm.Transport" not in config.generate_options()

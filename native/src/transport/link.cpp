@@ -438,6 +438,13 @@ void Link::serve_peer_copy(Connection &conn, const FrameHeader &header, const wi
     st = llm_datadist::LLM_PARAM_INVALID;
     refuse_group(req.target.group);
   }
+  // An initiator that gave up (its timeout or its cancel closed the link)
+  // gets no byte afterwards, however long this process was held up before
+  // it came to the request: its closed connection is seen before the copy.
+  if (st == LLM_SUCCESS && net::peer_closed(conn.fd)) {
+    fail(LLM_LINK_FAILED, "the peer closed the link before its same-host operation was served");
+    return;
+  }
   if (st == LLM_SUCCESS) {
     const int error = same_host::copy_pairs(*peer_memory_, host_->copy_pool(), target.iov, req.segments, write);
     if (error == ESRCH) {

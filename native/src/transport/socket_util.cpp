@@ -179,4 +179,13 @@ bool discard(int fd, uint64_t len) {
   return true;
 }
 
+bool peer_closed(int fd) {
+  pollfd p{fd, POLLRDHUP, 0};
+  int n;
+  do {
+    n = ::poll(&p, 1, 0);
+  } while (n < 0 && errno == EINTR);
+  return n > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+}
+
 }  // namespace datadist::net

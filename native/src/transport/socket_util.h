@@ -37,6 +37,9 @@ bool writev_full(int fd, iovec *iov, size_t count);
 // One sendmsg that does not wait: the bytes the socket took (0 when it was
 // full), or -1 on an error.
 ssize_t writev_now(int fd, const iovec *iov, size_t count);
+// Whether the peer has closed or shut down its end (its FIN or a reset has
+// arrived), seen at once even with unread bytes still queued; never waits.
+bool peer_closed(int fd);
 // Drops the first `bytes` bytes of `iov` (already sent).
 void drop_front(std::vector<iovec> &iov, size_t bytes);
 // Reads and drops `len` bytes.
