@@ -131,6 +131,51 @@ def test_unlink_removes_both_ends_and_link_again_works(group):
     b.datadist("unlink", comm_b)
 
 
+# The codes on which the public clients try a pull again (omni-infer's list).
+RETRIED = {
+    dd.LLMStatusCode.LLM_REPEAT_REQUEST, dd.LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT,
+    dd.LLMStatusCode.LLM_PROCESSING_LINK, dd.LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY, dd.LLMStatusCode.LLM_TIMEOUT,
+    dd.LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT, dd.LLMStatusCode.LLM_LINK_BUSY,
+}
+
+
+@pytest.mark.parametrize("held", ["accepting", "connecting"])
+def test_a_pull_that_timed_out_succeeds_when_retried_once_the_peer_is_back(group, held):
+    # The owner is held up (SIGSTOP) past sync_kv_timeout: the pull fails with
+    # LLM_TIMEOUT and the timeout closes the link. The comm links the pair
+    # again once the owner runs; meanwhile a pull fails with a code the
+    # clients retry on, and a retried pull then moves the bytes.
+    a, b = start(group, 2, sync_kv_timeout=1000)  # a has rank 0 and accepts, b connects
+    comm_a, comm_b = link_all([a, b])
+    owner, puller = (a, b) if held == "accepting" else (b, a)
+    remote = owner.allocate(blocks_desc(), blocks=True, model_id=5)
+    local = puller.allocate(blocks_desc(), blocks=True)
+    data = owner.fill(remote, 5)
+    key = dd.BlocksCacheKey(prompt_cluster_id=owner.cluster_id, model_id=5)
+    owner.stop()
+    try:
+        with raises_status(dd.LLMStatusCode.LLM_TIMEOUT):
+            puller.cm("pull_blocks", key, local, [1, 2], [0, 3])
+    finally:
+        owner.cont()
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            puller.cm("pull_blocks", key, local, [1, 2], [0, 3])
+            break
+        except dd.LLMException as exc:
+            assert exc.status_code in RETRIED, exc
+        assert time.monotonic() < deadline, "the pull never succeeded again"
+        time.sleep(0.1)
+    for got, sent in zip(puller.read(local), data):
+        np.testing.assert_array_equal(got[:32], sent[32:64])
+        np.testing.assert_array_equal(got[96:], sent[64:96])
+    assert wait_state(a, comm_a) is OK and wait_state(b, comm_b) is OK
+    assert_pull_blocks(owner, puller, 6)  # both directions again
+    a.datadist("unlink", comm_a)
+    b.datadist("unlink", comm_b)
+
+
 def test_a_member_that_never_comes_fails_after_link_total_time(group):
     # Rank 0 waits to accept; rank 1 connects to a port where nobody listens.
     a, b = start(group, 2, link_total_time=1)

@@ -6,10 +6,16 @@
 // made are the transport's ordinary links, keyed by the peer's cluster id:
 // transfers then work exactly as after link_clusters.
 //
-// Threads: one thread per comm while it is being established; it ends when
-// every link of the comm is up (kOk) or the comm's total time is spent
-// (kFailed). Public methods may be called from any thread; shutdown() stops
-// and joins every comm thread and must come before the transport's shutdown.
+// A comm keeps its links: when one is lost (a peer died or was held up past
+// sync_kv_timeout, which closes the link), the comm is kPreparing again and
+// the pair links anew the same way, within the comm's total time; transfers
+// to that peer meanwhile fail with LLM_PROCESSING_LINK, which callers retry.
+//
+// Threads: one thread per comm; it links, then sleeps until a link of the
+// comm is lost or the comm is unlinked, and ends when the comm is unlinked
+// or a linking round ran out of time (kFailed). Public methods may be called
+// from any thread; shutdown() stops and joins every comm thread and must
+// come before the transport's shutdown.
 #ifndef DATADIST_COMM_LINKS_H_
 #define DATADIST_COMM_LINKS_H_
 
@@ -19,6 +25,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -67,6 +74,8 @@ class CommLinks {
   // already dropped its end is not an error). LLM_PARAM_INVALID for an
   // unknown comm id.
   Status unlink(uint64_t comm_id, int timeout_ms);
+  // Whether a comm is linking `peer` again after its link was lost.
+  bool relinking(uint64_t peer) const;
   void shutdown();
 
  private:
@@ -74,10 +83,17 @@ class CommLinks {
     CommSpec spec;
     CommState state = CommState::kPreparing;
     bool stop = false;
+    std::set<uint64_t> lost;       // links lost since the comm was kOk, not yet taken up
+    std::set<uint64_t> relinking;  // peers being linked again
     std::thread thread;
   };
 
   void run(uint64_t comm_id, std::shared_ptr<Comm> comm);
+  // Links `peers` (cluster ids of members) within the comm's total time,
+  // from now. Called and returns with `lock` held; kPreparing if stopped.
+  CommState establish(Comm &comm, const std::vector<uint64_t> &peers, std::unique_lock<std::mutex> &lock);
+  // The transport's loss observer.
+  void lost(uint64_t peer);
   // Joins a comm's thread after telling it to stop.
   void stop(const std::shared_ptr<Comm> &comm);
 

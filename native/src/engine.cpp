@@ -16,6 +16,7 @@ namespace datadist {
 using llm_datadist::LLM_ENGINE_FINALIZED;
 using llm_datadist::LLM_EXIST_LINK;
 using llm_datadist::LLM_NOT_YET_LINK;
+using llm_datadist::LLM_PROCESSING_LINK;
 using llm_datadist::LLM_FAILED;
 using llm_datadist::LLM_FEATURE_NOT_ENABLED;
 using llm_datadist::LLM_KV_CACHE_NOT_EXIST;
@@ -366,8 +367,9 @@ Status Engine::switch_role(const std::string &role, const std::optional<std::str
 }
 
 Status Engine::link_comm(const std::string &name, const std::vector<CommMember> &members, uint64_t &comm_id) {
+  clear_error_detail();
   std::shared_lock<std::shared_mutex> lock(state_mu_);
-  if (state_ != State::kReady) return LLM_FAILED;
+  if (state_ != State::kReady) return not_ready(state_ == State::kFinalized);
   CommSpec spec;
   spec.name = name;
   spec.members = members;
@@ -378,14 +380,16 @@ Status Engine::link_comm(const std::string &name, const std::vector<CommMember> 
 }
 
 Status Engine::unlink_comm(uint64_t comm_id) {
+  clear_error_detail();
   std::shared_lock<std::shared_mutex> lock(state_mu_);
-  if (state_ != State::kReady) return LLM_FAILED;
+  if (state_ != State::kReady) return not_ready(state_ == State::kFinalized);
   return comms_->unlink(comm_id, kCommUnlinkTimeoutMs);
 }
 
 Status Engine::comm_state(uint64_t comm_id, CommState &out) const {
+  clear_error_detail();
   std::shared_lock<std::shared_mutex> lock(state_mu_);
-  if (state_ != State::kReady) return LLM_FAILED;
+  if (state_ != State::kReady) return not_ready(state_ == State::kFinalized);
   return comms_->state(comm_id, out);
 }
 
@@ -486,6 +490,10 @@ Status Engine::prepare_remote(int64_t local_id, uint64_t peer, const LayerSpan &
     return refuse(LLM_PARAM_INVALID, words("cluster ", peer, " is this instance itself, not a peer"));
   }
   link = transport_->find(peer);
+  if (!link && comms_->relinking(peer)) {
+    return refuse(LLM_PROCESSING_LINK, words("the link to cluster ", peer,
+                                             " was lost and its comm is linking it again; retry"));
+  }
   if (!link) return refuse(LLM_NOT_YET_LINK, words("no link to cluster ", peer, "; link_clusters first"));
   if (options_.remote_cache_accessible && !entry->remote_accessible) {
     return refuse(LLM_PARAM_INVALID, words("local cache ", local_id, " was registered with remote_accessible=False"));

@@ -484,14 +484,19 @@ size_t TcpTransport::link_count() const {
 }
 
 void TcpTransport::link_down(const std::shared_ptr<Link> &link) {
+  bool lost = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = links_.find(link->peer_id());
-    if (it != links_.end() && it->second == link) links_.erase(it);
+    if (it != links_.end() && it->second == link) {
+      links_.erase(it);
+      lost = !stopping_;  // an unlink from either end has removed it already
+    }
     down_.push_back(link);
     ++generation_;
   }
   cv_.notify_all();
+  if (lost && loss_observer_) loss_observer_(link->peer_id());
 }
 
 void TcpTransport::operations_started() {

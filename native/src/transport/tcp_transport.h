@@ -10,6 +10,7 @@
 
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -56,6 +57,10 @@ class TcpTransport : public LinkHost {
   // The peer's path as Link::transport() names it; nullptr without a link.
   const char *link_transport(uint64_t peer_id) const;
   size_t link_count() const;
+  // Called, on no lock of the transport's, with the peer's cluster id when a
+  // link is lost: it went down while in use, not removed by an unlink from
+  // either end. Set before links exist.
+  void set_loss_observer(std::function<void(uint64_t peer_id)> observer) { loss_observer_ = std::move(observer); }
   void set_role(uint32_t role) { role_ = role; }
 
   // Tells the housekeeping thread that operations with deadlines are open.
@@ -111,6 +116,7 @@ class TcpTransport : public LinkHost {
   std::vector<std::shared_ptr<Link>> made_;
   std::map<uint64_t, uint64_t> made_count_;  // per peer, for links_made()
   uint64_t generation_ = 0;
+  std::function<void(uint64_t)> loss_observer_;
   bool stopping_ = false;
   bool housekeeper_idle_ = false;  // waiting with no deadline to watch
 
