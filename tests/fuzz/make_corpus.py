@@ -1,6 +1,6 @@
 """Writes the seed corpus of the fuzz targets (tests/fuzz/corpus/<target>/)
-and their dictionary: valid frames of every type, as tests/fuzz/fuzz_wire.cpp
-and tests/fuzz/fuzz_link.cpp read them.
+and their dictionary: valid frames of every type, as the targets
+(tests/fuzz/fuzz_*.cpp) read them.
 
     python tests/fuzz/make_corpus.py
 
@@ -128,6 +128,26 @@ def link_seeds() -> dict[str, bytes]:
     }
 
 
+def listen_seeds() -> dict[str, bytes]:
+    """Mode byte (1: the listener wants a secret), then what one connection sends."""
+    plain, secret = b"\x00", b"\x01"
+    a = dict(kind=BY_ID, cache_id=1, expected=64)
+    write = frame(WRITE_T, request([(0, 1, 0, 64)], **a), b"\x11" * 64, op_id=1)
+    read = frame(READ_T, request([(1, 3, 0, 64)], **a), op_id=2)
+    info = SAME_HOST_INFO.pack(bytes(16), 1, 0x1000, b"DDAOPRB1" + bytes(16))
+    return {
+        "link-write-read": plain + frame(HELLO_T, hello(9, 1, link_nonce=1)) + write + read,
+        "wrong-cluster": plain + frame(HELLO_T, hello(9, 2, link_nonce=2)),
+        "two-connections": plain + frame(HELLO_T, hello(9, 1, link_nonce=3, index=1, count=2)),
+        "same-host-offer": plain + frame(HELLO_T, hello(9, 1, link_nonce=4, flags=OFFERS_SAME_HOST, same_host=info))
+        + write,
+        "secret": secret + frame(HELLO_T, hello(9, 1, link_nonce=5, flags=AUTHENTICATED, nonce=bytes(16)))
+        + frame(PROOF_T, bytes(32)),
+        "secret-missing": secret + frame(HELLO_T, hello(9, 1, link_nonce=6)) + write,
+        "frames-first": plain + write + frame(HELLO_T, hello(9, 1, link_nonce=7)),
+    }
+
+
 def dictionary() -> list[bytes]:
     entries = [HEADER.pack(MAGIC, VERSION, kind, 0, 0, 0, 0)[:8] for kind in range(1, 16)]
     entries += [ARENA.to_bytes(8, "little"), CACHE_A0.to_bytes(8, "little"), PEER.to_bytes(8, "little")]
@@ -135,7 +155,7 @@ def dictionary() -> list[bytes]:
 
 
 def main() -> None:
-    for target, seeds in (("wire", wire_seeds()), ("link", link_seeds())):
+    for target, seeds in (("wire", wire_seeds()), ("link", link_seeds()), ("listen", listen_seeds())):
         folder = HERE / "corpus" / target
         folder.mkdir(parents=True, exist_ok=True)
         for old in folder.glob("seed-*"):
