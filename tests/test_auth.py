@@ -11,7 +11,6 @@ challenge, it learns nothing and writes nothing.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import os
 import socket
@@ -22,28 +21,26 @@ import datadist_aio as dd
 from conftest import make_options
 from peer import PeerGroup, raises_status
 from test_same_host import assert_both_ways
-from test_wire_protocol import (
-    BLOCK,
-    FORGER_ID,
-    HELLO,
+from test_wire_protocol import BLOCK, FORGER_ID, SERVER_ID, request, untouched
+from wire_frames import (
+    ACCEPTOR,
+    AUTHENTICATED,
+    CHALLENGE_T,
     HELLO_ACK,
     HELLO_ACK_T,
     HELLO_T,
-    SERVER_ID,
+    INITIATOR,
+    PROOF_T,
     WRITE_ACK_T,
     WRITE_T,
     frame,
     recv_frame,
-    request,
-    untouched,
 )
+from wire_frames import hello as hello_body
+from wire_frames import proof as hmac_proof
 
 SUCCESS = dd.LLMStatusCode.LLM_SUCCESS
 AUTH_FAILED = dd.LLMStatusCode.LLM_AUTH_FAILED
-CHALLENGE_T, PROOF_T = 14, 15
-AUTHENTICATED = 4
-INITIATOR = b"datadist_aio link v1 initiator\0"
-ACCEPTOR = b"datadist_aio link v1 acceptor\0"
 SECRET = "correct horse battery staple"
 A, B = 1, 2
 
@@ -108,11 +105,11 @@ def server():
 
 
 def hello(nonce: bytes, link_nonce: int = 1, flags: int = AUTHENTICATED) -> bytes:
-    return HELLO.pack(FORGER_ID, SERVER_ID, link_nonce, 1, 0, 1, flags) + (nonce if flags & AUTHENTICATED else b"")
+    return hello_body(FORGER_ID, SERVER_ID, link_nonce, flags, nonce=nonce if flags & AUTHENTICATED else b"")
 
 
 def proof(label: bytes, transcript: bytes, key: str = SECRET) -> bytes:
-    return hmac.new(key.encode(), label + transcript, hashlib.sha256).digest()
+    return hmac_proof(key, label, transcript)
 
 
 def connect(port: int) -> socket.socket:

@@ -13,7 +13,6 @@ import ctypes
 import mmap
 import os
 import socket
-import struct
 
 import numpy as np
 import pytest
@@ -23,26 +22,30 @@ from test_wire_protocol import (
     BLOCK,
     BLOCKS,
     FORGER_ID,
+    SERVER_ID,
+    request,
+    server,  # noqa: F401  (the fixture)
+    untouched,
+)
+from wire_frames import (
+    COPIES_FOR_YOU,
     HEADER,
     HELLO,
     HELLO_ACK,
     HELLO_ACK_T,
     HELLO_T,
+    OFFERS_SAME_HOST,
+    PEER_COPIES_T,
     READ_DATA_T,
-    SERVER_ID,
+    READ_INTO_T,
+    SAME_HOST_INFO,
+    SEGMENT,
     WRITE_ACK_T,
+    WRITE_FROM_T,
     frame,
     recv_exact,
     recv_frame,
-    request,
-    server,  # noqa: F401  (the fixture)
-    untouched,
 )
-
-SAME_HOST_INFO = struct.Struct("<16sQQ24s")
-SEGMENT = struct.Struct("<QQ")
-WRITE_FROM_T, READ_INTO_T, PEER_COPIES_T = 11, 12, 13
-OFFERS_SAME_HOST, COPIES_FOR_YOU = 1, 2
 PROBE_MAGIC = b"DDAOPRB1"
 PAGE = mmap.PAGESIZE
 

@@ -1,0 +1,75 @@
+// Fuzz target: the frame decoder. One input is a flags byte, then a frame
+// header (when at least 32 bytes follow) and a request body. Checks what the
+// decoder promises: a header it accepts is within every limit, a body it
+// accepts is within every limit and encodes back to the same bytes.
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "transport/wire.h"
+
+namespace {
+
+namespace wire = datadist::wire;
+
+void require(bool ok, const char *what) {
+  if (!ok) {
+    std::fprintf(stderr, "fuzz_wire: %s\n", what);
+    std::abort();
+  }
+}
+
+void check_header(const uint8_t *data) {
+  wire::FrameHeader h;
+  std::memcpy(&h, data, sizeof(h));
+  if (!wire::check_header(h).empty()) return;
+  require(h.magic == wire::kMagic && h.version == wire::kVersion, "accepted a foreign header");
+  require(h.type >= static_cast<uint16_t>(wire::FrameType::kHello) &&
+              h.type <= static_cast<uint16_t>(wire::FrameType::kProof),
+          "accepted an unknown frame type");
+  require(h.body_len <= wire::kMaxBodyBytes && h.data_len <= wire::kMaxFrameData, "accepted an oversized frame");
+  const auto type = static_cast<wire::FrameType>(h.type);
+  require(h.data_len == 0 || type == wire::FrameType::kWrite || type == wire::FrameType::kReadData,
+          "accepted data on a frame that carries none");
+}
+
+void check_request(const std::vector<uint8_t> &body, bool with_segments) {
+  wire::Request req;
+  if (!wire::decode_request(body, req, with_segments).empty()) return;
+  const wire::Target &t = req.target;
+  require(t.kind >= wire::kById && t.kind <= wire::kRawAddress, "accepted an unknown target kind");
+  require(req.ranges.size() == t.range_count && req.bounds.size() == t.bound_count, "range counts differ");
+  require(t.range_count <= wire::kMaxRanges && t.bound_count <= wire::kMaxBounds, "too many ranges accepted");
+  uint64_t total = 0;
+  for (const wire::Range &r : req.ranges) {
+    require(r.length != 0 && r.length <= wire::kMaxFrameData, "accepted a bad range length");
+    total += r.length;
+  }
+  require(total == req.total_bytes && total <= wire::kMaxFrameData, "total bytes wrong or over the limit");
+  require(req.segments.size() == (with_segments ? req.ranges.size() : 0), "segment count differs");
+  for (size_t i = 0; i < req.segments.size(); ++i) {
+    const wire::Segment &s = req.segments[i];
+    require(s.length == req.ranges[i].length, "segment length differs from its range");
+    require(s.addr + s.length >= s.addr, "accepted a wrapping segment");
+  }
+  require(wire::encode_request(t, req.ranges, req.bounds, req.segments) == body, "does not encode back");
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerInitialize(int *, char ***) { return 0; }
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+  if (size == 0) return 0;
+  const bool with_segments = (data[0] & 1) != 0;
+  ++data;
+  --size;
+  if (size >= sizeof(wire::FrameHeader)) {
+    check_header(data);
+    data += sizeof(wire::FrameHeader);
+    size -= sizeof(wire::FrameHeader);
+  }
+  check_request(std::vector<uint8_t>(data, data + size), with_segments);
+  return 0;
+}

@@ -1,0 +1,171 @@
+"""Writes the seed corpus of the fuzz targets (tests/fuzz/corpus/<target>/)
+and their dictionary: valid frames of every type, as the targets
+(tests/fuzz/fuzz_*.cpp) read them.
+
+    python tests/fuzz/make_corpus.py
+
+Regression inputs (corpus/<target>/regress-*) are kept; seeds are rewritten.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from wire_frames import (  # noqa: E402
+    AUTHENTICATED,
+    BLOCKS_OF_MODEL,
+    BY_ID,
+    BY_KEY,
+    CHALLENGE_T,
+    HEADER,
+    HELLO_ACK,
+    HELLO_ACK_T,
+    HELLO_T,
+    LOOKUP_REPLY,
+    LOOKUP_REPLY_T,
+    LOOKUP_T,
+    MAGIC,
+    OFFERS_SAME_HOST,
+    PEER_COPIES_T,
+    PROOF_T,
+    RAW_ADDRESS,
+    READ_DATA_T,
+    READ_INTO_T,
+    READ_T,
+    RELEASE_KEY,
+    SAME_HOST_INFO,
+    UNLINK_ACK_T,
+    UNLINK_T,
+    VERSION,
+    WITHIN_SLOT,
+    WRITE_ACK_T,
+    WRITE_FROM_T,
+    WRITE_T,
+    frame,
+    hello,
+    request,
+)
+
+# As fuzz_link.cpp lays out its memory.
+ARENA = 0x6A0000000000
+PEER = 0x6B0000000000
+CACHE_A0 = ARENA + 0x1000
+# Mode bits of fuzz_link.cpp.
+OFFERED, PEER_COPIES, REACHES, ANNOUNCE, SUBMIT, INITIATED = 1, 2, 4, 8, 16, 32
+LLM_PARAM_INVALID = 0x2000  # any non-zero status refuses
+
+
+def wire_seeds() -> dict[str, bytes]:
+    """Flags byte (1: the body has segments), header, body."""
+    plain, segmented = b"\x00", b"\x01"
+    write = request([(0, 1, 0, 64), (1, 2, 0, 64)], kind=BY_ID, cache_id=1, expected=64)
+    return {
+        "write": plain + frame(WRITE_T, write),
+        "read-bounds": plain
+        + frame(READ_T, request([(0, 1, 0, 32)], bounds=[(0, 0, 0, 64), (0, 3, 0, 64)], flags=WITHIN_SLOT)),
+        "read-key": plain + frame(READ_T, request([(0, 0, 0, 64)], kind=BY_KEY, req_id=7, model_id=1, flags=RELEASE_KEY)),
+        "lookup": plain + frame(LOOKUP_T, request([], kind=BLOCKS_OF_MODEL, model_id=3)),
+        "raw": plain + frame(WRITE_T, request([(0, 0, CACHE_A0, 16)], kind=RAW_ADDRESS)),
+        "write-from": segmented
+        + frame(WRITE_FROM_T, request([(0, 0, 0, 32), (0, 1, 0, 32)], kind=BY_ID, cache_id=2,
+                                      segments=[(PEER, 32), (PEER + 64, 32)])),
+        "read-into": segmented + frame(READ_INTO_T, request([(0, 0, 0, 32)], kind=BY_ID, cache_id=2, segments=[(PEER, 32)])),
+        "hello": plain + frame(HELLO_T, hello(1, 2, flags=OFFERS_SAME_HOST | AUTHENTICATED,
+                                              same_host=SAME_HOST_INFO.pack(bytes(16), 1, 2, bytes(24)), nonce=bytes(16))),
+        "hello-ack": plain + frame(HELLO_ACK_T, HELLO_ACK.pack(2, 1, 0)),
+        "challenge": plain + frame(CHALLENGE_T, bytes(16)),
+        "proof": plain + frame(PROOF_T, bytes(32)),
+        "write-ack": plain + frame(WRITE_ACK_T, b"refused", status=LLM_PARAM_INVALID),
+        "read-data": plain + HEADER.pack(MAGIC, VERSION, READ_DATA_T, 0, 0, 1, 64),
+        "lookup-reply": plain + frame(LOOKUP_REPLY_T, LOOKUP_REPLY.pack(1, 2, 1, 64, 4, 0)),
+        "unlink": plain + frame(UNLINK_T) + frame(UNLINK_ACK_T),
+        "peer-copies": plain + frame(PEER_COPIES_T),
+    }
+
+
+def link_seeds() -> dict[str, bytes]:
+    """Mode byte, then what the peer sends."""
+    tcp = bytes([0])
+    a = dict(kind=BY_ID, cache_id=1, expected=64)
+    return {
+        "write-read": tcp
+        + frame(WRITE_T, request([(0, 1, 0, 64), (1, 3, 0, 64)], **a), b"\xab" * 128, op_id=1)
+        + frame(READ_T, request([(1, 0, 0, 256)], **a), op_id=2),
+        "write-refused": tcp
+        + frame(WRITE_T, request([(0, 0, 0, 64)], kind=BY_ID, cache_id=3), b"\x01" * 64, op_id=1)
+        + frame(WRITE_T, request([(0, 4, 0, 64)], **a), b"\x02" * 64, op_id=2),
+        "group": tcp
+        + frame(WRITE_T, request([(0, 9, 0, 64)], group=5, **a), b"\x03" * 64, op_id=1)
+        + frame(WRITE_T, request([(0, 0, 0, 64)], group=5, **a), b"\x04" * 64, op_id=2),
+        "keys": tcp
+        + frame(READ_T, request([(0, 0, 0, 64), (1, 0, 0, 64)], kind=BY_KEY, req_id=7, model_id=1, flags=RELEASE_KEY))
+        + frame(READ_T, request([(0, 0, 0, 64)], kind=BY_KEY, req_id=9, model_id=1), op_id=2),
+        "blocks-bounds": tcp
+        + frame(WRITE_T, request([(0, 2, 0, 32)], kind=BLOCKS_OF_MODEL, model_id=3, flags=WITHIN_SLOT,
+                                 bounds=[(0, 0, 0, 32), (0, 7, 0, 32)]), b"\x05" * 32),
+        "raw": tcp
+        + frame(WRITE_T, request([(0, 0, CACHE_A0 + 16, 32)], kind=RAW_ADDRESS), b"\x06" * 32)
+        + frame(READ_T, request([(0, 0, CACHE_A0, 64)], kind=RAW_ADDRESS), op_id=2),
+        "lookup": tcp
+        + frame(LOOKUP_T, request([], kind=BLOCKS_OF_MODEL, model_id=3))
+        + frame(LOOKUP_T, request([], kind=BY_KEY, req_id=8, model_id=1), op_id=2),
+        "unlink": tcp + frame(UNLINK_T, op_id=3),
+        "same-host": bytes([OFFERED | REACHES])
+        + frame(WRITE_FROM_T, request([(0, 0, 0, 32), (0, 1, 0, 32)], kind=BY_ID, cache_id=2,
+                                      segments=[(PEER, 32), (PEER + 64, 32)]))
+        + frame(READ_INTO_T, request([(0, 2, 0, 32)], kind=BY_ID, cache_id=2, segments=[(PEER + 4096, 32)]), op_id=2),
+        "peer-copies": bytes([OFFERED | REACHES | ANNOUNCE]) + frame(PEER_COPIES_T),
+        "answers": bytes([SUBMIT])
+        + HEADER.pack(MAGIC, VERSION, READ_DATA_T, 0, 0, 1, 64) + b"\x07" * 64
+        + frame(WRITE_ACK_T, b"the peer says no", op_id=2, status=LLM_PARAM_INVALID),
+        "answers-same-host": bytes([SUBMIT | OFFERED | PEER_COPIES | INITIATED])
+        + frame(READ_DATA_T, op_id=1) + frame(WRITE_ACK_T, op_id=2),
+        "lookup-reply": tcp + frame(LOOKUP_REPLY_T, LOOKUP_REPLY.pack(1, 2, 1, 64, 4, 0)),
+    }
+
+
+def listen_seeds() -> dict[str, bytes]:
+    """Mode byte (1: the listener wants a secret), then what one connection sends."""
+    plain, secret = b"\x00", b"\x01"
+    a = dict(kind=BY_ID, cache_id=1, expected=64)
+    write = frame(WRITE_T, request([(0, 1, 0, 64)], **a), b"\x11" * 64, op_id=1)
+    read = frame(READ_T, request([(1, 3, 0, 64)], **a), op_id=2)
+    info = SAME_HOST_INFO.pack(bytes(16), 1, 0x1000, b"DDAOPRB1" + bytes(16))
+    return {
+        "link-write-read": plain + frame(HELLO_T, hello(9, 1, link_nonce=1)) + write + read,
+        "wrong-cluster": plain + frame(HELLO_T, hello(9, 2, link_nonce=2)),
+        "two-connections": plain + frame(HELLO_T, hello(9, 1, link_nonce=3, index=1, count=2)),
+        "same-host-offer": plain + frame(HELLO_T, hello(9, 1, link_nonce=4, flags=OFFERS_SAME_HOST, same_host=info))
+        + write,
+        "secret": secret + frame(HELLO_T, hello(9, 1, link_nonce=5, flags=AUTHENTICATED, nonce=bytes(16)))
+        + frame(PROOF_T, bytes(32)),
+        "secret-missing": secret + frame(HELLO_T, hello(9, 1, link_nonce=6)) + write,
+        "frames-first": plain + write + frame(HELLO_T, hello(9, 1, link_nonce=7)),
+    }
+
+
+def dictionary() -> list[bytes]:
+    entries = [HEADER.pack(MAGIC, VERSION, kind, 0, 0, 0, 0)[:8] for kind in range(1, 16)]
+    entries += [ARENA.to_bytes(8, "little"), CACHE_A0.to_bytes(8, "little"), PEER.to_bytes(8, "little")]
+    return entries
+
+
+def main() -> None:
+    for target, seeds in (("wire", wire_seeds()), ("link", link_seeds()), ("listen", listen_seeds())):
+        folder = HERE / "corpus" / target
+        folder.mkdir(parents=True, exist_ok=True)
+        for old in folder.glob("seed-*"):
+            old.unlink()
+        for name, data in seeds.items():
+            (folder / f"seed-{name}").write_bytes(data)
+    lines = ['"' + "".join(f"\\x{b:02x}" for b in entry) + '"' for entry in dictionary()]
+    (HERE / "wire.dict").write_text("# Frame headers' first 8 bytes (magic, version, type) and fixed addresses.\n"
+                                    + "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

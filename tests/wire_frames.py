@@ -1,0 +1,110 @@
+"""The wire protocol as a raw socket speaks it (native/src/transport/wire.h).
+
+Shared by the tests that play a hostile or hand-made peer and by the fuzz
+corpus generator (tests/fuzz/make_corpus.py). Needs nothing but the standard
+library.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import socket
+import struct
+
+HEADER = struct.Struct("<IHHIIQQ")
+HELLO = struct.Struct("<QQQIIII")
+HELLO_ACK = struct.Struct("<QII")
+TARGET = struct.Struct("<BBHIqQQQQQ")
+RANGE = struct.Struct("<IIQQQ")
+SEGMENT = struct.Struct("<QQ")
+SAME_HOST_INFO = struct.Struct("<16sQQ24s")
+LOOKUP_REPLY = struct.Struct("<qIIQQQ")
+MAGIC, VERSION = 0x4F414444, 1
+
+# Frame types.
+HELLO_T, HELLO_ACK_T, WRITE_T, WRITE_ACK_T, READ_T, READ_DATA_T = 1, 2, 3, 4, 5, 6
+LOOKUP_T, LOOKUP_REPLY_T, UNLINK_T, UNLINK_ACK_T = 7, 8, 9, 10
+WRITE_FROM_T, READ_INTO_T, PEER_COPIES_T = 11, 12, 13
+CHALLENGE_T, PROOF_T = 14, 15
+# Hello flags.
+OFFERS_SAME_HOST, COPIES_FOR_YOU, AUTHENTICATED = 1, 2, 4
+# Target kinds and flags.
+BY_ID, BY_KEY, BLOCKS_OF_MODEL, RAW_ADDRESS = 1, 2, 3, 4
+WITHIN_SLOT, RELEASE_KEY = 1, 2
+
+INVALID = 2**64 - 1
+MAX_BODY_BYTES = 1 << 20
+MAX_FRAME_DATA = 64 << 20
+INITIATOR = b"datadist_aio link v1 initiator\0"
+ACCEPTOR = b"datadist_aio link v1 acceptor\0"
+
+Range = tuple[int, int, int, int]  # tensor, slot, offset, length
+
+
+def frame(
+    kind: int,
+    body: bytes = b"",
+    data: bytes = b"",
+    op_id: int = 1,
+    magic: int = MAGIC,
+    status: int = 0,
+    version: int = VERSION,
+) -> bytes:
+    return HEADER.pack(magic, version, kind, len(body), status, op_id, len(data)) + body + data
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            raise ConnectionError("closed")
+        out += chunk
+    return out
+
+
+def recv_frame(sock: socket.socket) -> tuple[int, int, int, bytes, bytes]:
+    """(type, status, op id, body, data) of the next frame."""
+    magic, version, kind, body_len, status, op_id, data_len = HEADER.unpack(recv_exact(sock, HEADER.size))
+    assert (magic, version) == (MAGIC, VERSION)
+    return kind, status, op_id, recv_exact(sock, body_len), recv_exact(sock, data_len)
+
+
+def request(
+    ranges: list[Range],
+    kind: int = BLOCKS_OF_MODEL,
+    cache_id: int = -1,
+    expected: int = 0,
+    group: int = 0,
+    flags: int = 0,
+    req_id: int = INVALID,
+    model_id: int = 0,
+    prefix_id: int = INVALID,
+    bounds: list[Range] = (),  # type: ignore[assignment]
+    segments: list[tuple[int, int]] = (),  # type: ignore[assignment]
+) -> bytes:
+    """A request body: the target, its ranges, its bounds, then (same-host
+    frames) one (address, length) segment per range."""
+    body = TARGET.pack(kind, flags, len(bounds), len(ranges), cache_id, req_id, model_id, prefix_id, expected, group)
+    body += b"".join(RANGE.pack(t, 0, slot, off, length) for t, slot, off, length in [*ranges, *bounds])
+    return body + b"".join(SEGMENT.pack(addr, length) for addr, length in segments)
+
+
+def hello(
+    cluster_id: int,
+    expected_peer: int,
+    link_nonce: int = 1,
+    flags: int = 0,
+    same_host: bytes = b"",
+    nonce: bytes = b"",
+    index: int = 0,
+    count: int = 1,
+    role: int = 1,
+) -> bytes:
+    """A hello body; `same_host` and `nonce` follow when `flags` announce them."""
+    return HELLO.pack(cluster_id, expected_peer, link_nonce, role, index, count, flags) + same_host + nonce
+
+
+def proof(key: str, label: bytes, transcript: bytes) -> bytes:
+    return hmac.new(key.encode(), label + transcript, hashlib.sha256).digest()
