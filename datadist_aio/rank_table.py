@@ -59,6 +59,7 @@ def _int_field(entry: dict[str, Any], name: str, where: str, high: int, required
         isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= high,
         f"malformed rank table: {where}: {name} must be an integer in [0, {high}], got {entry.get(name)!r}",
     )
+    assert isinstance(value, int)  # checked above
     return value
 
 

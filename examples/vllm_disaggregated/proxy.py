@@ -17,10 +17,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
-import aiohttp
-from aiohttp import web
+import aiohttp  # pyright: ignore[reportMissingImports]  (vLLM brings it)
+from aiohttp import web  # pyright: ignore[reportMissingImports]
 
 _counter = itertools.count()
 
@@ -63,7 +64,7 @@ def make_app(prefill: str, decode: str) -> web.Application:
     app = web.Application()
     app["prefill"], app["decode"] = prefill.rstrip("/"), decode.rstrip("/")
 
-    async def session(app: web.Application) -> Any:
+    async def session(app: web.Application) -> AsyncIterator[None]:
         app["session"] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600))
         yield
         await app["session"].close()

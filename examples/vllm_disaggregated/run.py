@@ -52,7 +52,7 @@ def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout: float) -> 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"{process.args[:3]} exited with {process.returncode}")
+            raise RuntimeError(f"{process.args!r} exited with {process.returncode}")
         try:
             with urllib.request.urlopen(url + "/health", timeout=2):
                 return
@@ -62,7 +62,7 @@ def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout: float) -> 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--model", help="a model vLLM can load; default: the tiny test model")
     parser.add_argument("--proxy-port", type=int, default=8000)
     parser.add_argument("--prefill-port", type=int, default=8100)
@@ -75,7 +75,7 @@ def main() -> None:
     tiny = args.model is None
     if tiny:
         sys.path.insert(0, str(ROOT / "tests" / "vllm_model"))
-        from make_weights import make
+        from make_weights import make  # type: ignore[import-not-found]  # pyright: ignore[reportMissingImports]
 
         model = str(make(Path(tmp.name) / "tiny-llama"))
         extra = ["--skip-tokenizer-init", "--dtype", "float32", "--max-model-len", "4096"]

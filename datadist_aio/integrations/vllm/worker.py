@@ -286,11 +286,11 @@ class WorkerSide:
         with self._lock:
             loads, self._inflight = self._inflight, []
         for load in loads:
-            for task in load.tasks:
-                task.cancel()
+            for cache_task in load.tasks:
+                cache_task.cancel()
         for load in loads:
-            for task in load.tasks:
-                task.synchronize(int(self.settings.load_timeout_s * 1000) + 5000)
+            for cache_task in load.tasks:
+                cache_task.synchronize(int(self.settings.load_timeout_s * 1000) + 5000)
         for peer in self._peers.values():
             peer.client.close()
         if self._server is not None:
