@@ -75,6 +75,7 @@ Status Engine::initialize(const OptionMap &options) {
   transport_options.connections_per_peer = parsed.tcp_connections_per_peer;
   transport_options.same_host = parsed.same_host;
   transport_options.auth_key = parsed.auth_key;
+  transport_options.handshake_timeout_ms = static_cast<int>(parsed.handshake_timeout_ms);
   if (!parsed.auth_key.empty()) {
     const std::string why = auth::unavailable();
     if (!why.empty()) {
@@ -273,6 +274,22 @@ Status Engine::copy_blocks(const CacheView &dst_view, const CacheView &src_view,
 bool Engine::has_link(uint64_t peer) const {
   std::shared_lock<std::shared_mutex> lock(state_mu_);
   return state_ == State::kReady && transport_->find(peer) != nullptr;
+}
+
+std::map<std::string, uint64_t> Engine::listener_stats() const {
+  std::shared_lock<std::shared_mutex> lock(state_mu_);
+  if (state_ != State::kReady || transport_->listen_port() == 0) return {};
+  const ListenerStats s = transport_->listener_stats();
+  return {{"waiting", s.waiting},   {"forming", s.forming}, {"accepted", s.accepted},
+          {"evicted", s.evicted},   {"expired", s.expired}, {"accept_pauses", s.accept_pauses},
+          {"links", transport_->link_count()}};
+}
+
+std::map<std::string, uint64_t> Engine::link_stats(uint64_t peer) const {
+  std::shared_lock<std::shared_mutex> lock(state_mu_);
+  size_t connections = 0, refused = 0;
+  if (state_ != State::kReady || !transport_->link_stats(peer, connections, refused)) return {};
+  return {{"connections", connections}, {"refused_groups", refused}};
 }
 
 uint16_t Engine::listen_port() const {
