@@ -11,8 +11,6 @@ challenge, it learns nothing and writes nothing.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
 import socket
 
@@ -22,28 +20,27 @@ import datadist_aio as dd
 from conftest import make_options
 from peer import PeerGroup, raises_status
 from test_same_host import assert_both_ways
-from test_wire_protocol import (
-    BLOCK,
-    FORGER_ID,
+from test_wire_protocol import BLOCK, FORGER_ID, SERVER_ID, untouched
+from wire_frames import (
+    ACCEPTOR,
+    AUTHENTICATED,
+    CHALLENGE_T,
     HELLO,
     HELLO_ACK,
     HELLO_ACK_T,
     HELLO_T,
-    SERVER_ID,
+    INITIATOR,
+    PROOF_T,
     WRITE_ACK_T,
     WRITE_T,
     frame,
     recv_frame,
     request,
-    untouched,
 )
+from wire_frames import proof as keyed_proof
 
 SUCCESS = dd.LLMStatusCode.LLM_SUCCESS
 AUTH_FAILED = dd.LLMStatusCode.LLM_AUTH_FAILED
-CHALLENGE_T, PROOF_T = 14, 15
-AUTHENTICATED = 4
-INITIATOR = b"datadist_aio link v1 initiator\0"
-ACCEPTOR = b"datadist_aio link v1 acceptor\0"
 SECRET = "correct horse battery staple"
 A, B = 1, 2
 
@@ -112,7 +109,7 @@ def hello(nonce: bytes, link_nonce: int = 1, flags: int = AUTHENTICATED) -> byte
 
 
 def proof(label: bytes, transcript: bytes, key: str = SECRET) -> bytes:
-    return hmac.new(key.encode(), label + transcript, hashlib.sha256).digest()
+    return keyed_proof(key, label, transcript)
 
 
 def connect(port: int) -> socket.socket:
@@ -142,7 +139,7 @@ def test_a_client_that_knows_the_secret_links_and_writes(server):
         cluster_id, _role, flags = HELLO_ACK.unpack(ack[: HELLO_ACK.size])
         assert cluster_id == SERVER_ID and flags & AUTHENTICATED
         # The engine proves the secret back over the same transcript and its ack.
-        assert hmac.compare_digest(ack[-32:], proof(ACCEPTOR, transcript + ack[:-32]))
+        assert ack[-32:] == proof(ACCEPTOR, transcript + ack[:-32])
         sock.sendall(frame(WRITE_T, request([(1, 4, 0, BLOCK)]), b"\x07" * BLOCK, op_id=6))
         assert recv_frame(sock)[:3] == (WRITE_ACK_T, 0, 6)
     assert (cache.as_numpy(1)[4] == 7).all()

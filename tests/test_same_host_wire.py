@@ -23,26 +23,29 @@ from test_wire_protocol import (
     BLOCK,
     BLOCKS,
     FORGER_ID,
+    SERVER_ID,
+    server,  # noqa: F401  (the fixture)
+    untouched,
+)
+from wire_frames import (
+    COPIES_FOR_YOU,
     HEADER,
     HELLO,
     HELLO_ACK,
     HELLO_ACK_T,
     HELLO_T,
+    OFFERS_SAME_HOST,
     READ_DATA_T,
-    SERVER_ID,
     WRITE_ACK_T,
     frame,
     recv_exact,
     recv_frame,
     request,
-    server,  # noqa: F401  (the fixture)
-    untouched,
 )
 
 SAME_HOST_INFO = struct.Struct("<16sQQ24s")
 SEGMENT = struct.Struct("<QQ")
 WRITE_FROM_T, READ_INTO_T, PEER_COPIES_T = 11, 12, 13
-OFFERS_SAME_HOST, COPIES_FOR_YOU = 1, 2
 PROBE_MAGIC = b"DDAOPRB1"
 PAGE = mmap.PAGESIZE
 

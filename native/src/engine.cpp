@@ -317,17 +317,22 @@ Status Engine::link_clusters(const std::vector<LinkTarget> &targets, int timeout
   rets.assign(targets.size(), LLM_SUCCESS);
   for (size_t first = 0; first < targets.size(); first += kParallel) {
     std::vector<std::thread> threads;
+    auto link_one = [this, &targets, &rets, &details, timeout_ms](size_t i) {
+      const LinkTarget &t = targets[i];
+      if (t.peer_id == cluster_id_) {
+        rets[i] = LLM_PARAM_INVALID;
+        details[i] = "a cluster cannot link to itself";
+        return;
+      }
+      rets[i] = transport_->link(t.peer_id, t.remote_ip, t.remote_port, t.local_ip, timeout_ms);
+      details[i] = error_detail();
+    };
     for (size_t i = first; i < std::min(targets.size(), first + kParallel); ++i) {
-      threads.emplace_back([this, &targets, &rets, &details, timeout_ms, i] {
-        const LinkTarget &t = targets[i];
-        if (t.peer_id == cluster_id_) {
-          rets[i] = LLM_PARAM_INVALID;
-          details[i] = "a cluster cannot link to itself";
-          return;
-        }
-        rets[i] = transport_->link(t.peer_id, t.remote_ip, t.remote_port, t.local_ip, timeout_ms);
-        details[i] = error_detail();
-      });
+      try {
+        threads.emplace_back(link_one, i);
+      } catch (const std::system_error &) {
+        link_one(i);  // no thread to be had: this one links in turn
+      }
     }
     for (auto &thread : threads) thread.join();
   }
