@@ -9,6 +9,7 @@ bytes through all of it.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import select
 import socket
@@ -310,3 +311,113 @@ def test_a_restarted_peer_relinks(group):
     # The old link is seen down as soon as the kernel closes its sockets.
     wait_until(lambda: again.link(b) == LINKED, seconds=10)
     assert_both_ways(again, b, (40, 41), seed=6)
+
+
+# -- a crowd -----------------------------------------------------------------------------------
+
+
+_SPAWN = multiprocessing.get_context("spawn")
+
+
+def _crowd(port: int, ready: Any, stop: Any) -> None:
+    """2,000 idle clients and 200 that trickle a hello, one byte each every
+    0.5 s (36 s for a whole one), until `stop`; then every socket closes."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (4096, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    opened: list[socket.socket] = []
+    try:
+        for _ in range(2000):
+            connect(port, opened)
+        trickling = [connect(port, opened) for _ in range(200)]
+        ready.set()
+        body = hello(FORGER_ID, B, 12)
+        for sent in range(len(body)):
+            for sock in trickling:
+                try:
+                    sock.send(body[sent : sent + 1])
+                except OSError:
+                    pass
+            if stop.wait(0.5):
+                break
+    finally:
+        for sock in opened:
+            sock.close()
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_crowd_of_idle_and_trickling_clients(group):
+    """2,000 idle and 200 trickling clients while a peer links and pushes 256 MiB."""
+    import resource
+
+    from peer import MiB, pool_cfg
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard < 4096:
+        pytest.skip(f"needs 4096 descriptors, the hard limit is {hard}")
+    options = {"host_mem_pool_cfg": pool_cfg(320 * MiB), "transport": "tcp", "sync_kv_timeout": 20000}
+    b = group.start("b", dd.LLMRole.DECODER, B, options={**options, "handshake_timeout_ms": 20000})
+    a = group.start("a", dd.LLMRole.PROMPT, A, options=options)
+    b.set_rlimit("RLIMIT_NOFILE", None)
+    desc = dd.CacheDesc(4, [64, MiB], dd.DataType.DT_UINT8, dd.Placement.HOST)  # 256 MiB
+    local = a.allocate(desc, blocks=True)
+    remote = b.allocate(desc, blocks=True, model_id=1)
+    a.fill(local, 11)
+    blocks = list(range(64))
+
+    def link_and_push() -> tuple[float, float]:
+        link_s = timed_link(a, b, timeout=10000)
+        start = time.monotonic()
+        assert a.cm_async("push_blocks", remote.blocks_key(), local, blocks, blocks) == [SUCCESS]
+        push_s = time.monotonic() - start
+        assert a.unlink(b) == LINKED
+        wait_until(lambda: not b.engine("link_stats", A))
+        return link_s, 256 / push_s
+
+    def median(values: list[float]) -> float:
+        return sorted(values)[len(values) // 2]
+
+    link_and_push()  # warm up
+    quiet = [link_and_push() for _ in range(5)]
+    fds_before, rss_before = len(os.listdir(f"/proc/{b.pid}/fd")), _rss(b.pid)
+
+    # The crowd is a process of its own, so that its work does not
+    # share this process's interpreter with the timing.
+    ready, stop = _SPAWN.Event(), _SPAWN.Event()
+    crowd = _SPAWN.Process(target=_crowd, args=(b.listen_port, ready, stop), daemon=True)
+    crowd.start()
+    try:
+        assert ready.wait(60), "the crowd did not gather"
+        busy = [link_and_push() for _ in range(5)]
+        stats = b.engine("listener_stats")
+    finally:
+        stop.set()
+        crowd.join(30)
+        if crowd.is_alive():
+            crowd.kill()
+            crowd.join()
+    assert crowd.exitcode == 0
+    wait_until(lambda: b.engine("listener_stats")["waiting"] == 0, seconds=10)
+    fds_after = wait_until(lambda: (n := len(os.listdir(f"/proc/{b.pid}/fd"))) <= fds_before and n, seconds=10)
+    rss_after = _rss(b.pid)
+
+    quiet_link, busy_link = median([q[0] for q in quiet]), median([q[0] for q in busy])
+    quiet_rate, busy_rate = median([q[1] for q in quiet]), median([q[1] for q in busy])
+    print(
+        f"\nlink: quiet {quiet_link * 1000:.1f} ms, crowded {busy_link * 1000:.1f} ms; "
+        f"push 256 MiB: quiet {quiet_rate:.0f} MiB/s, crowded {busy_rate:.0f} MiB/s; "
+        f"(quiet rounds {quiet}, crowded rounds {busy}); listener {stats}; acceptor fds {fds_before} -> {fds_after}, "
+        f"RSS {rss_before / MiB:.1f} -> {rss_after / MiB:.1f} MiB"
+    )
+    assert stats["accepted"] >= 2200 + 4 and stats["evicted"] >= 2200 - 256
+    # Within 1.5x of the quiet figures (plus 20 ms for the link: a few
+    # milliseconds on loopback, where scheduling noise alone is that much).
+    assert busy_link <= 1.5 * quiet_link + 0.02
+    assert busy_rate >= quiet_rate / 1.5
+    assert rss_after <= rss_before + 16 * MiB
