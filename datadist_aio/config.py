@@ -64,6 +64,7 @@ class LLMConfig:
         self._engine_threads: Optional[int] = None
         self._transport: Optional[str] = None
         self._auth_key: Optional[str] = None
+        self._handshake_timeout_ms: Optional[int] = None
 
     @property
     def ge_options(self) -> dict[str, str]:
@@ -362,6 +363,25 @@ class LLMConfig:
         self._tcp_connections_per_peer = value
 
     @property
+    def handshake_timeout_ms(self) -> Optional[int]:
+        """Time in ms an accepted connection has to finish its handshake, and a
+        link to bring all its connections, in [1, 600000] (engine default 5000).
+
+        A connection still short of it is closed, however it trickles its
+        bytes. Emits `llm.HandshakeTimeoutMs`; unset leaves the engine default.
+
+        Raises:
+            TypeError: If not an int.
+            LLMException: `LLM_PARAM_INVALID` if outside [1, 600000].
+        """
+        return self._handshake_timeout_ms
+
+    @handshake_timeout_ms.setter
+    def handshake_timeout_ms(self, value: int) -> None:
+        _check_int_in("handshake_timeout_ms", value, 1, 600000)
+        self._handshake_timeout_ms = value
+
+    @property
     def engine_threads(self) -> Optional[int]:
         """Engine worker threads for local copies, in [1, 64]; emits `llm.EngineThreads`.
 
@@ -468,6 +488,7 @@ class LLMConfig:
             ("llm.RdmaServiceLevel", self._rdma_service_level),
             ("llm.OutputMaxSize", self._output_max_size),
             ("llm.TcpConnectionsPerPeer", self._tcp_connections_per_peer),
+            ("llm.HandshakeTimeoutMs", self._handshake_timeout_ms),
             ("llm.EngineThreads", self._engine_threads),
         ):
             if value is not None:

@@ -24,6 +24,7 @@ import multiprocessing.connection
 import multiprocessing.resource_tracker
 import os
 import pickle
+import resource
 import signal
 import socket
 import sys
@@ -297,6 +298,19 @@ def _datadist(ep: _Endpoint, method: str, *args: Any, **kwargs: Any) -> Any:
 
 
 @_command
+def _engine(ep: _Endpoint, method: str, *args: Any) -> Any:
+    return getattr(ep.datadist._engine, method)(*args)
+
+
+@_command
+def _set_rlimit(ep: _Endpoint, name: str, soft: Optional[int]) -> tuple[int, int]:
+    which = getattr(resource, name)
+    hard = resource.getrlimit(which)[1]
+    resource.setrlimit(which, (hard if soft is None else soft, hard))
+    return resource.getrlimit(which)
+
+
+@_command
 def _cm(ep: _Endpoint, method: str, *args: Any, **kwargs: Any) -> Any:
     return ep.call(method, args, kwargs)
 
@@ -370,7 +384,23 @@ def deny_memory_access() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE)")
 
 
-_PREPARE: dict[str, Callable[[], None]] = {"deny_memory_access": deny_memory_access}
+def run_unprivileged() -> None:
+    """Drops root for the user nobody, so that per-user limits (RLIMIT_NPROC)
+    apply to the child: the kernel does not hold root to them."""
+    if os.geteuid() == 0:
+        # Modules the commands load late, while the interpreter's files may
+        # be readable by root only.
+        np.random.default_rng(0)
+        os.setgroups([])
+        os.setgid(65534)
+        os.setuid(65534)
+        _die_with_parent()  # a change of user clears the parent-death signal
+
+
+_PREPARE: dict[str, Callable[[], None]] = {
+    "deny_memory_access": deny_memory_access,
+    "run_unprivileged": run_unprivileged,
+}
 
 
 def _die_with_parent() -> None:
@@ -645,6 +675,15 @@ class Peer:
     def datadist(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Calls ``LLMDataDist.<method>`` in the child."""
         return self._call("datadist", method, *args, **kwargs)
+
+    def engine(self, method: str, *args: Any) -> Any:
+        """Calls a method of the child's native engine (diagnostics such as ``link_stats``)."""
+        return self._call("engine", method, *args)
+
+    def set_rlimit(self, name: str, soft: Optional[int]) -> tuple[int, int]:
+        """Sets the child's soft limit ``resource.<name>`` (None: up to the hard
+        limit); returns the limits now."""
+        return self._call("set_rlimit", name, soft)
 
     def cm(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Calls ``CacheManager.<method>`` in the child; ``CacheRef`` arguments become its caches."""

@@ -192,6 +192,8 @@ void bind_engine(py::module_ &m) {
           },
           py::arg("peer"))
       .def("has_link", &Engine::has_link, py::arg("peer"))
+      .def("listener_stats", &Engine::listener_stats)
+      .def("link_stats", &Engine::link_stats, py::arg("peer"))
       .def("create_request", &Engine::create_request, py::arg("num_results"))
       .def(
           "transfer_step",

@@ -76,6 +76,7 @@ Status Engine::initialize(const OptionMap &options) {
   transport_options.connections_per_peer = parsed.tcp_connections_per_peer;
   transport_options.same_host = parsed.same_host;
   transport_options.auth_key = parsed.auth_key;
+  transport_options.handshake_timeout_ms = static_cast<int>(parsed.handshake_timeout_ms);
   if (!parsed.auth_key.empty()) {
     const std::string why = auth::unavailable();
     if (!why.empty()) {
@@ -276,6 +277,22 @@ bool Engine::has_link(uint64_t peer) const {
   return state_ == State::kReady && transport_->find(peer) != nullptr;
 }
 
+std::map<std::string, uint64_t> Engine::listener_stats() const {
+  std::shared_lock<std::shared_mutex> lock(state_mu_);
+  if (state_ != State::kReady || transport_->listen_port() == 0) return {};
+  const ListenerStats s = transport_->listener_stats();
+  return {{"waiting", s.waiting},   {"forming", s.forming}, {"accepted", s.accepted},
+          {"evicted", s.evicted},   {"expired", s.expired}, {"accept_pauses", s.accept_pauses},
+          {"links", transport_->link_count()}};
+}
+
+std::map<std::string, uint64_t> Engine::link_stats(uint64_t peer) const {
+  std::shared_lock<std::shared_mutex> lock(state_mu_);
+  size_t connections = 0, refused = 0;
+  if (state_ != State::kReady || !transport_->link_stats(peer, connections, refused)) return {};
+  return {{"connections", connections}, {"refused_groups", refused}};
+}
+
 uint16_t Engine::listen_port() const {
   std::shared_lock<std::shared_mutex> lock(state_mu_);
   return state_ == State::kReady ? transport_->listen_port() : 0;
@@ -301,17 +318,22 @@ Status Engine::link_clusters(const std::vector<LinkTarget> &targets, int timeout
   rets.assign(targets.size(), LLM_SUCCESS);
   for (size_t first = 0; first < targets.size(); first += kParallel) {
     std::vector<std::thread> threads;
+    auto link_one = [this, &targets, &rets, &details, timeout_ms](size_t i) {
+      const LinkTarget &t = targets[i];
+      if (t.peer_id == cluster_id_) {
+        rets[i] = LLM_PARAM_INVALID;
+        details[i] = "a cluster cannot link to itself";
+        return;
+      }
+      rets[i] = transport_->link(t.peer_id, t.remote_ip, t.remote_port, t.local_ip, timeout_ms);
+      details[i] = error_detail();
+    };
     for (size_t i = first; i < std::min(targets.size(), first + kParallel); ++i) {
-      threads.emplace_back([this, &targets, &rets, &details, timeout_ms, i] {
-        const LinkTarget &t = targets[i];
-        if (t.peer_id == cluster_id_) {
-          rets[i] = LLM_PARAM_INVALID;
-          details[i] = "a cluster cannot link to itself";
-          return;
-        }
-        rets[i] = transport_->link(t.peer_id, t.remote_ip, t.remote_port, t.local_ip, timeout_ms);
-        details[i] = error_detail();
-      });
+      try {
+        threads.emplace_back(link_one, i);
+      } catch (const std::system_error &) {
+        link_one(i);  // no thread to be had: this one links in turn
+      }
     }
     for (auto &thread : threads) thread.join();
   }

@@ -12,6 +12,7 @@
 #define DATADIST_ENGINE_H_
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <shared_mutex>
@@ -125,6 +126,11 @@ class Engine {
   Status link_transport(uint64_t peer, std::string &out) const;
   // Whether a link to `peer` is up now.
   bool has_link(uint64_t peer) const;
+  // Diagnostics, by name: the listener's counters (empty when it does not
+  // listen), and a link's connections and refused ordered transfers (empty
+  // without a link).
+  std::map<std::string, uint64_t> listener_stats() const;
+  std::map<std::string, uint64_t> link_stats(uint64_t peer) const;
   Status link_clusters(const std::vector<LinkTarget> &targets, int timeout_ms, std::vector<Status> &rets);
   Status unlink_clusters(const std::vector<uint64_t> &peers, bool force, int timeout_ms, std::vector<Status> &rets);
   // New role and listening state: listens on `listen_ip:listen_port` when

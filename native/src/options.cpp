@@ -186,6 +186,12 @@ Status parse_options(const OptionMap &options, EngineOptions &out) {
   } else if (const char *env = std::getenv(kAuthKeyEnv); env != nullptr && *env != '\0') {
     out.auth_key = env;
   }
+  if (const std::string *timeout = find(options, kOptHandshakeTimeout)) {
+    if (!parse_uint(*timeout, 600000, value) || value == 0) {
+      return refuse(LLM_PARAM_INVALID, "handshake timeout must be an integer in [1, 600000] ms, got '" + *timeout + "'");
+    }
+    out.handshake_timeout_ms = static_cast<uint32_t>(value);
+  }
   if (parse_listen(options, out.listen_ip, out.listen_port) != LLM_SUCCESS) return LLM_PARAM_INVALID;
   if (const std::string *total = find(options, kOptLinkTotalTime)) {
     if (!parse_uint(*total, UINT32_MAX, value)) return LLM_PARAM_INVALID;

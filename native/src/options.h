@@ -32,6 +32,9 @@ inline constexpr const char *kOptTransport = "llm.Transport";
 // links are not authenticated.
 inline constexpr const char *kOptAuthKey = "llm.AuthKey";
 inline constexpr const char *kAuthKeyEnv = "DATADIST_AIO_AUTH_KEY";
+// The time (ms) an accepted connection has to finish its handshake, and a
+// link to bring all its connections; default 5000.
+inline constexpr const char *kOptHandshakeTimeout = "llm.HandshakeTimeoutMs";
 inline constexpr const char *kOptLinkTotalTime = "llm.LinkTotalTime";
 inline constexpr const char *kOptLinkRetryCount = "llm.LinkRetryCount";
 inline constexpr const char *kOptRdmaServiceLevel = "llm.RdmaServiceLevel";
@@ -54,6 +57,7 @@ struct EngineOptions {
   uint32_t tcp_connections_per_peer = 2;
   bool same_host = true;  // llm.Transport "auto"
   std::string auth_key;   // llm.AuthKey, else $DATADIST_AIO_AUTH_KEY
+  uint32_t handshake_timeout_ms = 5000;
   // Rank-table comms: the time their links may take in all (s), and the
   // attempts it is shared among.
   uint32_t link_total_time_s = kDefaultLinkTotalTimeS;

@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <new>
+#include <system_error>
 
 #include "log.h"
 #include "transport/socket_util.h"
@@ -41,22 +43,29 @@ Link::~Link() {
   }
 }
 
-void Link::start() {
+bool Link::start() {
   auto self = shared_from_this();
   // Under the lock, so reap() either joins every thread or none was started.
   std::lock_guard<std::mutex> lock(mu_);
-  if (reaping_ || is_down()) return;
+  if (reaping_ || is_down()) return false;
   if (announce_copies_) {
     // Before any thread runs, so it is the first frame the peer reads.
     OutFrame hello;
     hello.header = wire::make_header(FrameType::kPeerCopies, 0, 0, 0);
     conns_[0]->queue.push_back(std::move(hello));
   }
-  for (auto &conn : conns_) {
-    Connection *c = conn.get();
-    c->reader = std::thread([self, c] { self->reader_loop(*c); });
-    c->writer = std::thread([self, c] { self->writer_loop(*c); });
+  try {
+    for (auto &conn : conns_) {
+      Connection *c = conn.get();
+      c->reader = std::thread([self, c] { self->reader_loop(*c); });
+      c->writer = std::thread([self, c] { self->writer_loop(*c); });
+    }
+  } catch (const std::system_error &) {
+    return false;  // the threads that did start end when the link is failed; reap() joins them
+  } catch (const std::bad_alloc &) {
+    return false;
   }
+  return true;
 }
 
 Link::Connection &Link::next_connection() {
@@ -159,15 +168,19 @@ void Link::submit(bool write, std::vector<PlannedFrame> frames, const std::share
   }
 }
 
-Status Link::ask(FrameType type, const std::vector<uint8_t> &body, int timeout_ms, wire::LookupReply *reply) {
+std::shared_ptr<Link::LookupState> Link::send_question(FrameType type, const std::vector<uint8_t> &body,
+                                                      Clock::time_point deadline) {
   auto state = std::make_shared<LookupState>();
   OutFrame out;
   out.body = body;
   out.header = wire::make_header(type, 0, static_cast<uint32_t>(out.body.size()), 0);
-  const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (reaped_ || is_down()) return down_reason_;
+    if (reaped_ || is_down()) {
+      state->status = down_reason_;
+      state->done = true;
+      return state;
+    }
     out.op_id = next_op_++;
     OpenOp &op = open_[out.op_id];
     op.deadline = deadline;
@@ -175,6 +188,27 @@ Status Link::ask(FrameType type, const std::vector<uint8_t> &body, int timeout_m
   }
   out.header.op_id = out.op_id;
   enqueue(next_connection(), std::move(out));
+  return state;
+}
+
+bool Link::probe(Clock::time_point deadline) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (is_down() || (probe_ && !probe_->done)) return false;
+  }
+  // A cache id no registry hands out: the owner answers "not found".
+  wire::Target target{};
+  target.kind = wire::kById;
+  target.cache_id = -1;
+  auto state = send_question(FrameType::kLookup, wire::encode_request(target, {}), deadline);
+  std::lock_guard<std::mutex> lock(mu_);
+  probe_ = state;
+  return !state->done;
+}
+
+Status Link::ask(FrameType type, const std::vector<uint8_t> &body, int timeout_ms, wire::LookupReply *reply) {
+  const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+  auto state = send_question(type, body, deadline);
   std::unique_lock<std::mutex> lock(mu_);
   if (!answered_cv_.wait_until(lock, deadline, [&] { return state->done; })) return LLM_TIMEOUT;
   if (reply != nullptr) *reply = state->reply;
@@ -391,7 +425,17 @@ Status Link::resolve_in_group(const wire::Request &req, ResolvedTarget &target) 
 void Link::refuse_group(uint64_t group) {
   if (group == 0) return;
   std::lock_guard<std::mutex> lock(mu_);
-  refused_groups_.insert(group);
+  if (!refused_groups_.insert(group).second) return;
+  refused_order_.push_back(group);
+  if (refused_order_.size() > kMaxRefusedGroups) {
+    refused_groups_.erase(refused_order_.front());
+    refused_order_.pop_front();
+  }
+}
+
+size_t Link::refused_group_count() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return refused_groups_.size();
 }
 
 void Link::serve_write(Connection &conn, const FrameHeader &header, const wire::Request &req) {

@@ -38,6 +38,11 @@ using Clock = std::chrono::steady_clock;
 
 class Link;
 
+// Refused ordered transfers a link remembers (owner side); past it, the
+// oldest is forgotten. A transfer that is refused keeps sending for at most
+// its in-flight layers, so only a very old one could come back.
+inline constexpr size_t kMaxRefusedGroups = 1024;
+
 // What a link needs from the transport that owns it.
 class LinkHost {
  public:
@@ -81,7 +86,9 @@ class Link : public std::enable_shared_from_this<Link> {
   Link(const Link &) = delete;
   Link &operator=(const Link &) = delete;
 
-  void start();
+  // Starts the connection threads; false (the link is then to be failed)
+  // when a thread or its memory cannot be had.
+  bool start();
   uint64_t peer_id() const { return peer_id_; }
   uint32_t peer_role() const { return peer_role_; }
   bool initiated_here() const { return initiated_here_; }
@@ -100,6 +107,10 @@ class Link : public std::enable_shared_from_this<Link> {
 
   // Asks the peer for the geometry of a cache; blocks up to timeout_ms.
   Status lookup(const wire::Target &target, wire::LookupReply &reply, int timeout_ms);
+  // Asks the peer a question that names nothing and does not wait: if no
+  // answer has come by `deadline`, the link is overdue (the host fails it).
+  // False when the link is down or a probe is already out.
+  bool probe(Clock::time_point deadline);
   // Asks the peer to drop its end and waits up to timeout_ms for it.
   Status request_unlink(int timeout_ms);
 
@@ -112,6 +123,8 @@ class Link : public std::enable_shared_from_this<Link> {
   // True if an open operation is past its deadline.
   bool overdue(Clock::time_point now) const;
   size_t open_operations() const;
+  size_t connection_count() const { return conns_.size(); }
+  size_t refused_group_count() const;
 
  private:
   struct OutFrame {
@@ -181,7 +194,10 @@ class Link : public std::enable_shared_from_this<Link> {
   // A same-host write (copy from the peer) or read (copy into the peer).
   void serve_peer_copy(Connection &conn, const wire::FrameHeader &header, const wire::Request &req, bool write);
   bool take_answer(const wire::FrameHeader &header, std::vector<uint8_t> &body, Connection &conn);
-  // Sends a body-less question frame and waits for its answer.
+  // Sends a question frame; its state is done once answered (or the link is down).
+  std::shared_ptr<LookupState> send_question(wire::FrameType type, const std::vector<uint8_t> &body,
+                                             Clock::time_point deadline);
+  // Sends a question frame and waits for its answer.
   Status ask(wire::FrameType type, const std::vector<uint8_t> &body, int timeout_ms, wire::LookupReply *reply);
   // resolve_request, refusing the rest of a group once one of it was refused.
   Status resolve_in_group(const wire::Request &req, ResolvedTarget &target);
@@ -210,7 +226,10 @@ class Link : public std::enable_shared_from_this<Link> {
   uint64_t next_op_ = 1;
   std::unordered_map<uint64_t, OpenOp> open_;
   Status down_reason_ = llm_datadist::LLM_LINK_FAILED;
-  std::unordered_set<uint64_t> refused_groups_;  // owner side
+  // Owner side: groups refused, the oldest forgotten past kMaxRefusedGroups.
+  std::unordered_set<uint64_t> refused_groups_;
+  std::deque<uint64_t> refused_order_;
+  std::shared_ptr<LookupState> probe_;  // the probe out, if any
   bool reaping_ = false;  // no thread may start any more
   bool reaped_ = false;
 };

@@ -14,6 +14,7 @@
 
 #include "log.h"
 #include "transport/auth.h"
+#include "transport/handshake.h"
 #include "transport/socket_util.h"
 
 namespace datadist {
@@ -29,10 +30,8 @@ using wire::FrameType;
 
 namespace {
 
-constexpr int kHandshakeTimeoutMs = 2000;
-constexpr auto kFormingLimit = std::chrono::seconds(10);
 constexpr auto kDeadlinePoll = std::chrono::milliseconds(20);
-constexpr uint32_t kMaxConnections = 64;
+constexpr size_t kMaxMadeCounts = 8 * kMaxLinks;
 
 uint64_t new_nonce() {
   static std::mt19937_64 gen{std::random_device{}()};
@@ -41,29 +40,9 @@ uint64_t new_nonce() {
   return gen();
 }
 
-// A handshake frame's body: a fixed part T (Hello or HelloAck), then the
-// same-host info and the authentication bytes (a nonce in a hello, a proof
-// in an ack) when the fixed part's flags announce them.
-template <typename T>
-struct Greeting {
-  static constexpr size_t kAuthBytes = std::is_same_v<T, wire::Hello> ? auth::kNonceBytes : auth::kProofBytes;
-  T fixed{};
-  wire::SameHostInfo same_host{};
-  std::array<uint8_t, auth::kProofBytes> auth{};
-
-  // The body as sent, without the authentication bytes when `with_auth` is false.
-  std::string bytes(bool with_auth = true) const {
-    std::string out(reinterpret_cast<const char *>(&fixed), sizeof(T));
-    if (fixed.flags & wire::kOffersSameHost) out.append(reinterpret_cast<const char *>(&same_host), sizeof(same_host));
-    if (with_auth && (fixed.flags & wire::kAuthenticated)) out.append(reinterpret_cast<const char *>(auth.data()), kAuthBytes);
-    return out;
-  }
-};
-
 bool send_body(int fd, FrameType type, const std::string &body, Status status = LLM_SUCCESS) {
-  FrameHeader header = wire::make_header(type, 0, static_cast<uint32_t>(body.size()), 0, status);
-  iovec iov[2] = {{&header, sizeof(header)}, {const_cast<char *>(body.data()), body.size()}};
-  return net::writev_full(fd, iov, body.empty() ? 1 : 2);
+  const std::string bytes = handshake::frame(type, body, status);
+  return net::write_full(fd, bytes.data(), bytes.size());
 }
 
 // Reads the body of a frame whose header was read: exactly `len` bytes.
@@ -73,39 +52,24 @@ bool recv_body(int fd, const FrameHeader &header, size_t len, std::string &body)
   return len == 0 || net::read_full(fd, body.data(), len);
 }
 
-// Reads a handshake frame of type `type` whose header was read.
-template <typename T>
-bool recv_greeting(int fd, FrameType type, const FrameHeader &header, Greeting<T> &out) {
-  if (!wire::check_header(header).empty() || header.type != static_cast<uint16_t>(type)) return false;
-  if (header.body_len < sizeof(T) || header.body_len > sizeof(T) + sizeof(out.same_host) + out.kAuthBytes) return false;
-  if (!net::read_full(fd, &out.fixed, sizeof(T))) return false;
-  const bool offers = (out.fixed.flags & wire::kOffersSameHost) != 0;
-  const bool authed = (out.fixed.flags & wire::kAuthenticated) != 0;
-  if (header.body_len != sizeof(T) + (offers ? sizeof(out.same_host) : 0) + (authed ? out.kAuthBytes : 0)) return false;
-  if (offers && !net::read_full(fd, &out.same_host, sizeof(out.same_host))) return false;
-  return !authed || net::read_full(fd, out.auth.data(), out.kAuthBytes);
-}
-
-// A refusal: an ack with `status` that names nothing of this end.
-void refuse(int fd, Status status) { send_body(fd, FrameType::kHelloAck, Greeting<wire::HelloAck>{}.bytes(), status); }
-
-std::string peer_address(int fd) {
-  sockaddr_storage addr{};
-  socklen_t len = sizeof(addr);
-  char host[INET6_ADDRSTRLEN] = "?";
-  uint16_t port = 0;
-  if (::getpeername(fd, reinterpret_cast<sockaddr *>(&addr), &len) == 0 && addr.ss_family == AF_INET) {
-    const auto *in = reinterpret_cast<const sockaddr_in *>(&addr);
-    ::inet_ntop(AF_INET, &in->sin_addr, host, sizeof(host));
-    port = ntohs(in->sin_port);
+// Reads an ack whose header was read.
+bool recv_ack(int fd, const FrameHeader &header, handshake::HelloAck &out) {
+  if (!wire::check_header(header).empty() || header.type != static_cast<uint16_t>(FrameType::kHelloAck) ||
+      header.body_len > handshake::HelloAck::kMaxBytes) {
+    return false;
   }
-  return std::string(host) + ":" + std::to_string(port);
+  std::string body(header.body_len, '\0');
+  return net::read_full(fd, body.data(), body.size()) && out.parse(body);
 }
 
 void close_all(const std::vector<int> &fds) {
   for (int fd : fds) {
     if (fd >= 0) ::close(fd);
   }
+}
+
+void send_to_all(const std::vector<int> &fds, const std::string &bytes) {
+  for (int fd : fds) net::write_full(fd, bytes.data(), bytes.size());
 }
 
 }  // namespace
@@ -120,36 +84,34 @@ TcpTransport::~TcpTransport() { shutdown(llm_datadist::LLM_LINK_FAILED); }
 Status TcpTransport::listen(const std::string &ip, uint16_t port) {
   std::lock_guard<std::mutex> lock(mu_);
   if (stopping_) return llm_datadist::LLM_FAILED;
-  if (listen_fd_ >= 0) return LLM_SUCCESS;
+  if (listener_) return LLM_SUCCESS;
+  ListenerOptions opts;
+  opts.cluster_id = cluster_id_;
+  opts.auth_key = options_.auth_key;
+  opts.connections_per_link = options_.connections_per_peer;
+  opts.user_timeout_ms = options_.user_timeout_ms;
+  opts.handshake_timeout_ms = options_.handshake_timeout_ms;
+  auto listener = std::make_unique<Listener>(opts, [this](FormedLink &formed) { admit(formed); });
   std::string error;
-  uint16_t bound = 0;
-  int fd = net::listen_tcp(ip, port, bound, error);
-  if (fd < 0) {
+  if (!listener->start(ip, port, error)) {
     log_warning("cannot listen on " + ip + ":" + std::to_string(port) + ": " + error);
     return LLM_PARAM_INVALID;
   }
-  listen_fd_ = fd;
-  listen_port_ = bound;
+  listen_port_ = listener->port();
   listen_ip_ = ip;
-  accept_thread_ = std::thread([this, fd] { accept_loop(fd); });
+  listener_ = std::move(listener);
   return LLM_SUCCESS;
 }
 
 void TcpTransport::stop_listening() {
-  std::thread accept;
-  int fd;
+  std::unique_ptr<Listener> listener;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    fd = listen_fd_;
-    listen_fd_ = -1;
+    listener.swap(listener_);
     listen_port_ = 0;
     listen_ip_.clear();
-    accept.swap(accept_thread_);
   }
-  if (fd < 0) return;
-  ::shutdown(fd, SHUT_RDWR);
-  if (accept.joinable()) accept.join();
-  ::close(fd);
+  if (listener) listener->stop();
 }
 
 uint16_t TcpTransport::listen_port() const {
@@ -157,155 +119,107 @@ uint16_t TcpTransport::listen_port() const {
   return listen_port_;
 }
 
-void TcpTransport::accept_loop(int listen_fd) {
-  for (;;) {
-    int fd = ::accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
-    if (fd < 0) {
-      if (errno == EINTR || errno == ECONNABORTED) continue;
-      return;  // the listener was shut down
-    }
-    accept_one(fd);
-  }
+ListenerStats TcpTransport::listener_stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return listener_ ? listener_->stats() : ListenerStats{};
 }
 
-void TcpTransport::accept_one(int fd) {
-  net::tune_data_socket(fd, options_.user_timeout_ms);
-  net::set_receive_timeout(fd, kHandshakeTimeoutMs);
-  FrameHeader header;
-  Greeting<wire::Hello> hello;
-  const wire::Hello &h = hello.fixed;
-  if (!net::read_full(fd, &header, sizeof(header)) || !recv_greeting(fd, FrameType::kHello, header, hello) ||
-      h.conn_count == 0 || h.conn_count > kMaxConnections || h.conn_index >= h.conn_count) {
-    log_warning("refused a connection from " + peer_address(fd) + ": no valid handshake");
-    ::close(fd);
-    return;
-  }
-  // With a secret, the initiator proves it before this end says anything
-  // about itself; the transcript is what both proofs cover.
-  std::string transcript = hello.bytes();
-  const bool authed = (h.flags & wire::kAuthenticated) != 0;
-  if (!options_.auth_key.empty() || authed) {
-    std::string refusal;
-    if (options_.auth_key.empty()) {
-      refusal = "it offers a link secret and this end has none";
-    } else if (!authed) {
-      refusal = "it did not prove the link secret";
-    } else {
-      std::array<uint8_t, auth::kNonceBytes> nonce;
-      auth::random_bytes(nonce.data(), nonce.size());
-      transcript.append(reinterpret_cast<const char *>(nonce.data()), nonce.size());
-      std::string proof;
-      if (!send_body(fd, FrameType::kChallenge, std::string(reinterpret_cast<const char *>(nonce.data()), nonce.size())) ||
-          !net::read_full(fd, &header, sizeof(header)) || !wire::check_header(header).empty() ||
-          header.type != static_cast<uint16_t>(FrameType::kProof) || !recv_body(fd, header, auth::kProofBytes, proof)) {
-        refusal = "no proof of the link secret";
-      } else if (!auth::same(auth::prove(options_.auth_key, auth::kInitiatorLabel, transcript),
-                             reinterpret_cast<const uint8_t *>(proof.data()))) {
-        refusal = "wrong proof of the link secret";
-      }
-    }
-    if (!refusal.empty()) {
-      log_warning("refused a connection from " + peer_address(fd) + " claiming cluster " +
-                  std::to_string(h.cluster_id) + ": " + refusal);
-      refuse(fd, llm_datadist::LLM_AUTH_FAILED);
-      ::close(fd);
-      return;
-    }
-  }
-  if (h.expected_peer_id != cluster_id_) {
-    refuse(fd, LLM_LINK_FAILED);
-    ::close(fd);
-    return;
-  }
-  const auto key = std::make_pair(h.cluster_id, h.link_nonce);
-  bool complete;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    Forming &forming = forming_[key];
-    if (forming.fds.empty()) {
-      forming.fds.assign(h.conn_count, -1);
-      forming.transcripts.assign(h.conn_count, {});
-      forming.started = Clock::now();
-      forming.role = h.role;
-      forming.offers_same_host = (h.flags & wire::kOffersSameHost) != 0;
-      forming.same_host = hello.same_host;
-    }
-    if (forming.fds.size() != h.conn_count || forming.fds[h.conn_index] >= 0) {
-      ::close(fd);
-      return;
-    }
-    forming.fds[h.conn_index] = fd;
-    forming.transcripts[h.conn_index] = std::move(transcript);
-    complete = ++forming.arrived == forming.fds.size();
-  }
-  if (complete) admit(h.cluster_id, h.link_nonce);
+bool TcpTransport::may_replace(const std::shared_ptr<Link> &existing, const FormedLink &formed) {
+  if (formed.authenticated || existing->is_down()) return true;
+  // A stranger may claim any id without a secret. The link stays while it
+  // answers; a probe with a deadline finds out whether it still does (the
+  // housekeeping thread fails it at the deadline otherwise).
+  if (existing->probe(Clock::now() + std::chrono::milliseconds(options_.user_timeout_ms))) operations_started();
+  log_warning("refused a link from " + std::to_string(formed.peer_id) +
+              ": a link with that cluster is up and this end has no secret to tell them apart");
+  return false;
 }
 
-void TcpTransport::admit(uint64_t peer_id, uint64_t nonce) {
-  Forming forming;
-  std::shared_ptr<Link> replaced;
+void TcpTransport::admit(FormedLink &formed) {
+  const uint64_t peer_id = formed.peer_id;
+  std::shared_ptr<Link> existing;
   Status st = LLM_SUCCESS;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = forming_.find({peer_id, nonce});
-    forming = std::move(it->second);
-    forming_.erase(it);
-    auto existing = links_.find(peer_id);
-    if (existing != links_.end() && existing->second->initiated_here()) {
+    auto it = links_.find(peer_id);
+    if (it != links_.end()) existing = it->second;
+    if ((existing && existing->initiated_here()) || linking_.count(peer_id) != 0) {
       st = LLM_ALREADY_LINK;
-    } else if (linking_.count(peer_id) != 0) {
-      st = LLM_ALREADY_LINK;
-    } else if (existing != links_.end()) {
-      replaced = existing->second;  // the peer linked again: its old link is gone
-      links_.erase(existing);
+    } else if (!existing && links_.size() + linking_.size() >= kMaxLinks) {
+      st = llm_datadist::LLM_CLUSTER_NUM_EXCEED_LIMIT;
     }
   }
-  if (replaced) replaced->fail(LLM_LINK_FAILED, "replaced by a new link from the same cluster");
-  Greeting<wire::HelloAck> ack;
+  if (st == LLM_SUCCESS && existing && !may_replace(existing, formed)) st = LLM_ALREADY_LINK;
+  handshake::HelloAck ack;
   ack.fixed = {cluster_id_, role_.load(), 0};
   if (st != LLM_SUCCESS) {
-    for (int fd : forming.fds) send_body(fd, FrameType::kHelloAck, ack.bytes(), st);
-    close_all(forming.fds);
+    send_to_all(formed.fds, handshake::frame(FrameType::kHelloAck, ack.bytes(), st));
+    close_all(formed.fds);
     return;
+  }
+  // The peer linked again: its old link is gone.
+  if (existing) existing->fail(LLM_LINK_FAILED, "replaced by a new link from the same cluster");
+  if (formed.fds.size() < formed.asked) {
+    ack.fixed.flags |= wire::kGrantsConnections;
+    ack.granted = static_cast<uint32_t>(formed.fds.size());
   }
   // Both ends want the same-host path: this end offers its own memory and
   // says whether it reached the initiator's.
   LinkPaths paths;
-  paths.offered = options_.same_host && forming.offers_same_host;
+  paths.offered = options_.same_host && formed.offers_same_host;
   if (paths.offered) {
-    paths.peer_memory = reach(peer_id, forming.same_host);
-    ack.fixed.flags = wire::kOffersSameHost | (paths.peer_memory ? uint32_t{wire::kCopiesForYou} : 0u);
+    paths.peer_memory = reach(peer_id, formed.same_host);
+    ack.fixed.flags |= wire::kOffersSameHost | (paths.peer_memory ? uint32_t{wire::kCopiesForYou} : 0u);
     ack.same_host = same_host::local_info();
   }
   if (!options_.auth_key.empty()) ack.fixed.flags |= wire::kAuthenticated;
-  // Known before the initiator hears back, so its link_clusters returns with
-  // both ends in place.
-  auto link = std::make_shared<Link>(peer_id, forming.role, false, forming.fds, this, paths);
+  std::shared_ptr<Link> link;
+  try {
+    link = std::make_shared<Link>(peer_id, formed.role, false, formed.fds, this, paths);
+  } catch (const std::bad_alloc &) {
+    send_to_all(formed.fds, handshake::refusal(LLM_LINK_FAILED));
+    close_all(formed.fds);
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return;  // the unstarted link closes its sockets
-    links_[peer_id] = link;
-    made_.push_back(link);
-    ++made_count_[peer_id];
+    made_.push_back(link);  // from now on shutdown() reaps it, whatever happens
   }
-  bool sent = true;
-  for (size_t i = 0; i < forming.fds.size(); ++i) {
-    if (!options_.auth_key.empty()) {
-      ack.auth = auth::prove(options_.auth_key, auth::kAcceptorLabel, forming.transcripts[i] + ack.bytes(false));
-    }
-    sent = send_body(forming.fds[i], FrameType::kHelloAck, ack.bytes()) && sent;
-  }
-  if (!sent) {
-    link->fail(LLM_LINK_FAILED, "the initiator went away during the handshake");
+  // Threads first: a link that cannot have them is refused, and only a
+  // started link is known (before the initiator hears back, so its
+  // link_clusters returns with both ends in place).
+  if (!link->start()) {
+    log_warning("refused a link from " + std::to_string(peer_id) + ": cannot start its threads");
+    send_to_all(formed.fds, handshake::refusal(LLM_LINK_FAILED));
+    link->fail(LLM_LINK_FAILED, "");
     return;
   }
-  for (int fd : forming.fds) net::set_receive_timeout(fd, 0);
-  link->start();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    links_[peer_id] = link;
+    count_made(peer_id);
+  }
+  bool sent = true;
+  for (size_t i = 0; i < formed.fds.size(); ++i) {
+    if (!options_.auth_key.empty()) {
+      ack.auth = auth::prove(options_.auth_key, auth::kAcceptorLabel, formed.transcripts[i] + ack.bytes(false));
+    }
+    sent = send_body(formed.fds[i], FrameType::kHelloAck, ack.bytes()) && sent;
+  }
+  if (!sent) link->fail(LLM_LINK_FAILED, "the initiator went away during the handshake");
+}
+
+void TcpTransport::count_made(uint64_t peer_id) {
+  ++made_count_[peer_id];
+  for (auto it = made_count_.begin(); made_count_.size() > kMaxMadeCounts && it != made_count_.end();) {
+    it = links_.count(it->first) == 0 ? made_count_.erase(it) : std::next(it);
+  }
 }
 
 Status TcpTransport::greet(int fd, uint64_t peer_id, uint64_t nonce, uint32_t index, uint32_t count,
-                           std::string &transcript) {
-  Greeting<wire::Hello> hello;
+                           std::string &transcript, uint32_t &granted) {
+  handshake::Hello hello;
   hello.fixed = {cluster_id_, peer_id, nonce, role_.load(), index, count, 0};
   if (options_.same_host) {
     hello.fixed.flags |= wire::kOffersSameHost;
@@ -319,14 +233,19 @@ Status TcpTransport::greet(int fd, uint64_t peer_id, uint64_t nonce, uint32_t in
   transcript = hello.bytes();
   if (!send_body(fd, FrameType::kHello, transcript)) return LLM_LINK_FAILED;
   if (!authed) return LLM_SUCCESS;
-  // The acceptor's challenge, or its refusal.
+  // The acceptor's challenge, its refusal, or (a connection past those it
+  // grants) the count it grants.
   FrameHeader header;
   std::string body;
   if (!net::read_full(fd, &header, sizeof(header)) || !wire::check_header(header).empty()) {
     return (errno == EAGAIN || errno == EWOULDBLOCK) ? LLM_TIMEOUT : LLM_LINK_FAILED;
   }
-  if (header.type == static_cast<uint16_t>(FrameType::kHelloAck) && header.status != LLM_SUCCESS) {
-    return header.status;
+  if (header.type == static_cast<uint16_t>(FrameType::kHelloAck)) {
+    handshake::HelloAck ack;
+    if (header.status != LLM_SUCCESS) return header.status;
+    if (!recv_ack(fd, header, ack) || !ack.grants() || ack.granted == 0 || ack.granted > index) return LLM_LINK_FAILED;
+    granted = ack.granted;
+    return LLM_SUCCESS;
   }
   if (header.type != static_cast<uint16_t>(FrameType::kChallenge) || !recv_body(fd, header, auth::kNonceBytes, body)) {
     return LLM_LINK_FAILED;
@@ -342,7 +261,9 @@ Status TcpTransport::link(uint64_t peer_id, const std::string &ip, uint16_t port
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return llm_datadist::LLM_FAILED;
-    if (links_.count(peer_id) != 0 || !linking_.insert(peer_id).second) return LLM_ALREADY_LINK;
+    if (links_.count(peer_id) != 0 || linking_.count(peer_id) != 0) return LLM_ALREADY_LINK;
+    if (links_.size() + linking_.size() >= kMaxLinks) return llm_datadist::LLM_CLUSTER_NUM_EXCEED_LIMIT;
+    linking_.insert(peer_id);
   }
   const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
   auto remaining = [&] {
@@ -354,21 +275,27 @@ Status TcpTransport::link(uint64_t peer_id, const std::string &ip, uint16_t port
   Status st = LLM_SUCCESS;
   const uint64_t nonce = new_nonce();
   const uint32_t count = options_.connections_per_peer;
-  for (uint32_t i = 0; i < count && st == LLM_SUCCESS; ++i) {
+  uint32_t granted = 0;  // set when a surplus connection was answered
+  for (uint32_t i = 0; i < count && st == LLM_SUCCESS && granted == 0; ++i) {
     bool timed_out = false;
     int fd = net::connect_tcp(ip, port, local_ip, remaining(), timed_out);
     if (fd < 0) {
       st = timed_out ? LLM_TIMEOUT : LLM_LINK_FAILED;
       break;
     }
-    fds.push_back(fd);
     net::tune_data_socket(fd, options_.user_timeout_ms);
     net::set_receive_timeout(fd, std::max(1, remaining()));
-    transcripts.emplace_back();
-    st = greet(fd, peer_id, nonce, i, count, transcripts.back());
+    std::string transcript;
+    st = greet(fd, peer_id, nonce, i, count, transcript, granted);
+    if (granted != 0) {
+      ::close(fd);  // past what the acceptor keeps
+      break;
+    }
+    fds.push_back(fd);
+    transcripts.push_back(std::move(transcript));
   }
   uint32_t peer_role = 0;
-  Greeting<wire::HelloAck> ack;
+  handshake::HelloAck ack;
   for (size_t i = 0; i < fds.size() && st == LLM_SUCCESS; ++i) {
     const int left = remaining();
     if (left == 0) {
@@ -377,12 +304,12 @@ Status TcpTransport::link(uint64_t peer_id, const std::string &ip, uint16_t port
     }
     net::set_receive_timeout(fds[i], left);
     FrameHeader header;
-    if (!net::read_full(fds[i], &header, sizeof(header)) || !recv_greeting(fds[i], FrameType::kHelloAck, header, ack)) {
+    if (!net::read_full(fds[i], &header, sizeof(header)) || !recv_ack(fds[i], header, ack)) {
       st = (errno == EAGAIN || errno == EWOULDBLOCK) ? LLM_TIMEOUT : LLM_LINK_FAILED;
     } else if (header.status != LLM_SUCCESS) {
       st = header.status;
     } else if (!options_.auth_key.empty() &&
-               ((ack.fixed.flags & wire::kAuthenticated) == 0 ||
+               (!ack.authenticated() ||
                 !auth::same(auth::prove(options_.auth_key, auth::kAcceptorLabel, transcripts[i] + ack.bytes(false)),
                             ack.auth.data()))) {
       log_warning("cluster " + std::to_string(peer_id) + " at " + ip + ":" + std::to_string(port) +
@@ -390,36 +317,62 @@ Status TcpTransport::link(uint64_t peer_id, const std::string &ip, uint16_t port
       st = llm_datadist::LLM_AUTH_FAILED;
     } else if (ack.fixed.cluster_id != peer_id) {
       st = LLM_LINK_FAILED;
+    } else {
+      // The acceptor decides how many connections the link has; every ack
+      // says the same. Connections past them were answered and closed.
+      const uint32_t kept = ack.grants() ? ack.granted : count;
+      if (i == 0 && kept >= 1 && kept <= fds.size()) {
+        close_all(std::vector<int>(fds.begin() + kept, fds.end()));
+        fds.resize(kept);
+        transcripts.resize(kept);
+      }
+      if (kept != fds.size()) st = LLM_LINK_FAILED;
     }
     peer_role = ack.fixed.role;
   }
   // The peer offered its memory in return: probe it, and tell it (first
   // frame of the link) when reached.
   LinkPaths paths;
-  if (st == LLM_SUCCESS && options_.same_host && (ack.fixed.flags & wire::kOffersSameHost) != 0) {
+  if (st == LLM_SUCCESS && options_.same_host && ack.offers_same_host()) {
     paths.offered = true;
     paths.peer_copies = (ack.fixed.flags & wire::kCopiesForYou) != 0;
     paths.peer_memory = reach(peer_id, ack.same_host);
     paths.announce = true;
   }
   std::shared_ptr<Link> link;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    linking_.erase(peer_id);
-    if (st == LLM_SUCCESS && stopping_) st = llm_datadist::LLM_FAILED;
-    if (st == LLM_SUCCESS) {
-      for (int fd : fds) net::set_receive_timeout(fd, 0);
+  if (st == LLM_SUCCESS) {
+    for (int fd : fds) net::set_receive_timeout(fd, 0);
+    try {
       link = std::make_shared<Link>(peer_id, peer_role, true, fds, this, paths);
-      links_[peer_id] = link;
-      made_.push_back(link);
-      ++made_count_[peer_id];
+      fds.clear();  // the link's now
+    } catch (const std::bad_alloc &) {
+      st = LLM_LINK_FAILED;
     }
   }
-  if (!link) {
-    close_all(fds);
-    return st;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (st == LLM_SUCCESS && stopping_) st = llm_datadist::LLM_FAILED;
+    if (st == LLM_SUCCESS) {
+      made_.push_back(link);  // from now on shutdown() reaps it, whatever happens
+    } else {
+      linking_.erase(peer_id);
+    }
   }
-  link->start();
+  if (st != LLM_SUCCESS) {
+    close_all(fds);
+    return st;  // an unstarted link closes its connections
+  }
+  if (!link->start()) {
+    log_warning("link to cluster " + std::to_string(peer_id) + ": cannot start its threads");
+    link->fail(LLM_LINK_FAILED, "");  // closes the connections; the peer's end goes down
+    std::lock_guard<std::mutex> lock(mu_);
+    linking_.erase(peer_id);
+    return LLM_LINK_FAILED;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  linking_.erase(peer_id);
+  links_[peer_id] = link;
+  count_made(peer_id);
   return LLM_SUCCESS;
 }
 
@@ -483,6 +436,14 @@ size_t TcpTransport::link_count() const {
   return links_.size();
 }
 
+bool TcpTransport::link_stats(uint64_t peer_id, size_t &connections, size_t &refused_groups) const {
+  std::shared_ptr<Link> link = find(peer_id);
+  if (!link) return false;
+  connections = link->connection_count();
+  refused_groups = link->refused_group_count();
+  return true;
+}
+
 void TcpTransport::link_down(const std::shared_ptr<Link> &link) {
   bool lost = false;
   {
@@ -530,7 +491,7 @@ void TcpTransport::reap_down_links() {
 void TcpTransport::housekeeping_loop() {
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
-    bool open = !forming_.empty();
+    bool open = false;
     for (auto &entry : links_) open = open || entry.second->open_operations() != 0;
     const uint64_t seen = generation_;
     auto woken = [&] { return stopping_ || !down_.empty() || generation_ != seen; };
@@ -547,17 +508,7 @@ void TcpTransport::housekeeping_loop() {
     for (auto &entry : links_) {
       if (entry.second->overdue(now)) overdue.push_back(entry.second);
     }
-    std::vector<int> stale;
-    for (auto it = forming_.begin(); it != forming_.end();) {
-      if (now - it->second.started < kFormingLimit) {
-        ++it;
-        continue;
-      }
-      stale.insert(stale.end(), it->second.fds.begin(), it->second.fds.end());
-      it = forming_.erase(it);
-    }
     lock.unlock();
-    close_all(stale);
     for (auto &link : overdue) link->fail(LLM_TIMEOUT, "an operation exceeded sync_kv_timeout; closing the link");
     reap_down_links();
     lock.lock();
@@ -572,8 +523,6 @@ void TcpTransport::shutdown(Status reason) {
     if (stopping_ && !housekeeping_.joinable()) return;
     stopping_ = true;
     housekeeping.swap(housekeeping_);
-    for (auto &entry : forming_) close_all(entry.second.fds);
-    forming_.clear();
   }
   cv_.notify_all();
   if (housekeeping.joinable()) housekeeping.join();

@@ -1,10 +1,14 @@
 // TcpTransport: listens for peers, establishes and tears down links, and
 // watches open operations for their deadlines.
 //
-// Threads: an accept thread while listening, and one housekeeping thread
-// that reaps links that went down and fails links whose operations overran
+// Threads: a Listener thread while listening (handshakes, see listener.h;
+// it also answers the links it completes), and one housekeeping thread that
+// reaps links that went down and fails links whose operations overran
 // sync_kv_timeout. Public methods may be called from any thread; shutdown()
 // must be the last call.
+//
+// Bounds: at most kMaxLinks links (either end starting them); a listener
+// grants each link at most its own connections_per_peer connections.
 #ifndef DATADIST_TRANSPORT_TCP_TRANSPORT_H_
 #define DATADIST_TRANSPORT_TCP_TRANSPORT_H_
 
@@ -21,6 +25,7 @@
 
 #include "registry.h"
 #include "transport/link.h"
+#include "transport/listener.h"
 
 namespace datadist {
 
@@ -31,7 +36,14 @@ struct TransportOptions {
   bool same_host = true;
   // Non-empty: every connection proves this shared secret both ways.
   std::string auth_key;
+  // The time an accepted connection has to finish its handshake, and a
+  // link to bring all its connections.
+  int handshake_timeout_ms = 5000;
 };
+
+// Links per process, as upstream's limit; one more is refused with
+// LLM_CLUSTER_NUM_EXCEED_LIMIT.
+inline constexpr size_t kMaxLinks = 512;
 
 class TcpTransport : public LinkHost {
  public:
@@ -61,6 +73,10 @@ class TcpTransport : public LinkHost {
   // link is lost: it went down while in use, not removed by an unlink from
   // either end. Set before links exist.
   void set_loss_observer(std::function<void(uint64_t peer_id)> observer) { loss_observer_ = std::move(observer); }
+  // Connections of the link to `peer_id` and the ordered transfers its
+  // owner side refuses; false without a link. For tests and diagnostics.
+  bool link_stats(uint64_t peer_id, size_t &connections, size_t &refused_groups) const;
+  ListenerStats listener_stats() const;
   void set_role(uint32_t role) { role_ = role; }
 
   // Tells the housekeeping thread that operations with deadlines are open.
@@ -74,23 +90,23 @@ class TcpTransport : public LinkHost {
   same_host::CopyPool &copy_pool() override { return copy_pool_; }
 
  private:
-  struct Forming {
-    std::vector<int> fds;
-    uint32_t role = 0;
-    std::vector<std::string> transcripts;  // per connection, what its proofs cover
-    bool offers_same_host = false;
-    wire::SameHostInfo same_host{};
-    size_t arrived = 0;
-    Clock::time_point started;
-  };
-
-  void accept_loop(int listen_fd);
-  void accept_one(int fd);
-  void admit(uint64_t peer_id, uint64_t nonce);
+  // Answers a link whose connections all came (listener thread): refuses
+  // it or makes it, then acks every connection.
+  void admit(FormedLink &formed);
+  // Whether a link from `formed.peer_id` may take the place of `existing`
+  // (a link the peer started): with a secret, the newcomer proved it;
+  // without one, only once `existing` is down. A live one is probed, so a
+  // peer that went away unnoticed is found out and its next link admitted.
+  bool may_replace(const std::shared_ptr<Link> &existing, const FormedLink &formed);
   // The initiator's side of one connection's handshake up to the ack: the
   // hello and, with a secret, the challenge and the proof. `transcript`
-  // gets what the acceptor's proof will cover.
-  Status greet(int fd, uint64_t peer_id, uint64_t nonce, uint32_t index, uint32_t count, std::string &transcript);
+  // gets what the acceptor's proof will cover. `granted` is set when the
+  // acceptor answered that it keeps only that many connections (this one
+  // past them).
+  // Counts a link made with `peer_id` (mu_ held).
+  void count_made(uint64_t peer_id);
+  Status greet(int fd, uint64_t peer_id, uint64_t nonce, uint32_t index, uint32_t count, std::string &transcript,
+               uint32_t &granted);
   // Probes a peer that offered the same-host path; the memory to serve its
   // same-host frames with, or nullptr when it cannot be reached.
   std::shared_ptr<same_host::PeerMemory> reach(uint64_t peer_id, const wire::SameHostInfo &info);
@@ -109,21 +125,21 @@ class TcpTransport : public LinkHost {
   std::condition_variable cv_;
   std::map<uint64_t, std::shared_ptr<Link>> links_;
   std::set<uint64_t> linking_;
-  std::map<std::pair<uint64_t, uint64_t>, Forming> forming_;
   std::vector<std::shared_ptr<Link>> down_;
   // Every link made and not reaped yet, whatever state it is in: shutdown()
   // reaps them all, so no link thread outlives the transport.
   std::vector<std::shared_ptr<Link>> made_;
-  std::map<uint64_t, uint64_t> made_count_;  // per peer, for links_made()
+  // Per peer, for links_made(); at most kMaxMadeCounts peers, those without
+  // a link forgotten first.
+  std::map<uint64_t, uint64_t> made_count_;
   uint64_t generation_ = 0;
   std::function<void(uint64_t)> loss_observer_;
   bool stopping_ = false;
   bool housekeeper_idle_ = false;  // waiting with no deadline to watch
 
-  int listen_fd_ = -1;
+  std::unique_ptr<Listener> listener_;
   uint16_t listen_port_ = 0;
   std::string listen_ip_;
-  std::thread accept_thread_;
   std::thread housekeeping_;
 };
 

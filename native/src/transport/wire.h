@@ -86,11 +86,17 @@ enum HelloFlags : uint32_t {
   kOffersSameHost = 1,  // a SameHostInfo follows the hello (or its ack)
   kCopiesForYou = 2,    // ack only: the acceptor reached the initiator's memory
   kAuthenticated = 4,   // hello: the initiator's nonce follows; ack: the acceptor's proof
+  // Ack only: a uint32 follows the same-host info, the connections the
+  // acceptor keeps (fewer than the hello's conn_count; it decides). An ack
+  // without the flag keeps them all. A connection past that count is
+  // answered by a bare ack with the flag, then closed.
+  kGrantsConnections = 8,
 };
 
 // A hello is followed by a SameHostInfo when its flags offer the same-host
 // path, then by the initiator's nonce when they say kAuthenticated; the ack
-// likewise, with the acceptor's proof in place of the nonce.
+// likewise (with the granted count between them when it has one), with the
+// acceptor's proof in place of the nonce.
 struct Hello {
   uint64_t cluster_id;
   uint64_t expected_peer_id;  // the id the initiator means to reach

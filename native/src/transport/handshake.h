@@ -1,0 +1,86 @@
+// The handshake frames as both ends build and read them: a hello (initiator)
+// or its ack (acceptor), each a fixed part followed by the optional parts its
+// flags announce. Used by the listener (non-blocking, from buffers) and by
+// the initiator (blocking sockets). No state; any thread.
+#ifndef DATADIST_TRANSPORT_HANDSHAKE_H_
+#define DATADIST_TRANSPORT_HANDSHAKE_H_
+
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+
+#include "transport/auth.h"
+#include "transport/wire.h"
+
+namespace datadist::handshake {
+
+// A handshake frame's body: a fixed part T (Hello or HelloAck), then in this
+// order the same-host info (kOffersSameHost), the connections the acceptor
+// grants (ack only, kGrantsConnections) and the authentication bytes (a nonce
+// in a hello, a proof in an ack; kAuthenticated).
+template <typename T>
+struct Greeting {
+  static constexpr bool kIsHello = std::is_same_v<T, wire::Hello>;
+  static constexpr size_t kAuthBytes = kIsHello ? auth::kNonceBytes : auth::kProofBytes;
+  static constexpr size_t kMaxBytes = sizeof(T) + sizeof(wire::SameHostInfo) + sizeof(uint32_t) + kAuthBytes;
+  T fixed{};
+  wire::SameHostInfo same_host{};
+  uint32_t granted = 0;
+  std::array<uint8_t, auth::kProofBytes> auth{};
+
+  bool offers_same_host() const { return (fixed.flags & wire::kOffersSameHost) != 0; }
+  bool grants() const { return !kIsHello && (fixed.flags & wire::kGrantsConnections) != 0; }
+  bool authenticated() const { return (fixed.flags & wire::kAuthenticated) != 0; }
+
+  // The body as sent, without the authentication bytes when `with_auth` is false.
+  std::string bytes(bool with_auth = true) const {
+    std::string out(reinterpret_cast<const char *>(&fixed), sizeof(T));
+    if (offers_same_host()) out.append(reinterpret_cast<const char *>(&same_host), sizeof(same_host));
+    if (grants()) out.append(reinterpret_cast<const char *>(&granted), sizeof(granted));
+    if (with_auth && authenticated()) out.append(reinterpret_cast<const char *>(auth.data()), kAuthBytes);
+    return out;
+  }
+
+  // Reads a whole body; false unless it is exactly what its flags announce.
+  bool parse(const std::string &body) {
+    if (body.size() < sizeof(T)) return false;
+    std::memcpy(&fixed, body.data(), sizeof(T));
+    const size_t expected = sizeof(T) + (offers_same_host() ? sizeof(same_host) : 0) +
+                            (grants() ? sizeof(granted) : 0) + (authenticated() ? kAuthBytes : 0);
+    if (body.size() != expected) return false;
+    size_t at = sizeof(T);
+    if (offers_same_host()) {
+      std::memcpy(&same_host, body.data() + at, sizeof(same_host));
+      at += sizeof(same_host);
+    }
+    if (grants()) {
+      std::memcpy(&granted, body.data() + at, sizeof(granted));
+      at += sizeof(granted);
+    }
+    if (authenticated()) std::memcpy(auth.data(), body.data() + at, kAuthBytes);
+    return true;
+  }
+};
+
+using Hello = Greeting<wire::Hello>;
+using HelloAck = Greeting<wire::HelloAck>;
+
+// The most connections a hello may ask for.
+constexpr uint32_t kMaxConnections = 64;
+
+// A whole frame: header and body (status for refusals).
+std::string frame(wire::FrameType type, const std::string &body,
+                  llm_datadist::Status status = llm_datadist::LLM_SUCCESS);
+
+// A refusal: an ack with `status` that names nothing of this end.
+std::string refusal(llm_datadist::Status status);
+
+// The answer to a connection past the count the acceptor grants: an ack
+// that names nothing but that count; the connection closes after it.
+std::string surplus(uint32_t granted);
+
+}  // namespace datadist::handshake
+
+#endif  // DATADIST_TRANSPORT_HANDSHAKE_H_
