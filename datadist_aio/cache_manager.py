@@ -10,6 +10,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from ._checks import (
+    UINT32_MAX,
     check_dict,
     check_int64,
     check_isinstance,
@@ -110,6 +111,14 @@ def _layer_span(
     raise_if_false(len(src) == len(dst), f"src and dst layer ranges differ in length: {len(src)} != {len(dst)}")
     local_range, remote_range = (src, dst) if local_is_src else (dst, src)
     return (local_range.start, remote_range.start, len(src), per_layer)
+
+
+def _default_span(cache: Cache, per_layer: Any) -> Optional[tuple[int, int, int, int]]:
+    """``_layer_span`` of a push of every layer, or None when ``per_layer``
+    is not a plain int in (0, 2**32) (the full checks then say why)."""
+    if type(per_layer) is not int or not 0 < per_layer <= UINT32_MAX:
+        return None
+    return (0, 0, cache._cache_desc.num_tensors // per_layer, per_layer)
 
 
 def _view(cache: Cache) -> tuple[int, int, list[int], int, int, list[int]]:
@@ -512,6 +521,26 @@ class CacheManager:
     ) -> CacheTask:
         """Starts pushing block ``src_blocks[k]`` to block ``dst_blocks[k]`` of the
         peer's blocks cache, for every selected layer, as one operation."""
+        # The usual call goes straight to the engine, which takes the block
+        # lists only when every element is an int in uint64 range; any other
+        # call, or lists it did not take, go through every check below.
+        if (
+            type(dst_cache_key) is BlocksCacheKey
+            and type(src_cache) is Cache
+            and src_cache._is_blocks_cache
+            and src_layer_range is None
+            and dst_layer_range is None
+            and self._valid
+            and self._remote_cache_accessible
+        ):
+            span = _default_span(src_cache, tensor_num_per_layer)
+            if span is not None:
+                started = self._engine.push_blocks(
+                    src_cache._cache_id, dst_cache_key._cluster_id, dst_cache_key._model_id, src_blocks, dst_blocks,
+                    span,
+                )
+                if started is not None:
+                    return self._task(started, lambda: f"push_blocks(cache {src_cache.cache_id} -> {dst_cache_key!r})")
         self._check_rca("push_blocks")
         check_isinstance("dst_cache_key", dst_cache_key, BlocksCacheKey, allow_none=False)
         check_isinstance("src_cache", src_cache, Cache, allow_none=False)
@@ -603,6 +632,23 @@ class CacheManager:
         blocks ``src_blocks`` (a ``BlocksCacheKey``), or the peer's batch slot
         cut into blocks (a ``CacheKey`` / ``CacheKeyByIdAndIndex``, no
         ``src_blocks``). Keywords as ``pull_cache``."""
+        # As push_blocks_async: the usual call with a BlocksCacheKey goes
+        # straight to the engine; any other, through every check below.
+        if (
+            type(src_cache_key) is BlocksCacheKey
+            and type(dst_cache) is Cache
+            and dst_cache._is_blocks_cache
+            and not kwargs
+            and type(src_blocks) in (list, tuple)
+            and src_blocks
+            and self._valid
+        ):
+            started = self._engine.pull_blocks(
+                dst_cache._cache_id, src_cache_key._cluster_id, remote_name(src_cache_key), src_blocks, dst_blocks,
+                (0, 0, dst_cache._cache_desc.num_tensors, 1),
+            )
+            if started is not None:
+                return self._task(started, lambda: f"pull_blocks({src_cache_key!r} -> cache {dst_cache.cache_id})")
         check_isinstance(
             "src_cache_key", src_cache_key, (CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey), allow_none=False
         )

@@ -112,16 +112,25 @@ class CacheTask:
         return statuses
 
     def __await__(self) -> Generator[Any, None, list[LLMStatusCode]]:
-        if not self.done():
+        # outcome(): 0 while running, n once all n results succeeded, -1
+        # for anything result() has to say more about.
+        outcome = self._request.outcome()
+        if outcome == 0:
             try:
                 yield from self._dispatcher.future_for(self._request).__await__()
             except asyncio.CancelledError:
                 self.cancel()
                 yield from self._settle().__await__()
                 raise
-            # finalize() resolves every waiting future once no request is in
-            # flight, which may be a moment before a request marks itself done.
-            self._request.wait(-1)
+            outcome = self._request.outcome()
+            if outcome == 0:
+                # finalize() resolves every waiting future once no request is
+                # in flight, which may be a moment before a request marks
+                # itself done.
+                self._request.wait(-1)
+                outcome = self._request.outcome()
+        if outcome > 0:
+            return [LLMStatusCode.LLM_SUCCESS] * outcome
         return self.result()
 
     async def _settle(self) -> None:

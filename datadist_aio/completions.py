@@ -13,9 +13,14 @@ from __future__ import annotations
 import asyncio
 import threading
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Optional
 
 __all__ = ["CompletionDispatcher"]
+
+
+def _no_loop() -> None:
+    return None
 
 
 def _resolve(future: asyncio.Future[None]) -> None:
@@ -46,29 +51,39 @@ class CompletionDispatcher:
         self._lock = threading.Lock()
         self._waiters: dict[int, list[asyncio.Future[None]]] = {}
         self._loops: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
+        # The loop that registered last: most calls come from it, and need
+        # no look-up in the weak set.
+        self._last_loop: Callable[[], Optional[asyncio.AbstractEventLoop]] = _no_loop
         self._closed = False
 
     def future_for(self, request: Any) -> asyncio.Future[None]:
         """A future of the running loop that resolves when ``request`` completes."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
+        request_id = request.id
         with self._lock:
             if self._closed:
                 future.set_result(None)  # finalize settled every request
                 return future
-            self._waiters.setdefault(request.id, []).append(future)
-            if loop not in self._loops:
-                loop.add_reader(self._fd, self._on_readable, loop)
-                self._loops.add(loop)
+            waiting = self._waiters.get(request_id)
+            if waiting is None:
+                self._waiters[request_id] = [future]
+            else:
+                waiting.append(future)
+            if self._last_loop() is not loop:
+                if loop not in self._loops:
+                    loop.add_reader(self._fd, self._on_readable, loop)
+                    self._loops.add(loop)
+                self._last_loop = weakref.ref(loop)
         # Registered before asking for the queue entry, so a drain on another
         # thread cannot miss it; if the request is already done no entry comes.
         if not request.watch():
             with self._lock:
-                waiting = self._waiters.get(request.id, [])
+                waiting = self._waiters.get(request_id, [])
                 if future in waiting:
                     waiting.remove(future)
                     if not waiting:
-                        del self._waiters[request.id]
+                        del self._waiters[request_id]
             _resolve(future)
         return future
 
@@ -88,6 +103,7 @@ class CompletionDispatcher:
             self._closed = True
             loops = list(self._loops)
             self._loops.clear()
+            self._last_loop = _no_loop
         try:
             current: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:

@@ -77,6 +77,29 @@ def test_local_copy_names_the_block(local):
     assert "destination block 1 is named twice" in str(info.value)
 
 
+@pytest.mark.parametrize("method", ["push_blocks_async", "pull_blocks_async"])
+@pytest.mark.parametrize(
+    "src, dst, kind, words",
+    [
+        ([0], [0, -1], ValueError, "dst_blocks[1] must be a uint64 in [0, 18446744073709551615], got -1"),
+        ([2**64], [0], ValueError, "src_blocks[0] must be a uint64 in [0, 18446744073709551615], got 18446744073709551616"),
+        ([0], [np.int64(0)], TypeError, "dst_blocks[0] must be int, got int64"),
+        ([0], (0, 1.0), TypeError, "dst_blocks[1] must be int, got float"),
+        ([0], None, TypeError, "dst_blocks must be list or tuple, got NoneType"),
+        ([0], [], dd.LLMException, "dst_blocks must not be empty"),
+    ],
+    ids=["negative", "past-64-bits", "numpy-int", "float-in-tuple", "none", "empty"],
+)
+def test_block_lists_are_checked_before_the_engine(local, method, src, dst, kind, words):
+    """The engine takes block lists only when they pass every check; any other
+    list gets the checks' own exception, before any link is looked for."""
+    cm = local.cache_manager
+    cache = cm.allocate_blocks_cache(_desc())
+    with pytest.raises(kind) as info:
+        getattr(cm, method)(dd.BlocksCacheKey(C, 0), cache, src, dst)
+    assert words in str(info.value), str(info.value)
+
+
 def test_swap_blocks_names_the_limit(local):
     cm = local.cache_manager
     src, dst = cm.allocate_blocks_cache(_desc()), cm.allocate_blocks_cache(_desc(blocks=4))

@@ -65,6 +65,29 @@ RemoteName make_name(const NameTuple &t) {
   return name;
 }
 
+// Block indices given from Python as a list or tuple of ints in [0, 2**64),
+// or None for none where `none_ok`; an empty one only where `empty_ok`.
+// False, with nothing raised, for anything else: the caller's own checks
+// then say what was wrong.
+bool block_list(py::handle given, bool none_ok, bool empty_ok, std::vector<uint64_t> &out) {
+  if (given.is_none()) return none_ok && empty_ok;
+  const bool is_list = PyList_Check(given.ptr());
+  if (!is_list && !PyTuple_Check(given.ptr())) return false;
+  const Py_ssize_t n = is_list ? PyList_GET_SIZE(given.ptr()) : PyTuple_GET_SIZE(given.ptr());
+  out.resize(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject *item = is_list ? PyList_GET_ITEM(given.ptr(), i) : PyTuple_GET_ITEM(given.ptr(), i);
+    if (!PyLong_Check(item)) return false;
+    const unsigned long long value = PyLong_AsUnsignedLongLong(item);
+    if (value == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
+      PyErr_Clear();  // negative, or past 64 bits
+      return false;
+    }
+    out[static_cast<size_t>(i)] = value;
+  }
+  return n > 0 || empty_ok;
+}
+
 // Runs `start` without the GIL; returns (status, request or None).
 template <typename Start>
 py::tuple start_request(Start &&start) {
@@ -292,8 +315,12 @@ void bind_engine(py::module_ &m) {
           py::arg("span"))
       .def(
           "push_blocks",
-          [](Engine &e, int64_t src_id, uint64_t peer, uint64_t model_id, const std::vector<uint64_t> &src_blocks,
-             const std::vector<uint64_t> &dst_blocks, const SpanTuple &span) {
+          [](Engine &e, int64_t src_id, uint64_t peer, uint64_t model_id, py::handle src_given, py::handle dst_given,
+             const SpanTuple &span) -> py::object {
+            std::vector<uint64_t> src_blocks, dst_blocks;
+            if (!block_list(src_given, true, true, src_blocks) || !block_list(dst_given, false, false, dst_blocks)) {
+              return py::none();
+            }
             RemoteName dst;
             dst.kind = wire::kBlocksOfModel;
             dst.model_id = model_id;
@@ -314,8 +341,12 @@ void bind_engine(py::module_ &m) {
           py::arg("dst_id"), py::arg("dst_slot"), py::arg("peer"), py::arg("src"), py::arg("size"), py::arg("span"))
       .def(
           "pull_blocks",
-          [](Engine &e, int64_t dst_id, uint64_t peer, const NameTuple &src, const std::vector<uint64_t> &src_blocks,
-             const std::vector<uint64_t> &dst_blocks, const SpanTuple &span) {
+          [](Engine &e, int64_t dst_id, uint64_t peer, const NameTuple &src, py::handle src_given,
+             py::handle dst_given, const SpanTuple &span) -> py::object {
+            std::vector<uint64_t> src_blocks, dst_blocks;
+            if (!block_list(src_given, false, true, src_blocks) || !block_list(dst_given, false, false, dst_blocks)) {
+              return py::none();
+            }
             return start_request([&](std::shared_ptr<Request> &out) {
               return e.pull_blocks(dst_id, peer, make_name(src), src_blocks, dst_blocks, make_span(span), out);
             });

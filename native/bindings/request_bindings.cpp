@@ -12,6 +12,7 @@ void bind_request(py::module_ &m) {
       .def_property_readonly("id", &Request::id)
       .def_property_readonly("num_results", &Request::num_results)
       .def("done", &Request::done)
+      .def("outcome", &Request::outcome)
       .def("wait", &Request::wait, py::arg("timeout_ms"), py::call_guard<py::gil_scoped_release>())
       .def("cancel", [](Request &r) { return r.cancel(kCancelledStatus); })
       .def("cancelled", &Request::cancelled)

@@ -83,6 +83,16 @@ bool Request::done() const {
   return done_;
 }
 
+int64_t Request::outcome() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!done_) return 0;
+  if (skipped_ && cancel_reason_ == kCancelledStatus) return -1;
+  for (Status s : results_) {
+    if (s != LLM_SUCCESS) return -1;
+  }
+  return static_cast<int64_t>(results_.size());
+}
+
 bool Request::wait(int64_t timeout_ms) const {
   std::unique_lock<std::mutex> lock(mu_);
   if (timeout_ms < 0) {

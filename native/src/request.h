@@ -55,6 +55,10 @@ class Request {
   bool cancelled() const;
 
   bool done() const;
+  // What an awaiting caller needs in one look: 0 while running; once done,
+  // the number of results when every one succeeded and nothing was
+  // cancelled, else -1.
+  int64_t outcome() const;
   // Waits for completion; timeout_ms < 0 waits forever. True if done.
   bool wait(int64_t timeout_ms) const;
   std::vector<Status> results() const;

@@ -1,5 +1,7 @@
 #include "test_support.h"
 
+#include "error_detail.h"
+
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -15,41 +17,7 @@ namespace dd_test {
 
 using namespace llm_datadist;
 
-std::string StatusName(Status st) {
-  switch (st) {
-    case LLM_SUCCESS: return "LLM_SUCCESS";
-    case LLM_FAILED: return "LLM_FAILED";
-    case LLM_WAIT_PROC_TIMEOUT: return "LLM_WAIT_PROC_TIMEOUT";
-    case LLM_KV_CACHE_NOT_EXIST: return "LLM_KV_CACHE_NOT_EXIST";
-    case LLM_REPEAT_REQUEST: return "LLM_REPEAT_REQUEST";
-    case LLM_REQUEST_ALREADY_COMPLETED: return "LLM_REQUEST_ALREADY_COMPLETED";
-    case LLM_PARAM_INVALID: return "LLM_PARAM_INVALID";
-    case LLM_ENGINE_FINALIZED: return "LLM_ENGINE_FINALIZED";
-    case LLM_NOT_YET_LINK: return "LLM_NOT_YET_LINK";
-    case LLM_ALREADY_LINK: return "LLM_ALREADY_LINK";
-    case LLM_LINK_FAILED: return "LLM_LINK_FAILED";
-    case LLM_UNLINK_FAILED: return "LLM_UNLINK_FAILED";
-    case LLM_NOTIFY_PROMPT_UNLINK_FAILED: return "LLM_NOTIFY_PROMPT_UNLINK_FAILED";
-    case LLM_CLUSTER_NUM_EXCEED_LIMIT: return "LLM_CLUSTER_NUM_EXCEED_LIMIT";
-    case LLM_PROCESSING_LINK: return "LLM_PROCESSING_LINK";
-    case LLM_DEVICE_OUT_OF_MEMORY: return "LLM_DEVICE_OUT_OF_MEMORY";
-    case LLM_PREFIX_ALREADY_EXIST: return "LLM_PREFIX_ALREADY_EXIST";
-    case LLM_PREFIX_NOT_EXIST: return "LLM_PREFIX_NOT_EXIST";
-    case LLM_SEQ_LEN_OVER_LIMIT: return "LLM_SEQ_LEN_OVER_LIMIT";
-    case LLM_NO_FREE_BLOCK: return "LLM_NO_FREE_BLOCK";
-    case LLM_BLOCKS_OUT_OF_MEMORY: return "LLM_BLOCKS_OUT_OF_MEMORY";
-    case LLM_EXIST_LINK: return "LLM_EXIST_LINK";
-    case LLM_FEATURE_NOT_ENABLED: return "LLM_FEATURE_NOT_ENABLED";
-    case LLM_TIMEOUT: return "LLM_TIMEOUT";
-    case LLM_LINK_BUSY: return "LLM_LINK_BUSY";
-    case LLM_OUT_OF_MEMORY: return "LLM_OUT_OF_MEMORY";
-    default: {
-      char buf[32];
-      std::snprintf(buf, sizeof(buf), "status 0x%08X", st);
-      return buf;
-    }
-  }
-}
+std::string StatusName(Status st) { return datadist::status_name(st); }
 
 uint16_t PickFreePort() {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
