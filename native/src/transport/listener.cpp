@@ -285,7 +285,7 @@ Listener::Next Listener::hello_read(Waiting &w, const std::string &body) {
   }
   // A connection past what this end grants is told the count and closed,
   // before anything else: the initiator opens no more.
-  const uint32_t granted = std::min(h.conn_count, options_.connections_per_link);
+  const uint32_t granted = std::min(uint32_t{h.conn_count}, options_.connections_per_link);
   if (h.conn_index >= granted) {
     answer_and_close(w.fd, handshake::surplus(granted));
     return Next::kDone;
@@ -338,7 +338,9 @@ void Listener::greeted(Waiting &w, Clock::time_point now) {
     answer_and_close(w.fd, handshake::refusal(LLM_LINK_FAILED));
     return;
   }
-  const auto key = std::make_pair(h.cluster_id, h.link_nonce);
+  // Copies: the hello's fields may lie unaligned in the receive buffer.
+  const uint64_t cluster_id = h.cluster_id, link_nonce = h.link_nonce;
+  const auto key = std::make_pair(cluster_id, link_nonce);
   auto it = forming_.find(key);
   if (it == forming_.end()) {
     if (forming_.size() >= options_.max_forming) {
@@ -361,7 +363,7 @@ void Listener::greeted(Waiting &w, Clock::time_point now) {
     f.link.authenticated = !options_.auth_key.empty();
     f.link.offers_same_host = w.hello.offers_same_host();
     f.link.same_host = w.hello.same_host;
-    const uint32_t granted = std::min(h.conn_count, options_.connections_per_link);
+    const uint32_t granted = std::min(uint32_t{h.conn_count}, options_.connections_per_link);
     f.link.fds.assign(granted, -1);
     f.link.transcripts.assign(granted, {});
   }
