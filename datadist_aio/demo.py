@@ -14,6 +14,7 @@ import asyncio
 import hashlib
 import multiprocessing as mp
 import os
+import secrets
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -83,8 +84,9 @@ def check_arguments(layers: int, blocks: int, block_bytes: int) -> None:
         )
 
 
-def _options(pool_bytes: int, listen: bool) -> dict[str, str]:
+def _options(pool_bytes: int, listen: bool, secret: str) -> dict[str, str]:
     config = LLMConfig()
+    config.auth_key = secret  # a fresh secret of this run: the two processes prove it to each other
     config.enable_cache_manager = True
     config.enable_remote_cache_accessible = True
     config.host_mem_pool_cfg = f'{{"memory_size": {pool_bytes}}}'
@@ -105,10 +107,10 @@ def _digest(cache: Cache, blocks: list[int]) -> str:
     return h.hexdigest()
 
 
-def _decode_main(conn: Connection, layers: int, blocks: int, block_bytes: int) -> None:
+def _decode_main(conn: Connection, layers: int, blocks: int, block_bytes: int, secret: str) -> None:
     """The decode process: reports its failure to the parent instead of dying silently."""
     try:
-        _decode(conn, layers, blocks, block_bytes)
+        _decode(conn, layers, blocks, block_bytes, secret)
     except BaseException as exc:
         try:
             conn.send(("error", "".join(traceback.format_exception_only(type(exc), exc)).strip()))
@@ -117,11 +119,11 @@ def _decode_main(conn: Connection, layers: int, blocks: int, block_bytes: int) -
         raise
 
 
-def _decode(conn: Connection, layers: int, blocks: int, block_bytes: int) -> None:
+def _decode(conn: Connection, layers: int, blocks: int, block_bytes: int, secret: str) -> None:
     """The decode process: listen, register the KV cache, check what arrives."""
     desc = _desc(layers, blocks, block_bytes)
     with LLMDataDist(LLMRole.DECODER, DECODE_ID) as datadist:
-        datadist.init(_options(desc.num_tensors * desc.size + _POOL_SLACK, listen=True))
+        datadist.init(_options(desc.num_tensors * desc.size + _POOL_SLACK, listen=True, secret=secret))
         cache = datadist.cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(DECODE_ID, 0))
         for t in range(desc.num_tensors):
             cache.as_numpy(t)[:] = 0
@@ -133,10 +135,12 @@ def _decode(conn: Connection, layers: int, blocks: int, block_bytes: int) -> Non
         conn.recv()
 
 
-async def _prefill(port: int, layers: int, blocks: int, block_bytes: int, seed: int) -> tuple[float, list[int], str]:
+async def _prefill(
+    port: int, layers: int, blocks: int, block_bytes: int, seed: int, secret: str
+) -> tuple[float, list[int], str, str]:
     desc = _desc(layers, blocks, block_bytes)
     with LLMDataDist(LLMRole.PROMPT, PREFILL_ID) as datadist:
-        datadist.init(_options(desc.num_tensors * desc.size + _POOL_SLACK, listen=False))
+        datadist.init(_options(desc.num_tensors * desc.size + _POOL_SLACK, listen=False, secret=secret))
         cache_manager = datadist.cache_manager
         cache = cache_manager.allocate_blocks_cache(desc)
         rng = np.random.default_rng(seed)
@@ -149,6 +153,7 @@ async def _prefill(port: int, layers: int, blocks: int, block_bytes: int, seed: 
         status, per_cluster = datadist.link_clusters([cluster], timeout=5000)
         if status is not LLMStatusCode.LLM_SUCCESS:
             raise RuntimeError(f"link to the decode process failed: {per_cluster}")
+        path = datadist.link_transport(DECODE_ID)
         used = blocks // 2
         src_blocks = sorted(rng.choice(blocks, size=used, replace=False).tolist())
         block_table = rng.permutation(blocks)[:used].tolist()
@@ -157,7 +162,7 @@ async def _prefill(port: int, layers: int, blocks: int, block_bytes: int, seed: 
         seconds = time.perf_counter() - start
         sent = _digest(cache, src_blocks)
         datadist.unlink_clusters([cluster])
-        return seconds, block_table, sent
+        return seconds, block_table, sent, path
 
 
 def _recv(conn: Connection, decode: Any, expected: str) -> Any:
@@ -179,16 +184,20 @@ def _recv(conn: Connection, decode: Any, expected: str) -> Any:
     return value
 
 
+_PATHS = {"same_host": "same host: one kernel copy by the decode side", "tcp": "TCP on loopback"}
+
+
 def run_demo(layers: int, blocks: int, block_bytes: int, seed: int) -> int:
     """Runs the demo; raises DemoError when it cannot run as asked."""
     check_arguments(layers, blocks, block_bytes)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    decode = ctx.Process(target=_decode_main, args=(child, layers, blocks, block_bytes), name="decode")
+    secret = secrets.token_hex(16)
+    decode = ctx.Process(target=_decode_main, args=(child, layers, blocks, block_bytes, secret), name="decode")
     decode.start()
     try:
         port = _recv(parent, decode, "listen port")
-        seconds, block_table, sent = asyncio.run(_prefill(port, layers, blocks, block_bytes, seed))
+        seconds, block_table, sent, path = asyncio.run(_prefill(port, layers, blocks, block_bytes, seed, secret))
         parent.send(block_table)
         received, untouched = _recv(parent, decode, "check of the received bytes")
         parent.send(None)
@@ -199,7 +208,8 @@ def run_demo(layers: int, blocks: int, block_bytes: int, seed: int) -> int:
             decode.join()
     moved = len(block_table) * block_bytes * 2 * layers
     print(
-        f"prefill -> decode over TCP on loopback: {layers} layers x (K, V), {len(block_table)} blocks of "
+        f"prefill -> decode ({_PATHS.get(path, path)}, authenticated link): {layers} layers x (K, V), "
+        f"{len(block_table)} blocks of "
         f"{block_bytes // 1024} KiB to a random block table, {moved / (1 << 20):.1f} MiB in "
         f"{seconds * 1e3:.1f} ms ({moved / seconds / 1e9:.2f} GB/s)"
     )

@@ -56,7 +56,7 @@ def test_the_decode_side_failure_is_reported_at_once():
     """The child's own error comes back through the pipe, not after a 60 s wait."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    decode = ctx.Process(target=demo._decode_main, args=(child, 0, 8, 1024))  # 0 layers: CacheDesc refuses
+    decode = ctx.Process(target=demo._decode_main, args=(child, 0, 8, 1024, "secret"))  # 0 layers: CacheDesc refuses
     decode.start()
     child.close()
     start = time.monotonic()
@@ -69,6 +69,7 @@ def test_the_decode_side_failure_is_reported_at_once():
         if decode.is_alive():
             decode.kill()
             decode.join()
+        decode.close()  # its sentinel descriptor
         parent.close()
 
 
