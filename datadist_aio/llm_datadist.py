@@ -271,6 +271,11 @@ class LLMDataDist:
         ``link_total_time`` has passed (``llm.LinkTotalTime``, seconds;
         default 120). Transfers then work as after ``link_clusters``.
 
+        The comm keeps its links: one lost to a dead peer or to
+        ``sync_kv_timeout`` is made again the same way, within
+        ``link_total_time``; meanwhile the status is ``PREPARING`` and a
+        transfer to that peer raises ``LLM_PROCESSING_LINK``, a code to retry on.
+
         A member that must accept and does not listen yet starts listening at
         its own entry of the table (``device_ip``, ``device_port``).
         Raises ``LLMException(LLM_PARAM_INVALID)`` for malformed arguments or
