@@ -43,6 +43,13 @@ Link::~Link() {
   }
 }
 
+bool Link::peer_closed() const {
+  for (const auto &conn : conns_) {
+    if (conn->fd >= 0 && net::peer_closed(conn->fd)) return true;
+  }
+  return false;
+}
+
 bool Link::start() {
   auto self = shared_from_this();
   // Under the lock, so reap() either joins every thread or none was started.

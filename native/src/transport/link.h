@@ -111,6 +111,9 @@ class Link : public std::enable_shared_from_this<Link> {
   // answer has come by `deadline`, the link is overdue (the host fails it).
   // False when the link is down or a probe is already out.
   bool probe(Clock::time_point deadline);
+  // Whether the peer has closed any of the link's connections (its FIN or a
+  // reset has arrived), though this end's readers may not have seen it yet.
+  bool peer_closed() const;
   // Asks the peer to drop its end and waits up to timeout_ms for it.
   Status request_unlink(int timeout_ms);
 

@@ -125,7 +125,9 @@ ListenerStats TcpTransport::listener_stats() const {
 }
 
 bool TcpTransport::may_replace(const std::shared_ptr<Link> &existing, const FormedLink &formed) {
-  if (formed.authenticated || existing->is_down()) return true;
+  // A link whose peer has closed it (a forced unlink, an exit) is gone,
+  // whether or not this end's readers have seen it yet.
+  if (formed.authenticated || existing->is_down() || existing->peer_closed()) return true;
   // A stranger may claim any id without a secret. The link stays while it
   // answers; a probe with a deadline finds out whether it still does (the
   // housekeeping thread fails it at the deadline otherwise).
