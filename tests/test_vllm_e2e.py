@@ -156,6 +156,10 @@ def test_prefill_failures_recompute_or_fail_within_the_timeout(pair: dict[str, A
         warm = prompts_of_lengths([64], seed=4)
         (warm_ref,) = tokens(prefill.generate(warm, MAX_TOKENS))
         assert tokens(failing.generate(warm, MAX_TOKENS, prefill_params(prefill, warm))) == [warm_ref]
+        # Prompts this decode side has never seen: nothing of them can come
+        # from its own prefix cache, so each one needs its load.
+        prompts = prompts_of_lengths([210, 460], seed=5)
+        reference = tokens(prefill.generate(prompts, MAX_TOKENS))
         params = prefill_params(prefill, prompts)
         dead_params = params
         prefill.stop_signal()  # holds the load in flight until the kill
