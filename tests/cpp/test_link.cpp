@@ -27,6 +27,20 @@ class LinkTest : public LinkedPairTest {
   Status ServerPush() {
     return server_->PushKvBlocks(server_cache_.cache(), client_cache_.At(kClientId), {2}, {3});
   }
+  // Pushes the client's block 0 to the server's block 1, checking the
+  // server's bytes; with `both_ways`, then the server's block 2 to the
+  // client's block 3, checking the client's.
+  void ExpectPushes(bool both_ways) {
+    Bytes server_expected = server_cache_.Snapshot();
+    ApplyUnits(server_expected, client_cache_.Snapshot(), 32, LayerPairs(0, 0, 1), 2, {0}, {1});
+    ASSERT_STATUS(LLM_SUCCESS, ClientPush());
+    EXPECT_TRUE(SameBytes(server_cache_.Snapshot(), server_expected));
+    if (!both_ways) return;
+    Bytes client_expected = client_cache_.Snapshot();
+    ApplyUnits(client_expected, server_cache_.Snapshot(), 32, LayerPairs(0, 0, 1), 2, {2}, {3});
+    ASSERT_STATUS(LLM_SUCCESS, ServerPush());
+    EXPECT_TRUE(SameBytes(client_cache_.Snapshot(), client_expected));
+  }
 
   HostCache server_cache_{2, 4, 32, 11};
   HostCache client_cache_{2, 4, 32, 22};
@@ -50,15 +64,7 @@ TEST_F(LinkTest, LinkedPairMovesDataBothWays) {
   EXPECT_EQ(path, "same_host");
   EXPECT_EQ(SettledTransport(*server_, kClientId, "same_host"), "same_host");
   EXPECT_STATUS(LLM_NOT_YET_LINK, client_->GetLinkTransport(kUnlinkedId, path));
-  Bytes server_expected = server_cache_.Snapshot();
-  ApplyUnits(server_expected, client_cache_.Snapshot(), 32, LayerPairs(0, 0, 1), 2, {0}, {1});
-  ASSERT_STATUS(LLM_SUCCESS, ClientPush());
-  EXPECT_TRUE(SameBytes(server_cache_.Snapshot(), server_expected));
-
-  Bytes client_expected = client_cache_.Snapshot();
-  ApplyUnits(client_expected, server_cache_.Snapshot(), 32, LayerPairs(0, 0, 1), 2, {2}, {3});
-  ASSERT_STATUS(LLM_SUCCESS, ServerPush());
-  EXPECT_TRUE(SameBytes(client_cache_.Snapshot(), client_expected));
+  ExpectPushes(true);
 }
 
 // OPTION_TRANSPORT "tcp" on either end keeps the link's bytes on sockets.
@@ -73,14 +79,7 @@ TEST_F(TcpLinkTest, LinkedPairMovesDataBothWaysOverTcp) {
   EXPECT_EQ(path, "tcp");
   ASSERT_STATUS(LLM_SUCCESS, server_->GetLinkTransport(kClientId, path));
   EXPECT_EQ(path, "tcp");
-  Bytes server_expected = server_cache_.Snapshot();
-  ApplyUnits(server_expected, client_cache_.Snapshot(), 32, LayerPairs(0, 0, 1), 2, {0}, {1});
-  ASSERT_STATUS(LLM_SUCCESS, ClientPush());
-  EXPECT_TRUE(SameBytes(server_cache_.Snapshot(), server_expected));
-  Bytes client_expected = client_cache_.Snapshot();
-  ApplyUnits(client_expected, server_cache_.Snapshot(), 32, LayerPairs(0, 0, 1), 2, {2}, {3});
-  ASSERT_STATUS(LLM_SUCCESS, ServerPush());
-  EXPECT_TRUE(SameBytes(client_cache_.Snapshot(), client_expected));
+  ExpectPushes(true);
 }
 
 // A shared secret on both ends: the link proves it both ways and works.
@@ -90,12 +89,7 @@ class AuthLinkTest : public LinkTest {
   Options ClientOptions() const override { return {{OPTION_AUTH_KEY, "open sesame"}}; }
 };
 
-TEST_F(AuthLinkTest, MatchingSecretsLinkAndMoveData) {
-  Bytes server_expected = server_cache_.Snapshot();
-  ApplyUnits(server_expected, client_cache_.Snapshot(), 32, LayerPairs(0, 0, 1), 2, {0}, {1});
-  ASSERT_STATUS(LLM_SUCCESS, ClientPush());
-  EXPECT_TRUE(SameBytes(server_cache_.Snapshot(), server_expected));
-}
+TEST_F(AuthLinkTest, MatchingSecretsLinkAndMoveData) { ExpectPushes(false); }
 
 TEST_F(AuthLinkTest, AWrongOrMissingSecretIsAuthFailed) {
   for (const char *key : {"open barley", ""}) {
