@@ -198,7 +198,9 @@ def test_the_listener_accepts_again_after_the_fd_limit(group, sockets):
 
 @pytest.mark.parametrize("secret", [None, SECRET], ids=["plain", "secret"])
 def test_the_listener_decides_the_connection_count(group, secret):
-    keyed = {"auth_key": secret} if secret else {}
+    # Over TCP, so the connections show in the kernel's table (a same-host
+    # link moves to local sockets).
+    keyed = {"auth_key": secret, "transport": "tcp"} if secret else {"transport": "tcp"}
     b = group.start("b", dd.LLMRole.DECODER, B, options={**keyed, "tcp_connections_per_peer": 2})
     a = group.start("a", dd.LLMRole.PROMPT, A, options={**keyed, "tcp_connections_per_peer": 64})
     assert a.link(b) == LINKED

@@ -67,9 +67,33 @@ def test_the_link_reports_its_path_and_both_directions_move_bytes(group, initiat
     assert a.link(b) == LINKED
     assert a.datadist("link_transport", B) == path
     assert wait_for_path(b, A, path)
+    # A same-host link runs on Unix socket pairs, one per connection; its
+    # TCP connections carried the handshake only.
+    connections = a.engine("link_stats", B)["connections"]
+    local = connections if path == "same_host" else 0
+    assert connections >= 2
+    for x, y in ((a, B), (b, A)):
+        stats = x.engine("link_stats", y)
+        assert (stats["connections"], stats["local_sockets"]) == (connections, local)
+    tcp = connections - local
+    assert established_on(b.listen_port, expected=tcp) == tcp
     assert_both_ways(a, b, (10, 11), seed=1)
     with raises_status(dd.LLMStatusCode.LLM_NOT_YET_LINK):
         a.datadist("link_transport", 77)
+
+
+def established_on(port: int, expected: int, settle_s: float = 2.0) -> int:
+    """Established TCP connections whose local end is `port`: `expected` as
+    soon as the count is that, else the count after `settle_s` (connections
+    that carried a handshake only close just after it)."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        with open("/proc/net/tcp") as table:
+            rows = [line.split() for line in table.readlines()[1:]]
+        count = sum(1 for row in rows if int(row[1].split(":")[1], 16) == port and row[3] == "01")
+        if count == expected or time.monotonic() > deadline:
+            return count
+        time.sleep(0.02)
 
 
 def test_a_kernel_refusal_falls_back_to_tcp_for_that_direction(group):

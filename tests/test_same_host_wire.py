@@ -34,6 +34,7 @@ from wire_frames import (
     HELLO_ACK,
     HELLO_ACK_T,
     HELLO_T,
+    LOCAL_SOCKET,
     OFFERS_SAME_HOST,
     PEER_COPIES_T,
     READ_DATA_T,
@@ -74,12 +75,19 @@ class Prober:
         )
 
 
-def offer(port: int, hello_info: bytes | None, nonce: int) -> tuple[socket.socket, int, bytes]:
-    """Links with a hello that offers `hello_info` (none: no offer); returns the
-    socket, the ack's flags and the info the ack carried."""
+def offer(
+    port: int, hello_info: bytes | None, nonce: int, local_socket: int | None = None
+) -> tuple[socket.socket, int, bytes]:
+    """Links with a hello that offers `hello_info` (none: no offer) and names
+    descriptor `local_socket` of this process; returns the socket, the ack's
+    flags and the info the ack carried."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=5)
     flags = OFFERS_SAME_HOST if hello_info is not None else 0
-    body = HELLO.pack(FORGER_ID, SERVER_ID, nonce, 1, 0, 1, flags) + (hello_info or b"")
+    named = b""
+    if local_socket is not None:
+        flags |= LOCAL_SOCKET
+        named = local_socket.to_bytes(4, "little")
+    body = HELLO.pack(FORGER_ID, SERVER_ID, nonce, 1, 0, 1, flags) + (hello_info or b"") + named
     sock.sendall(frame(HELLO_T, body))
     kind, status, _, ack, _ = recv_frame(sock)
     assert (kind, status) == (HELLO_ACK_T, 0)
@@ -255,3 +263,59 @@ def test_a_hello_with_a_truncated_offer_is_refused(server):
         sock.sendall(frame(HELLO_T, body))
         with pytest.raises(ConnectionError):
             recv_frame(sock)
+
+
+def write_from_lands(sock: socket.socket, cache, op_id: int, fill: int) -> None:
+    """A same-host write of one block over `sock` is answered and lands."""
+    source = ctypes.create_string_buffer(bytes([fill]) * BLOCK, BLOCK)
+    sock.sendall(copy_frame(WRITE_FROM_T, [(0, 7, 0, BLOCK)], [(ctypes.addressof(source), BLOCK)], op_id))
+    assert recv_frame(sock)[:3] == (WRITE_ACK_T, 0, op_id)
+    assert bytes(cache.as_numpy(0)[7]) == bytes([fill]) * BLOCK
+
+
+def test_a_named_local_socket_carries_the_link(server):
+    datadist, cache = server
+    prober = Prober()
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with mine, theirs:
+        sock, flags, _ = offer(datadist.listen_port, prober.info(), nonce=41, local_socket=theirs.fileno())
+        with sock:
+            assert flags == OFFERS_SAME_HOST | COPIES_FOR_YOU | LOCAL_SOCKET
+            sock.settimeout(5)
+            assert sock.recv(1) == b""  # the TCP connection carried the handshake only
+        theirs.close()  # the engine holds its own copy of that end
+        mine.settimeout(5)
+        write_from_lands(mine, cache, op_id=3, fill=0x31)
+
+
+@pytest.mark.parametrize("named", ["tcp_socket", "file", "closed", "huge"])
+def test_a_named_descriptor_that_is_not_a_local_socket_keeps_tcp(server, tmp_path, named):
+    datadist, cache = server
+    prober = Prober()
+    with open(tmp_path / "not-a-socket", "wb") as file:
+        probe = socket.create_connection(("127.0.0.1", datadist.listen_port), timeout=5)
+        with probe:
+            closed = os.dup(file.fileno())
+            os.close(closed)
+            number = {"tcp_socket": probe.fileno(), "file": file.fileno(), "closed": closed, "huge": 2**32 - 1}[named]
+            sock, flags, _ = offer(datadist.listen_port, prober.info(), nonce=42, local_socket=number)
+    with sock:
+        assert flags == OFFERS_SAME_HOST | COPIES_FOR_YOU  # no local socket: the link stays on TCP
+        sock.settimeout(5)
+        write_from_lands(sock, cache, op_id=4, fill=0x42)
+
+
+def test_a_local_socket_named_without_the_same_host_offer_is_not_taken(server):
+    datadist, cache = server
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with mine, theirs:
+        sock = socket.create_connection(("127.0.0.1", datadist.listen_port), timeout=5)
+        with sock:
+            # The flag without the same-host info: the number is not part of
+            # the hello, so four more bytes make it malformed and it is refused.
+            body = HELLO.pack(FORGER_ID, SERVER_ID, 43, 1, 0, 1, LOCAL_SOCKET) + theirs.fileno().to_bytes(4, "little")
+            sock.sendall(frame(HELLO_T, body))
+            sock.settimeout(5)
+            with pytest.raises(ConnectionError):
+                recv_frame(sock)
+    assert untouched(cache)

@@ -8,6 +8,7 @@ closes only that connection.
 from __future__ import annotations
 
 import socket
+import time
 
 import numpy as np
 import pytest
@@ -222,3 +223,51 @@ def test_a_refusal_carries_the_owners_reason(server, ranges, kind, cache_id, exp
         assert (kind_, op_id, data) == (READ_DATA_T, 4, b"") and status != 0
         assert all(w in body.decode() for w in words), body
     assert untouched(cache)
+
+
+def every_block(fill_base: int) -> tuple[list[tuple[int, int, int, int]], bytes]:
+    """Ranges over every block of both tensors (8 KiB) and their data, a byte
+    value per block."""
+    ranges = [(t, b, 0, BLOCK) for t in range(2) for b in range(BLOCKS)]
+    data = b"".join(bytes([(fill_base + i) % 251 + 1]) * BLOCK for i in range(len(ranges)))
+    return ranges, data
+
+
+def landed(cache: dd.Cache, data: bytes) -> bool:
+    got = b"".join(cache.as_numpy(t)[b].tobytes() for t in range(2) for b in range(BLOCKS))
+    return got == data
+
+
+@pytest.mark.parametrize("how", ["trickled", "data_later", "back_to_back"])
+def test_frames_are_read_whole_however_their_bytes_arrive(server, how):
+    # One byte at a time, the data after a pause (so it is read straight into
+    # the cache), or several frames in one send (read from one buffer).
+    datadist, cache = server
+    with linked(datadist.listen_port) as sock:
+        frames = []
+        for op_id in range(3):
+            ranges, data = every_block(fill_base=17 * op_id)
+            frames.append((frame(WRITE_T, request(ranges), data, op_id=10 + op_id), data))
+        if how == "trickled":
+            whole, data = frames[0]
+            for i in range(0, len(whole), 97):
+                sock.sendall(whole[i : i + 97])
+                if i < 2000:
+                    time.sleep(0.001)
+            assert recv_frame(sock)[:3] == (WRITE_ACK_T, 0, 10)
+            assert landed(cache, data)
+        elif how == "data_later":
+            whole, data = frames[1]
+            sock.sendall(whole[: len(whole) - len(data)])
+            time.sleep(0.1)
+            sock.sendall(whole[len(whole) - len(data) :])
+            assert recv_frame(sock)[:3] == (WRITE_ACK_T, 0, 11)
+            assert landed(cache, data)
+        else:
+            sock.sendall(b"".join(whole for whole, _ in frames) + frame(READ_T, request([(1, 15, 0, BLOCK)]), op_id=20))
+            for op_id in range(3):
+                assert recv_frame(sock)[:3] == (WRITE_ACK_T, 0, 10 + op_id)
+            kind, status, op_id, _, data = recv_frame(sock)
+            assert (kind, status, op_id) == (READ_DATA_T, 0, 20)
+            assert data == frames[2][1][-BLOCK:]
+            assert landed(cache, frames[2][1])

@@ -5,6 +5,7 @@
 
 #include "error_detail.h"
 #include "log.h"
+#include "thread_name.h"
 
 namespace datadist {
 
@@ -86,7 +87,10 @@ Status CommLinks::link(const CommSpec &given, uint64_t &comm_id) {
     comm->spec = std::move(spec);
     comm_id = next_id_++;
     comms_[comm_id] = comm;
-    comm->thread = std::thread([this, comm_id, comm] { run(comm_id, comm); });
+    comm->thread = std::thread([this, comm_id, comm] {
+      name_this_thread("dd-comm");
+      run(comm_id, comm);
+    });
   }
   return LLM_SUCCESS;
 }

@@ -288,9 +288,9 @@ std::map<std::string, uint64_t> Engine::listener_stats() const {
 
 std::map<std::string, uint64_t> Engine::link_stats(uint64_t peer) const {
   std::shared_lock<std::shared_mutex> lock(state_mu_);
-  size_t connections = 0, refused = 0;
-  if (state_ != State::kReady || !transport_->link_stats(peer, connections, refused)) return {};
-  return {{"connections", connections}, {"refused_groups", refused}};
+  size_t connections = 0, refused = 0, local = 0;
+  if (state_ != State::kReady || !transport_->link_stats(peer, connections, refused, local)) return {};
+  return {{"connections", connections}, {"refused_groups", refused}, {"local_sockets", local}};
 }
 
 uint16_t Engine::listen_port() const {

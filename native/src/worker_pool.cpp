@@ -1,11 +1,18 @@
 #include "worker_pool.h"
 
+#include "thread_name.h"
+
 namespace datadist {
 
 WorkerPool::WorkerPool(size_t threads) {
   if (threads == 0) threads = 1;
   threads_.reserve(threads);
-  for (size_t i = 0; i < threads; ++i) threads_.emplace_back([this] { run(); });
+  for (size_t i = 0; i < threads; ++i) {
+    threads_.emplace_back([this] {
+      name_this_thread("dd-worker");
+      run();
+    });
+  }
 }
 
 WorkerPool::~WorkerPool() { shutdown(); }

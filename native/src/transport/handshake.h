@@ -18,8 +18,9 @@ namespace datadist::handshake {
 
 // A handshake frame's body: a fixed part T (Hello or HelloAck), then in this
 // order the same-host info (kOffersSameHost), the connections the acceptor
-// grants (ack only, kGrantsConnections) and the authentication bytes (a nonce
-// in a hello, a proof in an ack; kAuthenticated).
+// grants (ack only, kGrantsConnections), the initiator's local socket (hello
+// only, kLocalSocket) and the authentication bytes (a nonce in a hello, a
+// proof in an ack; kAuthenticated).
 template <typename T>
 struct Greeting {
   static constexpr bool kIsHello = std::is_same_v<T, wire::Hello>;
@@ -28,17 +29,22 @@ struct Greeting {
   T fixed{};
   wire::SameHostInfo same_host{};
   uint32_t granted = 0;
+  uint32_t local_socket = 0;  // the initiator's descriptor number
   std::array<uint8_t, auth::kProofBytes> auth{};
 
   bool offers_same_host() const { return (fixed.flags & wire::kOffersSameHost) != 0; }
   bool grants() const { return !kIsHello && (fixed.flags & wire::kGrantsConnections) != 0; }
   bool authenticated() const { return (fixed.flags & wire::kAuthenticated) != 0; }
+  bool local_socket_flag() const { return (fixed.flags & wire::kLocalSocket) != 0; }
+  // A hello names a local socket only beside its same-host info.
+  bool names_socket() const { return kIsHello && offers_same_host() && local_socket_flag(); }
 
   // The body as sent, without the authentication bytes when `with_auth` is false.
   std::string bytes(bool with_auth = true) const {
     std::string out(reinterpret_cast<const char *>(&fixed), sizeof(T));
     if (offers_same_host()) out.append(reinterpret_cast<const char *>(&same_host), sizeof(same_host));
     if (grants()) out.append(reinterpret_cast<const char *>(&granted), sizeof(granted));
+    if (names_socket()) out.append(reinterpret_cast<const char *>(&local_socket), sizeof(local_socket));
     if (with_auth && authenticated()) out.append(reinterpret_cast<const char *>(auth.data()), kAuthBytes);
     return out;
   }
@@ -48,7 +54,8 @@ struct Greeting {
     if (body.size() < sizeof(T)) return false;
     std::memcpy(&fixed, body.data(), sizeof(T));
     const size_t expected = sizeof(T) + (offers_same_host() ? sizeof(same_host) : 0) +
-                            (grants() ? sizeof(granted) : 0) + (authenticated() ? kAuthBytes : 0);
+                            (grants() ? sizeof(granted) : 0) + (names_socket() ? sizeof(local_socket) : 0) +
+                            (authenticated() ? kAuthBytes : 0);
     if (body.size() != expected) return false;
     size_t at = sizeof(T);
     if (offers_same_host()) {
@@ -58,6 +65,10 @@ struct Greeting {
     if (grants()) {
       std::memcpy(&granted, body.data() + at, sizeof(granted));
       at += sizeof(granted);
+    }
+    if (names_socket()) {
+      std::memcpy(&local_socket, body.data() + at, sizeof(local_socket));
+      at += sizeof(local_socket);
     }
     if (authenticated()) std::memcpy(auth.data(), body.data() + at, kAuthBytes);
     return true;

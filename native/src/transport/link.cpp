@@ -10,6 +10,7 @@
 #include <system_error>
 
 #include "log.h"
+#include "thread_name.h"
 #include "transport/socket_util.h"
 
 namespace datadist {
@@ -30,11 +31,7 @@ Link::Link(uint64_t peer_id, uint32_t peer_role, bool initiated_here, std::vecto
       announce_copies_(paths.announce && paths.peer_memory != nullptr),
       peer_copies_(paths.offered && paths.peer_copies),
       peer_memory_(std::move(paths.peer_memory)) {
-  for (int fd : fds) {
-    auto conn = std::make_unique<Connection>();
-    conn->fd = fd;
-    conns_.push_back(std::move(conn));
-  }
+  for (int fd : fds) conns_.push_back(std::make_unique<Connection>(fd));
 }
 
 Link::~Link() {
@@ -48,6 +45,16 @@ bool Link::peer_closed() const {
     if (conn->fd >= 0 && net::peer_closed(conn->fd)) return true;
   }
   return false;
+}
+
+size_t Link::local_socket_count() const {
+  size_t count = 0;
+  for (const auto &conn : conns_) {
+    int domain = 0;
+    socklen_t len = sizeof(domain);
+    if (::getsockopt(conn->fd, SOL_SOCKET, SO_DOMAIN, &domain, &len) == 0 && domain == AF_UNIX) ++count;
+  }
+  return count;
 }
 
 bool Link::start() {
@@ -64,8 +71,14 @@ bool Link::start() {
   try {
     for (auto &conn : conns_) {
       Connection *c = conn.get();
-      c->reader = std::thread([self, c] { self->reader_loop(*c); });
-      c->writer = std::thread([self, c] { self->writer_loop(*c); });
+      c->reader = std::thread([self, c] {
+        name_this_thread("dd-read");
+        self->reader_loop(*c);
+      });
+      c->writer = std::thread([self, c] {
+        name_this_thread("dd-write");
+        self->writer_loop(*c);
+      });
     }
   } catch (const std::system_error &) {
     return false;  // the threads that did start end when the link is failed; reap() joins them
@@ -331,7 +344,7 @@ void Link::writer_loop(Connection &conn) {
 void Link::reader_loop(Connection &conn) {
   for (;;) {
     FrameHeader header;
-    if (!net::read_full(conn.fd, &header, sizeof(header))) {
+    if (!conn.in.read(&header, sizeof(header))) {
       // Between frames with nothing open (or while unlinking) this is an
       // ordinary unlink or exit.
       const bool expected = closing_.load(std::memory_order_acquire) || open_operations() == 0;
@@ -344,7 +357,7 @@ void Link::reader_loop(Connection &conn) {
       return;
     }
     std::vector<uint8_t> body(header.body_len);
-    if (!body.empty() && !net::read_full(conn.fd, body.data(), body.size())) {
+    if (!body.empty() && !conn.in.read(body.data(), body.size())) {
       fail(LLM_LINK_FAILED, "connection closed by the peer");
       return;
     }
@@ -448,8 +461,8 @@ size_t Link::refused_group_count() const {
 void Link::serve_write(Connection &conn, const FrameHeader &header, const wire::Request &req) {
   ResolvedTarget target;
   Status st = resolve_in_group(req, target);
-  const bool ok = st == LLM_SUCCESS ? net::readv_full(conn.fd, target.iov.data(), target.iov.size())
-                                    : net::discard(conn.fd, header.data_len);
+  const bool ok = st == LLM_SUCCESS ? conn.in.readv(target.iov.data(), target.iov.size())
+                                    : conn.in.discard(header.data_len);
   if (!ok) {
     fail(LLM_LINK_FAILED, "connection closed by the peer");
     return;
@@ -562,7 +575,7 @@ bool Link::take_answer(const FrameHeader &header, std::vector<uint8_t> &body, Co
     fail(LLM_LINK_FAILED, "unexpected answer from the peer; closing the link");
     return false;
   }
-  if (!recv.empty() && !net::readv_full(conn.fd, recv.data(), recv.size())) {
+  if (!recv.empty() && !conn.in.readv(recv.data(), recv.size())) {
     fail(LLM_LINK_FAILED, "connection closed by the peer");
     return false;
   }

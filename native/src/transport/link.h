@@ -29,6 +29,7 @@
 #include "registry.h"
 #include "request.h"
 #include "transport/same_host.h"
+#include "transport/socket_util.h"
 #include "transport/target_resolver.h"
 #include "transport/wire.h"
 
@@ -127,6 +128,8 @@ class Link : public std::enable_shared_from_this<Link> {
   bool overdue(Clock::time_point now) const;
   size_t open_operations() const;
   size_t connection_count() const { return conns_.size(); }
+  // Connections that run on Unix sockets (a same-host link that moved to them).
+  size_t local_socket_count() const;
   size_t refused_group_count() const;
 
  private:
@@ -141,11 +144,13 @@ class Link : public std::enable_shared_from_this<Link> {
   };
 
   struct Connection {
-    int fd = -1;
+    explicit Connection(int socket) : fd(socket), in(socket) {}
+    const int fd;
     std::mutex mu;
     std::condition_variable cv;
     std::deque<OutFrame> queue;
     bool busy = false;  // a thread is writing a frame to fd
+    net::Reader in;  // the reader thread's only
     std::thread reader;
     std::thread writer;
   };

@@ -16,6 +16,7 @@
 #include <system_error>
 
 #include "log.h"
+#include "thread_name.h"
 #include "transport/socket_util.h"
 
 namespace datadist {
@@ -61,7 +62,10 @@ bool Listener::start(const std::string &ip, uint16_t port, std::string &error) {
   wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (wake_fd_ >= 0) {
     try {
-      thread_ = std::thread([this] { run(); });
+      thread_ = std::thread([this] {
+        name_this_thread("dd-listen");
+        run();
+      });
       return true;
     } catch (const std::system_error &e) {
       error = std::string("cannot start the listener thread: ") + e.what();
@@ -366,6 +370,7 @@ void Listener::greeted(Waiting &w, Clock::time_point now) {
     const uint32_t granted = std::min(uint32_t{h.conn_count}, options_.connections_per_link);
     f.link.fds.assign(granted, -1);
     f.link.transcripts.assign(granted, {});
+    f.link.local_sockets.assign(granted, -1);
   }
   Forming &f = it->second;
   forming_count_ = forming_.size();
@@ -376,6 +381,7 @@ void Listener::greeted(Waiting &w, Clock::time_point now) {
   ::fcntl(w.fd, F_SETFL, ::fcntl(w.fd, F_GETFL) & ~O_NONBLOCK);
   f.link.fds[h.conn_index] = w.fd;
   f.link.transcripts[h.conn_index] = std::move(w.transcript);
+  if (w.hello.names_socket()) f.link.local_sockets[h.conn_index] = w.hello.local_socket;
   if (++f.arrived < f.link.fds.size()) return;
   FormedLink link = std::move(f.link);
   forming_.erase(it);

@@ -56,6 +56,8 @@ struct FormedLink {
   uint32_t asked = 0;  // the hello's conn_count; fds.size() is what was granted
   std::vector<int> fds;
   std::vector<std::string> transcripts;  // per connection, what the acceptor's proof covers
+  // Per connection, the initiator's local socket (kLocalSocket), or -1.
+  std::vector<int64_t> local_sockets;
 };
 
 struct ListenerStats {

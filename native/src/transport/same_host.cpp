@@ -1,5 +1,7 @@
 #include "transport/same_host.h"
 
+#include <sys/socket.h>
+#include <sys/syscall.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -11,6 +13,16 @@
 #include <cstring>
 #include <random>
 #include <system_error>
+
+#include "thread_name.h"
+
+// The same numbers on every architecture (the unified system call table).
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+#ifndef SYS_pidfd_getfd
+#define SYS_pidfd_getfd 438
+#endif
 
 namespace datadist::same_host {
 
@@ -70,6 +82,49 @@ bool all_zero(const uint8_t *p, size_t n) {
 }
 
 }  // namespace
+
+SocketPair make_socket_pair() {
+  int fds[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0) return {};
+  return {fds[0], fds[1]};
+}
+
+void close_pair(SocketPair &pair) {
+  for (int *fd : {&pair.mine, &pair.theirs}) {
+    if (*fd >= 0) ::close(*fd);
+    *fd = -1;
+  }
+}
+
+int take_socket(pid_t pid, uint32_t number, std::string &why) {
+  const int pidfd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
+  if (pidfd < 0) {
+    why = std::string("pidfd_open: ") + std::strerror(errno);
+    return -1;
+  }
+  const int fd = static_cast<int>(::syscall(SYS_pidfd_getfd, pidfd, number, 0));
+  const int error = errno;
+  ::close(pidfd);
+  if (fd < 0) {
+    why = std::string("pidfd_getfd: ") + std::strerror(error);
+    return -1;
+  }
+  int domain = 0, type = 0;
+  ucred cred{};
+  socklen_t len = sizeof(domain);
+  bool ok = ::getsockopt(fd, SOL_SOCKET, SO_DOMAIN, &domain, &len) == 0 && domain == AF_UNIX;
+  len = sizeof(type);
+  ok = ok && ::getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &len) == 0 && type == SOCK_STREAM;
+  len = sizeof(cred);
+  ok = ok && ::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0 && cred.pid == pid;
+  if (!ok) {
+    ::close(fd);
+    why = "descriptor " + std::to_string(number) + " is not a Unix stream socket made by process " +
+          std::to_string(pid);
+    return -1;
+  }
+  return fd;
+}
 
 const wire::SameHostInfo &local_info() {
   static const std::array<uint8_t, 16> boot_id = read_boot_id();
@@ -234,7 +289,10 @@ void CopyPool::run(size_t count, const std::function<void(size_t)> &job) {
     std::lock_guard<std::mutex> lock(mu_);
     // A thread that cannot be had leaves the work to the caller.
     try {
-      while (threads_.size() < helpers_) threads_.emplace_back([this] { helper_loop(); });
+      while (threads_.size() < helpers_) threads_.emplace_back([this] {
+        name_this_thread("dd-copy");
+        helper_loop();
+      });
     } catch (const std::system_error &) {
     }
     batches_.push_back(batch);

@@ -47,6 +47,23 @@ enum class Probe {
 // Tries to read `peer`'s probe buffer; `why` says what failed.
 Probe probe(const wire::SameHostInfo &peer, std::string &why);
 
+// Local sockets: a same-host link runs on Unix socket pairs instead of its
+// TCP connections (cheaper system calls, no TCP/IP stack). The initiator
+// makes one pair per connection and names one end in its hello; the
+// acceptor, which has just proven it may reach the initiator's memory, takes
+// that end out of the initiator's process with pidfd_getfd.
+struct SocketPair {
+  int mine = -1;    // the initiator's end
+  int theirs = -1;  // the end the acceptor takes; closed once it has
+};
+// A new pair (both ends -1 when the kernel gives none).
+SocketPair make_socket_pair();
+void close_pair(SocketPair &pair);
+// Takes descriptor `number` out of process `pid`. Returns the new
+// descriptor, or -1 with `why` set: the kernel refused (no pidfd_getfd,
+// ptrace rules) or the descriptor is not a Unix stream socket made by `pid`.
+int take_socket(pid_t pid, uint32_t number, std::string &why);
+
 // A peer process's memory, reached by kernel copies. Its ranges are checked
 // against the readable (or writable) mappings the kernel lists for it; the
 // list is read once and read again when a range is not found in it.

@@ -188,4 +188,77 @@ bool peer_closed(int fd) {
   return n > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
 }
 
+bool Reader::wait_readable() {
+  pollfd p{fd_, POLLIN, 0};
+  for (;;) {
+    const int n = ::poll(&p, 1, -1);
+    if (n > 0) return true;
+    if (n < 0 && errno != EINTR) return false;
+  }
+}
+
+bool Reader::fill() {
+  if (buf_.empty()) buf_.resize(kBufferBytes);
+  begin_ = end_ = 0;
+  for (;;) {
+    const ssize_t n = ::recv(fd_, buf_.data(), buf_.size(), MSG_DONTWAIT);
+    if (n > 0) {
+      end_ = static_cast<size_t>(n);
+      return true;
+    }
+    if (n == 0) return false;
+    if (errno == EINTR) continue;
+    if ((errno != EAGAIN && errno != EWOULDBLOCK) || !wait_readable()) return false;
+  }
+}
+
+bool Reader::read(void *buf, size_t len) {
+  iovec iov{buf, len};
+  return readv(&iov, 1);
+}
+
+bool Reader::readv(iovec *iov, size_t count) {
+  size_t start = advance(iov, count, 0, 0);
+  while (start < count) {
+    if (begin_ < end_) {
+      const size_t take = std::min(iov[start].iov_len, end_ - begin_);
+      std::memcpy(iov[start].iov_base, buf_.data() + begin_, take);
+      begin_ += take;
+      start = advance(iov, count, start, take);
+      continue;
+    }
+    size_t left = 0;
+    for (size_t i = start; i < count && left < kDirectBytes; ++i) left += iov[i].iov_len;
+    if (left < kDirectBytes) {
+      if (!fill()) return false;
+      continue;
+    }
+    msghdr msg{};
+    msg.msg_iov = iov + start;
+    msg.msg_iovlen = std::min(count - start, kMaxIov);
+    const ssize_t n = ::recvmsg(fd_, &msg, MSG_DONTWAIT);
+    if (n > 0) {
+      start = advance(iov, count, start, static_cast<size_t>(n));
+    } else if (n == 0) {
+      return false;
+    } else if (errno != EINTR && ((errno != EAGAIN && errno != EWOULDBLOCK) || !wait_readable())) {
+      return false;
+    }
+  }
+  return true;
+}
+
+bool Reader::discard(uint64_t len) {
+  while (len > 0) {
+    if (begin_ < end_) {
+      const size_t take = static_cast<size_t>(std::min<uint64_t>(len, end_ - begin_));
+      begin_ += take;
+      len -= take;
+      continue;
+    }
+    if (!fill()) return false;
+  }
+  return true;
+}
+
 }  // namespace datadist::net

@@ -47,6 +47,41 @@ bool discard(int fd, uint64_t len);
 
 std::string errno_text();
 
+// Reads a connection's frames, buffered: a frame's header and body (and a
+// small frame's data) usually come in with one system call. The reader
+// waits in poll for input, never in a blocking read, so it sleeps until
+// bytes come: a Unix socket's blocking read is also woken each time the
+// peer consumes what this end sent. Reads of `kDirectBytes` or more that the
+// buffer does not hold go straight into the caller's memory.
+// One thread reads through a Reader; the descriptor stays the caller's.
+class Reader {
+ public:
+  static constexpr size_t kBufferBytes = 32 * 1024;
+  static constexpr size_t kDirectBytes = 8 * 1024;
+
+  explicit Reader(int fd) : fd_(fd) {}
+  Reader(const Reader &) = delete;
+  Reader &operator=(const Reader &) = delete;
+
+  // Each reads exactly what it asks for; false on end of stream or an error.
+  bool read(void *buf, size_t len);
+  bool readv(iovec *iov, size_t count);  // the array is consumed on the way
+  bool discard(uint64_t len);
+  // Bytes received but not read yet.
+  size_t buffered() const { return end_ - begin_; }
+
+ private:
+  // Waits for input and takes what has come into the empty buffer.
+  bool fill();
+  // Waits until the descriptor is readable (or closed).
+  bool wait_readable();
+
+  const int fd_;
+  std::vector<uint8_t> buf_;
+  size_t begin_ = 0;
+  size_t end_ = 0;
+};
+
 }  // namespace datadist::net
 
 #endif  // DATADIST_TRANSPORT_SOCKET_UTIL_H_

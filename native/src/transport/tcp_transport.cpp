@@ -8,11 +8,13 @@
 
 #include <algorithm>
 #include <array>
+#include <climits>
 #include <cstring>
 #include <random>
 #include <type_traits>
 
 #include "log.h"
+#include "thread_name.h"
 #include "transport/auth.h"
 #include "transport/handshake.h"
 #include "transport/socket_util.h"
@@ -76,7 +78,10 @@ void send_to_all(const std::vector<int> &fds, const std::string &bytes) {
 
 TcpTransport::TcpTransport(uint64_t cluster_id, uint32_t role, Registry &registry, TransportOptions options)
     : cluster_id_(cluster_id), role_(role), registry_(registry), options_(options) {
-  housekeeping_ = std::thread([this] { housekeeping_loop(); });
+  housekeeping_ = std::thread([this] {
+    name_this_thread("dd-keeper");
+    housekeeping_loop();
+  });
 }
 
 TcpTransport::~TcpTransport() { shutdown(llm_datadist::LLM_LINK_FAILED); }
@@ -175,12 +180,27 @@ void TcpTransport::admit(FormedLink &formed) {
     ack.same_host = same_host::local_info();
   }
   if (!options_.auth_key.empty()) ack.fixed.flags |= wire::kAuthenticated;
+  // The link runs on the initiator's local sockets when this end could take
+  // them all; its TCP connections then only carry the acks, and close after.
+  std::vector<int> link_fds = formed.fds;
+  struct CloseAtEnd {
+    std::vector<int> fds;
+    ~CloseAtEnd() { close_all(fds); }
+  } tcp_after;
+  if (paths.peer_memory) {
+    std::vector<int> taken = take_local_sockets(formed);
+    if (!taken.empty()) {
+      ack.fixed.flags |= wire::kLocalSocket;
+      tcp_after.fds = formed.fds;
+      link_fds = std::move(taken);
+    }
+  }
   std::shared_ptr<Link> link;
   try {
-    link = std::make_shared<Link>(peer_id, formed.role, false, formed.fds, this, paths);
+    link = std::make_shared<Link>(peer_id, formed.role, false, link_fds, this, paths);
   } catch (const std::bad_alloc &) {
     send_to_all(formed.fds, handshake::refusal(LLM_LINK_FAILED));
-    close_all(formed.fds);
+    close_all(link_fds);
     return;
   }
   {
@@ -220,12 +240,16 @@ void TcpTransport::count_made(uint64_t peer_id) {
 }
 
 Status TcpTransport::greet(int fd, uint64_t peer_id, uint64_t nonce, uint32_t index, uint32_t count,
-                           std::string &transcript, uint32_t &granted) {
+                           int local_socket, std::string &transcript, uint32_t &granted) {
   handshake::Hello hello;
   hello.fixed = {cluster_id_, peer_id, nonce, role_.load(), index, count, 0};
   if (options_.same_host) {
     hello.fixed.flags |= wire::kOffersSameHost;
     hello.same_host = same_host::local_info();
+    if (local_socket >= 0) {
+      hello.fixed.flags |= wire::kLocalSocket;
+      hello.local_socket = static_cast<uint32_t>(local_socket);
+    }
   }
   const bool authed = !options_.auth_key.empty();
   if (authed) {
@@ -274,6 +298,14 @@ Status TcpTransport::link(uint64_t peer_id, const std::string &ip, uint16_t port
   };
   std::vector<int> fds;
   std::vector<std::string> transcripts;
+  // With the same-host path on, each connection offers a local socket pair
+  // the acceptor may move the link to; what is not used closes at the end.
+  struct Pairs {
+    std::vector<same_host::SocketPair> all;
+    ~Pairs() {
+      for (auto &pair : all) same_host::close_pair(pair);
+    }
+  } pairs;
   Status st = LLM_SUCCESS;
   const uint64_t nonce = new_nonce();
   const uint32_t count = options_.connections_per_peer;
@@ -287,8 +319,10 @@ Status TcpTransport::link(uint64_t peer_id, const std::string &ip, uint16_t port
     }
     net::tune_data_socket(fd, options_.user_timeout_ms);
     net::set_receive_timeout(fd, std::max(1, remaining()));
+    same_host::SocketPair pair = options_.same_host ? same_host::make_socket_pair() : same_host::SocketPair{};
     std::string transcript;
-    st = greet(fd, peer_id, nonce, i, count, transcript, granted);
+    st = greet(fd, peer_id, nonce, i, count, pair.theirs, transcript, granted);
+    pairs.all.push_back(pair);
     if (granted != 0) {
       ::close(fd);  // past what the acceptor keeps
       break;
@@ -298,6 +332,7 @@ Status TcpTransport::link(uint64_t peer_id, const std::string &ip, uint16_t port
   }
   uint32_t peer_role = 0;
   handshake::HelloAck ack;
+  uint32_t first_flags = 0;
   for (size_t i = 0; i < fds.size() && st == LLM_SUCCESS; ++i) {
     const int left = remaining();
     if (left == 0) {
@@ -329,6 +364,9 @@ Status TcpTransport::link(uint64_t peer_id, const std::string &ip, uint16_t port
         transcripts.resize(kept);
       }
       if (kept != fds.size()) st = LLM_LINK_FAILED;
+      // Every ack moves its connection to a local socket, or none does.
+      if (i == 0) first_flags = ack.fixed.flags;
+      if (((first_flags ^ ack.fixed.flags) & wire::kLocalSocket) != 0) st = LLM_LINK_FAILED;
     }
     peer_role = ack.fixed.role;
   }
@@ -340,6 +378,18 @@ Status TcpTransport::link(uint64_t peer_id, const std::string &ip, uint16_t port
     paths.peer_copies = (ack.fixed.flags & wire::kCopiesForYou) != 0;
     paths.peer_memory = reach(peer_id, ack.same_host);
     paths.announce = true;
+  }
+  // The acceptor took the local sockets: the link runs on this end's halves.
+  if (st == LLM_SUCCESS && (ack.fixed.flags & wire::kLocalSocket) != 0) {
+    if (!paths.offered || pairs.all.size() < fds.size()) {
+      st = LLM_LINK_FAILED;
+    } else {
+      close_all(fds);
+      for (size_t i = 0; i < fds.size(); ++i) {
+        fds[i] = pairs.all[i].mine;
+        pairs.all[i].mine = -1;
+      }
+    }
   }
   std::shared_ptr<Link> link;
   if (st == LLM_SUCCESS) {
@@ -416,6 +466,27 @@ std::shared_ptr<same_host::PeerMemory> TcpTransport::reach(uint64_t peer_id, con
   }
 }
 
+std::vector<int> TcpTransport::take_local_sockets(const FormedLink &formed) {
+  std::vector<int> taken;
+  std::string why;
+  for (int64_t number : formed.local_sockets) {
+    const int fd = number < 0 || number > INT32_MAX
+                       ? -1
+                       : same_host::take_socket(static_cast<pid_t>(formed.same_host.pid),
+                                                static_cast<uint32_t>(number), why);
+    if (fd < 0) {
+      if (number >= 0 && !socket_refusal_logged_.exchange(true)) {
+        log_message(LogLevel::kInfo, "same-host links to cluster " + std::to_string(formed.peer_id) +
+                                         " keep their TCP connections for control frames: " + why);
+      }
+      close_all(taken);
+      return {};
+    }
+    taken.push_back(fd);
+  }
+  return taken;
+}
+
 const char *TcpTransport::link_transport(uint64_t peer_id) const {
   std::shared_ptr<Link> link = find(peer_id);
   return link ? link->transport() : nullptr;
@@ -438,11 +509,13 @@ size_t TcpTransport::link_count() const {
   return links_.size();
 }
 
-bool TcpTransport::link_stats(uint64_t peer_id, size_t &connections, size_t &refused_groups) const {
+bool TcpTransport::link_stats(uint64_t peer_id, size_t &connections, size_t &refused_groups,
+                              size_t &local_sockets) const {
   std::shared_ptr<Link> link = find(peer_id);
   if (!link) return false;
   connections = link->connection_count();
   refused_groups = link->refused_group_count();
+  local_sockets = link->local_socket_count();
   return true;
 }
 

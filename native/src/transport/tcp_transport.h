@@ -75,7 +75,7 @@ class TcpTransport : public LinkHost {
   void set_loss_observer(std::function<void(uint64_t peer_id)> observer) { loss_observer_ = std::move(observer); }
   // Connections of the link to `peer_id` and the ordered transfers its
   // owner side refuses; false without a link. For tests and diagnostics.
-  bool link_stats(uint64_t peer_id, size_t &connections, size_t &refused_groups) const;
+  bool link_stats(uint64_t peer_id, size_t &connections, size_t &refused_groups, size_t &local_sockets) const;
   ListenerStats listener_stats() const;
   void set_role(uint32_t role) { role_ = role; }
 
@@ -105,11 +105,15 @@ class TcpTransport : public LinkHost {
   // past them).
   // Counts a link made with `peer_id` (mu_ held).
   void count_made(uint64_t peer_id);
-  Status greet(int fd, uint64_t peer_id, uint64_t nonce, uint32_t index, uint32_t count, std::string &transcript,
-               uint32_t &granted);
+  // `local_socket` (or -1) is this end's descriptor the acceptor may take.
+  Status greet(int fd, uint64_t peer_id, uint64_t nonce, uint32_t index, uint32_t count, int local_socket,
+               std::string &transcript, uint32_t &granted);
   // Probes a peer that offered the same-host path; the memory to serve its
   // same-host frames with, or nullptr when it cannot be reached.
   std::shared_ptr<same_host::PeerMemory> reach(uint64_t peer_id, const wire::SameHostInfo &info);
+  // Every local socket the initiator named, taken out of its process; empty
+  // (nothing taken) when one is missing or cannot be taken.
+  std::vector<int> take_local_sockets(const FormedLink &formed);
   void housekeeping_loop();
   void reap_down_links();
   void reap(const std::vector<std::shared_ptr<Link>> &links);
@@ -120,6 +124,7 @@ class TcpTransport : public LinkHost {
   const TransportOptions options_;
   same_host::CopyPool copy_pool_;
   std::atomic<bool> refusal_logged_{false};  // the kernel refused same-host copies
+  std::atomic<bool> socket_refusal_logged_{false};  // the kernel refused to hand over a local socket
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

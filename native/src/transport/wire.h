@@ -91,12 +91,19 @@ enum HelloFlags : uint32_t {
   // without the flag keeps them all. A connection past that count is
   // answered by a bare ack with the flag, then closed.
   kGrantsConnections = 8,
+  // Same-host links only. Hello: a uint32 follows the same-host info, the
+  // number of a descriptor in the initiator's process: one end of a Unix
+  // socket pair it made for this connection. Ack: the acceptor took that
+  // end (pidfd_getfd); the link runs on the pair from here, and the TCP
+  // connection closes after the ack.
+  kLocalSocket = 16,
 };
 
 // A hello is followed by a SameHostInfo when its flags offer the same-host
-// path, then by the initiator's nonce when they say kAuthenticated; the ack
-// likewise (with the granted count between them when it has one), with the
-// acceptor's proof in place of the nonce.
+// path, then by its local socket's number (kLocalSocket), then by the
+// initiator's nonce when they say kAuthenticated; the ack likewise (with the
+// granted count after the same-host info when it has one, and no number),
+// with the acceptor's proof in place of the nonce.
 struct Hello {
   uint64_t cluster_id;
   uint64_t expected_peer_id;  // the id the initiator means to reach
