@@ -79,12 +79,13 @@ def test_bad_arguments_exit_2(argv, tmp_path, capsys):
 def test_plans_put_baselines_first():
     options = Options(cache_bytes=32 * MiB, loops=["asyncio"], compare=["mooncake", "nixl"], streams=[1, 4])
     got = plans(options)
-    assert [p.label for p in got[:5]] == ["raw_tcp (streams=1)", "raw_tcp (streams=4)",
-                                          "raw_tcp (streams=1, busy_poll)", "datadist_aio (loop=asyncio)",
-                                          "datadist_aio (loop=asyncio, transport=tcp)"]
-    assert [p.latency_ops > 0 for p in got[:3]] == [True, False, True]
-    assert got[2].layouts == [] and got[2].ops == []  # the busy-polling round trip: latency only
-    assert [p.engine for p in got[5:]] == ["mooncake"] + ["nixl"] * 4
+    assert [p.label for p in got[:6]] == ["raw_tcp (streams=1)", "raw_tcp (streams=4)",
+                                          "raw_tcp (streams=1, busy_poll)", "raw_tcp (streams=1, unix)",
+                                          "datadist_aio (loop=asyncio)", "datadist_aio (loop=asyncio, transport=tcp)"]
+    assert [p.latency_ops > 0 for p in got[:4]] == [True, False, True, True]
+    # The busy-polling and the Unix-socket round trips: latency only.
+    assert all(p.layouts == [] and p.ops == [] for p in got[2:4])
+    assert [p.engine for p in got[6:]] == ["mooncake"] + ["nixl"] * 4
     assert label("nixl", {"tls": "tcp", "progress_thread": False}) == "nixl (tls=tcp, no progress_thread)"
 
 
@@ -109,15 +110,16 @@ def test_a_run_writes_checked_figures_and_a_plot(tmp_path):
     assert report["baselines"]["raw_tcp_best_gbps"] == max(r["gbps"] for r in report["baselines"]["raw_tcp"])
     assert report["baselines"]["memcpy"]["gbps"] > 0
     latency = {lat["label"]: lat for lat in report["latency"]}
-    assert set(latency) == {"raw_tcp (streams=1)", "raw_tcp (streams=1, busy_poll)", *ours}
+    assert set(latency) == {"raw_tcp (streams=1)", "raw_tcp (streams=1, busy_poll)", "raw_tcp (streams=1, unix)", *ours}
     assert all(lat["verified"] and len(lat["samples_us"]) == 20 for lat in latency.values())
     # Costs of both processes per write, ratios to both raw round trips, the submit call and its parts.
     assert all(lat["voluntary_switches_per_op"] >= 0 and lat["cpu_us_per_op"] > 0 for lat in latency.values())
     assert latency["raw_tcp (streams=1)"]["ratio_raw_tcp"] == pytest.approx(1.0)
     assert latency["raw_tcp (streams=1, busy_poll)"]["ratio_busy_poll"] == pytest.approx(1.0)
+    assert latency["raw_tcp (streams=1, unix)"]["ratio_raw_unix"] == pytest.approx(1.0)
     for loop in ["asyncio", "uvloop"]:
         lat = latency[f"datadist_aio (loop={loop})"]
-        assert lat["ratio_raw_tcp"] > 0 and lat["ratio_busy_poll"] > 0
+        assert lat["ratio_raw_tcp"] > 0 and lat["ratio_busy_poll"] > 0 and lat["ratio_raw_unix"] > 0
         assert 0 < lat["submit_median_us"] < lat["median_us"]
         assert set(lat["submit_parts_us"]) == {"checks_us", "task_us", "native_submit_us"}
         assert lat["submit_parts_us"]["task_us"] > 0 and lat["submit_parts_us"]["native_submit_us"] > 0

@@ -42,7 +42,7 @@ def tables(report: dict[str, Any]) -> str:
         lines += ["", f"one {work['latency_bytes'] >> 10} KiB write, waited for, {report['latency'][0]['ops']} in a row (µs)"]
         width = max(len(lat["label"]) for lat in report["latency"])
         lines.append(f"{'engine':<{width}} {'median':>8} {'p90':>8} {'p99':>8} {'/raw':>6} {'/busy':>6} "
-                     f"{'vcsw/op':>8} {'cpu/op':>7} {'submit':>7}")
+                     f"{'/unix':>6} {'vcsw/op':>8} {'cpu/op':>7} {'submit':>7}")
 
         def number(value: Any, digits: int) -> str:
             return f"{value:.{digits}f}" if value is not None else "-"
@@ -52,9 +52,11 @@ def tables(report: dict[str, Any]) -> str:
             lines.append(f"{lat['label']:<{width}} {lat['median_us']:>8.1f} {lat['p90_us']:>8.1f} "
                          f"{lat['p99_us']:>8.1f} {number(lat['ratio_raw_tcp'], 2):>6} "
                          f"{number(lat.get('ratio_busy_poll'), 2):>6} "
+                         f"{number(lat.get('ratio_raw_unix'), 2):>6} "
                          f"{number(lat.get('voluntary_switches_per_op'), 2):>8} "
                          f"{number(lat.get('cpu_us_per_op'), 1):>7} {number(lat.get('submit_median_us'), 1):>7}{mark}")
-        lines.append("/raw: to the blocking raw TCP round trip; /busy: to the busy-polling one; vcsw/op: voluntary "
+        lines.append("/raw: to the blocking raw TCP round trip; /busy: to the busy-polling one; /unix: to the "
+                     "blocking round trip over a Unix socket; vcsw/op: voluntary "
                      "context switches per write, both processes; cpu/op: µs of CPU per write, both processes; "
                      "submit: µs of the call before the await")
         for lat in report["latency"]:

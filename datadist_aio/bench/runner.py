@@ -55,8 +55,9 @@ def plans(options: Options) -> list[Plan]:
     whole = Layout(1, 1, options.cache_bytes, options.seed)
     out = [Plan("raw_tcp", {"streams": n}, [whole], [PUSH], options.iterations,
                 options.latency_ops if n == 1 else 0) for n in options.streams]
-    if options.latency_ops:  # the round trip without thread wake-ups, latency only
+    if options.latency_ops:  # latency only: the round trip without thread wake-ups, and over a Unix socket
         out.append(Plan("raw_tcp", {"streams": 1, "busy_poll": True}, [], [], 0, options.latency_ops))
+        out.append(Plan("raw_tcp", {"streams": 1, "unix": True}, [], [], 0, options.latency_ops))
     for loop in options.loops:
         for transport in options.transports:
             variant: dict[str, Any] = {"loop": loop}
@@ -204,12 +205,13 @@ def build_report(options: Options, outcome: Outcome, memcpy: dict[str, Any], pee
         row["ratio_raw_tcp"] = row["gbps"] / best_raw if best_raw else None
         row["ratio_memcpy"] = row["gbps"] / memcpy["gbps"]
         results.append(row)
-    def raw_median(busy_poll: bool) -> Optional[float]:
+    def raw_median(busy_poll: bool, unix: bool = False) -> Optional[float]:
         found = next((lat for lat in outcome.latency if lat["engine"] == "raw_tcp"
-                      and bool(lat["variant"].get("busy_poll", False)) is busy_poll), None)
+                      and bool(lat["variant"].get("busy_poll", False)) is busy_poll
+                      and bool(lat["variant"].get("unix", False)) is unix), None)
         return statistics.median(found["seconds"]) if found else None
 
-    blocking, busy = raw_median(False), raw_median(True)
+    blocking, busy, unix = raw_median(False), raw_median(True), raw_median(False, unix=True)
     latency = []
     for lat in outcome.latency:
         ordered = sorted(lat["seconds"])
@@ -219,6 +221,7 @@ def build_report(options: Options, outcome: Outcome, memcpy: dict[str, Any], pee
             "ops": len(ordered), "median_us": median * 1e6, "p90_us": percentile(ordered, 0.9) * 1e6,
             "p99_us": percentile(ordered, 0.99) * 1e6, "ratio_raw_tcp": median / blocking if blocking else None,
             "ratio_busy_poll": median / busy if busy else None,
+            "ratio_raw_unix": median / unix if unix else None,
             "samples_us": [s * 1e6 for s in lat["seconds"]],
         }
         costs = lat.get("costs")

@@ -2,9 +2,11 @@
 
 #include <errno.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cstring>
 #include <stdexcept>
 
 #include "transport/socket_util.h"
@@ -34,6 +36,43 @@ bool spin_read_full(int fd, char *buf, size_t len) {
   return true;
 }
 
+constexpr char kUnix[] = "unix";
+
+// An abstract Unix address ("@name" as ss shows it).
+sockaddr_un unix_address(const std::string &name, socklen_t &len) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (name.size() + 1 > sizeof(addr.sun_path)) throw std::invalid_argument("unix address too long: " + name);
+  std::memcpy(addr.sun_path + 1, name.data(), name.size());
+  len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  return addr;
+}
+
+int listen_unix(std::string &name) {
+  static std::atomic<unsigned> counter{0};
+  name = "datadist_aio-bench-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
+  socklen_t len = 0;
+  const sockaddr_un addr = unix_address(name, len);
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  if (::bind(fd, reinterpret_cast<const sockaddr *>(&addr), len) != 0 || ::listen(fd, 16) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+int connect_unix(const std::string &name) {
+  socklen_t len = 0;
+  const sockaddr_un addr = unix_address(name, len);
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd >= 0 && ::connect(fd, reinterpret_cast<const sockaddr *>(&addr), len) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
 bool read_all(int fd, char *buf, size_t len, bool busy_poll) {
   return busy_poll ? spin_read_full(fd, buf, len) : net::read_full(fd, buf, len);
 }
@@ -47,8 +86,16 @@ RawTcpSink::RawTcpSink(const std::string &ip, char *dest, size_t bytes, int stre
       busy_poll_(busy_poll),
       fds_(static_cast<size_t>(streams), -1) {
   std::string error;
-  listener_ = net::listen_tcp(ip, 0, port_, error);
-  if (listener_ < 0) throw std::runtime_error("raw TCP sink cannot listen on " + ip + ": " + error);
+  if (ip == kUnix) {
+    std::string name;
+    listener_ = listen_unix(name);
+    error = net::errno_text();
+    address_ = "unix:" + name;
+  } else {
+    listener_ = net::listen_tcp(ip, 0, port_, error);
+    address_ = ip;
+  }
+  if (listener_ < 0) throw std::runtime_error("raw socket sink cannot listen on " + ip + ": " + error);
   acceptor_ = std::thread([this] { accept_loop(); });
 }
 
@@ -91,10 +138,11 @@ RawTcpSource::RawTcpSource(const std::string &ip, uint16_t port, const char *src
     : src_(src), share_(share_of(bytes, streams)), busy_poll_(busy_poll) {
   for (int s = 0; s < streams; ++s) {
     bool timed_out = false;
-    int fd = net::connect_tcp(ip, port, "", 10000, timed_out);
+    const bool unix_socket = ip.rfind("unix:", 0) == 0;
+    int fd = unix_socket ? connect_unix(ip.substr(5)) : net::connect_tcp(ip, port, "", 10000, timed_out);
     if (fd < 0) {
       close();
-      throw std::runtime_error("raw TCP source cannot connect to " + ip + ":" + std::to_string(port));
+      throw std::runtime_error("raw socket source cannot connect to " + ip + ":" + std::to_string(port));
     }
     fds_.push_back(fd);
   }

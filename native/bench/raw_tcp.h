@@ -14,6 +14,10 @@
 // `busy_poll` makes both ends spin on non-blocking reads instead of
 // sleeping in the kernel: the round trip without the cost of waking a
 // sleeping thread, at the price of a busy core per side while waiting.
+//
+// An `ip` of "unix" uses Unix stream sockets instead (an abstract address
+// the sink picks; the source connects with that address and port 0): the
+// round trip between two processes of one host without the TCP/IP stack.
 #ifndef DATADIST_BENCH_RAW_TCP_H_
 #define DATADIST_BENCH_RAW_TCP_H_
 
@@ -34,6 +38,8 @@ class RawTcpSink {
   RawTcpSink &operator=(const RawTcpSink &) = delete;
 
   uint16_t port() const { return port_; }
+  // Where a source connects: the ip given, or the sink's abstract address.
+  const std::string &address() const { return address_; }
   // Stops accepting and receiving; joins every thread.
   void close();
 
@@ -46,6 +52,7 @@ class RawTcpSink {
   bool busy_poll_;
   int listener_ = -1;
   uint16_t port_ = 0;
+  std::string address_;
   std::thread acceptor_;
   std::vector<std::thread> receivers_;
   std::vector<int> fds_;

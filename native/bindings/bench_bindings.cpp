@@ -28,6 +28,7 @@ void bind_bench(py::module_ &m) {
            }),
            py::arg("ip"), py::arg("dest"), py::arg("streams"), py::arg("busy_poll") = false, py::keep_alive<1, 3>())
       .def_property_readonly("port", &bench::RawTcpSink::port)
+      .def_property_readonly("address", &bench::RawTcpSink::address)
       .def("close", &bench::RawTcpSink::close, py::call_guard<py::gil_scoped_release>());
   py::class_<bench::RawTcpSource>(m, "RawTcpSource")
       .def(py::init([](const std::string &ip, uint16_t port, const py::buffer &src, int streams, bool busy_poll) {

@@ -5,7 +5,9 @@ receiver. Nothing a transfer engine over TCP does can beat it.
 With one stream the latency run is a ping-pong on one connection, from the
 calling thread to the receiver's thread, both living as long as the
 connection. The ``busy_poll`` variant spins on non-blocking reads at both
-ends instead of sleeping: the round trip without thread wake-ups."""
+ends instead of sleeping: the round trip without thread wake-ups. The
+``unix`` variant runs the ping-pong over a Unix stream socket: the floor of
+a round trip between two processes of one host without the TCP/IP stack."""
 
 from __future__ import annotations
 
@@ -38,9 +40,10 @@ class Target:
     def prepare(self, layout: Layout) -> Any:
         self.close()
         self.memory.prepare(layout)
-        self.sink = _native.RawTcpSink(self.host, self.memory.memory, _streams(self.variant, layout),
+        where = "unix" if self.variant.get("unix") else self.host
+        self.sink = _native.RawTcpSink(where, self.memory.memory, _streams(self.variant, layout),
                                        bool(self.variant.get("busy_poll", False)))
-        return self.sink.port
+        return self.sink.address, self.sink.port
 
     def tensors(self) -> list[np.ndarray]:
         return self.memory.views
@@ -64,7 +67,8 @@ class Initiator:
     def prepare(self, layout: Layout, prepared: Any) -> None:
         self.close()
         self.memory.prepare(layout)
-        self.source = _native.RawTcpSource(self.host, prepared, self.memory.memory, _streams(self.variant, layout),
+        address, port = prepared
+        self.source = _native.RawTcpSource(address, port, self.memory.memory, _streams(self.variant, layout),
                                            bool(self.variant.get("busy_poll", False)))
 
     def tensors(self) -> list[np.ndarray]:

@@ -200,15 +200,18 @@ bool Reader::wait_readable() {
 bool Reader::fill() {
   if (buf_.empty()) buf_.resize(kBufferBytes);
   begin_ = end_ = 0;
+  // Poll first: a reader that has handled every byte it had usually waits
+  // for the next frame, and a read that finds nothing would be a wasted
+  // call (when frames queue up, one read takes several).
   for (;;) {
+    if (!wait_readable()) return false;
     const ssize_t n = ::recv(fd_, buf_.data(), buf_.size(), MSG_DONTWAIT);
     if (n > 0) {
       end_ = static_cast<size_t>(n);
       return true;
     }
     if (n == 0) return false;
-    if (errno == EINTR) continue;
-    if ((errno != EAGAIN && errno != EWOULDBLOCK) || !wait_readable()) return false;
+    if (errno != EINTR && errno != EAGAIN && errno != EWOULDBLOCK) return false;
   }
 }
 
