@@ -101,9 +101,11 @@ def hello(
     index: int = 0,
     count: int = 1,
     role: int = 1,
+    local_socket: bytes = b"",
 ) -> bytes:
-    """A hello body; `same_host` and `nonce` follow when `flags` announce them."""
-    return HELLO.pack(cluster_id, expected_peer, link_nonce, role, index, count, flags) + same_host + nonce
+    """A hello body; `same_host`, `local_socket` (a descriptor number, 4 bytes)
+    and `nonce` follow, in that order, when `flags` announce them."""
+    return HELLO.pack(cluster_id, expected_peer, link_nonce, role, index, count, flags) + same_host + local_socket + nonce
 
 
 def proof(key: str, label: bytes, transcript: bytes) -> bytes:

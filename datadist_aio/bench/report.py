@@ -60,6 +60,13 @@ def tables(report: dict[str, Any]) -> str:
                      "context switches per write, both processes; cpu/op: µs of CPU per write, both processes; "
                      "submit: µs of the call before the await")
         for lat in report["latency"]:
+            by_thread = lat.get("threads_per_op")
+            if by_thread and lat["engine"] == "datadist_aio":
+                sides = "; ".join(side + " " + ", ".join(f"{name} {t['cpu_us']:.1f} µs {t['switches']:.2f} sw"
+                                                           for name, t in named.items())
+                                  for side, named in by_thread.items())
+                lines.append(f"{lat['label']}: per write, by thread (CPU, voluntary switches): {sides}")
+        for lat in report["latency"]:
             parts = lat.get("submit_parts_us")
             if parts:
                 lines.append(f"{lat['label']}: submit, timed apart: argument checks {parts['checks_us']:.1f} µs, "

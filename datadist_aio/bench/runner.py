@@ -234,6 +234,12 @@ def build_report(options: Options, outcome: Outcome, memcpy: dict[str, Any], pee
             row["submit_median_us"] = statistics.median(lat["submit_seconds"]) * 1e6
         if lat.get("submit_parts"):
             row["submit_parts_us"] = lat["submit_parts"]
+        if lat.get("threads"):  # where the time goes: per write, by side and thread name
+            ops = len(ordered)
+            row["threads_per_op"] = {
+                side: {name: {"cpu_us": t["cpu_ns"] / ops / 1e3, "switches": t["switches"] / ops, "threads": t["threads"]}
+                       for name, t in sorted(named.items()) if t["cpu_ns"] >= 100 * ops or t["switches"] >= ops // 100}
+                for side, named in lat["threads"].items()}
         latency.append(row)
     return {
         "schema": 1,

@@ -103,6 +103,8 @@ def _target_session(conn: Connection, host: str, authkey: bytes) -> None:
                     answer = time.process_time()
                 elif command == "rusage":
                     answer = _rusage()
+                elif command == "threads":
+                    answer = thread_costs()
                 elif command == "close":
                     conn.send(("ok", None))
                     break
@@ -268,14 +270,17 @@ def initiator_main(report: Connection, address: Any, authkey: bytes, plan: Plan)
             initiator.latency(max(10, plan.latency_ops // 10))  # warm-up
             fill(initiator.tensors(), seed + 1)
             _call(conn, "fill", seed + 2)
+            remote_threads, local_threads = _call(conn, "threads"), thread_costs()
             remote_before, local_before = _call(conn, "rusage"), _rusage()
             samples = initiator.latency(plan.latency_ops)
             local_after, remote_after = _rusage(), _call(conn, "rusage")
+            threads = {"initiator": thread_delta(local_threads, thread_costs()),
+                       "target": thread_delta(remote_threads, _call(conn, "threads"))}
             costs = {name: (local_after[name] - local_before[name]) + (remote_after[name] - remote_before[name])
                      for name in local_before}
             verified = digest(initiator.tensors()) == _call(conn, "digest", [0])
             measured = {"engine": plan.engine, "variant": plan.variant, "label": plan.label, "seconds": samples,
-                        "verified": verified, "costs": costs}
+                        "verified": verified, "costs": costs, "threads": threads}
             if hasattr(initiator, "submit_seconds"):
                 measured["submit_seconds"] = initiator.submit_seconds
             if hasattr(initiator, "submit_parts"):
@@ -310,6 +315,41 @@ def _rusage() -> dict[str, float]:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return {"voluntary_switches": usage.ru_nvcsw, "involuntary_switches": usage.ru_nivcsw,
             "cpu_seconds": usage.ru_utime + usage.ru_stime}
+
+
+def thread_costs() -> dict[str, dict[str, int]]:
+    """CPU nanoseconds and voluntary switches so far of this process's threads,
+    summed by name ("main" for the main thread; the engine names its threads
+    dd-read, dd-write, ...). Empty where /proc has no per-thread figures."""
+    out: dict[str, dict[str, int]] = {}
+    pid = os.getpid()
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = "main" if int(tid) == pid else f.read().strip()
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                cpu_ns = int(f.read().split()[0])
+            with open(f"/proc/self/task/{tid}/status") as f:
+                switches = next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+        except (OSError, ValueError, StopIteration):
+            continue  # the thread has gone
+        entry = out.setdefault(name, {"cpu_ns": 0, "switches": 0, "threads": 0})
+        entry["cpu_ns"] += cpu_ns
+        entry["switches"] += switches
+        entry["threads"] += 1
+    return out
+
+
+def thread_delta(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """What each thread name spent between two ``thread_costs`` readings."""
+    zero = {"cpu_ns": 0, "switches": 0}
+    return {name: {"cpu_ns": now["cpu_ns"] - before.get(name, zero)["cpu_ns"],
+                   "switches": now["switches"] - before.get(name, zero)["switches"], "threads": now["threads"]}
+            for name, now in after.items()}
 
 
 def _idle_cpu(conn: Connection, plan: Plan) -> dict[str, Any]:

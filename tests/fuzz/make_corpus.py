@@ -25,6 +25,7 @@ from wire_frames import (  # noqa: E402
     HELLO_ACK,
     HELLO_ACK_T,
     HELLO_T,
+    LOCAL_SOCKET,
     LOOKUP_REPLY,
     LOOKUP_REPLY_T,
     LOOKUP_T,
@@ -145,6 +146,9 @@ def listen_seeds() -> dict[str, bytes]:
         + frame(PROOF_T, bytes(32)),
         "secret-missing": secret + frame(HELLO_T, hello(9, 1, link_nonce=6)) + write,
         "frames-first": plain + write + frame(HELLO_T, hello(9, 1, link_nonce=7)),
+        "local-socket": plain + frame(HELLO_T, hello(9, 1, link_nonce=8, flags=OFFERS_SAME_HOST | LOCAL_SOCKET,
+                                                     same_host=info, local_socket=(3).to_bytes(4, "little")))
+        + write,
     }
 
 
