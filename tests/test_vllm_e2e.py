@@ -185,3 +185,77 @@ def test_prefill_failures_recompute_or_fail_within_the_timeout(pair: dict[str, A
     run, elapsed = _timed(decode, prompts, stray)
     assert tokens(run) == reference
     assert elapsed < limit
+
+
+# -- layer-wise push (transfer_mode "push_layerwise") ------------------------------
+
+SHARE_BLOCKS = 64  # of the decode side's inbox, for its one prefill: prompts up to 2048 tokens
+BLOCK_BYTES = 4 * 2 * 32 * 2 * 64 * 4  # layers x kv heads x block size x (K and V) x head_dim x float32
+
+
+@pytest.fixture(scope="module")
+def push_pair(model: Path) -> Iterator[dict[str, Any]]:
+    """A prefill that pushes layer by layer into the inbox of its decode (policy ``recompute``)."""
+    decode_port = free_port()
+    decode = Engine(
+        model,
+        connector_config("datadist", "kv_consumer", decode_port, load_timeout_s=LOAD_TIMEOUT_S,
+                         transfer_mode="push_layerwise", inbox_blocks=2 * SHARE_BLOCKS,
+                         inbox_share_blocks=SHARE_BLOCKS),
+        policy="recompute",
+    )
+    try:
+        prefill = Engine(model, connector_config("datadist", "kv_producer", free_port(),
+                                                 transfer_mode="push_layerwise", push_port=decode_port,
+                                                 load_timeout_s=LOAD_TIMEOUT_S))
+    except BaseException:
+        decode.close()
+        raise
+    try:
+        yield {"prefill": prefill, "decode": decode}
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_push_layerwise_output_equals_single_instance(push_pair: dict[str, Any]) -> None:
+    prefill, decode = push_pair["prefill"], push_pair["decode"]
+    prompts = prompts_of_lengths([17, 95, 731, 1990], seed=11)
+    reference = tokens(prefill.generate(prompts, MAX_TOKENS))
+    before_p, before_d = prefill.metrics(), decode.metrics()
+    params = prefill_params(prefill, prompts)
+    got = tokens(decode.generate(prompts, MAX_TOKENS, params))
+    after_p, after_d = prefill.metrics(), decode.metrics()
+    assert got == reference
+    assert delta(after_d, before_d, XFERS) == len(prompts) and delta(after_d, before_d, FAILED) == 0
+    assert delta(after_d, before_d, REMOTE_HITS) == sum(len(p) for p in prompts)
+    # Every prompt block went through the prefill's pushes (a chunk's partial block may go twice).
+    assert delta(after_p, before_p, FAILED) == 0 and delta(after_p, before_p, XFERS) >= 1
+    pushed = delta(after_p, before_p, "vllm:datadist_aio_bytes_transferred_sum")
+    assert pushed >= sum(-(-len(p) // 32) for p in prompts) * BLOCK_BYTES
+
+    # Swap control: prompt A's ids with prompt B's pushed KV give B's output.
+    a, b = prompts_of_lengths([300, 300], seed=12)
+    a[-1] = b[-1]
+    ref_a, ref_b = tokens(prefill.generate([a, b], MAX_TOKENS))
+    assert ref_a != ref_b
+    (params_b,) = prefill_params(prefill, [b])
+    assert tokens(decode.generate([a], MAX_TOKENS, [params_b])) == [ref_b]
+
+
+def test_push_layerwise_killed_prefill(push_pair: dict[str, Any]) -> None:
+    """After the prefill dies, a request it pushed is served from the inbox;
+    one too large for its share (so never pushed) fails its pull within the
+    timeout and is recomputed; neither yields a wrong token."""
+    prefill, decode = push_pair["prefill"], push_pair["decode"]
+    prompts = prompts_of_lengths([400, 32 * SHARE_BLOCKS + 100], seed=13)
+    reference = tokens(prefill.generate(prompts, MAX_TOKENS))
+    params = prefill_params(prefill, prompts)
+    prefill.kill()
+    before = decode.metrics()
+    run, elapsed = _timed(decode, prompts, params)
+    after = decode.metrics()
+    assert tokens(run) == reference
+    assert elapsed < LOAD_TIMEOUT_S + 15, f"decode took {elapsed:.1f} s"
+    assert delta(after, before, XFERS) == 1, "the pushed prompt loads from the inbox"
+    assert delta(after, before, FAILED) == 1, "the prompt that was not pushed fails its pull"
