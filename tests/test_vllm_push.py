@@ -31,6 +31,9 @@ multiprocessing.resource_tracker.ensure_running()
 
 LAYERS, BLOCKS, HEADS, BLOCK_SIZE, HEAD_DIM = 4, 24, 2, 32, 64
 SHAPE = (BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_DIM)
+# MLA (DeepSeek-V2 on vLLM's CPU_MLA backend): one latent tensor per layer,
+# [num_blocks, block_size 16, kv_lora_rank 512 + rope 64].
+MLA_SHAPE = (BLOCKS, 16, 512 + 64)
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
 
@@ -123,13 +126,13 @@ async def test_layer_release_waits_for_every_model_layer_of_a_transfer_layer() -
 # -- two processes ------------------------------------------------------------------
 
 
-def prefill_arrays() -> dict[str, np.ndarray]:
+def prefill_arrays(shape: tuple[int, ...] = SHAPE) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(7)
-    return {name: rng.standard_normal(SHAPE).astype(np.float32) for name in NAMES}
+    return {name: rng.standard_normal(shape).astype(np.float32) for name in NAMES}
 
 
-def _decode(conn: Any, share_blocks: int, timeout_s: float) -> None:
-    arrays = {name: np.zeros(SHAPE, np.float32) for name in NAMES}
+def _decode(conn: Any, share_blocks: int, timeout_s: float, shape: tuple[int, ...]) -> None:
+    arrays = {name: np.zeros(shape, np.float32) for name in NAMES}
     side = WorkerSide(WorkerSettings(engine_id="decode", is_producer=False, transfer_mode="push_layerwise",
                                      inbox_blocks=16, inbox_share_blocks=share_blocks, load_timeout_s=timeout_s))
     side.register({name: FakeTensor(a) for name, a in arrays.items()})
@@ -164,8 +167,8 @@ def _decode(conn: Any, share_blocks: int, timeout_s: float) -> None:
         side.shutdown()
 
 
-def _prefill(conn: Any, decode_port: int) -> None:
-    arrays = prefill_arrays()
+def _prefill(conn: Any, decode_port: int, shape: tuple[int, ...]) -> None:
+    arrays = prefill_arrays(shape)
     side = WorkerSide(WorkerSettings(engine_id="prefill", is_consumer=False, transfer_mode="push_layerwise",
                                      push_port=decode_port, load_timeout_s=5.0))
     side.register({name: FakeTensor(a) for name, a in arrays.items()})
@@ -230,10 +233,10 @@ def _stop(process: Any, conn: Any) -> None:
 @pytest.fixture
 def pair(request: pytest.FixtureRequest) -> Any:
     ctx = multiprocessing.get_context("spawn")
-    share_blocks, timeout_s = getattr(request, "param", (8, 3.0))
-    decode, dconn, dport = _start(ctx, _decode, share_blocks, timeout_s)
+    share_blocks, timeout_s, shape = getattr(request, "param", (8, 3.0, SHAPE))
+    decode, dconn, dport = _start(ctx, _decode, share_blocks, timeout_s, shape)
     try:
-        prefill, pconn, pport = _start(ctx, _prefill, dport)
+        prefill, pconn, pport = _start(ctx, _prefill, dport, shape)
     except BaseException:
         _stop(decode, dconn)
         raise
@@ -271,6 +274,7 @@ def test_pushed_request_is_copied_from_the_inbox_exactly(pair: Any) -> None:
     assert freed == ["p-a", "p-b"] and available == 8, "the decode side's release freed the prefill's share"
 
 
+@pytest.mark.parametrize("pair", [(8, 3.0, SHAPE), (8, 3.0, MLA_SHAPE)], indirect=True, ids=["kv", "mla-latent"])
 def test_request_the_share_cannot_hold_is_pulled(pair: Any) -> None:
     pconn = pair["prefill"][1]
     # A 6-block request does not fit the free part of an 8-block share
@@ -281,14 +285,14 @@ def test_request_the_share_cannot_hold_is_pulled(pair: Any) -> None:
     specs = [("big", [1, 2, 3, 4], [0, 1, 2, 3]), ("late", [8, 9, 10, 11, 12, 13], [5, 6, 7, 8, 10, 13])]
     result = _load(pair, specs)
     assert result["failed"] == [] and result["done"] == ["big", "late"]
-    source = prefill_arrays()
+    source = prefill_arrays(next(iter(result["arrays"].values())).shape)
     for name, array in result["arrays"].items():
         for _req, local, remote in specs:
             np.testing.assert_array_equal(array[local], source[name][remote])
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="needs SIGSTOP")
-@pytest.mark.parametrize("pair", [(8, 2.0)], indirect=True)
+@pytest.mark.parametrize("pair", [(8, 2.0, SHAPE)], indirect=True)
 def test_prefill_frozen_mid_push_fails_the_load_within_the_timeout(pair: Any) -> None:
     prefill, pconn = pair["prefill"]
     # The claim goes out, then the prefill stops before its layers are saved.
