@@ -193,21 +193,19 @@ SHARE_BLOCKS = 64  # of the decode side's inbox, for its one prefill: prompts up
 BLOCK_BYTES = 4 * 2 * 32 * 2 * 64 * 4  # layers x kv heads x block size x (K and V) x head_dim x float32
 
 
-@pytest.fixture(scope="module")
-def push_pair(model: Path) -> Iterator[dict[str, Any]]:
+def push_engines(model: Path, inbox_blocks: int, share_blocks: int, **prefill_extra: Any) -> Iterator[dict[str, Any]]:
     """A prefill that pushes layer by layer into the inbox of its decode (policy ``recompute``)."""
     decode_port = free_port()
     decode = Engine(
         model,
         connector_config("datadist", "kv_consumer", decode_port, load_timeout_s=LOAD_TIMEOUT_S,
-                         transfer_mode="push_layerwise", inbox_blocks=2 * SHARE_BLOCKS,
-                         inbox_share_blocks=SHARE_BLOCKS),
+                         transfer_mode="push_layerwise", inbox_blocks=inbox_blocks, inbox_share_blocks=share_blocks),
         policy="recompute",
     )
     try:
         prefill = Engine(model, connector_config("datadist", "kv_producer", free_port(),
                                                  transfer_mode="push_layerwise", push_port=decode_port,
-                                                 load_timeout_s=LOAD_TIMEOUT_S))
+                                                 **prefill_extra))
     except BaseException:
         decode.close()
         raise
@@ -216,6 +214,11 @@ def push_pair(model: Path) -> Iterator[dict[str, Any]]:
     finally:
         prefill.close()
         decode.close()
+
+
+@pytest.fixture(scope="module")
+def push_pair(model: Path) -> Iterator[dict[str, Any]]:
+    yield from push_engines(model, 2 * SHARE_BLOCKS, SHARE_BLOCKS, load_timeout_s=LOAD_TIMEOUT_S)
 
 
 def test_push_layerwise_output_equals_single_instance(push_pair: dict[str, Any]) -> None:
@@ -264,21 +267,7 @@ def test_push_layerwise_killed_prefill(push_pair: dict[str, Any]) -> None:
 @pytest.fixture(scope="module")
 def mla_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """The tiny DeepSeek-V2 (multi-head latent attention) as a pushing prefill and its decode."""
-    model = model_dir(tmp_path_factory.mktemp("vllm-mla"), "mla")
-    decode_port = free_port()
-    decode = Engine(model, connector_config("datadist", "kv_consumer", decode_port, load_timeout_s=LOAD_TIMEOUT_S,
-                                            transfer_mode="push_layerwise", inbox_blocks=32, inbox_share_blocks=32))
-    try:
-        prefill = Engine(model, connector_config("datadist", "kv_producer", free_port(),
-                                                 transfer_mode="push_layerwise", push_port=decode_port))
-    except BaseException:
-        decode.close()
-        raise
-    try:
-        yield {"prefill": prefill, "decode": decode}
-    finally:
-        prefill.close()
-        decode.close()
+    yield from push_engines(model_dir(tmp_path_factory.mktemp("vllm-mla"), "mla"), 32, 32)
 
 
 def test_mla_latent_cache_pushed_and_pulled(mla_pair: dict[str, Any]) -> None:

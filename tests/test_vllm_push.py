@@ -25,7 +25,7 @@ from datadist_aio.integrations.vllm.inbox import CLAIMED, COMMITTED, IN_USE, Inb
 from datadist_aio.integrations.vllm.metadata import LoadSpec, SaveSpec, StepPlan
 from datadist_aio.integrations.vllm.push import LayerRelease
 from datadist_aio.integrations.vllm.worker import WorkerSettings, WorkerSide
-from test_vllm_worker_side import FakeTensor
+from test_vllm_worker_side import FakeTensor, _stop
 
 multiprocessing.resource_tracker.ensure_running()
 
@@ -131,6 +131,15 @@ def prefill_arrays(shape: tuple[int, ...] = SHAPE) -> dict[str, np.ndarray]:
     return {name: rng.standard_normal(shape).astype(np.float32) for name in NAMES}
 
 
+def _commands(conn: Any) -> Any:
+    """(command, value) pairs from the test until it says stop."""
+    while True:
+        command, value = conn.recv()
+        if command == "stop":
+            return
+        yield command, value
+
+
 def _decode(conn: Any, share_blocks: int, timeout_s: float, shape: tuple[int, ...]) -> None:
     arrays = {name: np.zeros(shape, np.float32) for name in NAMES}
     side = WorkerSide(WorkerSettings(engine_id="decode", is_producer=False, transfer_mode="push_layerwise",
@@ -138,10 +147,7 @@ def _decode(conn: Any, share_blocks: int, timeout_s: float, shape: tuple[int, ..
     side.register({name: FakeTensor(a) for name, a in arrays.items()})
     conn.send(side.side_channel_port)
     try:
-        while True:
-            command, value = conn.recv()
-            if command == "stop":
-                return
+        for _command, value in _commands(conn):
             loads = {req: LoadSpec(req, local, remote, "prefill", "127.0.0.1", value["port"], "p-" + req)
                      for req, local, remote in value["specs"]}
             start = time.monotonic()
@@ -174,10 +180,7 @@ def _prefill(conn: Any, decode_port: int, shape: tuple[int, ...]) -> None:
     side.register({name: FakeTensor(a) for name, a in arrays.items()})
     conn.send(side.side_channel_port)
     try:
-        while True:
-            command, value = conn.recv()
-            if command == "stop":
-                return
+        for command, value in _commands(conn):
             if command == "lease":
                 side.start_loads(StepPlan(leases={req: time.monotonic() + 60 for req in value}))
                 conn.send("ok")
@@ -215,19 +218,6 @@ def _ask(conn: Any, command: str, value: Any, timeout: float = 30) -> Any:
     conn.send((command, value))
     assert conn.poll(timeout), f"no answer to {command}"
     return conn.recv()
-
-
-def _stop(process: Any, conn: Any) -> None:
-    try:
-        conn.send(("stop", None))
-    except OSError:
-        pass
-    process.join(timeout=15)
-    if process.is_alive():
-        process.kill()
-        process.join()
-    process.close()
-    conn.close()
 
 
 @pytest.fixture

@@ -155,6 +155,7 @@ def _stop(process: Any, conn: Any) -> None:
     if process.is_alive():
         process.kill()
         process.join()
+    process.close()
     conn.close()
 
 
