@@ -15,6 +15,7 @@ import multiprocessing
 import multiprocessing.resource_tracker
 import os
 import signal
+import socket
 import time
 from typing import Any
 
@@ -297,3 +298,30 @@ def test_prefill_frozen_mid_push_fails_the_load_within_the_timeout(pair: Any) ->
     assert result["errors"] == [1, 2]
     assert result["elapsed"] < 2.0 + 3, f"the load took {result['elapsed']:.1f} s to fail"
     assert not result["arrays"][NAMES[0]][[1, 2]].any(), "nothing of the unfinished push reached the blocks"
+
+
+def test_a_silent_decode_side_bounds_the_step_then_steps_go_unpushed_at_once() -> None:
+    """A decode side that accepts connections and never answers: the first
+    step's push gives up within its timeout; the next steps do not wait on it
+    again for a while (their requests are pulled instead)."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        arrays = prefill_arrays()
+        side = WorkerSide(WorkerSettings(engine_id="prefill", is_consumer=False, transfer_mode="push_layerwise",
+                                         push_port=silent.getsockname()[1], load_timeout_s=1.0))
+        side.register({name: FakeTensor(a) for name, a in arrays.items()})
+        try:
+            took = []
+            for index in range(3):
+                start = time.monotonic()
+                side.start_loads(StepPlan(saves={f"r{index}": SaveSpec(f"r{index}", [index], 0, 1, True)}))
+                for name in NAMES:
+                    side.save_layer(name)
+                side.finish_step()
+                took.append(time.monotonic() - start)
+            assert 0.9 < took[0] < 3.0, took
+            assert max(took[1:]) < 0.3, took
+            assert side.take_records() == []
+        finally:
+            side.shutdown()

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 INBOX_MODEL_ID = 1 << 20  # the decode side's inbox blocks cache, in its BlocksCacheKey
 _TENSORS_PER_LAYER = 2
+_RETRY_AFTER_S = 5.0  # after the decode side could not be reached, steps go unpushed this long
 
 
 class LayerRelease(dd.LayerSynchronizer):
@@ -128,6 +129,7 @@ class Pusher:
         self._client = SideChannelClient(settings.decode_host, settings.decode_port)
         self._decode: Optional[_Decode] = None
         self._connecting: Optional[asyncio.Lock] = None
+        self._retry_at = 0.0
         self._step: Optional[_Step] = None
         # Shared between the two threads.
         self._lock = threading.Lock()
@@ -158,7 +160,7 @@ class Pusher:
         try:
             step.future.result(timeout=self.settings.timeout_s + 5)
         except Exception as exc:  # the push bounds itself; this is a bug or a shutdown
-            log.warning("datadist_aio connector: a step's push did not finish: %r", exc)
+            log.warning("datadist_aio connector: a step's push did not finish: %s", repr(exc))
 
     def freed(self, req_ids: set[str]) -> None:
         """These prefill requests are over (confirmed or leased out): their share blocks are free."""
@@ -178,6 +180,7 @@ class Pusher:
 
     async def close(self) -> None:
         self._client.close()
+        await asyncio.sleep(0)  # the transport closes its socket on the next loop iteration
 
     async def _connect(self) -> _Decode:
         """Asks the decode side for a share and links to it, once."""
@@ -217,15 +220,25 @@ class Pusher:
                                           self.settings.timeout_s)
 
     async def _push(self, saves: list[SaveSpec], release: LayerRelease) -> None:
-        start = time.perf_counter()
+        """The step's push, all of it within ``timeout_s``; what it does not
+        finish is not committed (the decode side then pulls)."""
         try:
-            decode = await asyncio.wait_for(self._connect(), self.settings.timeout_s)
+            async with asyncio.timeout(self.settings.timeout_s):
+                await self._push_step(saves, release)
         except (Exception, TimeoutError) as exc:
-            log.warning("datadist_aio connector: no push this step (decode side: %s: %s)", type(exc).__name__, exc)
-            self._decode = None
+            log.warning("datadist_aio connector: no push this step (%s: %s)", type(exc).__name__, str(exc))
             with self._lock:
                 self._pushing.difference_update(spec.req_id for spec in saves)
-            return
+
+    async def _push_step(self, saves: list[SaveSpec], release: LayerRelease) -> None:
+        start = time.perf_counter()
+        if self._decode is None and time.monotonic() < self._retry_at:
+            raise ConnectionError("the decode side was unreachable a moment ago")
+        try:
+            decode = await self._connect()
+        except BaseException:
+            self._retry_at = time.monotonic() + _RETRY_AFTER_S
+            raise
         await self._claim(decode, saves)
         src: list[int] = []
         dst: list[int] = []
@@ -249,7 +262,7 @@ class Pusher:
             await self._request("commit" if ok else "abort", req_ids=req_ids)
         except (Exception, TimeoutError) as exc:  # the decode side then waits for its load timeout and pulls
             log.warning("datadist_aio connector: %s of %d pushed requests not confirmed: %s",
-                        "commit" if ok else "abort", len(req_ids), exc)
+                        "commit" if ok else "abort", len(req_ids), str(exc))
 
     async def _claim(self, decode: _Decode, saves: list[SaveSpec]) -> None:
         """Picks share blocks for the step's new requests and claims them."""
@@ -267,7 +280,7 @@ class Pusher:
             answer = await self._request("claim", claims=claims, hold_s=self.settings.hold_s)
             granted = answer.get("granted") or []
         except (Exception, TimeoutError) as exc:
-            log.warning("datadist_aio connector: claim of %d requests failed: %s", len(claims), exc)
+            log.warning("datadist_aio connector: claim of %d requests failed: %s", len(claims), str(exc))
         with self._lock:
             self._pushing.update(req_id for req_id in claims if req_id in granted)
             refused = [self._slots.pop(req_id) for req_id in claims if req_id not in granted]
@@ -284,15 +297,12 @@ class Pusher:
                 self._cache, release, [config], src_block_indices=src, dst_block_indices=dst
             )
         except Exception as exc:
-            log.warning("datadist_aio connector: push refused: %s", exc)
+            log.warning("datadist_aio connector: push refused: %s", str(exc))
             return False
         try:
-            async with asyncio.timeout(self.settings.timeout_s):
-                await task
+            await task
             return True
-        except (Exception, TimeoutError) as exc:
-            task.cancel()
-            log.warning("datadist_aio connector: push of %d blocks failed: %s", len(src), exc)
-            if not isinstance(exc, TimeoutError):
-                self._decode = None  # link afresh on the next step
+        except Exception as exc:
+            log.warning("datadist_aio connector: push of %d blocks failed: %s", len(src), str(exc))
+            self._decode = None  # link afresh on the next step
             return False

@@ -417,6 +417,8 @@ class WorkerSide:
         for spec in plan.loads.values():
             if not spec.local_block_ids:
                 # Nothing to read (a local prefix hit or an abort): only release the prefill.
+                if self._inbox is not None:
+                    self._inbox.finish(spec.remote_engine_id, spec.remote_request_id)
                 self._loop.call_soon_threadsafe(self._spawn_notify, spec)
                 continue
             start = time.perf_counter()
