@@ -1,5 +1,7 @@
-"""A prefill vLLM and a decode vLLM with DatadistAioConnector and with vLLM's
-NixlConnector (``kv_buffer_device="cpu"``), in the same run.
+"""A prefill vLLM and a decode vLLM with DatadistAioConnector (``datadist``:
+the decode side pulls; ``push``: the prefill pushes layer by layer into the
+decode side's inbox) and with vLLM's NixlConnector (``kv_buffer_device="cpu"``),
+in the same run.
 
 Each connector runs ``--rounds`` times, alternating (ours, NIXL, NIXL, ours,
 ...), each run with a fresh pair of engines. A run sends ``--warmup``
@@ -12,6 +14,10 @@ read to the settled task, NIXL's from posting to completion), the decode
 side's time to first token (from vLLM's request metrics: arrival to first
 token, which holds the load) and the wall time of prefill plus decode. The
 decode output is checked against a single-instance run of the same prompt.
+For ``push`` the transfer happens inside the prefill's step: its time is the
+prefill side's histogram (from the step's first claim to the commit), and
+the decode side's is the copy out of the inbox; the prefill's wall time
+(``prefill_ms``) holds the push.
 
 Medians over the requests of each run, and over all runs of a connector, go
 to stdout and to ``--output`` (JSON). Needs vLLM (CPU build) and, for the
@@ -35,12 +41,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from vllm_pd import Engine, connector_config, model_dir, prompts_of_lengths  # noqa: E402
+from vllm_pd import Engine, EngineError, connector_config, model_dir, prompts_of_lengths  # noqa: E402
 
 METRICS = {
     "datadist": ("vllm:datadist_aio_xfer_time_seconds", "vllm:datadist_aio_bytes_transferred"),
     "nixl": ("vllm:nixl_xfer_time_seconds", "vllm:nixl_bytes_transferred"),
 }
+METRICS["push"] = METRICS["datadist"]
 
 
 def free_port() -> int:
@@ -54,6 +61,13 @@ def start_pair(kind: str, model: Path) -> tuple[Engine, Engine]:
         prefill = Engine(model, connector_config(kind, "kv_producer", free_port()))
         decode_engine = Engine(model, connector_config(kind, "kv_consumer", 0), policy="recompute")
         return prefill, decode_engine
+    if kind == "push":
+        port = free_port()
+        decode_engine = Engine(model, connector_config("datadist", "kv_consumer", port, transfer_mode="push_layerwise"),
+                               policy="recompute")
+        prefill = Engine(model, connector_config("datadist", "kv_producer", free_port(),
+                                                 transfer_mode="push_layerwise", push_port=port))
+        return prefill, decode_engine
     prefill = Engine(model, connector_config(kind, "kv_producer", 0),
                      env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"})
     decode_engine = Engine(model, connector_config(kind, "kv_consumer", 0), policy="recompute",
@@ -65,12 +79,14 @@ def start_pair(kind: str, model: Path) -> tuple[Engine, Engine]:
 def one_request(prefill: Engine, decode: Engine, prompt: list[int], max_tokens: int, kind: str) -> dict[str, Any]:
     time_metric, bytes_metric = METRICS[kind]
     before = decode.metrics()
+    pushed_before = prefill.metrics() if kind == "push" else {}
     start = time.monotonic()
     pre = prefill.generate([prompt], 1, [{"do_remote_decode": True}])
     params = pre["results"][0]["kv_transfer_params"]
     dec = decode.generate([prompt], max_tokens, [params])
     wall = time.monotonic() - start
     after = decode.metrics()
+    pushed_after = prefill.metrics() if kind == "push" else {}
     result = dec["results"][0]
     return {
         "prompt_tokens": len(prompt),
@@ -79,6 +95,8 @@ def one_request(prefill: Engine, decode: Engine, prompt: list[int], max_tokens: 
         "xfer_s": after.get(time_metric + "_sum", 0.0) - before.get(time_metric + "_sum", 0.0),
         "bytes": after.get(bytes_metric + "_sum", 0.0) - before.get(bytes_metric + "_sum", 0.0),
         "ttft_s": result["ttft"],
+        "push_s": pushed_after.get(time_metric + "_sum", 0.0) - pushed_before.get(time_metric + "_sum", 0.0),
+        "prefill_wall_s": pre["wall"],
         "decode_wall_s": dec["wall"],
         "wall_s": wall,
     }
@@ -104,6 +122,8 @@ def run_once(kind: str, model: Path, prompts: list[list[int]], reference: list[l
         "median_xfer_ms": statistics.median(r["xfer_s"] for r in measured) * 1e3 if measured else None,
         "median_ttft_ms": statistics.median(r["ttft_s"] for r in rows) * 1e3,
         "median_wall_ms": statistics.median(r["wall_s"] for r in rows) * 1e3,
+        "median_push_ms": statistics.median(r["push_s"] for r in measured) * 1e3 if measured else None,
+        "median_prefill_ms": statistics.median(r["prefill_wall_s"] for r in rows) * 1e3,
         "median_bytes": statistics.median(r["bytes"] for r in measured) if measured else None,
         "rows": rows,
     }
@@ -116,7 +136,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--lengths", default="128,512,1024,2048", help="prompt lengths, cycled")
-    parser.add_argument("--connectors", default="datadist,nixl")
+    parser.add_argument("--connectors", default="datadist,push,nixl")
     parser.add_argument("--output", type=Path, default=Path("build/bench-vllm-pd.json"))
     args = parser.parse_args()
 
@@ -138,16 +158,22 @@ def main() -> None:
         for round_index in range(args.rounds):
             order = kinds if round_index % 2 == 0 else list(reversed(kinds))
             for kind in order:
-                run = run_once(kind, model, prompts, reference, args.warmup, args.max_tokens)
+                try:
+                    run = run_once(kind, model, prompts, reference, args.warmup, args.max_tokens)
+                except EngineError as exc:  # NIXL's engines sometimes die; the run goes again once
+                    print(f"round {round_index + 1} {kind}: an engine died ({str(exc)[:200]}); running it again")
+                    run = run_once(kind, model, prompts, reference, args.warmup, args.max_tokens)
                 runs.append(run)
                 print(
                     f"round {round_index + 1} {kind:8s} exact={run['exact']} measured={run['measured']}/"
-                    f"{run['requests']} xfer={run['median_xfer_ms']:.2f} ms ttft={run['median_ttft_ms']:.1f} ms "
+                    f"{run['requests']} xfer={run['median_xfer_ms']:.2f} ms push={run['median_push_ms']:.2f} ms "
+                    f"ttft={run['median_ttft_ms']:.1f} ms prefill={run['median_prefill_ms']:.1f} ms "
                     f"wall={run['median_wall_ms']:.1f} ms kv={run['median_bytes'] / 2**20:.2f} MiB",
                     flush=True,
                 )
 
-    print("\nconnector  runs  median xfer ms (range)    median TTFT ms (range)    median wall ms (range)  exact")
+    print("\nconnector  runs  median xfer ms (range)    push ms (range)    median TTFT ms (range)"
+          "    prefill ms (range)    median wall ms (range)  exact")
     summary = {}
     for kind in kinds:
         mine = [r for r in runs if r["kind"] == kind]
@@ -157,11 +183,16 @@ def main() -> None:
             return statistics.median(values), min(values), max(values)
 
         xfer, ttft, wall = agg("median_xfer_ms"), agg("median_ttft_ms"), agg("median_wall_ms")
+        push, prefill_ms = agg("median_push_ms"), agg("median_prefill_ms")
         exact = all(r["exact"] for r in mine)
-        summary[kind] = {"xfer_ms": xfer, "ttft_ms": ttft, "wall_ms": wall, "exact": exact}
+        summary[kind] = {"xfer_ms": xfer, "push_ms": push, "ttft_ms": ttft, "prefill_ms": prefill_ms,
+                         "wall_ms": wall, "exact": exact}
         print(
             f"{kind:9s}  {len(mine):4d}  {xfer[0]:7.2f} ({xfer[1]:.2f}-{xfer[2]:.2f})"
-            f"    {ttft[0]:7.1f} ({ttft[1]:.1f}-{ttft[2]:.1f})    {wall[0]:7.1f} ({wall[1]:.1f}-{wall[2]:.1f})  {exact}"
+            f"    {push[0]:6.2f} ({push[1]:.2f}-{push[2]:.2f})"
+            f"    {ttft[0]:7.1f} ({ttft[1]:.1f}-{ttft[2]:.1f})"
+            f"    {prefill_ms[0]:7.1f} ({prefill_ms[1]:.1f}-{prefill_ms[2]:.1f})"
+            f"    {wall[0]:7.1f} ({wall[1]:.1f}-{wall[2]:.1f})  {exact}"
         )
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps({"summary": summary, "runs": runs}, indent=1))

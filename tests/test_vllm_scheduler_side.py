@@ -15,8 +15,8 @@ from typing import Any, Optional
 import pytest
 
 from datadist_aio.integrations.vllm import stats
-from datadist_aio.integrations.vllm.metadata import LoadSpec
-from datadist_aio.integrations.vllm.scheduler import SchedulerSide, SideSettings
+from datadist_aio.integrations.vllm.metadata import LoadSpec, SaveSpec
+from datadist_aio.integrations.vllm.scheduler import ScheduledChunk, SchedulerSide, SideSettings
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -111,6 +111,47 @@ def test_prefill_without_blocks_holds_nothing() -> None:
     held, params = side.request_finished(request, [])
     assert held is False and params is not None and params["remote_block_ids"] == []
     assert side.build_plan().leases == {}
+
+
+SAVING = SideSettings(engine_id="p", host="127.0.0.1", port=1, plan_saves=True, block_size=4)
+
+
+def test_saves_name_the_blocks_each_chunk_writes() -> None:
+    side = SchedulerSide(SAVING, Clock())
+    request = Request("r", list(range(18)), {"do_remote_decode": True})  # 5 blocks of 4 tokens
+    side.update_state_after_alloc(request, [], 0)
+    # First chunk: 10 tokens, blocks 0-2 (block 2 half full).
+    plan = side.build_plan([ScheduledChunk("r", [7, 8, 9], True, 0, 10), ScheduledChunk("other", [1], True, 0, 4)])
+    assert plan.saves == {"r": SaveSpec("r", [7, 8, 9], 0, 5, False)}
+    # Second chunk: tokens 10-17; block 2 again, then 3 and 4.
+    plan = side.build_plan([ScheduledChunk("r", [3, 5], False, 10, 8)])
+    assert plan.saves == {"r": SaveSpec("r", [9, 3, 5], 2, 5, True)}
+    # The prompt is done: decoding steps save nothing.
+    assert side.build_plan([ScheduledChunk("r", None, False, 18, 1)]).saves == {}
+
+
+def test_saves_start_with_local_prefix_hits_and_restart_after_preemption() -> None:
+    side = SchedulerSide(SAVING, Clock())
+    request = Request("r", list(range(16)), {"do_remote_decode": True})
+    side.update_state_after_alloc(request, [], 0)
+    # 8 tokens were prefix hits on the prefill: their blocks go too.
+    plan = side.build_plan([ScheduledChunk("r", [4, 5, 6], True, 8, 4)])
+    assert plan.saves["r"] == SaveSpec("r", [4, 5, 6], 0, 4, False)
+    # Preempted and resumed with new blocks, recomputed from token 4.
+    plan = side.build_plan([ScheduledChunk("r", [1, 2, 3, 9], True, 4, 12)])
+    assert plan.saves["r"] == SaveSpec("r", [2, 3, 9], 1, 4, True)
+
+
+def test_saves_only_where_planned_and_not_after_an_abort() -> None:
+    plain = SchedulerSide(SETTINGS, Clock())
+    request = Request("r", list(range(8)), {"do_remote_decode": True})
+    plain.update_state_after_alloc(request, [], 0)
+    assert plain.build_plan([ScheduledChunk("r", [1, 2], True, 0, 8)]).saves == {}
+    side = SchedulerSide(SAVING, Clock())
+    side.update_state_after_alloc(request, [], 0)
+    request.status = Status.FINISHED_ABORTED
+    side.request_finished(request, [1, 2])
+    assert side.build_plan([ScheduledChunk("r", [1, 2], True, 0, 8)]).saves == {}
 
 
 def test_plain_request_is_ignored() -> None:

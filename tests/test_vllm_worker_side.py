@@ -155,6 +155,7 @@ def _stop(process: Any, conn: Any) -> None:
     if process.is_alive():
         process.kill()
         process.join()
+    process.close()
     conn.close()
 
 
@@ -163,6 +164,9 @@ def test_describe_groups_layers_and_splits_kv_pairs() -> None:
     (group,) = describe_kv_caches(fused, BLOCKS)
     assert (group.per_layer, len(group.addresses), group.block_shape) == (1, 2, [HEADS, BLOCK_SIZE, 2 * HEAD_DIM])
     assert group.block_bytes == 2 * HEADS * BLOCK_SIZE * 2 * HEAD_DIM * 4
+    latent = {f"l{i}": FakeTensor(np.zeros((BLOCKS, 16, 576), np.float32)) for i in range(2)}  # MLA
+    (group,) = describe_kv_caches(latent, BLOCKS)
+    assert (group.per_layer, len(group.addresses), group.block_shape) == (1, 2, [16, 576])
     split = {"l0": FakeTensor(np.zeros((2, BLOCKS, 4, 8), np.float32))}
     (group,) = describe_kv_caches(split, BLOCKS)
     assert group.per_layer == 2 and group.block_shape == [4, 8]

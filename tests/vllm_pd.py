@@ -21,16 +21,17 @@ HERE = Path(__file__).resolve().parent
 BLOCK_SIZE = 32
 
 
-def model_dir(root: Path) -> Path:
-    """The tiny test model under ``root`` (weights made once, from a fixed seed)."""
+def model_dir(root: Path, variant: str = "llama") -> Path:
+    """The tiny test model (``llama``, or ``mla``: DeepSeek-V2 attention) under
+    ``root`` (weights made once, from a fixed seed)."""
     import sys
 
     sys.path.insert(0, str(HERE / "vllm_model"))
     from make_weights import make
 
-    target = root / "tiny-llama"
+    target = root / f"tiny-{variant}"
     if not (target / "model.safetensors").exists():
-        make(target)
+        make(target, variant=variant)
     return target
 
 

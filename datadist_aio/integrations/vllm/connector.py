@@ -11,7 +11,14 @@ Settings (``kv_connector_extra_config``): ``side_channel_host`` (default
 127.0.0.1; the address the decode side reaches the prefill at),
 ``side_channel_port`` (default ``kv_port``; each tensor-parallel rank adds
 its rank; with ``kv_both`` on one host give each instance its own),
-``load_timeout_s`` (10), ``lease_timeout_s`` (120), ``link_timeout_ms`` (3000).
+``load_timeout_s`` (10), ``lease_timeout_s`` (120), ``link_timeout_ms`` (3000),
+``transfer_mode`` (``"pull"``, the default, or ``"push_layerwise"``). With
+``push_layerwise`` a decode instance lends ``inbox_blocks`` (512) staging
+blocks, at most ``inbox_share_blocks`` (256) to each prefill, and listens on
+its side channel port; a prefill instance pushes to the decode instance whose
+side channel is ``push_host`` (127.0.0.1) : ``push_port`` (plus its rank).
+With KV tensors on a device, ``kv_buffer_device="cpu"`` stages them through
+a host buffer.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from . import stats
 from .metadata import StepPlan
-from .scheduler import SchedulerSide, SideSettings
+from .scheduler import ScheduledChunk, SchedulerSide, SideSettings
 from .worker import WorkerSettings, WorkerSide
 
 if TYPE_CHECKING:
@@ -135,6 +142,39 @@ def _tp_size(vllm_config: Any) -> int:
     return int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
 
 
+def _on_device() -> bool:
+    """Whether this vLLM keeps its KV cache off the host (a GPU build)."""
+    try:
+        from vllm.platforms import current_platform
+
+        return str(current_platform.device_type) != "cpu"
+    except (ImportError, AttributeError):
+        return False
+
+
+def _first_group(block_ids: Any) -> Optional[list[int]]:
+    return list(block_ids[0]) if block_ids else None
+
+
+def scheduled_chunks(output: "SchedulerOutput") -> list[ScheduledChunk]:
+    """This step's requests, as the scheduler side reads them."""
+    counts = output.num_scheduled_tokens
+    chunks = [
+        ScheduledChunk(new.req_id, _first_group(new.block_ids), True, new.num_computed_tokens, counts.get(new.req_id, 0))
+        for new in output.scheduled_new_reqs
+    ]
+    cached = output.scheduled_cached_reqs
+    for index, req_id in enumerate(cached.req_ids):
+        chunks.append(ScheduledChunk(
+            req_id,
+            _first_group(cached.new_block_ids[index]),
+            req_id in cached.resumed_req_ids,
+            cached.num_computed_tokens[index],
+            counts.get(req_id, 0),
+        ))
+    return chunks
+
+
 class DatadistAioConnector(KVConnectorBase_V1):
     """Moves each request's prompt KV from a prefill vLLM to a decode vLLM."""
 
@@ -147,6 +187,9 @@ class DatadistAioConnector(KVConnectorBase_V1):
         engine_id = str(transfer.engine_id)
         host = str(extra.get("side_channel_host", getattr(transfer, "kv_ip", None) or "127.0.0.1"))
         base_port = int(extra.get("side_channel_port", transfer.kv_port))
+        mode = str(extra.get("transfer_mode", "pull"))
+        push = mode == "push_layerwise"
+        self._plan_saves = bool(transfer.is_kv_producer) and (push or _on_device())
         self.scheduler_side: Optional[SchedulerSide] = None
         self.worker_side: Optional[WorkerSide] = None
         self._stats = stats.empty()
@@ -158,10 +201,19 @@ class DatadistAioConnector(KVConnectorBase_V1):
                     port=base_port,
                     lease_timeout_s=float(extra.get("lease_timeout_s", 120.0)),
                     tp_size=_tp_size(vllm_config),
+                    plan_saves=self._plan_saves,
+                    block_size=int(vllm_config.cache_config.block_size) if self._plan_saves else 16,
                 )
             )
         else:
             rank = _tp_rank()
+            push_port = int(extra.get("push_port", 0))
+            if push and transfer.is_kv_producer and not transfer.is_kv_consumer and push_port <= 0:
+                raise ValueError(
+                    "transfer_mode 'push_layerwise' on a prefill instance needs push_port in "
+                    "kv_connector_extra_config: the decode instance's side_channel_port"
+                )
+            listens = bool(transfer.is_kv_producer) or (push and bool(transfer.is_kv_consumer))
             self.worker_side = WorkerSide(
                 WorkerSettings(
                     engine_id=engine_id,
@@ -169,9 +221,16 @@ class DatadistAioConnector(KVConnectorBase_V1):
                     is_producer=bool(transfer.is_kv_producer),
                     is_consumer=bool(transfer.is_kv_consumer),
                     host=host,
-                    side_channel_port=base_port + rank if transfer.is_kv_producer else 0,
+                    side_channel_port=base_port + rank if listens else 0,
                     load_timeout_s=float(extra.get("load_timeout_s", 10.0)),
                     link_timeout_ms=int(extra.get("link_timeout_ms", 3000)),
+                    transfer_mode=mode,
+                    inbox_blocks=int(extra.get("inbox_blocks", 512)),
+                    inbox_share_blocks=int(extra.get("inbox_share_blocks", 256)),
+                    push_host=str(extra.get("push_host", "127.0.0.1")),
+                    push_port=push_port + rank if push_port > 0 else 0,
+                    lease_timeout_s=float(extra.get("lease_timeout_s", 120.0)),
+                    kv_buffer_device=getattr(transfer, "kv_buffer_device", None),
                 )
             )
 
@@ -188,7 +247,8 @@ class DatadistAioConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         assert self.scheduler_side is not None
-        return DatadistAioConnectorMetadata(self.scheduler_side.build_plan())
+        chunks = scheduled_chunks(scheduler_output) if self._plan_saves else ()
+        return DatadistAioConnectorMetadata(self.scheduler_side.build_plan(chunks))
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         assert self.scheduler_side is not None
@@ -214,14 +274,20 @@ class DatadistAioConnector(KVConnectorBase_V1):
         assert isinstance(metadata, DatadistAioConnectorMetadata)
         self.worker_side.start_loads(metadata.plan)
 
+    def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
+        assert self.worker_side is not None
+        self.worker_side.set_copy_blocks(copy_operation)
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are asynchronous: a request runs only once its load settled
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return None  # the decode side pulls; nothing to push per layer
+        assert self.worker_side is not None
+        self.worker_side.save_layer(layer_name)
 
     def wait_for_save(self) -> None:
-        return None
+        assert self.worker_side is not None
+        self.worker_side.finish_step()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["LoadSpec", "StepPlan"]
+__all__ = ["LoadSpec", "SaveSpec", "StepPlan"]
 
 
 @dataclass
@@ -30,16 +30,36 @@ class LoadSpec:
 
 
 @dataclass
+class SaveSpec:
+    """Blocks of a request bound for a remote decode that this step writes.
+
+    ``block_ids[k]`` holds the request's block ``first_index + k``; the
+    request has ``total_blocks`` prompt blocks in all, and ``last`` says this
+    step computes the end of its prompt. A block the step only partly fills
+    is listed again in the next step.
+    """
+
+    req_id: str
+    block_ids: list[int]
+    first_index: int
+    total_blocks: int
+    last: bool
+
+
+@dataclass
 class StepPlan:
     """What the worker side does in one scheduler step.
 
     ``loads``: reads to start. ``leases``: prefill requests whose blocks now
     wait for a decode side, with the monotonic deadline after which they are
-    freed anyway.
+    freed anyway. ``saves``: blocks of requests bound for a remote decode
+    written in this step (planned only where they are pushed layer by layer
+    or copied to a host buffer).
     """
 
     loads: dict[str, LoadSpec] = field(default_factory=dict)
     leases: dict[str, float] = field(default_factory=dict)
+    saves: dict[str, SaveSpec] = field(default_factory=dict)
 
     def is_empty(self) -> bool:
-        return not self.loads and not self.leases
+        return not self.loads and not self.leases and not self.saves

@@ -10,7 +10,10 @@ unchanged:
   ``remote_block_ids``, ``remote_engine_id``, ``remote_host``,
   ``remote_port``, ``remote_request_id``);
 - a decode request carrying ``do_remote_prefill`` reports its prompt as
-  computed externally and asynchronously, and the worker side reads it.
+  computed externally and asynchronously, and the worker side reads it;
+- where the worker side pushes layer by layer or copies to a host buffer
+  (``plan_saves``), each step also names the blocks of remote-decode
+  requests that the step writes.
 
 This module imports nothing from vLLM: requests and block lists are used by
 the few attributes named here, so it is tested without an engine.
@@ -20,12 +23,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Optional
 
-from .metadata import LoadSpec, StepPlan
+from .metadata import LoadSpec, SaveSpec, StepPlan
 
-__all__ = ["SchedulerSide", "SideSettings"]
+__all__ = ["ScheduledChunk", "SchedulerSide", "SideSettings"]
 
 _REMOTE_FIELDS = ("remote_block_ids", "remote_engine_id", "remote_host", "remote_port")
 
@@ -39,6 +42,33 @@ class SideSettings:
     port: int
     lease_timeout_s: float = 120.0
     tp_size: int = 1
+    # Plan ``StepPlan.saves`` (layer-wise push, host buffer) with this block size.
+    plan_saves: bool = False
+    block_size: int = 16
+
+
+class ScheduledChunk(NamedTuple):
+    """One request's part of a step, from vLLM's ``SchedulerOutput``.
+
+    ``new_block_ids`` (of the first cache group) extend the request's blocks,
+    or replace them when ``replace`` (a new or resumed request); None: no new
+    blocks.
+    """
+
+    req_id: str
+    new_block_ids: Optional[list[int]]
+    replace: bool
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+
+
+@dataclass
+class _Outgoing:
+    """A remote-decode request still computing its prompt."""
+
+    prompt_len: int
+    blocks: list[int] = field(default_factory=list)
+    next_index: int = 0
 
 
 def _params(request: Any) -> dict[str, Any]:
@@ -71,6 +101,7 @@ class SchedulerSide:
         self._leases: dict[str, float] = {}
         # Prefill requests whose blocks are held until the worker side frees them.
         self.held: set[str] = set()
+        self._outgoing: dict[str, _Outgoing] = {}
 
     # -- decode side ----------------------------------------------------------
 
@@ -93,6 +124,9 @@ class SchedulerSide:
         """
         params = _params(request)
         if not params.get("do_remote_prefill"):
+            if params.get("do_remote_decode") and self.settings.plan_saves:
+                prompt = getattr(request, "prompt_token_ids", None) or []
+                self._outgoing.setdefault(request.request_id, _Outgoing(len(prompt)))
             return
         params["do_remote_prefill"] = False
         if not _has_remote(params):
@@ -120,6 +154,7 @@ class SchedulerSide:
         """Keeps a finished prefill's blocks for the decode side; returns
         (blocks freed later, params for the decode request)."""
         params = _params(request)
+        self._outgoing.pop(request.request_id, None)
         if params.get("do_remote_prefill"):
             # A decode request that finished (aborted) before its read was
             # planned: only tell the prefill side to free its blocks.
@@ -152,8 +187,40 @@ class SchedulerSide:
 
     # -- every step -------------------------------------------------------------
 
-    def build_plan(self) -> StepPlan:
-        """What the worker side does this step; the state is handed over."""
-        plan = StepPlan(loads=self._loads, leases=self._leases)
+    def build_plan(self, scheduled: Any = ()) -> StepPlan:
+        """What the worker side does this step (``scheduled``: this step's
+        ``ScheduledChunk``s); the state is handed over."""
+        plan = StepPlan(loads=self._loads, leases=self._leases, saves=self._saves(scheduled))
         self._loads, self._leases = {}, {}
         return plan
+
+    def _saves(self, scheduled: Any) -> dict[str, SaveSpec]:
+        """The blocks each remote-decode request's prompt fills in this step."""
+        saves: dict[str, SaveSpec] = {}
+        size = self.settings.block_size
+        for chunk in scheduled:
+            outgoing = self._outgoing.get(chunk.req_id)
+            if outgoing is None:
+                continue
+            if chunk.new_block_ids is not None:
+                if chunk.replace:
+                    outgoing.blocks = [int(block) for block in chunk.new_block_ids]
+                    # A resumed request recomputes from here: its blocks go again.
+                    outgoing.next_index = min(outgoing.next_index, chunk.num_computed_tokens // size)
+                else:
+                    outgoing.blocks.extend(int(block) for block in chunk.new_block_ids)
+            end = min(chunk.num_computed_tokens + chunk.num_scheduled_tokens, outgoing.prompt_len)
+            stop = min(-(-end // size), len(outgoing.blocks))
+            last = end >= outgoing.prompt_len
+            if stop > outgoing.next_index:
+                saves[chunk.req_id] = SaveSpec(
+                    req_id=chunk.req_id,
+                    block_ids=outgoing.blocks[outgoing.next_index:stop],
+                    first_index=outgoing.next_index,
+                    total_blocks=-(-outgoing.prompt_len // size),
+                    last=last,
+                )
+            outgoing.next_index = end // size
+            if last:
+                del self._outgoing[chunk.req_id]
+        return saves

@@ -19,6 +19,12 @@ first link to a peer, release notices.
   or exceeds ``load_timeout_s`` is cancelled in the engine and reported only
   once it has settled (no byte lands afterwards), with its blocks in
   ``load_errors``; it never blocks the step.
+- Layer-wise push (``transfer_mode="push_layerwise"``): a decode side lends
+  inbox blocks (``inbox.py``), a prefill side pushes each step's blocks into
+  them as its layers are saved (``push.py``); the decode side's load is then
+  a local copy from its inbox, or the pull above where nothing was pushed.
+- Host buffer (``host_buffer.py``): device KV tensors are staged through
+  registered host copies.
 """
 
 from __future__ import annotations
@@ -36,7 +42,10 @@ from typing import Any, Optional
 
 import datadist_aio as dd
 
+from .host_buffer import HostBuffer, needs_host_buffer
+from .inbox import CLAIMED, COMMITTED, Inbox
 from .metadata import LoadSpec, StepPlan
+from .push import INBOX_MODEL_ID, Pusher, PushSettings
 from .side_channel import SideChannelClient, SideChannelServer
 from .stats import TransferRecord
 
@@ -46,6 +55,8 @@ log = logging.getLogger(__name__)
 
 _MODEL_ID_BASE = 0
 _MAX_PENDING_RELEASES = 1 << 16
+_MAX_IDS = 4096
+TRANSFER_MODES = ("pull", "push_layerwise")
 _TORCH_TO_DATATYPE = {
     "torch.float32": dd.DataType.DT_FLOAT,
     "torch.float16": dd.DataType.DT_FLOAT16,
@@ -122,8 +133,8 @@ def describe_kv_caches(kv_caches: Mapping[str, Any], num_blocks: Optional[int] =
     for name, tensor in kv_caches.items():
         if getattr(tensor, "device", None) is not None and tensor.device.type != "cpu":
             raise ValueError(
-                f"KV tensor {name} is on {tensor.device}; this connector moves host memory only "
-                "(kv_buffer_device='cpu' on a CPU build of vLLM)"
+                f"KV tensor {name} is on {tensor.device}; this connector registers host memory only "
+                "(set kv_buffer_device='cpu' to stage device blocks through a host buffer)"
             )
         dtype = str(tensor.dtype)
         if dtype not in _TORCH_TO_DATATYPE:
@@ -158,6 +169,29 @@ class WorkerSettings:
     load_timeout_s: float = 10.0
     link_timeout_ms: int = 3000
     notify_timeout_s: float = 2.0
+    # "pull", or "push_layerwise": a consumer lends an inbox, a producer with
+    # push_port pushes into the inbox of the decode side listening there.
+    transfer_mode: str = "pull"
+    inbox_blocks: int = 512
+    inbox_share_blocks: int = 256
+    push_host: str = "127.0.0.1"
+    push_port: int = 0
+    lease_timeout_s: float = 120.0
+    # Host-buffer mode: None decides from the tensors' device and kv_buffer_device.
+    host_buffer: Optional[bool] = None
+    kv_buffer_device: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.transfer_mode not in TRANSFER_MODES:
+            raise ValueError(f"transfer_mode must be one of {TRANSFER_MODES}, got {self.transfer_mode!r}")
+
+    @property
+    def lends_inbox(self) -> bool:
+        return self.transfer_mode == "push_layerwise" and self.is_consumer
+
+    @property
+    def pushes(self) -> bool:
+        return self.transfer_mode == "push_layerwise" and self.is_producer and self.push_port > 0
 
 
 @dataclass
@@ -183,6 +217,7 @@ class _Load:
     nbytes: int = 0
     error: str = ""
     cancelled: bool = False
+    local: bool = False  # copied from the inbox, not pulled
 
 
 class WorkerSide:
@@ -219,17 +254,42 @@ class WorkerSide:
         self._inflight: list[_Load] = []
         # vLLM's worker thread only.
         self._leases: dict[str, float] = {}
+        self._host: Optional[HostBuffer] = None
+        self._layer_names: list[str] = []
+        # Layer-wise push: the decode side's inbox, the prefill side's pusher.
+        self._inbox: Optional[Inbox] = None
+        self._inbox_caches: list[dd.Cache] = []
+        self._inbox_memory: list[Any] = []
+        self.pusher: Optional[Pusher] = None
 
     # -- set-up and tear-down (worker thread) -----------------------------------
 
     def register(self, kv_caches: Mapping[str, Any], num_blocks: Optional[int] = None) -> None:
-        """Registers vLLM's KV tensors in place and starts the loop thread."""
+        """Registers vLLM's KV tensors (or their host copies) and starts the loop thread."""
+        host_buffer = self.settings.host_buffer
+        if host_buffer is None:
+            host_buffer = needs_host_buffer(kv_caches, self.settings.kv_buffer_device)
+        if host_buffer:
+            self._host = HostBuffer(kv_caches)
+            kv_caches = self._host.host
+        self._layer_names = list(kv_caches)
         self.groups = describe_kv_caches(kv_caches, num_blocks)
+        if self.settings.transfer_mode == "push_layerwise":
+            if len(self.groups) != 1 or len(self.groups[0].addresses) != len(kv_caches) * self.groups[0].per_layer:
+                raise ValueError(
+                    "push_layerwise needs one KV tensor (or one K and one V) per layer, all of one shape and "
+                    f"dtype; this model has {len(self.groups)} cache groups: use the pull mode"
+                )
         loop = asyncio.new_event_loop()
         self._loop = loop
         self._thread = threading.Thread(target=self._run_loop, args=(loop,), name="datadist-aio-vllm", daemon=True)
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self._start(), loop).result(timeout=60)
+
+    def set_copy_blocks(self, copy: Any) -> None:
+        """vLLM's block-copy function, for the host-buffer mode."""
+        if self._host is not None:
+            self._host.copy = copy
 
     @staticmethod
     def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
@@ -240,8 +300,10 @@ class WorkerSide:
         config = dd.LLMConfig()
         config.enable_cache_manager = True
         config.sync_kv_timeout = max(1, int(self.settings.load_timeout_s * 1000))
-        if self.settings.is_producer:
+        if self.settings.is_producer or self.settings.lends_inbox:
             config.listen_ip_info = f"{self.settings.host}:0"
+        if self.settings.pushes:
+            config.enable_remote_cache_accessible = True
         role = dd.LLMRole.MIX
         if not self.settings.is_consumer:
             role = dd.LLMRole.PROMPT
@@ -259,9 +321,46 @@ class WorkerSide:
             )
             key = dd.BlocksCacheKey(self.cluster_id, _MODEL_ID_BASE + index)
             self._caches.append(datadist.cache_manager.register_blocks_cache(desc, list(group.addresses), key))
-        if self.settings.is_producer:
+        if self.settings.lends_inbox:
+            self._register_inbox(datadist)
+        if self.settings.pushes:
+            group = self.groups[0]
+            self.pusher = Pusher(
+                PushSettings(
+                    engine_id=self.settings.engine_id,
+                    decode_host=self.settings.push_host,
+                    decode_port=self.settings.push_port,
+                    share_blocks=self.settings.inbox_share_blocks,
+                    hold_s=self.settings.lease_timeout_s,
+                    timeout_s=self.settings.load_timeout_s,
+                    link_timeout_ms=self.settings.link_timeout_ms,
+                ),
+                datadist, self._caches[0], [g.layout() for g in self.groups], self._layer_names,
+                group.per_layer, group.block_bytes, asyncio.get_running_loop(),
+            )
+        if self.settings.is_producer or self.settings.lends_inbox:
             self._server = SideChannelServer(self._answer)
             self.side_channel_port = await self._server.start(self.settings.host, self.settings.side_channel_port)
+
+    def _register_inbox(self, datadist: dd.LLMDataDist) -> None:
+        """The staging blocks prefill sides push into: one blocks cache per group."""
+        import numpy as np
+
+        blocks = self.settings.inbox_blocks
+        self._inbox = Inbox(blocks, self.settings.inbox_share_blocks)
+        for index, group in enumerate(self.groups):
+            per_tensor = group.block_bytes // len(group.addresses)
+            memory = [np.zeros(blocks * per_tensor, np.uint8) for _ in group.addresses]
+            self._inbox_memory.append(memory)
+            desc = dd.CacheDesc(
+                num_tensors=len(memory),
+                shape=[blocks, *group.block_shape],
+                data_type=_TORCH_TO_DATATYPE[group.dtype],
+                placement=dd.Placement.HOST,
+            )
+            key = dd.BlocksCacheKey(self.cluster_id, INBOX_MODEL_ID + index)
+            addresses = [int(array.ctypes.data) for array in memory]
+            self._inbox_caches.append(datadist.cache_manager.register_blocks_cache(desc, addresses, key))
 
     def shutdown(self) -> None:
         loop = self._loop
@@ -293,6 +392,8 @@ class WorkerSide:
                 cache_task.synchronize(int(self.settings.load_timeout_s * 1000) + 5000)
         for peer in self._peers.values():
             peer.client.close()
+        if self.pusher is not None:
+            await self.pusher.close()
         if self._server is not None:
             await self._server.close()
         if self._datadist is not None:
@@ -302,23 +403,79 @@ class WorkerSide:
     # -- per step (worker thread) ---------------------------------------------------
 
     def start_loads(self, plan: StepPlan) -> None:
-        """Starts the reads the scheduler planned; returns at once."""
+        """Starts the reads the scheduler planned, and the step's saves; returns at once."""
         if plan.leases:
             self._leases.update(plan.leases)
+        if plan.saves:
+            if self._host is not None:
+                self._host.begin_step([block for spec in plan.saves.values() for block in spec.block_ids])
+            if self.pusher is not None:
+                self.pusher.begin_step(plan.saves)
         if not plan.loads:
             return
         assert self._loop is not None, "register_kv_caches was not called"
         for spec in plan.loads.values():
             if not spec.local_block_ids:
                 # Nothing to read (a local prefix hit or an abort): only release the prefill.
+                if self._inbox is not None:
+                    self._inbox.finish(spec.remote_engine_id, spec.remote_request_id)
                 self._loop.call_soon_threadsafe(self._spawn_notify, spec)
                 continue
             start = time.perf_counter()
-            cluster_id = self._linked.get((spec.remote_host, spec.remote_port))
-            if cluster_id is not None:
-                self._begin(spec, cluster_id, start)
-            else:
-                self._loop.call_soon_threadsafe(self._spawn_link, spec, start)
+            state = self._inbox.state(spec.remote_engine_id, spec.remote_request_id) if self._inbox else None
+            if state == COMMITTED and self._begin_local(spec, start):
+                continue
+            if state == CLAIMED:
+                self._loop.call_soon_threadsafe(self._spawn_wait_commit, spec, start)
+                continue
+            self._begin_pull(spec, start)
+
+    def _begin_pull(self, spec: LoadSpec, start: float) -> None:
+        """Pulls one load from its prefill, linking first where needed (either thread)."""
+        assert self._loop is not None
+        cluster_id = self._linked.get((spec.remote_host, spec.remote_port))
+        if cluster_id is not None:
+            self._begin(spec, cluster_id, start)
+        else:
+            self._loop.call_soon_threadsafe(self._spawn_link, spec, start)
+
+    def _begin_local(self, spec: LoadSpec, start: float) -> bool:
+        """Copies a pushed request from the inbox into its blocks; False if it is not there."""
+        assert self._inbox is not None and self._datadist is not None
+        key = (spec.remote_engine_id, spec.remote_request_id)
+        blocks = self._inbox.take(*key)
+        if blocks is None:
+            return False
+        local = spec.local_block_ids
+        if len(local) > len(blocks):
+            self._inbox.finish(*key)
+            return False
+        # Local prefix-cache hits cover the leading blocks: copy only the tail.
+        mapping = dict(zip(blocks[len(blocks) - len(local):], local))
+        load = _Load(spec, start, start + self.settings.load_timeout_s, local=True)
+        try:
+            for inbox, cache, group in zip(self._inbox_caches, self._caches, self.groups):
+                load.tasks.append(self._datadist.cache_manager.swap_blocks_async(inbox, cache, mapping))
+                load.nbytes += group.block_bytes * len(local)
+        except Exception as exc:
+            load.error = f"{type(exc).__name__}: {exc}"
+        with self._lock:
+            self._inflight.append(load)
+        return True
+
+    def save_layer(self, name: str) -> None:
+        """vLLM's forward has written layer ``name`` of this step."""
+        if self._host is not None:
+            self._host.save_layer(name)
+        if self.pusher is not None:
+            self.pusher.save_layer(name)
+
+    def finish_step(self) -> None:
+        """The forward is over: finishes the step's copies and pushes."""
+        if self._host is not None:
+            self._host.finish_step()
+        if self.pusher is not None:
+            self.pusher.finish_step()
 
     def _begin(self, spec: LoadSpec, cluster_id: int, start: float, error: str = "") -> None:
         """Starts the pulls of one load (or records why it could not start)."""
@@ -376,6 +533,8 @@ class WorkerSide:
         sending.update(req_id for req_id, deadline in self._leases.items() if deadline <= now)
         for req_id in sending:
             self._leases.pop(req_id, None)
+        if self.pusher is not None and sending:
+            self.pusher.freed(sending)
         return sending, recving, failed
 
     def _settle(self, load: _Load, now: float) -> None:
@@ -386,6 +545,13 @@ class WorkerSide:
                 if bad:
                     load.error = f"pull failed: {bad[0].name}"
                     break
+        if not load.error and self._host is not None:
+            try:
+                self._host.load(spec.local_block_ids)
+            except Exception as exc:
+                load.error = f"copy to the device: {type(exc).__name__}: {exc}"
+        if self._inbox is not None:
+            self._inbox.finish(spec.remote_engine_id, spec.remote_request_id)
         ok = not load.error
         if not ok:
             log.warning("datadist_aio connector: load of %s from %s:%d failed: %s",
@@ -398,7 +564,7 @@ class WorkerSide:
             self._records.append(TransferRecord(now - load.start, load.nbytes if ok else 0,
                                                 len(spec.local_block_ids), ok))
         assert self._loop is not None
-        if not ok:
+        if not ok and not load.local:
             self._linked.pop((spec.remote_host, spec.remote_port), None)
             self._loop.call_soon_threadsafe(self._spawn_forget, spec.remote_host, spec.remote_port)
         self._loop.call_soon_threadsafe(self._spawn_notify, spec)
@@ -411,6 +577,8 @@ class WorkerSide:
     def take_records(self) -> list[TransferRecord]:
         with self._lock:
             records, self._records = self._records, []
+        if self.pusher is not None:
+            records.extend(self.pusher.take_records())
         return records
 
     # -- prefill side (loop thread) -------------------------------------------------
@@ -437,7 +605,51 @@ class WorkerSide:
                 while len(self._released) > _MAX_PENDING_RELEASES:
                     self._released.popitem(last=False)
             return {"ok": True}
+        if op in ("share", "claim", "commit", "abort") and self._inbox is not None:
+            return self._answer_inbox(op, message)
         return {"ok": False, "error": f"unknown op {op!r}"[:128]}
+
+    def _answer_inbox(self, op: str, message: dict[str, Any]) -> dict[str, Any]:
+        """A prefill side's share, claims, commits and aborts (decode side)."""
+        inbox = self._inbox
+        assert inbox is not None and self._datadist is not None
+        engine_id = message.get("engine_id")
+        if not isinstance(engine_id, str) or not 0 < len(engine_id) <= 256:
+            return {"ok": False, "error": "engine_id must be a string of 1 to 256 characters"}
+        if op == "share":
+            wanted = message.get("blocks")
+            if not isinstance(wanted, int) or wanted <= 0:
+                return {"ok": False, "error": "blocks must be a positive integer"}
+            first, count = inbox.grant(engine_id, wanted)
+            return {
+                "ok": True,
+                "cluster_id": self.cluster_id,
+                "port": self._datadist.listen_port,
+                "layout": [group.layout() for group in self.groups],
+                "first": first,
+                "count": count,
+            }
+        if op == "claim":
+            claims, hold_s = message.get("claims"), message.get("hold_s")
+            if not isinstance(claims, dict) or len(claims) > _MAX_IDS:
+                return {"ok": False, "error": f"claims must be an object of at most {_MAX_IDS} requests"}
+            if not isinstance(hold_s, (int, float)) or not 1 <= hold_s <= 3600:
+                return {"ok": False, "error": "hold_s must be a number of seconds from 1 to 3600"}
+            granted = [
+                req_id for req_id, blocks in claims.items()
+                if len(req_id) <= 1024 and isinstance(blocks, list) and len(blocks) <= inbox.num_blocks
+                and all(type(block) is int for block in blocks) and inbox.claim(engine_id, req_id, blocks, hold_s)
+            ]
+            return {"ok": True, "granted": granted}
+        req_ids = message.get("req_ids")
+        if not isinstance(req_ids, list) or len(req_ids) > _MAX_IDS or not all(isinstance(r, str) for r in req_ids):
+            return {"ok": False, "error": f"req_ids must be a list of at most {_MAX_IDS} strings"}
+        for req_id in req_ids:
+            if op == "commit":
+                inbox.commit(engine_id, req_id)
+            else:
+                inbox.abort(engine_id, req_id)
+        return {"ok": True}
 
     # -- decode side (loop thread) ---------------------------------------------------
 
@@ -445,6 +657,22 @@ class WorkerSide:
         task = asyncio.get_running_loop().create_task(self._link_then_begin(spec, start))
         self._linking.add(task)
         task.add_done_callback(self._linking.discard)
+
+    def _spawn_wait_commit(self, spec: LoadSpec, start: float) -> None:
+        task = asyncio.get_running_loop().create_task(self._wait_commit(spec, start))
+        self._linking.add(task)
+        task.add_done_callback(self._linking.discard)
+
+    async def _wait_commit(self, spec: LoadSpec, start: float) -> None:
+        """A request claimed but not yet committed: waits for its push, else pulls it."""
+        assert self._inbox is not None
+        deadline = start + self.settings.load_timeout_s
+        while self._inbox.state(spec.remote_engine_id, spec.remote_request_id) == CLAIMED:
+            if time.perf_counter() >= deadline:
+                break
+            await asyncio.sleep(0.002)
+        if not self._begin_local(spec, start):
+            self._begin_pull(spec, start)
 
     def _spawn_forget(self, host: str, port: int) -> None:
         asyncio.get_running_loop().create_task(self._forget(host, port))

@@ -1,0 +1,308 @@
+"""The prefill side of the layer-wise push (``transfer_mode="push_layerwise"``).
+
+Each step that computes prompt blocks of requests bound for a remote decode
+starts one ``transfer_cache_async`` of those blocks into the decode side's
+inbox (see ``inbox.py``). Its ``LayerSynchronizer`` releases a layer once
+vLLM's forward has saved it (``save_kv_layer``), so the push overlaps the
+model's compute; ``wait_for_save`` waits for the step's push and its commit
+before the step's output leaves the instance. A request whose share is
+exhausted, whose claim is refused or whose push fails is not pushed: its
+decode side finds no committed claim and pulls it as in the pull mode.
+
+The library moves two tensors per transfer layer: with K and V apart (two
+tensors per model layer) a transfer layer is a model layer; with one tensor
+per model layer (vLLM's CPU backend, MLA's latent cache) it is two model
+layers, released once both were saved.
+
+Thread rules: ``begin_step``, ``save_layer``, ``finish_step`` and ``freed``
+are called from vLLM's worker thread; the coroutines run on the loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import datadist_aio as dd
+
+from .inbox import Share
+from .metadata import SaveSpec
+from .side_channel import SideChannelClient
+from .stats import TransferRecord
+
+__all__ = ["INBOX_MODEL_ID", "LayerRelease", "Pusher", "PushSettings"]
+
+log = logging.getLogger(__name__)
+
+INBOX_MODEL_ID = 1 << 20  # the decode side's inbox blocks cache, in its BlocksCacheKey
+_TENSORS_PER_LAYER = 2
+_RETRY_AFTER_S = 5.0  # after the decode side could not be reached, steps go unpushed this long
+
+
+class LayerRelease(dd.LayerSynchronizer):
+    """Lets a transfer layer go once every model layer it holds was saved.
+
+    ``saved`` is called on vLLM's worker thread; ``synchronize_layer`` is
+    awaited on the loop.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, model_layers: int, per_layer: int) -> None:
+        self._loop = loop
+        self._per_layer = per_layer
+        self._model_layers = model_layers
+        self._events = [asyncio.Event() for _ in range(model_layers * per_layer // _TENSORS_PER_LAYER)]
+        self._saved = [False] * model_layers
+        self._done = 0  # model layers saved in a row from the first
+        self._released = 0
+
+    def saved(self, model_layer: int) -> None:
+        if 0 <= model_layer < self._model_layers:
+            self._saved[model_layer] = True
+        while self._done < self._model_layers and self._saved[self._done]:
+            self._done += 1
+        ready = self._done * self._per_layer // _TENSORS_PER_LAYER
+        for layer in range(self._released, ready):
+            self._loop.call_soon_threadsafe(self._events[layer].set)
+        self._released = max(self._released, ready)
+
+    def saved_all(self) -> None:
+        for layer in range(self._model_layers):
+            self.saved(layer)
+
+    async def synchronize_layer(self, layer_index: int, timeout_in_millis: Optional[int]) -> bool:
+        await self._events[layer_index].wait()
+        return True
+
+
+@dataclass(frozen=True)
+class PushSettings:
+    """Where the prefill pushes and how long it waits."""
+
+    engine_id: str
+    decode_host: str
+    decode_port: int
+    share_blocks: int
+    hold_s: float
+    timeout_s: float
+    link_timeout_ms: int
+
+
+@dataclass
+class _Decode:
+    """The decode worker this prefill pushes to, once linked."""
+
+    cluster_id: int
+    share: Share
+
+
+@dataclass
+class _Step:
+    release: LayerRelease
+    future: "concurrent.futures.Future[None]"
+
+
+class Pusher:
+    """Pushes the blocks each step writes into the decode side's inbox."""
+
+    def __init__(self, settings: PushSettings, datadist: dd.LLMDataDist, cache: dd.Cache,
+                 layout: list[dict[str, Any]], layer_names: Sequence[str], per_layer: int, block_bytes: int,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        if len(layer_names) * per_layer % _TENSORS_PER_LAYER:
+            raise ValueError(
+                f"push_layerwise moves two tensors per transfer layer; {len(layer_names)} layers of "
+                f"{per_layer} tensor(s) is an odd count: use the pull mode"
+            )
+        self.settings = settings
+        self._datadist = datadist
+        self._cache = cache
+        self._layout = layout
+        self._layers = {name: index for index, name in enumerate(layer_names)}
+        self._per_layer = per_layer
+        self._block_bytes = block_bytes
+        self._loop = loop
+        self._client = SideChannelClient(settings.decode_host, settings.decode_port)
+        self._decode: Optional[_Decode] = None
+        self._connecting: Optional[asyncio.Lock] = None
+        self._retry_at = 0.0
+        self._step: Optional[_Step] = None
+        # Shared between the two threads.
+        self._lock = threading.Lock()
+        self._slots: dict[str, list[int]] = {}  # request -> its inbox blocks, by block index
+        self._pushing: set[str] = set()  # claimed, more chunks to push
+        self._records: list[TransferRecord] = []
+
+    # -- worker thread -----------------------------------------------------------
+
+    def begin_step(self, saves: dict[str, SaveSpec]) -> None:
+        """Starts the step's push; its layers go as ``save_layer`` reports them."""
+        if not saves:
+            return
+        release = LayerRelease(self._loop, len(self._layers), self._per_layer)
+        future = asyncio.run_coroutine_threadsafe(self._push(list(saves.values()), release), self._loop)
+        self._step = _Step(release, future)
+
+    def save_layer(self, name: str) -> None:
+        if self._step is not None:
+            self._step.release.saved(self._layers.get(name, -1))
+
+    def finish_step(self) -> None:
+        """Releases every layer (the forward is over) and waits for the push and its commit."""
+        step, self._step = self._step, None
+        if step is None:
+            return
+        step.release.saved_all()
+        try:
+            step.future.result(timeout=self.settings.timeout_s + 5)
+        except Exception as exc:  # the push bounds itself; this is a bug or a shutdown
+            log.warning("datadist_aio connector: a step's push did not finish: %s", repr(exc))
+
+    def freed(self, req_ids: set[str]) -> None:
+        """These prefill requests are over (confirmed or leased out): their share blocks are free."""
+        with self._lock:
+            blocks = [self._slots.pop(req_id) for req_id in req_ids if req_id in self._slots]
+            self._pushing.difference_update(req_ids)
+        if self._decode is not None:
+            for item in blocks:
+                self._decode.share.free(item)
+
+    def take_records(self) -> list[TransferRecord]:
+        with self._lock:
+            records, self._records = self._records, []
+        return records
+
+    # -- loop thread ---------------------------------------------------------------
+
+    async def close(self) -> None:
+        self._client.close()
+        await asyncio.sleep(0)  # the transport closes its socket on the next loop iteration
+
+    async def _connect(self) -> _Decode:
+        """Asks the decode side for a share and links to it, once."""
+        if self._connecting is None:
+            self._connecting = asyncio.Lock()
+        async with self._connecting:
+            if self._decode is not None:
+                return self._decode
+            answer = await self._client.request(
+                {"op": "share", "engine_id": self.settings.engine_id, "blocks": self.settings.share_blocks},
+                self.settings.timeout_s,
+            )
+            cluster_id, port, layout = answer.get("cluster_id"), answer.get("port"), answer.get("layout")
+            first, count = answer.get("first"), answer.get("count")
+            if not all(isinstance(v, int) for v in (cluster_id, port, first, count)) or not isinstance(layout, list):
+                raise ValueError(f"the decode side answered share with {answer!r:.200}")
+            if layout != self._layout:
+                raise ValueError(f"KV layout of the decode side {layout} differs from this side's {self._layout}")
+            cluster = dd.LLMClusterInfo()
+            cluster.remote_cluster_id = cluster_id
+            cluster.append_local_ip_info("0.0.0.0", 0)
+            cluster.append_remote_ip_info(self.settings.decode_host, port)
+            _, per_cluster = await asyncio.get_running_loop().run_in_executor(
+                None, self._datadist.link_clusters, [cluster], self.settings.link_timeout_ms
+            )
+            if per_cluster[0] not in (dd.LLMStatusCode.LLM_SUCCESS, dd.LLMStatusCode.LLM_ALREADY_LINK):
+                raise dd.LLMException("link to the decode side failed", status_code=per_cluster[0])
+            self._decode = _Decode(cluster_id, Share(first, count))
+            with self._lock:
+                # A share granted again starts empty on both sides.
+                self._slots.clear()
+                self._pushing.clear()
+            return self._decode
+
+    async def _request(self, op: str, **fields: Any) -> dict[str, Any]:
+        return await self._client.request({"op": op, "engine_id": self.settings.engine_id, **fields},
+                                          self.settings.timeout_s)
+
+    async def _push(self, saves: list[SaveSpec], release: LayerRelease) -> None:
+        """The step's push, all of it within ``timeout_s``; what it does not
+        finish is not committed (the decode side then pulls)."""
+        try:
+            async with asyncio.timeout(self.settings.timeout_s):
+                await self._push_step(saves, release)
+        except (Exception, TimeoutError) as exc:
+            log.warning("datadist_aio connector: no push this step (%s: %s)", type(exc).__name__, str(exc))
+            with self._lock:
+                self._pushing.difference_update(spec.req_id for spec in saves)
+
+    async def _push_step(self, saves: list[SaveSpec], release: LayerRelease) -> None:
+        start = time.perf_counter()
+        if self._decode is None and time.monotonic() < self._retry_at:
+            raise ConnectionError("the decode side was unreachable a moment ago")
+        try:
+            decode = await self._connect()
+        except BaseException:
+            self._retry_at = time.monotonic() + _RETRY_AFTER_S
+            raise
+        await self._claim(decode, saves)
+        src: list[int] = []
+        dst: list[int] = []
+        pushed: list[SaveSpec] = []
+        with self._lock:
+            for spec in saves:
+                if spec.req_id in self._pushing:
+                    slots = self._slots[spec.req_id]
+                    src.extend(spec.block_ids)
+                    dst.extend(slots[spec.first_index:spec.first_index + len(spec.block_ids)])
+                    pushed.append(spec)
+        if not pushed:
+            return
+        ok = await self._transfer(decode, src, dst, release)
+        req_ids = [spec.req_id for spec in pushed if spec.last or not ok]
+        with self._lock:
+            self._pushing.difference_update(req_ids)
+            self._records.append(TransferRecord(time.perf_counter() - start,
+                                                len(src) * self._block_bytes if ok else 0, len(src), ok))
+        try:
+            await self._request("commit" if ok else "abort", req_ids=req_ids)
+        except (Exception, TimeoutError) as exc:  # the decode side then waits for its load timeout and pulls
+            log.warning("datadist_aio connector: %s of %d pushed requests not confirmed: %s",
+                        "commit" if ok else "abort", len(req_ids), str(exc))
+
+    async def _claim(self, decode: _Decode, saves: list[SaveSpec]) -> None:
+        """Picks share blocks for the step's new requests and claims them."""
+        claims: dict[str, list[int]] = {}
+        with self._lock:
+            for spec in saves:
+                if spec.first_index == 0 and spec.req_id not in self._slots:
+                    blocks = decode.share.allocate(spec.total_blocks)
+                    if blocks is not None:
+                        self._slots[spec.req_id] = claims[spec.req_id] = blocks
+        if not claims:
+            return
+        granted: list[Any] = []
+        try:
+            answer = await self._request("claim", claims=claims, hold_s=self.settings.hold_s)
+            granted = answer.get("granted") or []
+        except (Exception, TimeoutError) as exc:
+            log.warning("datadist_aio connector: claim of %d requests failed: %s", len(claims), str(exc))
+        with self._lock:
+            self._pushing.update(req_id for req_id in claims if req_id in granted)
+            refused = [self._slots.pop(req_id) for req_id in claims if req_id not in granted]
+        for blocks in refused:
+            decode.share.free(blocks)
+
+    async def _transfer(self, decode: _Decode, src: list[int], dst: list[int], release: LayerRelease) -> bool:
+        layers = self._cache.cache_desc.num_tensors // _TENSORS_PER_LAYER
+        config = dd.TransferWithCacheKeyConfig(
+            dd.BlocksCacheKey(decode.cluster_id, INBOX_MODEL_ID), range(layers), range(layers)
+        )
+        try:
+            task = self._datadist.cache_manager.transfer_cache_async(
+                self._cache, release, [config], src_block_indices=src, dst_block_indices=dst
+            )
+        except Exception as exc:
+            log.warning("datadist_aio connector: push refused: %s", str(exc))
+            return False
+        try:
+            await task
+            return True
+        except Exception as exc:
+            log.warning("datadist_aio connector: push of %d blocks failed: %s", len(src), str(exc))
+            self._decode = None  # link afresh on the next step
+            return False

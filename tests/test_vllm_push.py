@@ -1,0 +1,327 @@
+"""The connector's layer-wise push and its inbox, without vLLM.
+
+The inbox and the layer release are checked alone; then a decode process
+(lending an inbox) and a prefill process (pushing into it), each one
+``WorkerSide`` over numpy arrays shaped like vLLM's CPU KV tensors: a pushed
+request is copied out of the inbox byte for byte, a request the share cannot
+hold is pulled instead, and a prefill frozen in the middle of a push fails the
+load within its timeout, never with a wrong byte.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import multiprocessing.resource_tracker
+import os
+import signal
+import socket
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from datadist_aio.integrations.vllm.inbox import CLAIMED, COMMITTED, IN_USE, Inbox, Share
+from datadist_aio.integrations.vllm.metadata import LoadSpec, SaveSpec, StepPlan
+from datadist_aio.integrations.vllm.push import LayerRelease
+from datadist_aio.integrations.vllm.worker import WorkerSettings, WorkerSide
+from test_vllm_worker_side import FakeTensor, _stop
+
+multiprocessing.resource_tracker.ensure_running()
+
+LAYERS, BLOCKS, HEADS, BLOCK_SIZE, HEAD_DIM = 4, 24, 2, 32, 64
+SHAPE = (BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_DIM)
+# MLA (DeepSeek-V2 on vLLM's CPU_MLA backend): one latent tensor per layer,
+# [num_blocks, block_size 16, kv_lora_rank 512 + rope 64].
+MLA_SHAPE = (BLOCKS, 16, 512 + 64)
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# -- the inbox alone ------------------------------------------------------------
+
+
+def test_inbox_shares_do_not_overlap_and_run_out() -> None:
+    inbox = Inbox(10, 4)
+    assert inbox.grant("p1", 8) == (0, 4)
+    assert inbox.grant("p2", 3) == (4, 3)
+    assert inbox.grant("p3", 9) == (7, 3)
+    assert inbox.grant("p4", 1) == (10, 0)
+    assert inbox.grant("p1", 2) == (0, 4), "a peer asking again keeps its range"
+    with pytest.raises(ValueError, match="inbox_blocks"):
+        Inbox(0, 4)
+
+
+def test_inbox_claims_only_free_blocks_of_the_peers_share() -> None:
+    clock = Clock()
+    inbox = Inbox(8, 4, clock)
+    inbox.grant("p1", 4)
+    inbox.grant("p2", 4)
+    assert not inbox.claim("p1", "r0", [4], 60), "a block of another peer's share"
+    assert not inbox.claim("p1", "r0", [1, 1], 60), "the same block twice"
+    assert inbox.claim("p1", "r1", [0, 1], 60)
+    assert not inbox.claim("p1", "r2", [1, 2], 60), "block 1 is held by r1"
+    assert not inbox.claim("p1", "r1", [2], 60), "r1 already holds a claim"
+    assert inbox.state("p1", "r1") == CLAIMED
+    assert inbox.take("p1", "r1") is None, "not committed yet"
+    assert inbox.commit("p1", "r1") and inbox.state("p1", "r1") == COMMITTED
+    assert inbox.take("p1", "r1") == [0, 1] and inbox.state("p1", "r1") == IN_USE
+    clock.now += 1000
+    assert not inbox.claim("p1", "r3", [0], 60), "blocks being copied out never expire"
+    inbox.finish("p1", "r1")
+    assert inbox.held() == 0 and inbox.claim("p1", "r3", [0], 60)
+
+
+def test_inbox_drops_aborted_and_expired_claims_but_keeps_a_landing_push() -> None:
+    clock = Clock()
+    inbox = Inbox(8, 8, clock)
+    inbox.grant("p", 8)
+    assert inbox.claim("p", "a", [0, 1], 5) and inbox.claim("p", "b", [2], 5)
+    inbox.abort("p", "a")
+    assert inbox.state("p", "a") is None and inbox.held() == 1
+    inbox.finish("p", "b")
+    assert inbox.state("p", "b") == CLAIMED, "its bytes may still land: only the hold time frees it"
+    clock.now += 6
+    assert inbox.claim("p", "c", [2], 5), "b's hold ran out"
+    assert inbox.state("p", "b") is None
+    assert inbox.grant("p", 8) == (0, 8) and inbox.held() == 0, "a re-granted share starts empty"
+
+
+def test_share_hands_out_each_block_once() -> None:
+    share = Share(10, 4)
+    first = share.allocate(3)
+    assert first is not None and sorted(first) == [10, 11, 12]
+    assert share.allocate(2) is None and share.available() == 1
+    share.free(first)
+    assert sorted(share.allocate(4) or []) == [10, 11, 12, 13]
+
+
+async def test_layer_release_waits_for_every_model_layer_of_a_transfer_layer() -> None:
+    loop = asyncio.get_running_loop()
+    fused = LayerRelease(loop, 4, 1)  # two model layers per transfer layer
+    waiter = asyncio.ensure_future(fused.synchronize_layer(0, None))
+    fused.saved(1)  # out of order: layer 0 is not saved yet
+    await asyncio.sleep(0.01)
+    assert not waiter.done()
+    fused.saved(0)
+    assert await asyncio.wait_for(waiter, 1)
+    second = asyncio.ensure_future(fused.synchronize_layer(1, None))
+    fused.saved(2)
+    await asyncio.sleep(0.01)
+    assert not second.done()
+    fused.saved_all()
+    assert await asyncio.wait_for(second, 1)
+    split = LayerRelease(loop, 2, 2)  # K and V apart: a transfer layer is a model layer
+    split.saved(0)
+    assert await asyncio.wait_for(split.synchronize_layer(0, None), 1)
+
+
+# -- two processes ------------------------------------------------------------------
+
+
+def prefill_arrays(shape: tuple[int, ...] = SHAPE) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(7)
+    return {name: rng.standard_normal(shape).astype(np.float32) for name in NAMES}
+
+
+def _commands(conn: Any) -> Any:
+    """(command, value) pairs from the test until it says stop."""
+    while True:
+        command, value = conn.recv()
+        if command == "stop":
+            return
+        yield command, value
+
+
+def _decode(conn: Any, share_blocks: int, timeout_s: float, shape: tuple[int, ...]) -> None:
+    arrays = {name: np.zeros(shape, np.float32) for name in NAMES}
+    side = WorkerSide(WorkerSettings(engine_id="decode", is_producer=False, transfer_mode="push_layerwise",
+                                     inbox_blocks=16, inbox_share_blocks=share_blocks, load_timeout_s=timeout_s))
+    side.register({name: FakeTensor(a) for name, a in arrays.items()})
+    conn.send(side.side_channel_port)
+    try:
+        for _command, value in _commands(conn):
+            loads = {req: LoadSpec(req, local, remote, "prefill", "127.0.0.1", value["port"], "p-" + req)
+                     for req, local, remote in value["specs"]}
+            start = time.monotonic()
+            side.start_loads(StepPlan(loads=loads))
+            done: set[str] = set()
+            failed: set[str] = set()
+            errors: set[int] = set()
+            while done != set(loads) and time.monotonic() - start < timeout_s + 20:
+                _, recving, fail = side.get_finished()
+                done |= recving
+                failed |= fail
+                errors |= side.load_errors()
+                time.sleep(0.005)
+            assert side._inbox is not None
+            conn.send({
+                "done": sorted(done), "failed": sorted(failed), "errors": sorted(errors),
+                "elapsed": time.monotonic() - start,
+                "records": [(r.blocks, r.ok) for r in side.take_records()],
+                "inbox_held": side._inbox.held(),
+                "arrays": {name: a.copy() for name, a in arrays.items()},
+            })
+    finally:
+        side.shutdown()
+
+
+def _prefill(conn: Any, decode_port: int, shape: tuple[int, ...]) -> None:
+    arrays = prefill_arrays(shape)
+    side = WorkerSide(WorkerSettings(engine_id="prefill", is_consumer=False, transfer_mode="push_layerwise",
+                                     push_port=decode_port, load_timeout_s=5.0))
+    side.register({name: FakeTensor(a) for name, a in arrays.items()})
+    conn.send(side.side_channel_port)
+    try:
+        for command, value in _commands(conn):
+            if command == "lease":
+                side.start_loads(StepPlan(leases={req: time.monotonic() + 60 for req in value}))
+                conn.send("ok")
+            elif command == "step":  # one forward: saves, each layer saved in turn, then wait_for_save
+                side.start_loads(StepPlan(saves={s.req_id: s for s in value}))
+                for name in NAMES:
+                    side.save_layer(name)
+                side.finish_step()
+                conn.send([(r.blocks, r.ok) for r in side.take_records()])
+            elif command == "begin":  # a step that stops before its layers are saved
+                side.start_loads(StepPlan(saves={s.req_id: s for s in value}))
+                conn.send("ok")
+            elif command == "freed":
+                deadline = time.monotonic() + 10
+                freed: set[str] = set()
+                while time.monotonic() < deadline and not set(value) <= freed:
+                    freed |= side.get_finished()[0]
+                    time.sleep(0.01)
+                assert side.pusher is not None and side.pusher._decode is not None
+                conn.send((sorted(freed), side.pusher._decode.share.available()))
+    finally:
+        side.shutdown()
+
+
+def _start(ctx: Any, target: Any, *args: Any) -> tuple[Any, Any, int]:
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=target, args=(child, *args), daemon=True)
+    process.start()
+    child.close()
+    assert parent.poll(60), "a worker process did not start"
+    return process, parent, parent.recv()
+
+
+def _ask(conn: Any, command: str, value: Any, timeout: float = 30) -> Any:
+    conn.send((command, value))
+    assert conn.poll(timeout), f"no answer to {command}"
+    return conn.recv()
+
+
+@pytest.fixture
+def pair(request: pytest.FixtureRequest) -> Any:
+    ctx = multiprocessing.get_context("spawn")
+    share_blocks, timeout_s, shape = getattr(request, "param", (8, 3.0, SHAPE))
+    decode, dconn, dport = _start(ctx, _decode, share_blocks, timeout_s, shape)
+    try:
+        prefill, pconn, pport = _start(ctx, _prefill, dport, shape)
+    except BaseException:
+        _stop(decode, dconn)
+        raise
+    try:
+        yield {"decode": (decode, dconn), "prefill": (prefill, pconn), "pport": pport}
+    finally:
+        _stop(prefill, pconn)
+        _stop(decode, dconn)
+
+
+def _load(pair: Any, specs: list[Any]) -> dict[str, Any]:
+    return _ask(pair["decode"][1], "load", {"port": pair["pport"], "specs": specs}, timeout=60)
+
+
+def test_pushed_request_is_copied_from_the_inbox_exactly(pair: Any) -> None:
+    pconn = pair["prefill"][1]
+    # Request "a" (5 prompt blocks) in two chunks: blocks 0-2 (the third
+    # partly filled), then 2-4; request "b" (2 blocks) in one step.
+    records = _ask(pconn, "step", [SaveSpec("p-a", [3, 9, 4], 0, 5, False), SaveSpec("p-b", [11, 12], 0, 2, True)])
+    assert records == [(5, True)]
+    assert _ask(pconn, "step", [SaveSpec("p-a", [4, 20, 21], 2, 5, True)]) == [(3, True)]
+    assert _ask(pconn, "lease", ["p-a", "p-b"]) == "ok"
+    specs = [("a", [1, 2, 5, 6, 7], [3, 9, 4, 20, 21]), ("b", [14, 15], [11, 12])]
+    result = _load(pair, specs)
+    assert result["done"] == ["a", "b"] and result["failed"] == [] and result["errors"] == []
+    assert sorted(result["records"]) == [(2, True), (5, True)]
+    assert result["inbox_held"] == 0, "copied-out blocks go back to the share"
+    source = prefill_arrays()
+    for name, array in result["arrays"].items():
+        for _req, local, remote in specs:
+            np.testing.assert_array_equal(array[local], source[name][remote])
+        untouched = [b for b in range(BLOCKS) if b not in (1, 2, 5, 6, 7, 14, 15)]
+        assert not array[untouched].any(), "a block nobody asked for was written"
+    freed, available = _ask(pconn, "freed", ["p-a", "p-b"])
+    assert freed == ["p-a", "p-b"] and available == 8, "the decode side's release freed the prefill's share"
+
+
+@pytest.mark.parametrize("pair", [(8, 3.0, SHAPE), (8, 3.0, MLA_SHAPE)], indirect=True, ids=["kv", "mla-latent"])
+def test_request_the_share_cannot_hold_is_pulled(pair: Any) -> None:
+    pconn = pair["prefill"][1]
+    # A 6-block request does not fit the free part of an 8-block share
+    # while a 4-block one holds it: it is pulled at load time.
+    assert _ask(pconn, "step", [SaveSpec("p-big", [0, 1, 2, 3], 0, 4, True)]) == [(4, True)]
+    assert _ask(pconn, "step", [SaveSpec("p-late", [5, 6, 7, 8, 10, 13], 0, 6, True)]) == []
+    assert _ask(pconn, "lease", ["p-big", "p-late"]) == "ok"
+    specs = [("big", [1, 2, 3, 4], [0, 1, 2, 3]), ("late", [8, 9, 10, 11, 12, 13], [5, 6, 7, 8, 10, 13])]
+    result = _load(pair, specs)
+    assert result["failed"] == [] and result["done"] == ["big", "late"]
+    source = prefill_arrays(next(iter(result["arrays"].values())).shape)
+    for name, array in result["arrays"].items():
+        for _req, local, remote in specs:
+            np.testing.assert_array_equal(array[local], source[name][remote])
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="needs SIGSTOP")
+@pytest.mark.parametrize("pair", [(8, 2.0, SHAPE)], indirect=True)
+def test_prefill_frozen_mid_push_fails_the_load_within_the_timeout(pair: Any) -> None:
+    prefill, pconn = pair["prefill"]
+    # The claim goes out, then the prefill stops before its layers are saved.
+    assert _ask(pconn, "begin", [SaveSpec("p-a", [3, 4], 0, 2, True)]) == "ok"
+    time.sleep(0.5)
+    os.kill(prefill.pid, signal.SIGSTOP)
+    try:
+        result = _load(pair, [("a", [1, 2], [3, 4])])
+    finally:
+        os.kill(prefill.pid, signal.SIGCONT)
+    assert result["done"] == ["a"] and result["failed"] == ["a"]
+    assert result["errors"] == [1, 2]
+    assert result["elapsed"] < 2.0 + 3, f"the load took {result['elapsed']:.1f} s to fail"
+    assert not result["arrays"][NAMES[0]][[1, 2]].any(), "nothing of the unfinished push reached the blocks"
+
+
+def test_a_silent_decode_side_bounds_the_step_then_steps_go_unpushed_at_once() -> None:
+    """A decode side that accepts connections and never answers: the first
+    step's push gives up within its timeout; the next steps do not wait on it
+    again for a while (their requests are pulled instead)."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        arrays = prefill_arrays()
+        side = WorkerSide(WorkerSettings(engine_id="prefill", is_consumer=False, transfer_mode="push_layerwise",
+                                         push_port=silent.getsockname()[1], load_timeout_s=1.0))
+        side.register({name: FakeTensor(a) for name, a in arrays.items()})
+        try:
+            took = []
+            for index in range(3):
+                start = time.monotonic()
+                side.start_loads(StepPlan(saves={f"r{index}": SaveSpec(f"r{index}", [index], 0, 1, True)}))
+                for name in NAMES:
+                    side.save_layer(name)
+                side.finish_step()
+                took.append(time.monotonic() - start)
+            assert 0.9 < took[0] < 3.0, took
+            assert max(took[1:]) < 0.3, took
+            assert side.take_records() == []
+        finally:
+            side.shutdown()
