@@ -53,7 +53,7 @@ class HostBuffer:
     """
 
     def __init__(self, kv_caches: Mapping[str, Any]) -> None:
-        import torch
+        import torch  # pyright: ignore[reportMissingImports]  (vLLM installs it)
 
         pin = bool(torch.cuda.is_available())
         self.device: dict[str, Any] = dict(kv_caches)

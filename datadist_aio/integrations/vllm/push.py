@@ -193,10 +193,12 @@ class Pusher:
                 {"op": "share", "engine_id": self.settings.engine_id, "blocks": self.settings.share_blocks},
                 self.settings.timeout_s,
             )
-            cluster_id, port, layout = answer.get("cluster_id"), answer.get("port"), answer.get("layout")
-            first, count = answer.get("first"), answer.get("count")
-            if not all(isinstance(v, int) for v in (cluster_id, port, first, count)) or not isinstance(layout, list):
+            layout = answer.get("layout")
+            numbers = [v for v in (answer.get(name) for name in ("cluster_id", "port", "first", "count"))
+                       if isinstance(v, int)]
+            if len(numbers) != 4 or not isinstance(layout, list):
                 raise ValueError(f"the decode side answered share with {answer!r:.200}")
+            cluster_id, port, first, count = numbers
             if layout != self._layout:
                 raise ValueError(f"KV layout of the decode side {layout} differs from this side's {self._layout}")
             cluster = dd.LLMClusterInfo()
