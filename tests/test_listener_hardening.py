@@ -36,6 +36,8 @@ from wire_frames import (
     PROOF_T,
     READ_DATA_T,
     READ_T,
+    WRITE_ACK_T,
+    WRITE_T,
     frame,
     proof,
     recv_frame,
@@ -260,6 +262,42 @@ def test_the_refused_group_table_stays_bounded(server):
         assert recv_frame(sock)[1] != 0
         sock.sendall(frame(READ_T, request([(0, 0, 0, BLOCK)], expected=BLOCK, group=1), op_id=2))
         assert recv_frame(sock)[:3] == (READ_DATA_T, 0, 2)
+
+
+def test_the_link_count_is_capped(server, sockets):
+    # 512 links (each its own cluster, one connection): the next is refused
+    # with LLM_CLUSTER_NUM_EXCEED_LIMIT, and one that goes makes room.
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))
+    try:
+        port, cap = server.listen_port, 512
+        for i in range(cap):
+            sock = connect(port, sockets)
+            sock.sendall(hello(10_000 + i, SERVER_ID, nonce=i + 1))
+            assert recv_frame(sock)[:2] == (HELLO_ACK_T, 0), f"link {i} refused"
+        assert wait_until(lambda: server._engine.listener_stats()["links"] == cap)
+        extra = connect(port, sockets)
+        extra.sendall(hello(20_000, SERVER_ID, nonce=cap + 1))
+        assert recv_frame(extra)[:2] == (HELLO_ACK_T, Code.LLM_CLUSTER_NUM_EXCEED_LIMIT.value)
+        extra.settimeout(2.0)  # then closed (select() cannot watch descriptors this high)
+        try:
+            assert extra.recv(4096) == b""
+        except ConnectionResetError:
+            pass
+        sockets[0].close()
+        wait_until(lambda: server._engine.listener_stats()["links"] == cap - 1)
+        again = connect(port, sockets)
+        again.sendall(hello(20_000, SERVER_ID, nonce=cap + 2))
+        assert recv_frame(again)[:2] == (HELLO_ACK_T, 0)
+        # The newcomer's link works: a write lands.
+        again.sendall(frame(WRITE_T, request([(1, 2, 0, BLOCK)], expected=BLOCK), b"\x05" * BLOCK, op_id=9))
+        assert recv_frame(again)[:3] == (WRITE_ACK_T, 0, 9)
+    finally:
+        for sock in sockets:
+            sock.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 # -- who a peer is -----------------------------------------------------------------------------
