@@ -169,16 +169,6 @@ void drop_front(std::vector<iovec> &iov, size_t bytes) {
   iov.erase(iov.begin(), iov.begin() + static_cast<std::ptrdiff_t>(start));
 }
 
-bool discard(int fd, uint64_t len) {
-  std::vector<uint8_t> scratch(static_cast<size_t>(std::min<uint64_t>(len, 1 << 20)));
-  while (len > 0) {
-    const size_t take = static_cast<size_t>(std::min<uint64_t>(len, scratch.size()));
-    if (!read_full(fd, scratch.data(), take)) return false;
-    len -= take;
-  }
-  return true;
-}
-
 bool peer_closed(int fd) {
   pollfd p{fd, POLLRDHUP, 0};
   int n;

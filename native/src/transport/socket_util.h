@@ -42,8 +42,6 @@ ssize_t writev_now(int fd, const iovec *iov, size_t count);
 bool peer_closed(int fd);
 // Drops the first `bytes` bytes of `iov` (already sent).
 void drop_front(std::vector<iovec> &iov, size_t bytes);
-// Reads and drops `len` bytes.
-bool discard(int fd, uint64_t len);
 
 std::string errno_text();
 
@@ -67,8 +65,6 @@ class Reader {
   bool read(void *buf, size_t len);
   bool readv(iovec *iov, size_t count);  // the array is consumed on the way
   bool discard(uint64_t len);
-  // Bytes received but not read yet.
-  size_t buffered() const { return end_ - begin_; }
 
  private:
   // Waits for input and takes what has come into the empty buffer.
