@@ -13,7 +13,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -41,24 +41,27 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return model_dir(tmp_path_factory.mktemp("vllm-model"))
 
 
+def started(*engines: tuple[str, Callable[[], Engine]]) -> Iterator[dict[str, Any]]:
+    """Starts the engines in the order given, yields them by name, and closes
+    the ones that started, last started first (also when a later one fails)."""
+    running: dict[str, Any] = {}
+    try:
+        for name, start in engines:
+            running[name] = start()
+        yield running
+    finally:
+        for engine in reversed(list(running.values())):
+            engine.close()
+
+
 @pytest.fixture(scope="module")
 def pair(model: Path) -> Iterator[dict[str, Any]]:
     """A prefill instance and a decode instance (policy ``recompute``)."""
-    prefill = Engine(model, connector_config("datadist", "kv_producer", free_port()))
-    try:
-        decode = Engine(
-            model,
-            connector_config("datadist", "kv_consumer", 0, load_timeout_s=LOAD_TIMEOUT_S),
-            policy="recompute",
-        )
-    except BaseException:
-        prefill.close()
-        raise
-    try:
-        yield {"prefill": prefill, "decode": decode}
-    finally:
-        decode.close()
-        prefill.close()
+    yield from started(
+        ("prefill", lambda: Engine(model, connector_config("datadist", "kv_producer", free_port()))),
+        ("decode", lambda: Engine(model, connector_config("datadist", "kv_consumer", 0, load_timeout_s=LOAD_TIMEOUT_S),
+                                  policy="recompute")),
+    )
 
 
 def tokens(run: dict[str, Any]) -> list[list[int]]:
@@ -196,24 +199,17 @@ BLOCK_BYTES = 4 * 2 * 32 * 2 * 64 * 4  # layers x kv heads x block size x (K and
 def push_engines(model: Path, inbox_blocks: int, share_blocks: int, **prefill_extra: Any) -> Iterator[dict[str, Any]]:
     """A prefill that pushes layer by layer into the inbox of its decode (policy ``recompute``)."""
     decode_port = free_port()
-    decode = Engine(
-        model,
-        connector_config("datadist", "kv_consumer", decode_port, load_timeout_s=LOAD_TIMEOUT_S,
-                         transfer_mode="push_layerwise", inbox_blocks=inbox_blocks, inbox_share_blocks=share_blocks),
-        policy="recompute",
+    yield from started(
+        ("decode", lambda: Engine(
+            model,
+            connector_config("datadist", "kv_consumer", decode_port, load_timeout_s=LOAD_TIMEOUT_S,
+                             transfer_mode="push_layerwise", inbox_blocks=inbox_blocks, inbox_share_blocks=share_blocks),
+            policy="recompute",
+        )),
+        ("prefill", lambda: Engine(model, connector_config("datadist", "kv_producer", free_port(),
+                                                           transfer_mode="push_layerwise", push_port=decode_port,
+                                                           **prefill_extra))),
     )
-    try:
-        prefill = Engine(model, connector_config("datadist", "kv_producer", free_port(),
-                                                 transfer_mode="push_layerwise", push_port=decode_port,
-                                                 **prefill_extra))
-    except BaseException:
-        decode.close()
-        raise
-    try:
-        yield {"prefill": prefill, "decode": decode}
-    finally:
-        prefill.close()
-        decode.close()
 
 
 @pytest.fixture(scope="module")
