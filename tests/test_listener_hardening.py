@@ -22,7 +22,7 @@ import pytest
 import datadist_aio as dd
 from conftest import make_options
 from peer import Peer, PeerGroup, raises_status
-from test_same_host import assert_both_ways
+from test_same_host import accepted_connections, assert_both_ways
 from test_wire_protocol import BLOCK, BLOCKS, FORGER_ID, SERVER_ID, linked
 from wire_frames import (
     AUTHENTICATED,
@@ -210,13 +210,6 @@ def test_the_listener_decides_the_connection_count(group, secret):
     assert a.engine("link_stats", B)["connections"] == 2
     assert accepted_connections(b.listen_port) == 2
     assert_both_ways(a, b, (40, 41), seed=3)
-
-
-def accepted_connections(port: int) -> int:
-    """Established connections on loopback whose local end is `port` (the listener's side)."""
-    with open("/proc/net/tcp") as table:
-        rows = [line.split() for line in table.readlines()[1:]]
-    return sum(1 for row in rows if int(row[1].split(":")[1], 16) == port and row[3] == "01")
 
 
 def test_a_connection_past_the_grant_is_told_the_count(server, sockets):

@@ -82,15 +82,20 @@ def test_the_link_reports_its_path_and_both_directions_move_bytes(group, initiat
         a.datadist("link_transport", 77)
 
 
+def accepted_connections(port: int) -> int:
+    """Established connections on loopback whose local end is `port` (the listener's side)."""
+    with open("/proc/net/tcp") as table:
+        rows = [line.split() for line in table.readlines()[1:]]
+    return sum(1 for row in rows if int(row[1].split(":")[1], 16) == port and row[3] == "01")
+
+
 def established_on(port: int, expected: int, settle_s: float = 2.0) -> int:
-    """Established TCP connections whose local end is `port`: `expected` as
-    soon as the count is that, else the count after `settle_s` (connections
-    that carried a handshake only close just after it)."""
+    """``accepted_connections(port)``: `expected` as soon as the count is
+    that, else the count after `settle_s` (connections that carried a
+    handshake only close just after it)."""
     deadline = time.monotonic() + settle_s
     while True:
-        with open("/proc/net/tcp") as table:
-            rows = [line.split() for line in table.readlines()[1:]]
-        count = sum(1 for row in rows if int(row[1].split(":")[1], 16) == port and row[3] == "01")
+        count = accepted_connections(port)
         if count == expected or time.monotonic() > deadline:
             return count
         time.sleep(0.02)
