@@ -169,6 +169,9 @@ class CacheManager:
 
     def _invalidate(self) -> None:
         self._valid = False
+        # Every use of the engine checks _valid first; letting go of it lets
+        # the finalized engine close its descriptors while this object lives on.
+        self._engine = None
         self._buffers.clear()
         # Caches of a finalized engine hold no addresses; views made before
         # keep their memory.

@@ -88,7 +88,9 @@ class CompletionDispatcher:
         return future
 
     def _on_readable(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._dispatch(self._engine.drain_completions(), loop)
+        engine = self._engine
+        if engine is not None:  # else closed: the loop's reader goes at its next turn
+            self._dispatch(engine.drain_completions(), loop)
 
     def _dispatch(self, completions: list[tuple[int, int]], loop: asyncio.AbstractEventLoop | None) -> None:
         with self._lock:
@@ -116,11 +118,15 @@ class CompletionDispatcher:
         for loop in loops:
             if loop.is_closed():
                 continue
-            if loop is current:
+            if loop is current or not loop.is_running():
+                # A loop that runs nowhere (between run_until_complete calls,
+                # say) may be changed from here; one running elsewhere may not.
                 loop.remove_reader(self._fd)
             else:
                 # Keeps the engine (and so the fd) alive until the loop has let go.
                 loop.call_soon_threadsafe(self._remove_reader, loop, self._engine)
+        # The finalized engine closes its descriptors once nothing else holds it.
+        self._engine = None
 
     def _remove_reader(self, loop: asyncio.AbstractEventLoop, _engine: Any) -> None:
         loop.remove_reader(self._fd)

@@ -15,6 +15,7 @@ import asyncio
 import inspect
 import logging
 import threading
+import traceback
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union, cast
@@ -173,7 +174,12 @@ class LayerwiseTransfer:
             _log.debug("%s", reason)
             return LLMStatusCode.LLM_TIMEOUT, reason
         except Exception as exc:
-            _log.debug("synchronize_layer(%d) raised", layer, exc_info=True)
+            if _log.isEnabledFor(logging.DEBUG):
+                _log.debug("synchronize_layer(%d) raised:\n%s", layer, "".join(traceback.format_exception(exc)))
+            # Its traceback reaches this frame: an exception the caller keeps
+            # (one instance raised again and again, say) would otherwise keep
+            # this transfer, and the engine, alive.
+            exc.__traceback__ = None
             return LLMStatusCode.LLM_FAILED, f"synchronize_layer({layer}) raised {exc!r}"
         if not ready:
             reason = f"synchronize_layer({layer}) returned {ready!r}: layer {layer} was not released"

@@ -217,6 +217,7 @@ void bind_engine(py::module_ &m) {
       .def("has_link", &Engine::has_link, py::arg("peer"))
       .def("listener_stats", &Engine::listener_stats)
       .def("link_stats", &Engine::link_stats, py::arg("peer"))
+      .def("answer_counts", &Engine::answer_counts)
       .def("create_request", &Engine::create_request, py::arg("num_results"))
       .def(
           "transfer_step",

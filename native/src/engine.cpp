@@ -77,6 +77,7 @@ Status Engine::initialize(const OptionMap &options) {
   transport_options.same_host = parsed.same_host;
   transport_options.auth_key = parsed.auth_key;
   transport_options.handshake_timeout_ms = static_cast<int>(parsed.handshake_timeout_ms);
+  transport_options.answers = &completions_->answers();
   if (!parsed.auth_key.empty()) {
     const std::string why = auth::unavailable();
     if (!why.empty()) {
@@ -288,10 +289,15 @@ std::map<std::string, uint64_t> Engine::listener_stats() const {
 
 std::map<std::string, uint64_t> Engine::link_stats(uint64_t peer) const {
   std::shared_lock<std::shared_mutex> lock(state_mu_);
-  size_t connections = 0, refused = 0, local = 0;
-  if (state_ != State::kReady || !transport_->link_stats(peer, connections, refused, local)) return {};
-  return {{"connections", connections}, {"refused_groups", refused}, {"local_sockets", local}};
+  TcpTransport::LinkStats stats;
+  if (state_ != State::kReady || !transport_->link_stats(peer, stats)) return {};
+  return {{"connections", stats.connections},
+          {"refused_groups", stats.refused_groups},
+          {"local_sockets", stats.local_sockets},
+          {"answer_socket", stats.answer_socket ? 1u : 0u}};
 }
+
+std::map<std::string, uint64_t> Engine::answer_counts() const { return completions_->answers().answer_counts(); }
 
 uint16_t Engine::listen_port() const {
   std::shared_lock<std::shared_mutex> lock(state_mu_);

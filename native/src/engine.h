@@ -131,6 +131,9 @@ class Engine {
   // without a link).
   std::map<std::string, uint64_t> listener_stats() const;
   std::map<std::string, uint64_t> link_stats(uint64_t peer) const;
+  // Answers to this end's operations read from same-host links' answer
+  // sockets, by who read them (see AnswerHub::answer_counts).
+  std::map<std::string, uint64_t> answer_counts() const;
   Status link_clusters(const std::vector<LinkTarget> &targets, int timeout_ms, std::vector<Status> &rets);
   Status unlink_clusters(const std::vector<uint64_t> &peers, bool force, int timeout_ms, std::vector<Status> &rets);
   // New role and listening state: listens on `listen_ip:listen_port` when

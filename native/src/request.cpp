@@ -95,6 +95,12 @@ int64_t Request::outcome() const {
 
 bool Request::wait(int64_t timeout_ms) const {
   std::unique_lock<std::mutex> lock(mu_);
+  if (done_ || timeout_ms == 0) return done_;
+  lock.unlock();
+  // Answers on same-host links' answer sockets are read by the hub's
+  // thread while this one blocks (no event loop may be reading them).
+  AnswerHub::Blocking blocking(completions_->answers());
+  lock.lock();
   if (timeout_ms < 0) {
     cv_.wait(lock, [this] { return done_; });
     return true;
@@ -148,6 +154,7 @@ void RequestTracker::cancel_all(Status reason) {
 }
 
 bool RequestTracker::wait_idle(int64_t timeout_ms) {
+  AnswerHub::Blocking blocking(completions_->answers());
   std::unique_lock<std::mutex> lock(mu_);
   auto idle = [this] {
     for (auto &entry : live_) {

@@ -19,17 +19,19 @@ namespace datadist::handshake {
 // A handshake frame's body: a fixed part T (Hello or HelloAck), then in this
 // order the same-host info (kOffersSameHost), the connections the acceptor
 // grants (ack only, kGrantsConnections), the initiator's local socket (hello
-// only, kLocalSocket) and the authentication bytes (a nonce in a hello, a
+// only, kLocalSocket), its answer socket (hello only, kAnswerSocket) and the
+// authentication bytes (a nonce in a hello, a
 // proof in an ack; kAuthenticated).
 template <typename T>
 struct Greeting {
   static constexpr bool kIsHello = std::is_same_v<T, wire::Hello>;
   static constexpr size_t kAuthBytes = kIsHello ? auth::kNonceBytes : auth::kProofBytes;
-  static constexpr size_t kMaxBytes = sizeof(T) + sizeof(wire::SameHostInfo) + sizeof(uint32_t) + kAuthBytes;
+  static constexpr size_t kMaxBytes = sizeof(T) + sizeof(wire::SameHostInfo) + 2 * sizeof(uint32_t) + kAuthBytes;
   T fixed{};
   wire::SameHostInfo same_host{};
   uint32_t granted = 0;
   uint32_t local_socket = 0;  // the initiator's descriptor number
+  uint32_t answer_socket = 0;  // likewise, of the link's answer socket
   std::array<uint8_t, auth::kProofBytes> auth{};
 
   bool offers_same_host() const { return (fixed.flags & wire::kOffersSameHost) != 0; }
@@ -38,6 +40,9 @@ struct Greeting {
   bool local_socket_flag() const { return (fixed.flags & wire::kLocalSocket) != 0; }
   // A hello names a local socket only beside its same-host info.
   bool names_socket() const { return kIsHello && offers_same_host() && local_socket_flag(); }
+  bool answer_socket_flag() const { return (fixed.flags & wire::kAnswerSocket) != 0; }
+  // And an answer socket only beside a local socket.
+  bool names_answer_socket() const { return names_socket() && answer_socket_flag(); }
 
   // The body as sent, without the authentication bytes when `with_auth` is false.
   std::string bytes(bool with_auth = true) const {
@@ -45,6 +50,7 @@ struct Greeting {
     if (offers_same_host()) out.append(reinterpret_cast<const char *>(&same_host), sizeof(same_host));
     if (grants()) out.append(reinterpret_cast<const char *>(&granted), sizeof(granted));
     if (names_socket()) out.append(reinterpret_cast<const char *>(&local_socket), sizeof(local_socket));
+    if (names_answer_socket()) out.append(reinterpret_cast<const char *>(&answer_socket), sizeof(answer_socket));
     if (with_auth && authenticated()) out.append(reinterpret_cast<const char *>(auth.data()), kAuthBytes);
     return out;
   }
@@ -55,7 +61,7 @@ struct Greeting {
     std::memcpy(&fixed, body.data(), sizeof(T));
     const size_t expected = sizeof(T) + (offers_same_host() ? sizeof(same_host) : 0) +
                             (grants() ? sizeof(granted) : 0) + (names_socket() ? sizeof(local_socket) : 0) +
-                            (authenticated() ? kAuthBytes : 0);
+                            (names_answer_socket() ? sizeof(answer_socket) : 0) + (authenticated() ? kAuthBytes : 0);
     if (body.size() != expected) return false;
     size_t at = sizeof(T);
     if (offers_same_host()) {
@@ -69,6 +75,10 @@ struct Greeting {
     if (names_socket()) {
       std::memcpy(&local_socket, body.data() + at, sizeof(local_socket));
       at += sizeof(local_socket);
+    }
+    if (names_answer_socket()) {
+      std::memcpy(&answer_socket, body.data() + at, sizeof(answer_socket));
+      at += sizeof(answer_socket);
     }
     if (authenticated()) std::memcpy(auth.data(), body.data() + at, kAuthBytes);
     return true;

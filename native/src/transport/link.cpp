@@ -30,7 +30,8 @@ Link::Link(uint64_t peer_id, uint32_t peer_role, bool initiated_here, std::vecto
       offered_same_host_(paths.offered),
       announce_copies_(paths.announce && paths.peer_memory != nullptr),
       peer_copies_(paths.offered && paths.peer_copies),
-      peer_memory_(std::move(paths.peer_memory)) {
+      peer_memory_(std::move(paths.peer_memory)),
+      answer_fd_(paths.answers) {
   for (int fd : fds) conns_.push_back(std::make_unique<Connection>(fd));
 }
 
@@ -38,6 +39,7 @@ Link::~Link() {
   for (auto &conn : conns_) {
     if (conn->fd >= 0) ::close(conn->fd);
   }
+  if (answer_fd_ >= 0) ::close(answer_fd_);
 }
 
 bool Link::peer_closed() const {
@@ -57,11 +59,24 @@ size_t Link::local_socket_count() const {
   return count;
 }
 
+bool Link::has_answer_socket() const {
+  std::lock_guard<std::mutex> lock(answer_mu_);
+  return answer_id_ != 0;
+}
+
 bool Link::start() {
   auto self = shared_from_this();
   // Under the lock, so reap() either joins every thread or none was started.
   std::lock_guard<std::mutex> lock(mu_);
   if (reaping_ || is_down()) return false;
+  if (answer_fd_ >= 0) {
+    // Before any operation, so no answer can come before the hub watches.
+    AnswerHub *hub = host_->answer_hub();
+    std::lock_guard<std::mutex> answers(answer_mu_);
+    answer_id_ = hub != nullptr ? hub->add(answer_fd_, std::weak_ptr<AnswerReader>(self)) : 0;
+    // Unwatched: the peer's sends fail from now on, and it answers on the connections.
+    if (answer_id_ == 0) ::shutdown(answer_fd_, SHUT_RDWR);
+  }
   if (announce_copies_) {
     // Before any thread runs, so it is the first frame the peer reads.
     OutFrame hello;
@@ -137,6 +152,85 @@ void Link::enqueue(Connection &conn, OutFrame frame) {
   const bool more = !conn.queue.empty();
   lock.unlock();
   if (more) conn.cv.notify_one();
+}
+
+void Link::send_answer(Connection &conn, OutFrame frame) {
+  const size_t length = sizeof(frame.header) + frame.body.size();
+  if (answer_fd_ >= 0 && frame.data.empty() && frame.header.data_len == 0 && !frame.close_after &&
+      frame.body.size() <= wire::kMaxReasonBytes) {
+    uint8_t message[sizeof(FrameHeader) + wire::kMaxReasonBytes];
+    std::memcpy(message, &frame.header, sizeof(frame.header));
+    if (!frame.body.empty()) std::memcpy(message + sizeof(frame.header), frame.body.data(), frame.body.size());
+    ssize_t n;
+    do {
+      n = ::send(answer_fd_, message, length, MSG_DONTWAIT | MSG_NOSIGNAL);
+    } while (n < 0 && errno == EINTR);
+    if (n == static_cast<ssize_t>(length)) return;
+    // Full (the peer's reader lags) or closed: the connection carries it.
+  }
+  enqueue(conn, std::move(frame));
+}
+
+size_t Link::read_answers() {
+  std::lock_guard<std::mutex> lock(answer_mu_);
+  return read_answers_locked();
+}
+
+void Link::take_waiting_answers() {
+  size_t n;
+  {
+    std::lock_guard<std::mutex> lock(answer_mu_);
+    n = read_answers_locked();
+  }
+  if (AnswerHub *hub = host_->answer_hub(); hub != nullptr) hub->count(AnswerHub::Reader::kLink, n);
+}
+
+size_t Link::read_answers_locked() {
+  size_t handled = 0;
+  alignas(FrameHeader) uint8_t message[sizeof(FrameHeader) + wire::kMaxReasonBytes];
+  while (answer_id_ != 0) {
+    const ssize_t n = ::recv(answer_fd_, message, sizeof(message), MSG_DONTWAIT | MSG_TRUNC);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+    if (n <= 0) {
+      close_answers_locked();  // the peer closed its end (or an error): nothing more comes here
+      break;
+    }
+    const auto length = static_cast<size_t>(n);
+    FrameHeader header{};
+    std::string problem;
+    if (length < sizeof(header) || length > sizeof(message)) {
+      problem = "an answer of " + std::to_string(length) + " bytes";
+    } else {
+      std::memcpy(&header, message, sizeof(header));
+      problem = wire::check_header(header);
+      const auto type = static_cast<FrameType>(header.type);
+      if (problem.empty() && type != FrameType::kWriteAck && type != FrameType::kReadData) {
+        problem = "frame type " + std::to_string(header.type) + " on the answer socket";
+      } else if (problem.empty() && (header.data_len != 0 || header.body_len != length - sizeof(header))) {
+        problem = "an answer whose lengths do not match its message";
+      }
+    }
+    if (!problem.empty()) {
+      fail(LLM_LINK_FAILED, "malformed answer from the peer (" + problem + "); closing the link");
+      close_answers_locked();
+      break;
+    }
+    std::vector<uint8_t> body(message + sizeof(header), message + length);
+    if (!take_answer(header, body, nullptr)) {
+      close_answers_locked();
+      break;
+    }
+    ++handled;
+  }
+  return handled;
+}
+
+void Link::close_answers_locked() {
+  if (answer_id_ == 0) return;
+  host_->answer_hub()->remove(answer_id_, answer_fd_);
+  answer_id_ = 0;
+  ::shutdown(answer_fd_, SHUT_RDWR);
 }
 
 void Link::submit(bool write, std::vector<PlannedFrame> frames, const std::shared_ptr<Request> &request,
@@ -347,6 +441,7 @@ void Link::reader_loop(Connection &conn) {
     if (!conn.in.read(&header, sizeof(header))) {
       // Between frames with nothing open (or while unlinking) this is an
       // ordinary unlink or exit.
+      take_waiting_answers();  // answers that came before the close count
       const bool expected = closing_.load(std::memory_order_acquire) || open_operations() == 0;
       fail(LLM_LINK_FAILED, expected ? "" : "connection lost with operations in flight");
       return;
@@ -412,7 +507,7 @@ bool Link::handle_frame(Connection &conn, const FrameHeader &header, std::vector
     case FrameType::kReadData:
     case FrameType::kLookupReply:
     case FrameType::kUnlinkAck:
-      return take_answer(header, body, conn);
+      return take_answer(header, body, &conn.in);
     case FrameType::kUnlink: {
       // Forget the link first, so the peer's unlink returns with both ends gone.
       host_->detach(shared_from_this());
@@ -467,7 +562,7 @@ void Link::serve_write(Connection &conn, const FrameHeader &header, const wire::
     fail(LLM_LINK_FAILED, "connection closed by the peer");
     return;
   }
-  enqueue(conn, answer(FrameType::kWriteAck, header.op_id, st, target.why));
+  send_answer(conn, answer(FrameType::kWriteAck, header.op_id, st, target.why));
 }
 
 void Link::serve_read(Connection &conn, const FrameHeader &header, const wire::Request &req) {
@@ -480,7 +575,7 @@ void Link::serve_read(Connection &conn, const FrameHeader &header, const wire::R
     out.data = std::move(target.iov);
     out.pin = std::make_shared<std::vector<std::shared_ptr<CacheEntry>>>(std::move(target.pins));
   }
-  enqueue(conn, std::move(out));
+  send_answer(conn, std::move(out));
 }
 
 void Link::note_read(const wire::Request &req) {
@@ -524,7 +619,7 @@ void Link::serve_peer_copy(Connection &conn, const FrameHeader &header, const wi
     }
   }
   if (st == LLM_SUCCESS && !write) note_read(req);
-  enqueue(conn, answer(write ? FrameType::kWriteAck : FrameType::kReadData, header.op_id, st, target.why));
+  send_answer(conn, answer(write ? FrameType::kWriteAck : FrameType::kReadData, header.op_id, st, target.why));
 }
 
 void Link::serve_lookup(Connection &conn, const FrameHeader &header, const wire::Request &req) {
@@ -547,7 +642,7 @@ void Link::serve_lookup(Connection &conn, const FrameHeader &header, const wire:
   enqueue(conn, std::move(out));
 }
 
-bool Link::take_answer(const FrameHeader &header, std::vector<uint8_t> &body, Connection &conn) {
+bool Link::take_answer(const FrameHeader &header, std::vector<uint8_t> &body, net::Reader *in) {
   const auto type = static_cast<FrameType>(header.type);
   std::vector<iovec> recv;
   bool known = false;
@@ -571,11 +666,11 @@ bool Link::take_answer(const FrameHeader &header, std::vector<uint8_t> &body, Co
       }
     }
   }
-  if (!known || (header.status != LLM_SUCCESS && header.data_len != 0)) {
+  if (!known || (header.status != LLM_SUCCESS && header.data_len != 0) || (!recv.empty() && in == nullptr)) {
     fail(LLM_LINK_FAILED, "unexpected answer from the peer; closing the link");
     return false;
   }
-  if (!recv.empty() && !conn.in.readv(recv.data(), recv.size())) {
+  if (!recv.empty() && !in->readv(recv.data(), recv.size())) {
     fail(LLM_LINK_FAILED, "connection closed by the peer");
     return false;
   }
@@ -614,6 +709,12 @@ void Link::reap() {
   for (auto &conn : conns_) {
     if (conn->reader.joinable()) conn->reader.join();
     if (conn->writer.joinable()) conn->writer.join();
+  }
+  // Answers that came before the end settle their operations as answered.
+  take_waiting_answers();
+  {
+    std::lock_guard<std::mutex> lock(answer_mu_);
+    close_answers_locked();
   }
   for (auto &conn : conns_) {
     std::deque<OutFrame> dropped;

@@ -26,6 +26,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "answer_hub.h"
 #include "registry.h"
 #include "request.h"
 #include "transport/same_host.h"
@@ -55,6 +56,8 @@ class LinkHost {
   virtual void detach(const std::shared_ptr<Link> &link) = 0;
   // Threads that share large same-host copies.
   virtual same_host::CopyPool &copy_pool() = 0;
+  // Where the link's answer socket is watched; nullptr: the link has none.
+  virtual AnswerHub *answer_hub() { return nullptr; }
 };
 
 // How a link's bytes move, as its handshake settled it.
@@ -69,6 +72,8 @@ struct LinkPaths {
   // yet, and is told by the link's first frame.
   std::shared_ptr<same_host::PeerMemory> peer_memory;
   bool announce = false;
+  // The link's answer socket (a Unix seqpacket socket; the link owns it), or -1.
+  int answers = -1;
 };
 
 // One frame of an operation, planned by the initiator.
@@ -79,7 +84,12 @@ struct PlannedFrame {
   std::vector<wire::Range> bounds;  // the whole operation's outermost ranges
 };
 
-class Link : public std::enable_shared_from_this<Link> {
+// A same-host link may have an answer socket beside its connections: each
+// end sends its answers without data there, and the other end's hub (see
+// answer_hub.h) reads them on the thread that waits for them. An answer the
+// socket cannot take at once goes on the connection as before, so either
+// end reads answers from both.
+class Link : public std::enable_shared_from_this<Link>, public AnswerReader {
  public:
   Link(uint64_t peer_id, uint32_t peer_role, bool initiated_here, std::vector<int> fds, LinkHost *host,
        LinkPaths paths = {});
@@ -130,6 +140,13 @@ class Link : public std::enable_shared_from_this<Link> {
   size_t connection_count() const { return conns_.size(); }
   // Connections that run on Unix sockets (a same-host link that moved to them).
   size_t local_socket_count() const;
+  // Whether the link reads answers from an answer socket.
+  bool has_answer_socket() const;
+
+  // Reads the answers waiting on the answer socket (AnswerReader).
+  size_t read_answers() override;
+  // The same, counted as read by the link itself (not by a hub's reader).
+  void take_waiting_answers();
   size_t refused_group_count() const;
 
  private:
@@ -201,7 +218,15 @@ class Link : public std::enable_shared_from_this<Link> {
   void note_read(const wire::Request &req);
   // A same-host write (copy from the peer) or read (copy into the peer).
   void serve_peer_copy(Connection &conn, const wire::FrameHeader &header, const wire::Request &req, bool write);
-  bool take_answer(const wire::FrameHeader &header, std::vector<uint8_t> &body, Connection &conn);
+  // An answer from a connection (`in` reads its data) or from the answer socket (`in` is null).
+  bool take_answer(const wire::FrameHeader &header, std::vector<uint8_t> &body, net::Reader *in);
+  // Sends an answer without data on the answer socket if it takes it now,
+  // else on `conn`.
+  void send_answer(Connection &conn, OutFrame frame);
+  size_t read_answers_locked();  // answer_mu_ held
+  // Stops reading the answer socket and tells the peer (whose answers then
+  // come on the connections); answer_mu_ held.
+  void close_answers_locked();
   // Sends a question frame; its state is done once answered (or the link is down).
   std::shared_ptr<LookupState> send_question(wire::FrameType type, const std::vector<uint8_t> &body,
                                              Clock::time_point deadline);
@@ -225,6 +250,9 @@ class Link : public std::enable_shared_from_this<Link> {
   std::atomic<bool> peer_copies_;
   const std::shared_ptr<same_host::PeerMemory> peer_memory_;
   std::vector<std::unique_ptr<Connection>> conns_;
+  const int answer_fd_;
+  mutable std::mutex answer_mu_;  // one reader of the answer socket at a time
+  uint64_t answer_id_ = 0;  // in the hub's set while not 0
   std::atomic<bool> down_{false};
   std::atomic<bool> closing_{false};  // this end asked the peer to unlink
   std::atomic<uint64_t> next_conn_{0};

@@ -58,6 +58,8 @@ struct FormedLink {
   std::vector<std::string> transcripts;  // per connection, what the acceptor's proof covers
   // Per connection, the initiator's local socket (kLocalSocket), or -1.
   std::vector<int64_t> local_sockets;
+  // The initiator's answer socket (kAnswerSocket, first connection's hello), or -1.
+  int64_t answer_socket = -1;
 };
 
 struct ListenerStats {

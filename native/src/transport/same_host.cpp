@@ -83,9 +83,9 @@ bool all_zero(const uint8_t *p, size_t n) {
 
 }  // namespace
 
-SocketPair make_socket_pair() {
+SocketPair make_socket_pair(int type) {
   int fds[2];
-  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0) return {};
+  if (::socketpair(AF_UNIX, type | SOCK_CLOEXEC, 0, fds) != 0) return {};
   return {fds[0], fds[1]};
 }
 
@@ -96,7 +96,7 @@ void close_pair(SocketPair &pair) {
   }
 }
 
-int take_socket(pid_t pid, uint32_t number, std::string &why) {
+int take_socket(pid_t pid, uint32_t number, std::string &why, int type) {
   const int pidfd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
   if (pidfd < 0) {
     why = std::string("pidfd_open: ") + std::strerror(errno);
@@ -109,18 +109,18 @@ int take_socket(pid_t pid, uint32_t number, std::string &why) {
     why = std::string("pidfd_getfd: ") + std::strerror(error);
     return -1;
   }
-  int domain = 0, type = 0;
+  int domain = 0, actual = 0;
   ucred cred{};
   socklen_t len = sizeof(domain);
   bool ok = ::getsockopt(fd, SOL_SOCKET, SO_DOMAIN, &domain, &len) == 0 && domain == AF_UNIX;
-  len = sizeof(type);
-  ok = ok && ::getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &len) == 0 && type == SOCK_STREAM;
+  len = sizeof(actual);
+  ok = ok && ::getsockopt(fd, SOL_SOCKET, SO_TYPE, &actual, &len) == 0 && actual == type;
   len = sizeof(cred);
   ok = ok && ::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0 && cred.pid == pid;
   if (!ok) {
     ::close(fd);
-    why = "descriptor " + std::to_string(number) + " is not a Unix stream socket made by process " +
-          std::to_string(pid);
+    why = "descriptor " + std::to_string(number) + " is not a Unix " +
+          (type == SOCK_STREAM ? "stream" : "seqpacket") + " socket made by process " + std::to_string(pid);
     return -1;
   }
   return fd;

@@ -11,6 +11,7 @@
 #ifndef DATADIST_TRANSPORT_SAME_HOST_H_
 #define DATADIST_TRANSPORT_SAME_HOST_H_
 
+#include <sys/socket.h>
 #include <sys/types.h>
 #include <sys/uio.h>
 
@@ -57,12 +58,13 @@ struct SocketPair {
   int theirs = -1;  // the end the acceptor takes; closed once it has
 };
 // A new pair (both ends -1 when the kernel gives none).
-SocketPair make_socket_pair();
+// `type`: SOCK_STREAM for a connection, SOCK_SEQPACKET for an answer socket.
+SocketPair make_socket_pair(int type = SOCK_STREAM);
 void close_pair(SocketPair &pair);
 // Takes descriptor `number` out of process `pid`. Returns the new
 // descriptor, or -1 with `why` set: the kernel refused (no pidfd_getfd,
-// ptrace rules) or the descriptor is not a Unix stream socket made by `pid`.
-int take_socket(pid_t pid, uint32_t number, std::string &why);
+// ptrace rules) or the descriptor is not a Unix socket of `type` made by `pid`.
+int take_socket(pid_t pid, uint32_t number, std::string &why, int type = SOCK_STREAM);
 
 // A peer process's memory, reached by kernel copies. Its ranges are checked
 // against the readable (or writable) mappings the kernel lists for it; the

@@ -193,6 +193,8 @@ void TcpTransport::admit(FormedLink &formed) {
       ack.fixed.flags |= wire::kLocalSocket;
       tcp_after.fds = formed.fds;
       link_fds = std::move(taken);
+      paths.answers = take_answer_socket(formed);
+      if (paths.answers >= 0) ack.fixed.flags |= wire::kAnswerSocket;
     }
   }
   std::shared_ptr<Link> link;
@@ -201,6 +203,7 @@ void TcpTransport::admit(FormedLink &formed) {
   } catch (const std::bad_alloc &) {
     send_to_all(formed.fds, handshake::refusal(LLM_LINK_FAILED));
     close_all(link_fds);
+    if (paths.answers >= 0) ::close(paths.answers);
     return;
   }
   {
@@ -240,7 +243,7 @@ void TcpTransport::count_made(uint64_t peer_id) {
 }
 
 Status TcpTransport::greet(int fd, uint64_t peer_id, uint64_t nonce, uint32_t index, uint32_t count,
-                           int local_socket, std::string &transcript, uint32_t &granted) {
+                           int local_socket, int answer_socket, std::string &transcript, uint32_t &granted) {
   handshake::Hello hello;
   hello.fixed = {cluster_id_, peer_id, nonce, role_.load(), index, count, 0};
   if (options_.same_host) {
@@ -249,6 +252,10 @@ Status TcpTransport::greet(int fd, uint64_t peer_id, uint64_t nonce, uint32_t in
     if (local_socket >= 0) {
       hello.fixed.flags |= wire::kLocalSocket;
       hello.local_socket = static_cast<uint32_t>(local_socket);
+      if (answer_socket >= 0) {
+        hello.fixed.flags |= wire::kAnswerSocket;
+        hello.answer_socket = static_cast<uint32_t>(answer_socket);
+      }
     }
   }
   const bool authed = !options_.auth_key.empty();
@@ -300,12 +307,16 @@ Status TcpTransport::link(uint64_t peer_id, const std::string &ip, uint16_t port
   std::vector<std::string> transcripts;
   // With the same-host path on, each connection offers a local socket pair
   // the acceptor may move the link to; what is not used closes at the end.
+  // The first connection's hello also offers the link's answer socket pair.
   struct Pairs {
     std::vector<same_host::SocketPair> all;
+    same_host::SocketPair answers;
     ~Pairs() {
       for (auto &pair : all) same_host::close_pair(pair);
+      same_host::close_pair(answers);
     }
   } pairs;
+  if (options_.same_host && options_.answers != nullptr) pairs.answers = same_host::make_socket_pair(SOCK_SEQPACKET);
   Status st = LLM_SUCCESS;
   const uint64_t nonce = new_nonce();
   const uint32_t count = options_.connections_per_peer;
@@ -321,7 +332,8 @@ Status TcpTransport::link(uint64_t peer_id, const std::string &ip, uint16_t port
     net::set_receive_timeout(fd, std::max(1, remaining()));
     same_host::SocketPair pair = options_.same_host ? same_host::make_socket_pair() : same_host::SocketPair{};
     std::string transcript;
-    st = greet(fd, peer_id, nonce, i, count, pair.theirs, transcript, granted);
+    const int answer_socket = i == 0 && pair.theirs >= 0 ? pairs.answers.theirs : -1;
+    st = greet(fd, peer_id, nonce, i, count, pair.theirs, answer_socket, transcript, granted);
     pairs.all.push_back(pair);
     if (granted != 0) {
       ::close(fd);  // past what the acceptor keeps
@@ -366,7 +378,7 @@ Status TcpTransport::link(uint64_t peer_id, const std::string &ip, uint16_t port
       if (kept != fds.size()) st = LLM_LINK_FAILED;
       // Every ack moves its connection to a local socket, or none does.
       if (i == 0) first_flags = ack.fixed.flags;
-      if (((first_flags ^ ack.fixed.flags) & wire::kLocalSocket) != 0) st = LLM_LINK_FAILED;
+      if (((first_flags ^ ack.fixed.flags) & (wire::kLocalSocket | wire::kAnswerSocket)) != 0) st = LLM_LINK_FAILED;
     }
     peer_role = ack.fixed.role;
   }
@@ -391,6 +403,15 @@ Status TcpTransport::link(uint64_t peer_id, const std::string &ip, uint16_t port
       }
     }
   }
+  // And the answer socket, which it takes only beside them.
+  if (st == LLM_SUCCESS && (ack.fixed.flags & wire::kAnswerSocket) != 0) {
+    if ((ack.fixed.flags & wire::kLocalSocket) == 0 || pairs.answers.mine < 0) {
+      st = LLM_LINK_FAILED;
+    } else {
+      paths.answers = pairs.answers.mine;
+      pairs.answers.mine = -1;
+    }
+  }
   std::shared_ptr<Link> link;
   if (st == LLM_SUCCESS) {
     for (int fd : fds) net::set_receive_timeout(fd, 0);
@@ -399,6 +420,7 @@ Status TcpTransport::link(uint64_t peer_id, const std::string &ip, uint16_t port
       fds.clear();  // the link's now
     } catch (const std::bad_alloc &) {
       st = LLM_LINK_FAILED;
+      if (paths.answers >= 0) ::close(paths.answers);
     }
   }
   {
@@ -487,6 +509,19 @@ std::vector<int> TcpTransport::take_local_sockets(const FormedLink &formed) {
   return taken;
 }
 
+int TcpTransport::take_answer_socket(const FormedLink &formed) {
+  const int64_t number = formed.answer_socket;
+  if (options_.answers == nullptr || number < 0 || number > INT32_MAX) return -1;
+  std::string why;
+  const int fd = same_host::take_socket(static_cast<pid_t>(formed.same_host.pid), static_cast<uint32_t>(number),
+                                        why, SOCK_SEQPACKET);
+  if (fd < 0 && !socket_refusal_logged_.exchange(true)) {
+    log_message(LogLevel::kInfo, "same-host links to cluster " + std::to_string(formed.peer_id) +
+                                     " carry their answers on their connections: " + why);
+  }
+  return fd;
+}
+
 const char *TcpTransport::link_transport(uint64_t peer_id) const {
   std::shared_ptr<Link> link = find(peer_id);
   return link ? link->transport() : nullptr;
@@ -509,13 +544,13 @@ size_t TcpTransport::link_count() const {
   return links_.size();
 }
 
-bool TcpTransport::link_stats(uint64_t peer_id, size_t &connections, size_t &refused_groups,
-                              size_t &local_sockets) const {
+bool TcpTransport::link_stats(uint64_t peer_id, LinkStats &stats) const {
   std::shared_ptr<Link> link = find(peer_id);
   if (!link) return false;
-  connections = link->connection_count();
-  refused_groups = link->refused_group_count();
-  local_sockets = link->local_socket_count();
+  stats.connections = link->connection_count();
+  stats.refused_groups = link->refused_group_count();
+  stats.local_sockets = link->local_socket_count();
+  stats.answer_socket = link->has_answer_socket();
   return true;
 }
 
@@ -578,13 +613,22 @@ void TcpTransport::housekeeping_loop() {
       housekeeper_idle_ = false;
     }
     if (stopping_) return;
+    lock.unlock();
+    // Answers that no event loop came for since the last round are read
+    // here, so their operations settle and none is taken for overdue.
+    if (options_.answers != nullptr) options_.answers->sweep();
+    lock.lock();
     const Clock::time_point now = Clock::now();
     std::vector<std::shared_ptr<Link>> overdue;
     for (auto &entry : links_) {
       if (entry.second->overdue(now)) overdue.push_back(entry.second);
     }
     lock.unlock();
-    for (auto &link : overdue) link->fail(LLM_TIMEOUT, "an operation exceeded sync_kv_timeout; closing the link");
+    for (auto &link : overdue) {
+      // An answer that came after the sweep still counts.
+      link->take_waiting_answers();
+      if (link->overdue(now)) link->fail(LLM_TIMEOUT, "an operation exceeded sync_kv_timeout; closing the link");
+    }
     reap_down_links();
     lock.lock();
   }

@@ -39,6 +39,9 @@ struct TransportOptions {
   // The time an accepted connection has to finish its handshake, and a
   // link to bring all its connections.
   int handshake_timeout_ms = 5000;
+  // Where same-host links have answers to this end's operations read (an
+  // answer socket per link); nullptr: they come on the link's connections.
+  AnswerHub *answers = nullptr;
 };
 
 // Links per process, as upstream's limit; one more is refused with
@@ -73,9 +76,15 @@ class TcpTransport : public LinkHost {
   // link is lost: it went down while in use, not removed by an unlink from
   // either end. Set before links exist.
   void set_loss_observer(std::function<void(uint64_t peer_id)> observer) { loss_observer_ = std::move(observer); }
-  // Connections of the link to `peer_id` and the ordered transfers its
-  // owner side refuses; false without a link. For tests and diagnostics.
-  bool link_stats(uint64_t peer_id, size_t &connections, size_t &refused_groups, size_t &local_sockets) const;
+  // What the link to `peer_id` runs on, and the ordered transfers its owner
+  // side refuses; false without a link. For tests and diagnostics.
+  struct LinkStats {
+    size_t connections = 0;
+    size_t refused_groups = 0;
+    size_t local_sockets = 0;  // connections on Unix sockets
+    bool answer_socket = false;
+  };
+  bool link_stats(uint64_t peer_id, LinkStats &stats) const;
   ListenerStats listener_stats() const;
   void set_role(uint32_t role) { role_ = role; }
 
@@ -88,6 +97,7 @@ class TcpTransport : public LinkHost {
   void link_down(const std::shared_ptr<Link> &link) override;
   void detach(const std::shared_ptr<Link> &link) override;
   same_host::CopyPool &copy_pool() override { return copy_pool_; }
+  AnswerHub *answer_hub() override { return options_.answers; }
 
  private:
   // Answers a link whose connections all came (listener thread): refuses
@@ -105,15 +115,18 @@ class TcpTransport : public LinkHost {
   // past them).
   // Counts a link made with `peer_id` (mu_ held).
   void count_made(uint64_t peer_id);
-  // `local_socket` (or -1) is this end's descriptor the acceptor may take.
+  // `local_socket` and `answer_socket` (or -1) are this end's descriptors
+  // the acceptor may take.
   Status greet(int fd, uint64_t peer_id, uint64_t nonce, uint32_t index, uint32_t count, int local_socket,
-               std::string &transcript, uint32_t &granted);
+               int answer_socket, std::string &transcript, uint32_t &granted);
   // Probes a peer that offered the same-host path; the memory to serve its
   // same-host frames with, or nullptr when it cannot be reached.
   std::shared_ptr<same_host::PeerMemory> reach(uint64_t peer_id, const wire::SameHostInfo &info);
   // Every local socket the initiator named, taken out of its process; empty
   // (nothing taken) when one is missing or cannot be taken.
   std::vector<int> take_local_sockets(const FormedLink &formed);
+  // The initiator's answer socket, taken; -1 when it named none or it cannot be taken.
+  int take_answer_socket(const FormedLink &formed);
   void housekeeping_loop();
   void reap_down_links();
   void reap(const std::vector<std::shared_ptr<Link>> &links);

@@ -97,6 +97,11 @@ enum HelloFlags : uint32_t {
   // end (pidfd_getfd); the link runs on the pair from here, and the TCP
   // connection closes after the ack.
   kLocalSocket = 16,
+  // Same-host links only, beside kLocalSocket. Hello: a uint32 follows the
+  // local socket's number, the number of one end of a Unix seqpacket pair
+  // the initiator made for the link's answers (each message one answer
+  // frame without data, in either direction). Ack: the acceptor took it.
+  kAnswerSocket = 32,
 };
 
 // A hello is followed by a SameHostInfo when its flags offer the same-host
