@@ -5,19 +5,29 @@ naming this process and a probe buffer it made, so the engine copies from and
 into this process's memory by kernel calls. Source or destination memory that
 the initiator does not have mapped refuses the operation whole, with nothing
 written; same-host frames on a link that did not agree to them close it.
+Answers without data travel on the link's answer socket when the engine took
+one, in both directions; a malformed one there fails the link.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import ctypes
+import logging
 import mmap
 import os
+import select
 import socket
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
 
 import datadist_aio as dd
+from datadist_aio import _logging
 from test_wire_protocol import (
     BLOCK,
     BLOCKS,
@@ -28,6 +38,7 @@ from test_wire_protocol import (
     untouched,
 )
 from wire_frames import (
+    ANSWER_SOCKET,
     COPIES_FOR_YOU,
     HEADER,
     HELLO,
@@ -35,18 +46,26 @@ from wire_frames import (
     HELLO_ACK_T,
     HELLO_T,
     LOCAL_SOCKET,
+    LOOKUP_REPLY,
+    LOOKUP_REPLY_T,
+    MAGIC,
     OFFERS_SAME_HOST,
     PEER_COPIES_T,
     READ_DATA_T,
     READ_INTO_T,
+    READ_T,
     SAME_HOST_INFO,
     SEGMENT,
+    VERSION,
     WRITE_ACK_T,
     WRITE_FROM_T,
+    WRITE_T,
     frame,
+    hello,
     recv_exact,
     recv_frame,
 )
+
 PROBE_MAGIC = b"DDAOPRB1"
 PAGE = mmap.PAGESIZE
 
@@ -75,19 +94,35 @@ class Prober:
         )
 
 
+def number(fd: int | None) -> bytes:
+    return b"" if fd is None else fd.to_bytes(4, "little")
+
+
 def offer(
-    port: int, hello_info: bytes | None, nonce: int, local_socket: int | None = None
+    port: int,
+    hello_info: bytes | None,
+    nonce: int,
+    local_socket: int | None = None,
+    answer_socket: int | None = None,
+    flags: int = 0,
 ) -> tuple[socket.socket, int, bytes]:
     """Links with a hello that offers `hello_info` (none: no offer) and names
-    descriptor `local_socket` of this process; returns the socket, the ack's
-    flags and the info the ack carried."""
+    descriptors `local_socket` and `answer_socket` of this process, each with
+    its flag (`flags` are set besides); returns the socket, the ack's flags
+    and the info the ack carried."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=5)
-    flags = OFFERS_SAME_HOST if hello_info is not None else 0
-    named = b""
-    if local_socket is not None:
-        flags |= LOCAL_SOCKET
-        named = local_socket.to_bytes(4, "little")
-    body = HELLO.pack(FORGER_ID, SERVER_ID, nonce, 1, 0, 1, flags) + (hello_info or b"") + named
+    flags |= OFFERS_SAME_HOST if hello_info is not None else 0
+    flags |= LOCAL_SOCKET if local_socket is not None else 0
+    flags |= ANSWER_SOCKET if answer_socket is not None else 0
+    body = hello(
+        FORGER_ID,
+        SERVER_ID,
+        nonce,
+        flags,
+        same_host=hello_info or b"",
+        local_socket=number(local_socket),
+        answer_socket=number(answer_socket),
+    )
     sock.sendall(frame(HELLO_T, body))
     kind, status, _, ack, _ = recv_frame(sock)
     assert (kind, status) == (HELLO_ACK_T, 0)
@@ -265,11 +300,15 @@ def test_a_hello_with_a_truncated_offer_is_refused(server):
             recv_frame(sock)
 
 
-def write_from_lands(sock: socket.socket, cache, op_id: int, fill: int) -> None:
-    """A same-host write of one block over `sock` is answered and lands."""
+def write_from_lands(sock: socket.socket, cache, op_id: int, fill: int, answers: socket.socket | None = None) -> None:
+    """A same-host write of one block over `sock` is answered (on `answers`
+    if given, else on `sock`) and lands."""
     source = ctypes.create_string_buffer(bytes([fill]) * BLOCK, BLOCK)
     sock.sendall(copy_frame(WRITE_FROM_T, [(0, 7, 0, BLOCK)], [(ctypes.addressof(source), BLOCK)], op_id))
-    assert recv_frame(sock)[:3] == (WRITE_ACK_T, 0, op_id)
+    if answers is None:
+        assert recv_frame(sock)[:3] == (WRITE_ACK_T, 0, op_id)
+    else:
+        assert recv_answer(answers) == (WRITE_ACK_T, 0, op_id, b"")
     assert bytes(cache.as_numpy(0)[7]) == bytes([fill]) * BLOCK
 
 
@@ -319,3 +358,258 @@ def test_a_local_socket_named_without_the_same_host_offer_is_not_taken(server):
             with pytest.raises(ConnectionError):
                 recv_frame(sock)
     assert untouched(cache)
+
+
+def unix_pair(stack: contextlib.ExitStack, kind: int) -> tuple[socket.socket, socket.socket]:
+    mine, theirs = socket.socketpair(socket.AF_UNIX, kind)
+    return stack.enter_context(mine), stack.enter_context(theirs)
+
+
+@contextlib.contextmanager
+def answered_link(port: int, nonce: int) -> Iterator[tuple[socket.socket, socket.socket]]:
+    """A same-host link on a local socket, with an answer socket: this
+    process's ends of both."""
+    prober = Prober()
+    with contextlib.ExitStack() as stack:
+        local, their_local = unix_pair(stack, socket.SOCK_STREAM)
+        answers, their_answers = unix_pair(stack, socket.SOCK_SEQPACKET)
+        named = {"local_socket": their_local.fileno(), "answer_socket": their_answers.fileno()}
+        sock, flags, _ = offer(port, prober.info(), nonce, **named)
+        sock.close()
+        their_local.close()  # the engine holds its own copies of these ends
+        their_answers.close()
+        assert flags == OFFERS_SAME_HOST | COPIES_FOR_YOU | LOCAL_SOCKET | ANSWER_SOCKET
+        local.settimeout(5)
+        answers.settimeout(5)
+        yield local, answers
+
+
+def recv_answer(answers: socket.socket) -> tuple[int, int, int, bytes]:
+    """(type, status, op id, body) of the next message on an answer socket:
+    one whole frame, without data."""
+    message = answers.recv(HEADER.size + 4096)
+    magic, version, kind, body_len, status, op_id, data_len = HEADER.unpack(message[: HEADER.size])
+    assert (magic, version, data_len, len(message)) == (MAGIC, VERSION, 0, HEADER.size + body_len)
+    return kind, status, op_id, message[HEADER.size :]
+
+
+def nothing_waiting(sock: socket.socket) -> bool:
+    return not select.select([sock], [], [], 0.1)[0]
+
+
+def test_a_named_answer_socket_carries_the_answers_without_data(server):
+    datadist, cache = server
+    source = ctypes.create_string_buffer(b"\x44" * BLOCK, BLOCK)
+    segment = [(ctypes.addressof(source), BLOCK)]
+    with answered_link(datadist.listen_port, nonce=44) as (local, answers):
+        assert datadist._engine.link_stats(FORGER_ID)["answer_socket"] == 1
+        local.sendall(copy_frame(WRITE_FROM_T, [(0, 7, 0, BLOCK)], segment, 5))
+        assert recv_answer(answers) == (WRITE_ACK_T, 0, 5, b"")
+        assert bytes(cache.as_numpy(0)[7]) == b"\x44" * BLOCK
+        local.sendall(frame(WRITE_T, request([(1, 2, 0, BLOCK)]), b"\x45" * BLOCK, op_id=6))
+        assert recv_answer(answers) == (WRITE_ACK_T, 0, 6, b"")
+        assert bytes(cache.as_numpy(1)[2]) == b"\x45" * BLOCK
+        # A refusal comes there too, with its reason.
+        local.sendall(copy_frame(WRITE_FROM_T, [(0, BLOCKS, 0, BLOCK)], segment, 7))
+        kind, status, op_id, reason = recv_answer(answers)
+        assert (kind, status, op_id) == (WRITE_ACK_T, Code.LLM_PARAM_INVALID.value, 7)
+        assert reason
+        into = ctypes.create_string_buffer(BLOCK)
+        local.sendall(copy_frame(READ_INTO_T, [(1, 2, 0, BLOCK)], [(ctypes.addressof(into), BLOCK)], 8))
+        assert recv_answer(answers) == (READ_DATA_T, 0, 8, b"")
+        assert into.raw == b"\x45" * BLOCK
+        # An answer with data comes on the local socket.
+        local.sendall(frame(READ_T, request([(1, 2, 0, BLOCK)]), op_id=9))
+        assert recv_frame(local) == (READ_DATA_T, 0, 9, b"", b"\x45" * BLOCK)
+        assert nothing_waiting(local) and nothing_waiting(answers)
+
+
+def seqpacket_of_another_process(stack: contextlib.ExitStack) -> socket.socket:
+    """One end of a seqpacket pair that a child process made and handed over."""
+    mine, theirs = unix_pair(stack, socket.SOCK_STREAM)
+    code = (
+        "import socket, sys; a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET); "
+        "socket.send_fds(socket.socket(fileno=int(sys.argv[1])), [b'x'], [a.fileno()])"
+    )
+    fd = theirs.fileno()
+    subprocess.run([sys.executable, "-c", code, str(fd)], pass_fds=[fd], check=True, timeout=60)
+    _, fds, _, _ = socket.recv_fds(mine, 1, 1)
+    return stack.enter_context(socket.socket(fileno=fds[0]))
+
+
+@pytest.mark.parametrize("named", ["stream_socket", "datagram_socket", "file", "another_process"])
+def test_a_named_descriptor_that_is_not_our_seqpacket_socket_is_no_answer_socket(server, tmp_path, named):
+    datadist, cache = server
+    prober = Prober()
+    with contextlib.ExitStack() as stack:
+        local, their_local = unix_pair(stack, socket.SOCK_STREAM)
+        descriptor = {
+            "stream_socket": lambda: unix_pair(stack, socket.SOCK_STREAM)[1],
+            "datagram_socket": lambda: unix_pair(stack, socket.SOCK_DGRAM)[1],
+            "file": lambda: stack.enter_context(open(tmp_path / "not-a-socket", "wb")),
+            "another_process": lambda: seqpacket_of_another_process(stack),
+        }[named]()
+        named = {"local_socket": their_local.fileno(), "answer_socket": descriptor.fileno()}
+        sock, flags, _ = offer(datadist.listen_port, prober.info(), 45, **named)
+        sock.close()
+        assert flags == OFFERS_SAME_HOST | COPIES_FOR_YOU | LOCAL_SOCKET  # the link moved, its answers did not
+        assert datadist._engine.link_stats(FORGER_ID)["answer_socket"] == 0
+        local.settimeout(5)
+        write_from_lands(local, cache, op_id=5, fill=0x45)
+
+
+@pytest.mark.parametrize("offered", [True, False])
+def test_the_answer_socket_flag_without_a_local_socket_names_nothing(server, offered):
+    datadist, cache = server
+    prober = Prober()
+    # No number follows: the hello is as long as one without the flag.
+    sock, flags, _ = offer(datadist.listen_port, prober.info() if offered else None, 46, flags=ANSWER_SOCKET)
+    with sock:
+        assert flags == (OFFERS_SAME_HOST | COPIES_FOR_YOU if offered else 0)
+        assert datadist._engine.link_stats(FORGER_ID) == {
+            "answer_socket": 0, "connections": 1, "local_sockets": 0, "refused_groups": 0
+        }
+        sock.sendall(frame(WRITE_T, request([(0, 3, 0, BLOCK)]), b"\x46" * BLOCK, op_id=2))
+        assert recv_frame(sock)[:3] == (WRITE_ACK_T, 0, 2)
+        assert bytes(cache.as_numpy(0)[3]) == b"\x46" * BLOCK
+
+
+def test_an_answer_socket_number_without_a_local_socket_makes_the_hello_malformed(server):
+    datadist, cache = server
+    prober = Prober()
+    with contextlib.ExitStack() as stack:
+        _, theirs = unix_pair(stack, socket.SOCK_SEQPACKET)
+        sock = stack.enter_context(socket.create_connection(("127.0.0.1", datadist.listen_port), timeout=5))
+        flags = OFFERS_SAME_HOST | ANSWER_SOCKET
+        body = hello(FORGER_ID, SERVER_ID, 47, flags, prober.info(), answer_socket=number(theirs.fileno()))
+        sock.sendall(frame(HELLO_T, body))
+        with pytest.raises(ConnectionError):
+            recv_frame(sock)
+    assert untouched(cache)
+
+
+def push(datadist: dd.LLMDataDist, cache: dd.Cache) -> dd.CacheTask:
+    """The engine pushes block 0 of both its tensors to block 0 of this process's cache."""
+    return datadist.cache_manager.push_blocks_async(dd.BlocksCacheKey(FORGER_ID, 0), cache, [0], [0])
+
+
+def answers_read(datadist: dd.LLMDataDist) -> int:
+    """Answers the engine has read from answer sockets so far."""
+    return sum(datadist._engine.answer_counts().values())
+
+
+async def soon(condition: Callable[[], bool]) -> bool:
+    for _ in range(100):
+        if condition():
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+async def pushed_and_answered(
+    datadist: dd.LLMDataDist, cache: dd.Cache, local: socket.socket, answers: socket.socket
+) -> None:
+    """A push from the engine, answered on the answer socket, succeeds."""
+    read = answers_read(datadist)
+    task = push(datadist, cache)
+    kind, _, op_id, _, data = recv_frame(local)
+    assert (kind, data) == (WRITE_T, bytes(cache.as_numpy(0)[0]) + bytes(cache.as_numpy(1)[0]))
+    answers.send(frame(WRITE_ACK_T, op_id=op_id))
+    assert await asyncio.wait_for(task, 5) == [Code.LLM_SUCCESS]
+    # Counted by whoever read it (this loop's drain, or the housekeeper's sweep).
+    assert await soon(lambda: answers_read(datadist) == read + 1)
+
+
+async def test_the_engine_takes_the_answers_to_its_own_operations_from_the_answer_socket(server):
+    datadist, cache = server
+    cache.as_numpy(0)[0], cache.as_numpy(1)[0] = 0x51, 0x52
+    with answered_link(datadist.listen_port, nonce=48) as (local, answers):
+        await pushed_and_answered(datadist, cache, local, answers)
+        # A refusal there fails the push with its status and reason; the link stays.
+        task = push(datadist, cache)
+        op_id = recv_frame(local)[2]
+        answers.send(frame(WRITE_ACK_T, b"no room here", op_id=op_id, status=Code.LLM_PARAM_INVALID.value))
+        with pytest.raises(dd.LLMException, match="no room here") as refused:
+            await asyncio.wait_for(task, 5)
+        assert refused.value.status_code is Code.LLM_PARAM_INVALID
+        await pushed_and_answered(datadist, cache, local, answers)
+        assert nothing_waiting(local) and nothing_waiting(answers)
+
+
+async def test_a_closed_answer_socket_sends_the_answers_back_to_the_connection(server):
+    datadist, cache = server
+    with answered_link(datadist.listen_port, nonce=49) as (local, answers):
+        answers.close()
+        write_from_lands(local, cache, op_id=3, fill=0x49)
+        read = answers_read(datadist)
+        task = push(datadist, cache)
+        op_id = recv_frame(local)[2]
+        local.sendall(frame(WRITE_ACK_T, op_id=op_id))
+        assert await asyncio.wait_for(task, 5) == [Code.LLM_SUCCESS]
+        assert answers_read(datadist) == read
+        assert await soon(lambda: datadist._engine.link_stats(FORGER_ID)["answer_socket"] == 0)
+        assert datadist._engine.link_stats(FORGER_ID)["local_sockets"] == 1
+
+
+@pytest.mark.parametrize(
+    "answer, words",
+    [
+        (lambda op: b"abc", "an answer of 3 bytes"),
+        (lambda op: frame(WRITE_ACK_T, b"x" * 513, op_id=op, status=1), "an answer of 545 bytes"),
+        (lambda op: frame(WRITE_ACK_T, op_id=op, magic=0), "bad magic"),
+        (lambda op: frame(LOOKUP_REPLY_T, LOOKUP_REPLY.pack(0, 0, 0, 0, 0, 0), op_id=op), "frame type 8"),
+        (lambda op: HEADER.pack(MAGIC, VERSION, WRITE_ACK_T, 0, 0, op, 8), "unexpected data"),
+        (lambda op: HEADER.pack(MAGIC, VERSION, READ_DATA_T, 0, 0, op, 8), "lengths do not match"),
+        (lambda op: HEADER.pack(MAGIC, VERSION, WRITE_ACK_T, 4, 0, op, 0), "lengths do not match"),
+        (lambda op: frame(WRITE_ACK_T, op_id=op + 1000), "unexpected answer"),
+        (lambda op: frame(READ_DATA_T, op_id=op), "unexpected answer"),  # a read's answer to a write
+    ],
+    ids=[
+        "short",
+        "long",
+        "no_magic",
+        "lookup_reply",
+        "write_ack_data",
+        "read_data_data",
+        "missing_body",
+        "unknown_op",
+        "read_answer_to_a_write",
+    ],
+)
+async def test_a_malformed_answer_fails_the_engines_operation_and_the_link(server, caplog, answer, words):
+    datadist, cache = server
+    caplog.set_level(logging.WARNING, logger=_logging.NATIVE_LOGGER)
+    with answered_link(datadist.listen_port, nonce=50) as (local, answers):
+        task = push(datadist, cache)
+        op_id = recv_frame(local)[2]
+        answers.send(answer(op_id))
+        with pytest.raises(dd.LLMException) as failed:
+            await asyncio.wait_for(task, 5)
+        assert failed.value.status_code is Code.LLM_LINK_FAILED
+        assert words in str(failed.value)  # the task says why the link failed
+        assert local.recv(1) == b""  # the engine closed the link
+    assert _logging.flush(5)
+    assert any(words in record.getMessage() for record in caplog.records)
+    # The engine goes on serving: the next link works both ways.
+    assert await soon(lambda: not datadist._engine.link_stats(FORGER_ID))
+    with answered_link(datadist.listen_port, nonce=51) as (local, answers):
+        write_from_lands(local, cache, op_id=2, fill=0x51, answers=answers)
+        await pushed_and_answered(datadist, cache, local, answers)
+
+
+async def test_a_write_ack_answering_the_engines_read_fails_it_and_writes_nothing(server):
+    # The engine pulls over the link; the answer is a write's ack, which
+    # carries no data: the pull fails with the link and its destination
+    # keeps what it had.
+    datadist, cache = server
+    cache.as_numpy(0)[3], cache.as_numpy(1)[3] = 0x33, 0x34
+    with answered_link(datadist.listen_port, nonce=52) as (local, answers):
+        task = datadist.cache_manager.pull_blocks_async(dd.BlocksCacheKey(FORGER_ID, 0), cache, [0], [3])
+        kind, _, op_id, _, _ = recv_frame(local)
+        assert kind == READ_T
+        local.sendall(frame(WRITE_ACK_T, op_id=op_id))
+        with pytest.raises(dd.LLMException, match="unexpected answer") as failed:
+            await asyncio.wait_for(task, 5)
+        assert failed.value.status_code is Code.LLM_LINK_FAILED
+        assert local.recv(1) == b""
+    assert (cache.as_numpy(0)[3] == 0x33).all() and (cache.as_numpy(1)[3] == 0x34).all()

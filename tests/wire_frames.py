@@ -29,6 +29,7 @@ WRITE_FROM_T, READ_INTO_T, PEER_COPIES_T = 11, 12, 13
 CHALLENGE_T, PROOF_T = 14, 15
 # Hello flags.
 OFFERS_SAME_HOST, COPIES_FOR_YOU, AUTHENTICATED, GRANTS_CONNECTIONS, LOCAL_SOCKET = 1, 2, 4, 8, 16
+ANSWER_SOCKET = 32
 # Target kinds and flags.
 BY_ID, BY_KEY, BLOCKS_OF_MODEL, RAW_ADDRESS = 1, 2, 3, 4
 WITHIN_SLOT, RELEASE_KEY = 1, 2
@@ -102,10 +103,13 @@ def hello(
     count: int = 1,
     role: int = 1,
     local_socket: bytes = b"",
+    answer_socket: bytes = b"",
 ) -> bytes:
-    """A hello body; `same_host`, `local_socket` (a descriptor number, 4 bytes)
-    and `nonce` follow, in that order, when `flags` announce them."""
-    return HELLO.pack(cluster_id, expected_peer, link_nonce, role, index, count, flags) + same_host + local_socket + nonce
+    """A hello body; `same_host`, `local_socket` and `answer_socket` (descriptor
+    numbers, 4 bytes each) and `nonce` follow, in that order, when `flags`
+    announce them."""
+    fixed = HELLO.pack(cluster_id, expected_peer, link_nonce, role, index, count, flags)
+    return fixed + same_host + local_socket + answer_socket + nonce
 
 
 def proof(key: str, label: bytes, transcript: bytes) -> bytes:

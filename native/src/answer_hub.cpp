@@ -81,7 +81,6 @@ void AnswerHub::drive(Reader by) {
   if (watched_.load(std::memory_order_relaxed) == 0) return;
   epoll_event events[kMaxEvents];
   const int n = ::epoll_wait(epoll_fd_, events, kMaxEvents, 0);
-  size_t read = 0;
   for (int i = 0; i < n; ++i) {
     std::shared_ptr<AnswerReader> reader;
     {
@@ -97,9 +96,8 @@ void AnswerHub::drive(Reader by) {
         }
       }
     }
-    if (reader) read += reader->read_answers();
+    if (reader) reader->read_answers(by);
   }
-  count(by, read);
   drives_.fetch_add(1, std::memory_order_release);
 }
 

@@ -33,18 +33,21 @@
 namespace datadist {
 
 // What a hub calls when a socket it watches is readable.
+// Who read an answer; counted for AnswerHub::answer_counts().
+enum class AnswerReaderKind { kDrain, kThread, kSweep, kLink };
+
 class AnswerReader {
  public:
   virtual ~AnswerReader() = default;
   // Reads and handles every answer waiting on the reader's socket, without
-  // blocking; returns how many it handled.
-  virtual size_t read_answers() = 0;
+  // blocking, counting each with AnswerHub::count(by) before handling it;
+  // returns how many it read.
+  virtual size_t read_answers(AnswerReaderKind by) = 0;
 };
 
 class AnswerHub {
  public:
-  // Who read an answer; counted for answer_counts().
-  enum class Reader { kDrain, kThread, kSweep, kLink };
+  using Reader = AnswerReaderKind;
   // How long the hub's thread goes on reading after the last blocking wait.
   static constexpr std::chrono::milliseconds kLinger{50};
 
@@ -65,7 +68,7 @@ class AnswerHub {
   void drive(Reader by = Reader::kDrain);
   // Reads answers only if no drive has happened since the previous sweep.
   void sweep();
-  // Counts answers read by other means (a link reading its own at its end).
+  // Counts answers read (by a reader, before it handles them).
   void count(Reader by, size_t n);
   // Answers read so far, by reader: "drain", "thread", "sweep", "link".
   std::map<std::string, uint64_t> answer_counts() const;

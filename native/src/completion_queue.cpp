@@ -38,17 +38,15 @@ CompletionQueue::~CompletionQueue() {
 }
 
 void CompletionQueue::push(uint64_t request_id, llm_datadist::Status status) {
-  bool was_empty;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    was_empty = items_.empty();
-    items_.push_back({request_id, status});
-  }
-  if (was_empty && draining != this) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const bool was_empty = items_.empty();
+  items_.push_back({request_id, status});
+  if (was_empty && !signalled_ && draining != this) {
     const uint64_t one = 1;
     // A full counter (EAGAIN) already means "readable"; nothing else can fail here.
     ssize_t n = ::write(event_fd_, &one, sizeof(one));
     (void)n;
+    signalled_ = true;
   }
 }
 
@@ -61,9 +59,12 @@ std::vector<Completion> CompletionQueue::drain() {
   std::lock_guard<std::mutex> lock(mu_);
   // Clear the counter under the lock: a push after the swap sees an empty
   // queue and writes the eventfd again, so no completion is left unsignalled.
-  uint64_t counter;
-  ssize_t n = ::read(event_fd_, &counter, sizeof(counter));
-  (void)n;
+  if (signalled_) {
+    uint64_t counter;
+    ssize_t n = ::read(event_fd_, &counter, sizeof(counter));
+    (void)n;
+    signalled_ = false;
+  }
   out.swap(items_);
   return out;
 }

@@ -51,6 +51,7 @@ class CompletionQueue {
   int fd_;
   std::mutex mu_;
   std::vector<Completion> items_;
+  bool signalled_ = false;  // the eventfd was written and not read since
 };
 
 }  // namespace datadist

@@ -171,21 +171,17 @@ void Link::send_answer(Connection &conn, OutFrame frame) {
   enqueue(conn, std::move(frame));
 }
 
-size_t Link::read_answers() {
+size_t Link::read_answers(AnswerHub::Reader by) {
   std::lock_guard<std::mutex> lock(answer_mu_);
-  return read_answers_locked();
+  return read_answers_locked(by);
 }
 
 void Link::take_waiting_answers() {
-  size_t n;
-  {
-    std::lock_guard<std::mutex> lock(answer_mu_);
-    n = read_answers_locked();
-  }
-  if (AnswerHub *hub = host_->answer_hub(); hub != nullptr) hub->count(AnswerHub::Reader::kLink, n);
+  std::lock_guard<std::mutex> lock(answer_mu_);
+  read_answers_locked(AnswerHub::Reader::kLink);
 }
 
-size_t Link::read_answers_locked() {
+size_t Link::read_answers_locked(AnswerHub::Reader by) {
   size_t handled = 0;
   alignas(FrameHeader) uint8_t message[sizeof(FrameHeader) + wire::kMaxReasonBytes];
   while (answer_id_ != 0) {
@@ -217,6 +213,7 @@ size_t Link::read_answers_locked() {
       break;
     }
     std::vector<uint8_t> body(message + sizeof(header), message + length);
+    host_->answer_hub()->count(by, 1);  // before it completes anything a caller may look at
     if (!take_answer(header, body, nullptr)) {
       close_answers_locked();
       break;
@@ -261,11 +258,12 @@ void Link::submit(bool write, std::vector<PlannedFrame> frames, const std::share
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (reaped_) {
-        request->release(result_index, down_reason_, true);
+        request->release(result_index, down_reason_, true, ended_message());
         continue;
       }
       out.op_id = next_op_++;
       OpenOp &op = open_[out.op_id];
+      op.answer_type = write ? FrameType::kWriteAck : FrameType::kReadData;
       op.request = request;
       op.result_index = result_index;
       op.deadline = deadline;
@@ -299,6 +297,7 @@ std::shared_ptr<Link::LookupState> Link::send_question(FrameType type, const std
     OpenOp &op = open_[out.op_id];
     op.deadline = deadline;
     op.lookup = state;
+    op.answer_type = type == FrameType::kLookup ? FrameType::kLookupReply : FrameType::kUnlinkAck;
   }
   out.header.op_id = out.op_id;
   enqueue(next_connection(), std::move(out));
@@ -374,11 +373,16 @@ void Link::mark(uint64_t op_id, bool sent, bool answered, Status status, bool sk
   settle(done);
 }
 
-void Link::settle(OpenOp &op) {
+void Link::settle(OpenOp &op, const std::string &ended) {
   if (!op.request) return;
-  std::string message;
+  std::string message = ended;
   if (!op.reason.empty()) message = "the peer refused: " + op.reason;
   op.request->release(op.result_index, op.status, op.skipped, std::move(message));
+}
+
+std::string Link::ended_message() const {
+  const std::string link = "the link to cluster " + std::to_string(peer_id_);
+  return down_why_.empty() ? link + " was closed" : link + " failed: " + down_why_;
 }
 
 bool Link::finish(Connection &conn, OutFrame &frame) {
@@ -651,8 +655,10 @@ bool Link::take_answer(const FrameHeader &header, std::vector<uint8_t> &body, ne
     auto it = open_.find(header.op_id);
     if (it != open_.end() && !it->second.answered) {
       OpenOp &op = it->second;
-      known = true;
-      if (type == FrameType::kReadData) {
+      // A write takes a write ack, a read its data, a question its reply.
+      known = op.answer_type == type;
+      if (!known) {
+      } else if (type == FrameType::kReadData) {
         if (header.status == LLM_SUCCESS && header.data_len != op.recv_bytes) known = false;
         if (header.status == LLM_SUCCESS) recv = op.recv;
       } else if (type == FrameType::kUnlinkAck) {
@@ -690,6 +696,7 @@ void Link::fail(Status reason, const std::string &why) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     down_reason_ = reason;
+    down_why_ = why;
   }
   if (!why.empty()) log_warning("link to cluster " + std::to_string(peer_id_) + ": " + why);
   for (auto &conn : conns_) {
@@ -725,10 +732,12 @@ void Link::reap() {
   }
   std::vector<OpenOp> open;
   Status reason;
+  std::string ended;
   {
     std::lock_guard<std::mutex> lock(mu_);
     reaped_ = true;
     reason = down_reason_;
+    ended = ended_message();
     for (auto &entry : open_) {
       if (entry.second.lookup) {
         entry.second.lookup->status = reason;
@@ -740,9 +749,10 @@ void Link::reap() {
   }
   answered_cv_.notify_all();
   for (OpenOp &op : open) {
-    if (op.status == LLM_SUCCESS) op.status = reason;
+    const bool ends_here = op.status == LLM_SUCCESS;
+    if (ends_here) op.status = reason;
     op.skipped = op.skipped || !op.sent;
-    settle(op);
+    settle(op, ends_here ? ended : std::string());
   }
 }
 

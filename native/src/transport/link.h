@@ -144,7 +144,7 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader {
   bool has_answer_socket() const;
 
   // Reads the answers waiting on the answer socket (AnswerReader).
-  size_t read_answers() override;
+  size_t read_answers(AnswerHub::Reader by) override;
   // The same, counted as read by the link itself (not by a hub's reader).
   void take_waiting_answers();
   size_t refused_group_count() const;
@@ -190,6 +190,7 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader {
     bool answered = false;
     bool skipped = false;
     Status status = llm_datadist::LLM_SUCCESS;
+    wire::FrameType answer_type = wire::FrameType::kWriteAck;  // the only answer it takes
     std::string reason;  // the peer's words for a refusal
     std::shared_ptr<LookupState> lookup;  // set for lookups
   };
@@ -223,7 +224,7 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader {
   // Sends an answer without data on the answer socket if it takes it now,
   // else on `conn`.
   void send_answer(Connection &conn, OutFrame frame);
-  size_t read_answers_locked();  // answer_mu_ held
+  size_t read_answers_locked(AnswerHub::Reader by);  // answer_mu_ held
   // Stops reading the answer socket and tells the peer (whose answers then
   // come on the connections); answer_mu_ held.
   void close_answers_locked();
@@ -239,7 +240,10 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader {
   void mark(uint64_t op_id, bool sent, bool answered, Status status, bool skipped = false, std::string reason = {});
   // An answer to op `op_id` with `status`; a refusal carries `why` as its body.
   static OutFrame answer(wire::FrameType type, uint64_t op_id, Status status, const std::string &why);
-  void settle(OpenOp &op);
+  // `ended`: the words for an operation the link's end failed (when the peer gave none).
+  void settle(OpenOp &op, const std::string &ended = {});
+  // Why the link's open operations end, in words (mu_ held).
+  std::string ended_message() const;
 
   const uint64_t peer_id_;
   const uint32_t peer_role_;
@@ -262,6 +266,7 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader {
   uint64_t next_op_ = 1;
   std::unordered_map<uint64_t, OpenOp> open_;
   Status down_reason_ = llm_datadist::LLM_LINK_FAILED;
+  std::string down_why_;  // what fail() was told, for the operations it ends
   // Owner side: groups refused, the oldest forgotten past kMaxRefusedGroups.
   std::unordered_set<uint64_t> refused_groups_;
   std::deque<uint64_t> refused_order_;
