@@ -16,6 +16,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from wire_frames import (  # noqa: E402
+    ANSWER_SOCKET,
     AUTHENTICATED,
     BLOCKS_OF_MODEL,
     BY_ID,
@@ -148,6 +149,11 @@ def listen_seeds() -> dict[str, bytes]:
         "frames-first": plain + write + frame(HELLO_T, hello(9, 1, link_nonce=7)),
         "local-socket": plain + frame(HELLO_T, hello(9, 1, link_nonce=8, flags=OFFERS_SAME_HOST | LOCAL_SOCKET,
                                                      same_host=info, local_socket=(3).to_bytes(4, "little")))
+        + write,
+        "answer-socket": plain
+        + frame(HELLO_T, hello(9, 1, link_nonce=9, flags=OFFERS_SAME_HOST | LOCAL_SOCKET | ANSWER_SOCKET,
+                               same_host=info, local_socket=(3).to_bytes(4, "little"),
+                               answer_socket=(4).to_bytes(4, "little")))
         + write,
     }
 
