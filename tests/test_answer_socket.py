@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import datadist_aio as dd
-from peer import Peer, PeerGroup
+from peer import CacheRef, Peer, PeerGroup
 from test_same_host import blocks_desc
 from test_transfer import wait_for_path
 
@@ -44,6 +44,16 @@ def linked_pair(group: PeerGroup, loop: str = "asyncio", transport: str = "auto"
     return a, b
 
 
+def prepared(
+    group: PeerGroup, seed: int, loop: str = "asyncio", transport: str = "auto"
+) -> tuple[Peer, Peer, CacheRef, CacheRef, list[np.ndarray]]:
+    """A linked pair, a filled blocks cache on A, a blocks cache of model 3 on B."""
+    a, b = linked_pair(group, loop, transport)
+    local = a.allocate(blocks_desc(), blocks=True)
+    remote = b.allocate(blocks_desc(), blocks=True, model_id=3)
+    return a, b, local, remote, a.fill(local, seed)
+
+
 def counts(peer: Peer) -> dict[str, int]:
     return dict(peer.engine("answer_counts"))
 
@@ -63,13 +73,10 @@ def assert_block_moved(a: Peer, b: Peer, local, remote, sent: list[np.ndarray], 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_awaited_answers_are_read_on_the_loop_thread(group, loop):
-    a, b = linked_pair(group, loop)
+    a, b, local, remote, sent = prepared(group, 5, loop)
     wait_for_path(a, B, "same_host")
     assert a.engine("link_stats", B)["answer_socket"] == 1
     assert b.engine("link_stats", A)["answer_socket"] == 1
-    local = a.allocate(blocks_desc(), blocks=True)
-    remote = b.allocate(blocks_desc(), blocks=True, model_id=3)
-    sent = a.fill(local, 5)
     before = counts(a)
     for i in range(OPS):
         assert a.cm_async("push_blocks", remote.blocks_key(), local, [i % 16], [(i + 1) % 16]) == [SUCCESS]
@@ -82,10 +89,7 @@ def test_awaited_answers_are_read_on_the_loop_thread(group, loop):
 
 
 def test_blocking_waits_have_the_answer_thread_read(group):
-    a, b = linked_pair(group)
-    local = a.allocate(blocks_desc(), blocks=True)
-    remote = b.allocate(blocks_desc(), blocks=True, model_id=3)
-    sent = a.fill(local, 6)
+    a, b, local, remote, sent = prepared(group, 6)
     before = counts(a)
     for i in range(OPS):
         assert a.cm("push_blocks", remote.blocks_key(), local, [i % 16], [15 - i % 16]) is None
@@ -97,10 +101,7 @@ def test_blocking_waits_have_the_answer_thread_read(group):
 
 
 def test_an_answer_nobody_waits_for_is_read_by_the_sweep(group):
-    a, b = linked_pair(group)
-    local = a.allocate(blocks_desc(), blocks=True)
-    remote = b.allocate(blocks_desc(), blocks=True, model_id=3)
-    sent = a.fill(local, 7)
+    a, b, local, remote, sent = prepared(group, 7)
     before = counts(a)
     # Started, never awaited, no thread blocking on it: no loop reads the answer.
     handle = a.start_task("push_blocks", remote.blocks_key(), local, [2, 3], [4, 5])
@@ -119,10 +120,7 @@ def test_an_answer_that_came_before_the_link_went_down_counts(group):
     # The initiator is stopped with its push sent; the owner answers on the
     # answer socket and dies. Running again, the initiator finds the link
     # down and the answer waiting: the push succeeded, and says so.
-    a, b = linked_pair(group)
-    local = a.allocate(blocks_desc(), blocks=True)
-    remote = b.allocate(blocks_desc(), blocks=True, model_id=3)
-    sent = a.fill(local, 8)
+    a, b, local, remote, sent = prepared(group, 8)
     handle = a.start_task("push_blocks", remote.blocks_key(), local, [1], [6])
     a.stop()
     try:
@@ -137,11 +135,8 @@ def test_an_answer_that_came_before_the_link_went_down_counts(group):
 
 
 def test_tcp_links_have_no_answer_socket(group):
-    a, b = linked_pair(group, transport="tcp")
+    a, b, local, remote, sent = prepared(group, 9, transport="tcp")
     assert a.engine("link_stats", B)["answer_socket"] == 0
-    local = a.allocate(blocks_desc(), blocks=True)
-    remote = b.allocate(blocks_desc(), blocks=True, model_id=3)
-    sent = a.fill(local, 9)
     before = counts(a)
     assert a.cm_async("push_blocks", remote.blocks_key(), local, [0], [1]) == [SUCCESS]
     assert read_since(a, before) == {"drain": 0, "thread": 0, "sweep": 0, "link": 0}
