@@ -148,7 +148,7 @@ class CacheManager:
     """
 
     def __init__(self, engine: Any, dispatcher: CompletionDispatcher, *, remote_cache_accessible: bool) -> None:
-        self._engine = engine
+        self._engine: Any = engine  # None once finalized
         self._dispatcher = dispatcher
         self._remote_cache_accessible = remote_cache_accessible
         self._valid = True

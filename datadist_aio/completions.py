@@ -46,7 +46,7 @@ class CompletionDispatcher:
     """
 
     def __init__(self, engine: Any) -> None:
-        self._engine = engine
+        self._engine: Any = engine  # None once finalized
         self._fd: int = engine.completion_fd()
         self._lock = threading.Lock()
         self._waiters: dict[int, list[asyncio.Future[None]]] = {}
