@@ -40,9 +40,8 @@ class AnswerReader {
  public:
   virtual ~AnswerReader() = default;
   // Reads and handles every answer waiting on the reader's socket, without
-  // blocking, counting each with AnswerHub::count(by) before handling it;
-  // returns how many it read.
-  virtual size_t read_answers(AnswerReaderKind by) = 0;
+  // blocking, counting each with AnswerHub::count(by) before handling it.
+  virtual void read_answers(AnswerReaderKind by) = 0;
 };
 
 class AnswerHub {

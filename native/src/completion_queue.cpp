@@ -41,7 +41,7 @@ void CompletionQueue::push(uint64_t request_id, llm_datadist::Status status) {
   std::lock_guard<std::mutex> lock(mu_);
   const bool was_empty = items_.empty();
   items_.push_back({request_id, status});
-  if (was_empty && !signalled_ && draining != this) {
+  if (was_empty && draining != this) {
     const uint64_t one = 1;
     // A full counter (EAGAIN) already means "readable"; nothing else can fail here.
     ssize_t n = ::write(event_fd_, &one, sizeof(one));

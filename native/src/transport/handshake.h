@@ -64,23 +64,17 @@ struct Greeting {
                             (names_answer_socket() ? sizeof(answer_socket) : 0) + (authenticated() ? kAuthBytes : 0);
     if (body.size() != expected) return false;
     size_t at = sizeof(T);
-    if (offers_same_host()) {
-      std::memcpy(&same_host, body.data() + at, sizeof(same_host));
-      at += sizeof(same_host);
-    }
-    if (grants()) {
-      std::memcpy(&granted, body.data() + at, sizeof(granted));
-      at += sizeof(granted);
-    }
-    if (names_socket()) {
-      std::memcpy(&local_socket, body.data() + at, sizeof(local_socket));
-      at += sizeof(local_socket);
-    }
-    if (names_answer_socket()) {
-      std::memcpy(&answer_socket, body.data() + at, sizeof(answer_socket));
-      at += sizeof(answer_socket);
-    }
-    if (authenticated()) std::memcpy(auth.data(), body.data() + at, kAuthBytes);
+    // Each optional part in order, when its flags announce it.
+    auto take = [&](bool present, void *part, size_t size) {
+      if (!present) return;
+      std::memcpy(part, body.data() + at, size);
+      at += size;
+    };
+    take(offers_same_host(), &same_host, sizeof(same_host));
+    take(grants(), &granted, sizeof(granted));
+    take(names_socket(), &local_socket, sizeof(local_socket));
+    take(names_answer_socket(), &answer_socket, sizeof(answer_socket));
+    take(authenticated(), auth.data(), kAuthBytes);
     return true;
   }
 };

@@ -171,18 +171,12 @@ void Link::send_answer(Connection &conn, OutFrame frame) {
   enqueue(conn, std::move(frame));
 }
 
-size_t Link::read_answers(AnswerHub::Reader by) {
+void Link::read_answers(AnswerHub::Reader by) {
   std::lock_guard<std::mutex> lock(answer_mu_);
-  return read_answers_locked(by);
+  read_answers_locked(by);
 }
 
-void Link::take_waiting_answers() {
-  std::lock_guard<std::mutex> lock(answer_mu_);
-  read_answers_locked(AnswerHub::Reader::kLink);
-}
-
-size_t Link::read_answers_locked(AnswerHub::Reader by) {
-  size_t handled = 0;
+void Link::read_answers_locked(AnswerHub::Reader by) {
   alignas(FrameHeader) uint8_t message[sizeof(FrameHeader) + wire::kMaxReasonBytes];
   while (answer_id_ != 0) {
     const ssize_t n = ::recv(answer_fd_, message, sizeof(message), MSG_DONTWAIT | MSG_TRUNC);
@@ -218,9 +212,7 @@ size_t Link::read_answers_locked(AnswerHub::Reader by) {
       close_answers_locked();
       break;
     }
-    ++handled;
   }
-  return handled;
 }
 
 void Link::close_answers_locked() {
@@ -445,7 +437,7 @@ void Link::reader_loop(Connection &conn) {
     if (!conn.in.read(&header, sizeof(header))) {
       // Between frames with nothing open (or while unlinking) this is an
       // ordinary unlink or exit.
-      take_waiting_answers();  // answers that came before the close count
+      read_answers(AnswerHub::Reader::kLink);  // answers that came before the close count
       const bool expected = closing_.load(std::memory_order_acquire) || open_operations() == 0;
       fail(LLM_LINK_FAILED, expected ? "" : "connection lost with operations in flight");
       return;
@@ -653,12 +645,11 @@ bool Link::take_answer(const FrameHeader &header, std::vector<uint8_t> &body, ne
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = open_.find(header.op_id);
-    if (it != open_.end() && !it->second.answered) {
+    // A write takes a write ack, a read its data, a question its reply.
+    if (it != open_.end() && !it->second.answered && it->second.answer_type == type) {
       OpenOp &op = it->second;
-      // A write takes a write ack, a read its data, a question its reply.
-      known = op.answer_type == type;
-      if (!known) {
-      } else if (type == FrameType::kReadData) {
+      known = true;
+      if (type == FrameType::kReadData) {
         if (header.status == LLM_SUCCESS && header.data_len != op.recv_bytes) known = false;
         if (header.status == LLM_SUCCESS) recv = op.recv;
       } else if (type == FrameType::kUnlinkAck) {
@@ -718,9 +709,9 @@ void Link::reap() {
     if (conn->writer.joinable()) conn->writer.join();
   }
   // Answers that came before the end settle their operations as answered.
-  take_waiting_answers();
   {
     std::lock_guard<std::mutex> lock(answer_mu_);
+    read_answers_locked(AnswerHub::Reader::kLink);
     close_answers_locked();
   }
   for (auto &conn : conns_) {

@@ -143,10 +143,9 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader {
   // Whether the link reads answers from an answer socket.
   bool has_answer_socket() const;
 
-  // Reads the answers waiting on the answer socket (AnswerReader).
-  size_t read_answers(AnswerHub::Reader by) override;
-  // The same, counted as read by the link itself (not by a hub's reader).
-  void take_waiting_answers();
+  // Reads the answers waiting on the answer socket (AnswerReader); the
+  // link's own reads (at its end, before a timeout) count as kLink.
+  void read_answers(AnswerHub::Reader by) override;
   size_t refused_group_count() const;
 
  private:
@@ -224,7 +223,7 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader {
   // Sends an answer without data on the answer socket if it takes it now,
   // else on `conn`.
   void send_answer(Connection &conn, OutFrame frame);
-  size_t read_answers_locked(AnswerHub::Reader by);  // answer_mu_ held
+  void read_answers_locked(AnswerHub::Reader by);  // answer_mu_ held
   // Stops reading the answer socket and tells the peer (whose answers then
   // come on the connections); answer_mu_ held.
   void close_answers_locked();

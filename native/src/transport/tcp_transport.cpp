@@ -488,14 +488,16 @@ std::shared_ptr<same_host::PeerMemory> TcpTransport::reach(uint64_t peer_id, con
   }
 }
 
+int TcpTransport::take_from_initiator(const FormedLink &formed, int64_t number, int type, std::string &why) {
+  if (number < 0 || number > INT32_MAX) return -1;
+  return same_host::take_socket(static_cast<pid_t>(formed.same_host.pid), static_cast<uint32_t>(number), why, type);
+}
+
 std::vector<int> TcpTransport::take_local_sockets(const FormedLink &formed) {
   std::vector<int> taken;
   std::string why;
   for (int64_t number : formed.local_sockets) {
-    const int fd = number < 0 || number > INT32_MAX
-                       ? -1
-                       : same_host::take_socket(static_cast<pid_t>(formed.same_host.pid),
-                                                static_cast<uint32_t>(number), why);
+    const int fd = take_from_initiator(formed, number, SOCK_STREAM, why);
     if (fd < 0) {
       if (number >= 0 && !socket_refusal_logged_.exchange(true)) {
         log_message(LogLevel::kInfo, "same-host links to cluster " + std::to_string(formed.peer_id) +
@@ -510,12 +512,10 @@ std::vector<int> TcpTransport::take_local_sockets(const FormedLink &formed) {
 }
 
 int TcpTransport::take_answer_socket(const FormedLink &formed) {
-  const int64_t number = formed.answer_socket;
-  if (options_.answers == nullptr || number < 0 || number > INT32_MAX) return -1;
+  if (options_.answers == nullptr || formed.answer_socket < 0) return -1;
   std::string why;
-  const int fd = same_host::take_socket(static_cast<pid_t>(formed.same_host.pid), static_cast<uint32_t>(number),
-                                        why, SOCK_SEQPACKET);
-  if (fd < 0 && !socket_refusal_logged_.exchange(true)) {
+  const int fd = take_from_initiator(formed, formed.answer_socket, SOCK_SEQPACKET, why);
+  if (fd < 0 && !why.empty() && !socket_refusal_logged_.exchange(true)) {
     log_message(LogLevel::kInfo, "same-host links to cluster " + std::to_string(formed.peer_id) +
                                      " carry their answers on their connections: " + why);
   }
@@ -626,7 +626,7 @@ void TcpTransport::housekeeping_loop() {
     lock.unlock();
     for (auto &link : overdue) {
       // An answer that came after the sweep still counts.
-      link->take_waiting_answers();
+      link->read_answers(AnswerHub::Reader::kLink);
       if (link->overdue(now)) link->fail(LLM_TIMEOUT, "an operation exceeded sync_kv_timeout; closing the link");
     }
     reap_down_links();

@@ -125,6 +125,9 @@ class TcpTransport : public LinkHost {
   // Every local socket the initiator named, taken out of its process; empty
   // (nothing taken) when one is missing or cannot be taken.
   std::vector<int> take_local_sockets(const FormedLink &formed);
+  // Descriptor `number` of the initiator's process, taken if it is a Unix
+  // socket of `type` it made; -1 otherwise (`why` says why, when it was tried).
+  int take_from_initiator(const FormedLink &formed, int64_t number, int type, std::string &why);
   // The initiator's answer socket, taken; -1 when it named none or it cannot be taken.
   int take_answer_socket(const FormedLink &formed);
   void housekeeping_loop();
