@@ -773,6 +773,12 @@ class CacheManager:
             on_finished=self._transfers.discard,
         )
         self._transfers.add(transfer)
-        task = CacheTask(request, self._dispatcher, f"transfer_cache_async(cache {src_cache.cache_id})", transfer.stop)
+        task = CacheTask(
+            request,
+            self._dispatcher,
+            f"transfer_cache_async(cache {src_cache.cache_id})",
+            transfer.stop,
+            transfer.driver_loop,
+        )
         transfer.start()
         return task

@@ -19,13 +19,16 @@ class CacheTask:
     ``await task`` returns the list of statuses when every part succeeded and
     raises ``LLMException`` with the first failing status otherwise.
     ``synchronize`` and ``get_results`` block the calling thread instead and
-    work with or without an event loop. ``cancel()`` stops the work in the
+    work with or without an event loop; ``done()`` may be polled from any
+    thread, and ``add_done_callback`` registers a callback. Every one of
+    these reads the task's answer itself, so none waits on a timer.
+    ``cancel()`` stops the work in the
     engine; the task is done only once everything it started has settled,
     and cancelling an ``await`` (``asyncio.timeout``, ``wait_for``) cancels
     the task the same way.
     """
 
-    __slots__ = ("_request", "_dispatcher", "_operation", "_on_cancel")
+    __slots__ = ("_request", "_dispatcher", "_operation", "_on_cancel", "_driver_loop")
 
     def __init__(
         self,
@@ -33,11 +36,15 @@ class CacheTask:
         dispatcher: CompletionDispatcher,
         operation: Union[str, Callable[[], str]],
         on_cancel: Optional[Callable[[], None]] = None,
+        driver_loop: Optional[Callable[[], Optional[asyncio.AbstractEventLoop]]] = None,
     ) -> None:
         self._request = request
         self._dispatcher = dispatcher
         self._operation = operation
         self._on_cancel = on_cancel
+        # The loop a layer-wise transfer's driver runs on, which a blocking
+        # wait on that loop's own thread would starve.
+        self._driver_loop = driver_loop
 
     def __repr__(self) -> str:
         state = "cancelled" if self.cancelled() else "done" if self.done() else "pending"
@@ -52,6 +59,20 @@ class CacheTask:
     def done(self) -> bool:
         """True once every part has settled, whatever its outcome."""
         return bool(self._request.done())
+
+    def add_done_callback(self, fn: Callable[["CacheTask"], object]) -> None:
+        """Calls ``fn(task)`` once the task is done, whatever its outcome.
+
+        Registered from a thread running an event loop, ``fn`` runs on that
+        loop, as asyncio's done-callbacks do. Registered from any other
+        thread, it runs on the library's callback thread
+        (``datadist-aio-callbacks``), or at once in the calling thread if the
+        task is already done. An exception ``fn`` raises goes to its loop's
+        exception handler.
+        """
+        if not callable(fn):
+            raise TypeError(f"add_done_callback needs a callable, got {type(fn).__name__}")
+        self._dispatcher.call_when_done(self._request, lambda: fn(self))
 
     def cancelled(self) -> bool:
         """True if ``cancel()`` stopped work before it was carried out."""
@@ -69,16 +90,28 @@ class CacheTask:
         return [code_from_native(code) for code in self._request.results()]
 
     def _wait(self, timeout_in_millis: Optional[int]) -> bool:
-        if timeout_in_millis is None:
-            return bool(self._request.wait(-1))
-        check_uint32("timeout_in_millis", timeout_in_millis)
-        return bool(self._request.wait(timeout_in_millis))
+        if timeout_in_millis is not None:
+            check_uint32("timeout_in_millis", timeout_in_millis)
+        if timeout_in_millis != 0 and self._driver_loop is not None and not self._request.done():
+            try:
+                running: Optional[asyncio.AbstractEventLoop] = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is not None and running is self._driver_loop():
+                raise RuntimeError(
+                    f"{self._name()}: a blocking wait on the thread of the event loop that drives its layers "
+                    "would stop that loop, and the transfer with it; use 'await task' (or get_results(0) to look)"
+                )
+        return bool(self._request.wait(-1 if timeout_in_millis is None else timeout_in_millis))
 
     def synchronize(self, timeout_in_millis: Optional[int] = None) -> LLMStatusCode:
         """Waits for the task; the first failing status, else ``LLM_SUCCESS``.
 
         Returns ``LLM_TIMEOUT`` when the task is still running after
-        ``timeout_in_millis``; the work goes on.
+        ``timeout_in_millis``; the work goes on. Raises ``RuntimeError`` when
+        called, with a timeout other than 0, on the thread of the event loop
+        that drives a ``transfer_cache_async`` (the wait would stop the
+        loop that releases its layers): ``await`` it there.
         """
         if not self._wait(timeout_in_millis):
             return LLMStatusCode.LLM_TIMEOUT
@@ -90,7 +123,8 @@ class CacheTask:
     def get_results(self, timeout_in_millis: Optional[int] = None) -> list[LLMStatusCode]:
         """Waits for the task; one status per config, in the order given.
 
-        On timeout every entry is ``LLM_TIMEOUT``; the work goes on.
+        On timeout every entry is ``LLM_TIMEOUT``; the work goes on. Raises
+        ``RuntimeError`` where ``synchronize`` does.
         """
         if not self._wait(timeout_in_millis):
             return [LLMStatusCode.LLM_TIMEOUT] * self._request.num_results

@@ -6,6 +6,10 @@ awaits a request watches that fd with ``loop.add_reader``; one wake-up drains
 the whole queue and resolves the waiting futures in a batch. A future that
 belongs to another loop is resolved through that loop's
 ``call_soon_threadsafe``.
+
+A done-callback registered from a thread that runs no event loop is waited
+for by a loop of the dispatcher's own (thread ``datadist-aio-callbacks``),
+which watches the fd only while such callbacks are pending.
 """
 
 from __future__ import annotations
@@ -26,6 +30,14 @@ def _no_loop() -> None:
 def _resolve(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
+
+
+def _run_callback_loop(loop: asyncio.AbstractEventLoop) -> None:
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_forever()
+    finally:
+        loop.close()
 
 
 def _resolve_all(futures: list[asyncio.Future[None]], loop: asyncio.AbstractEventLoop | None) -> None:
@@ -55,6 +67,11 @@ class CompletionDispatcher:
         # no look-up in the weak set.
         self._last_loop: Callable[[], Optional[asyncio.AbstractEventLoop]] = _no_loop
         self._closed = False
+        # The callback loop: started by the first callback registered from
+        # no loop; its reader is on the fd while _callbacks_pending > 0.
+        self._callback_loop: Optional[asyncio.AbstractEventLoop] = None
+        self._callback_thread: Optional[threading.Thread] = None
+        self._callbacks_pending = 0
 
     def future_for(self, request: Any) -> asyncio.Future[None]:
         """A future of the running loop that resolves when ``request`` completes."""
@@ -87,6 +104,59 @@ class CompletionDispatcher:
             _resolve(future)
         return future
 
+    def call_when_done(self, request: Any, callback: Callable[[], object]) -> None:
+        """Calls ``callback()`` once ``request`` completes.
+
+        On the running loop of the calling thread if there is one; else on
+        the callback loop's thread, or at once if ``request`` is done.
+        """
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is not None:
+            self.future_for(request).add_done_callback(lambda _: callback())
+            return
+        if request.done():
+            callback()
+            return
+        with self._lock:
+            own = None if self._closed else self._start_callback_loop()
+        if own is None:
+            callback()  # finalize has settled every request
+            return
+        own.call_soon_threadsafe(self._attach_callback, request, callback)
+
+    def _start_callback_loop(self) -> asyncio.AbstractEventLoop:
+        """The callback loop, started if need be (under the lock)."""
+        if self._callback_loop is None:
+            loop = asyncio.new_event_loop()
+            thread = threading.Thread(target=_run_callback_loop, args=(loop,), name="datadist-aio-callbacks", daemon=True)
+            thread.start()
+            self._callback_loop, self._callback_thread = loop, thread
+        return self._callback_loop
+
+    def _attach_callback(self, request: Any, callback: Callable[[], object]) -> None:
+        """On the callback loop: waits for ``request`` like an awaiting loop."""
+        self._callbacks_pending += 1
+        self.future_for(request).add_done_callback(lambda _: self._run_callback(callback))
+
+    def _run_callback(self, callback: Callable[[], object]) -> None:
+        try:
+            callback()
+        finally:
+            self._callbacks_pending -= 1
+            loop = self._callback_loop
+            if self._callbacks_pending == 0 and loop is not None:
+                # Idle: stop waking for completions other loops wait for.
+                with self._lock:
+                    watching = loop in self._loops
+                    self._loops.discard(loop)
+                    if self._last_loop() is loop:
+                        self._last_loop = _no_loop
+                if watching:
+                    loop.remove_reader(self._fd)
+
     def _on_readable(self, loop: asyncio.AbstractEventLoop) -> None:
         engine = self._engine
         if engine is not None:  # else closed: the loop's reader goes at its next turn
@@ -106,6 +176,7 @@ class CompletionDispatcher:
             loops = list(self._loops)
             self._loops.clear()
             self._last_loop = _no_loop
+            own, own_thread = self._callback_loop, self._callback_thread
         try:
             current: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
@@ -125,6 +196,11 @@ class CompletionDispatcher:
             else:
                 # Keeps the engine (and so the fd) alive until the loop has let go.
                 loop.call_soon_threadsafe(self._remove_reader, loop, self._engine)
+        if own is not None and own_thread is not None:
+            # After the callbacks the resolutions above scheduled there.
+            own.call_soon_threadsafe(own.call_soon, own.stop)
+            if own_thread is not threading.current_thread():
+                own_thread.join(timeout=10)
         # The finalized engine closes its descriptors once nothing else holds it.
         self._engine = None
 

@@ -65,6 +65,7 @@ class LLMConfig:
         self._transport: Optional[str] = None
         self._auth_key: Optional[str] = None
         self._handshake_timeout_ms: Optional[int] = None
+        self._answer_sweep_ms: Optional[int] = None
 
     @property
     def ge_options(self) -> dict[str, str]:
@@ -382,6 +383,28 @@ class LLMConfig:
         self._handshake_timeout_ms = value
 
     @property
+    def answer_sweep_ms(self) -> Optional[int]:
+        """Time in ms an answer of a same-host link may wait with nobody
+        reading it before the engine's housekeeping reads it, in [0, 600000]
+        (engine default 100; 0: never); emits `llm.AnswerSweepMs`.
+
+        Every way of waiting for a task reads its own answers: an awaiting
+        loop, a blocking ``synchronize``, a poll of ``done()``, a callback.
+        The sweep is for tasks nobody waits for; with it off, they settle at
+        the next look or at ``sync_kv_timeout``.
+
+        Raises:
+            TypeError: If not an int.
+            LLMException: `LLM_PARAM_INVALID` if outside [0, 600000].
+        """
+        return self._answer_sweep_ms
+
+    @answer_sweep_ms.setter
+    def answer_sweep_ms(self, value: int) -> None:
+        _check_int_in("answer_sweep_ms", value, 0, 600000)
+        self._answer_sweep_ms = value
+
+    @property
     def engine_threads(self) -> Optional[int]:
         """Engine worker threads for local copies, in [1, 64]; emits `llm.EngineThreads`.
 
@@ -489,6 +512,7 @@ class LLMConfig:
             ("llm.OutputMaxSize", self._output_max_size),
             ("llm.TcpConnectionsPerPeer", self._tcp_connections_per_peer),
             ("llm.HandshakeTimeoutMs", self._handshake_timeout_ms),
+            ("llm.AnswerSweepMs", self._answer_sweep_ms),
             ("llm.EngineThreads", self._engine_threads),
         ):
             if value is not None:

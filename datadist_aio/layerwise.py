@@ -103,6 +103,10 @@ class LayerwiseTransfer:
         self._loop = loop
         self._task = loop.create_task(self._drive())
 
+    def driver_loop(self) -> Optional[asyncio.AbstractEventLoop]:
+        """The event loop the driver runs on (None until it has started)."""
+        return self._loop
+
     def stop(self) -> None:
         """Stops asking for further layers (the request was cancelled)."""
         loop, task = self._loop, self._task

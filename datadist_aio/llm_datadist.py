@@ -164,6 +164,19 @@ class LLMDataDist:
         raise_for_status(code, f"link_transport({remote_cluster_id})")
         return name
 
+    def answer_counts(self) -> dict[str, int]:
+        """How many answers of same-host links each kind of reader has read
+        (not in upstream's API; a diagnostic): ``"drain"`` an event loop
+        woken by the completion fd, ``"look"`` a thread asking a task
+        (``done()``, ``get_results(0)``), ``"thread"`` the engine's answer
+        thread on behalf of a blocking wait, ``"sweep"`` the engine's
+        housekeeping for answers nobody waited for, ``"link"`` a link
+        settling its operations as it goes down. See docs/design.md, "Who reads
+        an answer".
+        """
+        self._check_init()
+        return {str(name): int(count) for name, count in self._engine.answer_counts().items()}
+
     def _check_clusters(self, clusters: Any, timeout: Any) -> None:
         check_int32("timeout", timeout)
         raise_if_false(timeout > 0, f"timeout must be > 0, got {timeout}")

@@ -28,6 +28,7 @@ import resource
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -351,6 +352,68 @@ def _wait_task(ep: _Endpoint, handle: int) -> Any:
         return await ep.tasks[handle]
 
     return ep.run(wait())
+
+
+WAIT_STYLES = ("await", "synchronize", "poll", "poll_results", "poll_in_loop", "callback", "callback_in_loop",
+               "blocking_in_loop")
+
+
+def _wait_in_style(ep: _Endpoint, task: dd.CacheTask, style: str) -> str:
+    """Waits for ``task`` the way ``style`` says; the name of the thread a callback ran on, else ""."""
+    if style == "await":
+        ep.run(_awaited_task(task))
+    elif style == "synchronize":
+        task.synchronize()
+    elif style == "poll":  # this thread runs no loop (the endpoint's loop is not running)
+        while not task.done():
+            time.sleep(0.001)
+    elif style == "poll_results":
+        while task.get_results(0)[0] is dd.LLMStatusCode.LLM_TIMEOUT:
+            time.sleep(0.001)
+    elif style == "poll_in_loop":
+        ep.run(_polled_in_loop(task))
+    elif style == "callback":  # registered from a thread with no running loop
+        ran: list[str] = []
+        called = threading.Event()
+        task.add_done_callback(lambda t: (ran.append(threading.current_thread().name), called.set()))
+        if not called.wait(30):
+            raise PeerError("the done-callback was not called within 30 s")
+        return ran[0]
+    elif style == "callback_in_loop":
+        return str(ep.run(_callback_in_loop(task)))
+    elif style == "blocking_in_loop":  # a blocking call on the thread of a running loop, as in a notebook cell
+        ep.run(_blocking_in_loop(task))
+    else:
+        raise ValueError(style)
+    return ""
+
+
+async def _awaited_task(task: dd.CacheTask) -> Any:
+    return await task
+
+
+async def _polled_in_loop(task: dd.CacheTask) -> None:
+    while not task.done():
+        await asyncio.sleep(0.001)
+
+
+async def _callback_in_loop(task: dd.CacheTask) -> str:
+    ran: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    task.add_done_callback(lambda t: ran.set_result(threading.current_thread().name))
+    return await asyncio.wait_for(ran, 30)
+
+
+async def _blocking_in_loop(task: dd.CacheTask) -> None:
+    task.synchronize()
+
+
+@_command
+def _cm_waited(ep: _Endpoint, style: str, method: str, *args: Any, **kwargs: Any) -> tuple[Any, str]:
+    """Starts ``method_async`` and waits for it in ``style`` (``WAIT_STYLES``):
+    its outcome as ``await`` gives it, and the thread a callback ran on."""
+    task = ep.call(f"{method}_async", args, kwargs)
+    where = _wait_in_style(ep, task, style)
+    return task.result(), where
 
 
 @_command
@@ -692,6 +755,12 @@ class Peer:
     def cm_async(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Awaits ``CacheManager.<method>_async`` in the child's event loop; returns what ``await`` gave."""
         return self._call("cm_async", method, *args, **kwargs)
+
+    def cm_waited(self, style: str, method: str, *args: Any, **kwargs: Any) -> tuple[Any, str]:
+        """``method_async`` waited for in ``style`` (``WAIT_STYLES``): its
+        result, and the name of the thread a done-callback ran on ("" for
+        the other styles)."""
+        return self._call("cm_waited", style, method, *args, **kwargs)
 
     def run(self, via: str, method: str, *args: Any, **kwargs: Any) -> Any:
         """``cm`` when ``via == "sync"``, else ``cm_async``."""

@@ -1,17 +1,19 @@
 """Answers on a same-host link's answer socket, and who reads them.
 
-An awaited operation's answer is read by the awaiting loop's own thread (the
-completion fd includes the answer sockets); a blocking wait has the engine's
-answer thread read it; an answer nobody waits for is read by the
-housekeeper's sweep; an answer that came before its link went down still
-counts. Every case checks the bytes that landed, the result, and which
-reader took the answers (``answer_counts``).
+Whoever waits reads: an awaiting loop's drain (the completion fd includes
+the answer sockets), a thread that looks at a task (``done()``,
+``get_results(0)``), the engine's answer thread for a thread blocking in a
+wait, the callback loop for a callback registered from no loop. An answer
+nobody waits for is read by the housekeeper's sweep; one that came before
+its link went down still counts. Every case checks the bytes that landed,
+the result, and which reader took the answers (``answer_counts``).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any, Optional
 
 import numpy as np
 import pytest
@@ -36,19 +38,24 @@ def group() -> Iterator[PeerGroup]:
         yield peers
 
 
-def linked_pair(group: PeerGroup, loop: str = "asyncio", transport: str = "auto") -> tuple[Peer, Peer]:
-    options = {"transport": transport}
-    a = group.start("a", dd.LLMRole.PROMPT, A, loop=loop, options=options)
-    b = group.start("b", dd.LLMRole.DECODER, B, options=options)
+def linked_pair(
+    group: PeerGroup, loop: str = "asyncio", transport: str = "auto", options: Optional[dict[str, Any]] = None
+) -> tuple[Peer, Peer]:
+    a = group.start("a", dd.LLMRole.PROMPT, A, loop=loop, options={"transport": transport, **(options or {})})
+    b = group.start("b", dd.LLMRole.DECODER, B, options={"transport": transport})
     assert a.link(b) == LINKED
     return a, b
 
 
 def prepared(
-    group: PeerGroup, seed: int, loop: str = "asyncio", transport: str = "auto"
+    group: PeerGroup,
+    seed: int,
+    loop: str = "asyncio",
+    transport: str = "auto",
+    options: Optional[dict[str, Any]] = None,
 ) -> tuple[Peer, Peer, CacheRef, CacheRef, list[np.ndarray]]:
-    """A linked pair, a filled blocks cache on A, a blocks cache of model 3 on B."""
-    a, b = linked_pair(group, loop, transport)
+    """A linked pair, a filled blocks cache on A (started with ``options``), a blocks cache of model 3 on B."""
+    a, b = linked_pair(group, loop, transport, options)
     local = a.allocate(blocks_desc(), blocks=True)
     remote = b.allocate(blocks_desc(), blocks=True, model_id=3)
     return a, b, local, remote, a.fill(local, seed)
@@ -71,51 +78,99 @@ def assert_block_moved(a: Peer, b: Peer, local, remote, sent: list[np.ndarray], 
         )
 
 
-@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
-def test_awaited_answers_are_read_on_the_loop_thread(group, loop):
-    a, b, local, remote, sent = prepared(group, 5, loop)
+# Who may read the answers of each way of waiting (answer_hub.h): the waiter
+# itself, at the moment it waits. With the sweep off (answer_sweep_ms=0) an
+# answer no waiter reads would wait for sync_kv_timeout and be read by the
+# link ("link"), so these counts are exact whatever the machine's load.
+READERS = {
+    "await": {"drain", "look"},
+    "callback_in_loop": {"drain", "look"},
+    "callback": {"drain", "look"},  # the callback loop's drain
+    "poll_in_loop": {"drain", "look"},
+    "poll": {"look", "thread"},  # "thread": the answer thread may linger after a blocking call
+    "poll_results": {"look", "thread"},
+    "synchronize": {"look", "thread"},
+    "blocking_in_loop": {"look", "thread"},
+}
+NO_SWEEP = {"answer_sweep_ms": 0}
+
+
+@pytest.mark.parametrize(
+    "style, loop",
+    [(style, "asyncio") for style in READERS] + [("await", "uvloop"), ("callback_in_loop", "uvloop")],
+)
+def test_every_way_of_waiting_reads_its_own_answers(group, style, loop):
+    a, b, local, remote, sent = prepared(group, 5, loop, options=NO_SWEEP)
     wait_for_path(a, B, "same_host")
     assert a.engine("link_stats", B)["answer_socket"] == 1
     assert b.engine("link_stats", A)["answer_socket"] == 1
+    # One awaited write first, so the loop watches the completion fd as a
+    # long-lived caller's would: the styles with no running loop must not
+    # lean on it.
+    assert a.cm_async("push_blocks", remote.blocks_key(), local, [0], [0]) == [SUCCESS]
     before = counts(a)
+    threads = set()
     for i in range(OPS):
-        assert a.cm_async("push_blocks", remote.blocks_key(), local, [i % 16], [(i + 1) % 16]) == [SUCCESS]
+        result, where = a.cm_waited(style, "push_blocks", remote.blocks_key(), local, [i % 16], [(i + 1) % 16])
+        assert result == [SUCCESS]
+        threads.add(where)
     read = read_since(a, before)
-    # The sweep takes an answer when no one has read answers since its last
-    # round (20 ms): on a loaded machine, one that comes right after a long
-    # pause between commands may be read by it first.
-    assert read["drain"] + read["sweep"] == OPS and read["drain"] >= OPS // 2, read
-    assert read["thread"] == 0 and read["link"] == 0, read
+    assert sum(read.values()) == OPS, read
+    assert {name for name, n in read.items() if n} <= READERS[style], read
+    if style == "callback":
+        # Run by the callback thread, or at once where the task was done when registered.
+        assert threads <= {"datadist-aio-callbacks", "MainThread"} and "datadist-aio-callbacks" in threads, threads
+    elif style == "callback_in_loop":
+        assert threads == {"MainThread"}, threads
     for i in range(OPS - 16, OPS):
         assert_block_moved(a, b, local, remote, sent, i % 16, (i + 1) % 16)
 
 
-def test_blocking_waits_have_the_answer_thread_read(group):
-    a, b, local, remote, sent = prepared(group, 6)
+def test_a_blocking_wait_has_the_answer_thread_read(group):
+    # The answer comes after the blocking call's first look: the answer
+    # thread reads it for the sleeping caller.
+    a, b, local, remote, sent = prepared(group, 6, options=NO_SWEEP)
     before = counts(a)
     for i in range(OPS):
         assert a.cm("push_blocks", remote.blocks_key(), local, [i % 16], [15 - i % 16]) is None
     read = read_since(a, before)
-    assert read["thread"] + read["sweep"] == OPS and read["thread"] >= OPS // 2, read
-    assert read["drain"] == 0, read
+    assert read["thread"] + read["look"] == OPS and read["thread"] > 0, read
     for i in range(OPS - 16, OPS):
         assert_block_moved(a, b, local, remote, sent, i % 16, 15 - i % 16)
+
+
+def in_flight_settles(peer: Peer, seconds: float) -> None:
+    """Waits, without looking at any task, until the peer has no request in flight."""
+    deadline = time.monotonic() + seconds
+    while peer.engine("requests_in_flight") != 0:
+        assert time.monotonic() < deadline, "the answer was never read"
+        time.sleep(0.01)
 
 
 def test_an_answer_nobody_waits_for_is_read_by_the_sweep(group):
     a, b, local, remote, sent = prepared(group, 7)
     before = counts(a)
-    # Started, never awaited, no thread blocking on it: no loop reads the answer.
+    # Started, never awaited nor looked at, no thread blocking on it.
     handle = a.start_task("push_blocks", remote.blocks_key(), local, [2, 3], [4, 5])
-    deadline = time.monotonic() + 2.0
-    while not a.task_done(handle):
-        assert time.monotonic() < deadline, "the answer was never read"
-        time.sleep(0.01)
+    in_flight_settles(a, 2.0)
     read = read_since(a, before)
-    assert read == {"drain": 0, "thread": 0, "sweep": 1, "link": 0}, read
+    assert read == {"drain": 0, "look": 0, "thread": 0, "sweep": 1, "link": 0}, read
     assert a.wait_task(handle) == [SUCCESS]
     assert_block_moved(a, b, local, remote, sent, 2, 4)
     assert_block_moved(a, b, local, remote, sent, 3, 5)
+
+
+def test_without_the_sweep_an_answer_waits_for_its_first_look(group):
+    a, b, local, remote, sent = prepared(group, 10, options=NO_SWEEP)
+    before = counts(a)
+    handle = a.start_task("push_blocks", remote.blocks_key(), local, [2], [9])
+    time.sleep(0.3)  # the owner has long answered; nobody reads it
+    assert a.engine("requests_in_flight") == 1
+    assert sum(read_since(a, before).values()) == 0
+    assert a.task_done(handle) is True  # the look reads it
+    assert read_since(a, before) == {"drain": 0, "look": 1, "thread": 0, "sweep": 0, "link": 0}
+    assert a.wait_task(handle) == [SUCCESS]
+    assert_block_moved(a, b, local, remote, sent, 2, 9)
 
 
 def test_an_answer_that_came_before_the_link_went_down_counts(group):
@@ -141,5 +196,5 @@ def test_tcp_links_have_no_answer_socket(group):
     assert a.engine("link_stats", B)["answer_socket"] == 0
     before = counts(a)
     assert a.cm_async("push_blocks", remote.blocks_key(), local, [0], [1]) == [SUCCESS]
-    assert read_since(a, before) == {"drain": 0, "thread": 0, "sweep": 0, "link": 0}
+    assert read_since(a, before) == {"drain": 0, "look": 0, "thread": 0, "sweep": 0, "link": 0}
     assert_block_moved(a, b, local, remote, sent, 0, 1)

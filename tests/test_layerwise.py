@@ -449,6 +449,83 @@ async def test_layers_do_not_wait_for_acknowledgements(prefill):
     assert_tensors(b.read(dst), expect(before, sent, pairs(range(0, 4)), slot_moves(1, 2)))
 
 
+@pytest.mark.parametrize("style", STYLES)
+async def test_a_blocking_wait_on_the_driving_loop_is_refused(prefill, style):
+    # As in a notebook cell: the loop that releases the layers is this
+    # thread's; a blocking wait here would stop it, and the transfer with it.
+    b = prefill.b
+    src, sent = prefill.source(slots_desc(3))
+    dst, before = remote(b, slots_desc(4), 24)
+    gate = prefill.synchronizer(style, hold={1})
+    config = dd.TransferWithCacheKeyConfig(dst.key(0), range(0, 4), range(0, 4), 0)
+    task = prefill.cm.transfer_cache_async(src, gate, [config])
+    await eventually(lambda: len(gate.calls) > 1, "synchronize_layer(1)")
+    with pytest.raises(RuntimeError, match="await task"):
+        task.synchronize()
+    with pytest.raises(RuntimeError, match="await task"):
+        task.get_results(1000)
+    assert task.get_results(0) == [TIMEOUT]  # a look does not block
+    assert not task.done()
+    gate.release(1)
+    assert await settled(task) == [SUCCESS]
+    assert task.synchronize() is SUCCESS  # done: returns at once
+    assert_tensors(b.read(dst), expect(before, sent, pairs(range(0, 4)), slot_moves(0, 0)))
+
+
+async def test_done_callbacks_run_once_on_their_loop_or_the_callback_thread(prefill):
+    b = prefill.b
+    src, sent = prefill.source(slots_desc(3))
+    dst, before = remote(b, slots_desc(4), 25)
+    gate = prefill.synchronizer(hold={2})
+    config = dd.TransferWithCacheKeyConfig(dst.key(3), range(0, 4), range(0, 4), 2)
+    task = prefill.cm.transfer_cache_async(src, gate, [config])
+    await eventually(lambda: len(gate.calls) > 2, "synchronize_layer(2)")
+    calls: list[tuple[str, Any, bool]] = []
+    on_loop = asyncio.Event()
+    off_loop = threading.Event()
+
+    def note(where: str, event: Any) -> Callable[[dd.CacheTask], None]:
+        def callback(t: dd.CacheTask) -> None:
+            calls.append((where, threading.current_thread().name, t is task and t.done()))
+            event.set()
+
+        return callback
+
+    task.add_done_callback(note("loop", on_loop))
+    # From a thread that runs no loop: the library's callback thread runs it.
+    await asyncio.to_thread(task.add_done_callback, note("thread", off_loop))
+
+    def fails(t: dd.CacheTask) -> None:
+        raise ValueError("a callback's own failure")
+
+    loop = asyncio.get_running_loop()
+    handler = loop.get_exception_handler()
+    handled: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _loop, context: handled.append(context))
+    task.add_done_callback(fails)  # goes to the loop's exception handler, stops nothing
+    await asyncio.sleep(QUIET)
+    assert calls == [] and not task.done()
+    with pytest.raises(TypeError, match="callable"):
+        task.add_done_callback(None)  # type: ignore[arg-type]
+    gate.release(2)
+    await asyncio.wait_for(on_loop.wait(), WAIT)
+    assert await asyncio.to_thread(off_loop.wait, WAIT)
+    assert sorted(calls) == [("loop", "MainThread", True), ("thread", "datadist-aio-callbacks", True)]
+    await asyncio.sleep(0)
+    loop.set_exception_handler(handler)
+    assert [type(context.get("exception")) for context in handled] == [ValueError], handled
+    # On a task that is done: at once from a thread with no loop, soon on a loop.
+    done_now: list[str] = []
+    await asyncio.to_thread(task.add_done_callback, lambda t: done_now.append(threading.current_thread().name))
+    assert len(done_now) == 1 and done_now[0] != "datadist-aio-callbacks"
+    task.add_done_callback(lambda t: done_now.append("loop"))
+    assert done_now[1:] == []
+    await asyncio.sleep(0)
+    assert done_now[1:] == ["loop"]
+    assert await settled(task) == [SUCCESS]
+    assert_tensors(b.read(dst), expect(before, sent, pairs(range(0, 4)), slot_moves(2, 3)))
+
+
 @pytest.mark.parametrize("prefill", ["key", "raw", "key-tcp", "raw-tcp"], indirect=True)
 @pytest.mark.parametrize("kind", list(KINDS))
 async def test_each_kind(prefill, kind):

@@ -516,7 +516,7 @@ async def pushed_and_answered(
     assert (kind, data) == (WRITE_T, bytes(cache.as_numpy(0)[0]) + bytes(cache.as_numpy(1)[0]))
     answers.send(frame(WRITE_ACK_T, op_id=op_id))
     assert await asyncio.wait_for(task, 5) == [Code.LLM_SUCCESS]
-    # Counted by whoever read it (this loop's drain, or the housekeeper's sweep).
+    # Counted by whoever read it (a look, this loop's drain, or the sweep).
     assert await soon(lambda: answers_read(datadist) == read + 1)
 
 
@@ -547,7 +547,15 @@ async def test_a_closed_answer_socket_sends_the_answers_back_to_the_connection(s
         local.sendall(frame(WRITE_ACK_T, op_id=op_id))
         assert await asyncio.wait_for(task, 5) == [Code.LLM_SUCCESS]
         assert answers_read(datadist) == read
-        assert await soon(lambda: datadist._engine.link_stats(FORGER_ID)["answer_socket"] == 0)
+        # The close is seen at the next read of answers: a second push, its
+        # answer sent late on the connection, is waited for by this loop.
+        task = push(datadist, cache)
+        op_id = recv_frame(local)[2]
+        assert not task.done()  # a look: it reads the socket and finds it closed
+        assert datadist._engine.link_stats(FORGER_ID)["answer_socket"] == 0
+        local.sendall(frame(WRITE_ACK_T, op_id=op_id))
+        assert await asyncio.wait_for(task, 5) == [Code.LLM_SUCCESS]
+        assert answers_read(datadist) == read
         assert datadist._engine.link_stats(FORGER_ID)["local_sockets"] == 1
 
 

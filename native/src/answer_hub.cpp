@@ -102,15 +102,28 @@ void AnswerHub::drive(Reader by) {
 }
 
 void AnswerHub::sweep() {
-  if (watched_.load(std::memory_order_relaxed) == 0) return;
-  bool stale;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stale = drives_.load(std::memory_order_acquire) == swept_;
+  const auto after = sweep_after_.load(std::memory_order_relaxed);
+  if (after.count() == 0 || watched_.load(std::memory_order_relaxed) == 0) return;
+  const uint64_t drives = drives_.load(std::memory_order_acquire);
+  if (drives != sweep_drives_) {
+    // Someone read answers since the last look: whatever waits now is new.
+    sweep_drives_ = drives;
+    waiting_since_ = {};
   }
-  if (stale) drive(Reader::kSweep);
-  std::lock_guard<std::mutex> lock(mu_);
-  swept_ = drives_.load(std::memory_order_acquire);
+  pollfd ready{epoll_fd_, POLLIN, 0};
+  if (::poll(&ready, 1, 0) <= 0) {
+    waiting_since_ = {};
+    return;
+  }
+  const auto now = std::chrono::steady_clock::now();
+  if (waiting_since_ == std::chrono::steady_clock::time_point{}) {
+    waiting_since_ = now;
+    return;
+  }
+  if (now - waiting_since_ < after) return;
+  drive(Reader::kSweep);
+  sweep_drives_ = drives_.load(std::memory_order_acquire);
+  waiting_since_ = {};
 }
 
 void AnswerHub::count(Reader by, size_t n) {
@@ -118,9 +131,9 @@ void AnswerHub::count(Reader by, size_t n) {
 }
 
 std::map<std::string, uint64_t> AnswerHub::answer_counts() const {
-  static const char *const kNames[] = {"drain", "thread", "sweep", "link"};
+  static const char *const kNames[kAnswerReaderKinds] = {"drain", "look", "thread", "sweep", "link"};
   std::map<std::string, uint64_t> out;
-  for (int i = 0; i < 4; ++i) out[kNames[i]] = counts_[i].load(std::memory_order_relaxed);
+  for (int i = 0; i < kAnswerReaderKinds; ++i) out[kNames[i]] = counts_[i].load(std::memory_order_relaxed);
   return out;
 }
 

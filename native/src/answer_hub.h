@@ -4,18 +4,31 @@
 // A link to a peer on this host has, beside its connections, one Unix
 // socket that carries nothing but answers to this end's operations. Those
 // sockets sit in the hub's epoll set, which the completion queue's fd
-// includes: an event loop awaiting a request wakes once, reads the answer
-// itself and takes the completion it made, with no engine thread in between.
+// includes, so no engine thread sits between an answer and its waiter.
 //
-// Who reads:
-// - drive(): whoever asks, above all CompletionQueue::drain on the loop's thread.
-// - The hub's thread ("dd-answer"), while some thread blocks in a wait (the
-//   synchronous API, the C++ API, finalize) and for kLinger after the last
-//   such wait, so that a caller waiting again soon finds it awake.
-// - sweep(): the transport's housekeeping round, for answers that no drive
-//   has read since the previous round (a loop that stopped coming back).
+// Who reads an answer (the one rule; docs/design.md, "Who reads an answer"):
+// whoever waits for a request reads, at the moment it waits.
+// - A thread that looks at a request (Request::done, outcome, wait(0): a
+//   poll of done() or get_results(0), or the first look of an await) reads
+//   what is waiting before it looks: drive(kLook).
+// - An event loop awaiting a request watches the completion fd; the answer
+//   makes it readable and the loop's drain reads it: drive(kDrain).
+// - A thread blocking in a wait (the synchronous API, the C++ API,
+//   finalize) cannot read while it sleeps, so the hub's thread ("dd-answer")
+//   reads for it, and for kLinger after the last such wait so that a caller
+//   waiting again soon finds it awake: drive(kThread). A callback registered
+//   from no event loop is waited for by the library's callback loop, which
+//   reads like any loop.
+// - Only an answer nobody came for (a task never awaited nor polled) is left
+//   to the transport's housekeeping: sweep() reads answers that have waited
+//   unread for sweep_after with no read by anyone in between (0: never).
+//   No style of waiting depends on it; operations it would not settle are
+//   settled by their deadline, which reads a link's answers before failing.
+// - A link that goes down reads its own answers before it settles its
+//   operations (kLink).
 //
-// Threads: every method may be called from any thread.
+// Threads: every method may be called from any thread, but for sweep(),
+// which only the housekeeping thread calls.
 #ifndef DATADIST_ANSWER_HUB_H_
 #define DATADIST_ANSWER_HUB_H_
 
@@ -34,7 +47,8 @@ namespace datadist {
 
 // What a hub calls when a socket it watches is readable.
 // Who read an answer; counted for AnswerHub::answer_counts().
-enum class AnswerReaderKind { kDrain, kThread, kSweep, kLink };
+enum class AnswerReaderKind { kDrain, kLook, kThread, kSweep, kLink };
+inline constexpr int kAnswerReaderKinds = 5;
 
 class AnswerReader {
  public:
@@ -49,6 +63,8 @@ class AnswerHub {
   using Reader = AnswerReaderKind;
   // How long the hub's thread goes on reading after the last blocking wait.
   static constexpr std::chrono::milliseconds kLinger{50};
+  // How long answers may wait unread before the sweep takes them.
+  static constexpr std::chrono::milliseconds kSweepAfter{100};
 
   AnswerHub();
   ~AnswerHub();
@@ -65,11 +81,14 @@ class AnswerHub {
 
   // Reads every answer waiting now; `by` says who for the counts.
   void drive(Reader by = Reader::kDrain);
-  // Reads answers only if no drive has happened since the previous sweep.
+  // Reads answers that have waited unread for at least sweep_after, with no
+  // drive in between; the caller calls it every few milliseconds.
   void sweep();
+  // 0 turns the sweep off. Default kSweepAfter.
+  void set_sweep_after(std::chrono::milliseconds after) { sweep_after_ = after; }
   // Counts answers read (by a reader, before it handles them).
   void count(Reader by, size_t n);
-  // Answers read so far, by reader: "drain", "thread", "sweep", "link".
+  // Answers read so far, by reader: "drain", "look", "thread", "sweep", "link".
   std::map<std::string, uint64_t> answer_counts() const;
 
   // While one lives, a thread blocks waiting for a request: the hub's
@@ -103,8 +122,12 @@ class AnswerHub {
   std::chrono::steady_clock::time_point linger_until_{};
   bool stopping_ = false;
   std::atomic<uint64_t> drives_{0};
-  uint64_t swept_ = 0;  // drives_ at the last sweep
-  std::atomic<uint64_t> counts_[4] = {};
+  // The sweep's own state (housekeeping thread only): drives_ when it last
+  // looked, and since when it has seen answers waiting with no drive.
+  std::atomic<std::chrono::milliseconds> sweep_after_{kSweepAfter};
+  uint64_t sweep_drives_ = 0;
+  std::chrono::steady_clock::time_point waiting_since_{};
+  std::atomic<uint64_t> counts_[kAnswerReaderKinds] = {};
   std::thread thread_;
 };
 

@@ -78,6 +78,7 @@ Status Engine::initialize(const OptionMap &options) {
   transport_options.auth_key = parsed.auth_key;
   transport_options.handshake_timeout_ms = static_cast<int>(parsed.handshake_timeout_ms);
   transport_options.answers = &completions_->answers();
+  completions_->answers().set_sweep_after(std::chrono::milliseconds(parsed.answer_sweep_ms));
   if (!parsed.auth_key.empty()) {
     const std::string why = auth::unavailable();
     if (!why.empty()) {

@@ -430,4 +430,10 @@ Status LlmDataDist::CopyKvBlocks(const Cache &src_cache, const Cache &dst_cache,
 
 std::string LlmDataDist::GetLastErrorMessage() const { return datadist::error_detail(); }
 
+std::map<std::string, uint64_t> LlmDataDist::GetAnswerCounts() const {
+  Engine *engine = impl_->ready();
+  if (engine == nullptr) return {};
+  return engine->answer_counts();
+}
+
 }  // namespace llm_datadist

@@ -192,6 +192,12 @@ Status parse_options(const OptionMap &options, EngineOptions &out) {
     }
     out.handshake_timeout_ms = static_cast<uint32_t>(value);
   }
+  if (const std::string *sweep = find(options, kOptAnswerSweepMs)) {
+    if (!parse_uint(*sweep, 600000, value)) {
+      return refuse(LLM_PARAM_INVALID, "answer sweep must be an integer in [0, 600000] ms, got '" + *sweep + "'");
+    }
+    out.answer_sweep_ms = static_cast<uint32_t>(value);
+  }
   if (parse_listen(options, out.listen_ip, out.listen_port) != LLM_SUCCESS) return LLM_PARAM_INVALID;
   if (const std::string *total = find(options, kOptLinkTotalTime)) {
     if (!parse_uint(*total, UINT32_MAX, value)) return LLM_PARAM_INVALID;

@@ -35,6 +35,10 @@ inline constexpr const char *kAuthKeyEnv = "DATADIST_AIO_AUTH_KEY";
 // The time (ms) an accepted connection has to finish its handshake, and a
 // link to bring all its connections; default 5000.
 inline constexpr const char *kOptHandshakeTimeout = "llm.HandshakeTimeoutMs";
+// How long (ms) answers of same-host links may wait unread, with no reader
+// coming, before the transport's housekeeping reads them (answer_hub.h);
+// 0: never (they settle when a waiter comes, or at their deadline).
+inline constexpr const char *kOptAnswerSweepMs = "llm.AnswerSweepMs";
 inline constexpr const char *kOptLinkTotalTime = "llm.LinkTotalTime";
 inline constexpr const char *kOptLinkRetryCount = "llm.LinkRetryCount";
 inline constexpr const char *kOptRdmaServiceLevel = "llm.RdmaServiceLevel";
@@ -58,6 +62,7 @@ struct EngineOptions {
   bool same_host = true;  // llm.Transport "auto"
   std::string auth_key;   // llm.AuthKey, else $DATADIST_AIO_AUTH_KEY
   uint32_t handshake_timeout_ms = 5000;
+  uint32_t answer_sweep_ms = 100;
   // Rank-table comms: the time their links may take in all (s), and the
   // attempts it is shared among.
   uint32_t link_total_time_s = kDefaultLinkTotalTimeS;

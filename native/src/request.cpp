@@ -78,14 +78,23 @@ bool Request::cancelled() const {
   return skipped_ && cancel_reason_ == kCancelledStatus;
 }
 
-bool Request::done() const {
+bool Request::look() const {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (done_) return true;
+  }
+  // Whoever asks reads the answers waiting for it (answer_hub.h): a task
+  // polled from a thread that runs no loop completes at its next look.
+  completions_->answers().drive(AnswerHub::Reader::kLook);
   std::lock_guard<std::mutex> lock(mu_);
   return done_;
 }
 
+bool Request::done() const { return look(); }
+
 int64_t Request::outcome() const {
+  if (!look()) return 0;
   std::lock_guard<std::mutex> lock(mu_);
-  if (!done_) return 0;
   if (skipped_ && cancel_reason_ == kCancelledStatus) return -1;
   for (Status s : results_) {
     if (s != LLM_SUCCESS) return -1;
@@ -94,13 +103,11 @@ int64_t Request::outcome() const {
 }
 
 bool Request::wait(int64_t timeout_ms) const {
-  std::unique_lock<std::mutex> lock(mu_);
-  if (done_ || timeout_ms == 0) return done_;
-  lock.unlock();
-  // Answers on same-host links' answer sockets are read by the hub's
-  // thread while this one blocks (no event loop may be reading them).
+  if (look()) return true;
+  if (timeout_ms == 0) return false;
+  // The hub's thread reads answers while this one blocks.
   AnswerHub::Blocking blocking(completions_->answers());
-  lock.lock();
+  std::unique_lock<std::mutex> lock(mu_);
   if (timeout_ms < 0) {
     cv_.wait(lock, [this] { return done_; });
     return true;

@@ -54,12 +54,17 @@ class Request {
   // True when the user cancelled it and some of its work was skipped.
   bool cancelled() const;
 
+  // done(), outcome() and wait() are looks: on a request not yet done they
+  // first read the answers waiting on the engine's answer sockets
+  // (answer_hub.h), so polling from any thread completes a request as soon
+  // as its answer has come.
   bool done() const;
   // What an awaiting caller needs in one look: 0 while running; once done,
   // the number of results when every one succeeded and nothing was
   // cancelled, else -1.
   int64_t outcome() const;
-  // Waits for completion; timeout_ms < 0 waits forever. True if done.
+  // Waits for completion; timeout_ms < 0 waits forever, 0 only looks. True
+  // if done.
   bool wait(int64_t timeout_ms) const;
   std::vector<Status> results() const;
   // One message per result: the reason given with its first failure, or
@@ -71,6 +76,8 @@ class Request {
 
  private:
   void complete_locked(std::unique_lock<std::mutex> &lock);
+  // Reads waiting answers unless done; true if done.
+  bool look() const;
 
   const uint64_t id_;
   std::shared_ptr<CompletionQueue> completions_;

@@ -82,6 +82,34 @@ TEST_F(TcpLinkTest, LinkedPairMovesDataBothWaysOverTcp) {
   ExpectPushes(true);
 }
 
+// Every blocking call reads its own answers: with the sweep off, an answer
+// the call did not read would wait for sync_kv_timeout and be read by the
+// link ("link"), so the counts say exactly who read.
+class NoSweepLinkTest : public LinkTest {
+ protected:
+  Options ClientOptions() const override { return {{OPTION_ANSWER_SWEEP_MS, "0"}}; }
+};
+
+TEST_F(NoSweepLinkTest, BlockingPushesReadTheirOwnAnswers) {
+  EXPECT_EQ(SettledTransport(*client_, kServerId, "same_host"), "same_host");
+  const auto before = client_->GetAnswerCounts();
+  ASSERT_EQ(before.size(), 5u);
+  constexpr int kPushes = 20;
+  for (int i = 0; i < kPushes; ++i) ASSERT_STATUS(LLM_SUCCESS, ClientPush());
+  auto read = client_->GetAnswerCounts();
+  for (auto &entry : read) entry.second -= before.at(entry.first);
+  EXPECT_EQ(read["thread"] + read["look"], static_cast<uint64_t>(kPushes));
+  EXPECT_EQ(read["sweep"], 0u);
+  EXPECT_EQ(read["link"], 0u);
+  EXPECT_EQ(read["drain"], 0u);
+  ExpectPushes(false);
+}
+
+TEST(AnswerCounts, EmptyBeforeInitialize) {
+  LlmDataDist datadist(7, LlmRole::kPrompt);
+  EXPECT_TRUE(datadist.GetAnswerCounts().empty());
+}
+
 // A shared secret on both ends: the link proves it both ways and works.
 class AuthLinkTest : public LinkTest {
  protected:

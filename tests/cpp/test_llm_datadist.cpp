@@ -180,6 +180,9 @@ TEST(Lifecycle, MalformedOptionValuesAreParamInvalid) {
       {OPTION_HOST_MEM_POOL_CFG, "{\"memory_size\": 0}"},
       {OPTION_HOST_MEM_POOL_CFG, "{}"},
       {OPTION_HOST_MEM_POOL_CFG, "not json"},
+      {OPTION_ANSWER_SWEEP_MS, "-1"},
+      {OPTION_ANSWER_SWEEP_MS, "600001"},
+      {OPTION_ANSWER_SWEEP_MS, "soon"},
   };
   for (const auto &[key, value] : bad) {
     LlmDataDist dd(1, LlmRole::kPrompt);
@@ -195,6 +198,7 @@ TEST(Lifecycle, WellFormedOptionsAreAccepted) {
   options[OPTION_SYNC_CACHE_WAIT_TIME] = "2500";
   options[OPTION_HOST_MEM_POOL_CFG] = "{\"memory_size\": 1048576, \"page_shift\": 12}";
   options[OPTION_TCP_CONNECTIONS_PER_PEER] = "1";
+  options[OPTION_ANSWER_SWEEP_MS] = "0";
   EXPECT_STATUS(LLM_SUCCESS, dd.Initialize(options));
 }
 

@@ -53,6 +53,10 @@ constexpr const char OPTION_TRANSPORT[] = "llm.Transport";
 // handshake; the secret never crosses the wire). Without it, the environment
 // variable DATADIST_AIO_AUTH_KEY; without either, links are unauthenticated.
 constexpr const char OPTION_AUTH_KEY[] = "llm.AuthKey";
+// Ms answers of same-host links may wait with nobody reading before the
+// engine's housekeeping reads them (default 100; 0: never). Every call of
+// this class waits in a way that reads its own answers, so none depends on it.
+constexpr const char OPTION_ANSWER_SWEEP_MS[] = "llm.AnswerSweepMs";
 
 constexpr uint32_t kDefaultTensorNumPerLayer = 2;
 constexpr uint32_t kMaxRegisterAddrs = 240;
@@ -182,6 +186,12 @@ class LlmDataDist {
   // LlmDataDist) failed, in words: which argument, index or size, or the
   // peer's reason; empty after a success or where no reason is known.
   std::string GetLastErrorMessage() const;
+  // Not in upstream's API. How many answers of same-host links each kind of
+  // reader has read: "drain" (an event loop of the Python API), "look" (a
+  // caller asking for its request), "thread" (the engine's answer thread on
+  // behalf of a blocking call), "sweep" (OPTION_ANSWER_SWEEP_MS), "link" (a
+  // link going down or past its deadline). Empty before Initialize().
+  std::map<std::string, uint64_t> GetAnswerCounts() const;
 
  private:
   class Impl;
