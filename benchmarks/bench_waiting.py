@@ -14,7 +14,8 @@ the caller sees the task done, for each way of waiting:
   loop (vLLM's worker does this in ``get_finished``), ``poll_busy``: in a
   tight loop; ``get_results0``: ``get_results(0)`` every ``--poll-ms``;
 - ``callback``: ``add_done_callback`` from a thread with no loop (the
-  callback thread runs it), ``callback_loop``: from a running loop;
+  callback thread runs it), ``callback_loop``: from a running loop; both
+  timed when the callback runs;
 - ``blocking_in_loop``: ``synchronize`` on the thread of a running loop
   that watches the completion fd (as a notebook cell does).
 
@@ -116,6 +117,19 @@ def styles(decode: Decode, poll_s: float) -> dict[str, Callable[[int], list[floa
 
         return run
 
+    def callback(ops: int) -> list[float]:
+        # Timed when the callback runs (on the callback thread), not when
+        # this thread hears of it.
+        def one() -> float:
+            called = threading.Event()
+            seen: list[float] = []
+            start = time.perf_counter()
+            decode.start().add_done_callback(lambda _: (seen.append(time.perf_counter()), called.set()))
+            called.wait()
+            return seen[0] - start
+
+        return [timed_thread(one) for _ in range(ops)]
+
     def poll(task: dd.CacheTask) -> None:
         while not task.done():
             time.sleep(poll_s)
@@ -128,10 +142,6 @@ def styles(decode: Decode, poll_s: float) -> dict[str, Callable[[int], list[floa
         while task.get_results(0)[0] is dd.LLMStatusCode.LLM_TIMEOUT:
             time.sleep(poll_s)
 
-    def callback(task: dd.CacheTask) -> None:
-        called = threading.Event()
-        task.add_done_callback(lambda _: called.set())
-        called.wait()
 
     def in_loop(body: str) -> Callable[[int], list[float]]:
         def run(ops: int) -> list[float]:
@@ -141,12 +151,12 @@ def styles(decode: Decode, poll_s: float) -> dict[str, Callable[[int], list[floa
                     start = time.perf_counter()
                     task = decode.start()
                     if body == "callback":
-                        seen: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-                        task.add_done_callback(lambda _: seen.set_result(None))
-                        await seen
+                        seen: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+                        task.add_done_callback(lambda _: seen.set_result(time.perf_counter()))
+                        out.append(await seen - start)
                     else:
                         task.synchronize()
-                    out.append(time.perf_counter() - start)
+                        out.append(time.perf_counter() - start)
                 return out
 
             async def first() -> None:
@@ -167,7 +177,7 @@ def styles(decode: Decode, poll_s: float) -> dict[str, Callable[[int], list[floa
             "poll": on_thread(poll),
             "poll_busy": on_thread(poll_busy),
             "get_results0": on_thread(get_results0),
-            "callback": on_thread(callback),
+            "callback": callback,
             "callback_loop": in_loop("callback"),
             "blocking_in_loop": in_loop("blocking"),
         }
@@ -196,6 +206,7 @@ def main() -> None:
         readers: dict[str, dict[str, int]] = {name: {} for name in runs}
         for _ in range(args.rounds):
             for name, run in runs.items():
+                time.sleep(0.1)  # the answer thread stops lingering after the previous style's blocking waits
                 run(10)  # warm-up
                 before = decode.datadist.answer_counts()
                 samples = sorted(run(args.ops))

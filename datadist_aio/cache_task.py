@@ -64,11 +64,12 @@ class CacheTask:
         """Calls ``fn(task)`` once the task is done, whatever its outcome.
 
         Registered from a thread running an event loop, ``fn`` runs on that
-        loop, as asyncio's done-callbacks do. Registered from any other
-        thread, it runs on the library's callback thread
-        (``datadist-aio-callbacks``), or at once in the calling thread if the
-        task is already done. An exception ``fn`` raises goes to its loop's
-        exception handler.
+        loop, as asyncio's done-callbacks do, and an exception it raises goes
+        to the loop's exception handler. Registered from any other thread,
+        it runs on the library's callback thread (``datadist-aio-callbacks``),
+        which logs an exception it raises, or at once in the calling thread
+        if the task is already done. Either way it runs once, and is not
+        called from an engine thread.
         """
         if not callable(fn):
             raise TypeError(f"add_done_callback needs a callable, got {type(fn).__name__}")

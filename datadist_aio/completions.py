@@ -7,20 +7,33 @@ the whole queue and resolves the waiting futures in a batch. A future that
 belongs to another loop is resolved through that loop's
 ``call_soon_threadsafe``.
 
-A done-callback registered from a thread that runs no event loop is waited
-for by a loop of the dispatcher's own (thread ``datadist-aio-callbacks``),
-which watches the fd only while such callbacks are pending.
+A done-callback registered from a thread that runs no event loop is run by
+the dispatcher's callback thread (``datadist-aio-callbacks``), which polls
+the fd while such callbacks are pending (and ``CALLBACK_LINGER`` after the
+last, so a caller registering one after another finds it awake) and drains
+it like a loop. Whichever thread drains a completion first hands the
+callbacks to that thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import logging
+import os
+import select
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any, Optional
 
-__all__ = ["CompletionDispatcher"]
+__all__ = ["CALLBACK_LINGER", "CompletionDispatcher"]
+
+_log = logging.getLogger("datadist_aio")
+
+# Seconds the callback thread goes on polling the fd after its last callback.
+CALLBACK_LINGER = 0.05
 
 
 def _no_loop() -> None:
@@ -30,14 +43,6 @@ def _no_loop() -> None:
 def _resolve(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
-
-
-def _run_callback_loop(loop: asyncio.AbstractEventLoop) -> None:
-    asyncio.set_event_loop(loop)
-    try:
-        loop.run_forever()
-    finally:
-        loop.close()
 
 
 def _resolve_all(futures: list[asyncio.Future[None]], loop: asyncio.AbstractEventLoop | None) -> None:
@@ -67,11 +72,13 @@ class CompletionDispatcher:
         # no look-up in the weak set.
         self._last_loop: Callable[[], Optional[asyncio.AbstractEventLoop]] = _no_loop
         self._closed = False
-        # The callback loop: started by the first callback registered from
-        # no loop; its reader is on the fd while _callbacks_pending > 0.
-        self._callback_loop: Optional[asyncio.AbstractEventLoop] = None
+        # Callbacks registered from no loop, by request id, until completed;
+        # then in _ready for the callback thread (started by the first).
+        self._callbacks: dict[int, list[Callable[[], object]]] = {}
+        self._ready: collections.deque[Callable[[], object]] = collections.deque()
         self._callback_thread: Optional[threading.Thread] = None
-        self._callbacks_pending = 0
+        self._callback_wake = -1  # an eventfd the callback thread polls
+        self._callback_polling = False  # it polls the completion fd now
 
     def future_for(self, request: Any) -> asyncio.Future[None]:
         """A future of the running loop that resolves when ``request`` completes."""
@@ -108,7 +115,7 @@ class CompletionDispatcher:
         """Calls ``callback()`` once ``request`` completes.
 
         On the running loop of the calling thread if there is one; else on
-        the callback loop's thread, or at once if ``request`` is done.
+        the callback thread, or at once if ``request`` is done.
         """
         try:
             loop = asyncio.get_running_loop()
@@ -120,42 +127,89 @@ class CompletionDispatcher:
         if request.done():
             callback()
             return
+        request_id = request.id
         with self._lock:
-            own = None if self._closed else self._start_callback_loop()
-        if own is None:
+            closed = self._closed
+            if not closed:
+                self._callbacks.setdefault(request_id, []).append(callback)
+                wake = not self._callback_polling
+                if self._callback_thread is None:
+                    self._callback_wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+                    self._callback_thread = threading.Thread(
+                        target=self._serve_callbacks, args=(self._callback_wake,), name="datadist-aio-callbacks",
+                        daemon=True,
+                    )
+                    self._callback_thread.start()
+                elif wake:
+                    os.eventfd_write(self._callback_wake, 1)
+        if closed:
             callback()  # finalize has settled every request
             return
-        own.call_soon_threadsafe(self._attach_callback, request, callback)
+        # As future_for: registered first, so no drain can miss it.
+        if not request.watch():
+            with self._lock:
+                waiting = self._callbacks.get(request_id, [])
+                mine = callback in waiting
+                if mine:
+                    waiting.remove(callback)
+                    if not waiting:
+                        del self._callbacks[request_id]
+            if mine:
+                callback()
 
-    def _start_callback_loop(self) -> asyncio.AbstractEventLoop:
-        """The callback loop, started if need be (under the lock)."""
-        if self._callback_loop is None:
-            loop = asyncio.new_event_loop()
-            thread = threading.Thread(target=_run_callback_loop, args=(loop,), name="datadist-aio-callbacks", daemon=True)
-            thread.start()
-            self._callback_loop, self._callback_thread = loop, thread
-        return self._callback_loop
+    def _serve_callbacks(self, wake: int) -> None:
+        """The callback thread: polls the fd while callbacks wait, runs them."""
+        poller = select.poll()
+        poller.register(wake, select.POLLIN)
+        polling = False
+        idle_since: Optional[float] = None
+        try:
+            while True:
+                while self._ready:
+                    self._run_callback(self._ready.popleft())
+                with self._lock:
+                    if self._closed and not self._ready:
+                        return
+                    pending = bool(self._callbacks)
+                    now = time.monotonic()
+                    if pending:
+                        idle_since = None
+                    elif idle_since is None:
+                        idle_since = now
+                    linger = idle_since is not None and now - idle_since < CALLBACK_LINGER
+                    want = pending or linger
+                    if want != polling:
+                        # Stops waking for completions other loops wait for once idle.
+                        if want:
+                            poller.register(self._fd, select.POLLIN)
+                        else:
+                            poller.unregister(self._fd)
+                        polling = want
+                    self._callback_polling = polling
+                timeout = -1  # until a completion, a new callback or close
+                if polling and not pending and idle_since is not None:
+                    timeout = max(1, int((CALLBACK_LINGER - (now - idle_since)) * 1000))
+                for fd, _ in poller.poll(timeout):
+                    if fd == wake:
+                        try:
+                            os.eventfd_read(wake)
+                        except BlockingIOError:
+                            pass
+                    else:
+                        engine = self._engine
+                        if engine is not None:
+                            self._dispatch(engine.drain_completions(), None)
+        finally:
+            with self._lock:
+                self._callback_polling = False
+            os.close(wake)
 
-    def _attach_callback(self, request: Any, callback: Callable[[], object]) -> None:
-        """On the callback loop: waits for ``request`` like an awaiting loop."""
-        self._callbacks_pending += 1
-        self.future_for(request).add_done_callback(lambda _: self._run_callback(callback))
-
-    def _run_callback(self, callback: Callable[[], object]) -> None:
+    @staticmethod
+    def _run_callback(callback: Callable[[], object]) -> None:
         try:
             callback()
-        finally:
-            self._callbacks_pending -= 1
-            loop = self._callback_loop
-            if self._callbacks_pending == 0 and loop is not None:
-                # Idle: stop waking for completions other loops wait for.
-                with self._lock:
-                    watching = loop in self._loops
-                    self._loops.discard(loop)
-                    if self._last_loop() is loop:
-                        self._last_loop = _no_loop
-                if watching:
-                    loop.remove_reader(self._fd)
+        except Exception:
+            _log.exception("a done-callback raised")
 
     def _on_readable(self, loop: asyncio.AbstractEventLoop) -> None:
         engine = self._engine
@@ -165,6 +219,12 @@ class CompletionDispatcher:
     def _dispatch(self, completions: list[tuple[int, int]], loop: asyncio.AbstractEventLoop | None) -> None:
         with self._lock:
             ready = [f for request_id, _ in completions for f in self._waiters.pop(request_id, ())]
+            if self._callbacks:
+                callbacks = [c for request_id, _ in completions for c in self._callbacks.pop(request_id, ())]
+                if callbacks:
+                    self._ready.extend(callbacks)
+                    if threading.current_thread() is not self._callback_thread:
+                        os.eventfd_write(self._callback_wake, 1)
         _resolve_all(ready, loop)
 
     def close(self) -> None:
@@ -176,7 +236,13 @@ class CompletionDispatcher:
             loops = list(self._loops)
             self._loops.clear()
             self._last_loop = _no_loop
-            own, own_thread = self._callback_loop, self._callback_thread
+            callback_thread = self._callback_thread
+            if callback_thread is not None:
+                # finalize has settled every request: the callbacks still
+                # waiting run now, on the callback thread, which then ends.
+                self._ready.extend(c for waiting in self._callbacks.values() for c in waiting)
+                os.eventfd_write(self._callback_wake, 1)
+            self._callbacks.clear()
         try:
             current: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
@@ -196,11 +262,8 @@ class CompletionDispatcher:
             else:
                 # Keeps the engine (and so the fd) alive until the loop has let go.
                 loop.call_soon_threadsafe(self._remove_reader, loop, self._engine)
-        if own is not None and own_thread is not None:
-            # After the callbacks the resolutions above scheduled there.
-            own.call_soon_threadsafe(own.call_soon, own.stop)
-            if own_thread is not threading.current_thread():
-                own_thread.join(timeout=10)
+        if callback_thread is not None and callback_thread is not threading.current_thread():
+            callback_thread.join(timeout=10)
         # The finalized engine closes its descriptors once nothing else holds it.
         self._engine = None
 
