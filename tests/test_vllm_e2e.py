@@ -28,6 +28,8 @@ MAX_TOKENS = 8
 XFERS = "vllm:datadist_aio_num_transfers"
 FAILED = "vllm:datadist_aio_num_failed_transfers"
 REMOTE_HITS = "vllm:external_prefix_cache_hits"
+ANSWERS = "vllm:datadist_aio_answers_read"
+ANSWERS_BY_SWEEP = "vllm:datadist_aio_answers_read_by_sweep"
 
 
 def free_port() -> int:
@@ -94,6 +96,14 @@ def test_disaggregated_output_equals_single_instance(pair: dict[str, Any]) -> No
     assert delta(after, before, XFERS) == len(prompts), "every prompt's KV was read through the connector"
     assert delta(after, before, FAILED) == 0
     assert delta(after, before, REMOTE_HITS) == sum(len(p) for p in prompts)
+    # The worker side looks at its loads every step (get_finished: done()),
+    # so the answers of its pulls are read there or by the event loop, never
+    # left to the engine's housekeeping sweep, which would delay each load
+    # by up to the sweep's period.
+    assert delta(after, before, ANSWERS) > 0, "no answer of a same-host link was counted"
+    assert delta(after, before, ANSWERS_BY_SWEEP) == 0, (
+        f"{delta(after, before, ANSWERS_BY_SWEEP):g} of {delta(after, before, ANSWERS):g} answers waited for the sweep"
+    )
 
 
 def test_swap_control_decode_follows_the_transferred_kv(pair: dict[str, Any]) -> None:

@@ -249,14 +249,30 @@ def test_stats_record_merge_reduce() -> None:
     stats.record(a, stats.TransferRecord(0.002, 4096, 2, True))
     stats.record(b, stats.TransferRecord(0.004, 8192, 4, True))
     stats.record(b, stats.TransferRecord(1.0, 0, 4, False))
+    stats.add_answers(a, 3, 1)
+    stats.add_answers(b, 2, 0)
     merged = stats.merge(a, b)
     assert merged["transfer_duration"] == [0.002, 0.004]
     assert merged["bytes_transferred"] == [4096, 8192]
     assert merged["num_successful_transfers"] == 2 and merged["num_failed_transfers"] == 1
+    assert merged["answers_read"] == 5 and merged["answers_read_by_sweep"] == 1
     summary = stats.reduce(merged)
     assert summary["median_xfer_time_ms"] == 3.0
     assert summary["num_failed_transfers"] == 1
+    assert summary["answers_read"] == 5 and summary["answers_read_by_sweep"] == 1
     assert not stats.is_empty(merged)
+    only_answers = stats.empty()
+    stats.add_answers(only_answers, 4, 0)
+    assert not stats.is_empty(only_answers), "answers read are reported even without a load"
+
+
+def test_answer_counter_reports_increases() -> None:
+    counter = stats.AnswerCounter()
+    assert counter.delta({}) == (0, 0)
+    assert counter.delta({"drain": 2, "sweep": 1}) == (3, 1)
+    assert counter.delta({"drain": 2, "sweep": 1}) == (0, 0)
+    assert counter.delta({"drain": 2, "look": 5, "sweep": 1}) == (5, 0), "a new reader kind counts from zero"
+    assert counter.delta({"drain": 4, "look": 5, "sweep": 3, "link": 1}) == (5, 2)
 
 
 # -- the real connector class (needs vLLM) -----------------------------------------------
@@ -275,6 +291,7 @@ def test_connector_stats_and_prometheus_metrics() -> None:
     data = stats.empty()
     stats.record(data, stats.TransferRecord(0.003, 1 << 20, 8, True))
     stats.record(data, stats.TransferRecord(2.0, 0, 8, False))
+    stats.add_answers(data, 6, 1)
     built = DatadistAioConnector.build_kv_connector_stats(data)
     assert built is not None and not built.is_empty()
     assert built.reduce()["num_failed_transfers"] == 1
@@ -303,6 +320,8 @@ def test_connector_stats_and_prometheus_metrics() -> None:
     assert sample("vllm:datadist_aio_bytes_transferred_sum", {"engine": "0"}) == 2 * (1 << 20)
     assert sample("vllm:datadist_aio_num_transfers_total", {"engine": "0"}) == 2
     assert sample("vllm:datadist_aio_num_failed_transfers_total", {"engine": "0"}) == 2
+    assert sample("vllm:datadist_aio_answers_read_total", {"engine": "0"}) == 12
+    assert sample("vllm:datadist_aio_answers_read_by_sweep_total", {"engine": "0"}) == 2
 
 
 @dataclass

@@ -11,6 +11,7 @@ and name the blocks that did not load.
 
 from __future__ import annotations
 
+import errno
 import multiprocessing
 import multiprocessing.resource_tracker
 import os
@@ -23,6 +24,7 @@ import numpy as np
 import pytest
 
 from datadist_aio.integrations.vllm.metadata import LoadSpec, StepPlan
+from datadist_aio.integrations.vllm.side_channel import SideChannelPortError
 from datadist_aio.integrations.vllm.worker import WorkerSettings, WorkerSide, describe_kv_caches
 
 # Spawning starts multiprocessing's resource tracker once per process and keeps
@@ -101,6 +103,7 @@ def _decode(conn: Any, port: int, specs: list[tuple[str, list[int], list[int]]],
         time.sleep(0.01)
     elapsed = time.monotonic() - start
     records = side.take_records()
+    answers = side.take_answer_counts()
     time.sleep(0.3)  # lets the release notices go out
     side.shutdown()
     conn.send(
@@ -110,6 +113,7 @@ def _decode(conn: Any, port: int, specs: list[tuple[str, list[int], list[int]]],
             "errors": sorted(errors),
             "elapsed": elapsed,
             "records": [(r.nbytes, r.blocks, r.ok) for r in records],
+            "answers": answers,
             "arrays": {name: a for name, a in arrays.items()},
         }
     )
@@ -188,6 +192,8 @@ def test_decode_reads_exact_blocks_and_releases_the_prefill(ctx: Any) -> None:
         assert result["failed"] == [] and result["errors"] == []
         block_bytes = LAYERS * HEADS * BLOCK_SIZE * 2 * HEAD_DIM * 4
         assert sorted(result["records"]) == [(2 * block_bytes, 2, True), (3 * block_bytes, 3, True)]
+        read, by_sweep = result["answers"]
+        assert read >= 2 and 0 <= by_sweep <= read, "the answers of both pulls were counted"
         source = layer_arrays(1)
         for name, array in result["arrays"].items():
             for _req, local, remote in specs:
@@ -245,3 +251,32 @@ def test_frozen_prefill_fails_within_the_timeout(ctx: Any, linked_before: bool) 
         assert result["elapsed"] < 2.0 + 3, f"the load took {result['elapsed']:.1f} s to fail"
     finally:
         _stop(prefill, conn)
+
+
+@pytest.mark.parametrize("listens", ["producer", "inbox"])
+def test_side_channel_port_taken_names_the_address_and_the_settings(listens: str) -> None:
+    """A prefill side (or a decode side lending an inbox) whose side-channel
+    port is taken fails registration with an error that says where and why,
+    and leaves no engine, loop or thread behind."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        if listens == "producer":
+            settings = WorkerSettings(engine_id="clash", rank=0, is_consumer=False, side_channel_port=port)
+        else:
+            settings = WorkerSettings(engine_id="clash", rank=0, is_producer=False, side_channel_port=port,
+                                      transfer_mode="push_layerwise", inbox_blocks=8, inbox_share_blocks=4)
+        side = WorkerSide(settings)
+        arrays = layer_arrays(0)
+        with pytest.raises(SideChannelPortError) as raised:
+            side.register({name: FakeTensor(a) for name, a in arrays.items()})
+    error = raised.value
+    assert isinstance(error, OSError) and error.errno == errno.EADDRINUSE
+    assert isinstance(error.__cause__, OSError) and error.__cause__.errno == errno.EADDRINUSE
+    message = str(error)
+    for part in (f"127.0.0.1:{port}", 'kv_connector_extra_config["side_channel_port"]', "kv_transfer_config.kv_port",
+                 "TP rank"):
+        assert part in message, message
+    assert side._loop is None and side._thread is not None and not side._thread.is_alive()
+    assert side.take_answer_counts() == (0, 0)

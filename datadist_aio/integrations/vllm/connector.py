@@ -10,7 +10,8 @@ role to ``WorkerSide``; this module only translates vLLM's types. Load it with
 Settings (``kv_connector_extra_config``): ``side_channel_host`` (default
 127.0.0.1; the address the decode side reaches the prefill at),
 ``side_channel_port`` (default ``kv_port``; each tensor-parallel rank adds
-its rank; with ``kv_both`` on one host give each instance its own),
+its rank; with ``kv_both`` on one host give each instance its own: a port
+already taken fails ``register_kv_caches`` with ``SideChannelPortError``),
 ``load_timeout_s`` (10), ``lease_timeout_s`` (120), ``link_timeout_ms`` (3000),
 ``transfer_mode`` (``"pull"``, the default, or ``"push_layerwise"``). With
 ``push_layerwise`` a decode instance lends ``inbox_blocks`` (512) staging
@@ -114,6 +115,17 @@ class DatadistAioPromMetrics(KVConnectorPromMetrics):
             documentation="KV loads through datadist_aio that failed or timed out.",
             labelnames=labelnames,
         ))
+        self._answers = self._per_engine(counter(
+            name="vllm:datadist_aio_answers_read",
+            documentation="Answers of datadist_aio's same-host links read, by any reader.",
+            labelnames=labelnames,
+        ))
+        self._answers_by_sweep = self._per_engine(counter(
+            name="vllm:datadist_aio_answers_read_by_sweep",
+            documentation="Answers of datadist_aio's same-host links read by the engine's timer sweep "
+            "(nobody looked at the task in time); expected to stay 0.",
+            labelnames=labelnames,
+        ))
 
     def _per_engine(self, metric: Any) -> dict[int, Any]:
         return {index: metric.labels(*values) for index, values in self.per_engine_labelvalues.items()}
@@ -127,6 +139,10 @@ class DatadistAioPromMetrics(KVConnectorPromMetrics):
             self._transfers[engine_idx].inc(transfer_stats_data["num_successful_transfers"])
         if transfer_stats_data.get("num_failed_transfers"):
             self._failures[engine_idx].inc(transfer_stats_data["num_failed_transfers"])
+        if transfer_stats_data.get("answers_read"):
+            self._answers[engine_idx].inc(transfer_stats_data["answers_read"])
+        if transfer_stats_data.get("answers_read_by_sweep"):
+            self._answers_by_sweep[engine_idx].inc(transfer_stats_data["answers_read_by_sweep"])
 
 
 def _tp_rank() -> int:
@@ -298,6 +314,9 @@ class DatadistAioConnector(KVConnectorBase_V1):
         sending, recving, _failed = self.worker_side.get_finished()
         for item in self.worker_side.take_records():
             stats.record(self._stats, item)
+        read, by_sweep = self.worker_side.take_answer_counts()
+        if read or by_sweep:
+            stats.add_answers(self._stats, read, by_sweep)
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

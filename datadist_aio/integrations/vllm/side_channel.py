@@ -22,7 +22,7 @@ import struct
 from collections.abc import Awaitable, Callable
 from typing import Any, Optional
 
-__all__ = ["MAX_FRAME", "ProtocolError", "SideChannelClient", "SideChannelServer"]
+__all__ = ["MAX_FRAME", "ProtocolError", "SideChannelClient", "SideChannelPortError", "SideChannelServer"]
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,12 @@ Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
 class ProtocolError(Exception):
     """The peer sent something that is not a valid frame."""
+
+
+class SideChannelPortError(OSError):
+    """The side channel's server cannot listen on its address (the port is
+    taken, most often): the message names the address and the settings that
+    chose it, ``errno`` is the bind's and ``__cause__`` the original error."""
 
 
 async def read_frame(reader: asyncio.StreamReader) -> dict[str, Any]:

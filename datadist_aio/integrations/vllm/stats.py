@@ -2,6 +2,12 @@
 
 The dict holds lists of observations (one per request's load) and counters;
 ``merge`` and ``reduce`` work on it without vLLM, so they are tested alone.
+
+Besides the loads, the counters say who read the answers of the engine's
+same-host links since the last report (``LLMDataDist.answer_counts()``):
+``answers_read`` all of them, ``answers_read_by_sweep`` those the engine's
+housekeeping sweep read because no reader had looked (``AnswerCounter``). A
+connector that looks at its tasks each step should leave none to the sweep.
 """
 
 from __future__ import annotations
@@ -10,10 +16,22 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["COUNTER_KEYS", "LIST_KEYS", "TransferRecord", "empty", "is_empty", "merge", "record", "reduce"]
+__all__ = [
+    "COUNTER_KEYS",
+    "LIST_KEYS",
+    "AnswerCounter",
+    "TransferRecord",
+    "add_answers",
+    "empty",
+    "is_empty",
+    "merge",
+    "record",
+    "reduce",
+]
 
 LIST_KEYS = ("transfer_duration", "bytes_transferred", "num_blocks")
-COUNTER_KEYS = ("num_successful_transfers", "num_failed_transfers")
+COUNTER_KEYS = ("num_successful_transfers", "num_failed_transfers", "answers_read", "answers_read_by_sweep")
+SWEEP = "sweep"  # the reader kind of answer_counts() that is the engine's timer sweep
 
 
 @dataclass(frozen=True)
@@ -43,6 +61,35 @@ def record(data: dict[str, Any], item: TransferRecord) -> None:
         data["num_failed_transfers"] += 1
 
 
+def add_answers(data: dict[str, Any], read: int, by_sweep: int) -> None:
+    """Adds answers read since the last report (all readers, and the sweep's share)."""
+    data["answers_read"] = data.get("answers_read", 0) + read
+    data["answers_read_by_sweep"] = data.get("answers_read_by_sweep", 0) + by_sweep
+
+
+class AnswerCounter:
+    """Turns the running totals of ``answer_counts()`` into increases since the last call."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, int] = {}
+
+    def delta(self, counts: dict[str, int]) -> tuple[int, int]:
+        """(answers read by anyone, by the sweep) since the previous ``counts``.
+
+        A reader kind seen for the first time counts from zero; a total that
+        went down (a new engine) counts from its new value.
+        """
+        read = by_sweep = 0
+        for name, total in counts.items():
+            before = self._last.get(name, 0)
+            grown = total - before if total >= before else total
+            read += grown
+            if name == SWEEP:
+                by_sweep = grown
+        self._last = dict(counts)
+        return read, by_sweep
+
+
 def merge(into: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
     for key in LIST_KEYS:
         into.setdefault(key, []).extend(other.get(key, ()))
@@ -63,6 +110,8 @@ def reduce(data: dict[str, Any]) -> dict[str, int | float]:
     return {
         "num_successful_transfers": data.get("num_successful_transfers", 0),
         "num_failed_transfers": data.get("num_failed_transfers", 0),
+        "answers_read": data.get("answers_read", 0),
+        "answers_read_by_sweep": data.get("answers_read_by_sweep", 0),
         "median_xfer_time_ms": round(statistics.median(durations) * 1e3, 3) if durations else 0.0,
         "max_xfer_time_ms": round(max(durations) * 1e3, 3) if durations else 0.0,
         "total_mib": round(total_bytes / 2**20, 3),

@@ -33,6 +33,7 @@ import asyncio
 import concurrent.futures
 import hashlib
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -46,8 +47,8 @@ from .host_buffer import HostBuffer, needs_host_buffer
 from .inbox import CLAIMED, COMMITTED, Inbox
 from .metadata import LoadSpec, StepPlan
 from .push import INBOX_MODEL_ID, Pusher, PushSettings
-from .side_channel import SideChannelClient, SideChannelServer
-from .stats import TransferRecord
+from .side_channel import SideChannelClient, SideChannelPortError, SideChannelServer
+from .stats import AnswerCounter, TransferRecord
 
 __all__ = ["CacheGroup", "WorkerSettings", "WorkerSide", "cluster_id_for", "describe_kv_caches"]
 
@@ -224,9 +225,9 @@ class WorkerSide:
     """Worker-side state of one ``DatadistAioConnector``.
 
     Thread rules: ``register``, ``start_loads``, ``get_finished``,
-    ``load_errors``, ``take_records`` and ``shutdown`` are called from vLLM's
-    worker thread; the coroutines run on the loop thread; ``_begin`` runs on
-    either.
+    ``load_errors``, ``take_records``, ``take_answer_counts`` and
+    ``shutdown`` are called from vLLM's worker thread; the coroutines run on
+    the loop thread; ``_begin`` runs on either.
     """
 
     def __init__(self, settings: WorkerSettings) -> None:
@@ -253,6 +254,7 @@ class WorkerSide:
         self._records: list[TransferRecord] = []
         self._inflight: list[_Load] = []
         # vLLM's worker thread only.
+        self._answers = AnswerCounter()
         self._leases: dict[str, float] = {}
         self._host: Optional[HostBuffer] = None
         self._layer_names: list[str] = []
@@ -284,7 +286,11 @@ class WorkerSide:
         self._loop = loop
         self._thread = threading.Thread(target=self._run_loop, args=(loop,), name="datadist-aio-vllm", daemon=True)
         self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), loop).result(timeout=60)
+        try:
+            asyncio.run_coroutine_threadsafe(self._start(), loop).result(timeout=60)
+        except BaseException:
+            self.shutdown()  # the engine, the loop and its thread go; the error reaches vLLM
+            raise
 
     def set_copy_blocks(self, copy: Any) -> None:
         """vLLM's block-copy function, for the host-buffer mode."""
@@ -340,7 +346,25 @@ class WorkerSide:
             )
         if self.settings.is_producer or self.settings.lends_inbox:
             self._server = SideChannelServer(self._answer)
-            self.side_channel_port = await self._server.start(self.settings.host, self.settings.side_channel_port)
+            self.side_channel_port = await self._listen(self._server)
+
+    async def _listen(self, server: SideChannelServer) -> int:
+        """Starts the side channel's server; a port it cannot bind raises ``SideChannelPortError``."""
+        host, port = self.settings.host, self.settings.side_channel_port
+        try:
+            return await server.start(host, port)
+        except OSError as exc:
+            self._server = None
+            reason = os.strerror(exc.errno) if exc.errno else str(exc) or type(exc).__name__
+            error = SideChannelPortError(
+                f"datadist_aio connector: the side channel of TP rank {self.settings.rank} cannot listen on "
+                f"{host}:{port} ({reason}). Its port is kv_connector_extra_config[\"side_channel_port\"], or "
+                "kv_transfer_config.kv_port where that is not set, plus the TP rank; two vLLM instances on one "
+                "host that both listen (kv_producer, kv_both, or a push_layerwise kv_consumer) need their own "
+                "base ports, at least tensor_parallel_size apart"
+            )
+            error.errno = exc.errno
+            raise error from exc
 
     def _register_inbox(self, datadist: dd.LLMDataDist) -> None:
         """The staging blocks prefill sides push into: one blocks cache per group."""
@@ -573,6 +597,20 @@ class WorkerSide:
         with self._lock:
             blocks, self._invalid_blocks = self._invalid_blocks, set()
         return blocks
+
+    def take_answer_counts(self) -> tuple[int, int]:
+        """(answers of same-host links read, of those by the engine's timer
+        sweep) since the last call; (0, 0) before registration or after
+        shutdown. Called from vLLM's worker thread after ``get_finished``, so
+        the answers of every load it reported are counted."""
+        datadist = self._datadist
+        if datadist is None:
+            return 0, 0
+        try:
+            counts = datadist.answer_counts()
+        except RuntimeError:  # finalized meanwhile
+            return 0, 0
+        return self._answers.delta(counts)
 
     def take_records(self) -> list[TransferRecord]:
         with self._lock:
