@@ -3,7 +3,7 @@
 Whoever waits reads: an awaiting loop's drain (the completion fd includes
 the answer sockets), a thread that looks at a task (``done()``,
 ``get_results(0)``), the engine's answer thread for a thread blocking in a
-wait, the callback loop for a callback registered from no loop. An answer
+wait, the callback thread for a callback registered from no loop. An answer
 nobody waits for is read by the housekeeper's sweep; one that came before
 its link went down still counts. Every case checks the bytes that landed,
 the result, and which reader took the answers (``answer_counts``).
@@ -85,7 +85,7 @@ def assert_block_moved(a: Peer, b: Peer, local, remote, sent: list[np.ndarray], 
 READERS = {
     "await": {"drain", "look"},
     "callback_in_loop": {"drain", "look"},
-    "callback": {"drain", "look"},  # the callback loop's drain
+    "callback": {"drain", "look"},  # the callback thread's drain
     "poll_in_loop": {"drain", "look"},
     "poll": {"look", "thread"},  # "thread": the answer thread may linger after a blocking call
     "poll_results": {"look", "thread"},

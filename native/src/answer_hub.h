@@ -17,8 +17,8 @@
 //   finalize) cannot read while it sleeps, so the hub's thread ("dd-answer")
 //   reads for it, and for kLinger after the last such wait so that a caller
 //   waiting again soon finds it awake: drive(kThread). A callback registered
-//   from no event loop is waited for by the library's callback loop, which
-//   reads like any loop.
+//   from no event loop is waited for by the library's callback thread,
+//   which drains the completion fd like a loop.
 // - Only an answer nobody came for (a task never awaited nor polled) is left
 //   to the transport's housekeeping: sweep() reads answers that have waited
 //   unread for sweep_after with no read by anyone in between (0: never).

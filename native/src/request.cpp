@@ -78,7 +78,7 @@ bool Request::cancelled() const {
   return skipped_ && cancel_reason_ == kCancelledStatus;
 }
 
-bool Request::look() const {
+bool Request::done() const {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (done_) return true;
@@ -90,10 +90,8 @@ bool Request::look() const {
   return done_;
 }
 
-bool Request::done() const { return look(); }
-
 int64_t Request::outcome() const {
-  if (!look()) return 0;
+  if (!done()) return 0;
   std::lock_guard<std::mutex> lock(mu_);
   if (skipped_ && cancel_reason_ == kCancelledStatus) return -1;
   for (Status s : results_) {
@@ -103,7 +101,7 @@ int64_t Request::outcome() const {
 }
 
 bool Request::wait(int64_t timeout_ms) const {
-  if (look()) return true;
+  if (done()) return true;
   if (timeout_ms == 0) return false;
   // The hub's thread reads answers while this one blocks.
   AnswerHub::Blocking blocking(completions_->answers());

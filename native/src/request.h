@@ -76,8 +76,6 @@ class Request {
 
  private:
   void complete_locked(std::unique_lock<std::mutex> &lock);
-  // Reads waiting answers unless done; true if done.
-  bool look() const;
 
   const uint64_t id_;
   std::shared_ptr<CompletionQueue> completions_;
