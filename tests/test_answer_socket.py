@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import datadist_aio as dd
-from peer import CacheRef, Peer, PeerGroup
+from peer import WAIT_STYLES, CacheRef, Peer, PeerGroup
 from test_same_host import blocks_desc
 from test_transfer import wait_for_path
 
@@ -93,6 +93,10 @@ READERS = {
     "blocking_in_loop": {"look", "thread"},
 }
 NO_SWEEP = {"answer_sweep_ms": 0}
+
+
+def test_every_way_of_waiting_the_harness_has_is_checked():
+    assert set(READERS) == set(WAIT_STYLES)
 
 
 @pytest.mark.parametrize(
