@@ -64,7 +64,7 @@ from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from vllm_pd import Engine, EngineError, connector_config, model_dir, prompts_of_lengths  # noqa: E402
+from vllm_pd import Engine, EngineError, connector_config, delta, model_dir, prompts_of_lengths  # noqa: E402
 
 METRICS = {
     "datadist": ("vllm:datadist_aio_xfer_time_seconds", "vllm:datadist_aio_bytes_transferred"),
@@ -121,10 +121,6 @@ def start_pair(kind: str, layout: str, model: Path) -> tuple[Engine, Engine]:
         prefill.close()
         raise
     return prefill, decode
-
-
-def delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
-    return after.get(name, 0.0) - before.get(name, 0.0)
 
 
 def one_batch(prefill: Engine, decode: Engine, prompts: list[list[int]], max_tokens: int,

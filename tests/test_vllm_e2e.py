@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_pd import Engine, connector_config, model_dir, prompts_of_lengths  # noqa: E402
+from vllm_pd import Engine, connector_config, delta, model_dir, prompts_of_lengths  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
@@ -76,10 +76,6 @@ def prefill_params(prefill: Engine, prompts: list[list[int]]) -> list[dict[str, 
     for p in params:
         assert p["do_remote_prefill"] is True and p["remote_block_ids"], p
     return params
-
-
-def delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
-    return after.get(name, 0.0) - before.get(name, 0.0)
 
 
 def test_disaggregated_output_equals_single_instance(pair: dict[str, Any]) -> None:

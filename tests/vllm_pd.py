@@ -53,6 +53,11 @@ def connector_config(kind: str, role: str, port: int, **extra: Any) -> dict[str,
     return config
 
 
+def delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
+    """How much metric ``name`` grew between two ``Engine.metrics()`` readings."""
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
 def _metric_values(llm: Any) -> dict[str, float]:
     """Counters and gauges by name; a histogram as its count, and ``name + "_sum"``."""
     values: dict[str, float] = {}
