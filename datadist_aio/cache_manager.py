@@ -11,6 +11,7 @@ import numpy as np
 
 from ._checks import (
     UINT32_MAX,
+    UINT64_MAX,
     check_dict,
     check_int64,
     check_isinstance,
@@ -87,6 +88,23 @@ def _check_pull_key(key: CacheKey) -> None:
 def _check_tensor_num_per_layer(value: Any) -> None:
     check_uint32("tensor_num_per_layer", value)
     raise_if_false(value > 0, f"tensor_num_per_layer must be > 0, got {value}")
+
+
+def _range_rows(ranges: Any) -> np.ndarray:
+    """``ranges`` as the engine takes them: C-contiguous uint64, shape (n, 5)."""
+    given = isinstance(ranges, np.ndarray)
+    if given and ranges.dtype.kind not in "iu":
+        raise TypeError(f"ranges must hold integers, got dtype {ranges.dtype}")
+    rows = ranges if given else np.array(ranges, dtype=object)
+    raise_if_false(rows.ndim == 2 and rows.shape[1] == 5 and rows.shape[0] > 0,
+                   f"ranges must be n > 0 rows of five ints, got shape {rows.shape}")
+    if not given:
+        for value in rows.flat:
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"ranges must hold ints, got {type(value).__name__}")
+    if int(rows.min()) < 0 or int(rows.max()) > UINT64_MAX:
+        raise ValueError("every value of ranges must be in [0, 2**64 - 1]")
+    return np.ascontiguousarray(rows, dtype=np.uint64)
 
 
 def _layer_span(
@@ -635,13 +653,15 @@ class CacheManager:
         blocks ``src_blocks`` (a ``BlocksCacheKey``), or the peer's batch slot
         cut into blocks (a ``CacheKey`` / ``CacheKeyByIdAndIndex``, no
         ``src_blocks``). Keywords as ``pull_cache``."""
-        # As push_blocks_async: the usual call with a BlocksCacheKey goes
-        # straight to the engine; any other, through every check below.
+        # As push_blocks_async: the usual call with a BlocksCacheKey (no
+        # keyword but a plain tensor_num_per_layer, which a pull of every
+        # layer does not use) goes straight to the engine; any other, through
+        # every check below.
         if (
             type(src_cache_key) is BlocksCacheKey
             and type(dst_cache) is Cache
             and dst_cache._is_blocks_cache
-            and not kwargs
+            and (not kwargs or (len(kwargs) == 1 and _default_span(dst_cache, kwargs.get("tensor_num_per_layer"))))
             and type(src_blocks) in (list, tuple)
             and src_blocks
             and self._valid
@@ -690,6 +710,39 @@ class CacheManager:
     ) -> None:
         """``pull_blocks_async``, waited for; raises ``LLMException`` on failure."""
         _wait(self.pull_blocks_async(src_cache_key, dst_cache, src_blocks, dst_blocks, **kwargs))
+
+    def pull_block_ranges_async(
+        self,
+        src_cache_key: BlocksCacheKey,
+        dst_cache: Cache,
+        ranges: Any,
+        **kwargs: Any,
+    ) -> CacheTask:
+        """Starts pulling byte ranges inside blocks, for every selected layer.
+
+        Not in LLM-DataDist: it serves peers whose blocks are cut differently
+        (another block size, another share of the KV heads). ``ranges`` is an
+        integer array of shape ``(n, 5)`` (or ``n`` sequences of five ints):
+        ``(src_block, src_offset, dst_block, dst_offset, length)``, offsets
+        and length in bytes, each range inside one block on both sides. The
+        same ranges apply to each tensor; keywords as ``pull_blocks``. The
+        peer checks every range against its own blocks; destination ranges
+        may not overlap.
+        """
+        check_isinstance("src_cache_key", src_cache_key, BlocksCacheKey, allow_none=False)
+        check_isinstance("dst_cache", dst_cache, Cache, allow_none=False)
+        raise_if_false(dst_cache.is_blocks_cache, "pull_block_ranges needs a blocks destination cache")
+        rows = _range_rows(ranges)
+        span = self._pull_span(dst_cache, kwargs)
+        self._check_valid()
+        started = self._engine.pull_ranges(
+            dst_cache.cache_id, src_cache_key.cluster_id, remote_name(src_cache_key), rows, span
+        )
+        return self._task(started, lambda: f"pull_block_ranges({src_cache_key!r} -> cache {dst_cache.cache_id})")
+
+    def pull_block_ranges(self, src_cache_key: BlocksCacheKey, dst_cache: Cache, ranges: Any, **kwargs: Any) -> None:
+        """``pull_block_ranges_async``, waited for; raises ``LLMException`` on failure."""
+        _wait(self.pull_block_ranges_async(src_cache_key, dst_cache, ranges, **kwargs))
 
     # -- layer-wise transfer -----------------------------------------------------
 

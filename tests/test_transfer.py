@@ -292,6 +292,45 @@ def test_pull_blocks(pair, num_tensors, per_layer, src_range, dst_range, runs):
     assert_tensors(pair.b.read(local), expected)
 
 
+def block_ranges_case(pair: Pair) -> tuple[CacheRef, CacheRef, list[np.ndarray], list[np.ndarray], np.ndarray]:
+    """A remote blocks cache of 256-byte blocks and a local one of 1 KiB
+    blocks, filled, and ranges between them of every kind: whole blocks,
+    four remote blocks side by side in one local block, pieces at odd
+    offsets, the last bytes of both."""
+    model_id = next(_model_ids)
+    remote = pair.a.allocate(blocks_desc(), blocks=True, model_id=model_id)
+    local = pair.b.register(blocks_desc(num_blocks=8, block_elems=512), blocks=True)
+    data = pair.a.fill(remote, 31)
+    before = pair.b.fill(local, 32)
+    rows = np.array(
+        [(3, 0, 2, 0, 256), (4, 0, 2, 256, 256), (5, 0, 2, 512, 256), (6, 0, 2, 768, 256),
+         (0, 10, 0, 1000, 24), (31, 255, 7, 1023, 1), (17, 100, 5, 3, 101)], dtype=np.uint64)
+    return remote, local, data, before, rows
+
+
+def expect_ranges(before: Sequence[np.ndarray], data: Sequence[np.ndarray], rows: np.ndarray,
+                  tensors: Sequence[tuple[int, int]]) -> list[np.ndarray]:
+    expected = [t.copy() for t in before]
+    for local_t, remote_t in tensors:
+        for sb, so, db, do, n in rows.tolist():
+            expected[local_t][db * 1024 + do : db * 1024 + do + n] = data[remote_t][sb * 256 + so : sb * 256 + so + n]
+    return expected
+
+
+def test_pull_block_ranges_between_different_block_sizes(pair):
+    remote, local, data, before, rows = block_ranges_case(pair)
+    pair.move(pair.b, "pull_block_ranges", remote.blocks_key(), local, rows)
+    assert_tensors(pair.b.read(local), expect_ranges(before, data, rows, [(t, t) for t in range(4)]))
+
+
+def test_pull_block_ranges_of_some_layers_from_a_list(pair):
+    remote, local, data, before, rows = block_ranges_case(pair)
+    listed = [tuple(int(v) for v in row) for row in rows[:3]]
+    pair.move(pair.b, "pull_block_ranges", remote.blocks_key(), local, listed,
+              src_layer_range=range(1, 2), dst_layer_range=range(0, 1), tensor_num_per_layer=2)
+    assert_tensors(pair.b.read(local), expect_ranges(before, data, rows[:3], [(0, 2), (1, 3)]))
+
+
 def test_pull_blocks_from_a_contiguous_slot(pair):
     # A slot of the remote contiguous cache is four blocks' worth of bytes.
     remote = pair.a.allocate(slots_desc(batch=3, slot_bytes=4 * 256))
@@ -568,6 +607,41 @@ def test_pull_blocks_checks(checked):
         (NOT_EXIST, (dd.BlocksCacheKey(A, next(_model_ids)), dst, [0], [0]), {}),
         (NOT_YET_LINK, (dd.BlocksCacheKey(UNLINKED, model_id), dst, [0], [0]), {}),
     ])
+
+
+def test_pull_block_ranges_checks(checked):
+    a, b = checked.a, checked.b
+    model_id = next(_model_ids)
+    a.allocate(blocks_desc(), blocks=True, model_id=model_id)  # 32 blocks of 256 bytes
+    dst = b.allocate(blocks_desc(num_blocks=8, block_elems=512), blocks=True)  # 8 of 1 KiB
+    before = b.fill(dst, 41)
+    contiguous = b.allocate(slots_desc())
+    key = dd.BlocksCacheKey(A, model_id)
+    ok = [(0, 0, 0, 0, 256)]
+    assert_refused(b, checked.via, "pull_block_ranges", [
+        (TypeError, (dd.CacheKey(A, 1), dst, ok), {}),
+        (TypeError, (key, "cache", ok), {}),
+        (TypeError, (key, dst, [(0, 0, 0, 0, 1.5)]), {}),
+        (TypeError, (key, dst, np.zeros((1, 5), np.float32)), {}),
+        (ValueError, (key, dst, [(0, 0, 0, 0, -1)]), {}),
+        (PARAM_INVALID, (key, dst, [(0, 0, 0), (1, 1)]), {}),  # ragged
+        (PARAM_INVALID, (key, dst, []), {}),
+        (PARAM_INVALID, (key, dst, [(0, 0, 0, 0)]), {}),
+        (PARAM_INVALID, (key, contiguous, ok), {}),
+        (PARAM_INVALID, (key, dst, ok), {"tensor_num_per_layer": 0}),
+        # Decided by this side, with its own geometry.
+        (PARAM_INVALID, (key, dst, [(0, 0, 8, 0, 1)]), {}),  # past the local blocks
+        (PARAM_INVALID, (key, dst, [(0, 0, 0, 1000, 25)]), {}),  # leaves the local block
+        (PARAM_INVALID, (key, dst, [(0, 0, 0, 0, 0)]), {}),  # empty
+        (PARAM_INVALID, (key, dst, [(0, 0, 1, 0, 200), (1, 0, 1, 199, 10)]), {}),  # overlap
+        (PARAM_INVALID, (key, dst, [(0, 2**64 - 1, 0, 0, 2)]), {}),  # overflows
+        # Decided by the peer, with its geometry: nothing lands here.
+        (PARAM_INVALID, (key, dst, [(0, 250, 0, 0, 7)]), {}),  # leaves the peer's block
+        (PARAM_INVALID, (key, dst, [(32, 0, 0, 0, 1)]), {}),  # past the peer's blocks
+        (NOT_EXIST, (dd.BlocksCacheKey(A, next(_model_ids)), dst, ok), {}),
+        (NOT_YET_LINK, (dd.BlocksCacheKey(UNLINKED, model_id), dst, ok), {}),
+    ])
+    assert_tensors(b.read(dst), before)  # a refused range wrote no byte
 
 
 @pytest.mark.parametrize(

@@ -201,6 +201,8 @@ def test_decode_plans_one_load_per_request() -> None:
             remote_host="10.0.0.7",
             remote_port=5710,
             remote_request_id="p-req",
+            first_token=0,
+            remote_tp_size=1,
         )
     }
     assert request.kv_transfer_params is not None and request.kv_transfer_params["do_remote_prefill"] is False
@@ -212,7 +214,9 @@ def test_decode_with_local_prefix_hit_reads_only_the_tail() -> None:
     request = Request("d", list(range(100)), remote_params(remote_block_ids=[1, 2, 3, 4]))
     side.update_state_after_alloc(request, [20, 21], 36)
     spec = side.build_plan().loads["d"]
-    assert (spec.local_block_ids, spec.remote_block_ids) == ([20, 21], [3, 4])
+    # 64 tokens were found locally: the worker reads from token 64 on, of
+    # the prefill's whole list (its block size may differ).
+    assert (spec.local_block_ids, spec.remote_block_ids, spec.first_token) == ([20, 21], [1, 2, 3, 4], 64)
 
 
 def test_decode_full_local_hit_only_releases_the_prefill() -> None:
@@ -372,3 +376,11 @@ def test_connector_scheduler_role_end_to_end_of_one_request() -> None:
 
     connector.update_connector_output(Output())
     assert not connector.has_pending_block_frees()
+
+
+@pytest.mark.parametrize("given, taken", [(2, 2), (8, 8), (None, 1), ("2", 1), (0, 1), (True, 1)])
+def test_decode_learns_the_prefill_tp_size_from_its_params(given: Any, taken: int) -> None:
+    side = SchedulerSide(SETTINGS, Clock())
+    params = remote_params() if given is None else remote_params(tp_size=given)
+    side.update_state_after_alloc(Request("d", list(range(70)), params), [11, 12, 13], 70)
+    assert side.build_plan().loads["d"].remote_tp_size == taken

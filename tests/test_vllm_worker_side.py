@@ -280,3 +280,83 @@ def test_side_channel_port_taken_names_the_address_and_the_settings(listens: str
         assert part in message, message
     assert side._loop is None and side._thread is not None and not side._thread.is_alive()
     assert side.take_answer_counts() == (0, 0)
+
+
+class _Pull:
+    """A pull's CacheTask as get_finished sees it: done or not, then successful."""
+
+    def __init__(self) -> None:
+        self.finished = False
+
+    def done(self) -> bool:
+        return self.finished
+
+    def get_results(self, timeout: int = 0) -> list[Any]:
+        import datadist_aio as dd
+
+        return [dd.LLMStatusCode.LLM_SUCCESS]
+
+    def cancel(self) -> bool:
+        return False
+
+
+def _held_side(wait_ms: float) -> tuple[WorkerSide, Any]:
+    """A decode WorkerSide with no engine: loads are put in flight by hand."""
+    import asyncio
+
+    side = WorkerSide(WorkerSettings(engine_id="decode", is_producer=False, load_batch_wait_ms=wait_ms))
+    side._loop = loop = asyncio.new_event_loop()  # not running: the releases only queue on it
+    return side, loop
+
+
+def _in_flight(side: WorkerSide, req: str, step: int, error: str = "") -> _Pull:
+    from datadist_aio.integrations.vllm.worker import _Load
+
+    pull = _Pull()
+    spec = LoadSpec(req, [1], [2], "prefill", "127.0.0.1", 1, "p-" + req)
+    now = time.perf_counter()
+    # A load refused before it started has no task, only its error.
+    side._inflight.append(_Load(spec, now, now + 60, tasks=[] if error else [pull], error=error, step=step))
+    return pull
+
+
+def test_loads_of_one_step_reach_vllm_together() -> None:
+    side, loop = _held_side(wait_ms=10_000)
+    try:
+        a, b = _in_flight(side, "a", 1), _in_flight(side, "b", 1)
+        other = _in_flight(side, "c", 2)
+        a.finished = other.finished = True
+        # "a" waits for "b" of its step; "c", alone in its step, goes at once.
+        assert side.get_finished()[1] == {"c"}
+        assert side.get_finished()[1] == set()
+        b.finished = True
+        assert side.get_finished()[1] == {"a", "b"}
+        assert side.get_finished()[1] == set()
+        assert [record.ok for record in side.take_records()] == [True, True, True]
+    finally:
+        loop.close()
+
+
+def test_a_held_load_goes_when_the_wait_is_over() -> None:
+    side, loop = _held_side(wait_ms=50)
+    try:
+        a, _b = _in_flight(side, "a", 1), _in_flight(side, "b", 1)
+        failed = _in_flight(side, "f", 1, error="link: refused")
+        a.finished = True
+        # A failed load is never held; a finished one only up to the wait.
+        assert side.get_finished()[1:] == ({"f"}, {"f"})
+        assert side.get_finished()[1] == set()
+        time.sleep(0.06)
+        assert side.get_finished()[1] == {"a"}
+    finally:
+        loop.close()
+
+
+def test_no_wait_reports_each_load_as_it_finishes() -> None:
+    side, loop = _held_side(wait_ms=0)
+    try:
+        a, _b = _in_flight(side, "a", 1), _in_flight(side, "b", 1)
+        a.finished = True
+        assert side.get_finished()[1] == {"a"}
+    finally:
+        loop.close()

@@ -74,7 +74,7 @@ def _metric_values(llm: Any) -> dict[str, float]:
 
 
 def _engine_main(conn: Any, model: str, kv_transfer: Optional[dict[str, Any]], env: dict[str, str],
-                 policy: Optional[str]) -> None:
+                 policy: Optional[str], llm_args: dict[str, Any]) -> None:
     os.environ.update(env)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -89,7 +89,7 @@ def _engine_main(conn: Any, model: str, kv_transfer: Optional[dict[str, Any]], e
             if policy is not None:
                 fields["kv_load_failure_policy"] = policy
             config = KVTransferConfig(**fields)
-        llm = LLM(
+        args: dict[str, Any] = dict(
             model=model,
             skip_tokenizer_init=True,
             dtype="float32",
@@ -101,6 +101,10 @@ def _engine_main(conn: Any, model: str, kv_transfer: Optional[dict[str, Any]], e
             disable_log_stats=False,
             seed=0,
         )
+        args.update(llm_args)
+        if args.get("tensor_parallel_size", 1) > 1:
+            args.setdefault("distributed_executor_backend", "mp")
+        llm = LLM(**args)
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         return
@@ -158,11 +162,15 @@ class Engine:
 
     def __init__(self, model: Path, kv_transfer: Optional[dict[str, Any]] = None, *,
                  policy: Optional[str] = None, env: Optional[dict[str, str]] = None,
-                 start_timeout: float = 400.0) -> None:
+                 start_timeout: float = 400.0, **llm_args: Any) -> None:
+        """``llm_args`` go to ``vllm.LLM`` over the defaults (``tensor_parallel_size``,
+        ``block_size``, ``enable_prefix_caching``, ...); TP above 1 runs its
+        workers as processes (``distributed_executor_backend="mp"``)."""
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.process = ctx.Process(
-            target=_engine_main, args=(child, str(model), kv_transfer, dict(env or {}), policy), daemon=True
+            target=_engine_main, args=(child, str(model), kv_transfer, dict(env or {}), policy, llm_args),
+            daemon=True,
         )
         self.process.start()
         child.close()

@@ -1,3 +1,4 @@
+#include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
 #include <optional>
@@ -353,7 +354,25 @@ void bind_engine(py::module_ &m) {
             });
           },
           py::arg("dst_id"), py::arg("peer"), py::arg("src"), py::arg("src_blocks"), py::arg("dst_blocks"),
-          py::arg("span"));
+          py::arg("span"))
+      .def(
+          "pull_ranges",
+          // `ranges`: a C-contiguous uint64 array of shape (n, 5), one row
+          // (src_block, src_offset, dst_block, dst_offset, length) per range.
+          [](Engine &e, int64_t dst_id, uint64_t peer, const NameTuple &src,
+             const py::array_t<uint64_t, py::array::c_style> &rows, const SpanTuple &span) {
+            if (rows.ndim() != 2 || rows.shape(1) != 5) throw py::value_error("ranges must have shape (n, 5)");
+            std::vector<BlockRange> ranges(static_cast<size_t>(rows.shape(0)));
+            const uint64_t *row = rows.data();
+            for (BlockRange &r : ranges) {
+              r = BlockRange{row[0], row[1], row[2], row[3], row[4]};
+              row += 5;
+            }
+            return start_request([&](std::shared_ptr<Request> &out) {
+              return e.pull_ranges(dst_id, peer, make_name(src), ranges, make_span(span), out);
+            });
+          },
+          py::arg("dst_id"), py::arg("peer"), py::arg("src"), py::arg("ranges"), py::arg("span"));
 }
 
 }  // namespace datadist::bindings

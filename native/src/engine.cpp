@@ -1,6 +1,8 @@
 #include "engine.h"
 
+#include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <mutex>
 #include <system_error>
 #include <thread>
@@ -677,6 +679,58 @@ Status Engine::pull_blocks(int64_t dst_id, uint64_t peer, const RemoteName &src_
       const uint64_t offset = j * block;
       planner.add(dst->addrs[local] + dst_blocks[j] * block, remote_tensor, src_name.slot, offset,
                   std::min(block, remote.slot_size - offset));
+    }
+  });
+  return start_remote(link, false, planner, dst, out);
+}
+
+Status Engine::pull_ranges(int64_t dst_id, uint64_t peer, const RemoteName &src_name,
+                           const std::vector<BlockRange> &ranges, const LayerSpan &span,
+                           std::shared_ptr<Request> &out) {
+  std::shared_lock<std::shared_mutex> lock(state_mu_);
+  std::shared_ptr<CacheEntry> dst;
+  std::shared_ptr<Link> link;
+  Status st = prepare_remote(dst_id, peer, span, dst, link);
+  if (st != LLM_SUCCESS) return st;
+  if (ranges.empty()) return refuse(LLM_PARAM_INVALID, "ranges is empty");
+  const uint64_t block = dst->geometry.slot_size;
+  const uint64_t blocks = dst->geometry.num_slots;
+  for (size_t k = 0; k < ranges.size(); ++k) {
+    const BlockRange &r = ranges[k];
+    if (r.length == 0) return refuse(LLM_PARAM_INVALID, words("ranges[", k, "] has length 0"));
+    if (r.dst_block >= blocks) {
+      return refuse(LLM_PARAM_INVALID, words("ranges[", k, "]: dst_block ", r.dst_block,
+                                             " is out of range: the local cache has ", blocks, " blocks"));
+    }
+    if (r.dst_offset >= block || r.length > block - r.dst_offset) {
+      return refuse(LLM_PARAM_INVALID, words("ranges[", k, "]: [", r.dst_offset, ", +", r.length,
+                                             ") leaves the local block of ", block, " bytes"));
+    }
+    if (r.src_offset > UINT64_MAX - r.length) {
+      return refuse(LLM_PARAM_INVALID, words("ranges[", k, "]: src_offset ", r.src_offset, " + length ",
+                                             r.length, " overflows"));
+    }
+  }
+  // No two ranges write the same local byte: the outcome would depend on
+  // the order the peer served them in.
+  std::vector<size_t> order(ranges.size());
+  for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+  auto start = [&](size_t k) { return ranges[k].dst_block * block + ranges[k].dst_offset; };
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return start(a) < start(b); });
+  for (size_t i = 1; i < order.size(); ++i) {
+    const size_t a = order[i - 1], b = order[i];
+    if (start(a) + ranges[a].length > start(b)) {
+      return refuse(LLM_PARAM_INVALID, words("ranges[", a, "] and ranges[", b, "] overlap in local block ",
+                                             ranges[b].dst_block));
+    }
+  }
+  wire::Target target = name_target(src_name);
+  target.flags = wire::kWithinSlot;
+  FramePlanner planner(target);
+  for_each_tensor(span, [&](uint32_t local, uint32_t remote) {
+    for (const BlockRange &r : ranges) {
+      planner.add(dst->addrs[local] + r.dst_block * block + r.dst_offset, remote, r.src_block, r.src_offset,
+                  r.length);
     }
   });
   return start_remote(link, false, planner, dst, out);

@@ -51,6 +51,17 @@ struct RemoteName {
   uint64_t slot = 0;
 };
 
+// Bytes [src_offset, src_offset + length) of block src_block of a peer's
+// blocks cache, paired with [dst_offset, dst_offset + length) of local block
+// dst_block (Engine::pull_ranges).
+struct BlockRange {
+  uint64_t src_block = 0;
+  uint64_t src_offset = 0;
+  uint64_t dst_block = 0;
+  uint64_t dst_offset = 0;
+  uint64_t length = 0;
+};
+
 // One layer of a layer-wise transfer to one destination. With no block
 // lists the source batch slot moves whole; with both, blocks move to
 // blocks; with destination blocks only, the slot is cut into chunks of
@@ -157,6 +168,13 @@ class Engine {
                     const LayerSpan &span, std::shared_ptr<Request> &out);
   Status pull_blocks(int64_t dst_id, uint64_t peer, const RemoteName &src, const std::vector<uint64_t> &src_blocks,
                      const std::vector<uint64_t> &dst_blocks, const LayerSpan &span, std::shared_ptr<Request> &out);
+  // Byte ranges inside blocks: for every tensor of `span`, bytes
+  // [src_offset, + length) of the peer's block src_block land at
+  // [dst_offset, + length) of local block dst_block. Each range stays inside
+  // one block on both sides (the peer checks its own); destination ranges
+  // may not overlap. The peer's block size may differ from this cache's.
+  Status pull_ranges(int64_t dst_id, uint64_t peer, const RemoteName &src, const std::vector<BlockRange> &ranges,
+                     const LayerSpan &span, std::shared_ptr<Request> &out);
 
   // A request for work its creator adds step by step (one hold, owned by the
   // creator, released when it has added everything).

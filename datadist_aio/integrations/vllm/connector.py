@@ -158,6 +158,14 @@ def _tp_size(vllm_config: Any) -> int:
     return int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
 
 
+def _kv_heads(vllm_config: Any) -> int:
+    """The model's KV heads, all ranks together (0 where vLLM does not say)."""
+    try:
+        return int(vllm_config.model_config.get_total_num_kv_heads())
+    except (AttributeError, TypeError, ValueError):
+        return 0
+
+
 def _on_device() -> bool:
     """Whether this vLLM keeps its KV cache off the host (a GPU build)."""
     try:
@@ -234,11 +242,16 @@ class DatadistAioConnector(KVConnectorBase_V1):
                 WorkerSettings(
                     engine_id=engine_id,
                     rank=rank,
+                    tp_size=_tp_size(vllm_config),
+                    kv_heads=_kv_heads(vllm_config),
+                    block_size=int(getattr(vllm_config.cache_config, "block_size", 0) or 0),
+                    mla=bool(getattr(vllm_config.model_config, "use_mla", False)),
                     is_producer=bool(transfer.is_kv_producer),
                     is_consumer=bool(transfer.is_kv_consumer),
                     host=host,
                     side_channel_port=base_port + rank if listens else 0,
                     load_timeout_s=float(extra.get("load_timeout_s", 10.0)),
+                    load_batch_wait_ms=float(extra.get("load_batch_wait_ms", 5.0)),
                     link_timeout_ms=int(extra.get("link_timeout_ms", 3000)),
                     transfer_mode=mode,
                     inbox_blocks=int(extra.get("inbox_blocks", 512)),

@@ -15,8 +15,13 @@ __all__ = ["LoadSpec", "SaveSpec", "StepPlan"]
 class LoadSpec:
     """One request whose prompt KV the decode side reads from a prefill instance.
 
-    ``local_block_ids[k]`` receives the prefill's ``remote_block_ids[k]``; an
-    empty ``local_block_ids`` means nothing to read, only the prefill to release.
+    ``remote_block_ids`` hold the whole prompt on the prefill;
+    ``local_block_ids`` receive it from token ``first_token`` on (the tokens
+    before were found in the local prefix cache). The two instances' block
+    sizes may differ. An empty ``local_block_ids`` means nothing to read, only
+    the prefill to release. ``remote_port`` is the side channel of the
+    prefill's rank 0; rank ``r`` of its ``remote_tp_size`` listens on
+    ``remote_port + r``.
     """
 
     req_id: str
@@ -27,6 +32,8 @@ class LoadSpec:
     remote_port: int
     # The prefill's own request id, used to release its blocks.
     remote_request_id: str
+    first_token: int = 0
+    remote_tp_size: int = 1
 
 
 @dataclass

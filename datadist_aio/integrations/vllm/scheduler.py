@@ -133,19 +133,22 @@ class SchedulerSide:
             return
         remote = _flat_blocks(params["remote_block_ids"])
         local = [int(block) for block in local_block_ids] if num_external_tokens > 0 else []
-        # Local prefix-cache hits cover the leading blocks: read only the tail.
-        if local and len(local) <= len(remote):
-            remote = remote[len(remote) - len(local):]
-        elif local:
-            local = local[: len(remote)]
+        # Local prefix-cache hits cover the leading blocks: the worker reads
+        # only the tokens after them (the block sizes may differ, so it maps
+        # tokens, not block counts).
+        prompt = getattr(request, "prompt_token_ids", None) or []
+        first_token = max(0, len(prompt) - num_external_tokens) if local else 0
+        tp_size = params.get("tp_size", 1)
         self._loads[request.request_id] = LoadSpec(
             req_id=request.request_id,
-            local_block_ids=local,
+            local_block_ids=local if remote else [],
             remote_block_ids=remote if local else [],
             remote_engine_id=str(params["remote_engine_id"]),
             remote_host=str(params["remote_host"]),
             remote_port=int(params["remote_port"]),
             remote_request_id=str(params.get("remote_request_id", request.request_id)),
+            first_token=first_token,
+            remote_tp_size=tp_size if type(tp_size) is int and 1 <= tp_size <= 1024 else 1,
         )
 
     # -- prefill side ---------------------------------------------------------

@@ -14,8 +14,12 @@ first link to a peer, release notices.
 - Prefill side: listens for links, answers the side channel (who it is, its
   layout; which requests a decode side has finished reading) and frees a
   request's blocks when its decode side confirms or its lease runs out.
-- Decode side: links to a prefill on first use (then reuses the link) and
-  reads each request's blocks with ``pull_blocks_async``. A load that fails
+- Decode side: on a prefill instance's first use, says hello to its ranks,
+  maps their KV layout onto its own (``layout.py``: another TP size, another
+  block size) and links to the ranks it reads from (then reuses all of it);
+  it reads each request's blocks with ``pull_blocks_async``, or the byte
+  ranges inside them with ``pull_block_ranges_async`` where the layouts
+  differ, and tells every prefill rank when it is done. A load that fails
   or exceeds ``load_timeout_s`` is cancelled in the engine and reported only
   once it has settled (no byte lands afterwards), with its blocks in
   ``load_errors``; it never blocks the step.
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import hashlib
 import logging
 import os
@@ -45,6 +50,7 @@ import datadist_aio as dd
 
 from .host_buffer import HostBuffer, needs_host_buffer
 from .inbox import CLAIMED, COMMITTED, Inbox
+from .layout import INTERIORS, GroupShape, HeadMap, LayoutError, WorkerLayout, heads_of, map_heads, plan_ranges
 from .metadata import LoadSpec, StepPlan
 from .push import INBOX_MODEL_ID, Pusher, PushSettings
 from .side_channel import SideChannelClient, SideChannelPortError, SideChannelServer
@@ -56,6 +62,7 @@ log = logging.getLogger(__name__)
 
 _MODEL_ID_BASE = 0
 _MAX_PENDING_RELEASES = 1 << 16
+_MAX_READERS = 1024  # decode ranks that may share one prefill rank's request
 _MAX_IDS = 4096
 TRANSFER_MODES = ("pull", "push_layerwise")
 _TORCH_TO_DATATYPE = {
@@ -157,12 +164,59 @@ def describe_kv_caches(kv_caches: Mapping[str, Any], num_blocks: Optional[int] =
     return list(groups.values())
 
 
+def _instance(spec: LoadSpec) -> tuple[str, int, int]:
+    """A prefill instance: host, base side-channel port (its rank 0's), TP size."""
+    return spec.remote_host, spec.remote_port, max(1, spec.remote_tp_size)
+
+
+def worker_layout(groups: list[CacheGroup], settings: "WorkerSettings") -> WorkerLayout:
+    """This worker's KV layout, as its peers are told it.
+
+    The block interior is read off each group's block shape against the
+    heads this rank holds and the block size: ``[heads, tokens, channels]``
+    (vLLM's CPU backend) is ``HNC``, ``[tokens, channels]`` with MLA is
+    ``NC``, ``[tokens, heads, channels]`` is ``NHC``. Where the settings do
+    not give the heads or the block size, a 3-D block is taken as ``HNC``
+    and a 2-D one as ``NC``.
+    """
+    first = groups[0].block_shape if groups else []
+    kv_heads, block_size = settings.kv_heads, settings.block_size
+    if settings.mla or (not kv_heads and len(first) == 2):
+        kv_heads = 1
+    elif not kv_heads:
+        kv_heads = first[0] * settings.tp_size if len(first) == 3 else 1
+    if not block_size:
+        block_size = first[1] if len(first) == 3 else first[0] if len(first) == 2 else 1
+    local_heads = len(heads_of(settings.rank, settings.tp_size, kv_heads))
+    shapes = []
+    for group in groups:
+        shape = tuple(group.block_shape)
+        if len(shape) == 3 and shape[:2] == (local_heads, block_size) and not settings.mla:
+            interior = "HNC"
+        elif len(shape) == 2 and shape[0] == block_size and kv_heads == 1:
+            interior = "NC"
+        elif len(shape) == 3 and shape[:2] == (block_size, local_heads) and not settings.mla:
+            interior = "NHC"
+        else:
+            interior = "opaque"
+        assert interior in INTERIORS
+        shapes.append(GroupShape(group.dtype, shape, group.per_layer, len(group.addresses), interior))
+    return WorkerLayout(settings.tp_size, settings.rank, kv_heads, block_size, tuple(shapes))
+
+
 @dataclass(frozen=True)
 class WorkerSettings:
     """How one worker of a connector behaves."""
 
     engine_id: str
     rank: int = 0
+    # The instance's shape: TP size, the model's KV heads (0: read off the
+    # tensors), tokens per block (0: read off the tensors), MLA (one latent
+    # tensor per layer).
+    tp_size: int = 1
+    kv_heads: int = 0
+    block_size: int = 0
+    mla: bool = False
     is_producer: bool = True
     is_consumer: bool = True
     host: str = "127.0.0.1"
@@ -170,6 +224,9 @@ class WorkerSettings:
     load_timeout_s: float = 10.0
     link_timeout_ms: int = 3000
     notify_timeout_s: float = 2.0
+    # Loads that one step started reach vLLM together: a finished one waits
+    # at most this long for the rest of its step (0: each as it finishes).
+    load_batch_wait_ms: float = 5.0
     # "pull", or "push_layerwise": a consumer lends an inbox, a producer with
     # push_port pushes into the inbox of the decode side listening there.
     transfer_mode: str = "pull"
@@ -202,9 +259,28 @@ class _Peer:
     client: SideChannelClient
     lock: asyncio.Lock
     cluster_id: int = 0
-    layout: Optional[list[dict[str, Any]]] = None
+    listen_port: int = 0
+    layout: Optional[WorkerLayout] = None
     cluster: Optional[dd.LLMClusterInfo] = None
     linked: bool = False
+
+
+@dataclass(frozen=True)
+class _Source:
+    """One prefill rank this decode worker reads from, and what it reads."""
+
+    port: int
+    cluster_id: int
+    head_map: HeadMap
+    layout: WorkerLayout
+
+
+@dataclass(frozen=True)
+class _Route:
+    """How this decode worker reads a prefill instance: the same for every load."""
+
+    sources: tuple[_Source, ...]
+    mine: WorkerLayout
 
 
 @dataclass
@@ -219,6 +295,8 @@ class _Load:
     error: str = ""
     cancelled: bool = False
     local: bool = False  # copied from the inbox, not pulled
+    step: int = -1  # the start_loads call that began it; -1: begun later, on the loop thread
+    held_since: float = 0.0  # when get_finished first found it done but held it for its step
 
 
 class WorkerSide:
@@ -234,6 +312,7 @@ class WorkerSide:
         self.settings = settings
         self.cluster_id = cluster_id_for(settings.engine_id, settings.rank)
         self.groups: list[CacheGroup] = []
+        self.layout: Optional[WorkerLayout] = None
         self.side_channel_port = 0
         self._datadist: Optional[dd.LLMDataDist] = None
         self._caches: list[dd.Cache] = []
@@ -242,9 +321,13 @@ class WorkerSide:
         self._server: Optional[SideChannelServer] = None
         self._peers: dict[tuple[str, int], _Peer] = {}
         self._linking: set[asyncio.Task[None]] = set()
-        # Cluster ids of linked peers by side-channel address (written on the
-        # loop thread, read on the worker thread).
-        self._linked: dict[tuple[str, int], int] = {}
+        # How to read each prefill instance, by (host, base side-channel
+        # port, its TP size) (written on the loop thread, read on the worker
+        # thread).
+        self._routes: dict[tuple[str, int, int], _Route] = {}
+        # Decode ranks that read each request (prefill side): released when
+        # as many have said done as the first of them announced.
+        self._dones: OrderedDict[str, list[int]] = OrderedDict()
         # Shared between the loop thread and vLLM's worker thread.
         self._lock = threading.Lock()
         self._finished_recving: set[str] = set()
@@ -253,6 +336,7 @@ class WorkerSide:
         self._released: OrderedDict[str, float] = OrderedDict()
         self._records: list[TransferRecord] = []
         self._inflight: list[_Load] = []
+        self._step = 0  # start_loads calls that began loads
         # vLLM's worker thread only.
         self._answers = AnswerCounter()
         self._leases: dict[str, float] = {}
@@ -276,6 +360,7 @@ class WorkerSide:
             kv_caches = self._host.host
         self._layer_names = list(kv_caches)
         self.groups = describe_kv_caches(kv_caches, num_blocks)
+        self.layout = worker_layout(self.groups, self.settings)
         if self.settings.transfer_mode == "push_layerwise":
             if len(self.groups) != 1 or len(self.groups[0].addresses) != len(kv_caches) * self.groups[0].per_layer:
                 raise ValueError(
@@ -438,6 +523,7 @@ class WorkerSide:
         if not plan.loads:
             return
         assert self._loop is not None, "register_kv_caches was not called"
+        self._step += 1
         for spec in plan.loads.values():
             if not spec.local_block_ids:
                 # Nothing to read (a local prefix hit or an abort): only release the prefill.
@@ -447,23 +533,23 @@ class WorkerSide:
                 continue
             start = time.perf_counter()
             state = self._inbox.state(spec.remote_engine_id, spec.remote_request_id) if self._inbox else None
-            if state == COMMITTED and self._begin_local(spec, start):
+            if state == COMMITTED and self._begin_local(spec, start, self._step):
                 continue
             if state == CLAIMED:
                 self._loop.call_soon_threadsafe(self._spawn_wait_commit, spec, start)
                 continue
-            self._begin_pull(spec, start)
+            self._begin_pull(spec, start, self._step)
 
-    def _begin_pull(self, spec: LoadSpec, start: float) -> None:
+    def _begin_pull(self, spec: LoadSpec, start: float, step: int = -1) -> None:
         """Pulls one load from its prefill, linking first where needed (either thread)."""
         assert self._loop is not None
-        cluster_id = self._linked.get((spec.remote_host, spec.remote_port))
-        if cluster_id is not None:
-            self._begin(spec, cluster_id, start)
+        route = self._routes.get(_instance(spec))
+        if route is not None:
+            self._begin(spec, route, start, step=step)
         else:
             self._loop.call_soon_threadsafe(self._spawn_link, spec, start)
 
-    def _begin_local(self, spec: LoadSpec, start: float) -> bool:
+    def _begin_local(self, spec: LoadSpec, start: float, step: int = -1) -> bool:
         """Copies a pushed request from the inbox into its blocks; False if it is not there."""
         assert self._inbox is not None and self._datadist is not None
         key = (spec.remote_engine_id, spec.remote_request_id)
@@ -476,7 +562,7 @@ class WorkerSide:
             return False
         # Local prefix-cache hits cover the leading blocks: copy only the tail.
         mapping = dict(zip(blocks[len(blocks) - len(local):], local))
-        load = _Load(spec, start, start + self.settings.load_timeout_s, local=True)
+        load = _Load(spec, start, start + self.settings.load_timeout_s, local=True, step=step)
         try:
             for inbox, cache, group in zip(self._inbox_caches, self._caches, self.groups):
                 load.tasks.append(self._datadist.cache_manager.swap_blocks_async(inbox, cache, mapping))
@@ -501,40 +587,68 @@ class WorkerSide:
         if self.pusher is not None:
             self.pusher.finish_step()
 
-    def _begin(self, spec: LoadSpec, cluster_id: int, start: float, error: str = "") -> None:
-        """Starts the pulls of one load (or records why it could not start)."""
-        load = _Load(spec, start, start + self.settings.load_timeout_s, error=error)
-        if not error:
+    def _begin(self, spec: LoadSpec, route: Optional[_Route], start: float, error: str = "",
+               step: int = -1) -> None:
+        """Starts the pulls of one load from every prefill rank it reads (or records why it could not start)."""
+        load = _Load(spec, start, start + self.settings.load_timeout_s, error=error, step=step)
+        if route is not None and not error:
             try:
-                assert self._datadist is not None
-                manager = self._datadist.cache_manager
-                for index, (cache, group) in enumerate(zip(self._caches, self.groups)):
-                    load.tasks.append(
-                        manager.pull_blocks_async(
-                            dd.BlocksCacheKey(cluster_id, _MODEL_ID_BASE + index),
-                            cache,
-                            src_blocks=spec.remote_block_ids,
-                            dst_blocks=spec.local_block_ids,
-                            tensor_num_per_layer=group.per_layer,
-                        )
-                    )
-                    load.nbytes += group.block_bytes * len(spec.local_block_ids)
+                self._start_pulls(load, route)
             except Exception as exc:  # refused before any byte moved (a dropped link, ...)
                 load.error = f"{type(exc).__name__}: {exc}"
         with self._lock:
             self._inflight.append(load)
 
+    def _start_pulls(self, load: _Load, route: _Route) -> None:
+        assert self._datadist is not None
+        manager = self._datadist.cache_manager
+        spec, mine = load.spec, route.mine
+        for source in route.sources:
+            theirs = source.layout
+            for index, (cache, group) in enumerate(zip(self._caches, self.groups)):
+                key = dd.BlocksCacheKey(source.cluster_id, _MODEL_ID_BASE + index)
+                if source.head_map.whole[index]:
+                    # The same blocks on both sides: block for block.
+                    skip = spec.first_token // theirs.block_size
+                    remote = spec.remote_block_ids[skip:skip + len(spec.local_block_ids)]
+                    if not remote:
+                        continue
+                    load.tasks.append(manager.pull_blocks_async(
+                        key, cache, src_blocks=remote, dst_blocks=spec.local_block_ids[:len(remote)],
+                        tensor_num_per_layer=group.per_layer,
+                    ))
+                    load.nbytes += group.block_bytes * len(remote)
+                    continue
+                rows = plan_ranges(source.head_map, index, mine, theirs, spec.remote_block_ids,
+                                   spec.local_block_ids, spec.first_token)
+                if rows is None:
+                    continue
+                load.tasks.append(manager.pull_block_ranges_async(
+                    key, cache, rows, tensor_num_per_layer=group.per_layer))
+                load.nbytes += int(rows[:, 4].sum()) * len(group.addresses)
+
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:
         """(prefill requests whose blocks may be freed, loads settled, loads failed).
 
         A load past its deadline is cancelled here and reported once it has
-        settled.
+        settled. A load that finished while others of its step are still
+        under way is held for them, up to ``load_batch_wait_ms``: the
+        scheduler then computes the step's requests in one forward, where
+        one reported early would start a forward that the rest, and their
+        copies, wait behind.
         """
         now = time.perf_counter()
         settled: list[_Load] = []
+        wait = self.settings.load_batch_wait_ms / 1000.0
         with self._lock:
-            for load in self._inflight:
-                if all(task.done() for task in load.tasks):
+            done = [all(task.done() for task in load.tasks) for load in self._inflight]
+            open_steps = {load.step for load, ok in zip(self._inflight, done) if not ok and load.step >= 0}
+            for load, ok in zip(self._inflight, done):
+                if ok:
+                    if load.step in open_steps and not load.error:
+                        load.held_since = load.held_since or now
+                        if now - load.held_since < wait:
+                            continue
                     settled.append(load)
                 elif now >= load.deadline and not load.cancelled:
                     load.cancelled = True
@@ -543,8 +657,12 @@ class WorkerSide:
                         task.cancel()
             if settled:
                 self._inflight = [load for load in self._inflight if load not in settled]
-        for load in settled:
-            self._settle(load, now)
+        if settled:
+            forget = [load.spec for load in settled if not self._settle(load, now) and not load.local]
+            # One wake-up of the loop thread for the whole batch: the
+            # releases go to the prefills, the failed peers are dropped.
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(self._spawn_after_settle, [load.spec for load in settled], forget)
         now = time.monotonic()
         with self._lock:
             recving, self._finished_recving = self._finished_recving, set()
@@ -561,7 +679,8 @@ class WorkerSide:
             self.pusher.freed(sending)
         return sending, recving, failed
 
-    def _settle(self, load: _Load, now: float) -> None:
+    def _settle(self, load: _Load, now: float) -> bool:
+        """Records a finished load; True if its bytes arrived."""
         spec = load.spec
         if not load.error:
             for task in load.tasks:
@@ -587,11 +706,9 @@ class WorkerSide:
             self._finished_recving.add(spec.req_id)
             self._records.append(TransferRecord(now - load.start, load.nbytes if ok else 0,
                                                 len(spec.local_block_ids), ok))
-        assert self._loop is not None
         if not ok and not load.local:
-            self._linked.pop((spec.remote_host, spec.remote_port), None)
-            self._loop.call_soon_threadsafe(self._spawn_forget, spec.remote_host, spec.remote_port)
-        self._loop.call_soon_threadsafe(self._spawn_notify, spec)
+            self._routes.pop(_instance(spec), None)
+        return ok
 
     def load_errors(self) -> set[int]:
         with self._lock:
@@ -625,23 +742,34 @@ class WorkerSide:
         op = message.get("op")
         if op == "hello":
             assert self._datadist is not None
+            assert self.layout is not None
             return {
                 "ok": True,
                 "cluster_id": self.cluster_id,
                 "port": self._datadist.listen_port,
-                "layout": [group.layout() for group in self.groups],
+                "layout": self.layout.to_wire(),
             }
         if op == "done":
-            req_ids = message.get("req_ids")
+            req_ids, readers = message.get("req_ids"), message.get("readers", 1)
             if not isinstance(req_ids, list) or not all(isinstance(r, str) and len(r) <= 1024 for r in req_ids):
                 return {"ok": False, "error": "req_ids must be a list of strings"}
+            if type(readers) is not int or not 1 <= readers <= _MAX_READERS:
+                return {"ok": False, "error": f"readers must be an int from 1 to {_MAX_READERS}"}
             keep_until = time.monotonic() + 600.0
             with self._lock:
                 for req_id in req_ids[:4096]:
+                    # Each decode rank that reads the request says done once.
+                    count = self._dones.setdefault(req_id, [0, readers])
+                    count[0] += 1
+                    if count[0] < count[1]:
+                        continue
+                    del self._dones[req_id]
                     self._released[req_id] = keep_until
                     self._released.move_to_end(req_id)
                 while len(self._released) > _MAX_PENDING_RELEASES:
                     self._released.popitem(last=False)
+                while len(self._dones) > _MAX_PENDING_RELEASES:
+                    self._dones.popitem(last=False)
             return {"ok": True}
         if op in ("share", "claim", "commit", "abort") and self._inbox is not None:
             return self._answer_inbox(op, message)
@@ -718,33 +846,76 @@ class WorkerSide:
     def _spawn_notify(self, spec: LoadSpec) -> None:
         asyncio.get_running_loop().create_task(self._notify(spec))
 
+    def _spawn_after_settle(self, released: list[LoadSpec], forget: list[LoadSpec]) -> None:
+        for spec in forget:
+            for rank in range(max(1, spec.remote_tp_size)):
+                self._spawn_forget(spec.remote_host, spec.remote_port + rank)
+        for spec in released:
+            self._spawn_notify(spec)
+
     async def _link_then_begin(self, spec: LoadSpec, start: float) -> None:
-        """First use of a peer: side-channel hello and link, then the pulls."""
+        """First use of a prefill instance: its route, then the pulls."""
         try:
             remaining = max(0.0, start + self.settings.load_timeout_s - time.perf_counter())
             async with asyncio.timeout(remaining):
-                peer = await self._peer(spec.remote_host, spec.remote_port)
-        except (Exception, TimeoutError) as exc:
-            self._begin(spec, 0, start, error=f"link: {type(exc).__name__}: {exc}")
-            await self._forget(spec.remote_host, spec.remote_port)
+                route = await self._route(spec)
+        except LayoutError as exc:
+            # Found at the first hello, and again at each load's: every load fails at once.
+            self._begin(spec, None, start, error=f"layout: {exc}")
             return
-        self._begin(spec, peer.cluster_id, start)
+        except (Exception, TimeoutError) as exc:
+            self._begin(spec, None, start, error=f"link: {type(exc).__name__}: {exc}")
+            for rank in range(max(1, spec.remote_tp_size)):
+                await self._forget(spec.remote_host, spec.remote_port + rank)
+            return
+        self._begin(spec, route, start)
 
-    async def _peer(self, host: str, port: int) -> _Peer:
-        """The linked peer at ``host:port`` (its side channel), linking on first use."""
+    async def _route(self, spec: LoadSpec) -> _Route:
+        """How to read the prefill instance of ``spec``: hello to one of its
+        ranks, the mapping of its layout onto this worker's, a link to each
+        rank it names."""
+        key = _instance(spec)
+        route = self._routes.get(key)
+        if route is not None:
+            return route
+        host, base, ranks = key
+        assert self.layout is not None
+        mine = self.layout
+        first = await self._peer(host, base + mine.tp_rank % ranks, link=False)
+        assert first.layout is not None
+        if first.layout.tp_size != ranks:
+            raise LayoutError(f"{host}:{base} announced TP size {ranks} but its rank {first.layout.tp_rank} "
+                              f"says {first.layout.tp_size}")
+        maps = map_heads(mine, first.layout)
+        sources = []
+        for rank, head_map in maps.items():
+            peer = await self._peer(host, base + rank)
+            assert peer.layout is not None
+            if peer.layout != dataclasses.replace(first.layout, tp_rank=rank):
+                raise LayoutError(f"rank {rank} of the prefill at {host}:{base} ({peer.layout.describe()}) "
+                                  f"differs from its rank {first.layout.tp_rank} ({first.layout.describe()})")
+            sources.append(_Source(base + rank, peer.cluster_id, head_map, peer.layout))
+        route = self._routes[key] = _Route(tuple(sources), mine)
+        return route
+
+    async def _peer(self, host: str, port: int, link: bool = True) -> _Peer:
+        """The peer at ``host:port`` (its side channel): its hello, then the link (on first use)."""
         peer = self._peers.get((host, port))
         if peer is None:
             peer = self._peers[(host, port)] = _Peer(SideChannelClient(host, port), asyncio.Lock())
         async with peer.lock:
-            if peer.linked:
+            if peer.linked or (peer.layout is not None and not link):
                 return peer
-            hello = await peer.client.request({"op": "hello"}, self.settings.load_timeout_s)
-            cluster_id, listen_port, layout = hello.get("cluster_id"), hello.get("port"), hello.get("layout")
-            if not isinstance(cluster_id, int) or not isinstance(listen_port, int) or not isinstance(layout, list):
-                raise ValueError(f"{host}:{port} answered hello with {hello!r:.200}")
-            mine = [group.layout() for group in self.groups]
-            if layout != mine:
-                raise ValueError(f"KV layout of {host}:{port} {layout} differs from this side's {mine}")
+            if peer.layout is None:
+                hello = await peer.client.request({"op": "hello"}, self.settings.load_timeout_s)
+                cluster_id, listen_port = hello.get("cluster_id"), hello.get("port")
+                if not isinstance(cluster_id, int) or not isinstance(listen_port, int):
+                    raise ValueError(f"{host}:{port} answered hello with {hello!r:.200}")
+                layout = WorkerLayout.from_wire(hello.get("layout"))
+                peer.cluster_id, peer.listen_port, peer.layout = cluster_id, listen_port, layout
+            if not link:
+                return peer
+            cluster_id, listen_port = peer.cluster_id, peer.listen_port
             cluster = dd.LLMClusterInfo()
             cluster.remote_cluster_id = cluster_id
             cluster.append_local_ip_info("0.0.0.0", 0)  # any local address: the kernel picks the route
@@ -756,8 +927,7 @@ class WorkerSide:
             )
             if per_cluster[0] not in (dd.LLMStatusCode.LLM_SUCCESS, dd.LLMStatusCode.LLM_ALREADY_LINK):
                 raise dd.LLMException(f"link to {host}:{listen_port} failed", status_code=per_cluster[0])
-            peer.cluster_id, peer.layout, peer.cluster, peer.linked = cluster_id, layout, cluster, True
-            self._linked[(host, port)] = cluster_id
+            peer.cluster, peer.linked = cluster, True
             return peer
 
     async def _forget(self, host: str, port: int) -> None:
@@ -773,12 +943,21 @@ class WorkerSide:
                 log.debug("unlink after failure: %s", exc)
 
     async def _notify(self, spec: LoadSpec) -> None:
-        peer = self._peers.get((spec.remote_host, spec.remote_port))
-        client = peer.client if peer is not None else SideChannelClient(spec.remote_host, spec.remote_port)
+        """Tells every rank of the prefill instance that this rank is done with the request."""
+        # Every decode rank tells every prefill rank, which frees the request
+        # once all of them have (whether or not a rank read from it).
+        message = {"op": "done", "req_ids": [spec.remote_request_id], "readers": self.settings.tp_size}
+        await asyncio.gather(*(self._tell(spec.remote_host, spec.remote_port + rank, message, spec)
+                               for rank in range(max(1, spec.remote_tp_size))))
+
+    async def _tell(self, host: str, port: int, message: dict[str, Any], spec: LoadSpec) -> None:
+        peer = self._peers.get((host, port))
+        client = peer.client if peer is not None else SideChannelClient(host, port)
         try:
-            await client.request({"op": "done", "req_ids": [spec.remote_request_id]}, self.settings.notify_timeout_s)
+            await client.request(message, self.settings.notify_timeout_s)
         except (Exception, TimeoutError) as exc:
-            log.debug("datadist_aio connector: release of %s not confirmed: %s", spec.remote_request_id, exc)
+            log.debug("datadist_aio connector: release of %s by %s:%d not confirmed: %s",
+                      spec.remote_request_id, host, port, exc)
         finally:
             if peer is None:
                 client.close()

@@ -1,0 +1,269 @@
+"""How a worker holds its KV cache, and how one worker's blocks map onto another's.
+
+A prefill and a decode instance may differ in tensor-parallel size (each
+rank holds a share of the KV heads) and in block size (tokens per block).
+Each worker describes itself with a ``WorkerLayout``, sent in the side
+channel's hello; the decode side computes, once per prefill rank, which of
+that rank's heads it reads into which of its own (``HeadMap``), and per load
+the byte ranges that move (``plan_ranges``).
+
+Block interiors, by the shape of one block of one tensor:
+
+- ``"HNC"``: ``[heads, tokens, channels]`` (vLLM's CPU backend, K and V side
+  by side in the channels). A head's slice of a block is contiguous, so a
+  share of the heads or of the tokens is one range per block.
+- ``"NC"``: ``[tokens, channels]``, one latent vector per token (MLA): the same
+  on every rank, read from one prefill rank.
+- ``"NHC"`` and anything else: only the same shape on both sides maps (whole
+  blocks); a head share of a token-major block would need one range per token.
+
+This module imports nothing from vLLM or the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+__all__ = ["GroupShape", "HeadMap", "LayoutError", "WorkerLayout", "heads_of", "map_heads", "plan_ranges"]
+
+_DTYPE_BYTES = {
+    "torch.float32": 4,
+    "torch.float16": 2,
+    "torch.bfloat16": 2,
+    "torch.int8": 1,
+    "torch.uint8": 1,
+    "torch.float8_e4m3fn": 1,
+    "torch.float8_e5m2": 1,
+}
+INTERIORS = ("HNC", "NC", "NHC", "opaque")
+
+
+class LayoutError(ValueError):
+    """No mapping exists between two workers' KV layouts; the message names both."""
+
+
+@dataclass(frozen=True)
+class GroupShape:
+    """One cache group: its dtype, the shape of one block of one tensor, tensors per layer, tensors in all."""
+
+    dtype: str
+    block_shape: tuple[int, ...]
+    per_layer: int
+    tensors: int
+    interior: str = "opaque"
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of one tensor."""
+        return int(np.prod(self.block_shape, dtype=np.int64)) * _DTYPE_BYTES.get(self.dtype, 1)
+
+
+@dataclass(frozen=True)
+class WorkerLayout:
+    """What a worker tells its peers about its KV cache."""
+
+    tp_size: int
+    tp_rank: int
+    kv_heads: int  # the model's KV heads, all ranks together (1 for MLA)
+    block_size: int  # tokens per block
+    groups: tuple[GroupShape, ...]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "tp_size": self.tp_size,
+            "tp_rank": self.tp_rank,
+            "kv_heads": self.kv_heads,
+            "block_size": self.block_size,
+            "groups": [
+                {"dtype": g.dtype, "block_shape": list(g.block_shape), "per_layer": g.per_layer,
+                 "tensors": g.tensors, "interior": g.interior}
+                for g in self.groups
+            ],
+        }
+
+    @classmethod
+    def from_wire(cls, value: Any) -> "WorkerLayout":
+        """A peer's layout from its hello; ValueError if it is malformed."""
+        if not isinstance(value, dict):
+            raise ValueError(f"a KV layout must be an object, got {type(value).__name__}")
+        numbers = {}
+        for name in ("tp_size", "tp_rank", "kv_heads", "block_size"):
+            number = value.get(name)
+            if type(number) is not int or not 0 <= number < 1 << 31:
+                raise ValueError(f"KV layout field {name} must be a non-negative int, got {number!r:.40}")
+            numbers[name] = number
+        if numbers["tp_size"] < 1 or numbers["tp_rank"] >= numbers["tp_size"] or numbers["block_size"] < 1:
+            raise ValueError(f"KV layout {value!r:.200} is inconsistent")
+        groups = value.get("groups")
+        if not isinstance(groups, list) or not 0 < len(groups) <= 64:
+            raise ValueError("KV layout field groups must be a list of 1 to 64 groups")
+        shapes = []
+        for group in groups:
+            if not isinstance(group, dict):
+                raise ValueError("a KV layout group must be an object")
+            shape = group.get("block_shape")
+            if (not isinstance(shape, list) or not 0 < len(shape) <= 8
+                    or not all(type(d) is int and 0 < d < 1 << 31 for d in shape)):
+                raise ValueError(f"block_shape must be a list of positive ints, got {shape!r:.80}")
+            per_layer, tensors = group.get("per_layer"), group.get("tensors")
+            if type(per_layer) is not int or type(tensors) is not int or not 0 < per_layer <= tensors < 1 << 20:
+                raise ValueError("per_layer and tensors must be positive ints, per_layer <= tensors")
+            dtype, interior = group.get("dtype"), group.get("interior", "opaque")
+            if dtype not in _DTYPE_BYTES or interior not in INTERIORS:
+                raise ValueError(f"unknown dtype {dtype!r:.40} or interior {interior!r:.20}")
+            shapes.append(GroupShape(dtype, tuple(shape), per_layer, tensors, interior))
+        return cls(groups=tuple(shapes), **numbers)
+
+    def describe(self) -> str:
+        """One line for messages: TP, block size, heads and block shapes."""
+        groups = "; ".join(f"{g.interior} {list(g.block_shape)} {g.dtype} x{g.tensors}" for g in self.groups)
+        return (f"TP {self.tp_rank}/{self.tp_size}, block size {self.block_size}, {self.kv_heads} KV heads "
+                f"[{groups}]")
+
+
+def heads_of(rank: int, tp_size: int, kv_heads: int) -> range:
+    """The KV heads rank ``rank`` of ``tp_size`` holds (replicated when there are fewer heads than ranks)."""
+    if kv_heads >= tp_size:
+        share = kv_heads // tp_size
+        return range(rank * share, (rank + 1) * share)
+    head = rank * kv_heads // tp_size
+    return range(head, head + 1)
+
+
+@dataclass(frozen=True)
+class HeadMap:
+    """What one decode rank reads from one prefill rank, the same for every block.
+
+    ``runs``: per cache group, ``(src_head, dst_head, count)`` runs of heads
+    (local indices on each side); ``whole``: per group, whether the blocks
+    map one to one, byte for byte (same shape, all heads, same block size).
+    """
+
+    src_rank: int
+    runs: tuple[tuple[tuple[int, int, int], ...], ...]
+    whole: tuple[bool, ...]
+
+
+def _mismatch(mine: WorkerLayout, theirs: WorkerLayout, why: str) -> LayoutError:
+    return LayoutError(f"cannot map the prefill's KV layout ({theirs.describe()}) onto this decode worker's "
+                       f"({mine.describe()}): {why}")
+
+
+def map_heads(mine: WorkerLayout, theirs: WorkerLayout) -> dict[int, HeadMap]:
+    """The prefill ranks this decode worker reads from, and what it reads from each.
+
+    ``theirs`` is any one rank's layout of the prefill instance (the others
+    differ only in ``tp_rank``). Raises ``LayoutError`` naming both layouts
+    where no mapping exists.
+    """
+    if mine.kv_heads != theirs.kv_heads:
+        raise _mismatch(mine, theirs, f"{theirs.kv_heads} KV heads against {mine.kv_heads}: not the same model")
+    if len(mine.groups) != len(theirs.groups):
+        raise _mismatch(mine, theirs, f"{len(theirs.groups)} cache groups against {len(mine.groups)}")
+    small, large = sorted((mine.block_size, theirs.block_size))
+    if large % small:
+        raise _mismatch(mine, theirs, f"block sizes {theirs.block_size} and {mine.block_size}: neither divides "
+                                      "the other")
+    for ours, peer in zip(mine.groups, theirs.groups):
+        if (ours.dtype, ours.per_layer, ours.tensors) != (peer.dtype, peer.per_layer, peer.tensors):
+            raise _mismatch(mine, theirs, "dtypes or tensors per layer differ")
+    kv_heads = mine.kv_heads
+    same_tp = mine.tp_size == theirs.tp_size
+    maps: dict[int, list[list[tuple[int, int, int]]]] = {}
+    whole: dict[int, list[bool]] = {}
+    mine_heads = heads_of(mine.tp_rank, mine.tp_size, kv_heads)
+    for index, (ours, peer) in enumerate(zip(mine.groups, theirs.groups)):
+        if ours.interior == "NC" and peer.interior == "NC":
+            if ours.block_shape[1:] != peer.block_shape[1:]:
+                raise _mismatch(mine, theirs, "latent widths differ")
+            # One latent tensor, the same on every rank: read from one rank.
+            sources = {mine.tp_rank % theirs.tp_size: [(0, 0, 1)]}
+        elif ours.interior == "HNC" and peer.interior == "HNC":
+            if ours.block_shape[2:] != peer.block_shape[2:]:
+                raise _mismatch(mine, theirs, "head widths differ")
+            if ours.block_shape[0] != len(mine_heads):
+                raise _mismatch(mine, theirs, f"this worker's blocks hold {ours.block_shape[0]} heads, "
+                                              f"its share is {len(mine_heads)}")
+            sources = {}
+            for dst, head in enumerate(mine_heads):
+                holders = [q for q in range(theirs.tp_size) if head in heads_of(q, theirs.tp_size, kv_heads)]
+                q = holders[mine.tp_rank % len(holders)]
+                src = head - heads_of(q, theirs.tp_size, kv_heads).start
+                if peer.block_shape[0] != len(heads_of(q, theirs.tp_size, kv_heads)):
+                    raise _mismatch(mine, theirs, f"the prefill's blocks hold {peer.block_shape[0]} heads")
+                runs = sources.setdefault(q, [])
+                if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
+                    runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+                else:
+                    runs.append((src, dst, 1))
+        elif ours.block_shape == peer.block_shape and same_tp and mine.block_size == theirs.block_size:
+            # A layout only mapped as is: whole blocks from the same rank.
+            sources = {mine.tp_rank: [(0, 0, 1)]}
+        else:
+            raise _mismatch(mine, theirs, f"block interiors {peer.interior} and {ours.interior} map only when "
+                                          "the TP sizes, block sizes and shapes are all equal")
+        for q, runs in sources.items():
+            per_group = maps.setdefault(q, [[] for _ in mine.groups])
+            per_group[index] = runs
+            flags = whole.setdefault(q, [False] * len(mine.groups))
+            flags[index] = (ours.block_shape == peer.block_shape and mine.block_size == theirs.block_size
+                            and (ours.interior not in ("HNC",) or runs == [(0, 0, ours.block_shape[0])]))
+    return {q: HeadMap(q, tuple(tuple(r) for r in groups), tuple(whole[q])) for q, groups in sorted(maps.items())}
+
+
+def plan_ranges(
+    head_map: HeadMap,
+    group: int,
+    mine: WorkerLayout,
+    theirs: WorkerLayout,
+    src_blocks: list[int],
+    dst_blocks: list[int],
+    first_token: int,
+) -> Optional[np.ndarray]:
+    """The byte ranges of one load for one group, as rows ``(src_block,
+    src_offset, dst_block, dst_offset, length)``; None when this group reads
+    nothing from this rank.
+
+    ``src_blocks`` are the prefill's blocks of the whole prompt;
+    ``dst_blocks`` the decode's blocks from token ``first_token`` on (a
+    multiple of the decode's block size: the tokens before it were found
+    in the local prefix cache).
+    """
+    runs = head_map.runs[group]
+    if not runs:
+        return None
+    ours, peer = mine.groups[group], theirs.groups[group]
+    n_src, n_dst = theirs.block_size, mine.block_size
+    chunk = min(n_src, n_dst)
+    if ours.interior == "HNC":
+        token_bytes = ours.block_bytes // (ours.block_shape[0] * n_dst)  # one head, one token
+        src_head, dst_head = n_src * token_bytes, n_dst * token_bytes  # one head, one block
+    else:  # a latent block, or whole blocks of another interior
+        token_bytes = ours.block_bytes // n_dst
+        src_head = dst_head = 0
+    # Both ends are multiples of the chunk: every range is one chunk of tokens.
+    tokens = min(len(src_blocks) * n_src - first_token, len(dst_blocks) * n_dst)
+    if tokens <= 0:
+        return None
+    starts = first_token + np.arange(0, tokens, chunk, dtype=np.int64)
+    lengths = np.full(len(starts), chunk * token_bytes, dtype=np.int64)
+    src_block = np.asarray(src_blocks, dtype=np.int64)[starts // n_src]
+    dst_block = np.asarray(dst_blocks, dtype=np.int64)[(starts - first_token) // n_dst]
+    src_tok = (starts % n_src) * token_bytes
+    dst_tok = (starts % n_dst) * token_bytes
+    rows = []
+    for src, dst, count in runs:
+        if ours.interior == "HNC" and n_src == n_dst:
+            # Equal block sizes: consecutive heads are one range per block.
+            rows.append(np.stack([src_block, np.full_like(src_block, src * src_head), dst_block,
+                                  np.full_like(dst_block, dst * dst_head), np.full_like(src_block, count * src_head)],
+                                 axis=1))
+            continue
+        for k in range(count):
+            rows.append(np.stack([src_block, src_tok + (src + k) * src_head, dst_block,
+                                  dst_tok + (dst + k) * dst_head, lengths], axis=1))
+    out = np.concatenate(rows) if len(rows) > 1 else rows[0]
+    return np.ascontiguousarray(out, dtype=np.uint64)

@@ -1,0 +1,165 @@
+"""Mapping KV blocks between a prefill and a decode instance of different
+shapes (tensor-parallel sizes, block sizes), without an engine.
+
+Every case builds the prompt's KV once, as the model computes it (a value per
+token, head and channel), lays it out in each prefill rank's blocks as that
+rank holds it, applies the byte ranges the mapping gives to zeroed decode
+blocks, and compares with the same KV laid out as the decode rank holds it.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from datadist_aio.integrations.vllm.layout import (
+    GroupShape,
+    LayoutError,
+    WorkerLayout,
+    heads_of,
+    map_heads,
+    plan_ranges,
+)
+
+CHANNELS = 8  # K and V side by side, 4 each
+DTYPE = "torch.float32"
+
+
+def layout(tp: int, rank: int, heads: int, block: int, interior: str = "HNC", layers: int = 2) -> WorkerLayout:
+    local = len(heads_of(rank, tp, heads))
+    shape = (local, block, CHANNELS) if interior == "HNC" else (block, CHANNELS)
+    return WorkerLayout(tp, rank, heads if interior == "HNC" else 1, block,
+                        (GroupShape(DTYPE, shape, 1, layers, interior),))
+
+
+def blocks_of(kv: np.ndarray, table: list[int], num_blocks: int, block: int, heads: range, latent: bool) -> np.ndarray:
+    """The prompt's ``kv`` ([tokens, heads, channels]) in a rank's blocks ``table``."""
+    shape = (num_blocks, block, CHANNELS) if latent else (num_blocks, len(heads), block, CHANNELS)
+    out = np.zeros(shape, np.float32)
+    for t in range(kv.shape[0]):
+        if latent:
+            out[table[t // block], t % block] = kv[t, 0]
+        else:
+            out[table[t // block], :, t % block] = kv[t, heads.start:heads.stop]
+    return out
+
+
+def apply(rows: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:
+    """What the engine does with the rows, for one tensor."""
+    s = src.reshape(src.shape[0], -1).view(np.uint8)
+    d = dst.reshape(dst.shape[0], -1).view(np.uint8)
+    for sb, so, db, do, n in rows.tolist():
+        assert so + n <= s.shape[1] and do + n <= d.shape[1], "a range leaves its block"
+        d[db, do:do + n] = s[sb, so:so + n]
+
+
+def transfer(tp_p: int, tp_d: int, heads: int, n_p: int, n_d: int, tokens: int, first_token: int = 0,
+             interior: str = "HNC") -> None:
+    rng = np.random.default_rng(tp_p * 1000 + tp_d * 100 + n_p + n_d + tokens)
+    latent = interior == "NC"
+    kv = rng.standard_normal((tokens, 1 if latent else heads, CHANNELS)).astype(np.float32)
+    nb_p, nb_d = -(-tokens // n_p), -(-tokens // n_d)
+    src_table = [int(b) for b in rng.permutation(nb_p + 5)[:nb_p]]
+    dst_all = [int(b) for b in rng.permutation(nb_d + 5)[:nb_d]]
+    skip = first_token // n_d
+    dst_table = dst_all[skip:]
+    for r in range(tp_d):
+        mine = layout(tp_d, r, heads, n_d, interior)
+        mine_heads = heads_of(r, tp_d, heads)
+        expected = blocks_of(kv, dst_all, nb_d + 5, n_d, mine_heads, latent)
+        got = np.zeros_like(expected)
+        maps = map_heads(mine, layout(tp_p, 0, heads, n_p, interior))
+        read_heads: list[int] = []
+        for q, head_map in maps.items():
+            theirs = layout(tp_p, q, heads, n_p, interior)
+            src = blocks_of(kv, src_table, nb_p + 5, n_p, heads_of(q, tp_p, heads), latent)
+            rows = plan_ranges(head_map, 0, mine, theirs, src_table, dst_table, first_token)
+            assert rows is not None and rows.dtype == np.uint64
+            apply(rows, src, got)
+            for _s, d, count in head_map.runs[0]:
+                read_heads += range(d, d + count)
+        assert sorted(read_heads) == list(range(1 if latent else len(mine_heads))), "each head read exactly once"
+        # The tokens before first_token were found locally: not written.
+        for t in range(first_token):
+            index = (dst_all[t // n_d], t % n_d) if latent else (dst_all[t // n_d], slice(None), t % n_d)
+            assert not got[index].any()
+            got[index] = expected[index]
+        np.testing.assert_array_equal(got, expected, err_msg=f"decode rank {r}")
+
+
+@pytest.mark.parametrize("tp_p, tp_d", [(1, 1), (2, 1), (1, 2), (4, 2), (2, 4), (4, 1), (1, 4), (2, 2)])
+@pytest.mark.parametrize("heads", [4, 2, 1])
+def test_every_tp_ratio_moves_each_head_to_its_rank(tp_p: int, tp_d: int, heads: int) -> None:
+    transfer(tp_p, tp_d, heads, 16, 16, tokens=50)
+
+
+@pytest.mark.parametrize("n_p, n_d", [(16, 32), (32, 16), (32, 64), (64, 16), (16, 16)])
+@pytest.mark.parametrize("tp_p, tp_d", [(1, 1), (2, 1), (1, 2)])
+def test_block_sizes_that_divide_each_other(n_p: int, n_d: int, tp_p: int, tp_d: int) -> None:
+    for tokens in (1, 31, 64, 100):
+        transfer(tp_p, tp_d, 2, n_p, n_d, tokens)
+
+
+@pytest.mark.parametrize("n_p, n_d", [(16, 32), (32, 16), (16, 16)])
+def test_a_local_prefix_hit_loads_only_the_rest(n_p: int, n_d: int) -> None:
+    for first in range(0, 96, n_d):
+        transfer(2, 1, 2, n_p, n_d, tokens=100, first_token=first)
+
+
+@pytest.mark.parametrize("tp_p, tp_d", [(2, 1), (1, 2), (4, 2)])
+def test_mla_latent_is_read_from_one_prefill_rank(tp_p: int, tp_d: int) -> None:
+    transfer(tp_p, tp_d, 1, 16, 32, tokens=70, interior="NC")
+    for r in range(tp_d):
+        maps = map_heads(layout(tp_d, r, 1, 32, "NC"), layout(tp_p, 0, 1, 16, "NC"))
+        assert len(maps) == 1
+
+
+def test_same_shape_maps_whole_blocks_and_ranges_stay_few() -> None:
+    same = map_heads(layout(2, 1, 4, 16), layout(2, 0, 4, 16))
+    assert list(same) == [1] and same[1].whole == (True,)
+    # Prefill TP=2 into decode TP=1: one range per block from each rank, not one per token.
+    mine = layout(1, 0, 4, 16)
+    maps = map_heads(mine, layout(2, 0, 4, 16))
+    assert sorted(maps) == [0, 1] and maps[0].runs[0] == ((0, 0, 2),) and maps[1].runs[0] == ((0, 2, 2),)
+    rows = plan_ranges(maps[1], 0, mine, layout(2, 1, 4, 16), list(range(10)), list(range(10, 20)), 0)
+    assert rows is not None and len(rows) == 10
+    assert rows[0].tolist() == [0, 0, 10, 2 * 16 * CHANNELS * 4, 2 * 16 * CHANNELS * 4]
+
+
+@pytest.mark.parametrize(
+    "theirs, words",
+    [
+        (layout(1, 0, 4, 24), "neither divides"),
+        (layout(1, 0, 8, 16), "8 KV heads against 4"),
+        (WorkerLayout(1, 0, 4, 16, (GroupShape("torch.float16", (4, 16, CHANNELS), 1, 2, "HNC"),)), "dtypes"),
+        (WorkerLayout(1, 0, 4, 16, (GroupShape(DTYPE, (16, 4, CHANNELS), 1, 2, "NHC"),)), "interiors NHC and HNC"),
+    ],
+)
+def test_layouts_that_do_not_map_name_both_sides(theirs: WorkerLayout, words: str) -> None:
+    mine = layout(1, 0, 4, 16)
+    with pytest.raises(LayoutError, match=words) as info:
+        map_heads(mine, theirs)
+    assert theirs.describe() in str(info.value) and mine.describe() in str(info.value)
+
+
+def test_wire_form_round_trips_and_refuses_garbage() -> None:
+    for tp, rank, interior in itertools.product((1, 2), (0, 1), ("HNC", "NC")):
+        if rank < tp:
+            mine = layout(tp, rank, 4, 32, interior)
+            assert WorkerLayout.from_wire(mine.to_wire()) == mine
+    good = layout(2, 1, 4, 16).to_wire()
+    for bad in ({**good, "tp_rank": 2}, {**good, "block_size": 0}, {**good, "groups": []},
+                {**good, "groups": [{**good["groups"][0], "dtype": "torch.complex64"}]},
+                {**good, "groups": [{**good["groups"][0], "block_shape": [1, -3]}]}, [], {**good, "tp_size": True}):
+        with pytest.raises(ValueError):
+            WorkerLayout.from_wire(bad)
+
+
+def test_heads_are_shared_out_as_vllm_shares_them() -> None:
+    # vLLM's QKVParallelLinear: with fewer KV heads than ranks, rank r holds
+    # head r // (tp_size // kv_heads); with more, a contiguous equal share.
+    assert [list(heads_of(r, 4, 2)) for r in range(4)] == [[0], [0], [1], [1]]
+    assert [list(heads_of(r, 8, 2)) for r in range(8)] == [[0]] * 4 + [[1]] * 4
+    assert [list(heads_of(r, 2, 8)) for r in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
