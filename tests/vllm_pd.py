@@ -102,8 +102,13 @@ def _engine_main(conn: Any, model: str, kv_transfer: Optional[dict[str, Any]], e
             seed=0,
         )
         args.update(llm_args)
-        if args.get("tensor_parallel_size", 1) > 1:
+        tp = int(args.get("tensor_parallel_size", 1))
+        if tp > 1:
             args.setdefault("distributed_executor_backend", "mp")
+            # vLLM's CPU workers each bind their OpenMP threads to a CPU list:
+            # one core each, round the machine's cores.
+            cores = len(os.sched_getaffinity(0))
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % cores) for r in range(tp)))
         llm = LLM(**args)
     except BaseException:
         conn.send(("error", traceback.format_exc()))
@@ -122,12 +127,13 @@ def _engine_main(conn: Any, model: str, kv_transfer: Optional[dict[str, Any]], e
                 conn.send(("ok", _metric_values(llm)))
                 continue
             assert command == "generate"
-            prompts, max_tokens, params = args
+            prompts, max_tokens, params, logprobs = args
             sampling = [
                 SamplingParams(
                     max_tokens=max_tokens,
                     temperature=0.0,
                     ignore_eos=True,
+                    logprobs=logprobs or None,
                     extra_args={"kv_transfer_params": dict(p)} if p is not None else None,
                 )
                 for p in params
@@ -146,6 +152,9 @@ def _engine_main(conn: Any, model: str, kv_transfer: Optional[dict[str, Any]], e
                         "finish_reason": completion.finish_reason,
                         "kv_transfer_params": output.kv_transfer_params,
                         "ttft": ttft,
+                        # Per generated token: {token id: logprob} of the top candidates.
+                        "logprobs": [{int(t): float(lp.logprob) for t, lp in step.items()}
+                                     for step in completion.logprobs or []],
                     }
                 )
             conn.send(("ok", {"results": results, "wall": wall}))
@@ -170,7 +179,9 @@ class Engine:
         self._conn, child = ctx.Pipe()
         self.process = ctx.Process(
             target=_engine_main, args=(child, str(model), kv_transfer, dict(env or {}), policy, llm_args),
-            daemon=True,
+            # A daemonic process may not start vLLM's TP workers; close() and
+            # kill() end it either way.
+            daemon=int(llm_args.get("tensor_parallel_size", 1)) == 1,
         )
         self.process.start()
         child.close()
@@ -199,8 +210,9 @@ class Engine:
         return value
 
     def generate(self, prompts: list[list[int]], max_tokens: int, params: Optional[list[Any]] = None,
-                 timeout: float = 300.0) -> dict[str, Any]:
-        return self.call("generate", (prompts, max_tokens, params or [None] * len(prompts)), timeout)
+                 timeout: float = 300.0, logprobs: int = 0) -> dict[str, Any]:
+        """Greedy outputs; ``logprobs`` > 0 also gives each token's top candidates."""
+        return self.call("generate", (prompts, max_tokens, params or [None] * len(prompts), logprobs), timeout)
 
     def metrics(self) -> dict[str, float]:
         return self.call("metrics", None, 60.0)

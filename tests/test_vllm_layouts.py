@@ -1,0 +1,127 @@
+"""Prefill and decode instances of different shapes, joined by DatadistAioConnector.
+
+Each layout runs real vLLM engines (the CPU build; TP above 1 with worker
+processes) on the tiny Llama of ``vllm_model`` (2 KV heads, 4 layers) and
+checks the decode's output token by token against the prefill instance
+computing alone. Instances with another TP size sum in another order, so a
+token may differ where the reference's two best candidates are within
+``NEAR_TIE`` of each other: the check names the prompt and the margin. The
+control hands the decode another prompt's KV: its output must follow that KV.
+
+Marked ``vllm``: run with ``pytest -m vllm`` where vLLM is installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing.resource_tracker
+import socket
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm_pd import Engine, connector_config, delta, model_dir, prompts_of_lengths  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
+
+# vLLM's TP workers share memory through multiprocessing, whose resource
+# tracker then starts and keeps a descriptor: started now, it stays out of
+# the per-test descriptor check.
+multiprocessing.resource_tracker.ensure_running()
+
+MAX_TOKENS = 8
+NEAR_TIE = 0.05  # nats between the reference's best and second-best token
+XFERS = "vllm:datadist_aio_num_transfers"
+FAILED = "vllm:datadist_aio_num_failed_transfers"
+
+
+def free_ports(count: int) -> int:
+    """A base port with ``count`` free ports from it (a side channel per TP rank)."""
+    for _ in range(100):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            base = int(sock.getsockname()[1])
+        if base + count >= 65535:
+            continue
+        try:
+            for port in range(base + 1, base + count):
+                with socket.socket() as probe:
+                    probe.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no {count} free ports in a row")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return model_dir(tmp_path_factory.mktemp("vllm-model"))
+
+
+@contextlib.contextmanager
+def start_pair(model: Path, prefill: dict[str, Any], decode: dict[str, Any]) -> Iterator[dict[str, Engine]]:
+    port = free_ports(4)
+    engines: dict[str, Engine] = {}
+    try:
+        engines["prefill"] = Engine(model, connector_config("datadist", "kv_producer", port), **prefill)
+        engines["decode"] = Engine(model, connector_config("datadist", "kv_consumer", 0, load_timeout_s=5.0),
+                                   policy="fail", **decode)
+        yield engines
+    finally:
+        for engine in reversed(list(engines.values())):
+            engine.close()
+
+
+def check_outputs(got: list[list[int]], reference: list[dict[str, Any]]) -> None:
+    """Token-exact, but for a near tie of the reference where they part."""
+    wrong = []
+    for index, (tokens, ref) in enumerate(zip(got, reference)):
+        if tokens == ref["tokens"]:
+            continue
+        at = next(i for i, (a, b) in enumerate(zip(tokens, ref["tokens"])) if a != b)
+        candidates = ref["logprobs"][at]
+        margin = candidates.get(ref["tokens"][at], 0.0) - candidates.get(tokens[at], float("-inf"))
+        if margin > NEAR_TIE:
+            wrong.append(f"prompt {index} parts from the reference at token {at} by {margin:.3g} nats: "
+                         f"{tokens} against {ref['tokens']}")
+    assert not wrong, "\n".join(wrong)
+
+
+def run_layout(pair: dict[str, Engine]) -> None:
+    # The prefill is the reference (without kv_transfer_params it computes
+    # alone); the decode never sees a prompt before its KV arrives, so no
+    # local prefix hit hides the transfer.
+    prefill, decode = pair["prefill"], pair["decode"]
+    reference_engine = prefill
+    prompts = prompts_of_lengths([50, 200, 333, 600], seed=5)
+    reference = reference_engine.generate(prompts, MAX_TOKENS, logprobs=5)["results"]
+    assert len({tuple(r["tokens"]) for r in reference}) == len(prompts)
+    before = decode.metrics()
+    params = [r["kv_transfer_params"] for r in prefill.generate(prompts, 1, [{"do_remote_decode": True}] * 4)["results"]]
+    got = [r["tokens"] for r in decode.generate(prompts, MAX_TOKENS, params)["results"]]
+    after = decode.metrics()
+    check_outputs(got, reference)
+    assert delta(after, before, FAILED) == 0
+    assert delta(after, before, XFERS) >= len(prompts), "every prompt's KV was read through the connector"
+    # The control: prompt a's tokens with prompt b's KV give b's output.
+    a, b = prompts_of_lengths([300, 300], seed=6)
+    a[-1] = b[-1]  # the decode computes the last token itself
+    ref_a, ref_b = (r["tokens"] for r in reference_engine.generate([a, b], MAX_TOKENS)["results"])
+    assert ref_a != ref_b
+    params_b = prefill.generate([b], 1, [{"do_remote_decode": True}])["results"][0]["kv_transfer_params"]
+    (control,) = (r["tokens"] for r in decode.generate([a], MAX_TOKENS, [params_b])["results"])
+    assert control != ref_a, "the decode computed prompt a itself: the KV did not arrive"
+    assert control[:2] == ref_b[:2]
+
+
+def test_prefill_tp2_into_decode_tp1(model: Path) -> None:
+    with start_pair(model, {"tensor_parallel_size": 2}, {}) as pair:
+        run_layout(pair)
+
+
+def test_prefill_tp1_into_decode_tp2(model: Path) -> None:
+    with start_pair(model, {}, {"tensor_parallel_size": 2}) as pair:
+        run_layout(pair)
