@@ -29,20 +29,35 @@ DTYPE = "torch.float32"
 
 def layout(tp: int, rank: int, heads: int, block: int, interior: str = "HNC", layers: int = 2) -> WorkerLayout:
     local = len(heads_of(rank, tp, heads))
-    shape = (local, block, CHANNELS) if interior == "HNC" else (block, CHANNELS)
-    return WorkerLayout(tp, rank, heads if interior == "HNC" else 1, block,
+    shape = (block, CHANNELS) if interior == "NC" else (local, block, CHANNELS)
+    return WorkerLayout(tp, rank, 1 if interior == "NC" else heads, block,
                         (GroupShape(DTYPE, shape, 1, layers, interior),))
 
 
-def blocks_of(kv: np.ndarray, table: list[int], num_blocks: int, block: int, heads: range, latent: bool) -> np.ndarray:
-    """The prompt's ``kv`` ([tokens, heads, channels]) in a rank's blocks ``table``."""
-    shape = (num_blocks, block, CHANNELS) if latent else (num_blocks, len(heads), block, CHANNELS)
-    out = np.zeros(shape, np.float32)
-    for t in range(kv.shape[0]):
-        if latent:
+def blocks_of(kv: np.ndarray, table: list[int], num_blocks: int, block: int, heads: range,
+              interior: str) -> np.ndarray:
+    """The prompt's ``kv`` ([tokens, heads, channels]) in a rank's blocks ``table``.
+
+    ``HKTV`` as vLLM's CPU backend keeps it: per head the keys (first half of
+    the channels) transposed, ``[half, tokens]``, then the values ``[tokens, half]``.
+    """
+    if interior == "NC":
+        out = np.zeros((num_blocks, block, CHANNELS), np.float32)
+        for t in range(kv.shape[0]):
             out[table[t // block], t % block] = kv[t, 0]
+        return out
+    out = np.zeros((num_blocks, len(heads), block, CHANNELS), np.float32)
+    half = CHANNELS // 2
+    slices = out.reshape(num_blocks, len(heads), 2, block * half)
+    for t in range(kv.shape[0]):
+        own = kv[t, heads.start:heads.stop]
+        if interior == "HKTV":
+            keys = slices[table[t // block], :, 0].reshape(len(heads), half, block)
+            keys[:, :, t % block] = own[:, :half]
+            values = slices[table[t // block], :, 1].reshape(len(heads), block, half)
+            values[:, t % block] = own[:, half:]
         else:
-            out[table[t // block], :, t % block] = kv[t, heads.start:heads.stop]
+            out[table[t // block], :, t % block] = own
     return out
 
 
@@ -68,13 +83,13 @@ def transfer(tp_p: int, tp_d: int, heads: int, n_p: int, n_d: int, tokens: int, 
     for r in range(tp_d):
         mine = layout(tp_d, r, heads, n_d, interior)
         mine_heads = heads_of(r, tp_d, heads)
-        expected = blocks_of(kv, dst_all, nb_d + 5, n_d, mine_heads, latent)
+        expected = blocks_of(kv, dst_all, nb_d + 5, n_d, mine_heads, interior)
         got = np.zeros_like(expected)
         maps = map_heads(mine, layout(tp_p, 0, heads, n_p, interior))
         read_heads: list[int] = []
         for q, head_map in maps.items():
             theirs = layout(tp_p, q, heads, n_p, interior)
-            src = blocks_of(kv, src_table, nb_p + 5, n_p, heads_of(q, tp_p, heads), latent)
+            src = blocks_of(kv, src_table, nb_p + 5, n_p, heads_of(q, tp_p, heads), interior)
             rows = plan_ranges(head_map, 0, mine, theirs, src_table, dst_table, first_token)
             assert rows is not None and rows.dtype == np.uint64
             apply(rows, src, got)
@@ -82,30 +97,32 @@ def transfer(tp_p: int, tp_d: int, heads: int, n_p: int, n_d: int, tokens: int, 
                 read_heads += range(d, d + count)
         assert sorted(read_heads) == list(range(1 if latent else len(mine_heads))), "each head read exactly once"
         # The tokens before first_token were found locally: not written.
-        for t in range(first_token):
-            index = (dst_all[t // n_d], t % n_d) if latent else (dst_all[t // n_d], slice(None), t % n_d)
-            assert not got[index].any()
-            got[index] = expected[index]
+        for block in dst_all[:skip]:
+            assert not got[block].any()
+            got[block] = expected[block]
         np.testing.assert_array_equal(got, expected, err_msg=f"decode rank {r}")
 
 
+@pytest.mark.parametrize("interior", ["HNC", "HKTV"])
 @pytest.mark.parametrize("tp_p, tp_d", [(1, 1), (2, 1), (1, 2), (4, 2), (2, 4), (4, 1), (1, 4), (2, 2)])
 @pytest.mark.parametrize("heads", [4, 2, 1])
-def test_every_tp_ratio_moves_each_head_to_its_rank(tp_p: int, tp_d: int, heads: int) -> None:
-    transfer(tp_p, tp_d, heads, 16, 16, tokens=50)
+def test_every_tp_ratio_moves_each_head_to_its_rank(tp_p: int, tp_d: int, heads: int, interior: str) -> None:
+    transfer(tp_p, tp_d, heads, 16, 16, tokens=50, interior=interior)
 
 
+@pytest.mark.parametrize("interior", ["HNC", "HKTV"])
 @pytest.mark.parametrize("n_p, n_d", [(16, 32), (32, 16), (32, 64), (64, 16), (16, 16)])
 @pytest.mark.parametrize("tp_p, tp_d", [(1, 1), (2, 1), (1, 2)])
-def test_block_sizes_that_divide_each_other(n_p: int, n_d: int, tp_p: int, tp_d: int) -> None:
+def test_block_sizes_that_divide_each_other(n_p: int, n_d: int, tp_p: int, tp_d: int, interior: str) -> None:
     for tokens in (1, 31, 64, 100):
-        transfer(tp_p, tp_d, 2, n_p, n_d, tokens)
+        transfer(tp_p, tp_d, 2, n_p, n_d, tokens, interior=interior)
 
 
+@pytest.mark.parametrize("interior", ["HNC", "HKTV"])
 @pytest.mark.parametrize("n_p, n_d", [(16, 32), (32, 16), (16, 16)])
-def test_a_local_prefix_hit_loads_only_the_rest(n_p: int, n_d: int) -> None:
+def test_a_local_prefix_hit_loads_only_the_rest(n_p: int, n_d: int, interior: str) -> None:
     for first in range(0, 96, n_d):
-        transfer(2, 1, 2, n_p, n_d, tokens=100, first_token=first)
+        transfer(2, 1, 2, n_p, n_d, tokens=100, first_token=first, interior=interior)
 
 
 @pytest.mark.parametrize("tp_p, tp_d", [(2, 1), (1, 2), (4, 2)])

@@ -125,3 +125,50 @@ def test_prefill_tp2_into_decode_tp1(model: Path) -> None:
 def test_prefill_tp1_into_decode_tp2(model: Path) -> None:
     with start_pair(model, {}, {"tensor_parallel_size": 2}) as pair:
         run_layout(pair)
+
+
+BYTES = "vllm:datadist_aio_bytes_transferred_sum"
+TOKEN_BYTES = 4 * 2 * 128 * 4  # 4 layers of 2 KV heads, K and V of 64 floats each
+
+
+def test_block_size_32_into_64_and_a_local_prefix_hit(model: Path) -> None:
+    with start_pair(model, {"block_size": 32}, {"block_size": 64, "enable_prefix_caching": True}) as pair:
+        run_layout(pair)
+        prefill, decode = pair["prefill"], pair["decode"]
+        (prompt,) = prompts_of_lengths([500], seed=7)
+        decode.generate([prompt[:200]], 1)  # the decode now holds 3 blocks of 64: tokens 0 to 191
+        (reference,) = prefill.generate([prompt], MAX_TOKENS, logprobs=5)["results"]
+        params = prefill.generate([prompt], 1, [{"do_remote_decode": True}])["results"][0]["kv_transfer_params"]
+        before = decode.metrics()
+        (got,) = (r["tokens"] for r in decode.generate([prompt], MAX_TOKENS, [params])["results"])
+        after = decode.metrics()
+        check_outputs([got], [reference])
+        # Only tokens 192 to 511 (the decode's last 5 blocks) moved.
+        assert delta(after, before, BYTES) == (512 - 192) * TOKEN_BYTES
+
+
+def test_block_size_64_into_32(model: Path) -> None:
+    with start_pair(model, {"block_size": 64}, {"block_size": 32}) as pair:
+        run_layout(pair)
+
+
+def test_a_layout_that_cannot_map_fails_every_load_at_once(model: Path) -> None:
+    port = free_ports(1)
+    with contextlib.ExitStack() as stack:
+        prefill = Engine(model, connector_config("datadist", "kv_producer", port), block_size=64)
+        stack.callback(prefill.close)
+        decode = Engine(model, connector_config("datadist", "kv_consumer", 0, load_timeout_s=30.0),
+                        policy="recompute", block_size=96)
+        stack.callback(decode.close)
+        prompts = prompts_of_lengths([100, 300, 700], seed=8)
+        reference = prefill.generate(prompts, MAX_TOKENS, logprobs=5)["results"]
+        params = [r["kv_transfer_params"] for r in prefill.generate(prompts, 1, [{"do_remote_decode": True}] * 3)["results"]]
+        before = decode.metrics()
+        run = decode.generate(prompts, MAX_TOKENS, params)
+        after = decode.metrics()
+        # Refused at the hello, recomputed by the decode: right tokens, every
+        # load counted failed, and no wait for the 30 s load timeout.
+        check_outputs([r["tokens"] for r in run["results"]], reference)
+        assert delta(after, before, FAILED) == len(prompts)
+        assert delta(after, before, XFERS) == 0
+        assert run["wall"] < 10.0

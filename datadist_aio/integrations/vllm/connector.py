@@ -166,6 +166,17 @@ def _kv_heads(vllm_config: Any) -> int:
         return 0
 
 
+def _on_cpu() -> bool:
+    """Whether vLLM runs on the CPU, whose attention reads a block
+    ``[heads, tokens, 2 * head_dim]`` as each head's keys, then its values."""
+    try:
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_cpu())
+    except (ImportError, AttributeError):
+        return False
+
+
 def _on_device() -> bool:
     """Whether this vLLM keeps its KV cache off the host (a GPU build)."""
     try:
@@ -246,6 +257,7 @@ class DatadistAioConnector(KVConnectorBase_V1):
                     kv_heads=_kv_heads(vllm_config),
                     block_size=int(getattr(vllm_config.cache_config, "block_size", 0) or 0),
                     mla=bool(getattr(vllm_config.model_config, "use_mla", False)),
+                    head_major="HKTV" if _on_cpu() else "",
                     is_producer=bool(transfer.is_kv_producer),
                     is_consumer=bool(transfer.is_kv_consumer),
                     host=host,

@@ -9,9 +9,14 @@ the byte ranges that move (``plan_ranges``).
 
 Block interiors, by the shape of one block of one tensor:
 
-- ``"HNC"``: ``[heads, tokens, channels]`` (vLLM's CPU backend, K and V side
-  by side in the channels). A head's slice of a block is contiguous, so a
-  share of the heads or of the tokens is one range per block.
+- ``"HNC"``: ``[heads, tokens, channels]``. A head's slice of a block is
+  contiguous, so a share of the heads is one range per block, and so is a
+  run of tokens of one head.
+- ``"HKTV"``: vLLM's CPU backend. Its block is shaped ``[heads, tokens,
+  2 * head_dim]`` but holds, per head, the keys transposed (``[head_dim,
+  tokens]``) and then the values (``[tokens, head_dim]``). A head's slice
+  is contiguous as in ``HNC``; a run of tokens of one head is one range of
+  values and ``head_dim`` ranges of keys.
 - ``"NC"``: ``[tokens, channels]``, one latent vector per token (MLA): the same
   on every rank, read from one prefill rank.
 - ``"NHC"`` and anything else: only the same shape on both sides maps (whole
@@ -38,7 +43,8 @@ _DTYPE_BYTES = {
     "torch.float8_e4m3fn": 1,
     "torch.float8_e5m2": 1,
 }
-INTERIORS = ("HNC", "NC", "NHC", "opaque")
+INTERIORS = ("HNC", "HKTV", "NC", "NHC", "opaque")
+_HEAD_MAJOR = ("HNC", "HKTV")
 
 
 class LayoutError(ValueError):
@@ -181,7 +187,7 @@ def map_heads(mine: WorkerLayout, theirs: WorkerLayout) -> dict[int, HeadMap]:
                 raise _mismatch(mine, theirs, "latent widths differ")
             # One latent tensor, the same on every rank: read from one rank.
             sources = {mine.tp_rank % theirs.tp_size: [(0, 0, 1)]}
-        elif ours.interior == "HNC" and peer.interior == "HNC":
+        elif ours.interior in _HEAD_MAJOR and peer.interior == ours.interior:
             if ours.block_shape[2:] != peer.block_shape[2:]:
                 raise _mismatch(mine, theirs, "head widths differ")
             if ours.block_shape[0] != len(mine_heads):
@@ -210,7 +216,7 @@ def map_heads(mine: WorkerLayout, theirs: WorkerLayout) -> dict[int, HeadMap]:
             per_group[index] = runs
             flags = whole.setdefault(q, [False] * len(mine.groups))
             flags[index] = (ours.block_shape == peer.block_shape and mine.block_size == theirs.block_size
-                            and (ours.interior not in ("HNC",) or runs == [(0, 0, ours.block_shape[0])]))
+                            and (ours.interior not in _HEAD_MAJOR or runs == [(0, 0, ours.block_shape[0])]))
     return {q: HeadMap(q, tuple(tuple(r) for r in groups), tuple(whole[q])) for q, groups in sorted(maps.items())}
 
 
@@ -235,10 +241,10 @@ def plan_ranges(
     runs = head_map.runs[group]
     if not runs:
         return None
-    ours, peer = mine.groups[group], theirs.groups[group]
+    ours = mine.groups[group]
     n_src, n_dst = theirs.block_size, mine.block_size
     chunk = min(n_src, n_dst)
-    if ours.interior == "HNC":
+    if ours.interior in _HEAD_MAJOR:
         token_bytes = ours.block_bytes // (ours.block_shape[0] * n_dst)  # one head, one token
         src_head, dst_head = n_src * token_bytes, n_dst * token_bytes  # one head, one block
     else:  # a latent block, or whole blocks of another interior
@@ -249,21 +255,31 @@ def plan_ranges(
     if tokens <= 0:
         return None
     starts = first_token + np.arange(0, tokens, chunk, dtype=np.int64)
-    lengths = np.full(len(starts), chunk * token_bytes, dtype=np.int64)
     src_block = np.asarray(src_blocks, dtype=np.int64)[starts // n_src]
     dst_block = np.asarray(dst_blocks, dtype=np.int64)[(starts - first_token) // n_dst]
-    src_tok = (starts % n_src) * token_bytes
-    dst_tok = (starts % n_dst) * token_bytes
+    # Per head, the pieces of a run of tokens, as (offset in the source
+    # head's slice, in the destination's, bytes per token): HNC one, whole
+    # tokens; HKTV the values (second half of the slice) and one piece per
+    # key channel (a row of the transposed keys).
+    if ours.interior == "HKTV":
+        item = _DTYPE_BYTES[ours.dtype]
+        half = token_bytes // 2
+        pieces = [(n_src * half, n_dst * half, half)]
+        pieces += [(d * n_src * item, d * n_dst * item, item) for d in range(half // item)]
+    else:
+        pieces = [(0, 0, token_bytes)]
     rows = []
     for src, dst, count in runs:
-        if ours.interior == "HNC" and n_src == n_dst:
+        if ours.interior in _HEAD_MAJOR and n_src == n_dst:
             # Equal block sizes: consecutive heads are one range per block.
             rows.append(np.stack([src_block, np.full_like(src_block, src * src_head), dst_block,
                                   np.full_like(dst_block, dst * dst_head), np.full_like(src_block, count * src_head)],
                                  axis=1))
             continue
         for k in range(count):
-            rows.append(np.stack([src_block, src_tok + (src + k) * src_head, dst_block,
-                                  dst_tok + (dst + k) * dst_head, lengths], axis=1))
+            for src_at, dst_at, width in pieces:
+                rows.append(np.stack([src_block, (starts % n_src) * width + (src + k) * src_head + src_at, dst_block,
+                                      (starts % n_dst) * width + (dst + k) * dst_head + dst_at,
+                                      np.full(len(starts), chunk * width, dtype=np.int64)], axis=1))
     out = np.concatenate(rows) if len(rows) > 1 else rows[0]
     return np.ascontiguousarray(out, dtype=np.uint64)

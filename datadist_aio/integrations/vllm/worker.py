@@ -174,8 +174,9 @@ def worker_layout(groups: list[CacheGroup], settings: "WorkerSettings") -> Worke
 
     The block interior is read off each group's block shape against the
     heads this rank holds and the block size: ``[heads, tokens, channels]``
-    (vLLM's CPU backend) is ``HNC``, ``[tokens, channels]`` with MLA is
-    ``NC``, ``[tokens, heads, channels]`` is ``NHC``. Where the settings do
+    is ``HNC``, or ``settings.head_major`` (``HKTV`` for vLLM's CPU
+    backend), ``[tokens, channels]`` with MLA is ``NC``, ``[tokens, heads,
+    channels]`` is ``NHC``. Where the settings do
     not give the heads or the block size, a 3-D block is taken as ``HNC``
     and a 2-D one as ``NC``.
     """
@@ -192,7 +193,7 @@ def worker_layout(groups: list[CacheGroup], settings: "WorkerSettings") -> Worke
     for group in groups:
         shape = tuple(group.block_shape)
         if len(shape) == 3 and shape[:2] == (local_heads, block_size) and not settings.mla:
-            interior = "HNC"
+            interior = settings.head_major or "HNC"
         elif len(shape) == 2 and shape[0] == block_size and kv_heads == 1:
             interior = "NC"
         elif len(shape) == 3 and shape[:2] == (block_size, local_heads) and not settings.mla:
@@ -217,6 +218,10 @@ class WorkerSettings:
     kv_heads: int = 0
     block_size: int = 0
     mla: bool = False
+    # How a [heads, tokens, channels] block is read: "HNC" (as shaped), or
+    # "HKTV" (vLLM's CPU attention: per head, the keys transposed, then
+    # the values). "" takes HNC.
+    head_major: str = ""
     is_producer: bool = True
     is_consumer: bool = True
     host: str = "127.0.0.1"
