@@ -53,18 +53,24 @@ import argparse
 import importlib.metadata
 import importlib.util
 import json
-import socket
 import statistics
 import sys
 import tempfile
 import time
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from vllm_pd import Engine, EngineError, connector_config, delta, model_dir, prompts_of_lengths  # noqa: E402
+from vllm_pd import (  # noqa: E402
+    Engine,
+    EngineError,
+    connector_config,
+    delta,
+    free_port_run,
+    model_dir,
+    prompts_of_lengths,
+)
 
 METRICS = {
     "datadist": ("vllm:datadist_aio_xfer_time_seconds", "vllm:datadist_aio_bytes_transferred"),
@@ -78,14 +84,13 @@ OURS = ("datadist", "push")
 
 
 def free_ports(count: int) -> list[int]:
-    """``count`` distinct ports free right now (all bound at once, then released)."""
-    with ExitStack() as stack:
-        ports = []
-        for _ in range(count):
-            sock = stack.enter_context(socket.socket())
-            sock.bind(("127.0.0.1", 0))
-            ports.append(int(sock.getsockname()[1]))
-        return ports
+    """``count`` distinct free ports, below the ephemeral range (``free_port_run``)."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port_run(1)
+        if port not in ports:
+            ports.append(port)
+    return ports
 
 
 def start_pair(kind: str, layout: str, model: Path) -> tuple[Engine, Engine]:

@@ -9,7 +9,6 @@ environment with vLLM (the CPU build is enough).
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from pathlib import Path
@@ -19,7 +18,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_pd import Engine, connector_config, delta, model_dir, prompts_of_lengths  # noqa: E402
+from vllm_pd import Engine, connector_config, delta, free_port_run, model_dir, prompts_of_lengths  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
@@ -33,9 +32,7 @@ ANSWERS_BY_SWEEP = "vllm:datadist_aio_answers_read_by_sweep"
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    return free_port_run(1)
 
 
 @pytest.fixture(scope="module")

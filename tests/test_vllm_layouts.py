@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing.resource_tracker
-import socket
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -23,7 +22,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_pd import Engine, connector_config, delta, model_dir, prompts_of_lengths  # noqa: E402
+from vllm_pd import Engine, connector_config, delta, free_port_run, model_dir, prompts_of_lengths  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 
@@ -38,24 +37,6 @@ XFERS = "vllm:datadist_aio_num_transfers"
 FAILED = "vllm:datadist_aio_num_failed_transfers"
 
 
-def free_ports(count: int) -> int:
-    """A base port with ``count`` free ports from it (a side channel per TP rank)."""
-    for _ in range(100):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            base = int(sock.getsockname()[1])
-        if base + count >= 65535:
-            continue
-        try:
-            for port in range(base + 1, base + count):
-                with socket.socket() as probe:
-                    probe.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError(f"no {count} free ports in a row")
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return model_dir(tmp_path_factory.mktemp("vllm-model"))
@@ -63,7 +44,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @contextlib.contextmanager
 def start_pair(model: Path, prefill: dict[str, Any], decode: dict[str, Any]) -> Iterator[dict[str, Engine]]:
-    port = free_ports(4)
+    port = free_port_run(4)
     engines: dict[str, Engine] = {}
     try:
         engines["prefill"] = Engine(model, connector_config("datadist", "kv_producer", port), **prefill)
@@ -153,7 +134,7 @@ def test_block_size_64_into_32(model: Path) -> None:
 
 
 def test_a_layout_that_cannot_map_fails_every_load_at_once(model: Path) -> None:
-    port = free_ports(1)
+    port = free_port_run(1)
     with contextlib.ExitStack() as stack:
         prefill = Engine(model, connector_config("datadist", "kv_producer", port), block_size=64)
         stack.callback(prefill.close)

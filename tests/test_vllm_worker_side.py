@@ -12,6 +12,7 @@ and name the blocks that did not load.
 from __future__ import annotations
 
 import errno
+import logging
 import multiprocessing
 import multiprocessing.resource_tracker
 import os
@@ -82,8 +83,20 @@ def _prefill(conn: Any, lease_s: float) -> None:
         side.shutdown()
 
 
-def _decode(conn: Any, port: int, specs: list[tuple[str, list[int], list[int]]], timeout_s: float) -> None:
-    arrays = {name: np.zeros(SHAPE, np.float32) for name in layer_arrays(0)}
+class _Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _decode(conn: Any, port: int, specs: list[tuple[str, list[int], list[int]]], timeout_s: float,
+            shape: tuple[int, ...] = SHAPE) -> None:
+    warnings = _Warnings()
+    logging.getLogger("datadist_aio.integrations.vllm.worker").addHandler(warnings)
+    arrays = {name: np.zeros(shape, np.float32) for name in layer_arrays(0)}
     side = WorkerSide(WorkerSettings(engine_id="decode", is_producer=False, load_timeout_s=timeout_s))
     side.register({name: FakeTensor(a) for name, a in arrays.items()})
     loads = {
@@ -115,6 +128,7 @@ def _decode(conn: Any, port: int, specs: list[tuple[str, list[int], list[int]]],
             "records": [(r.nbytes, r.blocks, r.ok) for r in records],
             "answers": answers,
             "arrays": {name: a for name, a in arrays.items()},
+            "warnings": warnings.messages,
         }
     )
 
@@ -133,9 +147,10 @@ def _start_prefill(ctx: Any, lease_s: float = 60.0) -> tuple[Any, Any, int]:
     return process, parent, parent.recv()
 
 
-def _run_decode(ctx: Any, port: int, specs: list[Any], timeout_s: float = 5.0) -> dict[str, Any]:
+def _run_decode(ctx: Any, port: int, specs: list[Any], timeout_s: float = 5.0,
+                shape: tuple[int, ...] = SHAPE) -> dict[str, Any]:
     parent, child = ctx.Pipe()
-    process = ctx.Process(target=_decode, args=(child, port, specs, timeout_s), daemon=True)
+    process = ctx.Process(target=_decode, args=(child, port, specs, timeout_s, shape), daemon=True)
     process.start()
     child.close()
     try:
@@ -341,7 +356,7 @@ def test_a_held_load_goes_when_the_wait_is_over() -> None:
     side, loop = _held_side(wait_ms=50)
     try:
         a, _b = _in_flight(side, "a", 1), _in_flight(side, "b", 1)
-        failed = _in_flight(side, "f", 1, error="link: refused")
+        _in_flight(side, "f", 1, error="link: refused")
         a.finished = True
         # A failed load is never held; a finished one only up to the wait.
         assert side.get_finished()[1:] == ({"f"}, {"f"})
@@ -360,3 +375,43 @@ def test_no_wait_reports_each_load_as_it_finishes() -> None:
         assert side.get_finished()[1] == {"a"}
     finally:
         loop.close()
+
+
+def test_decode_with_twice_the_block_size_reads_tokens_into_place(ctx: Any) -> None:
+    """Prefill blocks of 32 tokens into decode blocks of 64: decode block k
+    holds, per head, the tokens of prefill blocks 2k and 2k + 1."""
+    prefill, conn, port = _start_prefill(ctx)
+    try:
+        conn.send(("lease", ["p-a"]))
+        assert conn.poll(10) and conn.recv() == "ok"
+        wide = (BLOCKS, HEADS, 2 * BLOCK_SIZE, 2 * HEAD_DIM)
+        remote, local = [4, 9, 2, 17, 11], [6, 1, 3]  # 5 prefill blocks (160 tokens) into 3 of 64
+        result = _run_decode(ctx, port, [("a", local, remote)], shape=wide)
+        assert result["done"] == ["a"] and result["failed"] == [] and result["warnings"] == []
+        source = layer_arrays(1)
+        for name, array in result["arrays"].items():
+            for k, block in enumerate(local):
+                halves = [remote[i] for i in (2 * k, 2 * k + 1) if i < len(remote)]
+                expected = np.concatenate([source[name][b] for b in halves], axis=1)
+                np.testing.assert_array_equal(array[block][:, : expected.shape[1]], expected)
+            assert not array[[b for b in range(BLOCKS) if b not in local]].any()
+    finally:
+        _stop(prefill, conn)
+
+
+def test_a_layout_that_cannot_map_fails_the_load_at_once_and_names_both(ctx: Any) -> None:
+    prefill, conn, port = _start_prefill(ctx)
+    try:
+        conn.send(("lease", ["p-a"]))
+        assert conn.poll(10) and conn.recv() == "ok"
+        odd = (BLOCKS, HEADS, 48, 2 * HEAD_DIM)  # 48-token blocks: 32 does not divide them
+        result = _run_decode(ctx, port, [("a", [1, 2], [3, 4])], timeout_s=30.0, shape=odd)
+        assert result["done"] == ["a"] and result["failed"] == ["a"] and result["errors"] == [1, 2]
+        assert result["records"] == [(0, 2, False)]
+        assert result["elapsed"] < 5.0, "the refusal waited for the load timeout"
+        (warning,) = [w for w in result["warnings"] if "load of a" in w]
+        assert "127.0.0.1:%d" % port in warning
+        assert "block size 32" in warning and "block size 48" in warning and "neither divides" in warning
+        assert not any(a.any() for a in result["arrays"].values())
+    finally:
+        _stop(prefill, conn)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import random
 import signal
+import socket
 import time
 import traceback
 from pathlib import Path
@@ -51,6 +53,29 @@ def connector_config(kind: str, role: str, port: int, **extra: Any) -> dict[str,
     else:
         raise ValueError(kind)
     return config
+
+
+def free_port_run(count: int) -> int:
+    """A free loopback port with ``count - 1`` free ports after it (one
+    side channel per TP rank counts up from a base port).
+
+    Chosen below the kernel's ephemeral range, so a port an engine is given
+    by the kernel (a listener on port 0, an outgoing connection) cannot take
+    it between this check and the engine's bind.
+    """
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+        ephemeral = int(ports.read().split()[0])
+    low = max(1024, ephemeral - 12000)
+    for _ in range(200):
+        base = random.randrange(low, ephemeral - count)
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as probe:
+                    probe.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no {count} free ports in a row below {ephemeral}")
 
 
 def delta(after: dict[str, float], before: dict[str, float], name: str) -> float:

@@ -12,7 +12,9 @@ Settings (``kv_connector_extra_config``): ``side_channel_host`` (default
 ``side_channel_port`` (default ``kv_port``; each tensor-parallel rank adds
 its rank; with ``kv_both`` on one host give each instance its own: a port
 already taken fails ``register_kv_caches`` with ``SideChannelPortError``),
-``load_timeout_s`` (10), ``lease_timeout_s`` (120), ``link_timeout_ms`` (3000),
+``load_timeout_s`` (10), ``load_batch_wait_ms`` (5: how long a finished load
+waits for the others its step started, so vLLM gets them together),
+``lease_timeout_s`` (120), ``link_timeout_ms`` (3000),
 ``transfer_mode`` (``"pull"``, the default, or ``"push_layerwise"``). With
 ``push_layerwise`` a decode instance lends ``inbox_blocks`` (512) staging
 blocks, at most ``inbox_share_blocks`` (256) to each prefill, and listens on

@@ -1,0 +1,219 @@
+"""Prefill and decode vLLM instances of different shapes: DatadistAioConnector
+against vLLM's NixlConnector, in the same run.
+
+Shapes: prefill TP=2 into decode TP=1, TP=1 into TP=2, blocks of 32 tokens
+into blocks of 64 (vLLM's CPU attention takes multiples of 32). Per shape and
+connector, one fresh pair of engines (connectors alternating, ours first in
+odd rounds):
+
+- every prompt, one at a time, prefilled then decoded: the connector's own
+  transfer time per request (its histogram; a request read by two decode
+  ranks or from two prefill ranks gives the mean of its reads, which run
+  side by side), the decode's TTFT, and the output against the prefill
+  instance computing alone: exact, a near tie (the reference's two best
+  tokens within 0.05 nats where they part; another TP size sums in another
+  order), or wrong;
+- the same prompts again (prefix caching is on in both instances): the
+  bytes the second pass moved against the first;
+- the control: prompt a's tokens with prompt b's KV, whose output must
+  follow b (else the KV did not arrive).
+
+    python benchmarks/bench_vllm_shapes.py --rounds 2
+
+Prints a table of medians per run and median (range) over the runs, and
+writes everything to ``--output`` (JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from vllm_pd import (  # noqa: E402
+    Engine,
+    EngineError,
+    connector_config,
+    delta,
+    free_port_run,
+    model_dir,
+    prompts_of_lengths,
+)
+
+SHAPES = {
+    "tp2_into_tp1": ({"tensor_parallel_size": 2}, {}),
+    "tp1_into_tp2": ({}, {"tensor_parallel_size": 2}),
+    "block32_into_block64": ({"block_size": 32}, {"block_size": 64}),
+}
+METRICS = {
+    "datadist": ("vllm:datadist_aio_xfer_time_seconds", "vllm:datadist_aio_bytes_transferred"),
+    "nixl": ("vllm:nixl_xfer_time_seconds", "vllm:nixl_bytes_transferred"),
+}
+NEAR_TIE = 0.05
+
+
+def start_pair(kind: str, shape: str, model: Path) -> tuple[Engine, Engine]:
+    prefill_args, decode_args = SHAPES[shape]
+    prefill_port, decode_port = free_port_run(4), free_port_run(4)
+    if kind == "datadist":
+        prefill = Engine(model, connector_config(kind, "kv_producer", prefill_port), **prefill_args)
+        try:
+            return prefill, Engine(model, connector_config(kind, "kv_consumer", 0), policy="recompute", **decode_args)
+        except BaseException:
+            prefill.close()
+            raise
+
+    def env(port: int) -> dict[str, str]:
+        return {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
+
+    prefill = Engine(model, connector_config(kind, "kv_producer", 0), env=env(prefill_port), **prefill_args)
+    try:
+        return prefill, Engine(model, connector_config(kind, "kv_consumer", 0), policy="recompute",
+                               env=env(decode_port), **decode_args)
+    except BaseException:
+        prefill.close()
+        raise
+
+
+def verdict(tokens: list[int], reference: dict[str, Any]) -> str:
+    """``exact``, ``near_tie`` or ``wrong`` against the reference's tokens and logprobs."""
+    if tokens == reference["tokens"]:
+        return "exact"
+    at = next((i for i, (a, b) in enumerate(zip(tokens, reference["tokens"])) if a != b), len(tokens))
+    if at >= len(reference["logprobs"]):
+        return "wrong"
+    candidates = reference["logprobs"][at]
+    margin = candidates.get(reference["tokens"][at], 0.0) - candidates.get(tokens[at], float("-inf"))
+    return "near_tie" if margin <= NEAR_TIE else "wrong"
+
+
+def one_pass(prefill: Engine, decode: Engine, prompts: list[list[int]], max_tokens: int, kind: str,
+             reference: list[dict[str, Any]]) -> dict[str, Any]:
+    time_metric, bytes_metric = METRICS[kind]
+    rows = []
+    for prompt, ref in zip(prompts, reference):
+        before = decode.metrics()
+        params = prefill.generate([prompt], 1, [{"do_remote_decode": True}])["results"][0]["kv_transfer_params"]
+        (result,) = decode.generate([prompt], max_tokens, [params])["results"]
+        after = decode.metrics()
+        rows.append({
+            "prompt_tokens": len(prompt),
+            "verdict": verdict(result["tokens"], ref),
+            "ttft_s": result["ttft"],
+            "transfers": delta(after, before, time_metric),
+            "xfer_s": delta(after, before, time_metric + "_sum"),
+            "bytes": delta(after, before, bytes_metric + "_sum"),
+        })
+    return {"rows": rows}
+
+
+def control(prefill: Engine, decode: Engine, max_tokens: int, seed: int) -> bool:
+    """Prompt a's tokens with prompt b's KV: True if the output follows b, not a."""
+    a, b = prompts_of_lengths([300, 300], seed=seed)
+    a[-1] = b[-1]
+    ref_a, ref_b = (r["tokens"] for r in prefill.generate([a, b], max_tokens)["results"])
+    params = prefill.generate([b], 1, [{"do_remote_decode": True}])["results"][0]["kv_transfer_params"]
+    (got,) = (r["tokens"] for r in decode.generate([a], max_tokens, [params])["results"])
+    return got != ref_a and got[:2] == ref_b[:2]
+
+
+def run_one(kind: str, shape: str, model: Path, prompts: list[list[int]], max_tokens: int,
+            seed: int) -> dict[str, Any]:
+    prefill, decode = start_pair(kind, shape, model)
+    try:
+        reference = prefill.generate(prompts, max_tokens, logprobs=5)["results"]
+        warm = prompts_of_lengths([64], seed=seed + 100)
+        one_pass(prefill, decode, warm, max_tokens, kind, prefill.generate(warm, max_tokens, logprobs=5)["results"])
+        first = one_pass(prefill, decode, prompts, max_tokens, kind, reference)
+        second = one_pass(prefill, decode, prompts, max_tokens, kind, reference)
+        follows = control(prefill, decode, max_tokens, seed + 200)
+    finally:
+        decode.close()
+        prefill.close()
+    rows = first["rows"]
+    # A request read by two decode ranks, or from two prefill ranks, is
+    # counted twice, in parallel: its time is the mean of its reads.
+    ms = [row["xfer_s"] / row["transfers"] * 1e3 for row in rows if row["transfers"] > 0]
+    ttft = [row["ttft_s"] * 1e3 for row in rows if row["ttft_s"] is not None]
+    verdicts = [row["verdict"] for row in rows] + [row["verdict"] for row in second["rows"]]
+    return {
+        "kind": kind,
+        "shape": shape,
+        "median_xfer_ms": statistics.median(ms) if ms else None,
+        "median_ttft_ms": statistics.median(ttft) if ttft else None,
+        "exact": verdicts.count("exact"),
+        "near_tie": verdicts.count("near_tie"),
+        "wrong": verdicts.count("wrong"),
+        "bytes_first": sum(row["bytes"] for row in rows),
+        "bytes_second": sum(row["bytes"] for row in second["rows"]),
+        "control": follows,
+        "first": rows,
+        "second": second["rows"],
+    }
+
+
+def _range(values: list[Optional[float]]) -> str:
+    present = [v for v in values if v is not None]
+    if not present:
+        return "-"
+    return f"{statistics.median(present):.2f} ({min(present):.2f}-{max(present):.2f})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--lengths", default="50,200,500,1000,1500")
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--connectors", default="datadist,nixl")
+    parser.add_argument("--output", default="build/bench-vllm-shapes.json")
+    args = parser.parse_args()
+    import tempfile
+
+    model = model_dir(Path(tempfile.mkdtemp(prefix="bench-shapes-")))
+    prompts = prompts_of_lengths([int(n) for n in args.lengths.split(",")], seed=11)
+    kinds = args.connectors.split(",")
+    results = []
+    started = time.monotonic()
+    for round_index in range(args.rounds):
+        for shape in args.shapes.split(","):
+            order = kinds if round_index % 2 == 0 else list(reversed(kinds))
+            for kind in order:
+                try:
+                    result = run_one(kind, shape, model, prompts, args.max_tokens, seed=round_index)
+                except EngineError as exc:
+                    result = {"kind": kind, "shape": shape, "error": str(exc)[-2000:]}
+                    print(f"round {round_index + 1} {shape} {kind}: failed: {str(exc)[-300:]}", flush=True)
+                else:
+                    print(f"round {round_index + 1} {shape:21s} {kind:8s} xfer={result['median_xfer_ms']} ms "
+                          f"ttft={result['median_ttft_ms']} ms exact={result['exact']} near_tie={result['near_tie']} "
+                          f"wrong={result['wrong']} bytes={result['bytes_first']:.0f}/{result['bytes_second']:.0f} "
+                          f"control={result['control']}", flush=True)
+                results.append({"round": round_index + 1, **result})
+    print(f"\nMedian (range) over runs; {time.monotonic() - started:.0f} s in all.")
+    print(f"{'shape':21s}  {'connector':9s}  {'transfer ms/req':20s}  {'TTFT ms':20s}  exact/tie/wrong  "
+          "bytes 2nd/1st  control")
+    for shape in args.shapes.split(","):
+        for kind in kinds:
+            runs = [r for r in results if r["shape"] == shape and r["kind"] == kind and "error" not in r]
+            if not runs:
+                print(f"{shape:21s}  {kind:9s}  no run completed")
+                continue
+            counts = "/".join(str(sum(r[k] for r in runs)) for k in ("exact", "near_tie", "wrong"))
+            shares = [r["bytes_second"] / r["bytes_first"] for r in runs if r["bytes_first"]]
+            print(f"{shape:21s}  {kind:9s}  {_range([r['median_xfer_ms'] for r in runs]):20s}  "
+                  f"{_range([r['median_ttft_ms'] for r in runs]):20s}  {counts:15s}  "
+                  f"{_range(shares):13s}  {all(r['control'] for r in runs)}")
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps({"command": sys.argv, "results": results}, indent=1))
+    print(f"\nwrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
