@@ -65,6 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from vllm_pd import (  # noqa: E402
     Engine,
     EngineError,
+    XFER_METRICS,
     connector_config,
     delta,
     free_port_run,
@@ -72,10 +73,7 @@ from vllm_pd import (  # noqa: E402
     prompts_of_lengths,
 )
 
-METRICS = {
-    "datadist": ("vllm:datadist_aio_xfer_time_seconds", "vllm:datadist_aio_bytes_transferred"),
-    "nixl": ("vllm:nixl_xfer_time_seconds", "vllm:nixl_bytes_transferred"),
-}
+METRICS = dict(XFER_METRICS)
 METRICS["push"] = METRICS["datadist"]
 ANSWERS, ANSWERS_BY_SWEEP = "vllm:datadist_aio_answers_read", "vllm:datadist_aio_answers_read_by_sweep"
 LAYOUTS = {"kv_both": ("kv_both", "kv_both"), "producer_consumer": ("kv_producer", "kv_consumer")}

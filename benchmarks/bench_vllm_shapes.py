@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from vllm_pd import (  # noqa: E402
     Engine,
     EngineError,
+    XFER_METRICS,
     connector_config,
     delta,
     free_port_run,
@@ -51,10 +52,7 @@ SHAPES = {
     "tp1_into_tp2": ({}, {"tensor_parallel_size": 2}),
     "block32_into_block64": ({"block_size": 32}, {"block_size": 64}),
 }
-METRICS = {
-    "datadist": ("vllm:datadist_aio_xfer_time_seconds", "vllm:datadist_aio_bytes_transferred"),
-    "nixl": ("vllm:nixl_xfer_time_seconds", "vllm:nixl_bytes_transferred"),
-}
+METRICS = XFER_METRICS
 NEAR_TIE = 0.05
 
 

@@ -55,6 +55,13 @@ def connector_config(kind: str, role: str, port: int, **extra: Any) -> dict[str,
     return config
 
 
+# Each connector's transfer-time histogram and bytes histogram, as vLLM exports them.
+XFER_METRICS = {
+    "datadist": ("vllm:datadist_aio_xfer_time_seconds", "vllm:datadist_aio_bytes_transferred"),
+    "nixl": ("vllm:nixl_xfer_time_seconds", "vllm:nixl_bytes_transferred"),
+}
+
+
 def free_port_run(count: int) -> int:
     """A free loopback port with ``count - 1`` free ports after it (one
     side channel per TP rank counts up from a base port).
