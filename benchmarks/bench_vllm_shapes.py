@@ -44,6 +44,7 @@ from vllm_pd import (  # noqa: E402
     delta,
     free_port_run,
     model_dir,
+    parting,
     prompts_of_lengths,
 )
 
@@ -81,14 +82,10 @@ def start_pair(kind: str, shape: str, model: Path) -> tuple[Engine, Engine]:
 
 def verdict(tokens: list[int], reference: dict[str, Any]) -> str:
     """``exact``, ``near_tie`` or ``wrong`` against the reference's tokens and logprobs."""
-    if tokens == reference["tokens"]:
+    parted = parting(tokens, reference)
+    if parted is None:
         return "exact"
-    at = next((i for i, (a, b) in enumerate(zip(tokens, reference["tokens"])) if a != b), len(tokens))
-    if at >= len(reference["logprobs"]):
-        return "wrong"
-    candidates = reference["logprobs"][at]
-    margin = candidates.get(reference["tokens"][at], 0.0) - candidates.get(tokens[at], float("-inf"))
-    return "near_tie" if margin <= NEAR_TIE else "wrong"
+    return "near_tie" if parted[1] <= NEAR_TIE else "wrong"
 
 
 def one_pass(prefill: Engine, decode: Engine, prompts: list[list[int]], max_tokens: int, kind: str,

@@ -22,7 +22,15 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_pd import Engine, connector_config, delta, free_port_run, model_dir, prompts_of_lengths  # noqa: E402
+from vllm_pd import (  # noqa: E402
+    Engine,
+    connector_config,
+    delta,
+    free_port_run,
+    model_dir,
+    parting,
+    prompts_of_lengths,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 
@@ -60,13 +68,9 @@ def check_outputs(got: list[list[int]], reference: list[dict[str, Any]]) -> None
     """Token-exact, but for a near tie of the reference where they part."""
     wrong = []
     for index, (tokens, ref) in enumerate(zip(got, reference)):
-        if tokens == ref["tokens"]:
-            continue
-        at = next(i for i, (a, b) in enumerate(zip(tokens, ref["tokens"])) if a != b)
-        candidates = ref["logprobs"][at]
-        margin = candidates.get(ref["tokens"][at], 0.0) - candidates.get(tokens[at], float("-inf"))
-        if margin > NEAR_TIE:
-            wrong.append(f"prompt {index} parts from the reference at token {at} by {margin:.3g} nats: "
+        parted = parting(tokens, ref)
+        if parted is not None and parted[1] > NEAR_TIE:
+            wrong.append(f"prompt {index} parts from the reference at token {parted[0]} by {parted[1]:.3g} nats: "
                          f"{tokens} against {ref['tokens']}")
     assert not wrong, "\n".join(wrong)
 

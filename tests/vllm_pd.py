@@ -62,6 +62,20 @@ XFER_METRICS = {
 }
 
 
+def parting(tokens: list[int], reference: dict[str, Any]) -> Optional[tuple[int, float]]:
+    """Where greedy ``tokens`` part from a reference run's (``generate(...,
+    logprobs=k)``), and by how many nats the reference preferred its own
+    token there (inf where the other was not among its top k, or the
+    reference has no logprobs there); None if they do not part."""
+    if tokens == reference["tokens"]:
+        return None
+    at = next((i for i, (a, b) in enumerate(zip(tokens, reference["tokens"])) if a != b), len(tokens))
+    if at >= len(reference["logprobs"]) or at >= len(tokens):
+        return at, float("inf")
+    candidates = reference["logprobs"][at]
+    return at, candidates.get(reference["tokens"][at], 0.0) - candidates.get(tokens[at], float("-inf"))
+
+
 def free_port_run(count: int) -> int:
     """A free loopback port with ``count - 1`` free ports after it (one
     side channel per TP rank counts up from a base port).
