@@ -91,13 +91,13 @@ def _check_tensor_num_per_layer(value: Any) -> None:
 
 
 def _range_rows(ranges: Any) -> np.ndarray:
-    """``ranges`` as the engine takes them: C-contiguous uint64, shape (n, 5)."""
+    """``ranges`` as the engine takes them: C-contiguous uint64, shape (n, 5) or (n, 8)."""
     given = isinstance(ranges, np.ndarray)
     if given and ranges.dtype.kind not in "iu":
         raise TypeError(f"ranges must hold integers, got dtype {ranges.dtype}")
     rows = ranges if given else np.array(ranges, dtype=object)
-    raise_if_false(rows.ndim == 2 and rows.shape[1] == 5 and rows.shape[0] > 0,
-                   f"ranges must be n > 0 rows of five ints, got shape {rows.shape}")
+    raise_if_false(rows.ndim == 2 and rows.shape[1] in (5, 8) and rows.shape[0] > 0,
+                   f"ranges must be n > 0 rows of five or eight ints, got shape {rows.shape}")
     if not given:
         for value in rows.flat:
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -724,10 +724,14 @@ class CacheManager:
         (another block size, another share of the KV heads). ``ranges`` is an
         integer array of shape ``(n, 5)`` (or ``n`` sequences of five ints):
         ``(src_block, src_offset, dst_block, dst_offset, length)``, offsets
-        and length in bytes, each range inside one block on both sides. The
-        same ranges apply to each tensor; keywords as ``pull_blocks``. The
-        peer checks every range against its own blocks; destination ranges
-        may not overlap.
+        and length in bytes, each range inside one block on both sides. Rows
+        of eight add ``(count, src_stride, dst_stride)``: the range repeats
+        ``count`` times, each repeat that many bytes further on both sides
+        (strides at least the length), and travels as one strided range: a
+        head's slice of every token of a block, or a transposed key's rows.
+        The same ranges apply to each tensor; keywords as ``pull_blocks``.
+        The peer checks every range against its own blocks; destination
+        ranges may not overlap.
         """
         check_isinstance("src_cache_key", src_cache_key, BlocksCacheKey, allow_none=False)
         check_isinstance("dst_cache", dst_cache, Cache, allow_none=False)

@@ -331,6 +331,38 @@ def test_pull_block_ranges_of_some_layers_from_a_list(pair):
     assert_tensors(pair.b.read(local), expect_ranges(before, data, rows[:3], [(0, 2), (1, 3)]))
 
 
+def expect_strided(before: Sequence[np.ndarray], data: Sequence[np.ndarray], rows: np.ndarray) -> list[np.ndarray]:
+    """Rows of (src_block, src_offset, dst_block, dst_offset, length, count,
+    src_stride, dst_stride), unrolled by hand."""
+    expected = [t.copy() for t in before]
+    for t in range(len(expected)):
+        for sb, so, db, do, n, count, ss, ds in rows.tolist():
+            for j in range(count):
+                src, dst = sb * 256 + so + j * ss, db * 1024 + do + j * ds
+                expected[t][dst : dst + n] = data[t][src : src + n]
+    return expected
+
+
+def test_pull_block_strided_ranges(pair):
+    """Strided ranges as the layouts of the vLLM connector need them: four
+    remote blocks of transposed rows interleaved into one local block (a
+    key's rows of 16 tokens into rows of 64), a head's slice of every token
+    (every third 8-byte piece), a plain range beside them, and rows of one
+    byte across all of a local block."""
+    model_id = next(_model_ids)
+    remote = pair.a.allocate(blocks_desc(), blocks=True, model_id=model_id)  # 32 blocks of 256 bytes
+    local = pair.b.register(blocks_desc(num_blocks=8, block_elems=512), blocks=True)  # 8 of 1 KiB
+    data = pair.a.fill(remote, 51)
+    before = pair.b.fill(local, 52)
+    rows = np.array(
+        [(3 + q, 0, 2, 16 * q, 16, 16, 16, 64) for q in range(4)]
+        + [(9, 8, 4, 0, 8, 10, 24, 8), (11, 0, 4, 100, 50, 1, 0, 0)]
+        + [(20 + q, 0, 6, q, 1, 256, 1, 4) for q in range(4)],
+        dtype=np.uint64)
+    pair.move(pair.b, "pull_block_ranges", remote.blocks_key(), local, rows)
+    assert_tensors(pair.b.read(local), expect_strided(before, data, rows))
+
+
 def test_pull_blocks_from_a_contiguous_slot(pair):
     # A slot of the remote contiguous cache is four blocks' worth of bytes.
     remote = pair.a.allocate(slots_desc(batch=3, slot_bytes=4 * 256))
@@ -635,6 +667,16 @@ def test_pull_block_ranges_checks(checked):
         (PARAM_INVALID, (key, dst, [(0, 0, 0, 0, 0)]), {}),  # empty
         (PARAM_INVALID, (key, dst, [(0, 0, 1, 0, 200), (1, 0, 1, 199, 10)]), {}),  # overlap
         (PARAM_INVALID, (key, dst, [(0, 2**64 - 1, 0, 0, 2)]), {}),  # overflows
+        # Strided rows, checked row by row.
+        (PARAM_INVALID, (key, dst, np.zeros((1, 6), np.uint64)), {}),  # neither 5 nor 8 columns
+        (PARAM_INVALID, (key, dst, [(0, 0, 0, 0, 8, 0, 8, 8)]), {}),  # no rows
+        (PARAM_INVALID, (key, dst, [(0, 0, 0, 0, 8, 2, 8, 4)]), {}),  # rows overlap here
+        (PARAM_INVALID, (key, dst, [(0, 0, 0, 0, 8, 2, 4, 8)]), {}),  # rows overlap there
+        (PARAM_INVALID, (key, dst, [(0, 0, 0, 0, 8, 129, 1, 8)]), {}),  # the last row leaves the local block
+        (PARAM_INVALID, (key, dst, [(0, 0, 0, 0, 8, 2**16 + 1, 8, 8)]), {}),  # too many rows
+        (PARAM_INVALID, (key, dst, [(0, 0, 0, 0, 8, 2, 2**63, 8)]), {}),  # source offsets overflow
+        (PARAM_INVALID, (key, dst, [(0, 0, 0, 0, 8, 4, 8, 16), (1, 0, 0, 36, 8, 1, 0, 0)]), {}),  # a row overlaps
+        (PARAM_INVALID, (key, dst, [(0, 0, 0, 0, 8, 4, 100, 8)]), {}),  # the peer's last row leaves its block
         # Decided by the peer, with its geometry: nothing lands here.
         (PARAM_INVALID, (key, dst, [(0, 250, 0, 0, 7)]), {}),  # leaves the peer's block
         (PARAM_INVALID, (key, dst, [(32, 0, 0, 0, 1)]), {}),  # past the peer's blocks

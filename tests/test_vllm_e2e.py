@@ -118,9 +118,13 @@ def _timed(engine: Engine, prompts: list[list[int]], params: list[Any]) -> tuple
     return run, time.monotonic() - start
 
 
-def _assert_errors(run: dict[str, Any], reference: list[list[int]]) -> None:
+def _assert_errors(run: dict[str, Any], reference: list[list[int]], engine: Engine, before: dict[str, float]) -> None:
+    """Every request failed, with no wrong token; the message of a request
+    that did not fail says what the decode's connector counted."""
+    after = engine.metrics()
+    counted = f"transfers {delta(after, before, XFERS):g}, failed {delta(after, before, FAILED):g}"
     for result, ref in zip(run["results"], reference):
-        assert result["finish_reason"] == "error", result
+        assert result["finish_reason"] == "error", (result, counted)
         assert result["tokens"] == ref[: len(result["tokens"])], "a failed request produced a wrong token"
 
 
@@ -150,12 +154,13 @@ def test_prefill_failures_recompute_or_fail_within_the_timeout(pair: dict[str, A
     try:
         # 2. fail, never linked, prefill frozen.
         params = prefill_params(prefill, prompts)
+        before = failing.metrics()
         prefill.stop_signal()
         try:
             run, elapsed = _timed(failing, prompts, params)
         finally:
             prefill.cont_signal()
-        _assert_errors(run, reference)
+        _assert_errors(run, reference, failing, before)
         assert elapsed < limit, f"decode took {elapsed:.1f} s"
 
         # 3. fail, linked (one good transfer first), prefill killed during the load.
@@ -168,6 +173,7 @@ def test_prefill_failures_recompute_or_fail_within_the_timeout(pair: dict[str, A
         reference = tokens(prefill.generate(prompts, MAX_TOKENS))
         params = prefill_params(prefill, prompts)
         dead_params = params
+        before = failing.metrics()
         prefill.stop_signal()  # holds the load in flight until the kill
         killer = threading.Timer(1.0, prefill.kill)
         killer.start()
@@ -175,7 +181,7 @@ def test_prefill_failures_recompute_or_fail_within_the_timeout(pair: dict[str, A
             run, elapsed = _timed(failing, prompts, params)
         finally:
             killer.join()
-        _assert_errors(run, reference)
+        _assert_errors(run, reference, failing, before)
         assert elapsed < limit, f"decode took {elapsed:.1f} s"
         assert not prefill.process.is_alive()
     finally:

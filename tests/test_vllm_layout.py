@@ -29,7 +29,7 @@ DTYPE = "torch.float32"
 
 def layout(tp: int, rank: int, heads: int, block: int, interior: str = "HNC", layers: int = 2) -> WorkerLayout:
     local = len(heads_of(rank, tp, heads))
-    shape = (block, CHANNELS) if interior == "NC" else (local, block, CHANNELS)
+    shape = {"NC": (block, CHANNELS), "NHC": (block, local, CHANNELS)}.get(interior, (local, block, CHANNELS))
     return WorkerLayout(tp, rank, 1 if interior == "NC" else heads, block,
                         (GroupShape(DTYPE, shape, 1, layers, interior),))
 
@@ -45,6 +45,11 @@ def blocks_of(kv: np.ndarray, table: list[int], num_blocks: int, block: int, hea
         out = np.zeros((num_blocks, block, CHANNELS), np.float32)
         for t in range(kv.shape[0]):
             out[table[t // block], t % block] = kv[t, 0]
+        return out
+    if interior == "NHC":
+        out = np.zeros((num_blocks, block, len(heads), CHANNELS), np.float32)
+        for t in range(kv.shape[0]):
+            out[table[t // block], t % block] = kv[t, heads.start:heads.stop]
         return out
     out = np.zeros((num_blocks, len(heads), block, CHANNELS), np.float32)
     half = CHANNELS // 2
@@ -62,12 +67,20 @@ def blocks_of(kv: np.ndarray, table: list[int], num_blocks: int, block: int, hea
 
 
 def apply(rows: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:
-    """What the engine does with the rows, for one tensor."""
+    """What the engine does with the rows, for one tensor: each of a row's
+    ``count`` pieces inside one block on both sides, no byte written twice."""
     s = src.reshape(src.shape[0], -1).view(np.uint8)
     d = dst.reshape(dst.shape[0], -1).view(np.uint8)
-    for sb, so, db, do, n in rows.tolist():
-        assert so + n <= s.shape[1] and do + n <= d.shape[1], "a range leaves its block"
-        d[db, do:do + n] = s[sb, so:so + n]
+    written = np.zeros(d.shape, dtype=bool)
+    assert rows.shape[1] == 8
+    for sb, so, db, do, n, count, ss, ds in rows.tolist():
+        assert count >= 1 and (count == 1 or (ss >= n and ds >= n)), "pieces of a row overlap"
+        for j in range(count):
+            a, b = so + j * ss, do + j * ds
+            assert a + n <= s.shape[1] and b + n <= d.shape[1], "a range leaves its block"
+            assert not written[db, b:b + n].any(), "a byte written twice"
+            written[db, b:b + n] = True
+            d[db, b:b + n] = s[sb, a:a + n]
 
 
 def transfer(tp_p: int, tp_d: int, heads: int, n_p: int, n_d: int, tokens: int, first_token: int = 0,
@@ -103,14 +116,14 @@ def transfer(tp_p: int, tp_d: int, heads: int, n_p: int, n_d: int, tokens: int, 
         np.testing.assert_array_equal(got, expected, err_msg=f"decode rank {r}")
 
 
-@pytest.mark.parametrize("interior", ["HNC", "HKTV"])
+@pytest.mark.parametrize("interior", ["HNC", "HKTV", "NHC"])
 @pytest.mark.parametrize("tp_p, tp_d", [(1, 1), (2, 1), (1, 2), (4, 2), (2, 4), (4, 1), (1, 4), (2, 2)])
 @pytest.mark.parametrize("heads", [4, 2, 1])
 def test_every_tp_ratio_moves_each_head_to_its_rank(tp_p: int, tp_d: int, heads: int, interior: str) -> None:
     transfer(tp_p, tp_d, heads, 16, 16, tokens=50, interior=interior)
 
 
-@pytest.mark.parametrize("interior", ["HNC", "HKTV"])
+@pytest.mark.parametrize("interior", ["HNC", "HKTV", "NHC"])
 @pytest.mark.parametrize("n_p, n_d", [(16, 32), (32, 16), (32, 64), (64, 16), (16, 16)])
 @pytest.mark.parametrize("tp_p, tp_d", [(1, 1), (2, 1), (1, 2)])
 def test_block_sizes_that_divide_each_other(n_p: int, n_d: int, tp_p: int, tp_d: int, interior: str) -> None:
@@ -118,7 +131,7 @@ def test_block_sizes_that_divide_each_other(n_p: int, n_d: int, tp_p: int, tp_d:
         transfer(tp_p, tp_d, 2, n_p, n_d, tokens, interior=interior)
 
 
-@pytest.mark.parametrize("interior", ["HNC", "HKTV"])
+@pytest.mark.parametrize("interior", ["HNC", "HKTV", "NHC"])
 @pytest.mark.parametrize("n_p, n_d", [(16, 32), (32, 16), (16, 16)])
 def test_a_local_prefix_hit_loads_only_the_rest(n_p: int, n_d: int, interior: str) -> None:
     for first in range(0, 96, n_d):
@@ -142,7 +155,33 @@ def test_same_shape_maps_whole_blocks_and_ranges_stay_few() -> None:
     assert sorted(maps) == [0, 1] and maps[0].runs[0] == ((0, 0, 2),) and maps[1].runs[0] == ((0, 2, 2),)
     rows = plan_ranges(maps[1], 0, mine, layout(2, 1, 4, 16), list(range(10)), list(range(10, 20)), 0)
     assert rows is not None and len(rows) == 10
-    assert rows[0].tolist() == [0, 0, 10, 2 * 16 * CHANNELS * 4, 2 * 16 * CHANNELS * 4]
+    assert rows[0].tolist() == [0, 0, 10, 2 * 16 * CHANNELS * 4, 2 * 16 * CHANNELS * 4, 1, 0, 0]
+
+
+def test_a_share_of_heads_or_of_tokens_is_one_strided_range() -> None:
+    """Where the pieces of a chunk are evenly spaced, they travel as one
+    strided row: a head share of token-major blocks (a piece of each token),
+    HKTV's keys between block sizes (a piece of each of a head's rows)."""
+    head = CHANNELS * 4
+    # NHC, prefill TP=2 into decode TP=1, 4 heads: rank 1's 2 heads are a
+    # piece of every token of the decode's block.
+    mine = layout(1, 0, 4, 16, "NHC")
+    maps = map_heads(mine, layout(2, 0, 4, 16, "NHC"))
+    rows = plan_ranges(maps[1], 0, mine, layout(2, 1, 4, 16, "NHC"), [7], [3], 0)
+    assert rows is not None and rows.tolist() == [[7, 0, 3, 2 * head, 2 * head, 16, 2 * head, 4 * head]]
+    # HKTV, blocks of 16 into 32, one head: per chunk one row of values and
+    # one strided row of the keys' CHANNELS // 2 rows.
+    mine = layout(1, 0, 1, 32, "HKTV")
+    maps = map_heads(mine, layout(1, 0, 1, 16, "HKTV"))
+    rows = plan_ranges(maps[0], 0, mine, layout(1, 0, 1, 16, "HKTV"), [5, 6], [2], 0)
+    assert rows is not None
+    half = CHANNELS // 2 * 4
+    assert rows.tolist() == [
+        [5, 16 * half, 2, 32 * half, 16 * half, 1, 16 * 2 * half, 32 * 2 * half],
+        [6, 16 * half, 2, 32 * half + 16 * half, 16 * half, 1, 16 * 2 * half, 32 * 2 * half],
+        [5, 0, 2, 0, 16 * 4, CHANNELS // 2, 16 * 4, 32 * 4],
+        [6, 0, 2, 16 * 4, 16 * 4, CHANNELS // 2, 16 * 4, 32 * 4],
+    ]
 
 
 @pytest.mark.parametrize(
@@ -152,6 +191,7 @@ def test_same_shape_maps_whole_blocks_and_ranges_stay_few() -> None:
         (layout(1, 0, 8, 16), "8 KV heads against 4"),
         (WorkerLayout(1, 0, 4, 16, (GroupShape("torch.float16", (4, 16, CHANNELS), 1, 2, "HNC"),)), "dtypes"),
         (WorkerLayout(1, 0, 4, 16, (GroupShape(DTYPE, (16, 4, CHANNELS), 1, 2, "NHC"),)), "interiors NHC and HNC"),
+        (WorkerLayout(1, 0, 4, 16, (GroupShape(DTYPE, (4, 16 * CHANNELS), 1, 2, "opaque"),)), "interiors opaque"),
     ],
 )
 def test_layouts_that_do_not_map_name_both_sides(theirs: WorkerLayout, words: str) -> None:

@@ -28,6 +28,7 @@ from wire_frames import (
     READ_DATA_T,
     READ_T,
     VERSION,
+    WITHIN_SLOT,
     WRITE_ACK_T,
     WRITE_T,
     frame,
@@ -42,9 +43,11 @@ Code = dd.LLMStatusCode
 
 
 def request(
-    ranges: list[tuple[int, int, int, int]], kind=BLOCKS_OF_MODEL, cache_id=-1, expected=BLOCK, group=0
+    ranges: list[tuple[int, int, int, int]], kind=BLOCKS_OF_MODEL, cache_id=-1, expected=BLOCK, group=0,
+    strides=(), flags=0,
 ) -> bytes:
-    return encode_request(ranges, kind=kind, cache_id=cache_id, expected=expected, group=group)
+    return encode_request(ranges, kind=kind, cache_id=cache_id, expected=expected, group=group, strides=strides,
+                          flags=flags)
 
 
 @pytest.fixture
@@ -147,6 +150,46 @@ def test_memory_not_remote_accessible_is_refused(server):
     datadist.cache_manager.unregister_cache(cache.cache_id)
 
 
+def test_strided_ranges_land_row_by_row(server):
+    """A strided range stands for its rows: 4 rows of 16 bytes, 64 apart,
+    then one plain range; a strided read gives the same rows back."""
+    datadist, cache = server
+    rows = bytes(range(64)) + b"\xee" * 8
+    strided = request([(0, 2, 8, 16), (1, 5, 0, 8)], strides=[(4, 64, 0), (1, 0, 0)], flags=WITHIN_SLOT)
+    with linked(datadist.listen_port) as sock:
+        sock.sendall(frame(WRITE_T, strided, rows, op_id=3))
+        assert recv_frame(sock)[:3] == (WRITE_ACK_T, 0, 3)
+        expected = np.zeros((2, BLOCKS, BLOCK), dtype=np.uint8)
+        for j in range(4):
+            expected[0, 2, 8 + 64 * j : 24 + 64 * j] = np.frombuffer(rows[16 * j : 16 * j + 16], np.uint8)
+        expected[1, 5, :8] = 0xEE
+        assert all((cache.as_numpy(t).reshape(BLOCKS, BLOCK) == expected[t]).all() for t in range(2))
+        sock.sendall(frame(READ_T, strided, op_id=4))
+        kind, status, op_id, _, data = recv_frame(sock)
+        assert (kind, status, op_id) == (READ_DATA_T, 0, 4)
+        assert data == rows
+
+
+@pytest.mark.parametrize(
+    "ranges, strides, flags, data_len",
+    [
+        ([(0, 2, 0, 16)], [(17, 16, 0)], WITHIN_SLOT, 17 * 16),  # the 17th row leaves the block
+        ([(0, 2, 200, 16)], [(2, 48, 0)], WITHIN_SLOT, 32),  # the second row crosses into block 3
+        ([(1, BLOCKS - 1, 0, 16)], [(17, 16, 0)], 0, 17 * 16),  # the last row passes the tensor's end
+        ([(0, 0, 0, 16), (0, 1, 0, 16)], [(1, 0, 0), (2, BLOCK * BLOCKS, 0)], 0, 48),  # a later row is far off
+    ],
+)
+def test_forged_strided_write_is_refused_whole(server, ranges, strides, flags, data_len):
+    """Every row a strided range stands for is checked: one bad row refuses
+    the request, and no byte of its good rows lands."""
+    datadist, cache = server
+    with linked(datadist.listen_port) as sock:
+        sock.sendall(frame(WRITE_T, request(ranges, strides=strides, flags=flags), b"\xff" * data_len, op_id=5))
+        kind, status, op_id, _, _ = recv_frame(sock)
+        assert (kind, op_id, status) == (WRITE_ACK_T, 5, Code.LLM_PARAM_INVALID.value)
+    assert untouched(cache)
+
+
 @pytest.mark.parametrize(
     "payload",
     [
@@ -156,6 +199,13 @@ def test_memory_not_remote_accessible_is_refused(server):
         frame(WRITE_T, request([(0, 0, 0, BLOCK)]), b"\x01" * (BLOCK - 1)) + b"\x00" * 64,  # data length mismatch
         frame(WRITE_T, request([(0, 0, 0, BLOCK)])[:-8], b""),  # truncated range table
         frame(WRITE_ACK_T, op_id=424242),  # an answer nobody asked for
+        # Strided ranges: no rows; rows that overlap; a segment stride with no
+        # segments; more rows than a frame may unroll; the stride table cut.
+        frame(WRITE_T, request([(0, 0, 0, 16)], strides=[(0, 16, 0)]), b""),
+        frame(WRITE_T, request([(0, 0, 0, 16)], strides=[(2, 8, 0)]), b"\x01" * 32),
+        frame(WRITE_T, request([(0, 0, 0, 16)], strides=[(2, 16, 16)]), b"\x01" * 32),
+        frame(READ_T, request([(0, 0, 0, 1), (0, 1, 0, 1)], strides=[(1 << 15, 1, 0), (1 + (1 << 15), 1, 0)])),
+        frame(WRITE_T, request([(0, 0, 0, 16)], strides=[(2, 16, 0)])[:-8], b"\x01" * 32),
     ],
 )
 def test_malformed_frame_closes_only_that_connection(server, payload):

@@ -212,6 +212,19 @@ class EngineError(RuntimeError):
     pass
 
 
+def _all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is in the stopped state (``T``)."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+        if state not in ("T", "t"):
+            return False
+    return True
+
+
 class Engine:
     """One vLLM instance in a child process."""
 
@@ -263,9 +276,17 @@ class Engine:
     def metrics(self) -> dict[str, float]:
         return self.call("metrics", None, 60.0)
 
-    def stop_signal(self) -> None:
+    def stop_signal(self, timeout: float = 10.0) -> None:
+        """Freezes the engine's process and returns once every one of its
+        threads is stopped: a thread the signal has not reached yet could
+        still serve a transfer."""
         os.kill(self.process.pid, signal.SIGSTOP)
         self.stopped = True
+        deadline = time.monotonic() + timeout
+        while not _all_threads_stopped(self.process.pid):
+            if time.monotonic() > deadline:
+                raise EngineError(f"engine {self.process.pid} did not stop within {timeout} s")
+            time.sleep(0.001)
 
     def cont_signal(self) -> None:
         os.kill(self.process.pid, signal.SIGCONT)

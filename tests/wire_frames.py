@@ -18,6 +18,7 @@ HELLO_ACK = struct.Struct("<QII")
 TARGET = struct.Struct("<BBHIqQQQQQ")
 RANGE = struct.Struct("<IIQQQ")
 SEGMENT = struct.Struct("<QQ")
+STRIDE = struct.Struct("<IIQQ")
 SAME_HOST_INFO = struct.Struct("<16sQQ24s")
 LOOKUP_REPLY = struct.Struct("<qIIQQQ")
 MAGIC, VERSION = 0x4F414444, 1
@@ -32,7 +33,7 @@ OFFERS_SAME_HOST, COPIES_FOR_YOU, AUTHENTICATED, GRANTS_CONNECTIONS, LOCAL_SOCKE
 ANSWER_SOCKET = 32
 # Target kinds and flags.
 BY_ID, BY_KEY, BLOCKS_OF_MODEL, RAW_ADDRESS = 1, 2, 3, 4
-WITHIN_SLOT, RELEASE_KEY = 1, 2
+WITHIN_SLOT, RELEASE_KEY, STRIDED = 1, 2, 4
 
 INVALID = 2**64 - 1
 MAX_BODY_BYTES = 1 << 20
@@ -84,11 +85,16 @@ def request(
     prefix_id: int = INVALID,
     bounds: list[Range] = (),  # type: ignore[assignment]
     segments: list[tuple[int, int]] = (),  # type: ignore[assignment]
+    strides: list[tuple[int, int, int]] = (),  # type: ignore[assignment]
 ) -> bytes:
-    """A request body: the target, its ranges, its bounds, then (same-host
-    frames) one (address, length) segment per range."""
+    """A request body: the target, its ranges, its bounds, then (with
+    ``strides``, which sets STRIDED) one (count, stride, segment stride) per
+    range, then (same-host frames) one (address, length) segment per range."""
+    if strides:
+        flags |= STRIDED
     body = TARGET.pack(kind, flags, len(bounds), len(ranges), cache_id, req_id, model_id, prefix_id, expected, group)
     body += b"".join(RANGE.pack(t, 0, slot, off, length) for t, slot, off, length in [*ranges, *bounds])
+    body += b"".join(STRIDE.pack(count, 0, stride, segment_stride) for count, stride, segment_stride in strides)
     return body + b"".join(SEGMENT.pack(addr, length) for addr, length in segments)
 
 

@@ -358,15 +358,18 @@ void bind_engine(py::module_ &m) {
       .def(
           "pull_ranges",
           // `ranges`: a C-contiguous uint64 array of shape (n, 5), one row
-          // (src_block, src_offset, dst_block, dst_offset, length) per range.
+          // (src_block, src_offset, dst_block, dst_offset, length) per range,
+          // or (n, 8), each row followed by (count, src_stride, dst_stride).
           [](Engine &e, int64_t dst_id, uint64_t peer, const NameTuple &src,
              const py::array_t<uint64_t, py::array::c_style> &rows, const SpanTuple &span) {
-            if (rows.ndim() != 2 || rows.shape(1) != 5) throw py::value_error("ranges must have shape (n, 5)");
+            const py::ssize_t width = rows.ndim() == 2 ? rows.shape(1) : 0;
+            if (width != 5 && width != 8) throw py::value_error("ranges must have shape (n, 5) or (n, 8)");
             std::vector<BlockRange> ranges(static_cast<size_t>(rows.shape(0)));
             const uint64_t *row = rows.data();
             for (BlockRange &r : ranges) {
-              r = BlockRange{row[0], row[1], row[2], row[3], row[4]};
-              row += 5;
+              r = width == 5 ? BlockRange{row[0], row[1], row[2], row[3], row[4]}
+                             : BlockRange{row[0], row[1], row[2], row[3], row[4], row[5], row[6], row[7]};
+              row += width;
             }
             return start_request([&](std::shared_ptr<Request> &out) {
               return e.pull_ranges(dst_id, peer, make_name(src), ranges, make_span(span), out);

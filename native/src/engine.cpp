@@ -695,33 +695,56 @@ Status Engine::pull_ranges(int64_t dst_id, uint64_t peer, const RemoteName &src_
   if (ranges.empty()) return refuse(LLM_PARAM_INVALID, "ranges is empty");
   const uint64_t block = dst->geometry.slot_size;
   const uint64_t blocks = dst->geometry.num_slots;
+  uint64_t elements = 0;
   for (size_t k = 0; k < ranges.size(); ++k) {
     const BlockRange &r = ranges[k];
     if (r.length == 0) return refuse(LLM_PARAM_INVALID, words("ranges[", k, "] has length 0"));
+    if (r.count == 0 || r.count > wire::kMaxElements) {
+      return refuse(LLM_PARAM_INVALID, words("ranges[", k, "]: count ", r.count, " must be in [1, ",
+                                             wire::kMaxElements, "]"));
+    }
+    if (r.count > 1 && (r.src_stride < r.length || r.dst_stride < r.length)) {
+      return refuse(LLM_PARAM_INVALID, words("ranges[", k, "]: strides (", r.src_stride, ", ", r.dst_stride,
+                                             ") are shorter than the length ", r.length));
+    }
     if (r.dst_block >= blocks) {
       return refuse(LLM_PARAM_INVALID, words("ranges[", k, "]: dst_block ", r.dst_block,
                                              " is out of range: the local cache has ", blocks, " blocks"));
     }
-    if (r.dst_offset >= block || r.length > block - r.dst_offset) {
+    // The last row's offsets, in 128 bits: no input overflows them.
+    const unsigned __int128 rows = r.count - 1;
+    const unsigned __int128 dst_end = r.dst_offset + rows * r.dst_stride + r.length;
+    if (dst_end > block) {
       return refuse(LLM_PARAM_INVALID, words("ranges[", k, "]: [", r.dst_offset, ", +", r.length,
-                                             ") leaves the local block of ", block, " bytes"));
+                                             r.count > 1 ? words(") repeated ", r.count, " times ", r.dst_stride,
+                                                                 " bytes apart")
+                                                         : std::string(")"),
+                                             " leaves the local block of ", block, " bytes"));
     }
-    if (r.src_offset > UINT64_MAX - r.length) {
-      return refuse(LLM_PARAM_INVALID, words("ranges[", k, "]: src_offset ", r.src_offset, " + length ",
-                                             r.length, " overflows"));
+    if (r.src_offset + rows * r.src_stride + r.length > UINT64_MAX) {
+      return refuse(LLM_PARAM_INVALID, words("ranges[", k, "]: the source offsets overflow"));
     }
+    elements += r.count;
   }
-  // No two ranges write the same local byte: the outcome would depend on
-  // the order the peer served them in.
-  std::vector<size_t> order(ranges.size());
-  for (size_t k = 0; k < order.size(); ++k) order[k] = k;
-  auto start = [&](size_t k) { return ranges[k].dst_block * block + ranges[k].dst_offset; };
-  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return start(a) < start(b); });
-  for (size_t i = 1; i < order.size(); ++i) {
-    const size_t a = order[i - 1], b = order[i];
-    if (start(a) + ranges[a].length > start(b)) {
-      return refuse(LLM_PARAM_INVALID, words("ranges[", a, "] and ranges[", b, "] overlap in local block ",
-                                             ranges[b].dst_block));
+  // No two rows write the same local byte: the outcome would depend on the
+  // order the peer served them in.
+  struct Row {
+    uint64_t start, length;
+    size_t range;
+  };
+  std::vector<Row> written;
+  written.reserve(elements);
+  for (size_t k = 0; k < ranges.size(); ++k) {
+    const BlockRange &r = ranges[k];
+    for (uint64_t j = 0; j < r.count; ++j) written.push_back({r.dst_block * block + r.dst_offset + j * r.dst_stride, r.length, k});
+  }
+  std::sort(written.begin(), written.end(), [](const Row &a, const Row &b) { return a.start < b.start; });
+  for (size_t i = 1; i < written.size(); ++i) {
+    const Row &a = written[i - 1], &b = written[i];
+    if (a.start + a.length > b.start) {
+      return refuse(LLM_PARAM_INVALID, words("ranges[", std::min(a.range, b.range), "] and ranges[",
+                                             std::max(a.range, b.range), "] overlap in local block ",
+                                             ranges[b.range].dst_block));
     }
   }
   wire::Target target = name_target(src_name);
@@ -729,8 +752,8 @@ Status Engine::pull_ranges(int64_t dst_id, uint64_t peer, const RemoteName &src_
   FramePlanner planner(target);
   for_each_tensor(span, [&](uint32_t local, uint32_t remote) {
     for (const BlockRange &r : ranges) {
-      planner.add(dst->addrs[local] + r.dst_block * block + r.dst_offset, remote, r.src_block, r.src_offset,
-                  r.length);
+      planner.add_strided(dst->addrs[local] + r.dst_block * block + r.dst_offset, r.dst_stride, remote, r.src_block,
+                          r.src_offset, r.src_stride, r.count, r.length);
     }
   });
   return start_remote(link, false, planner, dst, out);

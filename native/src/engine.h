@@ -53,13 +53,18 @@ struct RemoteName {
 
 // Bytes [src_offset, src_offset + length) of block src_block of a peer's
 // blocks cache, paired with [dst_offset, dst_offset + length) of local block
-// dst_block (Engine::pull_ranges).
+// dst_block (Engine::pull_ranges); with count > 1, `count` such pairs, the
+// j-th src_stride and dst_stride bytes further on (each stride >= length):
+// a slice of every row of a block, sent as one strided range.
 struct BlockRange {
   uint64_t src_block = 0;
   uint64_t src_offset = 0;
   uint64_t dst_block = 0;
   uint64_t dst_offset = 0;
   uint64_t length = 0;
+  uint64_t count = 1;
+  uint64_t src_stride = 0;
+  uint64_t dst_stride = 0;
 };
 
 // One layer of a layer-wise transfer to one destination. With no block

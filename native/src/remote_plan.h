@@ -30,6 +30,10 @@ class FramePlanner {
   // Local bytes [local, local + length) pair with bytes
   // [slot * slot_size + offset, + length) of remote tensor `tensor`.
   void add(uint8_t *local, uint32_t tensor, uint64_t slot, uint64_t offset, uint64_t length);
+  // `count` such pairs, the j-th at local + j * local_stride and offset +
+  // j * stride, sent as strided ranges (strides >= length when count > 1).
+  void add_strided(uint8_t *local, uint64_t local_stride, uint32_t tensor, uint64_t slot, uint64_t offset,
+                   uint64_t stride, uint64_t count, uint64_t length);
   // The frames; when there are several, each carries the operation's
   // outermost ranges (highest tensor, farthest end) as bounds.
   std::vector<PlannedFrame> take();
@@ -38,7 +42,15 @@ class FramePlanner {
   wire::Target target_;
   uint64_t frame_bytes_;
   size_t frame_ranges_;
+  // Opens a frame when the current one is full.
+  PlannedFrame &frame_with_room();
+  // Counts a range (the farthest one a strided range stands for) toward
+  // the operation's bounds.
+  void track(const wire::Range &range);
+
   uint64_t filled_ = 0;
+  size_t elements_ = 0;  // ranges of the current frame once unrolled
+  bool tracking_ = false;
   std::vector<PlannedFrame> frames_;
   wire::Range highest_tensor_{};
   wire::Range farthest_{};

@@ -39,7 +39,11 @@ void check_request(const std::vector<uint8_t> &body, bool with_segments) {
   if (!wire::decode_request(body, req, with_segments).empty()) return;
   const wire::Target &t = req.target;
   require(t.kind >= wire::kById && t.kind <= wire::kRawAddress, "accepted an unknown target kind");
-  require(req.ranges.size() == t.range_count && req.bounds.size() == t.bound_count, "range counts differ");
+  const bool strided = (t.flags & wire::kStrided) != 0;
+  require(strided ? req.ranges.size() >= t.range_count && req.ranges.size() <= wire::kMaxElements
+                  : req.ranges.size() == t.range_count,
+          "range counts differ");
+  require(req.bounds.size() == t.bound_count, "bound counts differ");
   require(t.range_count <= wire::kMaxRanges && t.bound_count <= wire::kMaxBounds, "too many ranges accepted");
   uint64_t total = 0;
   for (const wire::Range &r : req.ranges) {
@@ -53,7 +57,16 @@ void check_request(const std::vector<uint8_t> &body, bool with_segments) {
     require(s.length == req.ranges[i].length, "segment length differs from its range");
     require(s.addr + s.length >= s.addr, "accepted a wrapping segment");
   }
-  require(wire::encode_request(t, req.ranges, req.bounds, req.segments) == body, "does not encode back");
+  // Unrolled, a strided request is the plain request of its rows.
+  if (!strided) {
+    require(wire::encode_request(t, req.ranges, req.bounds, req.segments) == body, "does not encode back");
+    return;
+  }
+  wire::Request plain;
+  const std::vector<uint8_t> unrolled = wire::encode_request(t, req.ranges, req.bounds, req.segments);
+  require(wire::decode_request(unrolled, plain, with_segments).empty(), "the unrolled request is refused");
+  require(plain.ranges.size() == req.ranges.size() && plain.total_bytes == req.total_bytes,
+          "the unrolled request differs");
 }
 
 }  // namespace

@@ -76,6 +76,11 @@ def wire_seeds() -> dict[str, bytes]:
         + frame(WRITE_FROM_T, request([(0, 0, 0, 32), (0, 1, 0, 32)], kind=BY_ID, cache_id=2,
                                       segments=[(PEER, 32), (PEER + 64, 32)])),
         "read-into": segmented + frame(READ_INTO_T, request([(0, 0, 0, 32)], kind=BY_ID, cache_id=2, segments=[(PEER, 32)])),
+        "read-strided": plain
+        + frame(READ_T, request([(0, 1, 0, 8), (1, 1, 4, 4)], strides=[(8, 16, 0), (1, 0, 0)], flags=WITHIN_SLOT)),
+        "read-into-strided": segmented
+        + frame(READ_INTO_T, request([(0, 0, 0, 16)], kind=BY_ID, cache_id=2, strides=[(4, 16, 64)],
+                                     segments=[(PEER, 16)])),
         "hello": plain + frame(HELLO_T, hello(1, 2, flags=OFFERS_SAME_HOST | AUTHENTICATED,
                                               same_host=SAME_HOST_INFO.pack(bytes(16), 1, 2, bytes(24)), nonce=bytes(16))),
         "hello-ack": plain + frame(HELLO_ACK_T, HELLO_ACK.pack(2, 1, 0)),
@@ -120,6 +125,12 @@ def link_seeds() -> dict[str, bytes]:
         + frame(WRITE_FROM_T, request([(0, 0, 0, 32), (0, 1, 0, 32)], kind=BY_ID, cache_id=2,
                                       segments=[(PEER, 32), (PEER + 64, 32)]))
         + frame(READ_INTO_T, request([(0, 2, 0, 32)], kind=BY_ID, cache_id=2, segments=[(PEER + 4096, 32)]), op_id=2),
+        "strided": tcp
+        + frame(READ_T, request([(0, 1, 0, 8), (1, 2, 8, 8)], flags=WITHIN_SLOT, strides=[(4, 16, 0), (3, 16, 0)], **a))
+        + frame(READ_T, request([(0, 1, 0, 8)], flags=WITHIN_SLOT, strides=[(9, 8, 0)], **a), op_id=2),
+        "same-host-strided": bytes([OFFERED | REACHES])
+        + frame(READ_INTO_T, request([(0, 2, 0, 8)], kind=BY_ID, cache_id=2, strides=[(4, 8, 32)],
+                                     segments=[(PEER + 4096, 8)])),
         "peer-copies": bytes([OFFERED | REACHES | ANNOUNCE]) + frame(PEER_COPIES_T),
         "answers": bytes([SUBMIT])
         + HEADER.pack(MAGIC, VERSION, READ_DATA_T, 0, 0, 1, 64) + b"\x07" * 64

@@ -16,11 +16,19 @@ Block interiors, by the shape of one block of one tensor:
   2 * head_dim]`` but holds, per head, the keys transposed (``[head_dim,
   tokens]``) and then the values (``[tokens, head_dim]``). A head's slice
   is contiguous as in ``HNC``; a run of tokens of one head is one range of
-  values and ``head_dim`` ranges of keys.
+  values and one strided range of keys (a piece of each of its rows).
+- ``"NHC"``: ``[tokens, heads, channels]``, the layout of vLLM's GPU
+  attention backends (K and V each a tensor). A share of the heads of a
+  run of tokens is one strided range: a piece of every token.
 - ``"NC"``: ``[tokens, channels]``, one latent vector per token (MLA): the same
   on every rank, read from one prefill rank.
-- ``"NHC"`` and anything else: only the same shape on both sides maps (whole
-  blocks); a head share of a token-major block would need one range per token.
+- Anything else (``"opaque"``): only the same shape on both sides maps
+  (whole blocks).
+
+Rows are ``(src_block, src_offset, dst_block, dst_offset, length, count,
+src_stride, dst_stride)``, as ``CacheManager.pull_block_ranges`` takes them:
+``count`` pieces of ``length`` bytes, each ``src_stride`` and ``dst_stride``
+bytes after the one before.
 
 This module imports nothing from vLLM or the engine.
 """
@@ -45,6 +53,8 @@ _DTYPE_BYTES = {
 }
 INTERIORS = ("HNC", "HKTV", "NC", "NHC", "opaque")
 _HEAD_MAJOR = ("HNC", "HKTV")
+# The axis of a block's shape that counts its heads, by interior.
+_HEADS_AXIS = {"HNC": 0, "HKTV": 0, "NHC": 1}
 
 
 class LayoutError(ValueError):
@@ -187,19 +197,20 @@ def map_heads(mine: WorkerLayout, theirs: WorkerLayout) -> dict[int, HeadMap]:
                 raise _mismatch(mine, theirs, "latent widths differ")
             # One latent tensor, the same on every rank: read from one rank.
             sources = {mine.tp_rank % theirs.tp_size: [(0, 0, 1)]}
-        elif ours.interior in _HEAD_MAJOR and peer.interior == ours.interior:
-            if ours.block_shape[2:] != peer.block_shape[2:]:
+        elif ours.interior in _HEADS_AXIS and peer.interior == ours.interior:
+            axis = _HEADS_AXIS[ours.interior]
+            if len(ours.block_shape) != 3 or len(peer.block_shape) != 3 or ours.block_shape[2] != peer.block_shape[2]:
                 raise _mismatch(mine, theirs, "head widths differ")
-            if ours.block_shape[0] != len(mine_heads):
-                raise _mismatch(mine, theirs, f"this worker's blocks hold {ours.block_shape[0]} heads, "
+            if ours.block_shape[axis] != len(mine_heads):
+                raise _mismatch(mine, theirs, f"this worker's blocks hold {ours.block_shape[axis]} heads, "
                                               f"its share is {len(mine_heads)}")
             sources = {}
             for dst, head in enumerate(mine_heads):
                 holders = [q for q in range(theirs.tp_size) if head in heads_of(q, theirs.tp_size, kv_heads)]
                 q = holders[mine.tp_rank % len(holders)]
                 src = head - heads_of(q, theirs.tp_size, kv_heads).start
-                if peer.block_shape[0] != len(heads_of(q, theirs.tp_size, kv_heads)):
-                    raise _mismatch(mine, theirs, f"the prefill's blocks hold {peer.block_shape[0]} heads")
+                if peer.block_shape[axis] != len(heads_of(q, theirs.tp_size, kv_heads)):
+                    raise _mismatch(mine, theirs, f"the prefill's blocks hold {peer.block_shape[axis]} heads")
                 runs = sources.setdefault(q, [])
                 if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
                     runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
@@ -211,13 +222,21 @@ def map_heads(mine: WorkerLayout, theirs: WorkerLayout) -> dict[int, HeadMap]:
         else:
             raise _mismatch(mine, theirs, f"block interiors {peer.interior} and {ours.interior} map only when "
                                           "the TP sizes, block sizes and shapes are all equal")
+        heads_axis = _HEADS_AXIS.get(ours.interior)
         for q, runs in sources.items():
             per_group = maps.setdefault(q, [[] for _ in mine.groups])
             per_group[index] = runs
             flags = whole.setdefault(q, [False] * len(mine.groups))
             flags[index] = (ours.block_shape == peer.block_shape and mine.block_size == theirs.block_size
-                            and (ours.interior not in _HEAD_MAJOR or runs == [(0, 0, ours.block_shape[0])]))
+                            and (heads_axis is None or runs == [(0, 0, ours.block_shape[heads_axis])]))
     return {q: HeadMap(q, tuple(tuple(r) for r in groups), tuple(whole[q])) for q, groups in sorted(maps.items())}
+
+
+def _rows(src_block: np.ndarray, src_offset: Any, dst_block: np.ndarray, dst_offset: Any, length: int,
+          count: int = 1, src_stride: int = 0, dst_stride: int = 0) -> np.ndarray:
+    """Rows of ``plan_ranges``, one per chunk; scalars repeat down the column."""
+    columns = [src_block, src_offset, dst_block, dst_offset, length, count, src_stride, dst_stride]
+    return np.stack([np.broadcast_to(np.asarray(c, dtype=np.int64), src_block.shape) for c in columns], axis=1)
 
 
 def plan_ranges(
@@ -230,8 +249,8 @@ def plan_ranges(
     first_token: int,
 ) -> Optional[np.ndarray]:
     """The byte ranges of one load for one group, as rows ``(src_block,
-    src_offset, dst_block, dst_offset, length)``; None when this group reads
-    nothing from this rank.
+    src_offset, dst_block, dst_offset, length, count, src_stride,
+    dst_stride)``; None when this group reads nothing from this rank.
 
     ``src_blocks`` are the prefill's blocks of the whole prompt;
     ``dst_blocks`` the decode's blocks from token ``first_token`` on (a
@@ -241,45 +260,47 @@ def plan_ranges(
     runs = head_map.runs[group]
     if not runs:
         return None
-    ours = mine.groups[group]
+    ours, peer = mine.groups[group], theirs.groups[group]
     n_src, n_dst = theirs.block_size, mine.block_size
     chunk = min(n_src, n_dst)
-    if ours.interior in _HEAD_MAJOR:
-        token_bytes = ours.block_bytes // (ours.block_shape[0] * n_dst)  # one head, one token
-        src_head, dst_head = n_src * token_bytes, n_dst * token_bytes  # one head, one block
-    else:  # a latent block, or whole blocks of another interior
-        token_bytes = ours.block_bytes // n_dst
-        src_head = dst_head = 0
     # Both ends are multiples of the chunk: every range is one chunk of tokens.
     tokens = min(len(src_blocks) * n_src - first_token, len(dst_blocks) * n_dst)
     if tokens <= 0:
         return None
     starts = first_token + np.arange(0, tokens, chunk, dtype=np.int64)
-    src_block = np.asarray(src_blocks, dtype=np.int64)[starts // n_src]
-    dst_block = np.asarray(dst_blocks, dtype=np.int64)[(starts - first_token) // n_dst]
-    # Per head, the pieces of a run of tokens, as (offset in the source
-    # head's slice, in the destination's, bytes per token): HNC one, whole
-    # tokens; HKTV the values (second half of the slice) and one piece per
-    # key channel (a row of the transposed keys).
-    if ours.interior == "HKTV":
-        item = _DTYPE_BYTES[ours.dtype]
-        half = token_bytes // 2
-        pieces = [(n_src * half, n_dst * half, half)]
-        pieces += [(d * n_src * item, d * n_dst * item, item) for d in range(half // item)]
-    else:
-        pieces = [(0, 0, token_bytes)]
+    sb = np.asarray(src_blocks, dtype=np.int64)[starts // n_src]
+    db = np.asarray(dst_blocks, dtype=np.int64)[(starts - first_token) // n_dst]
+    s_tok, d_tok = starts % n_src, starts % n_dst  # the chunk's first token in each block
+    item = _DTYPE_BYTES.get(ours.dtype, 1)
     rows = []
-    for src, dst, count in runs:
-        if ours.interior in _HEAD_MAJOR and n_src == n_dst:
-            # Equal block sizes: consecutive heads are one range per block.
-            rows.append(np.stack([src_block, np.full_like(src_block, src * src_head), dst_block,
-                                  np.full_like(dst_block, dst * dst_head), np.full_like(src_block, count * src_head)],
-                                 axis=1))
-            continue
-        for k in range(count):
-            for src_at, dst_at, width in pieces:
-                rows.append(np.stack([src_block, (starts % n_src) * width + (src + k) * src_head + src_at, dst_block,
-                                      (starts % n_dst) * width + (dst + k) * dst_head + dst_at,
-                                      np.full(len(starts), chunk * width, dtype=np.int64)], axis=1))
+    if ours.interior == "NHC":
+        # [tokens, heads, channels]: a run of heads is a piece of every token.
+        head = ours.block_shape[2] * item
+        src_token, dst_token = peer.block_shape[1] * head, ours.block_shape[1] * head
+        for src, dst, count in runs:
+            if count * head == src_token == dst_token:  # whole tokens on both sides: contiguous
+                rows.append(_rows(sb, s_tok * src_token, db, d_tok * dst_token, chunk * src_token))
+            else:
+                rows.append(_rows(sb, s_tok * src_token + src * head, db, d_tok * dst_token + dst * head,
+                                  count * head, chunk, src_token, dst_token))
+    elif ours.interior in _HEAD_MAJOR:
+        token = ours.block_bytes // (ours.block_shape[0] * n_dst)  # one head, one token
+        src_head, dst_head = n_src * token, n_dst * token  # one head, one block
+        for src, dst, count in runs:
+            if n_src == n_dst:  # consecutive heads are one range per block
+                rows.append(_rows(sb, src * src_head, db, dst * dst_head, count * src_head))
+            elif ours.interior == "HNC":  # a run of tokens of each head: one range per head, strided by heads
+                rows.append(_rows(sb, src * src_head + s_tok * token, db, dst * dst_head + d_tok * token,
+                                  chunk * token, count, src_head, dst_head))
+            else:  # HKTV: the values as in HNC, the keys a piece of each of a head's head_dim rows
+                half = token // 2
+                rows.append(_rows(sb, src * src_head + n_src * half + s_tok * half, db,
+                                  dst * dst_head + n_dst * half + d_tok * half, chunk * half, count, src_head, dst_head))
+                for k in range(count):
+                    rows.append(_rows(sb, (src + k) * src_head + s_tok * item, db, (dst + k) * dst_head + d_tok * item,
+                                      chunk * item, half // item, n_src * item, n_dst * item))
+    else:  # a latent block, or whole blocks of another interior
+        token = ours.block_bytes // n_dst
+        rows.append(_rows(sb, s_tok * token, db, d_tok * token, chunk * token))
     out = np.concatenate(rows) if len(rows) > 1 else rows[0]
     return np.ascontiguousarray(out, dtype=np.uint64)

@@ -630,7 +630,7 @@ class WorkerSide:
                     continue
                 load.tasks.append(manager.pull_block_ranges_async(
                     key, cache, rows, tensor_num_per_layer=group.per_layer))
-                load.nbytes += int(rows[:, 4].sum()) * len(group.addresses)
+                load.nbytes += int((rows[:, 4] * rows[:, 5]).sum()) * len(group.addresses)
 
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:
         """(prefill requests whose blocks may be freed, loads settled, loads failed).

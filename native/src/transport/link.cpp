@@ -228,20 +228,30 @@ void Link::submit(bool write, std::vector<PlannedFrame> frames, const std::share
     request->hold();
     OutFrame out;
     uint64_t data_len = 0;
-    for (const wire::Range &r : planned.ranges) data_len += r.length;
+    for (const iovec &v : planned.local) data_len += v.iov_len;
     // Same-host: the peer copies the bytes, so the frame names this end's
     // memory instead of carrying it. A frame whose segment table would not
     // fit a body goes over TCP.
     bool same_host = peer_copies_.load(std::memory_order_acquire) &&
-                     sizeof(wire::Target) + planned.ranges.size() * (sizeof(wire::Range) + sizeof(wire::Segment)) +
+                     sizeof(wire::Target) +
+                             planned.ranges.size() * (sizeof(wire::Range) + sizeof(wire::Segment)) +
+                             planned.strides.size() * sizeof(wire::Stride) +
                              planned.bounds.size() * sizeof(wire::Range) <=
                          wire::kMaxBodyBytes;
     std::vector<wire::Segment> segments;
     if (same_host) {
-      segments.reserve(planned.local.size());
-      for (const iovec &v : planned.local) segments.push_back({reinterpret_cast<uintptr_t>(v.iov_base), v.iov_len});
+      // One segment per range: where its first byte goes (or comes from).
+      segments.reserve(planned.ranges.size());
+      size_t element = 0;
+      for (size_t i = 0; i < planned.ranges.size(); ++i) {
+        const iovec &v = planned.local[element];
+        segments.push_back({reinterpret_cast<uintptr_t>(v.iov_base), v.iov_len});
+        element += planned.strides.empty() ? 1 : planned.strides[i].count;
+      }
+    } else {
+      for (wire::Stride &s : planned.strides) s.segment_stride = 0;
     }
-    out.body = wire::encode_request(planned.target, planned.ranges, planned.bounds, segments);
+    out.body = wire::encode_request(planned.target, planned.ranges, planned.bounds, segments, planned.strides);
     const FrameType type = same_host ? (write ? FrameType::kWriteFrom : FrameType::kReadInto)
                                      : (write ? FrameType::kWrite : FrameType::kRead);
     out.header = wire::make_header(type, 0, static_cast<uint32_t>(out.body.size()),

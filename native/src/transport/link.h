@@ -80,8 +80,11 @@ struct LinkPaths {
 struct PlannedFrame {
   wire::Target target{};
   std::vector<wire::Range> ranges;
-  std::vector<iovec> local;  // source (write) or destination (read), one per range
+  // Source (write) or destination (read): one per range, or, with strides,
+  // one per range each stands for, in order.
+  std::vector<iovec> local;
   std::vector<wire::Range> bounds;  // the whole operation's outermost ranges
+  std::vector<wire::Stride> strides;  // none, or one per range (segment_stride: the local stride)
 };
 
 // A same-host link may have an answer socket beside its connections: each

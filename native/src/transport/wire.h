@@ -28,6 +28,8 @@ constexpr uint32_t kMaxBodyBytes = 1u << 20;
 constexpr uint64_t kMaxFrameData = 64ull << 20;
 constexpr uint32_t kMaxBounds = 2;
 constexpr uint32_t kMaxRanges = (kMaxBodyBytes - 64) / 32 - kMaxBounds;
+// The ranges of one request once its strided ranges are unrolled.
+constexpr uint32_t kMaxElements = 1u << 16;
 // An answer that refuses (kWriteAck, kReadData with a status) carries the
 // owner's reason as its body: text of at most this many bytes.
 constexpr uint32_t kMaxReasonBytes = 512;
@@ -139,6 +141,7 @@ enum TargetKind : uint8_t { kById = 1, kByKey = 2, kBlocksOfModel = 3, kRawAddre
 enum TargetFlags : uint8_t {
   kWithinSlot = 1,  // every range must stay inside one slot
   kReleaseKey = 2,  // a read through a key: the owner releases the key once every tensor was read
+  kStrided = 4,     // a Stride per range follows the bounds
 };
 
 // Names a cache on the owner and how the initiator sees its geometry.
@@ -173,6 +176,19 @@ struct Range {
 };
 static_assert(sizeof(Range) == 32, "range layout");
 
+// With kStrided, range i stands for `count` ranges of its length, the j-th
+// at offset + j * stride (stride >= length when count > 1, so they do not
+// overlap); on a same-host frame its segment repeats likewise, at
+// addr + j * segment_stride (0 on any other frame). The owner unrolls and
+// checks every one of them as a range of its own.
+struct Stride {
+  uint32_t count;
+  uint32_t reserved;
+  uint64_t stride;
+  uint64_t segment_stride;
+};
+static_assert(sizeof(Stride) == 24, "stride layout");
+
 struct LookupReply {
   int64_t cache_id;
   uint32_t num_tensors;
@@ -189,9 +205,9 @@ FrameHeader make_header(FrameType type, uint64_t op_id, uint32_t body_len, uint6
 // Empty string when the header may be followed; otherwise why not.
 std::string check_header(const FrameHeader &header);
 
-// A decoded request body: the target, its ranges and its bounds.
-// A decoded request body: the target, its ranges and its bounds, and for a
-// same-host frame the initiator's segment of each range.
+// A decoded request body: the target, its ranges (strided ranges unrolled)
+// and its bounds, and for a same-host frame the initiator's segment of each
+// range.
 struct Request {
   Target target{};
   std::vector<Range> ranges;
@@ -200,10 +216,12 @@ struct Request {
   uint64_t total_bytes = 0;
 };
 
-// Encodes a target, ranges, bounds and (same-host frames) segments into a body.
+// Encodes a target, ranges, bounds, (same-host frames) segments and, when
+// not empty, one stride per range (sets kStrided) into a body.
 std::vector<uint8_t> encode_request(const Target &target, const std::vector<Range> &ranges,
                                     const std::vector<Range> &bounds = {},
-                                    const std::vector<Segment> &segments = {});
+                                    const std::vector<Segment> &segments = {},
+                                    const std::vector<Stride> &strides = {});
 // Empty string on success; otherwise why the body is malformed. A body with
 // `with_segments` must carry one segment per range, of the range's length.
 std::string decode_request(const std::vector<uint8_t> &body, Request &out, bool with_segments = false);
