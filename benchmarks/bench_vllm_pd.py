@@ -45,6 +45,11 @@ to ``--output`` (JSON). Needs vLLM (CPU build) and, for the comparison,
     python benchmarks/bench_vllm_pd.py --rounds 2 --requests 16 --batch 8
 
 A smoke run: ``--rounds 1 --requests 4 --batch 4 --warmup 1``.
+
+Instances of different shapes (TP 2 into 1, 1 into 2, blocks of 32 into
+64, with prefix caching and the control) are measured by
+``bench_vllm_shapes.py``; ``--shapes all`` (or a list of its shapes) runs
+it after the layouts above, with the same rounds and connectors.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ import importlib.metadata
 import importlib.util
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -246,6 +252,7 @@ def main() -> None:
     parser.add_argument("--phases", default=",".join(PHASES), help=f"of {', '.join(PHASES)}")
     parser.add_argument("--connectors", default="datadist,nixl", help="of datadist (the pull), push, nixl")
     parser.add_argument("--output", type=Path, default=Path("build/bench-vllm-pd.json"))
+    parser.add_argument("--shapes", default="", help="then bench_vllm_shapes.py for these shapes ('all': every one)")
     args = parser.parse_args()
 
     def listed(text: str, known: Any, what: str) -> list[str]:
@@ -384,6 +391,14 @@ def main() -> None:
     args.output.write_text(json.dumps({"config": config, "summary": summary, "ratios": ratios, "runs": runs},
                                       indent=1))
     print(f"\nwrote {args.output}")
+    if args.shapes:
+        shapes = [sys.executable, str(Path(__file__).with_name("bench_vllm_shapes.py")), "--rounds", str(args.rounds),
+                  "--connectors", ",".join(k for k in kinds if k != "push"),
+                  "--output", str(args.output.with_name(args.output.stem + "-shapes.json"))]
+        if args.shapes != "all":
+            shapes += ["--shapes", args.shapes]
+        print("\n" + " ".join(shapes[1:]), flush=True)
+        raise SystemExit(subprocess.call(shapes))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ._checks import check_isinstance, check_list_uint64, raise_if_false
+from ._checks import check_isinstance, check_list_uint64, raise_if_false, raise_if_true
 from .cache_desc import CacheDesc
 from .enums import Placement
 
@@ -128,6 +128,12 @@ class Cache:
         check_isinstance("tensor_index", tensor_index, int, allow_none=False)
         raise_if_false(
             self._tensor_addrs, "cache {} holds no tensor addresses", self._cache_id
+        )
+        raise_if_true(
+            self._cache_desc.placement is Placement.DEVICE,
+            "cache {} is in CUDA device memory, which numpy cannot view; copy it to a HOST cache "
+            "(copy_cache, swap_blocks) or read it with torch or CuPy from tensor_addrs",
+            self._cache_id,
         )
         count = len(self._tensor_addrs)
         if not -count <= tensor_index < count:

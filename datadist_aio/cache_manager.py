@@ -45,12 +45,73 @@ Addresses = Union[
 ]
 
 
-def _device_unsupported(what: str) -> LLMException:
-    return LLMException(
-        f"{what}: Placement.DEVICE needs an accelerator backend, which this build does not have; "
-        "for host memory set placement=Placement.HOST in CacheDesc (its default, as upstream's, is DEVICE)",
-        status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
-    )
+_DLPACK_CUDA = 2  # DLDeviceType kDLCUDA
+_DLPACK_HOST = (1, 3)  # kDLCPU, kDLCUDAHost (pinned)
+
+
+def _device_address(name: str, entry: Any, cache_desc: CacheDesc) -> int:
+    """The device address of one tensor given for a DEVICE cache: an int, or
+    an object with ``__cuda_array_interface__`` (torch, CuPy, Numba) or
+    DLPack (``__dlpack_device__``), C-contiguous and one tensor long. The
+    engine then asks the driver whether it is device memory of this engine's
+    device and large enough."""
+    if isinstance(entry, int) and not isinstance(entry, bool):
+        check_uint64(name, entry)
+        raise_if_true(entry == 0, f"{name} is 0")
+        return entry
+    host = LLMException(f"{name} is host memory ({type(entry).__name__}); a DEVICE cache takes device "
+                        "addresses or CUDA tensors: use Placement.HOST for host memory",
+                        status_code=LLMStatusCode.LLM_PARAM_INVALID)
+    interface = getattr(entry, "__cuda_array_interface__", None)
+    if interface is None and hasattr(entry, "__dlpack_device__"):
+        kind = int(entry.__dlpack_device__()[0])
+        if kind != _DLPACK_CUDA:
+            if kind in _DLPACK_HOST:
+                raise host
+            raise LLMException(f"{name} is DLPack memory of device type {kind}, not CUDA device memory",
+                               status_code=LLMStatusCode.LLM_PARAM_INVALID)
+        interface = _dlpack_interface(name, entry)
+    if interface is None:
+        if isinstance(entry, (np.ndarray, memoryview, bytearray)):
+            raise host
+        raise TypeError(f"{name} must be an int device address or a CUDA tensor (__cuda_array_interface__ or "
+                        f"DLPack), got {type(entry).__name__}")
+    shape = tuple(int(n) for n in interface["shape"])
+    itemsize = np.dtype(interface["typestr"]).itemsize
+    nbytes = itemsize * int(np.prod(shape, dtype=np.int64))
+    strides = interface.get("strides")
+    if strides is not None:
+        expected, step = [], itemsize
+        for n in reversed(shape):
+            expected.insert(0, step)
+            step *= n
+        raise_if_false(all(n <= 1 or s == e for n, s, e in zip(shape, strides, expected)),
+                       f"{name} is not C-contiguous (strides {tuple(strides)})")
+    raise_if_false(nbytes == cache_desc.size,
+                   f"{name} holds {nbytes} bytes but one tensor of the cache is {cache_desc.size} bytes")
+    address = int(interface["data"][0])
+    raise_if_true(address == 0, f"{name} has no memory (address 0)")
+    return address
+
+
+def _dlpack_interface(name: str, entry: Any) -> dict[str, Any]:
+    """A ``__cuda_array_interface__``-like dict of a DLPack CUDA object, read
+    through torch or CuPy when one is installed (DLPack capsules have no
+    Python reader of their own)."""
+    for module in ("torch", "cupy"):
+        try:
+            lib = __import__(module)
+        except ImportError:
+            continue
+        try:
+            array = lib.from_dlpack(entry)
+        except Exception:  # noqa: BLE001 - not a type this library reads
+            continue
+        interface = getattr(array, "__cuda_array_interface__", None)
+        if interface is not None:
+            return dict(interface)
+    raise TypeError(f"{name} is a DLPack CUDA object, but neither torch nor CuPy could read it; pass its "
+                    "device address as an int")
 
 
 def _check_addr_count(addrs: Sequence[Any], cache_desc: CacheDesc) -> None:
@@ -204,10 +265,8 @@ class CacheManager:
     ) -> Cache:
         self._check_valid()
         raise_if_false(cache_desc.num_tensors > 0, "cache_desc.num_tensors must be > 0")
-        if cache_desc.placement is Placement.DEVICE:
-            raise _device_unsupported("allocate")
         raise_if_false(
-            self._engine.has_host_pool,
+            cache_desc.placement is Placement.DEVICE or self._engine.has_host_pool,
             "allocating a HOST cache needs a host memory pool: set LLMConfig.host_mem_pool_cfg",
         )
         status, cache_id, addrs = self._engine.allocate_cache(
@@ -299,8 +358,10 @@ class CacheManager:
         self._check_valid()
         raise_if_false(len(addrs) > 0, "addrs must not be empty")
         if cache_desc.placement is Placement.DEVICE:
-            raise _device_unsupported("register")
-        raw, buffers = self._addresses(cache_desc, addrs)
+            _check_addr_count(addrs, cache_desc)
+            raw, buffers = [_device_address(f"addrs[{i}]", a, cache_desc) for i, a in enumerate(addrs)], []
+        else:
+            raw, buffers = self._addresses(cache_desc, addrs)
         if remote_accessible is None:
             remote_accessible = True
         status, cache_id = self._engine.register_cache(
@@ -439,8 +500,8 @@ class CacheManager:
     def swap_blocks_async(self, src_cache: Cache, dst_cache: Cache, src_to_dst: dict[int, int]) -> CacheTask:
         """Starts copying block ``k`` of ``src_cache`` to block ``src_to_dst[k]`` of ``dst_cache``.
 
-        Both caches live in host memory here, so HOST to HOST is allowed; a
-        DEVICE side needs an accelerator backend.
+        Either cache may be in host or in CUDA device memory (the driver
+        copies where one is).
         """
         check_isinstance("src_cache", src_cache, Cache, allow_none=False)
         check_isinstance("dst_cache", dst_cache, Cache, allow_none=False)
@@ -464,8 +525,6 @@ class CacheManager:
                 0 <= dst_block < dst_desc.shape[0],
                 f"destination block {dst_block} is out of range: dst_cache has {dst_desc.shape[0]} blocks",
             )
-        if Placement.DEVICE in (src_desc.placement, dst_desc.placement):
-            raise _device_unsupported("swap_blocks")
         self._check_valid()
         started = self._engine.copy_blocks(_view(dst_cache), _view(src_cache), list(src_to_dst.items()))
         return self._task(started, lambda: f"swap_blocks({src_cache.cache_id} -> {dst_cache.cache_id})")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -14,6 +16,16 @@ PARAM_INVALID = dd.LLMStatusCode.LLM_PARAM_INVALID
 
 def host_desc(num_tensors: int = 4, shape: tuple[int, ...] = (8, 16, 32), dtype=dd.DataType.DT_FLOAT16) -> dd.CacheDesc:
     return dd.CacheDesc(num_tensors, list(shape), dtype, dd.Placement.HOST)
+
+
+def _has_cuda_driver() -> bool:
+    import ctypes
+
+    try:
+        ctypes.CDLL(os.environ.get("DATADIST_AIO_CUDA_DRIVER") or "libcuda.so.1")
+    except OSError:
+        return False
+    return True
 
 
 def raises_status(code: dd.LLMStatusCode):
@@ -57,6 +69,7 @@ def test_cache_ids_start_at_one():
         assert cache.is_blocks_cache
 
 
+@pytest.mark.skipif(_has_cuda_driver(), reason="a CUDA driver is installed: DEVICE placement works here")
 def test_allocate_device_placement_says_to_use_host(cache_manager):
     desc = dd.CacheDesc(2, [4, 8], dd.DataType.DT_FLOAT, dd.Placement.DEVICE)
     with raises_status(dd.LLMStatusCode.LLM_FEATURE_NOT_ENABLED) as info:
@@ -371,9 +384,16 @@ def test_swap_blocks_checks(cache_manager):
         cache_manager.swap_blocks(blocks, wider, {0: "1"})
     device = dd.Cache.create_cpu_cache(host_desc(num_tensors=2, shape=(16, 64)), [1, 2])
     device_desc = dd.CacheDesc(2, [16, 64], dd.DataType.DT_FLOAT16, dd.Placement.DEVICE)
-    fake_device = dd.Cache(7, device_desc, [1, 2], True)
-    with raises_status(dd.LLMStatusCode.LLM_FEATURE_NOT_ENABLED):
-        cache_manager.swap_blocks(device, fake_device, {0: 0})
+    device_view = dd.Cache(-1, device_desc, [1, 2], True)
+    if _has_cuda_driver():  # 1 and 2 are no device memory
+        with raises_status(PARAM_INVALID) as info:
+            cache_manager.swap_blocks(device, device_view, {0: 0})
+        assert "not CUDA device memory" in str(info.value)
+    else:
+        with raises_status(dd.LLMStatusCode.LLM_FEATURE_NOT_ENABLED) as info:
+            cache_manager.swap_blocks(device, device_view, {0: 0})
+        assert "no CUDA driver" in str(info.value) and "Placement.HOST" in str(info.value)
+
 
 
 def test_large_copy_uses_every_worker(big_datadist):

@@ -9,6 +9,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "device/cuda_driver.h"
 #include "log.h"
 #include "transport/auth.h"
 #include "error_detail.h"
@@ -34,11 +35,6 @@ Status not_ready(bool finalized) {
   return refuse(LLM_FAILED, finalized ? "the engine is finalized" : "the engine is not initialized");
 }
 
-Status device_refused() {
-  return refuse(LLM_FEATURE_NOT_ENABLED,
-                "Placement DEVICE needs an accelerator backend, which this build does not have; use HOST");
-}
-
 // Checks the addresses given for a cache's tensors (one each, none null).
 Status check_addrs(const CacheSpec &spec, const std::vector<uintptr_t> &addrs) {
   if (addrs.size() != spec.num_tensors) {
@@ -51,7 +47,37 @@ Status check_addrs(const CacheSpec &spec, const std::vector<uintptr_t> &addrs) {
   }
   return LLM_SUCCESS;
 }
+
+// Fills `entry` (spec and geometry set) with `addrs`; for Placement DEVICE
+// each address must be device memory of `device`, a whole tensor long.
+Status attach_addrs(CacheEntry &entry, const std::vector<uintptr_t> &addrs, std::shared_ptr<cuda::Device> device) {
+  Status st = check_addrs(entry.spec, addrs);
+  if (st != LLM_SUCCESS) return st;
+  if (device) {
+    std::string why;
+    if (!device->make_current(why)) return refuse(LLM_FAILED, "Placement DEVICE: " + why);
+    for (size_t i = 0; i < addrs.size(); ++i) {
+      st = device->check_range(addrs[i], entry.geometry.tensor_size, words("addrs[", i, "]"));
+      if (st != LLM_SUCCESS) return st;
+    }
+    entry.device = std::move(device);
+  }
+  for (uintptr_t addr : addrs) entry.addrs.push_back(reinterpret_cast<uint8_t *>(addr));
+  return LLM_SUCCESS;
+}
 }  // namespace
+
+Status Engine::open_device(const CacheSpec &spec, std::shared_ptr<cuda::Device> &out) const {
+  out.reset();
+  if (spec.placement != Placement::kDevice) return LLM_SUCCESS;
+  std::lock_guard<std::mutex> lock(device_mu_);
+  if (!device_) {
+    Status st = cuda::Device::open(options_.device_id, device_);
+    if (st != LLM_SUCCESS) return st;
+  }
+  out = device_;
+  return LLM_SUCCESS;
+}
 
 Engine::Engine(uint64_t cluster_id)
     : cluster_id_(cluster_id),
@@ -135,14 +161,14 @@ Status Engine::register_cache(const CacheSpec &spec, const std::vector<uintptr_t
   clear_error_detail();
   std::shared_lock<std::shared_mutex> lock(state_mu_);
   if (state_ != State::kReady) return not_ready(state_ == State::kFinalized);
-  if (spec.placement == Placement::kDevice) return device_refused();
   auto entry = std::make_shared<CacheEntry>();
   entry->spec = spec;
   Status st = compute_geometry(spec, entry->geometry);
   if (st != LLM_SUCCESS) return st;
-  st = check_addrs(spec, addrs);
+  std::shared_ptr<cuda::Device> device;
+  st = open_device(spec, device);
+  if (st == LLM_SUCCESS) st = attach_addrs(*entry, addrs, std::move(device));
   if (st != LLM_SUCCESS) return st;
-  for (uintptr_t addr : addrs) entry->addrs.push_back(reinterpret_cast<uint8_t *>(addr));
   entry->remote_accessible = remote_accessible;
   return registry_.add(std::move(entry), keys, blocks_model_id, false, cache_id);
 }
@@ -153,14 +179,25 @@ Status Engine::allocate_cache(const CacheSpec &spec, const std::vector<KeySpec> 
   clear_error_detail();
   std::shared_lock<std::shared_mutex> lock(state_mu_);
   if (state_ != State::kReady) return not_ready(state_ == State::kFinalized);
-  if (spec.placement == Placement::kDevice) return device_refused();
-  if (!host_pool_) {
-    return refuse(LLM_FEATURE_NOT_ENABLED, "allocating a cache needs a host memory pool (llm.HostMemPoolConfig)");
-  }
   auto entry = std::make_shared<CacheEntry>();
   entry->spec = spec;
   Status st = compute_geometry(spec, entry->geometry);
   if (st != LLM_SUCCESS) return st;
+  if (spec.placement == Placement::kDevice) {
+    st = open_device(spec, entry->device);
+    if (st == LLM_SUCCESS) st = entry->device->allocate(spec.num_tensors, entry->geometry.tensor_size, entry->addrs);
+    if (st != LLM_SUCCESS) return st;
+    entry->device_allocated = true;
+    entry->remote_accessible = true;
+    std::vector<uintptr_t> out_addrs;
+    for (uint8_t *addr : entry->addrs) out_addrs.push_back(reinterpret_cast<uintptr_t>(addr));
+    st = registry_.add(std::move(entry), keys, blocks_model_id, true, cache_id);
+    if (st == LLM_SUCCESS) addrs = std::move(out_addrs);
+    return st;  // on failure the entry's destructor frees the memory
+  }
+  if (!host_pool_) {
+    return refuse(LLM_FEATURE_NOT_ENABLED, "allocating a cache needs a host memory pool (llm.HostMemPoolConfig)");
+  }
   const uint64_t step = (entry->geometry.tensor_size + kTensorAlign - 1) / kTensorAlign * kTensorAlign;
   uint64_t total;
   if (__builtin_mul_overflow(step, static_cast<uint64_t>(spec.num_tensors), &total)) {
@@ -226,14 +263,14 @@ Status Engine::resolve(const CacheView &view, std::shared_ptr<CacheEntry> &out) 
     out = registry_.find(view.cache_id);
     return out ? LLM_SUCCESS : refuse(LLM_KV_CACHE_NOT_EXIST, words("no cache with id ", view.cache_id));
   }
-  if (view.spec.placement == Placement::kDevice) return device_refused();
   auto entry = std::make_shared<CacheEntry>();
   entry->spec = view.spec;
   Status st = compute_geometry(view.spec, entry->geometry);
   if (st != LLM_SUCCESS) return st;
-  st = check_addrs(view.spec, view.addrs);
+  std::shared_ptr<cuda::Device> device;
+  st = open_device(view.spec, device);
+  if (st == LLM_SUCCESS) st = attach_addrs(*entry, view.addrs, std::move(device));
   if (st != LLM_SUCCESS) return st;
-  for (uintptr_t addr : view.addrs) entry->addrs.push_back(reinterpret_cast<uint8_t *>(addr));
   out = std::move(entry);
   return LLM_SUCCESS;
 }
@@ -241,7 +278,7 @@ Status Engine::resolve(const CacheView &view, std::shared_ptr<CacheEntry> &out) 
 Status Engine::start_copy(std::vector<CopySegment> segments, std::vector<std::shared_ptr<CacheEntry>> pins,
                           std::shared_ptr<Request> &out) {
   out = tracker_->create(1);
-  run_local_copy(*workers_, out, std::move(segments), std::move(pins));
+  run_local_copy(*workers_, out, std::move(segments), pins[0], pins[1]);
   return LLM_SUCCESS;
 }
 
@@ -517,6 +554,11 @@ Status Engine::prepare_remote(int64_t local_id, uint64_t peer, const LayerSpan &
   if (state_ != State::kReady) return not_ready(state_ == State::kFinalized);
   entry = registry_.find(local_id);
   if (!entry) return refuse(LLM_KV_CACHE_NOT_EXIST, words("no local cache with id ", local_id));
+  if (entry->device) {
+    return refuse(LLM_FEATURE_NOT_ENABLED, words("local cache ", local_id, " is in CUDA device memory: transfers of "
+                                                 "device caches between engines are not available yet; copy it to a "
+                                                 "HOST cache first (copy_cache, swap_blocks)"));
+  }
   if (peer == cluster_id_) {
     return refuse(LLM_PARAM_INVALID, words("cluster ", peer, " is this instance itself, not a peer"));
   }

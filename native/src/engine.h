@@ -193,6 +193,9 @@ class Engine {
   enum class State { kCreated, kReady, kFinalized };
 
   Status resolve(const CacheView &view, std::shared_ptr<CacheEntry> &out) const;
+  // The CUDA device of this engine (llm.DeviceId) for a spec of Placement
+  // DEVICE, opened on first use; null for HOST.
+  Status open_device(const CacheSpec &spec, std::shared_ptr<cuda::Device> &out) const;
   Status start_copy(std::vector<CopySegment> segments, std::vector<std::shared_ptr<CacheEntry>> pins,
                     std::shared_ptr<Request> &out);
   // Checks shared by every transfer with a peer.
@@ -215,6 +218,8 @@ class Engine {
   std::unique_ptr<CommLinks> comms_;
 
   mutable std::shared_mutex state_mu_;  // shared by calls, exclusive for init/finalize
+  mutable std::mutex device_mu_;
+  mutable std::shared_ptr<cuda::Device> device_;  // opened by the first DEVICE cache
   State state_ = State::kCreated;
 };
 

@@ -9,6 +9,7 @@
 namespace datadist {
 
 using llm_datadist::LLM_ENGINE_FINALIZED;
+using llm_datadist::LLM_FAILED;
 using llm_datadist::LLM_PARAM_INVALID;
 using llm_datadist::LLM_SUCCESS;
 
@@ -16,6 +17,7 @@ namespace {
 
 constexpr uint64_t kChunk = 4ULL << 20;       // bytes copied between cancellation checks
 constexpr uint64_t kShardMin = 8ULL << 20;     // below this one worker does the whole copy
+constexpr uint64_t kDeviceBatch = 64ULL << 20; // device copies queued between cancellation checks
 
 }  // namespace
 
@@ -142,6 +144,56 @@ void copy_shard(const std::shared_ptr<Request> &request, const std::vector<CopyS
   request->release(0, LLM_SUCCESS);
 }
 
+// Queues the segments on a stream of `device` (in chunks, looking for a
+// cancellation between them) and waits for them; the kind of each copy
+// follows which side is device memory.
+void copy_on_device(const std::shared_ptr<Request> &request, const std::vector<CopySegment> &segments,
+                    const cuda::Device &device, bool dst_on_device, bool src_on_device) {
+  std::string why;
+  cuda::CUstream stream = device.take_stream(why);
+  if (stream == nullptr) {
+    request->release(0, LLM_FAILED, true, "copy to or from device memory: " + why);
+    return;
+  }
+  const cuda::Driver &d = device.driver();
+  auto ptr = [](const uint8_t *p) { return static_cast<cuda::CUdeviceptr>(reinterpret_cast<uintptr_t>(p)); };
+  cuda::CUresult r = cuda::CUDA_SUCCESS;
+  Status cancelled = LLM_SUCCESS;
+  uint64_t queued = 0;
+  for (const CopySegment &seg : segments) {
+    for (uint64_t done = 0; done < seg.len && r == cuda::CUDA_SUCCESS; done += kChunk) {
+      const size_t n = static_cast<size_t>(std::min(kChunk, seg.len - done));
+      if (dst_on_device && src_on_device) {
+        r = d.cuMemcpyDtoDAsync(ptr(seg.dst + done), ptr(seg.src + done), n, stream);
+      } else if (dst_on_device) {
+        r = d.cuMemcpyHtoDAsync(ptr(seg.dst + done), seg.src + done, n, stream);
+      } else {
+        r = d.cuMemcpyDtoHAsync(seg.dst + done, ptr(seg.src + done), n, stream);
+      }
+      // Every kDeviceBatch bytes: wait, then stop here if the request was cancelled.
+      queued += n;
+      if (r == cuda::CUDA_SUCCESS && queued >= kDeviceBatch) {
+        queued = 0;
+        r = d.cuStreamSynchronize(stream);
+        if (r == cuda::CUDA_SUCCESS && request->cancel_requested()) cancelled = request->cancel_reason();
+      }
+      if (cancelled != LLM_SUCCESS) break;
+    }
+    if (r != cuda::CUDA_SUCCESS || cancelled != LLM_SUCCESS) break;
+  }
+  // The stream goes back idle: whatever was queued has finished.
+  const cuda::CUresult synced = d.cuStreamSynchronize(stream);
+  if (r == cuda::CUDA_SUCCESS) r = synced;
+  device.give_stream(stream);
+  if (cancelled != LLM_SUCCESS) {
+    request->release(0, cancelled, true);
+  } else if (r != cuda::CUDA_SUCCESS) {
+    request->release(0, LLM_FAILED, true, "copy to or from device memory: " + device.describe(r));
+  } else {
+    request->release(0, LLM_SUCCESS);
+  }
+}
+
 std::vector<std::vector<CopySegment>> split_into_shards(std::vector<CopySegment> segments, size_t workers) {
   uint64_t total = 0;
   for (const CopySegment &seg : segments) total += seg.len;
@@ -173,12 +225,22 @@ std::vector<std::vector<CopySegment>> split_into_shards(std::vector<CopySegment>
 
 }  // namespace
 
-void run_local_copy(WorkerPool &pool, const std::shared_ptr<Request> &request,
-                    std::vector<CopySegment> segments, std::vector<std::shared_ptr<CacheEntry>> pins) {
-  auto shared_pins = std::make_shared<std::vector<std::shared_ptr<CacheEntry>>>(std::move(pins));
+void run_local_copy(WorkerPool &pool, const std::shared_ptr<Request> &request, std::vector<CopySegment> segments,
+                    std::shared_ptr<CacheEntry> dst, std::shared_ptr<CacheEntry> src) {
+  if (dst->device || src->device) {
+    request->hold();
+    auto job = [request, segments = std::move(segments), dst, src] {
+      copy_on_device(request, segments, dst->device ? *dst->device : *src->device, dst->device != nullptr,
+                     src->device != nullptr);
+    };
+    if (!pool.submit(std::move(job))) request->release(0, LLM_ENGINE_FINALIZED, true);
+    request->release(0, LLM_SUCCESS);
+    return;
+  }
+  auto pins = std::make_shared<std::pair<std::shared_ptr<CacheEntry>, std::shared_ptr<CacheEntry>>>(dst, src);
   for (auto &shard : split_into_shards(std::move(segments), pool.size())) {
     request->hold();
-    auto job = [request, shared_pins, shard = std::move(shard)] { copy_shard(request, shard); };
+    auto job = [request, pins, shard = std::move(shard)] { copy_shard(request, shard); };
     if (!pool.submit(std::move(job))) request->release(0, LLM_ENGINE_FINALIZED, true);
   }
   request->release(0, LLM_SUCCESS);

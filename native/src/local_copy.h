@@ -48,11 +48,13 @@ Status plan_copy_cache(const CacheEntry &dst, const CacheEntry &src, uint64_t ds
 Status plan_copy_blocks(const CacheEntry &dst, const CacheEntry &src, const BlockPairs &pairs,
                         std::vector<CopySegment> &out);
 
-// Runs the segments for `request` (result slot 0) on the pool. `pins` keep
-// the caches alive until the last byte has moved. Releases the caller's
-// hold on the request.
-void run_local_copy(WorkerPool &pool, const std::shared_ptr<Request> &request,
-                    std::vector<CopySegment> segments, std::vector<std::shared_ptr<CacheEntry>> pins);
+// Runs the segments for `request` (result slot 0) on the pool: host memory
+// with memcpy, spread over the workers; where `dst` or `src` is in device
+// memory, on one worker with the driver's copies on one of the device's
+// streams. The caches stay alive until the last byte has moved. Releases
+// the caller's hold on the request.
+void run_local_copy(WorkerPool &pool, const std::shared_ptr<Request> &request, std::vector<CopySegment> segments,
+                    std::shared_ptr<CacheEntry> dst, std::shared_ptr<CacheEntry> src);
 
 }  // namespace datadist
 

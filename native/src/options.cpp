@@ -142,6 +142,16 @@ Status parse_options(const OptionMap &options, EngineOptions &out) {
     if (role_code(*role) == 0) return refuse(LLM_PARAM_INVALID, "unknown role '" + *role + "'");
     out.role = *role;
   }
+  const std::string *device = find(options, kOptDeviceId);
+  if (device == nullptr) device = find(options, kOptExecDeviceId);
+  if (device != nullptr) {
+    const std::string first = device->substr(0, device->find(';'));
+    uint64_t id = 0;
+    if (!parse_uint(first, INT32_MAX, id)) {
+      return refuse(LLM_PARAM_INVALID, "the device id must be an integer in [0, 2147483647], got '" + *device + "'");
+    }
+    out.device_id = static_cast<int>(id);
+  }
   PoolConfig pool;
   if (const std::string *cfg = find(options, kOptHostMemPool)) {
     if (parse_pool_config(*cfg, pool) != LLM_SUCCESS) {

@@ -17,6 +17,8 @@ using llm_datadist::Status;
 using OptionMap = std::map<std::string, std::string>;
 
 inline constexpr const char *kOptRole = "llm.Role";
+inline constexpr const char *kOptDeviceId = "llm.DeviceId";
+inline constexpr const char *kOptExecDeviceId = "ge.exec.deviceId";
 inline constexpr const char *kOptHostMemPool = "llm.HostMemPoolConfig";
 inline constexpr const char *kOptDeviceMemPool = "llm.MemPoolConfig";
 inline constexpr const char *kOptSyncKvTimeout = "llm.SyncKvCacheWaitTime";
@@ -51,6 +53,9 @@ inline constexpr uint32_t kDefaultLinkTotalTimeS = 120;
 
 struct EngineOptions {
   std::string role = "Prompt";
+  // The CUDA device of DEVICE caches: llm.DeviceId, else the first of
+  // ge.exec.deviceId (as LLMConfig.device_id writes it).
+  int device_id = 0;
   std::optional<PoolConfig> host_pool;
   std::optional<PoolConfig> device_pool;
   uint32_t sync_kv_timeout_ms = 1000;

@@ -17,6 +17,7 @@ constexpr uint8_t kBlocksKeys = 2;
 
 CacheEntry::~CacheEntry() {
   if (pool) pool->free(pool_block);
+  if (device_allocated) device->free(addrs);
 }
 
 Registry::KeyId Registry::key_id(const KeySpec &key) {
@@ -84,6 +85,7 @@ std::shared_ptr<CacheEntry> Registry::find_by_address(uintptr_t addr, uint64_t l
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto &entry : by_id_) {
     const uint64_t size = entry.second->geometry.tensor_size;
+    if (entry.second->device) continue;  // device addresses are another address space
     for (uint8_t *base : entry.second->addrs) {
       const auto start = reinterpret_cast<uintptr_t>(base);
       if (addr >= start && end <= start + size) return entry.second;
@@ -107,7 +109,7 @@ void Registry::deallocate(int64_t cache_id) {
   std::shared_ptr<CacheEntry> doomed;  // released after the lock
   std::lock_guard<std::mutex> lock(mu_);
   auto it = by_id_.find(cache_id);
-  if (it == by_id_.end() || !it->second->pool) return;
+  if (it == by_id_.end() || !(it->second->pool || it->second->device_allocated)) return;
   doomed = it->second;
   by_id_.erase(it);
   for (auto key = by_key_.begin(); key != by_key_.end();) {

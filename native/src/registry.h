@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "cache_geometry.h"
+#include "device/cuda_driver.h"
 #include "host_pool.h"
 
 namespace datadist {
@@ -38,6 +39,10 @@ struct CacheEntry {
   // Set for allocated caches: the pool their memory returns to.
   std::shared_ptr<HostPool> pool;
   uint8_t *pool_block = nullptr;
+  // Set for caches in CUDA device memory (Placement DEVICE): `addrs` are
+  // device addresses, which the engine never dereferences.
+  std::shared_ptr<cuda::Device> device;
+  bool device_allocated = false;  // the engine allocated `addrs` and frees them
 };
 
 // A key as the user spells it: `req_id` (or `prefix_id` when it is not the

@@ -38,7 +38,7 @@ class AscendString {
 
 // Option keys for Initialize() and SetRole().
 constexpr const char OPTION_LISTEN_IP_INFO[] = "llm.ListenIpInfo";       // "ip:port"; port 0 picks one
-constexpr const char OPTION_DEVICE_ID[] = "llm.DeviceId";                // accepted; no device is used
+constexpr const char OPTION_DEVICE_ID[] = "llm.DeviceId";                // the CUDA device of DEVICE caches
 constexpr const char OPTION_SYNC_CACHE_WAIT_TIME[] = "llm.SyncKvCacheWaitTime";  // ms, default 1000
 constexpr const char OPTION_BUF_POOL_CFG[] = "llm.BufPoolCfg";
 constexpr const char OPTION_ENABLE_SET_ROLE[] = "llm.EnableSwitchRole";

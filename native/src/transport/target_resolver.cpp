@@ -104,6 +104,10 @@ Status resolve_request(const Registry &registry, const wire::Request &request, R
     out.why = describe(t) + " is not remotely accessible (registered with remote_accessible=False)";
     return LLM_PARAM_INVALID;
   }
+  if (entry.device) {
+    out.why = describe(t) + " is in CUDA device memory, which this engine does not serve to peers yet";
+    return llm_datadist::LLM_FEATURE_NOT_ENABLED;
+  }
   if (t.expected_slot_size != 0 && t.expected_slot_size != g.slot_size) {
     out.why = "the block size differs: " + std::to_string(t.expected_slot_size) + " bytes here, " +
               std::to_string(g.slot_size) + " bytes in " + describe(t) + " on the peer";

@@ -1,0 +1,93 @@
+// The part of NVIDIA's CUDA driver API the engine calls, declared here so
+// that nothing CUDA is needed to build: the driver (libcuda.so.1) is loaded
+// at run time (cuda_driver.h). Types, values and signatures are the
+// driver's; tests/cuda_abi/check_cuda_abi.cpp checks each one against
+// NVIDIA's cuda.h.
+#ifndef DATADIST_DEVICE_CUDA_API_H_
+#define DATADIST_DEVICE_CUDA_API_H_
+
+#include <cstddef>
+#include <cstdint>
+
+// The driver's opaque handle types, by the driver's own tag names (so that
+// a handle here and one from cuda.h are the same type).
+struct CUctx_st;
+struct CUstream_st;
+struct CUevent_st;
+
+namespace datadist::cuda {
+
+// The driver's enums (CUresult, CUpointer_attribute) travel as 32-bit ints.
+using CUresult = int;
+using CUdevice = int;
+using CUdeviceptr = unsigned long long;
+using CUcontext = CUctx_st *;
+using CUstream = CUstream_st *;
+using CUevent = CUevent_st *;
+using CUhostFn = void (*)(void *user_data);
+using CUpointer_attribute = int;
+
+struct CUipcMemHandle {
+  char reserved[64];
+};
+
+// CUresult values the engine tells apart.
+constexpr CUresult CUDA_SUCCESS = 0;
+constexpr CUresult CUDA_ERROR_INVALID_VALUE = 1;
+constexpr CUresult CUDA_ERROR_OUT_OF_MEMORY = 2;
+constexpr CUresult CUDA_ERROR_NOT_INITIALIZED = 3;
+constexpr CUresult CUDA_ERROR_NO_DEVICE = 100;
+constexpr CUresult CUDA_ERROR_INVALID_DEVICE = 101;
+constexpr CUresult CUDA_ERROR_INVALID_CONTEXT = 201;
+constexpr CUresult CUDA_ERROR_NOT_FOUND = 500;
+constexpr CUresult CUDA_ERROR_NOT_READY = 600;
+
+// CUpointer_attribute values.
+constexpr CUpointer_attribute CU_POINTER_ATTRIBUTE_CONTEXT = 1;
+constexpr CUpointer_attribute CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2;
+constexpr CUpointer_attribute CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9;
+constexpr CUpointer_attribute CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE = 10;
+constexpr CUpointer_attribute CU_POINTER_ATTRIBUTE_RANGE_START_ADDR = 11;
+constexpr CUpointer_attribute CU_POINTER_ATTRIBUTE_RANGE_SIZE = 12;
+
+// CUmemorytype values.
+constexpr unsigned int CU_MEMORYTYPE_HOST = 1;
+constexpr unsigned int CU_MEMORYTYPE_DEVICE = 2;
+
+constexpr unsigned int CU_STREAM_NON_BLOCKING = 1;
+constexpr unsigned int CU_EVENT_DISABLE_TIMING = 2;
+constexpr unsigned int CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1;
+
+// One pointer type per entry point, named after the function; the loader
+// resolves the symbol given in cuda_driver.cpp (the _v2 one where the
+// driver has two).
+using PFN_cuInit = CUresult (*)(unsigned int flags);
+using PFN_cuDriverGetVersion = CUresult (*)(int *version);
+using PFN_cuDeviceGetCount = CUresult (*)(int *count);
+using PFN_cuDeviceGet = CUresult (*)(CUdevice *device, int ordinal);
+using PFN_cuDevicePrimaryCtxRetain = CUresult (*)(CUcontext *ctx, CUdevice device);
+using PFN_cuDevicePrimaryCtxRelease = CUresult (*)(CUdevice device);
+using PFN_cuCtxSetCurrent = CUresult (*)(CUcontext ctx);
+using PFN_cuGetErrorString = CUresult (*)(CUresult error, const char **text);
+using PFN_cuGetErrorName = CUresult (*)(CUresult error, const char **text);
+using PFN_cuPointerGetAttributes = CUresult (*)(unsigned int count, CUpointer_attribute *attributes, void **data,
+                                                CUdeviceptr ptr);
+using PFN_cuMemGetAddressRange = CUresult (*)(CUdeviceptr *base, size_t *size, CUdeviceptr ptr);
+using PFN_cuMemAlloc = CUresult (*)(CUdeviceptr *ptr, size_t size);
+using PFN_cuMemFree = CUresult (*)(CUdeviceptr ptr);
+using PFN_cuMemAllocHost = CUresult (*)(void **ptr, size_t size);
+using PFN_cuMemFreeHost = CUresult (*)(void *ptr);
+using PFN_cuMemcpyHtoDAsync = CUresult (*)(CUdeviceptr dst, const void *src, size_t size, CUstream stream);
+using PFN_cuMemcpyDtoHAsync = CUresult (*)(void *dst, CUdeviceptr src, size_t size, CUstream stream);
+using PFN_cuMemcpyDtoDAsync = CUresult (*)(CUdeviceptr dst, CUdeviceptr src, size_t size, CUstream stream);
+using PFN_cuStreamCreate = CUresult (*)(CUstream *stream, unsigned int flags);
+using PFN_cuStreamDestroy = CUresult (*)(CUstream stream);
+using PFN_cuStreamSynchronize = CUresult (*)(CUstream stream);
+using PFN_cuLaunchHostFunc = CUresult (*)(CUstream stream, CUhostFn fn, void *user_data);
+using PFN_cuIpcGetMemHandle = CUresult (*)(CUipcMemHandle *handle, CUdeviceptr ptr);
+using PFN_cuIpcOpenMemHandle = CUresult (*)(CUdeviceptr *ptr, CUipcMemHandle handle, unsigned int flags);
+using PFN_cuIpcCloseMemHandle = CUresult (*)(CUdeviceptr ptr);
+
+}  // namespace datadist::cuda
+
+#endif  // DATADIST_DEVICE_CUDA_API_H_

@@ -1,0 +1,242 @@
+#include "device/cuda_driver.h"
+
+#include <dlfcn.h>
+
+#include <cstdlib>
+#include <mutex>
+
+#include "error_detail.h"
+
+namespace datadist::cuda {
+
+using llm_datadist::LLM_FAILED;
+using llm_datadist::LLM_FEATURE_NOT_ENABLED;
+using llm_datadist::LLM_PARAM_INVALID;
+using llm_datadist::LLM_SUCCESS;
+
+namespace {
+
+// Resolves `name` into `slot`; false (and `missing` names it) when absent.
+template <typename Fn>
+bool resolve(void *library, const char *name, Fn &slot, std::string &missing) {
+  slot = reinterpret_cast<Fn>(dlsym(library, name));
+  if (slot == nullptr && missing.empty()) missing = name;
+  return slot != nullptr;
+}
+
+struct Loaded {
+  Driver driver;
+  std::string why;  // set when there is no driver
+};
+
+Loaded load() {
+  Loaded out;
+  const char *env = std::getenv(kDriverEnv);
+  Driver &d = out.driver;
+  d.path = env != nullptr && *env != '\0' ? env : "libcuda.so.1";
+  void *library = dlopen(d.path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (library == nullptr) {
+    const char *error = dlerror();
+    out.why = "no CUDA driver: " + d.path + " could not be loaded (" + (error ? error : "unknown error") +
+              "); install the NVIDIA driver, or name its library in $" + kDriverEnv;
+    return out;
+  }
+  std::string missing;
+  resolve(library, "cuInit", d.cuInit, missing);
+  resolve(library, "cuDriverGetVersion", d.cuDriverGetVersion, missing);
+  resolve(library, "cuDeviceGetCount", d.cuDeviceGetCount, missing);
+  resolve(library, "cuDeviceGet", d.cuDeviceGet, missing);
+  resolve(library, "cuDevicePrimaryCtxRetain", d.cuDevicePrimaryCtxRetain, missing);
+  resolve(library, "cuDevicePrimaryCtxRelease_v2", d.cuDevicePrimaryCtxRelease, missing);
+  resolve(library, "cuCtxSetCurrent", d.cuCtxSetCurrent, missing);
+  resolve(library, "cuGetErrorString", d.cuGetErrorString, missing);
+  resolve(library, "cuGetErrorName", d.cuGetErrorName, missing);
+  resolve(library, "cuPointerGetAttributes", d.cuPointerGetAttributes, missing);
+  resolve(library, "cuMemGetAddressRange_v2", d.cuMemGetAddressRange, missing);
+  resolve(library, "cuMemAlloc_v2", d.cuMemAlloc, missing);
+  resolve(library, "cuMemFree_v2", d.cuMemFree, missing);
+  resolve(library, "cuMemAllocHost_v2", d.cuMemAllocHost, missing);
+  resolve(library, "cuMemFreeHost", d.cuMemFreeHost, missing);
+  resolve(library, "cuMemcpyHtoDAsync_v2", d.cuMemcpyHtoDAsync, missing);
+  resolve(library, "cuMemcpyDtoHAsync_v2", d.cuMemcpyDtoHAsync, missing);
+  resolve(library, "cuMemcpyDtoDAsync_v2", d.cuMemcpyDtoDAsync, missing);
+  resolve(library, "cuStreamCreate", d.cuStreamCreate, missing);
+  resolve(library, "cuStreamDestroy_v2", d.cuStreamDestroy, missing);
+  resolve(library, "cuStreamSynchronize", d.cuStreamSynchronize, missing);
+  resolve(library, "cuLaunchHostFunc", d.cuLaunchHostFunc, missing);
+  resolve(library, "cuIpcGetMemHandle", d.cuIpcGetMemHandle, missing);
+  resolve(library, "cuIpcOpenMemHandle_v2", d.cuIpcOpenMemHandle, missing);
+  resolve(library, "cuIpcCloseMemHandle", d.cuIpcCloseMemHandle, missing);
+  if (!missing.empty()) {
+    out.why = "the CUDA driver " + d.path + " has no " + missing + " (a driver for CUDA 12 or later is needed)";
+    dlclose(library);
+    return out;
+  }
+  // The library stays loaded for the life of the process: contexts and
+  // pointers it handed out outlive any one engine.
+  CUresult r = d.cuInit(0);
+  if (r != CUDA_SUCCESS) {
+    out.why = "the CUDA driver " + d.path + " did not initialize: " + d.describe(r);
+    return out;
+  }
+  if (d.cuDriverGetVersion(&d.version) != CUDA_SUCCESS) d.version = 0;
+  return out;
+}
+
+}  // namespace
+
+std::string Device::describe(CUresult result) const { return driver_->describe(result); }
+
+std::string Driver::describe(CUresult result) const {
+  const char *name = nullptr;
+  const char *text = nullptr;
+  if (cuGetErrorName == nullptr || cuGetErrorName(result, &name) != CUDA_SUCCESS || name == nullptr) {
+    return "CUDA error " + std::to_string(result);
+  }
+  std::string out = name;
+  if (cuGetErrorString != nullptr && cuGetErrorString(result, &text) == CUDA_SUCCESS && text != nullptr) {
+    out += std::string(" (") + text + ")";
+  }
+  return out;
+}
+
+const Driver *load_driver(std::string &why) {
+  static const Loaded loaded = load();
+  why = loaded.why;
+  return loaded.why.empty() ? &loaded.driver : nullptr;
+}
+
+namespace {
+// Said with every refusal for want of a driver or device: CacheDesc's
+// placement defaults to DEVICE, as upstream's does.
+constexpr const char kHostHint[] = "; for host memory give Placement.HOST in CacheDesc (its default is DEVICE)";
+}  // namespace
+
+Status Device::open(int ordinal, std::shared_ptr<Device> &out) {
+  std::string why;
+  const Driver *d = load_driver(why);
+  if (d == nullptr) return refuse(LLM_FEATURE_NOT_ENABLED, "Placement DEVICE: " + why + kHostHint);
+  int count = 0;
+  CUresult r = d->cuDeviceGetCount(&count);
+  if (r != CUDA_SUCCESS || count <= 0) {
+    return refuse(LLM_FEATURE_NOT_ENABLED,
+                  "Placement DEVICE: the CUDA driver " + d->path + " sees no device" +
+                      (r != CUDA_SUCCESS ? ": " + d->describe(r) : std::string()) + kHostHint);
+  }
+  if (ordinal < 0 || ordinal >= count) {
+    return refuse(LLM_FEATURE_NOT_ENABLED, words("Placement DEVICE: device_id ", ordinal, " is not a CUDA device: ",
+                                                 "the driver sees ", count, count == 1 ? " device" : " devices",
+                                                 " (set LLMConfig.device_id)"));
+  }
+  CUdevice device = 0;
+  CUcontext context = nullptr;
+  r = d->cuDeviceGet(&device, ordinal);
+  if (r == CUDA_SUCCESS) r = d->cuDevicePrimaryCtxRetain(&context, device);
+  if (r != CUDA_SUCCESS) {
+    return refuse(LLM_FAILED, words("Placement DEVICE: device ", ordinal, "'s context: ", d->describe(r)));
+  }
+  out.reset(new Device(d, ordinal, context));
+  return LLM_SUCCESS;
+}
+
+Device::~Device() {
+  std::string why;
+  if (make_current(why)) {
+    for (CUstream stream : streams_) driver_->cuStreamDestroy(stream);
+  }
+  CUdevice device = 0;
+  if (driver_->cuDeviceGet(&device, ordinal_) == CUDA_SUCCESS) driver_->cuDevicePrimaryCtxRelease(device);
+}
+
+Status Device::allocate(size_t count, uint64_t size, std::vector<uint8_t *> &out) const {
+  std::string why;
+  if (!make_current(why)) return refuse(LLM_FAILED, "allocating device memory: " + why);
+  std::vector<uint8_t *> made;
+  for (size_t i = 0; i < count; ++i) {
+    CUdeviceptr ptr = 0;
+    const CUresult r = driver_->cuMemAlloc(&ptr, static_cast<size_t>(size));
+    if (r != CUDA_SUCCESS) {
+      free(made);
+      return refuse(r == CUDA_ERROR_OUT_OF_MEMORY ? llm_datadist::LLM_DEVICE_OUT_OF_MEMORY : LLM_FAILED,
+                    words("allocating ", count, " x ", size, " bytes on device ", ordinal_, ": ", describe(r)));
+    }
+    made.push_back(reinterpret_cast<uint8_t *>(static_cast<uintptr_t>(ptr)));
+  }
+  out = std::move(made);
+  return LLM_SUCCESS;
+}
+
+void Device::free(const std::vector<uint8_t *> &addrs) const {
+  std::string why;
+  if (!make_current(why)) return;
+  for (uint8_t *addr : addrs) driver_->cuMemFree(static_cast<CUdeviceptr>(reinterpret_cast<uintptr_t>(addr)));
+}
+
+CUstream Device::take_stream(std::string &why) const {
+  if (!make_current(why)) return nullptr;
+  {
+    std::lock_guard<std::mutex> lock(streams_mu_);
+    if (!streams_.empty()) {
+      CUstream stream = streams_.back();
+      streams_.pop_back();
+      return stream;
+    }
+  }
+  CUstream stream = nullptr;
+  const CUresult r = driver_->cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING);
+  if (r != CUDA_SUCCESS) {
+    why = "cuStreamCreate: " + describe(r);
+    return nullptr;
+  }
+  return stream;
+}
+
+void Device::give_stream(CUstream stream) const {
+  std::lock_guard<std::mutex> lock(streams_mu_);
+  streams_.push_back(stream);
+}
+
+bool Device::make_current(std::string &why) const {
+  // The context a thread last made current, per thread: most calls find it set.
+  thread_local CUcontext current = nullptr;
+  if (current == context_) return true;
+  const CUresult r = driver_->cuCtxSetCurrent(context_);
+  if (r != CUDA_SUCCESS) {
+    why = "cuCtxSetCurrent: " + driver_->describe(r);
+    return false;
+  }
+  current = context_;
+  return true;
+}
+
+Status Device::check_range(uint64_t addr, uint64_t size, const std::string &what) const {
+  unsigned int type = 0;
+  int ordinal = -1;
+  CUdeviceptr start = 0;
+  size_t length = 0;
+  CUpointer_attribute attributes[] = {CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                                      CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, CU_POINTER_ATTRIBUTE_RANGE_SIZE};
+  void *data[] = {&type, &ordinal, &start, &length};
+  const CUresult r = driver_->cuPointerGetAttributes(4, attributes, data, static_cast<CUdeviceptr>(addr));
+  if (r != CUDA_SUCCESS) {
+    return refuse(LLM_PARAM_INVALID, words(what, ": the driver could not describe address ", addr, ": ",
+                                           driver_->describe(r)));
+  }
+  if (type != CU_MEMORYTYPE_DEVICE) {
+    return refuse(LLM_PARAM_INVALID, words(what, ": address ", addr, " is not CUDA device memory",
+                                           type == CU_MEMORYTYPE_HOST ? " (it is host memory the driver pinned)"
+                                                                      : " (the driver does not know it)",
+                                           "; give Placement.HOST for host memory"));
+  }
+  if (ordinal != ordinal_) {
+    return refuse(LLM_PARAM_INVALID, words(what, ": address ", addr, " is memory of device ", ordinal,
+                                           ", not of device_id ", ordinal_));
+  }
+  if (addr < start || size > length || addr - start > length - size) {
+    return refuse(LLM_PARAM_INVALID, words(what, ": [", addr, ", +", size, ") runs past its allocation [", start,
+                                           ", +", length, ")"));
+  }
+  return LLM_SUCCESS;
+}
+
+}  // namespace datadist::cuda

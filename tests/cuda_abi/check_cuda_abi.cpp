@@ -1,0 +1,127 @@
+// Compiles only against NVIDIA's cuda.h: the engine's own declarations of
+// the driver API (native/src/device/cuda_api.h) must match it in every type,
+// value and signature, or this file does not build. Nothing runs.
+//
+//   g++ -std=c++17 -fsyntax-only -I<dir of cuda.h> -Inative/src tests/cuda_abi/check_cuda_abi.cpp
+#include <cuda.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "device/cuda_api.h"
+
+namespace ours = datadist::cuda;
+
+namespace {
+
+// A type as the x86-64 calling convention passes it: a 4-byte enum and a
+// 4-byte int travel alike; everything else as itself.
+template <typename T, typename = void>
+struct Passed {
+  using type = T;
+};
+template <typename T>
+struct Passed<T, std::enable_if_t<(std::is_enum_v<T> || std::is_integral_v<T>) && sizeof(T) == 4>> {
+  using type = uint32_t;
+};
+template <typename T>
+struct Passed<T *, std::enable_if_t<(std::is_enum_v<T> || std::is_integral_v<T>) && sizeof(T) == 4>> {
+  using type = uint32_t *;
+};
+// The IPC handle: a 64-byte struct of chars on both sides, passed by value
+// in memory alike (checked below to have the same size and alignment).
+struct IpcHandle;
+template <>
+struct Passed<ours::CUipcMemHandle> {
+  using type = IpcHandle;
+};
+template <>
+struct Passed<::CUipcMemHandle> {
+  using type = IpcHandle;
+};
+template <>
+struct Passed<ours::CUipcMemHandle *> {
+  using type = IpcHandle *;
+};
+template <>
+struct Passed<::CUipcMemHandle *> {
+  using type = IpcHandle *;
+};
+
+template <typename F>
+struct Signature;
+template <typename R, typename... A>
+struct Signature<R (*)(A...)> {
+  using type = typename Passed<R>::type (*)(typename Passed<A>::type...);
+};
+
+template <typename Ours, typename Theirs>
+constexpr bool same_call = std::is_same_v<typename Signature<Ours>::type, typename Signature<Theirs>::type>;
+
+}  // namespace
+
+#define CHECK_ENTRY(pfn, symbol) \
+  static_assert(same_call<ours::pfn, decltype(&::symbol)>, #symbol ": the declaration differs from cuda.h")
+
+CHECK_ENTRY(PFN_cuInit, cuInit);
+CHECK_ENTRY(PFN_cuDriverGetVersion, cuDriverGetVersion);
+CHECK_ENTRY(PFN_cuDeviceGetCount, cuDeviceGetCount);
+CHECK_ENTRY(PFN_cuDeviceGet, cuDeviceGet);
+CHECK_ENTRY(PFN_cuDevicePrimaryCtxRetain, cuDevicePrimaryCtxRetain);
+CHECK_ENTRY(PFN_cuDevicePrimaryCtxRelease, cuDevicePrimaryCtxRelease_v2);
+CHECK_ENTRY(PFN_cuCtxSetCurrent, cuCtxSetCurrent);
+CHECK_ENTRY(PFN_cuGetErrorString, cuGetErrorString);
+CHECK_ENTRY(PFN_cuGetErrorName, cuGetErrorName);
+CHECK_ENTRY(PFN_cuPointerGetAttributes, cuPointerGetAttributes);
+CHECK_ENTRY(PFN_cuMemGetAddressRange, cuMemGetAddressRange_v2);
+CHECK_ENTRY(PFN_cuMemAlloc, cuMemAlloc_v2);
+CHECK_ENTRY(PFN_cuMemFree, cuMemFree_v2);
+CHECK_ENTRY(PFN_cuMemAllocHost, cuMemAllocHost_v2);
+CHECK_ENTRY(PFN_cuMemFreeHost, cuMemFreeHost);
+CHECK_ENTRY(PFN_cuMemcpyHtoDAsync, cuMemcpyHtoDAsync_v2);
+CHECK_ENTRY(PFN_cuMemcpyDtoHAsync, cuMemcpyDtoHAsync_v2);
+CHECK_ENTRY(PFN_cuMemcpyDtoDAsync, cuMemcpyDtoDAsync_v2);
+CHECK_ENTRY(PFN_cuStreamCreate, cuStreamCreate);
+CHECK_ENTRY(PFN_cuStreamDestroy, cuStreamDestroy_v2);
+CHECK_ENTRY(PFN_cuStreamSynchronize, cuStreamSynchronize);
+CHECK_ENTRY(PFN_cuLaunchHostFunc, cuLaunchHostFunc);
+CHECK_ENTRY(PFN_cuIpcGetMemHandle, cuIpcGetMemHandle);
+CHECK_ENTRY(PFN_cuIpcOpenMemHandle, cuIpcOpenMemHandle_v2);
+CHECK_ENTRY(PFN_cuIpcCloseMemHandle, cuIpcCloseMemHandle);
+
+// Handle and value types.
+static_assert(std::is_same_v<ours::CUdeviceptr, ::CUdeviceptr>, "CUdeviceptr");
+static_assert(std::is_same_v<ours::CUdevice, ::CUdevice>, "CUdevice");
+static_assert(std::is_same_v<ours::CUcontext, ::CUcontext>, "CUcontext");
+static_assert(std::is_same_v<ours::CUstream, ::CUstream>, "CUstream");
+static_assert(std::is_same_v<ours::CUevent, ::CUevent>, "CUevent");
+static_assert(std::is_same_v<ours::CUhostFn, ::CUhostFn>, "CUhostFn");
+static_assert(sizeof(ours::CUresult) == sizeof(::CUresult), "CUresult size");
+static_assert(sizeof(ours::CUpointer_attribute) == sizeof(::CUpointer_attribute), "CUpointer_attribute size");
+static_assert(sizeof(ours::CUipcMemHandle) == sizeof(::CUipcMemHandle) && CU_IPC_HANDLE_SIZE == 64 &&
+                  alignof(ours::CUipcMemHandle) == alignof(::CUipcMemHandle) &&
+                  std::is_trivially_copyable_v<ours::CUipcMemHandle>,
+              "CUipcMemHandle layout");
+
+// Values.
+#define CHECK_VALUE(name) static_assert(static_cast<long long>(ours::name) == static_cast<long long>(::name), #name)
+CHECK_VALUE(CUDA_SUCCESS);
+CHECK_VALUE(CUDA_ERROR_INVALID_VALUE);
+CHECK_VALUE(CUDA_ERROR_OUT_OF_MEMORY);
+CHECK_VALUE(CUDA_ERROR_NOT_INITIALIZED);
+CHECK_VALUE(CUDA_ERROR_NO_DEVICE);
+CHECK_VALUE(CUDA_ERROR_INVALID_DEVICE);
+CHECK_VALUE(CUDA_ERROR_INVALID_CONTEXT);
+CHECK_VALUE(CUDA_ERROR_NOT_FOUND);
+CHECK_VALUE(CUDA_ERROR_NOT_READY);
+CHECK_VALUE(CU_POINTER_ATTRIBUTE_CONTEXT);
+CHECK_VALUE(CU_POINTER_ATTRIBUTE_MEMORY_TYPE);
+CHECK_VALUE(CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL);
+CHECK_VALUE(CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE);
+CHECK_VALUE(CU_POINTER_ATTRIBUTE_RANGE_START_ADDR);
+CHECK_VALUE(CU_POINTER_ATTRIBUTE_RANGE_SIZE);
+CHECK_VALUE(CU_MEMORYTYPE_HOST);
+CHECK_VALUE(CU_MEMORYTYPE_DEVICE);
+CHECK_VALUE(CU_STREAM_NON_BLOCKING);
+CHECK_VALUE(CU_EVENT_DISABLE_TIMING);
+CHECK_VALUE(CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);

@@ -1,0 +1,1625 @@
+/* A stand-in for NVIDIA's CUDA driver (libcuda.so.1) over host memory, for
+ * tests on machines without a GPU. It exports the part of the driver API
+ * that the engine calls, with the driver's names, signatures and result
+ * codes, and keeps the driver's documented rules strictly enough that code
+ * which breaks one fails here as it would on a GPU:
+ *
+ * - device memory is a memfd mapped twice: PROT_NONE at the address handed
+ *   out (host code that dereferences a device pointer faults) and
+ *   read-write at a private shadow address only the copy functions use;
+ * - every stream has a worker thread that runs its operations in order, and
+ *   asynchronous copies read their source when they run, not when queued;
+ * - each thread has its own current context;
+ * - IPC handles name the exporter's memfd, which another process opens
+ *   through /proc/<pid>/fd/<n>.
+ *
+ * It proves the caller's logic, never NVIDIA's. See README.md. */
+#define _GNU_SOURCE
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#ifdef STANDIN_WITH_CUDA_H
+#include <cuda.h>
+#else
+#include "standin_cuda_types.h"
+#endif
+
+#define STANDIN_API __attribute__((visibility("default")))
+
+/* Test hooks: not part of the driver. */
+STANDIN_API int standin_cuda_live_allocations(void);
+STANDIN_API unsigned long long standin_cuda_bytes_copied(void);
+
+_Static_assert(sizeof(CUipcMemHandle) == 64, "CUipcMemHandle is 64 bytes");
+_Static_assert(sizeof(CUdeviceptr) == 8, "CUdeviceptr is 64 bits");
+
+enum {
+  kMaxDevices = 64,
+  kDriverVersion = 12040,
+  kContextMagic = 0x43747853,  /* "Sctx" */
+  kStreamMagic = 0x6d727453,   /* "Strm" */
+  kEventMagic = 0x74767453,    /* "Stvt" */
+  kIpcMagic = 0x31495053,      /* "SPI1" */
+  kIpcVersion = 1,
+};
+
+#define MEMFD_PREFIX "standin-cuda-"
+
+/* ------------------------------------------------------------------ */
+/* Initialisation, devices and contexts                                */
+/* ------------------------------------------------------------------ */
+
+struct CUctx_st {
+  uint32_t magic;
+  int device;
+  atomic_int retained; /* primary context retain count */
+  atomic_int sticky;   /* a sticky error (CUDA_ERROR_ILLEGAL_ADDRESS), 0 if none */
+};
+
+static pthread_mutex_t g_init_lock = PTHREAD_MUTEX_INITIALIZER;
+static atomic_int g_initialized;
+static int g_device_count;
+static size_t g_capacity; /* bytes of device memory per device */
+static struct CUctx_st g_ctx[kMaxDevices];
+static pthread_mutex_t g_ctx_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static _Thread_local struct CUctx_st *t_ctx;
+static _Thread_local int t_in_host_fn;
+
+/* The first check of every entry point except the error strings,
+ * cuDriverGetVersion and cuGetProcAddress. */
+static CUresult enter(void) {
+  if (!atomic_load(&g_initialized)) return CUDA_ERROR_NOT_INITIALIZED;
+  /* The driver forbids CUDA calls from a host function. */
+  if (t_in_host_fn) return CUDA_ERROR_NOT_PERMITTED;
+  return CUDA_SUCCESS;
+}
+
+/* As enter(), for calls that need a current context. */
+static CUresult enter_ctx(struct CUctx_st **out) {
+  CUresult r = enter();
+  if (r != CUDA_SUCCESS) return r;
+  struct CUctx_st *ctx = t_ctx;
+  if (ctx == NULL || atomic_load(&ctx->retained) == 0) return CUDA_ERROR_INVALID_CONTEXT;
+  int sticky = atomic_load(&ctx->sticky);
+  if (sticky != 0) return (CUresult)sticky;
+  *out = ctx;
+  return CUDA_SUCCESS;
+}
+
+static bool parse_env_number(const char *name, long fallback, long lo, long hi, long *out) {
+  const char *text = getenv(name);
+  if (text == NULL || *text == '\0') {
+    *out = fallback;
+    return true;
+  }
+  char *end = NULL;
+  errno = 0;
+  long value = strtol(text, &end, 10);
+  if (errno != 0 || end == text || *end != '\0' || value < lo || value > hi) return false;
+  *out = value;
+  return true;
+}
+
+STANDIN_API CUresult CUDAAPI cuInit(unsigned int Flags) {
+  if (Flags != 0) return CUDA_ERROR_INVALID_VALUE;
+  if (atomic_load(&g_initialized)) return t_in_host_fn ? CUDA_ERROR_NOT_PERMITTED : CUDA_SUCCESS;
+  pthread_mutex_lock(&g_init_lock);
+  CUresult r = CUDA_SUCCESS;
+  if (!atomic_load(&g_initialized)) {
+    long devices = 0;
+    long megabytes = 0;
+    if (!parse_env_number("STANDIN_CUDA_DEVICES", 1, 0, kMaxDevices, &devices) ||
+        !parse_env_number("STANDIN_CUDA_MEMORY_MB", 1024, 1, 1L << 24, &megabytes)) {
+      r = CUDA_ERROR_INVALID_VALUE;
+    } else {
+      g_device_count = (int)devices;
+      g_capacity = (size_t)megabytes << 20;
+      for (int i = 0; i < kMaxDevices; ++i) {
+        g_ctx[i].magic = kContextMagic;
+        g_ctx[i].device = i;
+        atomic_store(&g_ctx[i].retained, 0);
+        atomic_store(&g_ctx[i].sticky, 0);
+      }
+      atomic_store(&g_initialized, 1);
+    }
+  }
+  pthread_mutex_unlock(&g_init_lock);
+  return r;
+}
+
+STANDIN_API CUresult CUDAAPI cuDriverGetVersion(int *driverVersion) {
+  if (driverVersion == NULL) return CUDA_ERROR_INVALID_VALUE;
+  *driverVersion = kDriverVersion;
+  return CUDA_SUCCESS;
+}
+
+STANDIN_API CUresult CUDAAPI cuDeviceGetCount(int *count) {
+  CUresult r = enter();
+  if (r != CUDA_SUCCESS) return r;
+  if (count == NULL) return CUDA_ERROR_INVALID_VALUE;
+  *count = g_device_count;
+  return CUDA_SUCCESS;
+}
+
+STANDIN_API CUresult CUDAAPI cuDeviceGet(CUdevice *device, int ordinal) {
+  CUresult r = enter();
+  if (r != CUDA_SUCCESS) return r;
+  if (device == NULL) return CUDA_ERROR_INVALID_VALUE;
+  if (g_device_count == 0) return CUDA_ERROR_NO_DEVICE;
+  if (ordinal < 0 || ordinal >= g_device_count) return CUDA_ERROR_INVALID_DEVICE;
+  *device = ordinal;
+  return CUDA_SUCCESS;
+}
+
+STANDIN_API CUresult CUDAAPI cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
+  CUresult r = enter();
+  if (r != CUDA_SUCCESS) return r;
+  if (pctx == NULL) return CUDA_ERROR_INVALID_VALUE;
+  if (dev < 0 || dev >= g_device_count) return CUDA_ERROR_INVALID_DEVICE;
+  struct CUctx_st *ctx = &g_ctx[dev];
+  pthread_mutex_lock(&g_ctx_lock);
+  /* A primary context retained again after its last release starts afresh. */
+  if (atomic_load(&ctx->retained) == 0) atomic_store(&ctx->sticky, 0);
+  atomic_fetch_add(&ctx->retained, 1);
+  pthread_mutex_unlock(&g_ctx_lock);
+  *pctx = ctx;
+  return CUDA_SUCCESS;
+}
+
+STANDIN_API CUresult CUDAAPI cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
+  CUresult r = enter();
+  if (r != CUDA_SUCCESS) return r;
+  if (dev < 0 || dev >= g_device_count) return CUDA_ERROR_INVALID_DEVICE;
+  struct CUctx_st *ctx = &g_ctx[dev];
+  pthread_mutex_lock(&g_ctx_lock);
+  if (atomic_load(&ctx->retained) == 0) {
+    r = CUDA_ERROR_INVALID_CONTEXT;
+  } else {
+    atomic_fetch_sub(&ctx->retained, 1);
+  }
+  pthread_mutex_unlock(&g_ctx_lock);
+  return r;
+}
+
+static struct CUctx_st *known_context(CUcontext ctx) {
+  for (int i = 0; i < g_device_count; ++i) {
+    if (ctx == &g_ctx[i]) return &g_ctx[i];
+  }
+  return NULL;
+}
+
+STANDIN_API CUresult CUDAAPI cuCtxSetCurrent(CUcontext ctx) {
+  CUresult r = enter();
+  if (r != CUDA_SUCCESS) return r;
+  if (ctx == NULL) {
+    t_ctx = NULL;
+    return CUDA_SUCCESS;
+  }
+  struct CUctx_st *known = known_context(ctx);
+  if (known == NULL || atomic_load(&known->retained) == 0) return CUDA_ERROR_INVALID_CONTEXT;
+  t_ctx = known;
+  return CUDA_SUCCESS;
+}
+
+STANDIN_API CUresult CUDAAPI cuCtxGetCurrent(CUcontext *pctx) {
+  CUresult r = enter();
+  if (r != CUDA_SUCCESS) return r;
+  if (pctx == NULL) return CUDA_ERROR_INVALID_VALUE;
+  *pctx = t_ctx;
+  return CUDA_SUCCESS;
+}
+
+/* ------------------------------------------------------------------ */
+/* Error strings                                                        */
+/* ------------------------------------------------------------------ */
+
+struct error_text {
+  int code;
+  const char *name;
+  const char *text;
+};
+
+static const struct error_text k_errors[] = {
+    {CUDA_SUCCESS, "CUDA_SUCCESS", "no error"},
+    {CUDA_ERROR_INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE", "an argument is not valid or out of range"},
+    {CUDA_ERROR_OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY", "not enough memory for the allocation"},
+    {CUDA_ERROR_NOT_INITIALIZED, "CUDA_ERROR_NOT_INITIALIZED", "the driver has not been initialised (cuInit)"},
+    {CUDA_ERROR_NO_DEVICE, "CUDA_ERROR_NO_DEVICE", "there is no CUDA device"},
+    {CUDA_ERROR_INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE", "the ordinal names no device"},
+    {CUDA_ERROR_INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT", "no usable context is current on this thread"},
+    {CUDA_ERROR_MAP_FAILED, "CUDA_ERROR_MAP_FAILED", "the shared memory could not be mapped"},
+    {CUDA_ERROR_INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE", "the handle is not a valid one"},
+    {CUDA_ERROR_NOT_FOUND, "CUDA_ERROR_NOT_FOUND", "not found"},
+    {CUDA_ERROR_NOT_READY, "CUDA_ERROR_NOT_READY", "the work is not finished yet"},
+    {CUDA_ERROR_ILLEGAL_ADDRESS, "CUDA_ERROR_ILLEGAL_ADDRESS",
+     "queued work touched device memory that was freed or never allocated"},
+    {CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED, "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
+     "the host memory is already registered"},
+    {CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED, "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED",
+     "the host memory is not registered"},
+    {CUDA_ERROR_NOT_PERMITTED, "CUDA_ERROR_NOT_PERMITTED", "the call is not permitted here"},
+    {CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED", "the operation is not supported"},
+};
+
+static const struct error_text *find_error(CUresult error) {
+  for (size_t i = 0; i < sizeof k_errors / sizeof k_errors[0]; ++i) {
+    if (k_errors[i].code == (int)error) return &k_errors[i];
+  }
+  return NULL;
+}
+
+STANDIN_API CUresult CUDAAPI cuGetErrorString(CUresult error, const char **pStr) {
+  if (pStr == NULL) return CUDA_ERROR_INVALID_VALUE;
+  const struct error_text *e = find_error(error);
+  *pStr = e != NULL ? e->text : NULL;
+  return e != NULL ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+STANDIN_API CUresult CUDAAPI cuGetErrorName(CUresult error, const char **pStr) {
+  if (pStr == NULL) return CUDA_ERROR_INVALID_VALUE;
+  const struct error_text *e = find_error(error);
+  *pStr = e != NULL ? e->name : NULL;
+  return e != NULL ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+/* ------------------------------------------------------------------ */
+/* The memory table                                                     */
+/* ------------------------------------------------------------------ */
+
+enum region_kind {
+  REGION_DEVICE,          /* cuMemAlloc */
+  REGION_IPC,             /* cuIpcOpenMemHandle */
+  REGION_HOST_ALLOC,      /* cuMemAllocHost */
+  REGION_HOST_REGISTERED, /* cuMemHostRegister */
+};
+
+struct region {
+  struct region *next;
+  enum region_kind kind;
+  uintptr_t base;         /* the caller's address (a CUdeviceptr for device kinds) */
+  size_t size;            /* the caller's size */
+  size_t map_size;        /* bytes mapped at base (device kinds, host alloc) */
+  unsigned char *shadow;  /* device kinds: the read-write view */
+  int fd;                 /* REGION_DEVICE: the memfd, kept open for IPC */
+  struct CUctx_st *ctx;
+  uint64_t id;            /* device kinds: the memfd's random id */
+  unsigned long long buffer_id;
+  pid_t exporter;         /* REGION_IPC */
+  int opens;              /* REGION_IPC: opens not closed yet */
+};
+
+/* Writers first, so that a steady stream of copies cannot starve a free. */
+static pthread_rwlock_t g_mem_lock = PTHREAD_RWLOCK_WRITER_NONRECURSIVE_INITIALIZER_NP;
+static struct region *g_regions;
+static size_t g_used[kMaxDevices];
+static atomic_ullong g_bytes_copied;
+static atomic_ullong g_next_buffer_id = 1;
+
+static size_t page_size(void) {
+  static atomic_size_t cached;
+  size_t page = atomic_load_explicit(&cached, memory_order_relaxed);
+  if (page == 0) {
+    page = (size_t)sysconf(_SC_PAGESIZE);
+    atomic_store_explicit(&cached, page, memory_order_relaxed);
+  }
+  return page;
+}
+
+static bool round_to_pages(size_t n, size_t *out) {
+  size_t page = page_size();
+  if (n > SIZE_MAX - (page - 1)) return false;
+  *out = (n + page - 1) & ~(page - 1);
+  return true;
+}
+
+static bool is_device_kind(const struct region *r) { return r->kind == REGION_DEVICE || r->kind == REGION_IPC; }
+
+/* The device region holding `p` (base <= p < base + size). Lock held. */
+static struct region *device_region_at(uintptr_t p) {
+  for (struct region *r = g_regions; r != NULL; r = r->next) {
+    if (is_device_kind(r) && p >= r->base && p - r->base < r->size) return r;
+  }
+  return NULL;
+}
+
+/* The shadow bytes behind [p, p + n) when all of it lies in one live device
+ * allocation, else NULL. Lock held. */
+static unsigned char *device_bytes(CUdeviceptr p, size_t n) {
+  for (struct region *r = g_regions; r != NULL; r = r->next) {
+    if (!is_device_kind(r) || p < r->base) continue;
+    uintptr_t offset = (uintptr_t)p - r->base;
+    if (offset > r->size || (offset == r->size && n != 0)) continue; /* not in this one */
+    if (n > r->size - offset) return NULL;                            /* runs past its end */
+    return r->shadow + offset;
+  }
+  return NULL;
+}
+
+static bool ranges_overlap(uintptr_t a, size_t an, uintptr_t b, size_t bn) {
+  if (an == 0) an = 1;
+  if (bn == 0) bn = 1;
+  return a < b + bn && b < a + an;
+}
+
+/* True when a host argument [p, p + n) touches device memory. Lock held. */
+static bool host_range_is_device(const void *p, size_t n) {
+  for (struct region *r = g_regions; r != NULL; r = r->next) {
+    if (is_device_kind(r) && ranges_overlap((uintptr_t)p, n, r->base, r->map_size)) return true;
+  }
+  return false;
+}
+
+static void insert_region(struct region *r) {
+  r->next = g_regions;
+  g_regions = r;
+}
+
+static void unlink_region(struct region *r) {
+  for (struct region **link = &g_regions; *link != NULL; link = &(*link)->next) {
+    if (*link == r) {
+      *link = r->next;
+      return;
+    }
+  }
+}
+
+static struct region *region_with_base(uintptr_t base, enum region_kind kind) {
+  for (struct region *r = g_regions; r != NULL; r = r->next) {
+    if (r->kind == kind && r->base == base) return r;
+  }
+  return NULL;
+}
+
+STANDIN_API int standin_cuda_live_allocations(void) {
+  int live = 0;
+  pthread_rwlock_rdlock(&g_mem_lock);
+  for (struct region *r = g_regions; r != NULL; r = r->next) {
+    if (is_device_kind(r)) ++live;
+  }
+  pthread_rwlock_unlock(&g_mem_lock);
+  return live;
+}
+
+STANDIN_API unsigned long long standin_cuda_bytes_copied(void) { return atomic_load(&g_bytes_copied); }
+
+static uint64_t random_id(void) {
+  uint64_t id = 0;
+  if (getrandom(&id, sizeof id, GRND_NONBLOCK) != (ssize_t)sizeof id || id == 0) {
+    static atomic_ullong counter;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    id = ((uint64_t)ts.tv_nsec << 20) ^ (uint64_t)ts.tv_sec ^ ((uint64_t)getpid() << 40) ^
+         (atomic_fetch_add(&counter, 1) + 1);
+  }
+  return id;
+}
+
+static void memfd_name(char *out, size_t n, uint64_t id) {
+  snprintf(out, n, MEMFD_PREFIX "%016llx", (unsigned long long)id);
+}
+
+/* Maps the memfd twice: PROT_NONE where the caller sees it, read-write at
+ * the shadow. */
+static bool map_device(int fd, size_t map_size, uintptr_t *base, unsigned char **shadow) {
+  void *none = mmap(NULL, map_size, PROT_NONE, MAP_SHARED, fd, 0);
+  if (none == MAP_FAILED) return false;
+  void *rw = mmap(NULL, map_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (rw == MAP_FAILED) {
+    munmap(none, map_size);
+    return false;
+  }
+  *base = (uintptr_t)none;
+  *shadow = rw;
+  return true;
+}
+
+static void unmap_device(struct region *r) {
+  munmap((void *)r->base, r->map_size);
+  munmap(r->shadow, r->map_size);
+  if (r->fd >= 0) close(r->fd);
+}
+
+STANDIN_API CUresult CUDAAPI cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize) {
+  struct CUctx_st *ctx = NULL;
+  CUresult r = enter_ctx(&ctx);
+  if (r != CUDA_SUCCESS) return r;
+  if (dptr == NULL || bytesize == 0) return CUDA_ERROR_INVALID_VALUE;
+  size_t map_size = 0;
+  if (!round_to_pages(bytesize, &map_size)) return CUDA_ERROR_OUT_OF_MEMORY;
+  const int device = ctx->device;
+
+  pthread_rwlock_wrlock(&g_mem_lock);
+  bool fits = map_size <= g_capacity && g_used[device] <= g_capacity - map_size;
+  if (fits) g_used[device] += map_size;
+  pthread_rwlock_unlock(&g_mem_lock);
+  if (!fits) return CUDA_ERROR_OUT_OF_MEMORY;
+
+  struct region *reg = calloc(1, sizeof *reg);
+  int fd = -1;
+  if (reg != NULL) {
+    reg->id = random_id();
+    char name[64];
+    memfd_name(name, sizeof name, reg->id);
+    fd = memfd_create(name, MFD_CLOEXEC);
+  }
+  if (fd < 0 || ftruncate(fd, (off_t)map_size) != 0 || !map_device(fd, map_size, &reg->base, &reg->shadow)) {
+    if (fd >= 0) close(fd);
+    free(reg);
+    pthread_rwlock_wrlock(&g_mem_lock);
+    g_used[device] -= map_size;
+    pthread_rwlock_unlock(&g_mem_lock);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  reg->kind = REGION_DEVICE;
+  reg->size = bytesize;
+  reg->map_size = map_size;
+  reg->fd = fd;
+  reg->ctx = ctx;
+  reg->buffer_id = atomic_fetch_add(&g_next_buffer_id, 1);
+  reg->exporter = getpid();
+  pthread_rwlock_wrlock(&g_mem_lock);
+  insert_region(reg);
+  pthread_rwlock_unlock(&g_mem_lock);
+  *dptr = (CUdeviceptr)reg->base;
+  return CUDA_SUCCESS;
+}
+
+STANDIN_API CUresult CUDAAPI cuMemFree_v2(CUdeviceptr dptr) {
+  struct CUctx_st *ctx = NULL;
+  CUresult r = enter_ctx(&ctx);
+  if (r != CUDA_SUCCESS) return r;
+  pthread_rwlock_wrlock(&g_mem_lock);
+  struct region *reg = region_with_base((uintptr_t)dptr, REGION_DEVICE);
+  if (reg != NULL) {
+    unlink_region(reg);
+    g_used[reg->ctx->device] -= reg->map_size;
+  }
+  pthread_rwlock_unlock(&g_mem_lock);
+  if (reg == NULL) return CUDA_ERROR_INVALID_VALUE;
+  unmap_device(reg);
+  free(reg);
+  return CUDA_SUCCESS;
+}
+
+STANDIN_API CUresult CUDAAPI cuMemGetAddressRange_v2(CUdeviceptr *pbase, size_t *psize, CUdeviceptr dptr) {
+  CUresult r = enter();
+  if (r != CUDA_SUCCESS) return r;
+  pthread_rwlock_rdlock(&g_mem_lock);
+  struct region *reg = device_region_at((uintptr_t)dptr);
+  if (reg != NULL) {
+    if (pbase != NULL) *pbase = (CUdeviceptr)reg->base;
+    if (psize != NULL) *psize = reg->size;
+  }
+  pthread_rwlock_unlock(&g_mem_lock);
+  return reg != NULL ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND;
+}
+
+STANDIN_API CUresult CUDAAPI cuMemAllocHost_v2(void **pp, size_t bytesize) {
+  struct CUctx_st *ctx = NULL;
+  CUresult r = enter_ctx(&ctx);
+  if (r != CUDA_SUCCESS) return r;
+  if (pp == NULL || bytesize == 0) return CUDA_ERROR_INVALID_VALUE;
+  size_t map_size = 0;
+  if (!round_to_pages(bytesize, &map_size)) return CUDA_ERROR_OUT_OF_MEMORY;
+  struct region *reg = calloc(1, sizeof *reg);
+  if (reg == NULL) return CUDA_ERROR_OUT_OF_MEMORY;
+  void *p = mmap(NULL, map_size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) {
+    free(reg);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  reg->kind = REGION_HOST_ALLOC;
+  reg->base = (uintptr_t)p;
+  reg->size = bytesize;
+  reg->map_size = map_size;
+  reg->fd = -1;
+  reg->ctx = ctx;
+  reg->buffer_id = atomic_fetch_add(&g_next_buffer_id, 1);
+  pthread_rwlock_wrlock(&g_mem_lock);
+  insert_region(reg);
+  pthread_rwlock_unlock(&g_mem_lock);
+  *pp = p;
+  return CUDA_SUCCESS;
+}
+
+STANDIN_API CUresult CUDAAPI cuMemFreeHost(void *p) {
+  struct CUctx_st *ctx = NULL;
+  CUresult r = enter_ctx(&ctx);
+  if (r != CUDA_SUCCESS) return r;
+  pthread_rwlock_wrlock(&g_mem_lock);
+  struct region *reg = region_with_base((uintptr_t)p, REGION_HOST_ALLOC);
+  if (reg != NULL) unlink_region(reg);
+  pthread_rwlock_unlock(&g_mem_lock);
+  if (reg == NULL) return CUDA_ERROR_INVALID_VALUE;
+  munmap((void *)reg->base, reg->map_size);
+  free(reg);
+  return CUDA_SUCCESS;
+}
+
+/* True when every page of [p, p + n) is mapped in this process. */
+static bool host_range_mapped(const void *p, size_t n) {
+  size_t page = page_size();
+  uintptr_t start = (uintptr_t)p & ~(uintptr_t)(page - 1);
+  uintptr_t end = (uintptr_t)p + n;
+  if (end < (uintptr_t)p) return false;
+  unsigned char vec[1024];
+  while (start < end) {
+    size_t pages = (end - start + page - 1) / page;
+    if (pages > sizeof vec) pages = sizeof vec;
+    if (mincore((void *)start, pages * page, vec) != 0) return false;
+    start += pages * page;
+  }
+  return true;
+}
+
+STANDIN_API CUresult CUDAAPI cuMemHostRegister_v2(void *p, size_t bytesize, unsigned int Flags) {
+  struct CUctx_st *ctx = NULL;
+  CUresult r = enter_ctx(&ctx);
+  if (r != CUDA_SUCCESS) return r;
+  const unsigned int known =
+      CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP | CU_MEMHOSTREGISTER_IOMEMORY |
+      CU_MEMHOSTREGISTER_READ_ONLY;
+  if (p == NULL || bytesize == 0 || (Flags & ~known) != 0) return CUDA_ERROR_INVALID_VALUE;
+  if (Flags & CU_MEMHOSTREGISTER_IOMEMORY) return CUDA_ERROR_NOT_SUPPORTED;
+  if ((uintptr_t)p + bytesize < (uintptr_t)p || !host_range_mapped(p, bytesize)) return CUDA_ERROR_INVALID_VALUE;
+  struct region *reg = calloc(1, sizeof *reg);
+  if (reg == NULL) return CUDA_ERROR_OUT_OF_MEMORY;
+  reg->kind = REGION_HOST_REGISTERED;
+  reg->base = (uintptr_t)p;
+  reg->size = bytesize;
+  reg->fd = -1;
+  reg->ctx = ctx;
+  reg->buffer_id = atomic_fetch_add(&g_next_buffer_id, 1);
+  pthread_rwlock_wrlock(&g_mem_lock);
+  for (struct region *other = g_regions; other != NULL; other = other->next) {
+    if (is_device_kind(other)) {
+      if (ranges_overlap(reg->base, bytesize, other->base, other->map_size)) r = CUDA_ERROR_INVALID_VALUE;
+    } else if (ranges_overlap(reg->base, bytesize, other->base, other->size)) {
+      r = CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED;
+    }
+    if (r != CUDA_SUCCESS) break;
+  }
+  if (r == CUDA_SUCCESS) insert_region(reg);
+  pthread_rwlock_unlock(&g_mem_lock);
+  if (r != CUDA_SUCCESS) free(reg);
+  return r;
+}
+
+STANDIN_API CUresult CUDAAPI cuMemHostUnregister(void *p) {
+  struct CUctx_st *ctx = NULL;
+  CUresult r = enter_ctx(&ctx);
+  if (r != CUDA_SUCCESS) return r;
+  if (p == NULL) return CUDA_ERROR_INVALID_VALUE;
+  pthread_rwlock_wrlock(&g_mem_lock);
+  struct region *reg = region_with_base((uintptr_t)p, REGION_HOST_REGISTERED);
+  if (reg != NULL) unlink_region(reg);
+  pthread_rwlock_unlock(&g_mem_lock);
+  if (reg == NULL) return CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED;
+  free(reg);
+  return CUDA_SUCCESS;
+}
+
+/* ------------------------------------------------------------------ */
+/* Pointer attributes                                                   */
+/* ------------------------------------------------------------------ */
+
+STANDIN_API CUresult CUDAAPI cuPointerGetAttributes(unsigned int numAttributes, CUpointer_attribute *attributes,
+                                                    void **data, CUdeviceptr ptr) {
+  CUresult r = enter();
+  if (r != CUDA_SUCCESS) return r;
+  if (numAttributes == 0 || attributes == NULL || data == NULL) return CUDA_ERROR_INVALID_VALUE;
+  for (unsigned int i = 0; i < numAttributes; ++i) {
+    if (data[i] == NULL) return CUDA_ERROR_INVALID_VALUE;
+    switch (attributes[i]) {
+      case CU_POINTER_ATTRIBUTE_CONTEXT:
+      case CU_POINTER_ATTRIBUTE_MEMORY_TYPE:
+      case CU_POINTER_ATTRIBUTE_DEVICE_POINTER:
+      case CU_POINTER_ATTRIBUTE_HOST_POINTER:
+      case CU_POINTER_ATTRIBUTE_BUFFER_ID:
+      case CU_POINTER_ATTRIBUTE_IS_MANAGED:
+      case CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL:
+      case CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE:
+      case CU_POINTER_ATTRIBUTE_RANGE_START_ADDR:
+      case CU_POINTER_ATTRIBUTE_RANGE_SIZE:
+      case CU_POINTER_ATTRIBUTE_MAPPED:
+        break;
+      default:
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+  }
+
+  /* What is known of ptr; the defaults are the driver's for an unknown one. */
+  unsigned int memory_type = 0;
+  int ordinal = -2;
+  CUcontext context = NULL;
+  CUdeviceptr device_pointer = 0;
+  void *host_pointer = NULL;
+  unsigned long long buffer_id = 0;
+  CUdeviceptr start = 0;
+  size_t size = 0;
+  int ipc_capable = 0;
+  int mapped = 0;
+
+  pthread_rwlock_rdlock(&g_mem_lock);
+  for (struct region *reg = g_regions; reg != NULL; reg = reg->next) {
+    if ((uintptr_t)ptr < reg->base || (uintptr_t)ptr - reg->base >= reg->size) continue;
+    memory_type = is_device_kind(reg) ? CU_MEMORYTYPE_DEVICE : CU_MEMORYTYPE_HOST;
+    ordinal = reg->ctx->device;
+    context = reg->ctx;
+    device_pointer = ptr;
+    host_pointer = is_device_kind(reg) ? NULL : (void *)(uintptr_t)ptr;
+    buffer_id = reg->buffer_id;
+    start = (CUdeviceptr)reg->base;
+    size = reg->size;
+    ipc_capable = reg->kind == REGION_DEVICE;
+    mapped = 1;
+    break;
+  }
+  pthread_rwlock_unlock(&g_mem_lock);
+
+  for (unsigned int i = 0; i < numAttributes; ++i) {
+    switch (attributes[i]) {
+      case CU_POINTER_ATTRIBUTE_CONTEXT:
+        *(CUcontext *)data[i] = context;
+        break;
+      case CU_POINTER_ATTRIBUTE_MEMORY_TYPE:
+        *(unsigned int *)data[i] = memory_type;
+        break;
+      case CU_POINTER_ATTRIBUTE_DEVICE_POINTER:
+        *(CUdeviceptr *)data[i] = device_pointer;
+        break;
+      case CU_POINTER_ATTRIBUTE_HOST_POINTER:
+        *(void **)data[i] = host_pointer;
+        break;
+      case CU_POINTER_ATTRIBUTE_BUFFER_ID:
+        *(unsigned long long *)data[i] = buffer_id;
+        break;
+      case CU_POINTER_ATTRIBUTE_IS_MANAGED:
+        *(int *)data[i] = 0;
+        break;
+      case CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL:
+        *(int *)data[i] = ordinal;
+        break;
+      case CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE:
+        *(int *)data[i] = ipc_capable;
+        break;
+      case CU_POINTER_ATTRIBUTE_RANGE_START_ADDR:
+        *(CUdeviceptr *)data[i] = start;
+        break;
+      case CU_POINTER_ATTRIBUTE_RANGE_SIZE:
+        *(size_t *)data[i] = size;
+        break;
+      case CU_POINTER_ATTRIBUTE_MAPPED:
+        *(int *)data[i] = mapped;
+        break;
+      default:
+        break;
+    }
+  }
+  return CUDA_SUCCESS;
+}
+
+/* ------------------------------------------------------------------ */
+/* Operations: copies, memset, host functions, event records and waits */
+/* ------------------------------------------------------------------ */
+
+enum op_kind { OP_HTOD, OP_DTOH, OP_DTOD, OP_MEMSET, OP_HOST_FN, OP_RECORD, OP_WAIT };
+
+struct op {
+  struct op *next;
+  enum op_kind kind;
+  CUdeviceptr dst_dev;
+  CUdeviceptr src_dev;
+  void *dst_host;
+  const void *src_host;
+  size_t n;
+  unsigned char value;
+  CUhostFn fn;
+  void *user_data;
+  struct CUevent_st *event;
+  uint64_t seq;
+};
+
+/* Resolves both ends of a copy or memset to bytes this library may touch.
+ * g_mem_lock held. */
+static CUresult resolve(const struct op *op, unsigned char **dst, const unsigned char **src) {
+  switch (op->kind) {
+    case OP_HTOD:
+      if (op->n != 0 && op->src_host == NULL) return CUDA_ERROR_INVALID_VALUE;
+      if (host_range_is_device(op->src_host, op->n)) return CUDA_ERROR_INVALID_VALUE;
+      *src = op->src_host;
+      *dst = device_bytes(op->dst_dev, op->n);
+      return *dst != NULL ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    case OP_DTOH:
+      if (op->n != 0 && op->dst_host == NULL) return CUDA_ERROR_INVALID_VALUE;
+      if (host_range_is_device(op->dst_host, op->n)) return CUDA_ERROR_INVALID_VALUE;
+      *dst = op->dst_host;
+      *src = device_bytes(op->src_dev, op->n);
+      return *src != NULL ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    case OP_DTOD:
+      *dst = device_bytes(op->dst_dev, op->n);
+      *src = device_bytes(op->src_dev, op->n);
+      return *dst != NULL && *src != NULL ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    case OP_MEMSET:
+      *src = NULL;
+      *dst = device_bytes(op->dst_dev, op->n);
+      return *dst != NULL ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    default:
+      return CUDA_ERROR_INVALID_VALUE;
+  }
+}
+
+static CUresult check_copy(const struct op *op) {
+  unsigned char *dst = NULL;
+  const unsigned char *src = NULL;
+  pthread_rwlock_rdlock(&g_mem_lock);
+  CUresult r = resolve(op, &dst, &src);
+  pthread_rwlock_unlock(&g_mem_lock);
+  return r;
+}
+
+/* Runs a copy or memset: resolves its ends again (the memory may have been
+ * freed since it was queued) and moves the bytes. */
+static CUresult run_copy(const struct op *op) {
+  unsigned char *dst = NULL;
+  const unsigned char *src = NULL;
+  pthread_rwlock_rdlock(&g_mem_lock);
+  CUresult r = resolve(op, &dst, &src);
+  if (r == CUDA_SUCCESS && op->n != 0) {
+    if (op->kind == OP_MEMSET) {
+      memset(dst, op->value, op->n);
+    } else {
+      memmove(dst, src, op->n);
+      atomic_fetch_add(&g_bytes_copied, (unsigned long long)op->n);
+    }
+  }
+  pthread_rwlock_unlock(&g_mem_lock);
+  return r;
+}
+
+/* ------------------------------------------------------------------ */
+/* Events                                                               */
+/* ------------------------------------------------------------------ */
+
+struct CUevent_st {
+  uint32_t magic;
+  struct CUevent_st *next_live;
+  unsigned int flags;
+  atomic_int refs; /* the handle's, one per queued record or wait, one per caller inside */
+  pthread_mutex_t lock;
+  pthread_cond_t cond;
+  uint64_t recorded; /* records made so far */
+  uint64_t reached;  /* the latest record a stream has reached */
+};
+
+static pthread_mutex_t g_events_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct CUevent_st *g_events;
+
+static CUresult get_event(CUevent handle, struct CUevent_st **out) {
+  pthread_mutex_lock(&g_events_lock);
+  struct CUevent_st *found = NULL;
+  for (struct CUevent_st *e = g_events; e != NULL; e = e->next_live) {
+    if (e == handle) {
+      found = e;
+      atomic_fetch_add(&e->refs, 1);
+      break;
+    }
+  }
+  pthread_mutex_unlock(&g_events_lock);
+  *out = found;
+  return found != NULL ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+static void put_event(struct CUevent_st *e) {
+  if (atomic_fetch_sub(&e->refs, 1) != 1) return;
+  pthread_mutex_destroy(&e->lock);
+  pthread_cond_destroy(&e->cond);
+  e->magic = 0;
+  free(e);
+}
+
+static void event_reach(struct CUevent_st *e, uint64_t seq) {
+  pthread_mutex_lock(&e->lock);
+  if (e->reached < seq) e->reached = seq;
+  pthread_cond_broadcast(&e->cond);
+  pthread_mutex_unlock(&e->lock);
+}
+
+static void event_wait(struct CUevent_st *e, uint64_t seq) {
+  pthread_mutex_lock(&e->lock);
+  while (e->reached < seq) pthread_cond_wait(&e->cond, &e->lock);
+  pthread_mutex_unlock(&e->lock);
+}
+
+static uint64_t event_latest(struct CUevent_st *e) {
+  pthread_mutex_lock(&e->lock);
+  uint64_t seq = e->recorded;
+  pthread_mutex_unlock(&e->lock);
+  return seq;
+}
+
+/* ------------------------------------------------------------------ */
+/* Streams                                                              */
+/* ------------------------------------------------------------------ */
+
+struct CUstream_st {
+  uint32_t magic;
+  struct CUstream_st *next_live;
+  struct CUctx_st *ctx;
+  unsigned int flags;
+  int users; /* callers inside that hold it (g_streams_lock) */
+  pthread_t thread;
+  pthread_mutex_t lock;
+  pthread_cond_t work; /* queue no longer empty, or stopping */
+  pthread_cond_t done; /* an operation finished */
+  struct op *head;
+  struct op *tail;
+  uint64_t enqueued;
+  uint64_t completed;
+  bool stopping;
+  CUresult error; /* sticky: the first operation that failed */
+};
+
+static pthread_mutex_t g_streams_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_streams_idle = PTHREAD_COND_INITIALIZER;
+static struct CUstream_st *g_streams;
+
+static CUresult get_stream(CUstream handle, struct CUstream_st **out) {
+  pthread_mutex_lock(&g_streams_lock);
+  struct CUstream_st *found = NULL;
+  for (struct CUstream_st *s = g_streams; s != NULL; s = s->next_live) {
+    if (s == handle) {
+      found = s;
+      ++s->users;
+      break;
+    }
+  }
+  pthread_mutex_unlock(&g_streams_lock);
+  *out = found;
+  return found != NULL ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+static void put_stream(struct CUstream_st *s) {
+  pthread_mutex_lock(&g_streams_lock);
+  if (--s->users == 0) pthread_cond_broadcast(&g_streams_idle);
+  pthread_mutex_unlock(&g_streams_lock);
+}
+
+static void fail_stream(struct CUstream_st *s, CUresult r) {
+  pthread_mutex_lock(&s->lock);
+  if (s->error == CUDA_SUCCESS) s->error = r;
+  pthread_mutex_unlock(&s->lock);
+  /* As on a GPU, a faulting operation leaves the context unusable. */
+  int expected = 0;
+  atomic_compare_exchange_strong(&s->ctx->sticky, &expected, (int)r);
+}
+
+static void run_host_fn(const struct op *op) {
+  t_in_host_fn = 1;
+  op->fn(op->user_data);
+  t_in_host_fn = 0;
+}
+
+/* Runs one operation on the calling thread. */
+static CUresult run_op(const struct op *op) {
+  switch (op->kind) {
+    case OP_HTOD:
+    case OP_DTOH:
+    case OP_DTOD:
+    case OP_MEMSET:
+      return run_copy(op) == CUDA_SUCCESS ? CUDA_SUCCESS : CUDA_ERROR_ILLEGAL_ADDRESS;
+    case OP_HOST_FN:
+      run_host_fn(op);
+      return CUDA_SUCCESS;
+    case OP_RECORD:
+      event_reach(op->event, op->seq);
+      return CUDA_SUCCESS;
+    case OP_WAIT:
+      event_wait(op->event, op->seq);
+      return CUDA_SUCCESS;
+  }
+  return CUDA_SUCCESS;
+}
+
+static void free_op(struct op *op) {
+  if (op->event != NULL) put_event(op->event);
+  free(op);
+}
+
+static void *stream_worker(void *arg) {
+  struct CUstream_st *s = arg;
+  for (;;) {
+    pthread_mutex_lock(&s->lock);
+    while (s->head == NULL && !s->stopping) pthread_cond_wait(&s->work, &s->lock);
+    struct op *op = s->head;
+    if (op == NULL) {
+      pthread_mutex_unlock(&s->lock);
+      break;
+    }
+    s->head = op->next;
+    if (s->head == NULL) s->tail = NULL;
+    pthread_mutex_unlock(&s->lock);
+
+    CUresult r = run_op(op);
+    if (r != CUDA_SUCCESS) fail_stream(s, r);
+    free_op(op);
+
+    pthread_mutex_lock(&s->lock);
+    ++s->completed;
+    pthread_cond_broadcast(&s->done);
+    pthread_mutex_unlock(&s->lock);
+  }
+  return NULL;
+}
+
+static void enqueue(struct CUstream_st *s, struct op *op) {
+  op->next = NULL;
+  pthread_mutex_lock(&s->lock);
+  if (s->tail != NULL) {
+    s->tail->next = op;
+  } else {
+    s->head = op;
+  }
+  s->tail = op;
+  ++s->enqueued;
+  pthread_cond_signal(&s->work);
+  pthread_mutex_unlock(&s->lock);
+}
+
+/* Waits until s has finished what was queued before; its sticky error. */
+static CUresult drain(struct CUstream_st *s) {
+  pthread_mutex_lock(&s->lock);
+  const uint64_t target = s->enqueued;
+  while (s->completed < target) pthread_cond_wait(&s->done, &s->lock);
+  CUresult r = s->error;
+  pthread_mutex_unlock(&s->lock);
+  return r;
+}
+
+/* The NULL stream is the legacy default stream: what runs on it first waits
+ * for the work already queued on the context's blocking streams (those not
+ * made with CU_STREAM_NON_BLOCKING). */
+static CUresult legacy_sync(struct CUctx_st *ctx) {
+  pthread_mutex_lock(&g_streams_lock);
+  size_t count = 0;
+  for (struct CUstream_st *s = g_streams; s != NULL; s = s->next_live) {
+    if (s->ctx == ctx && !(s->flags & CU_STREAM_NON_BLOCKING)) ++count;
+  }
+  struct CUstream_st **held = count != 0 ? calloc(count, sizeof *held) : NULL;
+  if (count != 0 && held == NULL) {
+    pthread_mutex_unlock(&g_streams_lock);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  size_t n = 0;
+  for (struct CUstream_st *s = g_streams; s != NULL && n < count; s = s->next_live) {
+    if (s->ctx == ctx && !(s->flags & CU_STREAM_NON_BLOCKING)) {
+      ++s->users;
+      held[n++] = s;
+    }
+  }
+  pthread_mutex_unlock(&g_streams_lock);
+  CUresult result = CUDA_SUCCESS;
+  for (size_t i = 0; i < n; ++i) {
+    CUresult r = drain(held[i]);
+    if (result == CUDA_SUCCESS) result = r;
+    put_stream(held[i]);
+  }
+  free(held);
+  return result;
+}
+
+/* Queues op on hStream, or runs it now in the caller on the NULL stream.
+ * Takes op (and the event reference it holds) in every case. */
+static CUresult submit(struct CUctx_st *ctx, CUstream hStream, struct op *op) {
+  if (hStream == NULL) {
+    CUresult r = legacy_sync(ctx);
+    /* A record always runs: an event must not wait for a point never reached. */
+    if (r == CUDA_SUCCESS || op->kind == OP_RECORD) {
+      CUresult ran = run_op(op);
+      if (r == CUDA_SUCCESS) r = ran;
+    }
+    free_op(op);
+    return r;
+  }
+  struct CUstream_st *s = NULL;
+  CUresult r = get_stream(hStream, &s);
+  if (r != CUDA_SUCCESS) {
+    free_op(op);
+    return r;
+  }
+  enqueue(s, op);
+  put_stream(s);
+  return CUDA_SUCCESS;
+}
+
+STANDIN_API CUresult CUDAAPI cuStreamCreate(CUstream *phStream, unsigned int Flags) {
+  struct CUctx_st *ctx = NULL;
+  CUresult r = enter_ctx(&ctx);
+  if (r != CUDA_SUCCESS) return r;
+  if (phStream == NULL || (Flags & ~(unsigned int)CU_STREAM_NON_BLOCKING) != 0) return CUDA_ERROR_INVALID_VALUE;
+  struct CUstream_st *s = calloc(1, sizeof *s);
+  if (s == NULL) return CUDA_ERROR_OUT_OF_MEMORY;
+  s->magic = kStreamMagic;
+  s->ctx = ctx;
+  s->flags = Flags;
+  pthread_mutex_init(&s->lock, NULL);
+  pthread_cond_init(&s->work, NULL);
+  pthread_cond_init(&s->done, NULL);
+  /* Signals go to the application's threads, not to the worker. */
+  sigset_t all;
+  sigset_t old;
+  sigfillset(&all);
+  pthread_sigmask(SIG_SETMASK, &all, &old);
+  int failed = pthread_create(&s->thread, NULL, stream_worker, s);
+  pthread_sigmask(SIG_SETMASK, &old, NULL);
+  if (failed != 0) {
+    pthread_mutex_destroy(&s->lock);
+    pthread_cond_destroy(&s->work);
+    pthread_cond_destroy(&s->done);
+    free(s);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  pthread_mutex_lock(&g_streams_lock);
+  s->next_live = g_streams;
+  g_streams = s;
+  pthread_mutex_unlock(&g_streams_lock);
+  *phStream = s;
+  return CUDA_SUCCESS;
+}
+
+STANDIN_API CUresult CUDAAPI cuStreamDestroy_v2(CUstream hStream) {
+  struct CUctx_st *ctx = NULL;
+  CUresult r = enter_ctx(&ctx);
+  if (r != CUDA_SUCCESS) return r;
+  pthread_mutex_lock(&g_streams_lock);
+  struct CUstream_st *s = NULL;
+  for (struct CUstream_st **link = &g_streams; *link != NULL; link = &(*link)->next_live) {
+    if (*link == hStream) {
+      s = *link;
+      *link = s->next_live;
+      break;
+    }
+  }
+  /* Callers still inside (queuing, synchronising) finish first. */
+  while (s != NULL && s->users != 0) pthread_cond_wait(&g_streams_idle, &g_streams_lock);
+  pthread_mutex_unlock(&g_streams_lock);
+  if (s == NULL) return CUDA_ERROR_INVALID_HANDLE;
+
+  /* Queued work runs to its end, then the worker leaves. */
+  pthread_mutex_lock(&s->lock);
+  s->stopping = true;
+  pthread_cond_signal(&s->work);
+  pthread_mutex_unlock(&s->lock);
+  pthread_join(s->thread, NULL);
+  pthread_mutex_destroy(&s->lock);
+  pthread_cond_destroy(&s->work);
+  pthread_cond_destroy(&s->done);
+  s->magic = 0;
+  free(s);
+  return CUDA_SUCCESS;
+}
+
+STANDIN_API CUresult CUDAAPI cuStreamSynchronize(CUstream hStream) {
+  struct CUctx_st *ctx = NULL;
+  CUresult r = enter_ctx(&ctx);
+  if (r != CUDA_SUCCESS) return r;
+  if (hStream == NULL) return legacy_sync(ctx);
+  struct CUstream_st *s = NULL;
+  r = get_stream(hStream, &s);
+  if (r != CUDA_SUCCESS) return r;
+  r = drain(s);
+  put_stream(s);
+  return r;
+}
+
+STANDIN_API CUresult CUDAAPI cuStreamQuery(CUstream hStream) {
+  struct CUctx_st *ctx = NULL;
+  CUresult r = enter_ctx(&ctx);
+  if (r != CUDA_SUCCESS) return r;
+  if (hStream == NULL) {
+    /* Idle when every blocking stream of the context is. */
+    pthread_mutex_lock(&g_streams_lock);
+    for (struct CUstream_st *s = g_streams; s != NULL && r == CUDA_SUCCESS; s = s->next_live) {
+      if (s->ctx != ctx || (s->flags & CU_STREAM_NON_BLOCKING)) continue;
+      pthread_mutex_lock(&s->lock);
+      if (s->error != CUDA_SUCCESS) {
+        r = s->error;
+      } else if (s->completed != s->enqueued) {
+        r = CUDA_ERROR_NOT_READY;
+      }
+      pthread_mutex_unlock(&s->lock);
+    }
+    pthread_mutex_unlock(&g_streams_lock);
+    return r;
+  }
+  struct CUstream_st *s = NULL;
+  r = get_stream(hStream, &s);
+  if (r != CUDA_SUCCESS) return r;
+  pthread_mutex_lock(&s->lock);
+  if (s->error != CUDA_SUCCESS) {
+    r = s->error;
+  } else if (s->completed != s->enqueued) {
+    r = CUDA_ERROR_NOT_READY;
+  }
+  pthread_mutex_unlock(&s->lock);
+  put_stream(s);
+  return r;
+}
+
+STANDIN_API CUresult CUDAAPI cuLaunchHostFunc(CUstream hStream, CUhostFn fn, void *userData) {
+  struct CUctx_st *ctx = NULL;
+  CUresult r = enter_ctx(&ctx);
+  if (r != CUDA_SUCCESS) return r;
+  if (fn == NULL) return CUDA_ERROR_INVALID_VALUE;
+  struct op *op = calloc(1, sizeof *op);
+  if (op == NULL) return CUDA_ERROR_OUT_OF_MEMORY;
+  op->kind = OP_HOST_FN;
+  op->fn = fn;
+  op->user_data = userData;
+  return submit(ctx, hStream, op);
+}
+
+/* The copies. */
+
+static CUresult copy(enum op_kind kind, CUdeviceptr dst_dev, void *dst_host, CUdeviceptr src_dev,
+                     const void *src_host, size_t n, unsigned char value, bool async, CUstream hStream) {
+  struct CUctx_st *ctx = NULL;
+  CUresult r = enter_ctx(&ctx);
+  if (r != CUDA_SUCCESS) return r;
+  struct op *op = calloc(1, sizeof *op);
+  if (op == NULL) return CUDA_ERROR_OUT_OF_MEMORY;
+  op->kind = kind;
+  op->dst_dev = dst_dev;
+  op->dst_host = dst_host;
+  op->src_dev = src_dev;
+  op->src_host = src_host;
+  op->n = n;
+  op->value = value;
+  r = check_copy(op);
+  if (r != CUDA_SUCCESS) {
+    free(op);
+    return r;
+  }
+  if (!async) hStream = NULL;
+  return submit(ctx, hStream, op);
+}
+
+STANDIN_API CUresult CUDAAPI cuMemcpyHtoD_v2(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount) {
+  return copy(OP_HTOD, dstDevice, NULL, 0, srcHost, ByteCount, 0, false, NULL);
+}
+
+STANDIN_API CUresult CUDAAPI cuMemcpyDtoH_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount) {
+  return copy(OP_DTOH, 0, dstHost, srcDevice, NULL, ByteCount, 0, false, NULL);
+}
+
+STANDIN_API CUresult CUDAAPI cuMemcpyDtoD_v2(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount) {
+  return copy(OP_DTOD, dstDevice, NULL, srcDevice, NULL, ByteCount, 0, false, NULL);
+}
+
+STANDIN_API CUresult CUDAAPI cuMemcpyHtoDAsync_v2(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount,
+                                                  CUstream hStream) {
+  return copy(OP_HTOD, dstDevice, NULL, 0, srcHost, ByteCount, 0, true, hStream);
+}
+
+STANDIN_API CUresult CUDAAPI cuMemcpyDtoHAsync_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount,
+                                                  CUstream hStream) {
+  return copy(OP_DTOH, 0, dstHost, srcDevice, NULL, ByteCount, 0, true, hStream);
+}
+
+STANDIN_API CUresult CUDAAPI cuMemcpyDtoDAsync_v2(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount,
+                                                  CUstream hStream) {
+  return copy(OP_DTOD, dstDevice, NULL, srcDevice, NULL, ByteCount, 0, true, hStream);
+}
+
+STANDIN_API CUresult CUDAAPI cuMemsetD8_v2(CUdeviceptr dstDevice, unsigned char uc, size_t N) {
+  return copy(OP_MEMSET, dstDevice, NULL, 0, NULL, N, uc, false, NULL);
+}
+
+/* The event calls. */
+
+STANDIN_API CUresult CUDAAPI cuEventCreate(CUevent *phEvent, unsigned int Flags) {
+  struct CUctx_st *ctx = NULL;
+  CUresult r = enter_ctx(&ctx);
+  if (r != CUDA_SUCCESS) return r;
+  const unsigned int accepted = CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING;
+  if (phEvent == NULL || (Flags & ~accepted) != 0) return CUDA_ERROR_INVALID_VALUE;
+  struct CUevent_st *e = calloc(1, sizeof *e);
+  if (e == NULL) return CUDA_ERROR_OUT_OF_MEMORY;
+  e->magic = kEventMagic;
+  e->flags = Flags;
+  atomic_store(&e->refs, 1);
+  pthread_mutex_init(&e->lock, NULL);
+  pthread_cond_init(&e->cond, NULL);
+  pthread_mutex_lock(&g_events_lock);
+  e->next_live = g_events;
+  g_events = e;
+  pthread_mutex_unlock(&g_events_lock);
+  *phEvent = e;
+  return CUDA_SUCCESS;
+}
+
+STANDIN_API CUresult CUDAAPI cuEventDestroy_v2(CUevent hEvent) {
+  struct CUctx_st *ctx = NULL;
+  CUresult r = enter_ctx(&ctx);
+  if (r != CUDA_SUCCESS) return r;
+  pthread_mutex_lock(&g_events_lock);
+  struct CUevent_st *e = NULL;
+  for (struct CUevent_st **link = &g_events; *link != NULL; link = &(*link)->next_live) {
+    if (*link == hEvent) {
+      e = *link;
+      *link = e->next_live;
+      break;
+    }
+  }
+  pthread_mutex_unlock(&g_events_lock);
+  if (e == NULL) return CUDA_ERROR_INVALID_HANDLE;
+  /* Records and waits still queued keep it alive until they have run. */
+  put_event(e);
+  return CUDA_SUCCESS;
+}
+
+STANDIN_API CUresult CUDAAPI cuEventRecord(CUevent hEvent, CUstream hStream) {
+  struct CUctx_st *ctx = NULL;
+  CUresult r = enter_ctx(&ctx);
+  if (r != CUDA_SUCCESS) return r;
+  struct CUevent_st *e = NULL;
+  r = get_event(hEvent, &e);
+  if (r != CUDA_SUCCESS) return r;
+  struct op *op = calloc(1, sizeof *op);
+  if (op == NULL) {
+    put_event(e);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  op->kind = OP_RECORD;
+  op->event = e; /* the reference get_event took */
+  struct CUstream_st *s = NULL;
+  if (hStream != NULL) {
+    /* Held from before the record counts until it is queued: a record that
+     * is refused, or never queued, changes nothing. */
+    r = get_stream(hStream, &s);
+    if (r != CUDA_SUCCESS) {
+      free_op(op);
+      return r;
+    }
+  }
+  pthread_mutex_lock(&e->lock);
+  op->seq = ++e->recorded;
+  pthread_mutex_unlock(&e->lock);
+  if (s == NULL) return submit(ctx, NULL, op);
+  enqueue(s, op);
+  put_stream(s);
+  return CUDA_SUCCESS;
+}
+
+STANDIN_API CUresult CUDAAPI cuEventQuery(CUevent hEvent) {
+  struct CUctx_st *ctx = NULL;
+  CUresult r = enter_ctx(&ctx);
+  if (r != CUDA_SUCCESS) return r;
+  struct CUevent_st *e = NULL;
+  r = get_event(hEvent, &e);
+  if (r != CUDA_SUCCESS) return r;
+  pthread_mutex_lock(&e->lock);
+  r = e->reached >= e->recorded ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+  pthread_mutex_unlock(&e->lock);
+  put_event(e);
+  return r;
+}
+
+STANDIN_API CUresult CUDAAPI cuEventSynchronize(CUevent hEvent) {
+  struct CUctx_st *ctx = NULL;
+  CUresult r = enter_ctx(&ctx);
+  if (r != CUDA_SUCCESS) return r;
+  struct CUevent_st *e = NULL;
+  r = get_event(hEvent, &e);
+  if (r != CUDA_SUCCESS) return r;
+  event_wait(e, event_latest(e));
+  put_event(e);
+  return CUDA_SUCCESS;
+}
+
+STANDIN_API CUresult CUDAAPI cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int Flags) {
+  struct CUctx_st *ctx = NULL;
+  CUresult r = enter_ctx(&ctx);
+  if (r != CUDA_SUCCESS) return r;
+  if (Flags != CU_EVENT_WAIT_DEFAULT) return CUDA_ERROR_INVALID_VALUE;
+  struct CUevent_st *e = NULL;
+  r = get_event(hEvent, &e);
+  if (r != CUDA_SUCCESS) return r;
+  struct op *op = calloc(1, sizeof *op);
+  if (op == NULL) {
+    put_event(e);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  op->kind = OP_WAIT;
+  op->event = e;
+  op->seq = event_latest(e); /* the record made last, as the driver does */
+  return submit(ctx, hStream, op);
+}
+
+/* ------------------------------------------------------------------ */
+/* IPC                                                                  */
+/* ------------------------------------------------------------------ */
+
+/* What a handle carries; the rest of its 64 bytes are zero. */
+struct ipc_wire {
+  uint32_t magic;
+  uint32_t version;
+  int32_t pid;    /* the exporter */
+  int32_t fd;     /* the memfd's descriptor in the exporter */
+  uint64_t size;  /* the allocation's size */
+  int32_t device; /* the exporter's device ordinal */
+  uint32_t zero;
+  uint64_t id;    /* the memfd's random id, also in its name */
+  uint64_t check; /* FNV-1a of the fields above */
+};
+_Static_assert(sizeof(struct ipc_wire) <= sizeof(CUipcMemHandle), "an IPC handle holds the wire form");
+
+static uint64_t fnv1a(const void *data, size_t n) {
+  const unsigned char *p = data;
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (size_t i = 0; i < n; ++i) {
+    h ^= p[i];
+    h *= 0x100000001b3ull;
+  }
+  return h;
+}
+
+STANDIN_API CUresult CUDAAPI cuIpcGetMemHandle(CUipcMemHandle *pHandle, CUdeviceptr dptr) {
+  struct CUctx_st *ctx = NULL;
+  CUresult r = enter_ctx(&ctx);
+  if (r != CUDA_SUCCESS) return r;
+  if (pHandle == NULL) return CUDA_ERROR_INVALID_VALUE;
+  struct ipc_wire wire;
+  memset(&wire, 0, sizeof wire);
+  pthread_rwlock_rdlock(&g_mem_lock);
+  struct region *reg = region_with_base((uintptr_t)dptr, REGION_DEVICE);
+  if (reg != NULL) {
+    wire.magic = kIpcMagic;
+    wire.version = kIpcVersion;
+    wire.pid = (int32_t)getpid();
+    wire.fd = reg->fd;
+    wire.size = reg->size;
+    wire.device = reg->ctx->device;
+    wire.id = reg->id;
+    wire.check = fnv1a(&wire, offsetof(struct ipc_wire, check));
+  }
+  pthread_rwlock_unlock(&g_mem_lock);
+  if (reg == NULL) return CUDA_ERROR_INVALID_VALUE;
+  memset(pHandle, 0, sizeof *pHandle);
+  memcpy(pHandle->reserved, &wire, sizeof wire);
+  return CUDA_SUCCESS;
+}
+
+/* Opens the exporter's memfd: through /proc/<pid>/fd/<n>, or with
+ * pidfd_getfd where /proc refuses. -1 with *why set when neither works. */
+static int open_exporter_fd(pid_t pid, int fd, CUresult *why) {
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%d/fd/%d", (int)pid, fd);
+  int opened = open(path, O_RDWR | O_CLOEXEC);
+  if (opened >= 0) return opened;
+  int saved = errno;
+  *why = CUDA_ERROR_MAP_FAILED;
+  if (saved != EACCES && saved != EPERM) return -1;
+#if defined(SYS_pidfd_open) && defined(SYS_pidfd_getfd)
+  int pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
+  if (pidfd < 0) return -1;
+  opened = (int)syscall(SYS_pidfd_getfd, pidfd, fd, 0);
+  close(pidfd);
+  if (opened >= 0) {
+    int flags = fcntl(opened, F_GETFD);
+    if (flags >= 0) fcntl(opened, F_SETFD, flags | FD_CLOEXEC);
+  }
+  return opened;
+#else
+  return -1;
+#endif
+}
+
+/* True when fd is the memfd the handle names: its name carries the id and
+ * its size is the allocation's, rounded to pages. */
+static bool is_exported_memfd(int fd, const struct ipc_wire *wire) {
+  struct stat st;
+  size_t map_size = 0;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) return false;
+  if (!round_to_pages(wire->size, &map_size) || (uint64_t)st.st_size != map_size) return false;
+  char link[64];
+  char target[256];
+  snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+  ssize_t n = readlink(link, target, sizeof target - 1);
+  if (n < 0) return false;
+  target[n] = '\0';
+  char name[64];
+  char expected[96];
+  memfd_name(name, sizeof name, wire->id);
+  snprintf(expected, sizeof expected, "/memfd:%s", name);
+  size_t len = strlen(expected);
+  if (strncmp(target, expected, len) != 0) return false;
+  return target[len] == '\0' || strcmp(target + len, " (deleted)") == 0;
+}
+
+static struct region *opened_mapping(pid_t exporter, uint64_t id) {
+  for (struct region *r = g_regions; r != NULL; r = r->next) {
+    if (r->kind == REGION_IPC && r->exporter == exporter && r->id == id) return r;
+  }
+  return NULL;
+}
+
+STANDIN_API CUresult CUDAAPI cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle handle, unsigned int Flags) {
+  struct CUctx_st *ctx = NULL;
+  CUresult r = enter_ctx(&ctx);
+  if (r != CUDA_SUCCESS) return r;
+  if (pdptr == NULL || Flags != CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS) return CUDA_ERROR_INVALID_VALUE;
+  struct ipc_wire wire;
+  memcpy(&wire, handle.reserved, sizeof wire);
+  bool tail_zero = true;
+  for (size_t i = sizeof wire; i < sizeof handle.reserved; ++i) tail_zero = tail_zero && handle.reserved[i] == 0;
+  if (wire.magic != kIpcMagic || wire.version != kIpcVersion || !tail_zero || wire.zero != 0 ||
+      wire.check != fnv1a(&wire, offsetof(struct ipc_wire, check)) || wire.pid <= 0 || wire.fd < 0 ||
+      wire.size == 0 || wire.device < 0 || wire.device >= kMaxDevices) {
+    return CUDA_ERROR_INVALID_HANDLE;
+  }
+  /* The driver refuses to open a handle in the process that exported it. */
+  if ((pid_t)wire.pid == getpid()) return CUDA_ERROR_INVALID_CONTEXT;
+
+  pthread_rwlock_wrlock(&g_mem_lock);
+  struct region *reg = opened_mapping(wire.pid, wire.id);
+  if (reg != NULL) {
+    ++reg->opens;
+    *pdptr = (CUdeviceptr)reg->base;
+  }
+  pthread_rwlock_unlock(&g_mem_lock);
+  if (reg != NULL) return CUDA_SUCCESS;
+
+  CUresult why = CUDA_ERROR_MAP_FAILED;
+  int fd = open_exporter_fd(wire.pid, wire.fd, &why);
+  if (fd < 0) return why;
+  if (!is_exported_memfd(fd, &wire)) {
+    close(fd);
+    return CUDA_ERROR_INVALID_HANDLE;
+  }
+  size_t map_size = 0;
+  round_to_pages(wire.size, &map_size);
+  reg = calloc(1, sizeof *reg);
+  if (reg == NULL || !map_device(fd, map_size, &reg->base, &reg->shadow)) {
+    close(fd);
+    free(reg);
+    return CUDA_ERROR_MAP_FAILED;
+  }
+  close(fd); /* the mappings keep the memory */
+  reg->kind = REGION_IPC;
+  reg->size = wire.size;
+  reg->map_size = map_size;
+  reg->fd = -1;
+  reg->ctx = ctx;
+  reg->id = wire.id;
+  reg->buffer_id = atomic_fetch_add(&g_next_buffer_id, 1);
+  reg->exporter = wire.pid;
+  reg->opens = 1;
+
+  pthread_rwlock_wrlock(&g_mem_lock);
+  struct region *raced = opened_mapping(wire.pid, wire.id);
+  if (raced != NULL) {
+    ++raced->opens;
+    *pdptr = (CUdeviceptr)raced->base;
+  } else {
+    insert_region(reg);
+    *pdptr = (CUdeviceptr)reg->base;
+  }
+  pthread_rwlock_unlock(&g_mem_lock);
+  if (raced != NULL) {
+    unmap_device(reg);
+    free(reg);
+  }
+  return CUDA_SUCCESS;
+}
+
+STANDIN_API CUresult CUDAAPI cuIpcCloseMemHandle(CUdeviceptr dptr) {
+  struct CUctx_st *ctx = NULL;
+  CUresult r = enter_ctx(&ctx);
+  if (r != CUDA_SUCCESS) return r;
+  pthread_rwlock_wrlock(&g_mem_lock);
+  struct region *reg = region_with_base((uintptr_t)dptr, REGION_IPC);
+  bool last = false;
+  if (reg != NULL && --reg->opens == 0) {
+    unlink_region(reg);
+    last = true;
+  }
+  pthread_rwlock_unlock(&g_mem_lock);
+  if (reg == NULL) return CUDA_ERROR_INVALID_VALUE;
+  if (last) {
+    unmap_device(reg);
+    free(reg);
+  }
+  return CUDA_SUCCESS;
+}
+
+/* ------------------------------------------------------------------ */
+/* cuGetProcAddress                                                     */
+/* ------------------------------------------------------------------ */
+
+typedef void (*any_fn)(void);
+
+struct proc_entry {
+  const char *name; /* the name without a version suffix */
+  const char *versioned;
+  any_fn fn;
+};
+
+#define PROC(base, fn) {base, #fn, (any_fn)fn}
+
+static const struct proc_entry k_procs[] = {
+    PROC("cuInit", cuInit),
+    PROC("cuDriverGetVersion", cuDriverGetVersion),
+    PROC("cuDeviceGetCount", cuDeviceGetCount),
+    PROC("cuDeviceGet", cuDeviceGet),
+    PROC("cuDevicePrimaryCtxRetain", cuDevicePrimaryCtxRetain),
+    PROC("cuDevicePrimaryCtxRelease", cuDevicePrimaryCtxRelease_v2),
+    PROC("cuCtxSetCurrent", cuCtxSetCurrent),
+    PROC("cuCtxGetCurrent", cuCtxGetCurrent),
+    PROC("cuGetErrorString", cuGetErrorString),
+    PROC("cuGetErrorName", cuGetErrorName),
+    PROC("cuPointerGetAttributes", cuPointerGetAttributes),
+    PROC("cuMemGetAddressRange", cuMemGetAddressRange_v2),
+    PROC("cuMemAlloc", cuMemAlloc_v2),
+    PROC("cuMemFree", cuMemFree_v2),
+    PROC("cuMemAllocHost", cuMemAllocHost_v2),
+    PROC("cuMemFreeHost", cuMemFreeHost),
+    PROC("cuMemHostRegister", cuMemHostRegister_v2),
+    PROC("cuMemHostUnregister", cuMemHostUnregister),
+    PROC("cuMemsetD8", cuMemsetD8_v2),
+    PROC("cuMemcpyHtoD", cuMemcpyHtoD_v2),
+    PROC("cuMemcpyDtoH", cuMemcpyDtoH_v2),
+    PROC("cuMemcpyDtoD", cuMemcpyDtoD_v2),
+    PROC("cuMemcpyHtoDAsync", cuMemcpyHtoDAsync_v2),
+    PROC("cuMemcpyDtoHAsync", cuMemcpyDtoHAsync_v2),
+    PROC("cuMemcpyDtoDAsync", cuMemcpyDtoDAsync_v2),
+    PROC("cuStreamCreate", cuStreamCreate),
+    PROC("cuStreamDestroy", cuStreamDestroy_v2),
+    PROC("cuStreamSynchronize", cuStreamSynchronize),
+    PROC("cuStreamQuery", cuStreamQuery),
+    PROC("cuStreamWaitEvent", cuStreamWaitEvent),
+    PROC("cuLaunchHostFunc", cuLaunchHostFunc),
+    PROC("cuEventCreate", cuEventCreate),
+    PROC("cuEventRecord", cuEventRecord),
+    PROC("cuEventQuery", cuEventQuery),
+    PROC("cuEventSynchronize", cuEventSynchronize),
+    PROC("cuEventDestroy", cuEventDestroy_v2),
+    PROC("cuIpcGetMemHandle", cuIpcGetMemHandle),
+    PROC("cuIpcOpenMemHandle", cuIpcOpenMemHandle_v2),
+    PROC("cuIpcCloseMemHandle", cuIpcCloseMemHandle),
+    PROC("cuGetProcAddress", cuGetProcAddress_v2),
+};
+
+STANDIN_API CUresult CUDAAPI cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
+                                                 CUdriverProcAddressQueryResult *symbolStatus) {
+  const cuuint64_t known = CU_GET_PROC_ADDRESS_LEGACY_STREAM | CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM;
+  if (symbol == NULL || pfn == NULL || cudaVersion <= 0 || (flags & ~known) != 0) return CUDA_ERROR_INVALID_VALUE;
+  for (size_t i = 0; i < sizeof k_procs / sizeof k_procs[0]; ++i) {
+    if (strcmp(symbol, k_procs[i].name) == 0 || strcmp(symbol, k_procs[i].versioned) == 0) {
+      *pfn = (void *)k_procs[i].fn;
+      if (symbolStatus != NULL) *symbolStatus = CU_GET_PROC_ADDRESS_SUCCESS;
+      return CUDA_SUCCESS;
+    }
+  }
+  *pfn = NULL;
+  if (symbolStatus != NULL) *symbolStatus = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+  return CUDA_ERROR_NOT_FOUND;
+}

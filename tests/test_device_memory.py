@@ -1,0 +1,319 @@
+"""Caches in CUDA device memory (Placement.DEVICE), end to end on the CUDA
+driver stand-in (tests/cuda_standin): the engine loads it as it would load
+libcuda.so.1, through $DATADIST_AIO_CUDA_DRIVER.
+
+These runs prove the engine's logic against the driver's documented rules
+(a context current on every calling thread, device memory the host never
+touches: the stand-in maps it without access, so a stray read kills the
+process), never NVIDIA's driver. Each scenario runs in a spawned process of
+its own: the driver is loaded once per process, and which one (or none) is
+part of what a scenario sets up.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import multiprocessing.resource_tracker
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from cuda_standin.build import build  # noqa: E402
+
+TIMEOUT_S = 90
+# Spawning starts the resource tracker once per process, with a descriptor
+# it keeps: start it before any test counts descriptors.
+multiprocessing.resource_tracker.ensure_running()
+
+
+@pytest.fixture(scope="module")
+def standin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build(tmp_path_factory.mktemp("cuda-standin"))
+
+
+def in_child(scenario: Callable[..., None], driver: Optional[Path], devices: int = 1, *args: Any) -> None:
+    """Runs ``scenario(*args)`` in a spawned process whose engine loads
+    ``driver`` (a path that may not exist) with ``devices`` devices; fails
+    with the child's traceback, or if it dies or outlives TIMEOUT_S."""
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    env = {"DATADIST_AIO_CUDA_DRIVER": str(driver) if driver else "", "STANDIN_CUDA_DEVICES": str(devices)}
+    process = ctx.Process(target=_child, args=(child, env, scenario, args))
+    process.start()
+    child.close()
+    try:
+        if not parent.poll(TIMEOUT_S):
+            pytest.fail(f"{scenario.__name__} did not finish within {TIMEOUT_S} s")
+        try:
+            outcome = parent.recv()
+        except EOFError:
+            process.join(10)
+            pytest.fail(f"{scenario.__name__}: the process died (exit code {process.exitcode})")
+        if outcome != "ok":
+            pytest.fail(f"{scenario.__name__} failed in its process:\n{outcome}")
+    finally:
+        process.join(10)
+        if process.is_alive():
+            process.kill()
+            process.join(10)
+        process.close()
+        parent.close()
+
+
+def _child(conn: Any, env: dict[str, str], scenario: Callable[..., None], args: tuple[Any, ...]) -> None:
+    os.environ.update(env)
+    try:
+        scenario(*args)
+        conn.send("ok")
+    except BaseException:  # noqa: BLE001 - reported to the test
+        conn.send(traceback.format_exc())
+    finally:
+        conn.close()
+
+
+# -- in the child: the driver through ctypes, as a framework's tensors would use it --------------
+
+
+class Cuda:
+    """The stand-in's entry points for the test's own device memory."""
+
+    def __init__(self, device: int = 0) -> None:
+        self.lib = ctypes.CDLL(os.environ["DATADIST_AIO_CUDA_DRIVER"])
+        self.lib.cuMemcpyHtoD_v2.argtypes = [ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_size_t]
+        self.lib.cuMemcpyDtoH_v2.argtypes = [ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_size_t]
+        self.lib.cuMemFree_v2.argtypes = [ctypes.c_ulonglong]
+        self.check(self.lib.cuInit(0), "cuInit")
+        self.contexts: dict[int, ctypes.c_void_p] = {}
+        self.use(device)
+
+    @staticmethod
+    def check(result: int, what: str) -> None:
+        assert result == 0, f"{what}: CUresult {result}"
+
+    def use(self, device: int) -> None:
+        """Makes ``device``'s primary context current on this thread."""
+        if device not in self.contexts:
+            context = ctypes.c_void_p()
+            self.check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), device), "retain")
+            self.contexts[device] = context
+        self.check(self.lib.cuCtxSetCurrent(self.contexts[device]), "cuCtxSetCurrent")
+
+    def alloc(self, size: int) -> int:
+        ptr = ctypes.c_ulonglong()
+        self.check(self.lib.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(size)), "cuMemAlloc")
+        return ptr.value
+
+    def free(self, ptr: int) -> None:
+        self.check(self.lib.cuMemFree_v2(ptr), "cuMemFree")
+
+    def write(self, ptr: int, data: np.ndarray) -> None:
+        data = np.ascontiguousarray(data)
+        self.check(self.lib.cuMemcpyHtoD_v2(ptr, data.ctypes.data, data.nbytes), "cuMemcpyHtoD")
+
+    def read(self, ptr: int, nbytes: int) -> np.ndarray:
+        out = np.empty(nbytes, np.uint8)
+        self.check(self.lib.cuMemcpyDtoH_v2(out.ctypes.data, ptr, nbytes), "cuMemcpyDtoH")
+        return out
+
+    def live(self) -> int:
+        return int(self.lib.standin_cuda_live_allocations())
+
+
+def _datadist(device_id: int = 0, pool: bool = True) -> Any:
+    import datadist_aio as dd
+    from peer import pool_cfg
+
+    config = dd.LLMConfig()
+    config.device_id = device_id
+    config.enable_cache_manager = True
+    config.enable_remote_cache_accessible = True
+    if pool:
+        config.host_mem_pool_cfg = pool_cfg(8 << 20)
+    datadist = dd.LLMDataDist(dd.LLMRole.DECODER, 5)
+    datadist.init(config.generate_options())
+    return datadist
+
+
+def _raises(code: Any, words: str, call: Callable[[], Any]) -> None:
+    import datadist_aio as dd
+
+    try:
+        call()
+    except dd.LLMException as e:
+        assert e.status_code is code, f"{e.status_code}: {e}"
+        assert words in str(e), f"{words!r} not in {e}"
+        return
+    raise AssertionError(f"no LLMException ({code}, {words!r})")
+
+
+BLOCKS, BLOCK = 8, 256  # a blocks cache of 8 blocks of 256 bytes per tensor
+
+
+def _desc(placement: Any, tensors: int = 2) -> Any:
+    import datadist_aio as dd
+
+    return dd.CacheDesc(tensors, [BLOCKS, BLOCK], dd.DataType.DT_UINT8, placement)
+
+
+def scenario_registration_checks_every_address() -> None:
+    import datadist_aio as dd
+
+    code = dd.LLMStatusCode
+    cuda = Cuda(device=1)
+    mine = [cuda.alloc(BLOCKS * BLOCK) for _ in range(2)]
+    small = cuda.alloc(BLOCKS * BLOCK - 1)
+    cuda.use(0)
+    other = cuda.alloc(BLOCKS * BLOCK)
+    host = np.zeros(BLOCKS * BLOCK, np.uint8)
+    datadist = _datadist(device_id=1)
+    cm = datadist.cache_manager
+    desc = _desc(dd.Placement.DEVICE)
+    cache = cm.register_blocks_cache(desc, mine, dd.BlocksCacheKey(5, 1))
+    assert cache.tensor_addrs == mine
+    _raises(code.LLM_PARAM_INVALID, "which numpy cannot view", lambda: cache.as_numpy(0))
+    _raises(code.LLM_PARAM_INVALID, "is memory of device 0, not of device_id 1",
+            lambda: cm.register_blocks_cache(desc, [mine[0], other]))
+    _raises(code.LLM_PARAM_INVALID, "runs past its allocation", lambda: cm.register_blocks_cache(desc, [mine[0], small]))
+    _raises(code.LLM_PARAM_INVALID, "is not CUDA device memory",
+            lambda: cm.register_blocks_cache(desc, [mine[0], host.ctypes.data]))
+    _raises(code.LLM_PARAM_INVALID, "is host memory (ndarray)", lambda: cm.register_blocks_cache(desc, [mine[0], host]))
+    _raises(code.LLM_PARAM_INVALID, "runs past its allocation",
+            lambda: cm.register_blocks_cache(desc, [mine[0], mine[1] + 1]))
+    # An object exposing __cuda_array_interface__ (as torch and CuPy tensors do).
+    class Tensor:
+        def __init__(self, ptr: int, shape: tuple[int, ...]) -> None:
+            self.__cuda_array_interface__ = {"data": (ptr, False), "shape": shape, "typestr": "|u1", "version": 3}
+
+    by_interface = cm.register_blocks_cache(desc, [Tensor(mine[0], (BLOCKS, BLOCK)), Tensor(mine[1], (BLOCKS * BLOCK,))])
+    assert by_interface.tensor_addrs == mine
+    _raises(code.LLM_PARAM_INVALID, "holds 2047 bytes",
+            lambda: cm.register_blocks_cache(desc, [mine[0], Tensor(mine[1], (BLOCKS * BLOCK - 1,))]))
+    cm.unregister_cache(cache.cache_id)
+    cm.unregister_cache(by_interface.cache_id)
+    datadist.finalize()
+    cuda.use(1)
+    for ptr in mine + [small]:
+        cuda.free(ptr)
+
+
+def scenario_copies_between_host_and_device() -> None:
+    import datadist_aio as dd
+
+    cuda = Cuda()
+    baseline = cuda.live()
+    datadist = _datadist()
+    cm = datadist.cache_manager
+    device = cm.allocate_blocks_cache(_desc(dd.Placement.DEVICE))
+    assert cuda.live() == baseline + 2, "one device allocation per tensor"
+    host = cm.allocate_blocks_cache(_desc(dd.Placement.HOST))
+    back = cm.allocate_blocks_cache(_desc(dd.Placement.HOST))
+    rng = np.random.default_rng(3)
+    data = [rng.integers(0, 256, (BLOCKS, BLOCK), dtype=np.uint8) for _ in range(2)]
+    for t in range(2):
+        host.as_numpy(t)[:] = data[t]
+        back.as_numpy(t)[:] = 0
+    # HOST -> DEVICE (blocks 0..3 to 4..7), DEVICE -> DEVICE (4..7 to 0..3), DEVICE -> HOST.
+    cm.swap_blocks(host, device, {0: 4, 1: 5, 2: 6, 3: 7})
+    for t in range(2):
+        got = cuda.read(device.tensor_addrs[t] + 4 * BLOCK, 4 * BLOCK).reshape(4, BLOCK)
+        np.testing.assert_array_equal(got, data[t][:4])
+    cm.swap_blocks(device, device, {4: 0, 5: 1, 6: 2, 7: 3})
+    cm.swap_blocks(device, back, {i: i for i in range(BLOCKS)})
+    for t in range(2):
+        np.testing.assert_array_equal(back.as_numpy(t)[:4], data[t][:4])
+        np.testing.assert_array_equal(back.as_numpy(t)[4:], data[t][:4])
+    # Awaited too: the copy's completion reaches the event loop.
+    import asyncio
+
+    async def awaited() -> list[Any]:
+        return await cm.swap_blocks_async(host, device, {7: 0})
+
+    assert asyncio.run(awaited()) == [dd.LLMStatusCode.LLM_SUCCESS]
+    np.testing.assert_array_equal(cuda.read(device.tensor_addrs[1], BLOCK), data[1][7])
+    cm.deallocate_blocks_cache(device)
+    # The last copy's worker lets go of the cache just after settling it.
+    deadline = time.monotonic() + 10
+    while cuda.live() != baseline and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert cuda.live() == baseline, "the engine freed its device memory"
+    datadist.finalize()
+
+
+def scenario_transfers_of_device_caches_are_refused_by_both_ends() -> None:
+    import socket
+
+    import datadist_aio as dd
+    from wire_frames import BY_ID, HELLO, HELLO_T, READ_DATA_T, READ_T, frame, recv_frame, request
+
+    code = dd.LLMStatusCode
+    datadist = _datadist()
+    cm = datadist.cache_manager
+    device = cm.allocate_blocks_cache(_desc(dd.Placement.DEVICE), dd.BlocksCacheKey(5, 3))
+    _raises(code.LLM_FEATURE_NOT_ENABLED, "is in CUDA device memory",
+            lambda: cm.push_blocks(dd.BlocksCacheKey(6, 3), device, [0], [0]))
+    datadist.finalize()
+    # The owner: a peer that names a device cache gets a refusal, not its bytes.
+    config = dd.LLMConfig()
+    config.enable_cache_manager = True
+    config.enable_remote_cache_accessible = True
+    config.listen_ip_info = "127.0.0.1:0"
+    owner = dd.LLMDataDist(dd.LLMRole.PROMPT, 7)
+    owner.init(config.generate_options())
+    cache = owner.cache_manager.allocate_blocks_cache(_desc(dd.Placement.DEVICE))
+    with socket.create_connection(("127.0.0.1", owner.listen_port), timeout=10) as sock:
+        sock.sendall(frame(HELLO_T, HELLO.pack(99, 7, 1, 1, 0, 1, 0)))
+        assert recv_frame(sock)[1] == 0
+        sock.sendall(frame(READ_T, request([(0, 0, 0, BLOCK)], kind=BY_ID, cache_id=cache.cache_id), op_id=4))
+        kind, status, op_id, body, data = recv_frame(sock)
+        assert (kind, op_id, data) == (READ_DATA_T, 4, b"")
+        assert status == code.LLM_FEATURE_NOT_ENABLED.value and b"CUDA device memory" in body, (status, body)
+    owner.finalize()
+
+
+def scenario_refusal(device_id: int, words: str) -> None:
+    import datadist_aio as dd
+
+    datadist = _datadist(device_id=device_id, pool=False)
+    for call in (lambda: datadist.cache_manager.allocate_blocks_cache(_desc(dd.Placement.DEVICE)),
+                 lambda: datadist.cache_manager.register_blocks_cache(_desc(dd.Placement.DEVICE), [1 << 40, 1 << 41])):
+        _raises(dd.LLMStatusCode.LLM_FEATURE_NOT_ENABLED, words, call)
+    datadist.finalize()
+
+
+# -- the tests ------------------------------------------------------------------------------------
+
+
+def test_registration_checks_every_address_with_the_driver(standin: Path) -> None:
+    in_child(scenario_registration_checks_every_address, standin, 2)
+
+
+def test_copies_between_host_and_device_caches(standin: Path) -> None:
+    in_child(scenario_copies_between_host_and_device, standin)
+
+
+def test_transfers_of_device_caches_are_refused_by_both_ends(standin: Path) -> None:
+    in_child(scenario_transfers_of_device_caches_are_refused_by_both_ends, standin)
+
+
+@pytest.mark.parametrize(
+    "driver, devices, device_id, words",
+    [
+        ("missing", 1, 0, "could not be loaded"),
+        ("standin", 0, 0, "sees no device"),
+        ("standin", 2, 5, "device_id 5 is not a CUDA device: the driver sees 2 devices"),
+    ],
+)
+def test_device_placement_without_a_driver_or_device_says_which(standin: Path, tmp_path: Path, driver: str,
+                                                                devices: int, device_id: int, words: str) -> None:
+    path = standin if driver == "standin" else tmp_path / "libcuda.so.1"
+    in_child(scenario_refusal, path, devices, device_id, words)
