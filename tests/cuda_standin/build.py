@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -47,7 +48,8 @@ def build(out_dir: Path, soname: str = LIBRARY_NAME) -> Path:
     newest = max(source.stat().st_mtime_ns for source in SOURCES)
     if library.exists() and library.stat().st_mtime_ns >= newest:
         return library
-    compiler = shlex.split(os.environ.get("CC", "cc"))
+    compiler = shlex.split(os.environ.get("CC") or next(
+        (name for name in ("cc", "gcc", "clang") if shutil.which(name)), "cc"))
     # Built under a name of its own, then renamed: a reader never sees half a file.
     partial = out_dir / f".{soname}.{os.getpid()}.tmp"
     command = [*compiler, *FLAGS, f"-Wl,-soname,{soname}", "-o", str(partial), str(SOURCES[0])]
