@@ -249,20 +249,22 @@ def scenario_copies_between_host_and_device() -> None:
     datadist.finalize()
 
 
-def scenario_transfers_of_device_caches_are_refused_by_both_ends() -> None:
+def scenario_a_raw_peer_reads_and_writes_a_device_cache() -> None:
     import socket
 
     import datadist_aio as dd
-    from wire_frames import BY_ID, HELLO, HELLO_T, READ_DATA_T, READ_T, frame, recv_frame, request
+    from wire_frames import BY_ID, HELLO, HELLO_T, READ_DATA_T, READ_T, WRITE_ACK_T, WRITE_T, frame, recv_frame, request
 
     code = dd.LLMStatusCode
+    cuda = Cuda()
     datadist = _datadist()
     cm = datadist.cache_manager
     device = cm.allocate_blocks_cache(_desc(dd.Placement.DEVICE), dd.BlocksCacheKey(5, 3))
-    _raises(code.LLM_FEATURE_NOT_ENABLED, "is in CUDA device memory",
-            lambda: cm.push_blocks(dd.BlocksCacheKey(6, 3), device, [0], [0]))
+    # Not refused for its placement any more: there is no link to cluster 6.
+    _raises(code.LLM_NOT_YET_LINK, "link_clusters first", lambda: cm.push_blocks(dd.BlocksCacheKey(6, 3), device, [0], [0]))
     datadist.finalize()
-    # The owner: a peer that names a device cache gets a refusal, not its bytes.
+    # The owner stages a device cache's bytes for a peer, both ways, and
+    # still checks every range.
     config = dd.LLMConfig()
     config.enable_cache_manager = True
     config.enable_remote_cache_accessible = True
@@ -270,13 +272,28 @@ def scenario_transfers_of_device_caches_are_refused_by_both_ends() -> None:
     owner = dd.LLMDataDist(dd.LLMRole.PROMPT, 7)
     owner.init(config.generate_options())
     cache = owner.cache_manager.allocate_blocks_cache(_desc(dd.Placement.DEVICE))
+    data = np.random.default_rng(5).integers(0, 256, BLOCKS * BLOCK, dtype=np.uint8)
+    cuda.write(cache.tensor_addrs[1], data)
     with socket.create_connection(("127.0.0.1", owner.listen_port), timeout=10) as sock:
         sock.sendall(frame(HELLO_T, HELLO.pack(99, 7, 1, 1, 0, 1, 0)))
         assert recv_frame(sock)[1] == 0
-        sock.sendall(frame(READ_T, request([(0, 0, 0, BLOCK)], kind=BY_ID, cache_id=cache.cache_id), op_id=4))
-        kind, status, op_id, body, data = recv_frame(sock)
-        assert (kind, op_id, data) == (READ_DATA_T, 4, b"")
-        assert status == code.LLM_FEATURE_NOT_ENABLED.value and b"CUDA device memory" in body, (status, body)
+        sock.sendall(frame(READ_T, request([(1, 2, 0, 3 * BLOCK)], kind=BY_ID, cache_id=cache.cache_id), op_id=4))
+        kind, status, op_id, body, got = recv_frame(sock)
+        assert (kind, status, op_id) == (READ_DATA_T, 0, 4), (kind, status, body)
+        assert got == data[2 * BLOCK:5 * BLOCK].tobytes()
+        new = bytes(range(256)) * (BLOCK // 256)
+        sock.sendall(frame(WRITE_T, request([(0, 6, 0, BLOCK)], kind=BY_ID, cache_id=cache.cache_id), new, op_id=5))
+        assert recv_frame(sock)[:3] == (WRITE_ACK_T, 0, 5)
+        assert cuda.read(cache.tensor_addrs[0] + 6 * BLOCK, BLOCK).tobytes() == new
+        # A range past the cache: refused, nothing read or written.
+        sock.sendall(frame(READ_T, request([(1, 7, 0, 2 * BLOCK)], kind=BY_ID, cache_id=cache.cache_id), op_id=6))
+        kind, status, op_id, body, got = recv_frame(sock)
+        assert (kind, status, op_id, got) == (READ_DATA_T, code.LLM_PARAM_INVALID.value, 6, b""), (kind, status, body)
+        sock.sendall(frame(WRITE_T, request([(0, 7, 0, 2 * BLOCK)], kind=BY_ID, cache_id=cache.cache_id),
+                           b"\xff" * 2 * BLOCK, op_id=7))
+        kind, status, op_id, body, _ = recv_frame(sock)
+        assert (kind, status, op_id) == (WRITE_ACK_T, code.LLM_PARAM_INVALID.value, 7) and b"ends past" in body, body
+        assert not cuda.read(cache.tensor_addrs[0] + 7 * BLOCK, BLOCK).any()
     owner.finalize()
 
 
@@ -301,8 +318,8 @@ def test_copies_between_host_and_device_caches(standin: Path) -> None:
     in_child(scenario_copies_between_host_and_device, standin)
 
 
-def test_transfers_of_device_caches_are_refused_by_both_ends(standin: Path) -> None:
-    in_child(scenario_transfers_of_device_caches_are_refused_by_both_ends, standin)
+def test_a_raw_peer_reads_and_writes_a_device_cache_through_staging(standin: Path) -> None:
+    in_child(scenario_a_raw_peer_reads_and_writes_a_device_cache, standin)
 
 
 @pytest.mark.parametrize(

@@ -554,11 +554,6 @@ Status Engine::prepare_remote(int64_t local_id, uint64_t peer, const LayerSpan &
   if (state_ != State::kReady) return not_ready(state_ == State::kFinalized);
   entry = registry_.find(local_id);
   if (!entry) return refuse(LLM_KV_CACHE_NOT_EXIST, words("no local cache with id ", local_id));
-  if (entry->device) {
-    return refuse(LLM_FEATURE_NOT_ENABLED, words("local cache ", local_id, " is in CUDA device memory: transfers of "
-                                                 "device caches between engines are not available yet; copy it to a "
-                                                 "HOST cache first (copy_cache, swap_blocks)"));
-  }
   if (peer == cluster_id_) {
     return refuse(LLM_PARAM_INVALID, words("cluster ", peer, " is this instance itself, not a peer"));
   }
@@ -596,7 +591,8 @@ Status Engine::start_remote(const std::shared_ptr<Link> &link, bool write, Frame
   auto frames = planner.take();
   if (!frames.empty()) {
     const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(options_.sync_kv_timeout_ms);
-    link->submit(write, std::move(frames), out, result_index, deadline, std::move(pin));
+    std::shared_ptr<cuda::Device> device = pin->device;
+    link->submit(write, std::move(frames), out, result_index, deadline, std::move(pin), std::move(device));
     transport_->operations_started();
   }
   if (!into) out->release(0, LLM_SUCCESS);

@@ -140,6 +140,9 @@ Status Device::open(int ordinal, std::shared_ptr<Device> &out) {
 }
 
 Device::~Device() {
+  // Every staging buffer has come back: the transfers using them pinned this device.
+  staging_[0].reset();
+  staging_[1].reset();
   std::string why;
   if (make_current(why)) {
     for (CUstream stream : streams_) driver_->cuStreamDestroy(stream);
@@ -194,6 +197,81 @@ CUstream Device::take_stream(std::string &why) const {
 void Device::give_stream(CUstream stream) const {
   std::lock_guard<std::mutex> lock(streams_mu_);
   streams_.push_back(stream);
+}
+
+staging::Pool &Device::staging_pool(bool inbound) const {
+  std::lock_guard<std::mutex> lock(staging_mu_);
+  std::unique_ptr<staging::Pool> &pool = staging_[inbound ? 1 : 0];
+  if (!pool) {
+    auto alloc = [this](size_t bytes, std::string &why) -> uint8_t * {
+      if (!make_current(why)) return nullptr;
+      void *host = nullptr;
+      const CUresult r = driver_->cuMemAllocHost(&host, bytes);
+      if (r != CUDA_SUCCESS) {
+        why = words("cuMemAllocHost of ", bytes, " bytes: ", describe(r));
+        return nullptr;
+      }
+      return static_cast<uint8_t *>(host);
+    };
+    auto release = [this](uint8_t *host) {
+      std::string why;
+      if (make_current(why)) driver_->cuMemFreeHost(host);
+    };
+    pool = std::make_unique<staging::Pool>(staging::kChunkBytes, staging::kPoolBuffers, alloc, release);
+  }
+  return *pool;
+}
+
+StreamCopier::StreamCopier(const Device &device) : device_(device) {
+  current_ = device.make_current(not_current_);
+}
+
+StreamCopier::~StreamCopier() {
+  for (CUstream s : streams_) {
+    if (s == nullptr) continue;
+    // Idle before another transfer may take it.
+    if (device_.driver().cuStreamSynchronize(s) == CUDA_SUCCESS) device_.give_stream(s);
+  }
+}
+
+CUstream StreamCopier::stream(size_t lane, std::string &why) {
+  if (!current_) {
+    why = not_current_;
+    return nullptr;
+  }
+  if (lane >= streams_.size()) streams_.resize(lane + 1, nullptr);
+  if (streams_[lane] == nullptr) streams_[lane] = device_.take_stream(why);
+  return streams_[lane];
+}
+
+namespace {
+CUdeviceptr device_ptr(const uint8_t *p) { return static_cast<CUdeviceptr>(reinterpret_cast<uintptr_t>(p)); }
+}  // namespace
+
+bool StreamCopier::to_host(size_t lane, uint8_t *host, const uint8_t *device, size_t n, std::string &why) {
+  CUstream s = stream(lane, why);
+  if (s == nullptr) return false;
+  const CUresult r = device_.driver().cuMemcpyDtoHAsync(host, device_ptr(device), n, s);
+  if (r == CUDA_SUCCESS) return true;
+  why = "cuMemcpyDtoHAsync: " + device_.describe(r);
+  return false;
+}
+
+bool StreamCopier::to_device(size_t lane, uint8_t *device, const uint8_t *host, size_t n, std::string &why) {
+  CUstream s = stream(lane, why);
+  if (s == nullptr) return false;
+  const CUresult r = device_.driver().cuMemcpyHtoDAsync(device_ptr(device), host, n, s);
+  if (r == CUDA_SUCCESS) return true;
+  why = "cuMemcpyHtoDAsync: " + device_.describe(r);
+  return false;
+}
+
+bool StreamCopier::wait(size_t lane, std::string &why) {
+  if (lane >= streams_.size() || streams_[lane] == nullptr) return true;  // nothing was queued on it
+  const CUresult r = device_.driver().cuStreamSynchronize(streams_[lane]);
+  if (r == CUDA_SUCCESS) return true;
+  why = "cuStreamSynchronize: " + device_.describe(r);
+  return false;
 }
 
 bool Device::make_current(std::string &why) const {

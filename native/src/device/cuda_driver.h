@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "device/cuda_api.h"
+#include "device/staging.h"
 #include "llm_datadist/llm_error_codes.h"
 
 namespace datadist::cuda {
@@ -95,6 +96,12 @@ class Device {
   CUstream take_stream(std::string &why) const;
   void give_stream(CUstream stream) const;
 
+  // The device's staging buffers, pinned host memory (cuMemAllocHost) made
+  // on first need: one pool for bytes leaving device memory, one for bytes
+  // coming in, so a transfer waiting for a buffer to receive into never
+  // waits behind one that is sending (see staging.h).
+  staging::Pool &staging_pool(bool inbound) const;
+
  private:
   Device(const Driver *driver, int ordinal, CUcontext context)
       : driver_(driver), ordinal_(ordinal), context_(context) {}
@@ -104,6 +111,32 @@ class Device {
   CUcontext context_;
   mutable std::mutex streams_mu_;
   mutable std::vector<CUstream> streams_;  // idle streams
+  mutable std::mutex staging_mu_;
+  mutable std::unique_ptr<staging::Pool> staging_[2];  // out, in
+};
+
+// The driver's copies for staging: lane i is a stream of the device's,
+// taken on first use and given back, once idle, by the destructor. Makes
+// the device's context current on the constructing thread, which is the
+// only one that may use it.
+class StreamCopier : public staging::Copier {
+ public:
+  explicit StreamCopier(const Device &device);
+  ~StreamCopier() override;
+  StreamCopier(const StreamCopier &) = delete;
+  StreamCopier &operator=(const StreamCopier &) = delete;
+
+  bool to_host(size_t lane, uint8_t *host, const uint8_t *device, size_t n, std::string &why) override;
+  bool to_device(size_t lane, uint8_t *device, const uint8_t *host, size_t n, std::string &why) override;
+  bool wait(size_t lane, std::string &why) override;
+
+ private:
+  CUstream stream(size_t lane, std::string &why);
+
+  const Device &device_;
+  bool current_ = false;
+  std::string not_current_;
+  std::vector<CUstream> streams_;
 };
 
 }  // namespace datadist::cuda

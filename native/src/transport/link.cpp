@@ -126,7 +126,7 @@ std::vector<iovec> Link::frame_bytes(OutFrame &frame) {
 void Link::enqueue(Connection &conn, OutFrame frame) {
   const size_t total = sizeof(frame.header) + frame.body.size() + frame.header.data_len;
   std::unique_lock<std::mutex> lock(conn.mu);
-  if (total > kDirectBytes || frame.close_after || conn.busy || !conn.queue.empty() || is_down()) {
+  if (total > kDirectBytes || frame.close_after || frame.device || conn.busy || !conn.queue.empty() || is_down()) {
     conn.queue.push_back(std::move(frame));
     lock.unlock();
     conn.cv.notify_one();
@@ -223,7 +223,8 @@ void Link::close_answers_locked() {
 }
 
 void Link::submit(bool write, std::vector<PlannedFrame> frames, const std::shared_ptr<Request> &request,
-                  size_t result_index, Clock::time_point deadline, std::shared_ptr<const void> pin) {
+                  size_t result_index, Clock::time_point deadline, std::shared_ptr<const void> pin,
+                  std::shared_ptr<cuda::Device> device) {
   for (PlannedFrame &planned : frames) {
     request->hold();
     OutFrame out;
@@ -231,8 +232,9 @@ void Link::submit(bool write, std::vector<PlannedFrame> frames, const std::share
     for (const iovec &v : planned.local) data_len += v.iov_len;
     // Same-host: the peer copies the bytes, so the frame names this end's
     // memory instead of carrying it. A frame whose segment table would not
-    // fit a body goes over TCP.
-    bool same_host = peer_copies_.load(std::memory_order_acquire) &&
+    // fit a body goes over TCP, and so does one whose local memory is on a
+    // device: the peer's kernel copies cannot reach that.
+    bool same_host = !device && peer_copies_.load(std::memory_order_acquire) &&
                      sizeof(wire::Target) +
                              planned.ranges.size() * (sizeof(wire::Range) + sizeof(wire::Segment)) +
                              planned.strides.size() * sizeof(wire::Stride) +
@@ -273,10 +275,14 @@ void Link::submit(bool write, std::vector<PlannedFrame> frames, const std::share
       if (!write && !same_host) {
         op.recv = std::move(planned.local);
         op.recv_bytes = data_len;
+        op.device = device;
       }
     }
     out.header.op_id = out.op_id;
-    if (write && !same_host) out.data = std::move(planned.local);
+    if (write && !same_host) {
+      out.data = std::move(planned.local);
+      out.device = device;
+    }
     const uint64_t group = planned.target.group;
     enqueue(group != 0 ? *conns_[group % conns_.size()] : next_connection(), std::move(out));
   }
@@ -375,10 +381,19 @@ void Link::mark(uint64_t op_id, bool sent, bool answered, Status status, bool sk
   settle(done);
 }
 
+void Link::fail_here(uint64_t op_id, Status status, std::string why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = open_.find(op_id);
+  if (it == open_.end() || it->second.status != LLM_SUCCESS) return;
+  it->second.status = status;
+  it->second.failed_here = std::move(why);
+}
+
 void Link::settle(OpenOp &op, const std::string &ended) {
   if (!op.request) return;
   std::string message = ended;
   if (!op.reason.empty()) message = "the peer refused: " + op.reason;
+  if (!op.failed_here.empty()) message = op.failed_here;
   op.request->release(op.result_index, op.status, op.skipped, std::move(message));
 }
 
@@ -388,9 +403,131 @@ std::string Link::ended_message() const {
 }
 
 bool Link::finish(Connection &conn, OutFrame &frame) {
+  if (frame.device) return finish_staged(conn, frame);
   std::vector<iovec> iov = frame_bytes(frame);
   net::drop_front(iov, frame.sent);
   return after_send(frame, net::writev_full(conn.fd, iov.data(), iov.size()));
+}
+
+namespace {
+
+// Zeros that keep a frame whole after its device copy failed mid-send.
+constexpr size_t kPadBytes = 64 * 1024;
+
+}  // namespace
+
+bool Link::finish_staged(Connection &conn, OutFrame &frame) {
+  const std::shared_ptr<cuda::Device> device = frame.device;  // outlives the copier and its pool buffers
+  const uint64_t total = frame.header.data_len;
+  bool header_out = false;
+  // The header and body leave with the first chunk, once its copy has run.
+  auto sink = [&](const uint8_t *bytes, size_t n) {
+    iovec iov[3];
+    size_t count = 0;
+    if (!header_out) {
+      iov[count++] = {&frame.header, sizeof(frame.header)};
+      if (!frame.body.empty()) iov[count++] = {frame.body.data(), frame.body.size()};
+    }
+    iov[count++] = {const_cast<uint8_t *>(bytes), n};
+    header_out = true;
+    return net::writev_full(conn.fd, iov, count);
+  };
+  staging::Result result;
+  {
+    cuda::StreamCopier copier(*device);
+    result = staging::stage_out(device->staging_pool(false), copier, frame.data, staging::kDepth, sink);
+  }
+  if (result.outcome == staging::Outcome::kDone) return after_send(frame, true);
+  if (result.outcome == staging::Outcome::kIoFailed) return after_send(frame, false);
+  const std::string why = "copying out of device memory failed: " + result.why;
+  log_warning("link to cluster " + std::to_string(peer_id_) + ": " + why);
+  if (frame.op_id == 0) {
+    // The answer to a read: its status left with its header.
+    if (header_out) {
+      fail(LLM_LINK_FAILED, why + ", after part of a read's data was sent");
+      return false;
+    }
+    OutFrame failed = answer(FrameType::kReadData, frame.header.op_id, llm_datadist::LLM_FAILED, why);
+    std::vector<iovec> iov = frame_bytes(failed);
+    return after_send(failed, net::writev_full(conn.fd, iov.data(), iov.size()));
+  }
+  // A write: it fails here. Once its header is out, the peer gets the frame
+  // whole (zeros for the rest), and its answer cannot make it a success.
+  fail_here(frame.op_id, llm_datadist::LLM_FAILED, why);
+  if (!header_out) {
+    mark(frame.op_id, true, true, llm_datadist::LLM_FAILED);
+    return true;
+  }
+  const std::vector<uint8_t> zeros(static_cast<size_t>(std::min<uint64_t>(kPadBytes, total - result.moved)));
+  bool ok = true;
+  for (uint64_t left = total - result.moved; left > 0 && ok;) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(left, zeros.size()));
+    ok = net::write_full(conn.fd, zeros.data(), n);
+    left -= n;
+  }
+  return after_send(frame, ok);
+}
+
+bool Link::receive_staged(net::Reader &in, const cuda::Device &device, const std::vector<iovec> &to, uint64_t bytes,
+                          bool &io_ok, std::string &why) {
+  staging::Result result;
+  {
+    cuda::StreamCopier copier(device);
+    result = staging::stage_in(device.staging_pool(true), copier, to, staging::kDepth,
+                               [&](uint8_t *buffer, size_t n) { return in.read(buffer, n); });
+  }
+  io_ok = result.outcome != staging::Outcome::kIoFailed;
+  if (result.outcome != staging::Outcome::kCopyFailed) return true;
+  why = result.why;
+  io_ok = in.discard(bytes - result.moved);  // the frame's rest, so the next frame is read whole
+  return false;
+}
+
+int Link::peer_copy_staged(const cuda::Device &device, const std::vector<iovec> &mine,
+                           const std::vector<wire::Segment> &theirs, bool from_peer, std::string &why) {
+  // The peer's segments, read (or written) as one stream in the order of `mine`.
+  size_t index = 0;
+  uint64_t offset = 0;
+  int error = 0;
+  auto copy = [&](uint8_t *buffer, size_t n) {
+    std::vector<iovec> local, remote;
+    for (size_t done = 0; done < n;) {
+      if (index == theirs.size()) {
+        error = EINVAL;
+        return false;
+      }
+      const wire::Segment &seg = theirs[index];
+      const size_t take = static_cast<size_t>(std::min<uint64_t>(n - done, seg.length - offset));
+      if (take > 0) {
+        local.push_back({buffer + done, take});
+        remote.push_back({reinterpret_cast<void *>(static_cast<uintptr_t>(seg.addr + offset)), take});
+      }
+      done += take;
+      offset += take;
+      if (offset == seg.length) {
+        ++index;
+        offset = 0;
+      }
+    }
+    error = peer_memory_->copy(local.data(), remote.data(), local.size(), from_peer);
+    return error == 0;
+  };
+  staging::Result result;
+  {
+    cuda::StreamCopier copier(device);
+    if (from_peer) {
+      result = staging::stage_in(device.staging_pool(true), copier, mine, staging::kDepth, copy);
+    } else {
+      result = staging::stage_out(device.staging_pool(false), copier, mine, staging::kDepth,
+                                  [&](const uint8_t *bytes, size_t n) { return copy(const_cast<uint8_t *>(bytes), n); });
+    }
+  }
+  if (result.outcome == staging::Outcome::kIoFailed) return error;
+  if (result.outcome == staging::Outcome::kCopyFailed) {
+    why = result.why;
+    return -1;
+  }
+  return 0;
 }
 
 bool Link::after_send(OutFrame &frame, bool ok) {
@@ -562,8 +699,18 @@ size_t Link::refused_group_count() const {
 void Link::serve_write(Connection &conn, const FrameHeader &header, const wire::Request &req) {
   ResolvedTarget target;
   Status st = resolve_in_group(req, target);
-  const bool ok = st == LLM_SUCCESS ? conn.in.readv(target.iov.data(), target.iov.size())
-                                    : conn.in.discard(header.data_len);
+  bool ok;
+  if (st == LLM_SUCCESS && target.device) {
+    std::string why;
+    if (!receive_staged(conn.in, *target.device, target.iov, header.data_len, ok, why) && ok) {
+      st = llm_datadist::LLM_FAILED;
+      target.why = "copying into device memory on the peer failed: " + why;
+      log_warning("link to cluster " + std::to_string(peer_id_) + ": " + target.why);
+      refuse_group(req.target.group);
+    }
+  } else {
+    ok = st == LLM_SUCCESS ? conn.in.readv(target.iov.data(), target.iov.size()) : conn.in.discard(header.data_len);
+  }
   if (!ok) {
     fail(LLM_LINK_FAILED, "connection closed by the peer");
     return;
@@ -579,6 +726,7 @@ void Link::serve_read(Connection &conn, const FrameHeader &header, const wire::R
     note_read(req);
     out.header.data_len = req.total_bytes;
     out.data = std::move(target.iov);
+    out.device = std::move(target.device);
     out.pin = std::make_shared<std::vector<std::shared_ptr<CacheEntry>>>(std::move(target.pins));
   }
   send_answer(conn, std::move(out));
@@ -611,12 +759,20 @@ void Link::serve_peer_copy(Connection &conn, const FrameHeader &header, const wi
     return;
   }
   if (st == LLM_SUCCESS) {
-    const int error = same_host::copy_pairs(*peer_memory_, host_->copy_pool(), target.iov, req.segments, write);
-    if (error == ESRCH) {
+    std::string why;
+    const int error = target.device
+                          ? peer_copy_staged(*target.device, target.iov, req.segments, write, why)
+                          : same_host::copy_pairs(*peer_memory_, host_->copy_pool(), target.iov, req.segments, write);
+    if (error == -1) {
+      target.why = std::string("copying ") + (write ? "into" : "out of") + " device memory on the peer failed: " + why;
+      log_warning("link to cluster " + std::to_string(peer_id_) + ": " + target.why);
+      st = llm_datadist::LLM_FAILED;
+      refuse_group(req.target.group);
+    } else if (error == ESRCH) {
       fail(LLM_LINK_FAILED, "the peer process is gone");
       return;
     }
-    if (error != 0) {
+    if (error > 0) {
       // The peer's memory changed under the copy: its own operation fails.
       target.why = std::string("the same-host copy failed: ") + std::strerror(error);
       log_warning("link to cluster " + std::to_string(peer_id_) + ": " + target.why);
@@ -651,6 +807,7 @@ void Link::serve_lookup(Connection &conn, const FrameHeader &header, const wire:
 bool Link::take_answer(const FrameHeader &header, std::vector<uint8_t> &body, net::Reader *in) {
   const auto type = static_cast<FrameType>(header.type);
   std::vector<iovec> recv;
+  std::shared_ptr<cuda::Device> device;
   bool known = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -661,7 +818,10 @@ bool Link::take_answer(const FrameHeader &header, std::vector<uint8_t> &body, ne
       known = true;
       if (type == FrameType::kReadData) {
         if (header.status == LLM_SUCCESS && header.data_len != op.recv_bytes) known = false;
-        if (header.status == LLM_SUCCESS) recv = op.recv;
+        if (header.status == LLM_SUCCESS) {
+          recv = op.recv;
+          device = op.device;
+        }
       } else if (type == FrameType::kUnlinkAck) {
         known = op.lookup != nullptr && body.empty();
       } else if (type == FrameType::kLookupReply) {
@@ -677,7 +837,17 @@ bool Link::take_answer(const FrameHeader &header, std::vector<uint8_t> &body, ne
     fail(LLM_LINK_FAILED, "unexpected answer from the peer; closing the link");
     return false;
   }
-  if (!recv.empty() && !in->readv(recv.data(), recv.size())) {
+  if (!recv.empty() && device) {
+    bool io_ok = true;
+    std::string why;
+    if (!receive_staged(*in, *device, recv, header.data_len, io_ok, why) && io_ok) {
+      fail_here(header.op_id, llm_datadist::LLM_FAILED, "copying the data read into device memory failed: " + why);
+    }
+    if (!io_ok) {
+      fail(LLM_LINK_FAILED, "connection closed by the peer");
+      return false;
+    }
+  } else if (!recv.empty() && !in->readv(recv.data(), recv.size())) {
     fail(LLM_LINK_FAILED, "connection closed by the peer");
     return false;
   }

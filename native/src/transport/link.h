@@ -113,11 +113,15 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader {
 
   // Sends the frames of one operation; each settles `result_index` of
   // `request` (one hold per frame is taken here). `pin` stays alive until
-  // every frame has settled.
+  // every frame has settled. `device`: the frames' local memory is that
+  // device's; the peer cannot reach it, so the bytes go on the connections
+  // (never as same-host frames), staged through pinned host buffers by
+  // the writer (a write) or the reader (a read's answer).
   // Frames of a group (their target's `group` is not 0) all take the same
   // connection, so the peer sees them in order.
   void submit(bool write, std::vector<PlannedFrame> frames, const std::shared_ptr<Request> &request,
-              size_t result_index, Clock::time_point deadline, std::shared_ptr<const void> pin);
+              size_t result_index, Clock::time_point deadline, std::shared_ptr<const void> pin,
+              std::shared_ptr<cuda::Device> device = nullptr);
 
   // Asks the peer for the geometry of a cache; blocks up to timeout_ms.
   Status lookup(const wire::Target &target, wire::LookupReply &reply, int timeout_ms);
@@ -160,6 +164,9 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader {
     uint64_t op_id = 0;  // set for frames this end is waiting an answer to
     bool close_after = false;  // the last frame before this end closes
     size_t sent = 0;  // bytes a direct send already put on the socket
+    // Set when `data` are addresses of this device: the writer thread
+    // stages them (never a direct send).
+    std::shared_ptr<cuda::Device> device;
   };
 
   struct Connection {
@@ -193,7 +200,9 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader {
     bool skipped = false;
     Status status = llm_datadist::LLM_SUCCESS;
     wire::FrameType answer_type = wire::FrameType::kWriteAck;  // the only answer it takes
+    std::shared_ptr<cuda::Device> device;  // set when `recv` is memory of this device
     std::string reason;  // the peer's words for a refusal
+    std::string failed_here;  // why this end failed it (a device copy)
     std::shared_ptr<LookupState> lookup;  // set for lookups
   };
 
@@ -207,6 +216,23 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader {
   static std::vector<iovec> frame_bytes(OutFrame &frame);
   // Writes the rest of `frame`, blocking; false once the link must stop writing.
   bool finish(Connection &conn, OutFrame &frame);
+  // finish() for a frame whose data are device memory: each chunk is copied
+  // into a staging buffer, then sent. A copy that fails before the header
+  // left fails the operation (or answers the peer with the failure); after,
+  // a request is padded and failed here, and an answer fails the link.
+  bool finish_staged(Connection &conn, OutFrame &frame);
+  // Reads `bytes` of the stream from `in` into the device ranges `to`;
+  // false (and `why`) when the copy failed, the rest of the bytes then read
+  // and dropped. `io_ok` is false when the connection failed.
+  bool receive_staged(net::Reader &in, const cuda::Device &device, const std::vector<iovec> &to, uint64_t bytes,
+                      bool &io_ok, std::string &why);
+  // A same-host copy between device memory of this end (`device`) and the
+  // peer's segments, staged; returns 0, an errno of the kernel copy, or -1
+  // with `why` when the device copy failed.
+  int peer_copy_staged(const cuda::Device &device, const std::vector<iovec> &mine,
+                       const std::vector<wire::Segment> &theirs, bool from_peer, std::string &why);
+  // Fails an open operation here (its status, unless it has one) with `why`.
+  void fail_here(uint64_t op_id, Status status, std::string why);
   // Settles the sending side of a frame written whole (`ok`) or not; false
   // once the link must stop writing.
   bool after_send(OutFrame &frame, bool ok);

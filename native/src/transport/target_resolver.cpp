@@ -78,6 +78,14 @@ Status resolve_addresses(const Registry &registry, const wire::Request &request,
                 (entry ? "remotely accessible " : "") + "tensor registered on the peer";
       return LLM_PARAM_INVALID;
     }
+    // Staged or not is decided per request: all of it in host memory, or
+    // all of it in memory of the one device.
+    if (i > 0 && entry->device != out.device) {
+      out.why = "address range " + std::to_string(i) + " is in " + (entry->device ? "device" : "host") +
+                " memory and an earlier one of the same request is not: one request names one kind of memory";
+      return LLM_PARAM_INVALID;
+    }
+    out.device = entry->device;
     if (out.pins.empty() || out.pins.back() != entry) out.pins.push_back(entry);
     iov.push_back({reinterpret_cast<void *>(static_cast<uintptr_t>(r.offset)), r.length});
   }
@@ -103,10 +111,6 @@ Status resolve_request(const Registry &registry, const wire::Request &request, R
   if (!entry.remote_accessible) {
     out.why = describe(t) + " is not remotely accessible (registered with remote_accessible=False)";
     return LLM_PARAM_INVALID;
-  }
-  if (entry.device) {
-    out.why = describe(t) + " is in CUDA device memory, which this engine does not serve to peers yet";
-    return llm_datadist::LLM_FEATURE_NOT_ENABLED;
   }
   if (t.expected_slot_size != 0 && t.expected_slot_size != g.slot_size) {
     out.why = "the block size differs: " + std::to_string(t.expected_slot_size) + " bytes here, " +
@@ -147,6 +151,7 @@ Status resolve_request(const Registry &registry, const wire::Request &request, R
   }
   out.iov = std::move(iov);
   out.pins.push_back(out.entry);
+  out.device = entry.device;
   return LLM_SUCCESS;
 }
 

@@ -21,6 +21,9 @@ struct ResolvedTarget {
   std::vector<iovec> iov;             // one per range, in order
   std::vector<std::shared_ptr<CacheEntry>> pins;  // keep the memory alive while bytes move
   std::string why;  // a refusal's reason, for the initiator
+  // Set when `iov` are addresses of this device (the host never touches
+  // them): their bytes move through staging buffers.
+  std::shared_ptr<cuda::Device> device;
 };
 
 // Finds the cache a target names (LLM_KV_CACHE_NOT_EXIST if none).

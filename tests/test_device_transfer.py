@@ -1,0 +1,405 @@
+"""Transfers of DEVICE caches between two engines, on the CUDA driver
+stand-in (tests/cuda_standin): every operation (push and pull of caches and
+of blocks, layer ranges, transfer_cache_async) between every mix of host and
+device memory, over TCP links and over same-host links.
+
+The stand-in maps device memory without host access, so a host read or
+write of a device address kills the process: a transfer that completes here
+moved its device bytes through staging buffers. The bytes that arrived are
+checked by reading device memory back with the stand-in's cuMemcpyDtoH, and
+once through swap_blocks into a HOST cache.
+
+Each test runs an owner and an initiator, each in a spawned process of its
+own (the driver is loaded once per process), talking over a Pipe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import multiprocessing.resource_tracker
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from cuda_standin.build import build  # noqa: E402
+from test_device_memory import Cuda  # noqa: E402
+
+TIMEOUT_S = 60
+multiprocessing.resource_tracker.ensure_running()
+
+OWNER, INITIATOR = 7, 5
+MODEL = {"host": 1, "device": 2}  # the owner's blocks caches, by placement
+LAYERS, PER_LAYER = 2, 2
+TENSORS = LAYERS * PER_LAYER
+# Blocks of 96 KiB and slots of 1.5 MiB: operations of several staging
+# chunks (1 MiB), whose edges fall inside blocks.
+BLOCKS, BLOCK = 24, 96 << 10
+SLOTS, SLOT = 2, 3 << 19
+MIXES = [("host", "device"), ("device", "host"), ("device", "device")]  # (initiator's, owner's)
+
+
+@pytest.fixture(scope="module")
+def standin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build(tmp_path_factory.mktemp("cuda-standin"))
+
+
+# -- processes -----------------------------------------------------------------------------------
+
+
+def run_pair(driver: Path, owner: Callable[..., None], initiator: Callable[..., None], *args: Any,
+             owner_killed: bool = False) -> None:
+    """Runs ``owner(conn, *args)`` and ``initiator(conn, *args)`` in two spawned
+    processes joined by a Pipe; fails with a child's traceback, or if either
+    dies (the owner may, with ``owner_killed``) or outlives TIMEOUT_S. Both
+    are gone when this returns."""
+    ctx = multiprocessing.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    env = {"DATADIST_AIO_CUDA_DRIVER": str(driver), "STANDIN_CUDA_DEVICES": "1"}
+    children = []
+    for scenario, end in ((owner, mine), (initiator, theirs)):
+        report, child = ctx.Pipe(duplex=False)
+        process = ctx.Process(target=_child, args=(child, env, scenario, (end, *args)))
+        process.start()
+        child.close()
+        children.append((scenario.__name__, process, report))
+    mine.close()
+    theirs.close()
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        for name, process, report in reversed(children):
+            if not report.poll(max(0.0, deadline - time.monotonic())):
+                pytest.fail(f"{name} did not finish within {TIMEOUT_S} s")
+            try:
+                outcome = report.recv()
+            except EOFError:
+                process.join(10)
+                if owner_killed and name == owner.__name__ and process.exitcode == -signal.SIGKILL:
+                    continue
+                pytest.fail(f"{name}: the process died (exit code {process.exitcode})")
+            if outcome != "ok":
+                pytest.fail(f"{name} failed in its process:\n{outcome}")
+    finally:
+        for _, process, report in children:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+                process.join(10)
+            process.close()
+            report.close()
+
+
+def _child(report: Any, env: dict[str, str], scenario: Callable[..., None], args: tuple[Any, ...]) -> None:
+    os.environ.update(env)
+    try:
+        scenario(*args)
+        report.send("ok")
+    except BaseException:  # noqa: BLE001 - reported to the test
+        report.send(traceback.format_exc())
+    finally:
+        report.close()
+
+
+def _recv(conn: Any) -> Any:
+    assert conn.poll(TIMEOUT_S), "the other process said nothing in time"
+    return conn.recv()
+
+
+# -- both sides ----------------------------------------------------------------------------------
+
+
+def _engine(role: Any, cluster_id: int, transport: str, listen: bool) -> Any:
+    import datadist_aio as dd
+    from peer import pool_cfg
+
+    config = dd.LLMConfig()
+    config.enable_cache_manager = True
+    config.enable_remote_cache_accessible = True
+    config.host_mem_pool_cfg = pool_cfg(64 << 20)
+    config.transport = transport
+    config.sync_kv_timeout = 10000
+    if listen:
+        config.listen_ip_info = "127.0.0.1:0"
+    datadist = dd.LLMDataDist(role, cluster_id)
+    datadist.init(config.generate_options())
+    return datadist
+
+
+def _desc(placement: str, blocks: bool) -> Any:
+    import datadist_aio as dd
+
+    where = dd.Placement.DEVICE if placement == "device" else dd.Placement.HOST
+    shape = [BLOCKS, BLOCK] if blocks else [SLOTS, SLOT]
+    return dd.CacheDesc(TENSORS, shape, dd.DataType.DT_UINT8, where)
+
+
+def _pattern(seed: int, size: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(TENSORS)]
+
+
+class Caches:
+    """One side's caches: a blocks cache and a slots cache per placement."""
+
+    def __init__(self, cm: Any, cuda: Any, bind_blocks: bool) -> None:
+        import datadist_aio as dd
+
+        self.cm, self.cuda = cm, cuda
+        self.caches: dict[str, Any] = {}
+        for placement in ("host", "device"):
+            key = dd.BlocksCacheKey(OWNER, MODEL[placement]) if bind_blocks else None
+            self.caches[f"blocks-{placement}"] = cm.allocate_blocks_cache(_desc(placement, True), key)
+            self.caches[f"slots-{placement}"] = cm.allocate_cache(_desc(placement, False))
+
+    def fill(self, name: str, seed: int) -> list[np.ndarray]:
+        cache = self.caches[name]
+        data = _pattern(seed, cache.cache_desc.size)
+        for t, addr in enumerate(cache.tensor_addrs):
+            if name.endswith("device"):
+                self.cuda.write(addr, data[t])
+            else:
+                cache.as_numpy(t).reshape(-1)[:] = data[t]
+        return data
+
+    def read(self, name: str) -> list[np.ndarray]:
+        cache = self.caches[name]
+        if name.endswith("device"):
+            return [self.cuda.read(addr, cache.cache_desc.size) for addr in cache.tensor_addrs]
+        return [cache.as_numpy(t).reshape(-1).copy() for t in range(TENSORS)]
+
+    def free(self) -> None:
+        for name, cache in self.caches.items():
+            if name.startswith("blocks"):
+                self.cm.deallocate_blocks_cache(cache)
+            else:
+                self.cm.deallocate_cache(cache)
+
+
+def owner_serves(conn: Any, transport: str) -> None:
+    """Holds caches in host and device memory; fills and reads them when asked."""
+    import datadist_aio as dd
+
+    cuda = Cuda()
+    datadist = _engine(dd.LLMRole.PROMPT, OWNER, transport, listen=True)
+    caches = Caches(datadist.cache_manager, cuda, bind_blocks=True)
+    conn.send((datadist.listen_port, {name: cache.cache_id for name, cache in caches.caches.items()}))
+    while True:
+        command, *args = _recv(conn)
+        if command == "fill":
+            caches.fill(*args)
+            conn.send("filled")
+        elif command == "read":
+            conn.send(caches.read(*args))
+        elif command == "transport":
+            conn.send(datadist.link_transport(INITIATOR))
+        else:
+            break
+    caches.free()
+    datadist.finalize()
+
+
+class Remote:
+    """The owner, as the initiator drives it; keeps what its caches should hold."""
+
+    def __init__(self, conn: Any, ids: dict[str, int]) -> None:
+        self.conn, self.ids = conn, ids
+        self.expect: dict[str, list[np.ndarray]] = {}
+
+    def fill(self, name: str, seed: int) -> None:
+        self.conn.send(("fill", name, seed))
+        assert _recv(self.conn) == "filled"
+        self.expect[name] = _pattern(seed, BLOCKS * BLOCK if name.startswith("blocks") else SLOTS * SLOT)
+
+    def check(self, name: str, what: str) -> None:
+        self.conn.send(("read", name))
+        got = _recv(self.conn)
+        for t in range(TENSORS):
+            np.testing.assert_array_equal(got[t], self.expect[name][t], err_msg=f"{what}: the owner's tensor {t}")
+
+
+def _check_local(got: list[np.ndarray], expect: list[np.ndarray], what: str) -> None:
+    for t in range(TENSORS):
+        np.testing.assert_array_equal(got[t], expect[t], err_msg=f"{what}: tensor {t}")
+
+
+def _blocks(data: np.ndarray) -> np.ndarray:
+    return data.reshape(BLOCKS, BLOCK)
+
+
+def _slots(data: np.ndarray) -> np.ndarray:
+    return data.reshape(SLOTS, SLOT)
+
+
+def initiator_moves_everything(conn: Any, transport: str) -> None:
+    import datadist_aio as dd
+    from peer import cluster_info
+
+    class Released(dd.LayerSynchronizer):
+        def synchronize_layer(self, layer_index: int, timeout_in_millis: Any) -> bool:
+            return True
+
+    code = dd.LLMStatusCode
+    cuda = Cuda()
+    port, ids = _recv(conn)
+    datadist = _engine(dd.LLMRole.DECODER, INITIATOR, transport, listen=False)
+    cm = datadist.cache_manager
+    status, statuses = datadist.link_clusters([cluster_info(OWNER, port)], 10000)
+    assert status == code.LLM_SUCCESS and statuses == [code.LLM_SUCCESS], (status, statuses)
+    expected_path = "tcp" if transport == "tcp" else "same_host"
+    assert datadist.link_transport(OWNER) == expected_path
+    local = Caches(cm, cuda, bind_blocks=False)
+    remote = Remote(conn, ids)
+    seed = 100
+    src_blocks, dst_blocks = [0, 1, 2, 3, 9, 10, 23], [5, 6, 7, 8, 0, 22, 11]
+    for mine, theirs in MIXES:
+        what = f"{transport}, initiator {mine}, owner {theirs}"
+        lb, rb, ls, rs = f"blocks-{mine}", f"blocks-{theirs}", f"slots-{mine}", f"slots-{theirs}"
+        blocks_key = dd.BlocksCacheKey(OWNER, MODEL[theirs])
+
+        # push_blocks: every layer, then one layer into another.
+        sent = local.fill(lb, seed := seed + 1)
+        remote.fill(rb, seed := seed + 1)
+        cm.push_blocks(blocks_key, local.caches[lb], src_blocks, dst_blocks)
+        for t in range(TENSORS):
+            _blocks(remote.expect[rb][t])[dst_blocks] = _blocks(sent[t])[src_blocks]
+        remote.check(rb, f"push_blocks ({what})")
+        cm.push_blocks(blocks_key, local.caches[lb], [4], [12], src_layer_range=range(1, 2), dst_layer_range=range(0, 1))
+        for t in range(PER_LAYER):
+            _blocks(remote.expect[rb][t])[12] = _blocks(sent[PER_LAYER + t])[4]
+        remote.check(rb, f"push_blocks of layer 1 into layer 0 ({what})")
+
+        # pull_blocks.
+        before = local.fill(lb, seed := seed + 1)
+        remote.fill(rb, seed := seed + 1)
+        cm.pull_blocks(blocks_key, local.caches[lb], src_blocks, dst_blocks)
+        for t in range(TENSORS):
+            _blocks(before[t])[dst_blocks] = _blocks(remote.expect[rb][t])[src_blocks]
+        _check_local(local.read(lb), before, f"pull_blocks ({what})")
+
+        # push_cache (slot 0 into the owner's slot 1), pull_cache (its slot 0 into slot 1 here).
+        slots_key = dd.CacheKeyByIdAndIndex(OWNER, ids[rs], 1)
+        sent = local.fill(ls, seed := seed + 1)
+        remote.fill(rs, seed := seed + 1)
+        cm.push_cache(slots_key, local.caches[ls], 0)
+        for t in range(TENSORS):
+            _slots(remote.expect[rs][t])[1] = _slots(sent[t])[0]
+        remote.check(rs, f"push_cache ({what})")
+        before = local.read(ls)
+        cm.pull_cache(dd.CacheKeyByIdAndIndex(OWNER, ids[rs], 0), local.caches[ls], 1)
+        for t in range(TENSORS):
+            _slots(before[t])[1] = _slots(remote.expect[rs][t])[0]
+        _check_local(local.read(ls), before, f"pull_cache ({what})")
+
+        # transfer_cache_async: layer by layer, slot 1 here into the owner's slot 0, layers swapped.
+        sent = local.fill(ls, seed := seed + 1)
+        remote.fill(rs, seed := seed + 1)
+        config = dd.TransferWithCacheKeyConfig(dd.CacheKeyByIdAndIndex(OWNER, ids[rs], 0), range(0, 1), range(1, 2), 1)
+
+        async def layer_wise() -> Any:
+            return await cm.transfer_cache_async(local.caches[ls], Released(), [config])
+
+        assert asyncio.run(layer_wise()) == [code.LLM_SUCCESS]
+        for t in range(PER_LAYER):
+            _slots(remote.expect[rs][PER_LAYER + t])[0] = _slots(sent[t])[1]
+        remote.check(rs, f"transfer_cache_async ({what})")
+
+        # A range the owner does not have: refused by the owner, nothing written on either side.
+        remote.fill(rb, seed := seed + 1)
+        with pytest.raises(dd.LLMException) as refused:
+            cm.push_blocks(blocks_key, local.caches[lb], [0, 1], [2, BLOCKS])
+        assert refused.value.status_code is code.LLM_PARAM_INVALID, refused.value
+        remote.check(rb, f"a refused push_blocks ({what})")
+        before = local.fill(lb, seed := seed + 1)
+        with pytest.raises(dd.LLMException) as refused:
+            cm.pull_blocks(blocks_key, local.caches[lb], [1, BLOCKS + 5], [0, 1])
+        assert refused.value.status_code is code.LLM_PARAM_INVALID, refused.value
+        _check_local(local.read(lb), before, f"a refused pull_blocks ({what})")
+
+    # Device memory read back through a HOST cache too (swap_blocks), as a user would.
+    back = cm.allocate_blocks_cache(_desc("host", True))
+    cm.swap_blocks(local.caches["blocks-device"], back, {i: i for i in range(BLOCKS)})
+    _check_local([back.as_numpy(t).reshape(-1) for t in range(TENSORS)], local.read("blocks-device"), "swap_blocks")
+    cm.deallocate_blocks_cache(back)
+    conn.send(("transport",))
+    assert _recv(conn) == expected_path
+    conn.send(("quit",))
+    local.free()
+    datadist.finalize()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "auto"])
+def test_every_operation_between_host_and_device_caches(standin: Path, transport: str) -> None:
+    run_pair(standin, owner_serves, initiator_moves_everything, transport)
+
+
+# -- a peer that dies mid-transfer -------------------------------------------------------------------
+
+
+def owner_dies(conn: Any, transport: str) -> None:
+    """Serves device caches until it is killed by the test."""
+    import datadist_aio as dd
+
+    datadist = _engine(dd.LLMRole.PROMPT, OWNER, transport, listen=True)
+    big = dd.CacheDesc(TENSORS, [16, 1 << 20], dd.DataType.DT_UINT8, dd.Placement.DEVICE)
+    cache = datadist.cache_manager.allocate_blocks_cache(big, dd.BlocksCacheKey(OWNER, MODEL["device"]))
+    conn.send((datadist.listen_port, os.getpid(), cache.cache_id))
+    _recv(conn)  # never answered: the test kills this process
+    raise AssertionError("the owner was not killed")
+
+
+def initiator_outlives(conn: Any, transport: str) -> None:
+    import datadist_aio as dd
+    from peer import cluster_info
+
+    code = dd.LLMStatusCode
+    port, pid, _ = _recv(conn)
+    datadist = _engine(dd.LLMRole.DECODER, INITIATOR, transport, listen=False)
+    cm = datadist.cache_manager
+    status, _ = datadist.link_clusters([cluster_info(OWNER, port)], 10000)
+    assert status == code.LLM_SUCCESS
+    big = dd.CacheDesc(TENSORS, [16, 1 << 20], dd.DataType.DT_UINT8, dd.Placement.DEVICE)
+    cache = cm.allocate_blocks_cache(big)
+    key = dd.BlocksCacheKey(OWNER, MODEL["device"])
+    every = list(range(16))
+
+    async def until_it_fails() -> BaseException:
+        started = time.monotonic()
+        killed = False
+        while time.monotonic() - started < 30:
+            tasks = [cm.push_blocks_async(key, cache, every, every), cm.pull_blocks_async(key, cache, every, every)]
+            if not killed:
+                await asyncio.sleep(0.02)  # bytes are moving both ways
+                os.kill(pid, signal.SIGKILL)
+                killed = True
+            for task in tasks:
+                try:
+                    await asyncio.wait_for(task, 20)
+                except dd.LLMException as e:
+                    return e
+        raise AssertionError("no transfer failed after the owner was killed")
+
+    began = time.monotonic()
+    try:
+        error = asyncio.run(until_it_fails())
+    except dd.LLMException as e:  # a call refused at once (the link is already down)
+        error = e
+    assert isinstance(error, dd.LLMException), error
+    assert error.status_code in (code.LLM_LINK_FAILED, code.LLM_TIMEOUT, code.LLM_NOT_YET_LINK), error
+    assert time.monotonic() - began < 25
+    cm.deallocate_blocks_cache(cache)
+    datadist.finalize()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "auto"])
+def test_a_peer_killed_mid_transfer_fails_the_transfer(standin: Path, transport: str) -> None:
+    run_pair(standin, owner_dies, initiator_outlives, transport, owner_killed=True)
