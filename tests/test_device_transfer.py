@@ -403,3 +403,97 @@ def initiator_outlives(conn: Any, transport: str) -> None:
 @pytest.mark.parametrize("transport", ["tcp", "auto"])
 def test_a_peer_killed_mid_transfer_fails_the_transfer(standin: Path, transport: str) -> None:
     run_pair(standin, owner_dies, initiator_outlives, transport, owner_killed=True)
+
+
+# -- the driver fails mid-copy -------------------------------------------------------------------------
+
+
+def _broken_cache(cm: Any, cuda: Any, key: Any = None) -> tuple[Any, list[int]]:
+    """A device blocks cache registered on the test's own allocations, whose
+    third tensor's memory is then freed: every copy touching it fails in the
+    driver (CUDA_ERROR_INVALID_VALUE) while the others still work."""
+    addrs = [cuda.alloc(BLOCKS * BLOCK) for _ in range(TENSORS)]
+    cache = cm.register_blocks_cache(_desc("device", True), addrs, key)
+    return cache, addrs
+
+
+def owner_breaks(conn: Any, transport: str) -> None:
+    import datadist_aio as dd
+
+    cuda = Cuda()
+    datadist = _engine(dd.LLMRole.PROMPT, OWNER, transport, listen=True)
+    cm = datadist.cache_manager
+    good = cm.allocate_blocks_cache(_desc("device", True), dd.BlocksCacheKey(OWNER, MODEL["device"]))
+    broken, addrs = _broken_cache(cm, cuda, dd.BlocksCacheKey(OWNER, 3))
+    conn.send(datadist.listen_port)
+    assert _recv(conn) == "break"
+    cuda.free(addrs[2])
+    conn.send("broken")
+    assert _recv(conn) == "quit"
+    cm.unregister_cache(broken.cache_id)
+    cm.deallocate_blocks_cache(good)
+    datadist.finalize()
+    for addr in addrs[:2] + addrs[3:]:
+        cuda.free(addr)
+
+
+def initiator_meets_driver_failures(conn: Any, transport: str) -> None:
+    import datadist_aio as dd
+    from peer import cluster_info
+
+    code = dd.LLMStatusCode
+    cuda = Cuda()
+    port = _recv(conn)
+    datadist = _engine(dd.LLMRole.DECODER, INITIATOR, transport, listen=False)
+    cm = datadist.cache_manager
+    status, _ = datadist.link_clusters([cluster_info(OWNER, port)], 10000)
+    assert status == code.LLM_SUCCESS
+    good = cm.allocate_blocks_cache(_desc("device", True))
+    host = cm.allocate_blocks_cache(_desc("host", True))
+    broken, addrs = _broken_cache(cm, cuda)
+    cuda.free(addrs[2])
+    good_key, broken_key = dd.BlocksCacheKey(OWNER, MODEL["device"]), dd.BlocksCacheKey(OWNER, 3)
+    every = list(range(BLOCKS))
+
+    def fails(words: str, call: Callable[[], Any], *codes: Any) -> None:
+        with pytest.raises(dd.LLMException) as failed:
+            call()
+        assert failed.value.status_code in (codes or (code.LLM_FAILED,)), failed.value
+        if failed.value.status_code is code.LLM_FAILED:
+            assert words in str(failed.value), failed.value
+
+    def still_linked() -> None:
+        cm.push_blocks(good_key, good, every, every)
+        cm.pull_blocks(good_key, good, every, every)
+
+    # Device memory of the initiator: the copy out (a push, failing after
+    # its first tensors left) and the copy in (a pull) fail here.
+    fails("cuMemcpyDtoHAsync", lambda: cm.push_blocks(good_key, broken, every, every))
+    fails("cuMemcpyHtoDAsync", lambda: cm.pull_blocks(good_key, broken, every, every))
+    still_linked()
+    # Device memory of the owner.
+    conn.send("break")
+    assert _recv(conn) == "broken"
+    fails("device memory on the peer failed", lambda: cm.push_blocks(broken_key, good, every, every))
+    fails("device memory on the peer failed", lambda: cm.push_blocks(broken_key, host, every, every))
+    # Its failing tensor first: the owner answers with the failure before any byte.
+    fails("device memory on the peer failed",
+          lambda: cm.pull_blocks(broken_key, good, every, every, src_layer_range=range(1, 2), dst_layer_range=range(1, 2)))
+    fails("device memory on the peer failed",
+          lambda: cm.pull_blocks(broken_key, host, every, every, src_layer_range=range(1, 2), dst_layer_range=range(1, 2)))
+    still_linked()
+    # Every layer: the failing tensor comes after others whose bytes have
+    # left under a success status, so the owner fails the link instead.
+    fails("", lambda: cm.pull_blocks(broken_key, good, every, every), code.LLM_LINK_FAILED)
+    conn.send("quit")
+    cm.unregister_cache(broken.cache_id)
+    cm.deallocate_blocks_cache(good)
+    cm.deallocate_blocks_cache(host)
+    datadist.finalize()
+    for addr in addrs[:2] + addrs[3:]:
+        cuda.free(addr)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "auto"])
+def test_a_driver_failure_mid_copy_fails_the_operation(standin: Path, transport: str) -> None:
+    run_pair(standin, owner_breaks, initiator_meets_driver_failures, transport)

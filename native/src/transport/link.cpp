@@ -447,7 +447,8 @@ bool Link::finish_staged(Connection &conn, OutFrame &frame) {
       fail(LLM_LINK_FAILED, why + ", after part of a read's data was sent");
       return false;
     }
-    OutFrame failed = answer(FrameType::kReadData, frame.header.op_id, llm_datadist::LLM_FAILED, why);
+    OutFrame failed = answer(FrameType::kReadData, frame.header.op_id, llm_datadist::LLM_FAILED,
+                             "copying out of device memory on the peer failed: " + result.why);
     std::vector<iovec> iov = frame_bytes(failed);
     return after_send(failed, net::writev_full(conn.fd, iov.data(), iov.size()));
   }
