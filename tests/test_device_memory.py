@@ -253,7 +253,8 @@ def scenario_a_raw_peer_reads_and_writes_a_device_cache() -> None:
     import socket
 
     import datadist_aio as dd
-    from wire_frames import BY_ID, HELLO, HELLO_T, READ_DATA_T, READ_T, WRITE_ACK_T, WRITE_T, frame, recv_frame, request
+    from wire_frames import (BY_ID, HELLO, HELLO_T, RAW_ADDRESS, READ_DATA_T, READ_T, WRITE_ACK_T, WRITE_T, frame,
+                             recv_frame, request)
 
     code = dd.LLMStatusCode
     cuda = Cuda()
@@ -272,6 +273,8 @@ def scenario_a_raw_peer_reads_and_writes_a_device_cache() -> None:
     owner = dd.LLMDataDist(dd.LLMRole.PROMPT, 7)
     owner.init(config.generate_options())
     cache = owner.cache_manager.allocate_blocks_cache(_desc(dd.Placement.DEVICE))
+    host = [np.zeros(BLOCKS * BLOCK, np.uint8) for _ in range(2)]
+    host_cache = owner.cache_manager.register_blocks_cache(_desc(dd.Placement.HOST), [a.ctypes.data for a in host])
     data = np.random.default_rng(5).integers(0, 256, BLOCKS * BLOCK, dtype=np.uint8)
     cuda.write(cache.tensor_addrs[1], data)
     with socket.create_connection(("127.0.0.1", owner.listen_port), timeout=10) as sock:
@@ -294,6 +297,17 @@ def scenario_a_raw_peer_reads_and_writes_a_device_cache() -> None:
         kind, status, op_id, body, _ = recv_frame(sock)
         assert (kind, status, op_id) == (WRITE_ACK_T, code.LLM_PARAM_INVALID.value, 7) and b"ends past" in body, body
         assert not cuda.read(cache.tensor_addrs[0] + 7 * BLOCK, BLOCK).any()
+        # Raw addresses: in a device tensor, staged; a request mixing host and device memory, refused whole.
+        device_at = cache.tensor_addrs[0] + 3 * BLOCK
+        sock.sendall(frame(WRITE_T, request([(0, 0, device_at, BLOCK)], kind=RAW_ADDRESS), new, op_id=8))
+        assert recv_frame(sock)[:3] == (WRITE_ACK_T, 0, 8)
+        assert cuda.read(device_at, BLOCK).tobytes() == new
+        mixed = request([(0, 0, host_cache.tensor_addrs[0], BLOCK), (0, 0, device_at + BLOCK, BLOCK)], kind=RAW_ADDRESS)
+        sock.sendall(frame(WRITE_T, mixed, new * 2, op_id=9))
+        kind, status, op_id, body, _ = recv_frame(sock)
+        assert (kind, status, op_id) == (WRITE_ACK_T, code.LLM_PARAM_INVALID.value, 9) and b"one kind of memory" in body
+        assert not host[0].any() and not cuda.read(device_at + BLOCK, BLOCK).any()
+    owner.cache_manager.unregister_cache(host_cache.cache_id)
     owner.finalize()
 
 

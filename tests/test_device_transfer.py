@@ -118,13 +118,13 @@ def _recv(conn: Any) -> Any:
 # -- both sides ----------------------------------------------------------------------------------
 
 
-def _engine(role: Any, cluster_id: int, transport: str, listen: bool) -> Any:
+def _engine(role: Any, cluster_id: int, transport: str, listen: bool, rca: bool = True) -> Any:
     import datadist_aio as dd
     from peer import pool_cfg
 
     config = dd.LLMConfig()
     config.enable_cache_manager = True
-    config.enable_remote_cache_accessible = True
+    config.enable_remote_cache_accessible = rca
     config.host_mem_pool_cfg = pool_cfg(64 << 20)
     config.transport = transport
     config.sync_kv_timeout = 10000
@@ -192,7 +192,11 @@ def owner_serves(conn: Any, transport: str) -> None:
     cuda = Cuda()
     datadist = _engine(dd.LLMRole.PROMPT, OWNER, transport, listen=True)
     caches = Caches(datadist.cache_manager, cuda, bind_blocks=True)
-    conn.send((datadist.listen_port, {name: cache.cache_id for name, cache in caches.caches.items()}))
+    conn.send((
+        datadist.listen_port,
+        {name: cache.cache_id for name, cache in caches.caches.items()},
+        {name: cache.tensor_addrs for name, cache in caches.caches.items()},
+    ))
     while True:
         command, *args = _recv(conn)
         if command == "fill":
@@ -250,7 +254,7 @@ def initiator_moves_everything(conn: Any, transport: str) -> None:
 
     code = dd.LLMStatusCode
     cuda = Cuda()
-    port, ids = _recv(conn)
+    port, ids, _ = _recv(conn)
     datadist = _engine(dd.LLMRole.DECODER, INITIATOR, transport, listen=False)
     cm = datadist.cache_manager
     status, statuses = datadist.link_clusters([cluster_info(OWNER, port)], 10000)
@@ -285,6 +289,16 @@ def initiator_moves_everything(conn: Any, transport: str) -> None:
         for t in range(TENSORS):
             _blocks(before[t])[dst_blocks] = _blocks(remote.expect[rb][t])[src_blocks]
         _check_local(local.read(lb), before, f"pull_blocks ({what})")
+
+        # pull_block_ranges: a whole block, and a strided row (a slice of every "token").
+        rows = [(0, 0, 1, 0, BLOCK, 1, 0, 0), (3, 100, 7, 50, 1000, 20, 4000, 4096)]
+        cm.pull_block_ranges(blocks_key, local.caches[lb], rows)
+        for t in range(TENSORS):
+            theirs_t, mine_t = _blocks(remote.expect[rb][t]), _blocks(before[t])
+            mine_t[1] = theirs_t[0]
+            for j in range(20):
+                mine_t[7, 50 + j * 4096:50 + j * 4096 + 1000] = theirs_t[3, 100 + j * 4000:100 + j * 4000 + 1000]
+        _check_local(local.read(lb), before, f"pull_block_ranges ({what})")
 
         # push_cache (slot 0 into the owner's slot 1), pull_cache (its slot 0 into slot 1 here).
         slots_key = dd.CacheKeyByIdAndIndex(OWNER, ids[rs], 1)
@@ -340,6 +354,62 @@ def initiator_moves_everything(conn: Any, transport: str) -> None:
 @pytest.mark.parametrize("transport", ["tcp", "auto"])
 def test_every_operation_between_host_and_device_caches(standin: Path, transport: str) -> None:
     run_pair(standin, owner_serves, initiator_moves_everything, transport)
+
+
+def initiator_sends_layers_to_addresses(conn: Any, transport: str) -> None:
+    """transfer_cache_async with TransferConfig: the owner's raw tensor
+    addresses, device or host, which it accepts only inside its own tensors."""
+    import datadist_aio as dd
+    from peer import cluster_info
+
+    class Released(dd.LayerSynchronizer):
+        async def synchronize_layer(self, layer_index: int, timeout_in_millis: Any) -> bool:
+            return True
+
+    code = dd.LLMStatusCode
+    cuda = Cuda()
+    port, _, addrs = _recv(conn)
+    datadist = _engine(dd.LLMRole.DECODER, INITIATOR, transport, listen=False, rca=False)
+    cm = datadist.cache_manager
+    status, _ = datadist.link_clusters([cluster_info(OWNER, port)], 10000)
+    assert status == code.LLM_SUCCESS
+    local = Caches(cm, cuda, bind_blocks=False)
+    remote = Remote(conn, {})
+    seed = 500
+    for mine, theirs in MIXES:
+        what = f"{transport}, initiator {mine}, owner {theirs}"
+        ls, rs = f"slots-{mine}", f"slots-{theirs}"
+        sent = local.fill(ls, seed := seed + 1)
+        remote.fill(rs, seed := seed + 1)
+        # Source layer 1 (slot 0) into the owner's layer 0, slot 1; source layer 0 (slot 1) into layer 1, slot 0.
+        to_slot1 = [addrs[rs][i] + SLOT for i in range(PER_LAYER)]
+        to_slot0 = [addrs[rs][PER_LAYER + i] for i in range(PER_LAYER)]
+        configs = [dd.TransferConfig(OWNER, to_slot1, range(1, 2), 0), dd.TransferConfig(OWNER, to_slot0, range(0, 1), 1)]
+
+        async def layer_wise() -> Any:
+            return await cm.transfer_cache_async(local.caches[ls], Released(), configs)
+
+        assert asyncio.run(layer_wise()) == [code.LLM_SUCCESS, code.LLM_SUCCESS]
+        for i in range(PER_LAYER):
+            _slots(remote.expect[rs][i])[1] = _slots(sent[PER_LAYER + i])[0]
+            _slots(remote.expect[rs][PER_LAYER + i])[0] = _slots(sent[i])[1]
+        remote.check(rs, f"transfer_cache_async to addresses ({what})")
+        # One byte past the owner's tensor: refused, nothing written.
+        remote.fill(rs, seed := seed + 1)
+        bad = [addrs[rs][0] + SLOT + 1, addrs[rs][1]]
+        configs = [dd.TransferConfig(OWNER, bad, range(0, 1), 1)]
+        with pytest.raises(dd.LLMException) as refused:
+            asyncio.run(layer_wise())
+        assert refused.value.status_code is code.LLM_PARAM_INVALID and "not inside one tensor" in str(refused.value)
+        remote.check(rs, f"a refused transfer to addresses ({what})")
+    conn.send(("quit",))
+    local.free()
+    datadist.finalize()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "auto"])
+def test_layer_wise_transfers_to_device_addresses(standin: Path, transport: str) -> None:
+    run_pair(standin, owner_serves, initiator_sends_layers_to_addresses, transport)
 
 
 # -- a peer that dies mid-transfer -------------------------------------------------------------------

@@ -85,7 +85,8 @@ std::shared_ptr<CacheEntry> Registry::find_by_address(uintptr_t addr, uint64_t l
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto &entry : by_id_) {
     const uint64_t size = entry.second->geometry.tensor_size;
-    if (entry.second->device) continue;  // device addresses are another address space
+    // Device caches too: with CUDA's unified addressing (every 64-bit
+    // platform the driver supports) no device range overlaps a host one.
     for (uint8_t *base : entry.second->addrs) {
       const auto start = reinterpret_cast<uintptr_t>(base);
       if (addr >= start && end <= start + size) return entry.second;
