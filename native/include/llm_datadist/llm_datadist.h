@@ -159,7 +159,8 @@ class LlmDataDist {
   Status RegisterKvCache(const CacheDesc &cache_desc, const std::vector<uint64_t> &addrs, const RegisterCfg &cfg,
                          int64_t &cache_id);
   Status UnregisterKvCache(int64_t cache_id);
-  // Allocates from the host pool (OPTION_HOST_MEM_POOL_CFG); kHost only.
+  // Allocates from the host pool (OPTION_HOST_MEM_POOL_CFG) for kHost, in
+  // CUDA device memory of OPTION_DEVICE_ID for kDevice.
   Status AllocateCache(const CacheDesc &cache_desc, Cache &cache);
   Status DeallocateCache(int64_t cache_id);
 
