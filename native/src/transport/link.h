@@ -65,7 +65,9 @@ struct LinkPaths {
   // This end offered the same-host path (the peer may reach its memory).
   bool offered = false;
   // The peer reaches this end's memory: operations started here go as
-  // same-host frames, the peer copying their bytes.
+  // same-host frames, the peer copying their bytes (all but those whose
+  // local memory is on a device, which no kernel copy reaches: they go
+  // inline on the connections).
   bool peer_copies = false;
   // Set when this end reaches the peer's memory: it serves the peer's
   // same-host frames with kernel copies. `announce`: the peer does not know
@@ -108,7 +110,8 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader {
   bool initiated_here() const { return initiated_here_; }
   bool is_down() const { return down_.load(std::memory_order_acquire); }
   // How operations started here move their bytes: "same_host" (the peer
-  // copies them with one kernel call) or "tcp".
+  // copies them with one kernel call; an operation on device memory of
+  // this end still goes inline) or "tcp".
   const char *transport() const { return peer_copies_.load(std::memory_order_acquire) ? "same_host" : "tcp"; }
 
   // Sends the frames of one operation; each settles `result_index` of
