@@ -24,7 +24,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 import pytest
@@ -58,11 +58,11 @@ def standin(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run_pair(driver: Path, owner: Callable[..., None], initiator: Callable[..., None], *args: Any,
-             owner_killed: bool = False) -> None:
+             killed: Optional[Callable[..., None]] = None) -> None:
     """Runs ``owner(conn, *args)`` and ``initiator(conn, *args)`` in two spawned
     processes joined by a Pipe; fails with a child's traceback, or if either
-    dies (the owner may, with ``owner_killed``) or outlives TIMEOUT_S. Both
-    are gone when this returns."""
+    dies (but ``killed``, which must end by SIGKILL) or outlives TIMEOUT_S.
+    Both are gone when this returns."""
     ctx = multiprocessing.get_context("spawn")
     mine, theirs = ctx.Pipe()
     env = {"DATADIST_AIO_CUDA_DRIVER": str(driver), "STANDIN_CUDA_DEVICES": "1"}
@@ -84,9 +84,11 @@ def run_pair(driver: Path, owner: Callable[..., None], initiator: Callable[..., 
                 outcome = report.recv()
             except EOFError:
                 process.join(10)
-                if owner_killed and name == owner.__name__ and process.exitcode == -signal.SIGKILL:
+                if killed is not None and name == killed.__name__ and process.exitcode == -signal.SIGKILL:
                     continue
                 pytest.fail(f"{name}: the process died (exit code {process.exitcode})")
+            if killed is not None and name == killed.__name__:
+                pytest.fail(f"{name} was to be killed, but ended with: {outcome}")
             if outcome != "ok":
                 pytest.fail(f"{name} failed in its process:\n{outcome}")
     finally:
@@ -472,7 +474,93 @@ def initiator_outlives(conn: Any, transport: str) -> None:
 
 @pytest.mark.parametrize("transport", ["tcp", "auto"])
 def test_a_peer_killed_mid_transfer_fails_the_transfer(standin: Path, transport: str) -> None:
-    run_pair(standin, owner_dies, initiator_outlives, transport, owner_killed=True)
+    run_pair(standin, owner_dies, initiator_outlives, transport, killed=owner_dies)
+
+
+def owner_outlives(conn: Any, transport: str) -> None:
+    """Serves device caches to an initiator that dies mid-transfer, then
+    serves a new peer (another engine of this process, host memory only)."""
+    import datadist_aio as dd
+
+    cuda = Cuda()
+    datadist = _engine(dd.LLMRole.PROMPT, OWNER, transport, listen=True)
+    big = dd.CacheDesc(TENSORS, [16, 1 << 20], dd.DataType.DT_UINT8, dd.Placement.DEVICE)
+    cache = datadist.cache_manager.allocate_blocks_cache(big, dd.BlocksCacheKey(OWNER, MODEL["device"]))
+    conn.send(datadist.listen_port)
+    assert _recv(conn) == "dying"
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:  # until this end has seen the link go down
+        try:
+            datadist.link_transport(INITIATOR)
+        except dd.LLMException:
+            break
+        time.sleep(0.02)
+    else:
+        raise AssertionError("the link to the killed initiator is still up")
+    # A new peer, in a process of its own, pushes host bytes into the device cache.
+    ctx = multiprocessing.get_context("spawn")
+    report, child = ctx.Pipe(duplex=False)
+    late = ctx.Process(target=_child, args=(child, {}, late_peer, (datadist.listen_port, transport)))
+    late.start()
+    child.close()
+    try:
+        assert report.poll(TIMEOUT_S / 2), "the late peer did not finish"
+        outcome = report.recv()
+        assert outcome == "ok", outcome
+    finally:
+        late.join(10)
+        if late.is_alive():
+            late.kill()
+            late.join(10)
+        report.close()
+    data = _pattern(9, 16 << 20)
+    for t in range(TENSORS):
+        got = cuda.read(cache.tensor_addrs[t] + (13 << 20), 3 << 20)
+        np.testing.assert_array_equal(got, data[t][: 3 << 20], err_msg=f"tensor {t} after the initiator died")
+    datadist.cache_manager.deallocate_blocks_cache(cache)
+    datadist.finalize()
+
+
+def late_peer(port: int, transport: str) -> None:
+    import datadist_aio as dd
+    from peer import cluster_info
+
+    datadist = _engine(dd.LLMRole.DECODER, 9, transport, listen=False)
+    status, _ = datadist.link_clusters([cluster_info(OWNER, port)], 10000)
+    assert status == dd.LLMStatusCode.LLM_SUCCESS
+    host = datadist.cache_manager.allocate_blocks_cache(
+        dd.CacheDesc(TENSORS, [16, 1 << 20], dd.DataType.DT_UINT8, dd.Placement.HOST))
+    data = _pattern(9, 16 << 20)
+    for t in range(TENSORS):
+        host.as_numpy(t).reshape(-1)[:] = data[t]
+    datadist.cache_manager.push_blocks(dd.BlocksCacheKey(OWNER, MODEL["device"]), host, [0, 1, 2], [13, 14, 15])
+    datadist.cache_manager.deallocate_blocks_cache(host)
+    datadist.finalize()
+
+
+def initiator_dies(conn: Any, transport: str) -> None:
+    import datadist_aio as dd
+    from peer import cluster_info
+
+    port = _recv(conn)
+    datadist = _engine(dd.LLMRole.DECODER, INITIATOR, transport, listen=False)
+    cm = datadist.cache_manager
+    status, _ = datadist.link_clusters([cluster_info(OWNER, port)], 10000)
+    assert status == dd.LLMStatusCode.LLM_SUCCESS
+    big = dd.CacheDesc(TENSORS, [16, 1 << 20], dd.DataType.DT_UINT8, dd.Placement.DEVICE)
+    cache = cm.allocate_blocks_cache(big)
+    key = dd.BlocksCacheKey(OWNER, MODEL["device"])
+    every = list(range(16))
+    tasks = [cm.push_blocks_async(key, cache, every, every), cm.pull_blocks_async(key, cache, every, every)]
+    time.sleep(0.02)  # bytes are moving both ways
+    conn.send("dying")
+    os.kill(os.getpid(), signal.SIGKILL)
+    del tasks
+
+
+@pytest.mark.parametrize("transport", ["tcp", "auto"])
+def test_an_owner_outlives_an_initiator_killed_mid_transfer(standin: Path, transport: str) -> None:
+    run_pair(standin, owner_outlives, initiator_dies, transport, killed=initiator_dies)
 
 
 # -- the driver fails mid-copy -------------------------------------------------------------------------
