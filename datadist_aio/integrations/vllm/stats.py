@@ -36,7 +36,9 @@ SWEEP = "sweep"  # the reader kind of answer_counts() that is the engine's timer
 
 @dataclass(frozen=True)
 class TransferRecord:
-    """One request's load: seconds from start to settled, bytes moved, blocks, outcome."""
+    """One request's load: seconds from its start until it was found done (a load
+    held for the rest of its step does not count the hold), bytes moved,
+    blocks, outcome."""
 
     seconds: float
     nbytes: int

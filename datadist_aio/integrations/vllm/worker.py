@@ -301,7 +301,9 @@ class _Load:
     cancelled: bool = False
     local: bool = False  # copied from the inbox, not pulled
     step: int = -1  # the start_loads call that began it; -1: begun later, on the loop thread
-    held_since: float = 0.0  # when get_finished first found it done but held it for its step
+    # When get_finished first found it done: the end of its transfer, also
+    # while it is held for the rest of its step.
+    seen_done: float = 0.0
 
 
 class WorkerSide:
@@ -650,10 +652,9 @@ class WorkerSide:
             open_steps = {load.step for load, ok in zip(self._inflight, done) if not ok and load.step >= 0}
             for load, ok in zip(self._inflight, done):
                 if ok:
-                    if load.step in open_steps and not load.error:
-                        load.held_since = load.held_since or now
-                        if now - load.held_since < wait:
-                            continue
+                    load.seen_done = load.seen_done or now
+                    if load.step in open_steps and not load.error and now - load.seen_done < wait:
+                        continue
                     settled.append(load)
                 elif now >= load.deadline and not load.cancelled:
                     load.cancelled = True
@@ -709,7 +710,7 @@ class WorkerSide:
                 self._invalid_blocks.update(spec.local_block_ids)
                 self._failed_recving.add(spec.req_id)
             self._finished_recving.add(spec.req_id)
-            self._records.append(TransferRecord(now - load.start, load.nbytes if ok else 0,
+            self._records.append(TransferRecord((load.seen_done or now) - load.start, load.nbytes if ok else 0,
                                                 len(spec.local_block_ids), ok))
         if not ok and not load.local:
             self._routes.pop(_instance(spec), None)
