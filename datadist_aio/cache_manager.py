@@ -63,8 +63,9 @@ def _device_address(name: str, entry: Any, cache_desc: CacheDesc) -> int:
                         "addresses or CUDA tensors: use Placement.HOST for host memory",
                         status_code=LLMStatusCode.LLM_PARAM_INVALID)
     interface = getattr(entry, "__cuda_array_interface__", None)
-    if interface is None and hasattr(entry, "__dlpack_device__"):
-        kind = int(entry.__dlpack_device__()[0])
+    dlpack_device = getattr(entry, "__dlpack_device__", None)
+    if interface is None and dlpack_device is not None:
+        kind = int(dlpack_device()[0])
         if kind != _DLPACK_CUDA:
             if kind in _DLPACK_HOST:
                 raise host
@@ -81,7 +82,8 @@ def _device_address(name: str, entry: Any, cache_desc: CacheDesc) -> int:
     nbytes = itemsize * int(np.prod(shape, dtype=np.int64))
     strides = interface.get("strides")
     if strides is not None:
-        expected, step = [], itemsize
+        expected: list[int] = []
+        step = itemsize
         for n in reversed(shape):
             expected.insert(0, step)
             step *= n
@@ -359,7 +361,8 @@ class CacheManager:
         raise_if_false(len(addrs) > 0, "addrs must not be empty")
         if cache_desc.placement is Placement.DEVICE:
             _check_addr_count(addrs, cache_desc)
-            raw, buffers = [_device_address(f"addrs[{i}]", a, cache_desc) for i, a in enumerate(addrs)], []
+            raw = [_device_address(f"addrs[{i}]", a, cache_desc) for i, a in enumerate(addrs)]
+            buffers: list[memoryview] = []
         else:
             raw, buffers = self._addresses(cache_desc, addrs)
         if remote_accessible is None:
