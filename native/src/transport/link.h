@@ -66,7 +66,8 @@ struct LinkPaths {
   bool offered = false;
   // The peer reaches this end's memory: operations started here go as
   // same-host frames, the peer copying their bytes (all but those whose
-  // local memory is on a device, which no kernel copy reaches: they go
+  // local memory is on a device, which no kernel copy reaches: they go as
+  // same-host frames naming CUDA IPC exports where both ends can, else
   // inline on the connections).
   bool peer_copies = false;
   // Set when this end reaches the peer's memory: it serves the peer's
