@@ -77,6 +77,8 @@ void check_request(const std::vector<uint8_t> &body, bool with_segments) {
             "does not encode back");
     return;
   }
+  // Rows past what one plain request may carry have no plain form to compare.
+  if (req.ranges.size() > wire::kMaxRanges) return;
   wire::Request plain;
   const std::vector<uint8_t> unrolled = wire::encode_request(t, req.ranges, req.bounds, req.segments, {}, req.exports);
   require(wire::decode_request(unrolled, plain, with_segments).empty(), "the unrolled request is refused");
