@@ -152,8 +152,8 @@ class LLMDataDist:
 
     def link_transport(self, remote_cluster_id: int) -> str:
         """How transfers this instance starts toward ``remote_cluster_id`` move
-        their bytes: ``"same_host"`` (the peer copies them with one kernel call)
-        or ``"tcp"``.
+        their bytes: ``"same_host"`` (the peer copies them with one kernel call,
+        or device to device through CUDA IPC for device memory) or ``"tcp"``.
 
         Raises:
             LLMException: ``LLM_NOT_YET_LINK`` without a link to that cluster.

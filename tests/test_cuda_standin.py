@@ -103,6 +103,7 @@ GET_PROC_ADDRESS_SYMBOL_NOT_FOUND = 1
 
 ENV_DEVICES = "STANDIN_CUDA_DEVICES"
 ENV_MEMORY = "STANDIN_CUDA_MEMORY_MB"
+ENV_IPC = "STANDIN_CUDA_IPC"
 
 
 class IpcHandle(ctypes.Structure):
@@ -531,6 +532,25 @@ def _child_devices(conn: multiprocessing.connection.Connection, path: str) -> No
         conn.send({"error": traceback.format_exc()})
 
 
+def _child_without_ipc(conn: multiprocessing.connection.Connection, path: str) -> None:
+    """A bad value of STANDIN_CUDA_IPC, then 0: memory legacy IPC cannot export."""
+    try:
+        cu = Cu(load(path))
+        results: dict[str, Any] = {}
+        _child_env({ENV_DEVICES: None, ENV_MEMORY: None, ENV_IPC: "no"})
+        results["word"] = cu.lib.cuInit(0)
+        _child_env({ENV_IPC: "0"})
+        results["init"] = cu.lib.cuInit(0)
+        cu.ok(cu.lib.cuCtxSetCurrent(_vp(cu.retain(0))))
+        ptr = cu.alloc(4096)
+        results["capable"] = cu.attributes(ptr)[ATTR_IS_LEGACY_CUDA_IPC_CAPABLE]
+        results["export"] = cu.lib.cuIpcGetMemHandle(ctypes.byref(IpcHandle()), _ull(ptr))
+        cu.free(ptr)
+        conn.send(results)
+    except BaseException:
+        conn.send({"error": traceback.format_exc()})
+
+
 def _child_touch(conn: multiprocessing.connection.Connection, path: str, kind: str) -> None:
     """Reads one byte of device memory (or of pinned host memory) from host code."""
     cu = Cu(load(path))
@@ -710,6 +730,11 @@ def test_devices_come_from_the_environment(standin_path: str) -> None:
     assert got["count"] == (SUCCESS, 0)
     assert got["get"] == NO_DEVICE
     assert got["retain"] == INVALID_DEVICE
+
+
+def test_ipc_export_can_be_turned_off(standin_path: str) -> None:
+    got = child_result(_child_without_ipc, standin_path)
+    assert got == {"word": INVALID_VALUE, "init": SUCCESS, "capable": 0, "export": NOT_SUPPORTED}
 
 
 def test_this_process_leaves_libcuda_so_1_to_a_real_driver(cu: Cu) -> None:

@@ -58,18 +58,20 @@ def standin(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run_pair(driver: Path, owner: Callable[..., None], initiator: Callable[..., None], *args: Any,
-             killed: Optional[Callable[..., None]] = None) -> None:
+             killed: Optional[Callable[..., None]] = None, owner_env: Optional[dict[str, str]] = None,
+             initiator_env: Optional[dict[str, str]] = None) -> None:
     """Runs ``owner(conn, *args)`` and ``initiator(conn, *args)`` in two spawned
-    processes joined by a Pipe; fails with a child's traceback, or if either
-    dies (but ``killed``, which must end by SIGKILL) or outlives TIMEOUT_S.
-    Both are gone when this returns."""
+    processes joined by a Pipe (each with the stand-in's environment, updated
+    by its own); fails with a child's traceback, or if either dies (but
+    ``killed``, which must end by SIGKILL) or outlives TIMEOUT_S. Both are
+    gone when this returns."""
     ctx = multiprocessing.get_context("spawn")
     mine, theirs = ctx.Pipe()
     env = {"DATADIST_AIO_CUDA_DRIVER": str(driver), "STANDIN_CUDA_DEVICES": "1"}
     children = []
-    for scenario, end in ((owner, mine), (initiator, theirs)):
+    for scenario, end, own in ((owner, mine, owner_env), (initiator, theirs, initiator_env)):
         report, child = ctx.Pipe(duplex=False)
-        process = ctx.Process(target=_child, args=(child, env, scenario, (end, *args)))
+        process = ctx.Process(target=_child, args=(child, {**env, **(own or {})}, scenario, (end, *args)))
         process.start()
         child.close()
         children.append((scenario.__name__, process, report))
@@ -208,6 +210,8 @@ def owner_serves(conn: Any, transport: str) -> None:
             conn.send(caches.read(*args))
         elif command == "transport":
             conn.send(datadist.link_transport(INITIATOR))
+        elif command == "stats":
+            conn.send(datadist._engine.link_stats(INITIATOR))
         else:
             break
     caches.free()
@@ -267,8 +271,12 @@ def initiator_moves_everything(conn: Any, transport: str) -> None:
     remote = Remote(conn, ids)
     seed = 100
     src_blocks, dst_blocks = [0, 1, 2, 3, 9, 10, 23], [5, 6, 7, 8, 0, 22, 11]
+    # Every byte the operations of one mix move (those refused move none).
+    moved = (2 * len(src_blocks) * TENSORS + PER_LAYER + TENSORS) * BLOCK + TENSORS * 20 * 1000 + (
+        2 * TENSORS + PER_LAYER) * SLOT
     for mine, theirs in MIXES:
         what = f"{transport}, initiator {mine}, owner {theirs}"
+        before_stats = _stats(conn, datadist)
         lb, rb, ls, rs = f"blocks-{mine}", f"blocks-{theirs}", f"slots-{mine}", f"slots-{theirs}"
         blocks_key = dd.BlocksCacheKey(OWNER, MODEL[theirs])
 
@@ -340,6 +348,7 @@ def initiator_moves_everything(conn: Any, transport: str) -> None:
             cm.pull_blocks(blocks_key, local.caches[lb], [1, BLOCKS + 5], [0, 1])
         assert refused.value.status_code is code.LLM_PARAM_INVALID, refused.value
         _check_local(local.read(lb), before, f"a refused pull_blocks ({what})")
+        _check_paths(before_stats, _stats(conn, datadist), transport, mine, theirs, moved)
 
     # Device memory read back through a HOST cache too (swap_blocks), as a user would.
     back = cm.allocate_blocks_cache(_desc("host", True))
@@ -351,6 +360,31 @@ def initiator_moves_everything(conn: Any, transport: str) -> None:
     conn.send(("quit",))
     local.free()
     datadist.finalize()
+
+
+def _stats(conn: Any, datadist: Any) -> tuple[dict[str, int], dict[str, int]]:
+    """Both ends' counts of the paths device bytes took on the link (this end's, the owner's)."""
+    conn.send(("stats",))
+    return datadist._engine.link_stats(OWNER), _recv(conn)
+
+
+def _check_paths(before: Any, after: Any, transport: str, mine: str, theirs: str, moved: int) -> None:
+    """Which path the bytes of one mix took: on a same-host link, device
+    memory of the initiator moves device to device through CUDA IPC, every
+    byte of it, and nothing is staged; device memory of the owner alone is
+    staged by the owner. Over TCP, everything on a device is staged."""
+    (mine0, theirs0), (mine1, theirs1) = before, after
+    delta = {key: mine1[key] - mine0[key] for key in mine1} | {
+        "owner_" + key: theirs1[key] - theirs0[key] for key in theirs1}
+    what = f"{transport}, initiator {mine}, owner {theirs}: {delta}"
+    if transport != "tcp" and mine == "device":
+        assert delta["ipc_frames"] > 0 and delta["staged_frames"] == 0, what
+        assert delta["owner_ipc_bytes_served"] == moved and delta["owner_staged_bytes_served"] == 0, what
+    else:
+        assert delta["ipc_frames"] == 0 and delta["owner_ipc_bytes_served"] == 0, what
+        assert (delta["staged_frames"] > 0) == (mine == "device"), what
+        assert (delta["owner_staged_bytes_served"] > 0) == (theirs == "device"), what
+    assert delta["ipc_fallbacks"] == 0, what
 
 
 @pytest.mark.parametrize("transport", ["tcp", "auto"])
@@ -451,6 +485,8 @@ def initiator_outlives(conn: Any, transport: str) -> None:
             tasks = [cm.push_blocks_async(key, cache, every, every), cm.pull_blocks_async(key, cache, every, every)]
             if not killed:
                 await asyncio.sleep(0.02)  # bytes are moving both ways
+                if transport == "auto":  # device to device through CUDA IPC
+                    assert datadist._engine.link_stats(OWNER)["ipc_frames"] > 0
                 os.kill(pid, signal.SIGKILL)
                 killed = True
             for task in tasks:
@@ -553,6 +589,8 @@ def initiator_dies(conn: Any, transport: str) -> None:
     every = list(range(16))
     tasks = [cm.push_blocks_async(key, cache, every, every), cm.pull_blocks_async(key, cache, every, every)]
     time.sleep(0.02)  # bytes are moving both ways
+    if transport == "auto":  # device to device through CUDA IPC
+        assert datadist._engine.link_stats(OWNER)["ipc_frames"] > 0
     conn.send("dying")
     os.kill(os.getpid(), signal.SIGKILL)
     del tasks
@@ -640,9 +678,14 @@ def initiator_meets_driver_failures(conn: Any, transport: str) -> None:
     fails("device memory on the peer failed",
           lambda: cm.pull_blocks(broken_key, host, every, every, src_layer_range=range(1, 2), dst_layer_range=range(1, 2)))
     still_linked()
-    # Every layer: the failing tensor comes after others whose bytes have
-    # left under a success status, so the owner fails the link instead.
-    fails("", lambda: cm.pull_blocks(broken_key, good, every, every), code.LLM_LINK_FAILED)
+    if transport == "tcp":
+        # Every layer: the failing tensor comes after others whose bytes have
+        # left under a success status, so the owner fails the link instead.
+        fails("", lambda: cm.pull_blocks(broken_key, good, every, every), code.LLM_LINK_FAILED)
+    else:
+        # Same host, device to device (CUDA IPC): the owner copies every
+        # tensor before it answers, so it answers with the failure.
+        fails("device memory on the peer failed", lambda: cm.pull_blocks(broken_key, good, every, every))
     conn.send("quit")
     cm.unregister_cache(broken.cache_id)
     cm.deallocate_blocks_cache(good)

@@ -466,7 +466,8 @@ def test_the_answer_socket_flag_without_a_local_socket_names_nothing(server, off
     sock, flags, _ = offer(datadist.listen_port, prober.info() if offered else None, 46, flags=ANSWER_SOCKET)
     with sock:
         assert flags == (OFFERS_SAME_HOST | COPIES_FOR_YOU if offered else 0)
-        assert datadist._engine.link_stats(FORGER_ID) == {
+        stats = datadist._engine.link_stats(FORGER_ID)
+        assert {key: stats[key] for key in ("answer_socket", "connections", "local_sockets", "refused_groups")} == {
             "answer_socket": 0, "connections": 1, "local_sockets": 0, "refused_groups": 0
         }
         sock.sendall(frame(WRITE_T, request([(0, 3, 0, BLOCK)]), b"\x46" * BLOCK, op_id=2))

@@ -18,6 +18,7 @@ HELLO_ACK = struct.Struct("<QII")
 TARGET = struct.Struct("<BBHIqQQQQQ")
 RANGE = struct.Struct("<IIQQQ")
 SEGMENT = struct.Struct("<QQ")
+DEVICE_EXPORT = struct.Struct("<64sQiI")  # handle, base, ordinal, reserved
 STRIDE = struct.Struct("<IIQQ")
 SAME_HOST_INFO = struct.Struct("<16sQQ24s")
 LOOKUP_REPLY = struct.Struct("<qIIQQQ")
@@ -31,9 +32,10 @@ CHALLENGE_T, PROOF_T = 14, 15
 # Hello flags.
 OFFERS_SAME_HOST, COPIES_FOR_YOU, AUTHENTICATED, GRANTS_CONNECTIONS, LOCAL_SOCKET = 1, 2, 4, 8, 16
 ANSWER_SOCKET = 32
+DEVICE_HANDLES = 64
 # Target kinds and flags.
 BY_ID, BY_KEY, BLOCKS_OF_MODEL, RAW_ADDRESS = 1, 2, 3, 4
-WITHIN_SLOT, RELEASE_KEY, STRIDED = 1, 2, 4
+WITHIN_SLOT, RELEASE_KEY, STRIDED, DEVICE_SEGMENTS = 1, 2, 4, 8
 
 INVALID = 2**64 - 1
 MAX_BODY_BYTES = 1 << 20

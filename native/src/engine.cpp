@@ -334,7 +334,12 @@ std::map<std::string, uint64_t> Engine::link_stats(uint64_t peer) const {
   return {{"connections", stats.connections},
           {"refused_groups", stats.refused_groups},
           {"local_sockets", stats.local_sockets},
-          {"answer_socket", stats.answer_socket ? 1u : 0u}};
+          {"answer_socket", stats.answer_socket ? 1u : 0u},
+          {"ipc_frames", stats.device.ipc_frames},
+          {"ipc_fallbacks", stats.device.ipc_fallbacks},
+          {"staged_frames", stats.device.staged_frames},
+          {"ipc_bytes_served", stats.device.ipc_bytes_served},
+          {"staged_bytes_served", stats.device.staged_bytes_served}};
 }
 
 std::map<std::string, uint64_t> Engine::answer_counts() const { return completions_->answers().answer_counts(); }

@@ -77,6 +77,7 @@ static pthread_mutex_t g_init_lock = PTHREAD_MUTEX_INITIALIZER;
 static atomic_int g_initialized;
 static int g_device_count;
 static size_t g_capacity; /* bytes of device memory per device */
+static bool g_ipc = true; /* legacy IPC export of cuMemAlloc memory (STANDIN_CUDA_IPC) */
 static struct CUctx_st g_ctx[kMaxDevices];
 static pthread_mutex_t g_ctx_lock = PTHREAD_MUTEX_INITIALIZER;
 
@@ -126,10 +127,13 @@ STANDIN_API CUresult CUDAAPI cuInit(unsigned int Flags) {
   if (!atomic_load(&g_initialized)) {
     long devices = 0;
     long megabytes = 0;
+    long ipc = 1;
     if (!parse_env_number("STANDIN_CUDA_DEVICES", 1, 0, kMaxDevices, &devices) ||
-        !parse_env_number("STANDIN_CUDA_MEMORY_MB", 1024, 1, 1L << 24, &megabytes)) {
+        !parse_env_number("STANDIN_CUDA_MEMORY_MB", 1024, 1, 1L << 24, &megabytes) ||
+        !parse_env_number("STANDIN_CUDA_IPC", 1, 0, 1, &ipc)) {
       r = CUDA_ERROR_INVALID_VALUE;
     } else {
+      g_ipc = ipc != 0;
       g_device_count = (int)devices;
       g_capacity = (size_t)megabytes << 20;
       for (int i = 0; i < kMaxDevices; ++i) {
@@ -669,7 +673,7 @@ STANDIN_API CUresult CUDAAPI cuPointerGetAttributes(unsigned int numAttributes, 
     buffer_id = reg->buffer_id;
     start = (CUdeviceptr)reg->base;
     size = reg->size;
-    ipc_capable = reg->kind == REGION_DEVICE;
+    ipc_capable = reg->kind == REGION_DEVICE && g_ipc;
     mapped = 1;
     break;
   }
@@ -1387,6 +1391,7 @@ STANDIN_API CUresult CUDAAPI cuIpcGetMemHandle(CUipcMemHandle *pHandle, CUdevice
   CUresult r = enter_ctx(&ctx);
   if (r != CUDA_SUCCESS) return r;
   if (pHandle == NULL) return CUDA_ERROR_INVALID_VALUE;
+  if (!g_ipc) return CUDA_ERROR_NOT_SUPPORTED;
   struct ipc_wire wire;
   memset(&wire, 0, sizeof wire);
   pthread_rwlock_rdlock(&g_mem_lock);

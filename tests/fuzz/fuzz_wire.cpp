@@ -57,13 +57,30 @@ void check_request(const std::vector<uint8_t> &body, bool with_segments) {
     require(s.length == req.ranges[i].length, "segment length differs from its range");
     require(s.addr + s.length >= s.addr, "accepted a wrapping segment");
   }
+  // Device segments: an export table within its limit, and each segment in
+  // the export with the greatest base at or below it.
+  const bool device = (t.flags & wire::kDeviceSegments) != 0;
+  require(device == !req.exports.empty() && req.exports.size() <= wire::kMaxExports, "export table wrong");
+  require(req.segment_export.size() == (device ? req.segments.size() : 0), "segment exports differ");
+  for (size_t i = 0; i < req.segment_export.size(); ++i) {
+    require(req.segment_export[i] < req.exports.size(), "a segment names no export");
+    const uint64_t base = req.exports[req.segment_export[i]].base;
+    require(base <= req.segments[i].addr, "a segment lies below its export");
+    if (req.exports.size() > 64) continue;  // the nearest-below check is quadratic
+    for (const wire::DeviceExport &e : req.exports) {
+      require(e.base <= base || e.base > req.segments[i].addr, "a segment's export is not the nearest below it");
+    }
+  }
   // Unrolled, a strided request is the plain request of its rows.
   if (!strided) {
-    require(wire::encode_request(t, req.ranges, req.bounds, req.segments) == body, "does not encode back");
+    require(wire::encode_request(t, req.ranges, req.bounds, req.segments, {}, req.exports) == body,
+            "does not encode back");
     return;
   }
+  // Rows past what one plain request may carry have no plain form to compare.
+  if (req.ranges.size() > wire::kMaxRanges) return;
   wire::Request plain;
-  const std::vector<uint8_t> unrolled = wire::encode_request(t, req.ranges, req.bounds, req.segments);
+  const std::vector<uint8_t> unrolled = wire::encode_request(t, req.ranges, req.bounds, req.segments, {}, req.exports);
   require(wire::decode_request(unrolled, plain, with_segments).empty(), "the unrolled request is refused");
   require(plain.ranges.size() == req.ranges.size() && plain.total_bytes == req.total_bytes,
           "the unrolled request differs");

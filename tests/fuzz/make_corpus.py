@@ -22,6 +22,8 @@ from wire_frames import (  # noqa: E402
     BY_ID,
     BY_KEY,
     CHALLENGE_T,
+    DEVICE_EXPORT,
+    DEVICE_SEGMENTS,
     HEADER,
     HELLO_ACK,
     HELLO_ACK_T,
@@ -61,6 +63,14 @@ OFFERED, PEER_COPIES, REACHES, ANNOUNCE, SUBMIT, INITIATED = 1, 2, 4, 8, 16, 32
 LLM_PARAM_INVALID = 0x2000  # any non-zero status refuses
 
 
+def device_request(ranges, segments, exports, **target) -> bytes:
+    """A same-host request whose segments lie in exported device memory:
+    the export table (handle, base) follows the segments."""
+    body = request(ranges, flags=DEVICE_SEGMENTS, segments=segments, **target)
+    table = b"".join(DEVICE_EXPORT.pack(bytes([i + 1]) * 64, base, 0, 0) for i, base in enumerate(exports))
+    return body + len(exports).to_bytes(4, "little") + bytes(4) + table
+
+
 def wire_seeds() -> dict[str, bytes]:
     """Flags byte (1: the body has segments), header, body."""
     plain, segmented = b"\x00", b"\x01"
@@ -76,6 +86,9 @@ def wire_seeds() -> dict[str, bytes]:
         + frame(WRITE_FROM_T, request([(0, 0, 0, 32), (0, 1, 0, 32)], kind=BY_ID, cache_id=2,
                                       segments=[(PEER, 32), (PEER + 64, 32)])),
         "read-into": segmented + frame(READ_INTO_T, request([(0, 0, 0, 32)], kind=BY_ID, cache_id=2, segments=[(PEER, 32)])),
+        "write-from-device": segmented
+        + frame(WRITE_FROM_T, device_request([(0, 0, 0, 32), (0, 1, 0, 32)], [(PEER, 32), (PEER + 4096, 32)],
+                                             [PEER, PEER + 4096], kind=BY_ID, cache_id=2)),
         "read-strided": plain
         + frame(READ_T, request([(0, 1, 0, 8), (1, 1, 4, 4)], strides=[(8, 16, 0), (1, 0, 0)], flags=WITHIN_SLOT)),
         "read-into-strided": segmented
@@ -131,6 +144,10 @@ def link_seeds() -> dict[str, bytes]:
         "same-host-strided": bytes([OFFERED | REACHES])
         + frame(READ_INTO_T, request([(0, 2, 0, 8)], kind=BY_ID, cache_id=2, strides=[(4, 8, 32)],
                                      segments=[(PEER + 4096, 8)])),
+        "same-host-device": bytes([OFFERED | REACHES])
+        + frame(WRITE_FROM_T, device_request([(0, 0, 0, 32)], [(PEER, 32)], [PEER], kind=BY_ID, cache_id=2))
+        + frame(READ_INTO_T, device_request([(0, 2, 0, 8)], [(PEER + 64, 8)], [PEER], kind=BY_ID, cache_id=2,
+                                            strides=[(4, 8, 32)]), op_id=2),
         "peer-copies": bytes([OFFERED | REACHES | ANNOUNCE]) + frame(PEER_COPIES_T),
         "answers": bytes([SUBMIT])
         + HEADER.pack(MAGIC, VERSION, READ_DATA_T, 0, 0, 1, 64) + b"\x07" * 64

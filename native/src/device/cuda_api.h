@@ -45,6 +45,7 @@ constexpr CUresult CUDA_ERROR_NOT_READY = 600;
 // CUpointer_attribute values.
 constexpr CUpointer_attribute CU_POINTER_ATTRIBUTE_CONTEXT = 1;
 constexpr CUpointer_attribute CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2;
+constexpr CUpointer_attribute CU_POINTER_ATTRIBUTE_BUFFER_ID = 7;
 constexpr CUpointer_attribute CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9;
 constexpr CUpointer_attribute CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE = 10;
 constexpr CUpointer_attribute CU_POINTER_ATTRIBUTE_RANGE_START_ADDR = 11;

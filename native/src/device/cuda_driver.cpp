@@ -317,4 +317,121 @@ Status Device::check_range(uint64_t addr, uint64_t size, const std::string &what
   return LLM_SUCCESS;
 }
 
+namespace {
+
+// Exports remembered per device; past it, all are forgotten and made again.
+constexpr size_t kMaxExports = 4096;
+
+}  // namespace
+
+bool Device::export_range(uint64_t addr, uint64_t size, Export &out, std::string &why) const {
+  if (!make_current(why)) return false;
+  unsigned int type = 0;
+  int ordinal = -1;
+  int capable = 0;
+  unsigned long long buffer = 0;
+  CUdeviceptr start = 0;
+  size_t length = 0;
+  CUpointer_attribute attributes[] = {CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                                      CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, CU_POINTER_ATTRIBUTE_BUFFER_ID,
+                                      CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, CU_POINTER_ATTRIBUTE_RANGE_SIZE};
+  void *data[] = {&type, &ordinal, &capable, &buffer, &start, &length};
+  const CUresult r = driver_->cuPointerGetAttributes(6, attributes, data, static_cast<CUdeviceptr>(addr));
+  if (r != CUDA_SUCCESS) {
+    why = "cuPointerGetAttributes: " + describe(r);
+    return false;
+  }
+  if (type != CU_MEMORYTYPE_DEVICE || ordinal != ordinal_ || addr < start || size > length ||
+      addr - start > length - size) {
+    why = words("address ", addr, " is not inside one allocation of device ", ordinal_);
+    return false;
+  }
+  if (capable == 0) {
+    why = "the allocation cannot be exported with legacy CUDA IPC";
+    return false;
+  }
+  {
+    std::lock_guard<std::mutex> lock(exports_mu_);
+    auto it = exports_.find(buffer);
+    if (it != exports_.end() && it->second.base == start) {
+      out = it->second;
+      return true;
+    }
+  }
+  Export made;
+  made.base = start;
+  made.size = length;
+  const CUresult e = driver_->cuIpcGetMemHandle(&made.handle, start);
+  if (e != CUDA_SUCCESS) {
+    why = "cuIpcGetMemHandle: " + describe(e);
+    return false;
+  }
+  std::lock_guard<std::mutex> lock(exports_mu_);
+  if (exports_.size() >= kMaxExports) exports_.clear();
+  exports_[buffer] = made;
+  out = made;
+  return true;
+}
+
+bool Device::copy(const std::vector<Copy> &copies, std::string &why) const {
+  CUstream stream = take_stream(why);
+  if (stream == nullptr) return false;
+  bool ok = true;
+  for (const Copy &c : copies) {
+    CUresult r;
+    const char *name;
+    if (c.dst_device && c.src_device) {
+      name = "cuMemcpyDtoDAsync";
+      r = driver_->cuMemcpyDtoDAsync(c.dst, c.src, c.n, stream);
+    } else if (c.dst_device) {
+      name = "cuMemcpyHtoDAsync";
+      r = driver_->cuMemcpyHtoDAsync(c.dst, reinterpret_cast<const void *>(static_cast<uintptr_t>(c.src)), c.n, stream);
+    } else {
+      name = "cuMemcpyDtoHAsync";
+      r = driver_->cuMemcpyDtoHAsync(reinterpret_cast<void *>(static_cast<uintptr_t>(c.dst)), c.src, c.n, stream);
+    }
+    if (r != CUDA_SUCCESS) {
+      why = std::string(name) + ": " + describe(r);
+      ok = false;
+      break;
+    }
+  }
+  // Whatever was queued has run before the stream goes back, or the copy's
+  // memory is given back.
+  const CUresult s = driver_->cuStreamSynchronize(stream);
+  if (s != CUDA_SUCCESS) {
+    if (ok) why = "cuStreamSynchronize: " + describe(s);
+    return false;
+  }
+  give_stream(stream);
+  return ok;
+}
+
+std::shared_ptr<PeerAllocation> PeerAllocation::open(const std::shared_ptr<Device> &device,
+                                                     const CUipcMemHandle &handle, std::string &why) {
+  if (!device->make_current(why)) return nullptr;
+  const Driver &driver = device->driver();
+  CUdeviceptr ptr = 0;
+  CUresult r = driver.cuIpcOpenMemHandle(&ptr, handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+  if (r != CUDA_SUCCESS) {
+    why = "cuIpcOpenMemHandle: " + device->describe(r);
+    return nullptr;
+  }
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  r = driver.cuMemGetAddressRange(&base, &size, ptr);
+  if (r != CUDA_SUCCESS || base != ptr) {
+    why = "cuMemGetAddressRange of an opened allocation: " +
+          (r != CUDA_SUCCESS ? device->describe(r) : std::string("not its base"));
+    driver.cuIpcCloseMemHandle(ptr);
+    return nullptr;
+  }
+  return std::shared_ptr<PeerAllocation>(new PeerAllocation(device, ptr, size));
+}
+
+PeerAllocation::~PeerAllocation() {
+  std::string why;
+  if (device_->make_current(why)) device_->driver().cuIpcCloseMemHandle(static_cast<CUdeviceptr>(base_));
+}
+
 }  // namespace datadist::cuda

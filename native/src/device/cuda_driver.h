@@ -10,6 +10,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "device/cuda_api.h"
@@ -60,6 +61,50 @@ struct Driver {
 // first call decides for the life of the process.
 const Driver *load_driver(std::string &why);
 
+// One allocation of a device exported for another process of the host
+// (legacy CUDA IPC): its handle and its base address in this process.
+struct Export {
+  CUipcMemHandle handle{};
+  uint64_t base = 0;
+  uint64_t size = 0;
+};
+
+// One copy of Device::copy: `n` bytes from `src` to `dst`, each a device
+// address when its flag says so, else host memory of this process.
+struct Copy {
+  uint64_t dst = 0;
+  uint64_t src = 0;
+  uint64_t n = 0;
+  bool dst_device = true;
+  bool src_device = true;
+};
+
+class Device;
+
+// Another process's allocation, opened here (cuIpcOpenMemHandle) in a
+// device's context; closed by the destructor once nothing uses it.
+class PeerAllocation {
+ public:
+  // Opens `handle` in `device`'s context and learns the size of what it
+  // opened from the driver; null with `why` when the driver refuses.
+  static std::shared_ptr<PeerAllocation> open(const std::shared_ptr<Device> &device, const CUipcMemHandle &handle,
+                                              std::string &why);
+  ~PeerAllocation();
+  PeerAllocation(const PeerAllocation &) = delete;
+  PeerAllocation &operator=(const PeerAllocation &) = delete;
+
+  uint64_t base() const { return base_; }
+  uint64_t size() const { return size_; }
+  const std::shared_ptr<Device> &device() const { return device_; }
+
+ private:
+  PeerAllocation(std::shared_ptr<Device> device, uint64_t base, uint64_t size)
+      : device_(std::move(device)), base_(base), size_(size) {}
+  const std::shared_ptr<Device> device_;
+  const uint64_t base_;
+  const uint64_t size_;
+};
+
 // One device's primary context (the one torch and the CUDA runtime use),
 // retained while the object lives.
 class Device {
@@ -84,6 +129,16 @@ class Device {
   // LLM_SUCCESS when [addr, addr + size) is memory of this device inside one
   // allocation; otherwise LLM_PARAM_INVALID naming `what` and what it is.
   Status check_range(uint64_t addr, uint64_t size, const std::string &what) const;
+
+  // The export of the allocation that holds [addr, addr + size), made once
+  // per allocation (the driver's buffer id tells a freed and remade one
+  // apart); false with `why` where legacy IPC cannot export it (memory of
+  // cuMemCreate, an opened IPC mapping, a driver without IPC). Any thread.
+  bool export_range(uint64_t addr, uint64_t size, Export &out, std::string &why) const;
+
+  // Runs `copies` in order on a stream of the engine's and waits for them;
+  // false with `why` (the driver's words) when one is refused or fails.
+  bool copy(const std::vector<Copy> &copies, std::string &why) const;
 
   // `count` allocations of `size` bytes each (all or none);
   // LLM_DEVICE_OUT_OF_MEMORY or LLM_FAILED with the reason otherwise.
@@ -113,6 +168,8 @@ class Device {
   mutable std::vector<CUstream> streams_;  // idle streams
   mutable std::mutex staging_mu_;
   mutable std::unique_ptr<staging::Pool> staging_[2];  // out, in
+  mutable std::mutex exports_mu_;
+  mutable std::unordered_map<unsigned long long, Export> exports_;  // by the driver's buffer id
 };
 
 // The driver's copies for staging: lane i is a stream of the device's,

@@ -31,7 +31,8 @@ Link::Link(uint64_t peer_id, uint32_t peer_role, bool initiated_here, std::vecto
       announce_copies_(paths.announce && paths.peer_memory != nullptr),
       peer_copies_(paths.offered && paths.peer_copies),
       peer_memory_(std::move(paths.peer_memory)),
-      answer_fd_(paths.answers) {
+      answer_fd_(paths.answers),
+      peer_opens_device_(paths.peer_opens_device) {
   for (int fd : fds) conns_.push_back(std::make_unique<Connection>(fd));
 }
 
@@ -227,65 +228,112 @@ void Link::submit(bool write, std::vector<PlannedFrame> frames, const std::share
                   std::shared_ptr<cuda::Device> device) {
   for (PlannedFrame &planned : frames) {
     request->hold();
-    OutFrame out;
-    uint64_t data_len = 0;
-    for (const iovec &v : planned.local) data_len += v.iov_len;
-    // Same-host: the peer copies the bytes, so the frame names this end's
-    // memory instead of carrying it. A frame whose segment table would not
-    // fit a body goes over TCP, and so does one whose local memory is on a
-    // device: the peer's kernel copies cannot reach that.
-    bool same_host = !device && peer_copies_.load(std::memory_order_acquire) &&
-                     sizeof(wire::Target) +
-                             planned.ranges.size() * (sizeof(wire::Range) + sizeof(wire::Segment)) +
-                             planned.strides.size() * sizeof(wire::Stride) +
-                             planned.bounds.size() * sizeof(wire::Range) <=
-                         wire::kMaxBodyBytes;
-    std::vector<wire::Segment> segments;
-    if (same_host) {
-      // One segment per range: where its first byte goes (or comes from).
-      segments.reserve(planned.ranges.size());
-      size_t element = 0;
-      for (size_t i = 0; i < planned.ranges.size(); ++i) {
-        const iovec &v = planned.local[element];
-        segments.push_back({reinterpret_cast<uintptr_t>(v.iov_base), v.iov_len});
-        element += planned.strides.empty() ? 1 : planned.strides[i].count;
-      }
-    } else {
-      for (wire::Stride &s : planned.strides) s.segment_stride = 0;
-    }
-    out.body = wire::encode_request(planned.target, planned.ranges, planned.bounds, segments, planned.strides);
-    const FrameType type = same_host ? (write ? FrameType::kWriteFrom : FrameType::kReadInto)
-                                     : (write ? FrameType::kWrite : FrameType::kRead);
-    out.header = wire::make_header(type, 0, static_cast<uint32_t>(out.body.size()),
-                                   write && !same_host ? data_len : 0);
-    out.pin = pin;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (reaped_) {
-        request->release(result_index, down_reason_, true, ended_message());
-        continue;
-      }
-      out.op_id = next_op_++;
-      OpenOp &op = open_[out.op_id];
-      op.answer_type = write ? FrameType::kWriteAck : FrameType::kReadData;
-      op.request = request;
-      op.result_index = result_index;
-      op.deadline = deadline;
-      op.pin = pin;
-      if (!write && !same_host) {
-        op.recv = std::move(planned.local);
-        op.recv_bytes = data_len;
-        op.device = device;
-      }
-    }
-    out.header.op_id = out.op_id;
-    if (write && !same_host) {
-      out.data = std::move(planned.local);
-      out.device = device;
-    }
-    const uint64_t group = planned.target.group;
-    enqueue(group != 0 ? *conns_[group % conns_.size()] : next_connection(), std::move(out));
+    send_planned(write, planned, request, result_index, deadline, pin, device, true);
   }
+}
+
+bool Link::export_all(const cuda::Device &device, const PlannedFrame &planned,
+                      std::vector<wire::DeviceExport> &exports) {
+  std::vector<cuda::Export> found;
+  for (const iovec &v : planned.local) {
+    const auto addr = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(v.iov_base));
+    const auto inside = [&](const cuda::Export &e) {
+      return addr >= e.base && v.iov_len <= e.size && addr - e.base <= e.size - v.iov_len;
+    };
+    if (!found.empty() && inside(found.back())) continue;
+    auto it = std::find_if(found.begin(), found.end(), inside);
+    if (it != found.end()) {
+      std::swap(*it, found.back());  // the next element is most likely in the same one
+      continue;
+    }
+    cuda::Export made;
+    std::string why;
+    if (found.size() == wire::kMaxExports || !device.export_range(addr, v.iov_len, made, why)) return false;
+    found.push_back(made);
+  }
+  exports.clear();
+  for (const cuda::Export &e : found) {
+    wire::DeviceExport out{};
+    std::memcpy(out.handle, e.handle.reserved, sizeof(out.handle));
+    out.base = e.base;
+    out.ordinal = device.ordinal();
+    exports.push_back(out);
+  }
+  return true;
+}
+
+void Link::send_planned(bool write, PlannedFrame &planned, const std::shared_ptr<Request> &request,
+                        size_t result_index, Clock::time_point deadline, const std::shared_ptr<const void> &pin,
+                        const std::shared_ptr<cuda::Device> &device, bool exports_ok) {
+  OutFrame out;
+  uint64_t data_len = 0;
+  for (const iovec &v : planned.local) data_len += v.iov_len;
+  // Same-host: the peer copies the bytes, so the frame names this end's
+  // memory instead of carrying it. A frame whose segment table would not
+  // fit a body goes over TCP. Device memory of this end goes so only as
+  // exports the peer can open; otherwise it goes inline, staged.
+  size_t body_bytes = sizeof(wire::Target) + planned.ranges.size() * (sizeof(wire::Range) + sizeof(wire::Segment)) +
+                      planned.strides.size() * sizeof(wire::Stride) + planned.bounds.size() * sizeof(wire::Range);
+  bool same_host = peer_copies_.load(std::memory_order_acquire) && body_bytes <= wire::kMaxBodyBytes;
+  std::vector<wire::DeviceExport> exports;
+  if (same_host && device) {
+    same_host = exports_ok && peer_opens_device_ && !exports_refused_.load(std::memory_order_acquire) &&
+                export_all(*device, planned, exports) &&
+                body_bytes + 2 * sizeof(uint32_t) + exports.size() * sizeof(wire::DeviceExport) <= wire::kMaxBodyBytes;
+  }
+  std::shared_ptr<PlannedFrame> resend;
+  if (device) {
+    (same_host ? ipc_frames_ : staged_frames_).fetch_add(1, std::memory_order_relaxed);
+    if (same_host) resend = std::make_shared<PlannedFrame>(planned);
+  }
+  std::vector<wire::Segment> segments;
+  if (same_host) {
+    // One segment per range: where its first byte goes (or comes from).
+    segments.reserve(planned.ranges.size());
+    size_t element = 0;
+    for (size_t i = 0; i < planned.ranges.size(); ++i) {
+      const iovec &v = planned.local[element];
+      segments.push_back({reinterpret_cast<uintptr_t>(v.iov_base), v.iov_len});
+      element += planned.strides.empty() ? 1 : planned.strides[i].count;
+    }
+  } else {
+    exports.clear();
+    for (wire::Stride &s : planned.strides) s.segment_stride = 0;
+  }
+  out.body = wire::encode_request(planned.target, planned.ranges, planned.bounds, segments, planned.strides, exports);
+  const FrameType type = same_host ? (write ? FrameType::kWriteFrom : FrameType::kReadInto)
+                                   : (write ? FrameType::kWrite : FrameType::kRead);
+  out.header = wire::make_header(type, 0, static_cast<uint32_t>(out.body.size()), write && !same_host ? data_len : 0);
+  out.pin = pin;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (reaped_) {
+      request->release(result_index, down_reason_, true, ended_message());
+      return;
+    }
+    out.op_id = next_op_++;
+    OpenOp &op = open_[out.op_id];
+    op.answer_type = write ? FrameType::kWriteAck : FrameType::kReadData;
+    op.request = request;
+    op.result_index = result_index;
+    op.deadline = deadline;
+    op.pin = pin;
+    op.write = write;
+    op.resend = std::move(resend);
+    if (op.resend) op.device = device;
+    if (!write && !same_host) {
+      op.recv = std::move(planned.local);
+      op.recv_bytes = data_len;
+      op.device = device;
+    }
+  }
+  out.header.op_id = out.op_id;
+  if (write && !same_host) {
+    out.data = std::move(planned.local);
+    out.device = device;
+  }
+  const uint64_t group = planned.target.group;
+  enqueue(group != 0 ? *conns_[group % conns_.size()] : next_connection(), std::move(out));
 }
 
 std::shared_ptr<Link::LookupState> Link::send_question(FrameType type, const std::vector<uint8_t> &body,
@@ -703,6 +751,7 @@ void Link::serve_write(Connection &conn, const FrameHeader &header, const wire::
   bool ok;
   if (st == LLM_SUCCESS && target.device) {
     std::string why;
+    staged_bytes_served_.fetch_add(header.data_len, std::memory_order_relaxed);
     if (!receive_staged(conn.in, *target.device, target.iov, header.data_len, ok, why) && ok) {
       st = llm_datadist::LLM_FAILED;
       target.why = "copying into device memory on the peer failed: " + why;
@@ -727,6 +776,7 @@ void Link::serve_read(Connection &conn, const FrameHeader &header, const wire::R
     note_read(req);
     out.header.data_len = req.total_bytes;
     out.data = std::move(target.iov);
+    if (target.device) staged_bytes_served_.fetch_add(req.total_bytes, std::memory_order_relaxed);
     out.device = std::move(target.device);
     out.pin = std::make_shared<std::vector<std::shared_ptr<CacheEntry>>>(std::move(target.pins));
   }
@@ -741,6 +791,10 @@ void Link::note_read(const wire::Request &req) {
 }
 
 void Link::serve_peer_copy(Connection &conn, const FrameHeader &header, const wire::Request &req, bool write) {
+  if (!req.exports.empty()) {
+    serve_device_copy(conn, header, req, write);
+    return;
+  }
   ResolvedTarget target;
   Status st = resolve_in_group(req, target);
   // The peer's own ranges, checked before any byte moves: a write reads
@@ -761,6 +815,7 @@ void Link::serve_peer_copy(Connection &conn, const FrameHeader &header, const wi
   }
   if (st == LLM_SUCCESS) {
     std::string why;
+    if (target.device) staged_bytes_served_.fetch_add(req.total_bytes, std::memory_order_relaxed);
     const int error = target.device
                           ? peer_copy_staged(*target.device, target.iov, req.segments, write, why)
                           : same_host::copy_pairs(*peer_memory_, host_->copy_pool(), target.iov, req.segments, write);
@@ -783,6 +838,117 @@ void Link::serve_peer_copy(Connection &conn, const FrameHeader &header, const wi
   }
   if (st == LLM_SUCCESS && !write) note_read(req);
   send_answer(conn, answer(write ? FrameType::kWriteAck : FrameType::kReadData, header.op_id, st, target.why));
+}
+
+namespace {
+
+// The peer's allocations one link keeps open; past it, all are let go
+// (each closes once no copy uses it) and opened again on need.
+constexpr size_t kMaxOpened = 1024;
+
+}  // namespace
+
+bool Link::open_exports(const std::vector<wire::DeviceExport> &exports, const std::shared_ptr<cuda::Device> &device,
+                        std::vector<std::shared_ptr<cuda::PeerAllocation>> &out, std::string &why) {
+  // The driver refuses an open in the exporting process; so does this end.
+  if (peer_memory_->pid() == ::getpid()) {
+    why = "the initiator is this process";
+    return false;
+  }
+  std::lock_guard<std::mutex> lock(opened_mu_);
+  std::shared_ptr<cuda::Device> in = device;
+  if (!in) {
+    if (!host_side_device_) {
+      const int ordinal = exports.front().ordinal;
+      if (ordinal < 0 || cuda::Device::open(ordinal, host_side_device_) != LLM_SUCCESS) {
+        host_side_device_.reset();
+        why = "no CUDA driver or no device " + std::to_string(ordinal) + " here";
+        return false;
+      }
+    }
+    in = host_side_device_;
+  }
+  out.clear();
+  for (const wire::DeviceExport &e : exports) {
+    std::string key(reinterpret_cast<const char *>(e.handle), sizeof(e.handle));
+    key += ":" + std::to_string(in->ordinal());
+    auto it = opened_.find(key);
+    if (it == opened_.end()) {
+      std::shared_ptr<cuda::PeerAllocation> opened = cuda::PeerAllocation::open(in, *reinterpret_cast<const cuda::CUipcMemHandle *>(e.handle), why);
+      if (!opened) return false;
+      if (opened_.size() >= kMaxOpened) opened_.clear();
+      it = opened_.emplace(std::move(key), std::move(opened)).first;
+    }
+    out.push_back(it->second);
+  }
+  return true;
+}
+
+void Link::serve_device_copy(Connection &conn, const FrameHeader &header, const wire::Request &req, bool write) {
+  ResolvedTarget target;
+  Status st = resolve_in_group(req, target);
+  std::vector<std::shared_ptr<cuda::PeerAllocation>> opened;
+  if (st == LLM_SUCCESS) {
+    std::string why;
+    if (!open_exports(req.exports, target.device, opened, why)) {
+      // Not a refusal: the initiator sends the frame again inline.
+      target.why = "cannot open the initiator's device memory here: " + why;
+      log_warning("link to cluster " + std::to_string(peer_id_) + ": " + target.why);
+      st = llm_datadist::LLM_FEATURE_NOT_ENABLED;
+    }
+  }
+  // Every segment inside the allocation it names, by the size of what was
+  // opened (not what the initiator says), before any byte moves.
+  std::vector<cuda::Copy> copies;
+  for (size_t i = 0; st == LLM_SUCCESS && i < req.segments.size(); ++i) {
+    const wire::Segment &seg = req.segments[i];
+    const uint32_t e = req.segment_export[i];
+    const cuda::PeerAllocation &peer = *opened[e];
+    const uint64_t offset = seg.addr - req.exports[e].base;
+    if (offset > peer.size() || seg.length > peer.size() - offset) {
+      target.why = "device segment " + std::to_string(i) + " [" + std::to_string(seg.addr) + ", +" +
+                   std::to_string(seg.length) + ") runs outside its exported allocation of " +
+                   std::to_string(peer.size()) + " bytes at " + std::to_string(req.exports[e].base);
+      log_warning("link to cluster " + std::to_string(peer_id_) + ": refused a device operation: " + target.why);
+      st = llm_datadist::LLM_PARAM_INVALID;
+      refuse_group(req.target.group);
+      break;
+    }
+    const auto mine = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(target.iov[i].iov_base));
+    const uint64_t theirs = peer.base() + offset;
+    const bool mine_device = target.device != nullptr;
+    copies.push_back(write ? cuda::Copy{mine, theirs, seg.length, mine_device, true}
+                           : cuda::Copy{theirs, mine, seg.length, true, mine_device});
+  }
+  if (st == LLM_SUCCESS && net::peer_closed(conn.fd)) {
+    fail(LLM_LINK_FAILED, "the peer closed the link before its same-host operation was served");
+    return;
+  }
+  if (st == LLM_SUCCESS) {
+    std::string why;
+    const cuda::Device &device = target.device ? *target.device : *opened.front()->device();
+    if (!device.copy(copies, why)) {
+      target.why = std::string("copying ") + (write ? "into" : "out of") + (target.device ? " device" : " host") +
+                   " memory on the peer failed (through CUDA IPC): " + why;
+      log_warning("link to cluster " + std::to_string(peer_id_) + ": " + target.why);
+      st = llm_datadist::LLM_FAILED;
+      refuse_group(req.target.group);
+    } else {
+      ipc_bytes_served_.fetch_add(req.total_bytes, std::memory_order_relaxed);
+    }
+  }
+  if (st == LLM_SUCCESS && !write) note_read(req);
+  send_answer(conn, answer(write ? FrameType::kWriteAck : FrameType::kReadData, header.op_id, st, target.why));
+}
+
+DevicePathStats Link::device_path_stats() const {
+  DevicePathStats s;
+  s.ipc_frames = ipc_frames_.load(std::memory_order_relaxed);
+  s.ipc_fallbacks = ipc_fallbacks_.load(std::memory_order_relaxed);
+  s.staged_frames = staged_frames_.load(std::memory_order_relaxed);
+  s.ipc_bytes_served = ipc_bytes_served_.load(std::memory_order_relaxed);
+  s.staged_bytes_served = staged_bytes_served_.load(std::memory_order_relaxed);
+  return s;
 }
 
 void Link::serve_lookup(Connection &conn, const FrameHeader &header, const wire::Request &req) {
@@ -810,6 +976,7 @@ bool Link::take_answer(const FrameHeader &header, std::vector<uint8_t> &body, ne
   std::vector<iovec> recv;
   std::shared_ptr<cuda::Device> device;
   bool known = false;
+  OpenOp resend;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = open_.find(header.op_id);
@@ -817,7 +984,12 @@ bool Link::take_answer(const FrameHeader &header, std::vector<uint8_t> &body, ne
     if (it != open_.end() && !it->second.answered && it->second.answer_type == type) {
       OpenOp &op = it->second;
       known = true;
-      if (type == FrameType::kReadData) {
+      if (op.resend && header.status == llm_datadist::LLM_FEATURE_NOT_ENABLED && header.data_len == 0) {
+        // The owner could not open this end's exports: the frame goes again
+        // inline, staged, and so does every later one on this link.
+        resend = std::move(op);
+        open_.erase(it);
+      } else if (type == FrameType::kReadData) {
         if (header.status == LLM_SUCCESS && header.data_len != op.recv_bytes) known = false;
         if (header.status == LLM_SUCCESS) {
           recv = op.recv;
@@ -837,6 +1009,16 @@ bool Link::take_answer(const FrameHeader &header, std::vector<uint8_t> &body, ne
   if (!known || (header.status != LLM_SUCCESS && header.data_len != 0) || (!recv.empty() && in == nullptr)) {
     fail(LLM_LINK_FAILED, "unexpected answer from the peer; closing the link");
     return false;
+  }
+  if (resend.resend) {
+    exports_refused_.store(true, std::memory_order_release);
+    ipc_fallbacks_.fetch_add(1, std::memory_order_relaxed);
+    const std::string why(body.begin(), body.begin() + static_cast<std::ptrdiff_t>(std::min<size_t>(body.size(), wire::kMaxReasonBytes)));
+    log_warning("link to cluster " + std::to_string(peer_id_) + ": device memory goes staged: " + why);
+    // The operation's hold on its request passes to the frame sent again.
+    send_planned(resend.write, *resend.resend, resend.request, resend.result_index, resend.deadline, resend.pin,
+                 resend.device, false);
+    return true;
   }
   if (!recv.empty() && device) {
     bool io_ok = true;
@@ -894,6 +1076,12 @@ void Link::reap() {
     std::lock_guard<std::mutex> lock(answer_mu_);
     read_answers_locked(AnswerHub::Reader::kLink);
     close_answers_locked();
+  }
+  {
+    // The peer's opened allocations close once no copy uses them.
+    std::lock_guard<std::mutex> lock(opened_mu_);
+    opened_.clear();
+    host_side_device_.reset();
   }
   for (auto &conn : conns_) {
     std::deque<OutFrame> dropped;

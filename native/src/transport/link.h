@@ -66,7 +66,8 @@ struct LinkPaths {
   bool offered = false;
   // The peer reaches this end's memory: operations started here go as
   // same-host frames, the peer copying their bytes (all but those whose
-  // local memory is on a device, which no kernel copy reaches: they go
+  // local memory is on a device, which no kernel copy reaches: they go as
+  // same-host frames naming CUDA IPC exports where both ends can, else
   // inline on the connections).
   bool peer_copies = false;
   // Set when this end reaches the peer's memory: it serves the peer's
@@ -76,6 +77,23 @@ struct LinkPaths {
   bool announce = false;
   // The link's answer socket (a Unix seqpacket socket; the link owns it), or -1.
   int answers = -1;
+  // The peer reads same-host frames naming exported device memory
+  // (wire::kDeviceHandles in its hello or ack).
+  bool peer_opens_device = false;
+};
+
+// Which path device bytes took on a link, counted since it formed.
+struct DevicePathStats {
+  // Initiator side: frames on device memory of this end sent as same-host
+  // frames with its allocations exported (CUDA IPC), sent again inline
+  // because the owner could not open the exports, and sent inline (staged).
+  uint64_t ipc_frames = 0;
+  uint64_t ipc_fallbacks = 0;
+  uint64_t staged_frames = 0;
+  // Owner side: bytes this end copied to or from the peer's opened device
+  // memory, and device bytes it staged through host buffers.
+  uint64_t ipc_bytes_served = 0;
+  uint64_t staged_bytes_served = 0;
 };
 
 // One frame of an operation, planned by the initiator.
@@ -111,15 +129,20 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader {
   bool is_down() const { return down_.load(std::memory_order_acquire); }
   // How operations started here move their bytes: "same_host" (the peer
   // copies them with one kernel call; an operation on device memory of
-  // this end still goes inline) or "tcp".
+  // this end goes as a same-host frame naming its exported allocations
+  // where both ends can, else inline, staged) or "tcp".
   const char *transport() const { return peer_copies_.load(std::memory_order_acquire) ? "same_host" : "tcp"; }
 
   // Sends the frames of one operation; each settles `result_index` of
   // `request` (one hold per frame is taken here). `pin` stays alive until
   // every frame has settled. `device`: the frames' local memory is that
-  // device's; the peer cannot reach it, so the bytes go on the connections
-  // (never as same-host frames), staged through pinned host buffers by
-  // the writer (a write) or the reader (a read's answer).
+  // device's; no kernel copy reaches it. On a same-host link whose peer
+  // opens device memory, a frame whose allocations this end can export
+  // (CUDA IPC) goes as a same-host frame naming them, and the peer copies
+  // device to device; otherwise (or when the peer answers that it cannot
+  // open them, the frame then sent again inline) the bytes go on the
+  // connections, staged through pinned host buffers by the writer (a
+  // write) or the reader (a read's answer).
   // Frames of a group (their target's `group` is not 0) all take the same
   // connection, so the peer sees them in order.
   void submit(bool write, std::vector<PlannedFrame> frames, const std::shared_ptr<Request> &request,
@@ -157,6 +180,7 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader {
   // link's own reads (at its end, before a timeout) count as kLink.
   void read_answers(AnswerHub::Reader by) override;
   size_t refused_group_count() const;
+  DevicePathStats device_path_stats() const;
 
  private:
   struct OutFrame {
@@ -207,8 +231,30 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader {
     std::string reason;  // the peer's words for a refusal
     std::string failed_here;  // why this end failed it (a device copy)
     std::shared_ptr<LookupState> lookup;  // set for lookups
+    // A same-host frame naming exported device memory: the frame as
+    // planned, sent again inline if the owner cannot open the exports.
+    std::shared_ptr<PlannedFrame> resend;
+    bool write = false;
   };
 
+  // Registers and sends one planned frame (its hold on `request` taken);
+  // `exports_ok`: it may go as a same-host frame naming device exports.
+  void send_planned(bool write, PlannedFrame &planned, const std::shared_ptr<Request> &request, size_t result_index,
+                    Clock::time_point deadline, const std::shared_ptr<const void> &pin,
+                    const std::shared_ptr<cuda::Device> &device, bool exports_ok);
+  // The exports of the allocations holding the frame's device memory;
+  // false where one cannot be exported or there are too many.
+  static bool export_all(const cuda::Device &device, const PlannedFrame &planned,
+                         std::vector<wire::DeviceExport> &exports);
+  // Serves a same-host frame naming the peer's device exports: checks this
+  // end's ranges, opens the exports, checks every segment against what was
+  // opened, then copies with the driver.
+  void serve_device_copy(Connection &conn, const wire::FrameHeader &header, const wire::Request &req, bool write);
+  // The peer's exports opened in `device`'s context (null: this end's
+  // memory is host memory; the export's device is used), cached per link;
+  // false with `why` when one cannot be opened here.
+  bool open_exports(const std::vector<wire::DeviceExport> &exports, const std::shared_ptr<cuda::Device> &device,
+                    std::vector<std::shared_ptr<cuda::PeerAllocation>> &out, std::string &why);
   // Hands a frame to the connection's writer thread, in order. A frame of
   // at most kDirectBytes (not the last before closing) is sent by the
   // calling thread instead when the connection is idle (nothing queued or
@@ -302,6 +348,16 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader {
   std::unordered_set<uint64_t> refused_groups_;
   std::deque<uint64_t> refused_order_;
   std::shared_ptr<LookupState> probe_;  // the probe out, if any
+  // Device paths.
+  const bool peer_opens_device_;
+  std::atomic<bool> exports_refused_{false};  // the peer could not open this end's exports once
+  std::atomic<uint64_t> ipc_frames_{0}, ipc_fallbacks_{0}, staged_frames_{0};
+  std::atomic<uint64_t> ipc_bytes_served_{0}, staged_bytes_served_{0};
+  // Owner side: the peer's allocations opened here, by handle and device;
+  // closed when the link is reaped (or dropped past kMaxOpened).
+  std::mutex opened_mu_;
+  std::unordered_map<std::string, std::shared_ptr<cuda::PeerAllocation>> opened_;
+  std::shared_ptr<cuda::Device> host_side_device_;  // opens exports for host memory of this end
   bool reaping_ = false;  // no thread may start any more
   bool reaped_ = false;
 };

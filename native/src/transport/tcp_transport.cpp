@@ -177,6 +177,9 @@ void TcpTransport::admit(FormedLink &formed) {
   if (paths.offered) {
     paths.peer_memory = reach(peer_id, formed.same_host);
     ack.fixed.flags |= wire::kOffersSameHost | (paths.peer_memory ? uint32_t{wire::kCopiesForYou} : 0u);
+    // Said back only to a peer that said it: one that did not may not know the flag.
+    paths.peer_opens_device = formed.opens_device;
+    if (formed.opens_device) ack.fixed.flags |= wire::kDeviceHandles;
     ack.same_host = same_host::local_info();
   }
   if (!options_.auth_key.empty()) ack.fixed.flags |= wire::kAuthenticated;
@@ -247,7 +250,7 @@ Status TcpTransport::greet(int fd, uint64_t peer_id, uint64_t nonce, uint32_t in
   handshake::Hello hello;
   hello.fixed = {cluster_id_, peer_id, nonce, role_.load(), index, count, 0};
   if (options_.same_host) {
-    hello.fixed.flags |= wire::kOffersSameHost;
+    hello.fixed.flags |= wire::kOffersSameHost | wire::kDeviceHandles;
     hello.same_host = same_host::local_info();
     if (local_socket >= 0) {
       hello.fixed.flags |= wire::kLocalSocket;
@@ -388,6 +391,7 @@ Status TcpTransport::link(uint64_t peer_id, const std::string &ip, uint16_t port
   if (st == LLM_SUCCESS && options_.same_host && ack.offers_same_host()) {
     paths.offered = true;
     paths.peer_copies = (ack.fixed.flags & wire::kCopiesForYou) != 0;
+    paths.peer_opens_device = (ack.fixed.flags & wire::kDeviceHandles) != 0;
     paths.peer_memory = reach(peer_id, ack.same_host);
     paths.announce = true;
   }
@@ -551,6 +555,7 @@ bool TcpTransport::link_stats(uint64_t peer_id, LinkStats &stats) const {
   stats.refused_groups = link->refused_group_count();
   stats.local_sockets = link->local_socket_count();
   stats.answer_socket = link->has_answer_socket();
+  stats.device = link->device_path_stats();
   return true;
 }
 

@@ -83,6 +83,7 @@ class TcpTransport : public LinkHost {
     size_t refused_groups = 0;
     size_t local_sockets = 0;  // connections on Unix sockets
     bool answer_socket = false;
+    DevicePathStats device;
   };
   bool link_stats(uint64_t peer_id, LinkStats &stats) const;
   ListenerStats listener_stats() const;

@@ -1,6 +1,8 @@
 #include "wire.h"
 
+#include <algorithm>
 #include <cstring>
+#include <iterator>
 
 namespace datadist::wire {
 
@@ -32,20 +34,29 @@ std::string check_header(const FrameHeader &h) {
 
 std::vector<uint8_t> encode_request(const Target &target, const std::vector<Range> &ranges,
                                     const std::vector<Range> &bounds, const std::vector<Segment> &segments,
-                                    const std::vector<Stride> &strides) {
+                                    const std::vector<Stride> &strides, const std::vector<DeviceExport> &exports) {
   const size_t tables = (ranges.size() + bounds.size()) * sizeof(Range);
   const size_t stride_bytes = strides.size() * sizeof(Stride);
-  std::vector<uint8_t> body(sizeof(Target) + tables + stride_bytes + segments.size() * sizeof(Segment));
+  const size_t segment_bytes = segments.size() * sizeof(Segment);
+  const size_t export_bytes = exports.empty() ? 0 : 2 * sizeof(uint32_t) + exports.size() * sizeof(DeviceExport);
+  std::vector<uint8_t> body(sizeof(Target) + tables + stride_bytes + segment_bytes + export_bytes);
   Target t = target;
   t.range_count = static_cast<uint32_t>(ranges.size());
   t.bound_count = static_cast<uint16_t>(bounds.size());
   t.flags = static_cast<uint8_t>(strides.empty() ? t.flags & ~kStrided : t.flags | kStrided);
+  t.flags = static_cast<uint8_t>(exports.empty() ? t.flags & ~kDeviceSegments : t.flags | kDeviceSegments);
   std::memcpy(body.data(), &t, sizeof(t));
   uint8_t *at = body.data() + sizeof(Target);
   if (!ranges.empty()) std::memcpy(at, ranges.data(), ranges.size() * sizeof(Range));
   if (!bounds.empty()) std::memcpy(at + ranges.size() * sizeof(Range), bounds.data(), bounds.size() * sizeof(Range));
   if (!strides.empty()) std::memcpy(at + tables, strides.data(), stride_bytes);
-  if (!segments.empty()) std::memcpy(at + tables + stride_bytes, segments.data(), segments.size() * sizeof(Segment));
+  if (!segments.empty()) std::memcpy(at + tables + stride_bytes, segments.data(), segment_bytes);
+  if (!exports.empty()) {
+    uint8_t *table = at + tables + stride_bytes + segment_bytes;
+    const uint32_t head[2] = {static_cast<uint32_t>(exports.size()), 0};
+    std::memcpy(table, head, sizeof(head));
+    std::memcpy(table + sizeof(head), exports.data(), exports.size() * sizeof(DeviceExport));
+  }
   return body;
 }
 
@@ -98,13 +109,29 @@ std::string decode_request(const std::vector<uint8_t> &body, Request &out, bool 
   std::memcpy(&out.target, body.data(), sizeof(Target));
   const Target &t = out.target;
   if (t.kind < kById || t.kind > kRawAddress) return "unknown target kind";
-  if ((t.flags & ~(kWithinSlot | kReleaseKey | kStrided)) != 0) return "unknown target flags";
+  if ((t.flags & ~(kWithinSlot | kReleaseKey | kStrided | kDeviceSegments)) != 0) return "unknown target flags";
+  const bool device_segments = (t.flags & kDeviceSegments) != 0;
+  if (device_segments && !with_segments) return "device segments without segments";
   if ((t.flags & kReleaseKey) != 0 && t.kind != kByKey) return "key release without a key";
   if (t.range_count > kMaxRanges || t.bound_count > kMaxBounds) return "too many ranges";
   const size_t count = static_cast<size_t>(t.range_count) + t.bound_count;
   const size_t strides = (t.flags & kStrided) != 0 ? t.range_count : 0;
   const size_t segments = with_segments ? t.range_count : 0;
-  if (body.size() != sizeof(Target) + count * sizeof(Range) + strides * sizeof(Stride) + segments * sizeof(Segment)) {
+  const size_t fixed = sizeof(Target) + count * sizeof(Range) + strides * sizeof(Stride) + segments * sizeof(Segment);
+  size_t export_count = 0;
+  if (device_segments) {
+    uint32_t head[2] = {0, 0};
+    if (body.size() < fixed + sizeof(head)) return "export table missing";
+    std::memcpy(head, body.data() + fixed, sizeof(head));
+    if (head[0] == 0 || head[0] > kMaxExports || head[1] != 0) return "bad export count";
+    export_count = head[0];
+    if (body.size() != fixed + sizeof(head) + export_count * sizeof(DeviceExport)) return "export table length mismatch";
+    out.exports.resize(export_count);
+    std::memcpy(out.exports.data(), body.data() + fixed + sizeof(head), export_count * sizeof(DeviceExport));
+    for (const DeviceExport &e : out.exports) {
+      if (e.reserved != 0) return "bad device export";
+    }
+  } else if (body.size() != fixed) {
     return "range table length mismatch";
   }
   out.ranges.resize(t.range_count);
@@ -137,6 +164,20 @@ std::string decode_request(const std::vector<uint8_t> &body, Request &out, bool 
   }
   for (const Segment &s : out.segments) {
     if (s.addr + s.length < s.addr) return "segment wraps around the address space";
+  }
+  if (device_segments) {
+    // Each segment's export: the greatest base at or below its address.
+    std::vector<uint32_t> by_base(out.exports.size());
+    for (uint32_t i = 0; i < by_base.size(); ++i) by_base[i] = i;
+    std::sort(by_base.begin(), by_base.end(),
+              [&](uint32_t a, uint32_t b) { return out.exports[a].base < out.exports[b].base; });
+    out.segment_export.resize(out.segments.size());
+    for (size_t i = 0; i < out.segments.size(); ++i) {
+      auto it = std::upper_bound(by_base.begin(), by_base.end(), out.segments[i].addr,
+                                 [&](uint64_t addr, uint32_t e) { return addr < out.exports[e].base; });
+      if (it == by_base.begin()) return "device segment below every export";
+      out.segment_export[i] = *std::prev(it);
+    }
   }
   return {};
 }

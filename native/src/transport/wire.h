@@ -104,6 +104,10 @@ enum HelloFlags : uint32_t {
   // the initiator made for the link's answers (each message one answer
   // frame without data, in either direction). Ack: the acceptor took it.
   kAnswerSocket = 32,
+  // Same-host links only. Hello or ack: the sender reads same-host frames
+  // whose segments are exported device memory (kDeviceSegments). An end
+  // sends such frames only to a peer that said so.
+  kDeviceHandles = 64,
 };
 
 // A hello is followed by a SameHostInfo when its flags offer the same-host
@@ -142,6 +146,9 @@ enum TargetFlags : uint8_t {
   kWithinSlot = 1,  // every range must stay inside one slot
   kReleaseKey = 2,  // a read through a key: the owner releases the key once every tensor was read
   kStrided = 4,     // a Stride per range follows the bounds
+  // Same-host frames only: the segments are addresses in the initiator's
+  // device memory, and an export table follows them (see DeviceExport).
+  kDeviceSegments = 8,
 };
 
 // Names a cache on the owner and how the initiator sees its geometry.
@@ -189,6 +196,21 @@ struct Stride {
 };
 static_assert(sizeof(Stride) == 24, "stride layout");
 
+// With kDeviceSegments, after the segments: a uint32 count, a uint32 zero,
+// then `count` of these. Each names one device allocation of the
+// initiator's, as cuIpcGetMemHandle exported it, and its base address
+// there; a segment lies in the export with the greatest base at or below
+// its address, at that distance from the base. The owner opens the handle
+// and checks every segment against the size of what it opened.
+struct DeviceExport {
+  uint8_t handle[64];
+  uint64_t base;
+  int32_t ordinal;  // the initiator's device (a hint: where to open it)
+  uint32_t reserved;
+};
+static_assert(sizeof(DeviceExport) == 80, "device export layout");
+constexpr uint32_t kMaxExports = 1024;
+
 struct LookupReply {
   int64_t cache_id;
   uint32_t num_tensors;
@@ -213,15 +235,21 @@ struct Request {
   std::vector<Range> ranges;
   std::vector<Range> bounds;
   std::vector<Segment> segments;
+  // kDeviceSegments: the export table, and for each segment the index of
+  // the export it lies in.
+  std::vector<DeviceExport> exports;
+  std::vector<uint32_t> segment_export;
   uint64_t total_bytes = 0;
 };
 
-// Encodes a target, ranges, bounds, (same-host frames) segments and, when
-// not empty, one stride per range (sets kStrided) into a body.
+// Encodes a target, ranges, bounds, (same-host frames) segments, when not
+// empty one stride per range (sets kStrided) and, when not empty, the
+// export table of device segments (sets kDeviceSegments) into a body.
 std::vector<uint8_t> encode_request(const Target &target, const std::vector<Range> &ranges,
                                     const std::vector<Range> &bounds = {},
                                     const std::vector<Segment> &segments = {},
-                                    const std::vector<Stride> &strides = {});
+                                    const std::vector<Stride> &strides = {},
+                                    const std::vector<DeviceExport> &exports = {});
 // Empty string on success; otherwise why the body is malformed. A body with
 // `with_segments` must carry one segment per range, of the range's length.
 std::string decode_request(const std::vector<uint8_t> &body, Request &out, bool with_segments = false);
