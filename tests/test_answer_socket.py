@@ -11,6 +11,7 @@ the result, and which reader took the answers (``answer_counts``).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any, Optional
@@ -78,6 +79,28 @@ def assert_block_moved(a: Peer, b: Peer, local, remote, sent: list[np.ndarray], 
         )
 
 
+HOLD_S = 0.3
+
+
+def with_owner_held(owner: Peer, call: Any) -> Any:
+    """``call()`` (a command to the initiator) run while ``owner`` is frozen
+    (SIGSTOP) for HOLD_S: the operation it starts cannot be answered before
+    the owner runs again, so its waiter is already waiting when the answer
+    comes, however loaded the machine (an unloaded one answers a 4 KiB push
+    before the waiter would get there)."""
+    result: list[Any] = []
+    owner.stop()
+    caller = threading.Thread(target=lambda: result.append(call()))
+    try:
+        caller.start()
+        time.sleep(HOLD_S)
+    finally:
+        owner.cont()
+    caller.join(60)
+    assert result, "the held call did not return"
+    return result[0]
+
+
 # Who may read the answers of each way of waiting (answer_hub.h): the waiter
 # itself, at the moment it waits. With the sweep off (answer_sweep_ms=0) an
 # answer no waiter reads would wait for sync_kv_timeout and be read by the
@@ -115,7 +138,12 @@ def test_every_way_of_waiting_reads_its_own_answers(group, style, loop):
     before = counts(a)
     threads = set()
     for i in range(OPS):
-        result, where = a.cm_waited(style, "push_blocks", remote.blocks_key(), local, [i % 16], [(i + 1) % 16])
+        def waited(i: int = i) -> tuple[Any, str]:
+            return a.cm_waited(style, "push_blocks", remote.blocks_key(), local, [i % 16], [(i + 1) % 16])
+
+        # The first operation's answer comes after its waiter waits: a
+        # callback is then registered on a task that is not done yet.
+        result, where = with_owner_held(b, waited) if i == 0 else waited()
         assert result == [SUCCESS]
         threads.add(where)
     read = read_since(a, before)
@@ -136,7 +164,11 @@ def test_a_blocking_wait_has_the_answer_thread_read(group):
     a, b, local, remote, sent = prepared(group, 6, options=NO_SWEEP)
     before = counts(a)
     for i in range(OPS):
-        assert a.cm("push_blocks", remote.blocks_key(), local, [i % 16], [15 - i % 16]) is None
+        def push(i: int = i) -> Any:
+            return a.cm("push_blocks", remote.blocks_key(), local, [i % 16], [15 - i % 16])
+
+        # The first answer comes while the caller sleeps in its wait.
+        assert (with_owner_held(b, push) if i == 0 else push()) is None
     read = read_since(a, before)
     assert read["thread"] + read["look"] == OPS and read["thread"] > 0, read
     for i in range(OPS - 16, OPS):
