@@ -12,6 +12,7 @@ from .cache_manager import CacheManager
 from .cache_task import CacheTask
 from .cluster_info import LLMClusterInfo
 from .config import LlmConfig, LLMConfig
+from .cuda_event_synchronizer import CudaEventSynchronizer
 from .data_type import DataType
 from .enums import LLMRole, Memtype, Placement, RegisterMemStatus
 from .layer_synchronizer import LayerSynchronizer
@@ -30,6 +31,7 @@ __all__ = [
     "CacheKeyByIdAndIndex",
     "CacheManager",
     "CacheTask",
+    "CudaEventSynchronizer",
     "DataType",
     "LLMClusterInfo",
     "LLMConfig",

@@ -221,6 +221,13 @@ void bind_engine(py::module_ &m) {
       .def("answer_counts", &Engine::answer_counts)
       .def("create_request", &Engine::create_request, py::arg("num_results"))
       .def(
+          "watch_event",
+          [](Engine &e, uint64_t event) {
+            return start_request([&](std::shared_ptr<Request> &out) { return e.watch_event(event, out); });
+          },
+          py::arg("event"))
+      .def("unwatch_event", &Engine::unwatch_event, py::arg("request_id"), py::call_guard<py::gil_scoped_release>())
+      .def(
           "transfer_step",
           [](Engine &e, const std::shared_ptr<Request> &into, size_t result_index, int64_t src_id, uint64_t peer,
              uint32_t src_layer, uint32_t dst_layer, uint64_t src_slot, std::vector<uint64_t> src_blocks,

@@ -147,6 +147,11 @@ void Engine::finalize() {
   }
   state_ = State::kFinalized;
   tracker_->cancel_all(LLM_ENGINE_FINALIZED);
+  {
+    std::lock_guard<std::mutex> watches(watches_mu_);
+    for (auto &[id, watch] : watches_) watch->settle(kCancelledStatus, true);
+    watches_.clear();
+  }
   comms_->shutdown();  // no comm links any more
   transport_->shutdown(LLM_ENGINE_FINALIZED);  // settles every operation with a peer
   workers_->shutdown();  // runs what is queued; cancelled work is skipped
@@ -887,6 +892,62 @@ Status Engine::transfer_step(const std::shared_ptr<Request> &into, size_t result
   }
   std::shared_ptr<Request> out;
   return start_remote(link, true, planner, src, out, into, result_index);
+}
+
+}  // namespace datadist
+
+namespace datadist {
+
+void Engine::EventWatch::settle(Status status, bool skipped) {
+  if (!settled.exchange(true)) request->release(0, status, skipped);
+}
+
+Status Engine::watch_event(uint64_t event, std::shared_ptr<Request> &out) {
+  clear_error_detail();
+  std::shared_lock<std::shared_mutex> lock(state_mu_);
+  if (state_ != State::kReady) return not_ready(state_ == State::kFinalized);
+  if (event == 0) return refuse(LLM_PARAM_INVALID, "event: 0 is not a CUevent");
+  CacheSpec device_spec;
+  device_spec.placement = Placement::kDevice;
+  std::shared_ptr<cuda::Device> device;
+  Status st = open_device(device_spec, device);
+  if (st != LLM_SUCCESS) return st;
+  auto watch = std::make_shared<EventWatch>();
+  watch->request = tracker_->create(1);  // its hold is the watch's
+  std::string why;
+  // The host function keeps the device (and so the stream it runs on) alive.
+  auto done = [watch, device] { watch->settle(LLM_SUCCESS, false); };
+  {
+    std::lock_guard<std::mutex> watches(watches_mu_);
+    for (auto it = watches_.begin(); it != watches_.end();) {
+      it = it->second->settled.load() ? watches_.erase(it) : std::next(it);
+    }
+    watches_.emplace(watch->request->id(), watch);
+  }
+  if (!device->after_event(reinterpret_cast<cuda::CUevent>(static_cast<uintptr_t>(event)), std::move(done), why)) {
+    {
+      std::lock_guard<std::mutex> watches(watches_mu_);
+      watches_.erase(watch->request->id());
+    }
+    watch->settle(LLM_PARAM_INVALID, true);
+    return refuse(LLM_PARAM_INVALID, words("event ", event, ": ", why));
+  }
+  out = watch->request;
+  return LLM_SUCCESS;
+}
+
+bool Engine::unwatch_event(uint64_t request_id) {
+  std::shared_ptr<EventWatch> watch;
+  {
+    std::lock_guard<std::mutex> watches(watches_mu_);
+    auto it = watches_.find(request_id);
+    if (it == watches_.end()) return false;
+    watch = std::move(it->second);
+    watches_.erase(it);
+  }
+  const bool first = !watch->settled.load();
+  watch->settle(kCancelledStatus, true);
+  return first;
 }
 
 }  // namespace datadist

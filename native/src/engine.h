@@ -11,11 +11,13 @@
 #ifndef DATADIST_ENGINE_H_
 #define DATADIST_ENGINE_H_
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <optional>
 #include <shared_mutex>
+#include <unordered_map>
 #include <vector>
 
 #include "cache_geometry.h"
@@ -189,6 +191,18 @@ class Engine {
   Status transfer_step(const std::shared_ptr<Request> &into, size_t result_index, int64_t src_id, uint64_t peer,
                        const TransferStep &step);
 
+  // CUDA events. watch_event: `out` (one result) completes with
+  // LLM_SUCCESS once the work `event` (a CUevent of the engine's device,
+  // llm.DeviceId) last recorded before the call has completed, through the
+  // completion queue like any request, with no thread of the engine's
+  // waiting meanwhile (cuda::Device::after_event). LLM_FEATURE_NOT_ENABLED
+  // without a driver or device; LLM_PARAM_INVALID, with the driver's words,
+  // when the driver refuses the event. unwatch_event settles a watch not yet
+  // completed as cancelled (false if there is none); finalize does so for
+  // every one.
+  Status watch_event(uint64_t event, std::shared_ptr<Request> &out);
+  bool unwatch_event(uint64_t request_id);
+
  private:
   enum class State { kCreated, kReady, kFinalized };
 
@@ -221,6 +235,16 @@ class Engine {
   mutable std::mutex device_mu_;
   mutable std::shared_ptr<cuda::Device> device_;  // opened by the first DEVICE cache
   State state_ = State::kCreated;
+
+  // A request of watch_event; settled once, by the event's host function
+  // or by unwatch_event / finalize, whichever comes first.
+  struct EventWatch {
+    std::shared_ptr<Request> request;
+    std::atomic<bool> settled{false};
+    void settle(Status status, bool skipped);
+  };
+  std::mutex watches_mu_;
+  std::unordered_map<uint64_t, std::shared_ptr<EventWatch>> watches_;  // by request id; settled ones swept
 };
 
 }  // namespace datadist

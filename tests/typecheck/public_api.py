@@ -42,3 +42,10 @@ def blocking_twins(cm: dd.CacheManager) -> None:
 async def awaited(cm: dd.CacheManager, cache: dd.Cache) -> list[dd.LLMStatusCode]:
     task: dd.CacheTask = cm.push_blocks_async(dd.BlocksCacheKey(2, 0), cache, [0], [1])
     return await task
+
+
+async def released_by_events(datadist: dd.LLMDataDist, cache: dd.Cache, events: list[int]) -> list[dd.LLMStatusCode]:
+    sync = dd.CudaEventSynchronizer(datadist, events[:1])
+    sync.record(1, events[1])
+    config = dd.TransferWithCacheKeyConfig(dd.BlocksCacheKey(2, 0), range(0, 2), range(0, 2))
+    return await datadist.cache_manager.transfer_cache_async(cache, sync, [config], [0], [1])

@@ -85,6 +85,7 @@ using PFN_cuStreamCreate = CUresult (*)(CUstream *stream, unsigned int flags);
 using PFN_cuStreamDestroy = CUresult (*)(CUstream stream);
 using PFN_cuStreamSynchronize = CUresult (*)(CUstream stream);
 using PFN_cuLaunchHostFunc = CUresult (*)(CUstream stream, CUhostFn fn, void *user_data);
+using PFN_cuStreamWaitEvent = CUresult (*)(CUstream stream, CUevent event, unsigned int flags);
 using PFN_cuIpcGetMemHandle = CUresult (*)(CUipcMemHandle *handle, CUdeviceptr ptr);
 using PFN_cuIpcOpenMemHandle = CUresult (*)(CUdeviceptr *ptr, CUipcMemHandle handle, unsigned int flags);
 using PFN_cuIpcCloseMemHandle = CUresult (*)(CUdeviceptr ptr);

@@ -64,6 +64,7 @@ Loaded load() {
   resolve(library, "cuStreamDestroy_v2", d.cuStreamDestroy, missing);
   resolve(library, "cuStreamSynchronize", d.cuStreamSynchronize, missing);
   resolve(library, "cuLaunchHostFunc", d.cuLaunchHostFunc, missing);
+  resolve(library, "cuStreamWaitEvent", d.cuStreamWaitEvent, missing);
   resolve(library, "cuIpcGetMemHandle", d.cuIpcGetMemHandle, missing);
   resolve(library, "cuIpcOpenMemHandle_v2", d.cuIpcOpenMemHandle, missing);
   resolve(library, "cuIpcCloseMemHandle", d.cuIpcCloseMemHandle, missing);
@@ -197,6 +198,44 @@ CUstream Device::take_stream(std::string &why) const {
 void Device::give_stream(CUstream stream) const {
   std::lock_guard<std::mutex> lock(streams_mu_);
   streams_.push_back(stream);
+}
+
+namespace {
+
+// What a host function of after_event owns: it runs once and deletes it.
+struct AfterEvent {
+  const Device *device;
+  CUstream stream;
+  std::function<void()> done;
+};
+
+void run_after_event(void *data) {
+  std::unique_ptr<AfterEvent> after(static_cast<AfterEvent *>(data));
+  after->done();
+  // The host function is the stream's last work: nothing calls the driver here.
+  after->device->give_stream(after->stream);
+}
+
+}  // namespace
+
+bool Device::after_event(CUevent event, std::function<void()> done, std::string &why) const {
+  CUstream stream = take_stream(why);
+  if (stream == nullptr) return false;
+  CUresult r = driver_->cuStreamWaitEvent(stream, event, 0);
+  if (r != CUDA_SUCCESS) {
+    why = "cuStreamWaitEvent: " + describe(r);
+    give_stream(stream);  // nothing was queued
+    return false;
+  }
+  auto after = std::make_unique<AfterEvent>(AfterEvent{this, stream, std::move(done)});
+  r = driver_->cuLaunchHostFunc(stream, &run_after_event, after.get());
+  if (r != CUDA_SUCCESS) {
+    why = "cuLaunchHostFunc: " + describe(r);
+    // The stream keeps the queued wait: it is not given back to others.
+    return false;
+  }
+  after.release();  // the host function's now
+  return true;
 }
 
 staging::Pool &Device::staging_pool(bool inbound) const {

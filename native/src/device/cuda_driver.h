@@ -7,6 +7,7 @@
 #define DATADIST_DEVICE_CUDA_DRIVER_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -49,6 +50,7 @@ struct Driver {
   PFN_cuStreamDestroy cuStreamDestroy = nullptr;
   PFN_cuStreamSynchronize cuStreamSynchronize = nullptr;
   PFN_cuLaunchHostFunc cuLaunchHostFunc = nullptr;
+  PFN_cuStreamWaitEvent cuStreamWaitEvent = nullptr;
   PFN_cuIpcGetMemHandle cuIpcGetMemHandle = nullptr;
   PFN_cuIpcOpenMemHandle cuIpcOpenMemHandle = nullptr;
   PFN_cuIpcCloseMemHandle cuIpcCloseMemHandle = nullptr;
@@ -156,6 +158,16 @@ class Device {
   // coming in, so a transfer waiting for a buffer to receive into never
   // waits behind one that is sending (see staging.h).
   staging::Pool &staging_pool(bool inbound) const;
+
+  // Calls `done` once the work `event` last recorded (before this call) has
+  // completed: a stream of the engine's waits for the event
+  // (cuStreamWaitEvent), then runs `done` as a host function on the
+  // driver's thread (so `done` may not call the driver); the stream goes
+  // back once `done` has run. No thread of the engine's waits meanwhile.
+  // False with `why` (the driver's words) when the driver refuses the event
+  // or the host function; `done` is then never called. The caller keeps
+  // this Device alive until `done` has run (`done` may hold it). Any thread.
+  bool after_event(CUevent event, std::function<void()> done, std::string &why) const;
 
  private:
   Device(const Driver *driver, int ordinal, CUcontext context)
