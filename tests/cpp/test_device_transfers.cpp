@@ -1,10 +1,12 @@
 // Transfers of caches in device memory through the C++ API (PushKvBlocks,
 // PullKvBlocks, PushKvCache, PullKvCache) between every mix of host and
-// device caches, on the CUDA driver stand-in (tests/cuda_standin), whose
-// device memory the host cannot touch: a stray dereference kills the
+// device caches, and the engine's watch of a CUDA event, on the CUDA
+// driver stand-in (tests/cuda_standin), whose device memory the host
+// cannot touch: a stray dereference kills the
 // process. The driver is loaded once per process, so the test runs this
 // binary again with the stand-in named in $DATADIST_AIO_CUDA_DRIVER and
 // only the DeviceTransfersChild tests selected; they skip anywhere else.
+#include <dlfcn.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -16,6 +18,8 @@
 #include <thread>
 #include <vector>
 
+#include "engine.h"
+#include "error_detail.h"
 #include "test_support.h"
 
 extern char **environ;
@@ -177,6 +181,104 @@ TEST_F(DeviceTransfersChild, KvBlocksAndKvCacheEveryMix) {
     EXPECT_STATUS(LLM_PARAM_INVALID, client_->PushKvBlocks(mine.cache(), theirs.At(kServerId), {0, 1}, {3, kBlocks}));
     EXPECT_TRUE(SameBytes(theirs.Snapshot(), expected));
   }
+}
+
+}  // namespace
+}  // namespace dd_test
+
+namespace dd_test {
+namespace {
+
+// The stand-in's entry points a model would call, with void * for handles.
+struct ModelStream {
+  using Fn = void (*)(void *);
+  int (*cuInit)(unsigned) = nullptr;
+  int (*cuDevicePrimaryCtxRetain)(void **, int) = nullptr;
+  int (*cuCtxSetCurrent)(void *) = nullptr;
+  int (*cuStreamCreate)(void **, unsigned) = nullptr;
+  int (*cuStreamSynchronize)(void *) = nullptr;
+  int (*cuStreamDestroy)(void *) = nullptr;
+  int (*cuEventCreate)(void **, unsigned) = nullptr;
+  int (*cuEventRecord)(void *, void *) = nullptr;
+  int (*cuEventDestroy)(void *) = nullptr;
+  int (*cuLaunchHostFunc)(void *, Fn, void *) = nullptr;
+  void *stream = nullptr;
+
+  template <typename F>
+  static void find(void *lib, const char *name, F &slot) {
+    slot = reinterpret_cast<F>(dlsym(lib, name));
+    ASSERT_NE(slot, nullptr) << name;
+  }
+};
+
+// A host function that holds its stream until the flag it is given is set.
+void hold_until_set(void *flag) {
+  auto *open = static_cast<std::atomic<bool> *>(flag);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!open->load() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+TEST_F(DeviceTransfersChild, WatchEventCompletesOnceTheEventHas) {
+  void *lib = dlopen(std::getenv("DATADIST_AIO_CUDA_DRIVER"), RTLD_NOW);
+  ASSERT_NE(lib, nullptr);
+  ModelStream m;
+  ModelStream::find(lib, "cuInit", m.cuInit);
+  ModelStream::find(lib, "cuDevicePrimaryCtxRetain", m.cuDevicePrimaryCtxRetain);
+  ModelStream::find(lib, "cuCtxSetCurrent", m.cuCtxSetCurrent);
+  ModelStream::find(lib, "cuStreamCreate", m.cuStreamCreate);
+  ModelStream::find(lib, "cuStreamSynchronize", m.cuStreamSynchronize);
+  ModelStream::find(lib, "cuStreamDestroy_v2", m.cuStreamDestroy);
+  ModelStream::find(lib, "cuEventCreate", m.cuEventCreate);
+  ModelStream::find(lib, "cuEventRecord", m.cuEventRecord);
+  ModelStream::find(lib, "cuEventDestroy_v2", m.cuEventDestroy);
+  ModelStream::find(lib, "cuLaunchHostFunc", m.cuLaunchHostFunc);
+  ASSERT_EQ(m.cuInit(0), 0);
+  void *context = nullptr;
+  ASSERT_EQ(m.cuDevicePrimaryCtxRetain(&context, 0), 0);
+  ASSERT_EQ(m.cuCtxSetCurrent(context), 0);
+  ASSERT_EQ(m.cuStreamCreate(&m.stream, 1), 0);
+
+  datadist::Engine engine(9);
+  ASSERT_EQ(engine.initialize({}), LLM_SUCCESS);
+  // Two events behind two holds on the model's stream.
+  std::atomic<bool> first{false}, second{false};
+  void *events[2] = {nullptr, nullptr};
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_EQ(m.cuEventCreate(&events[i], 0), 0);
+    ASSERT_EQ(m.cuLaunchHostFunc(m.stream, &hold_until_set, i == 0 ? &first : &second), 0);
+    ASSERT_EQ(m.cuEventRecord(events[i], m.stream), 0);
+  }
+  auto handle = [](void *event) { return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(event)); };
+  std::shared_ptr<datadist::Request> done, cancelled;
+  ASSERT_EQ(engine.watch_event(handle(events[0]), done), LLM_SUCCESS);
+  ASSERT_EQ(engine.watch_event(handle(events[1]), cancelled), LLM_SUCCESS);
+  ASSERT_TRUE(done->watch());  // a completion-queue entry when it completes
+  EXPECT_FALSE(done->wait(50));
+  first = true;
+  ASSERT_TRUE(done->wait(5000));
+  EXPECT_EQ(done->results(), std::vector<Status>{LLM_SUCCESS});
+  bool queued = false;
+  for (const datadist::Completion &c : engine.completions()->drain()) queued |= c.request_id == done->id();
+  EXPECT_TRUE(queued);
+  // A watch stopped before its event completes settles at once, as cancelled.
+  EXPECT_FALSE(cancelled->done());
+  EXPECT_TRUE(engine.unwatch_event(cancelled->id()));
+  ASSERT_TRUE(cancelled->wait(1000));
+  EXPECT_EQ(cancelled->results(), std::vector<Status>{datadist::kCancelledStatus});
+  EXPECT_FALSE(engine.unwatch_event(cancelled->id()));
+  // A handle the driver does not know.
+  std::shared_ptr<datadist::Request> refused;
+  EXPECT_EQ(engine.watch_event(0xdead0, refused), LLM_PARAM_INVALID);
+  EXPECT_NE(datadist::error_detail().find("CUDA_ERROR_INVALID_HANDLE"), std::string::npos) << datadist::error_detail();
+  EXPECT_EQ(refused, nullptr);
+  second = true;
+  ASSERT_EQ(m.cuStreamSynchronize(m.stream), 0);
+  engine.finalize();
+  EXPECT_EQ(engine.requests_in_flight(), 0u);
+  for (void *event : events) m.cuEventDestroy(event);
+  m.cuStreamDestroy(m.stream);
 }
 
 }  // namespace
