@@ -259,8 +259,13 @@ TEST_F(DeviceTransfersChild, WatchEventCompletesOnceTheEventHas) {
   first = true;
   ASSERT_TRUE(done->wait(5000));
   EXPECT_EQ(done->results(), std::vector<Status>{LLM_SUCCESS});
+  // The entry is pushed right after the waiters are woken: look until it came.
   bool queued = false;
-  for (const datadist::Completion &c : engine.completions()->drain()) queued |= c.request_id == done->id();
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (!queued && std::chrono::steady_clock::now() < until) {
+    for (const datadist::Completion &c : engine.completions()->drain()) queued |= c.request_id == done->id();
+    if (!queued) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   EXPECT_TRUE(queued);
   // A watch stopped before its event completes settles at once, as cancelled.
   EXPECT_FALSE(cancelled->done());
