@@ -664,7 +664,7 @@ class WorkerSide:
             if settled:
                 self._inflight = [load for load in self._inflight if load not in settled]
         if settled:
-            forget = [load.spec for load in settled if not self._settle(load, now) and not load.local]
+            forget = [load.spec for load in settled if not self._settle(load) and not load.local]
             # One wake-up of the loop thread for the whole batch: the
             # releases go to the prefills, the failed peers are dropped.
             assert self._loop is not None
@@ -685,7 +685,7 @@ class WorkerSide:
             self.pusher.freed(sending)
         return sending, recving, failed
 
-    def _settle(self, load: _Load, now: float) -> bool:
+    def _settle(self, load: _Load) -> bool:
         """Records a finished load; True if its bytes arrived."""
         spec = load.spec
         if not load.error:
@@ -710,7 +710,7 @@ class WorkerSide:
                 self._invalid_blocks.update(spec.local_block_ids)
                 self._failed_recving.add(spec.req_id)
             self._finished_recving.add(spec.req_id)
-            self._records.append(TransferRecord((load.seen_done or now) - load.start, load.nbytes if ok else 0,
+            self._records.append(TransferRecord(load.seen_done - load.start, load.nbytes if ok else 0,
                                                 len(spec.local_block_ids), ok))
         if not ok and not load.local:
             self._routes.pop(_instance(spec), None)
