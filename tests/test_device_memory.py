@@ -84,6 +84,19 @@ def _child(conn: Any, env: dict[str, str], scenario: Callable[..., None], args: 
 # -- in the child: the driver through ctypes, as a framework's tensors would use it --------------
 
 
+class MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class AllocationProp(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", MemLocation),
+                ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", ctypes.c_ubyte * 8)]
+
+
+class AccessDesc(ctypes.Structure):
+    _fields_ = [("location", MemLocation), ("flags", ctypes.c_int)]
+
+
 class Cuda:
     """The stand-in's entry points for the test's own device memory."""
 
@@ -127,6 +140,44 @@ class Cuda:
 
     def live(self) -> int:
         return int(self.lib.standin_cuda_live_allocations())
+
+    # Memory of the driver's virtual memory management, as torch's expandable
+    # segments make it: one reserved range backed by physical allocations
+    # (cuMemCreate) mapped side by side.
+
+    GRANULARITY = 2 << 20  # the stand-in's
+
+    def vmm_alloc(self, pieces: int, posix_fd: bool = True, device: int = 0) -> int:
+        """A range of ``pieces`` physical allocations of GRANULARITY bytes,
+        each made with the POSIX-fd handle type when ``posix_fd``, mapped in
+        order and read-write on ``device``; its base."""
+        size = pieces * self.GRANULARITY
+        base = ctypes.c_ulonglong()
+        self.check(self.lib.cuMemAddressReserve(ctypes.byref(base), ctypes.c_size_t(size), ctypes.c_size_t(0),
+                                                ctypes.c_ulonglong(0), ctypes.c_ulonglong(0)), "cuMemAddressReserve")
+        prop = AllocationProp(type=1, requestedHandleTypes=1 if posix_fd else 0, location=MemLocation(1, device))
+        for i in range(pieces):
+            handle = ctypes.c_ulonglong()
+            self.check(self.lib.cuMemCreate(ctypes.byref(handle), ctypes.c_size_t(self.GRANULARITY),
+                                            ctypes.byref(prop), ctypes.c_ulonglong(0)), "cuMemCreate")
+            self.check(self.lib.cuMemMap(ctypes.c_ulonglong(base.value + i * self.GRANULARITY),
+                                         ctypes.c_size_t(self.GRANULARITY), ctypes.c_size_t(0), handle,
+                                         ctypes.c_ulonglong(0)), "cuMemMap")
+            # The mapping holds the memory from here.
+            self.check(self.lib.cuMemRelease(handle), "cuMemRelease")
+        access = AccessDesc(MemLocation(1, device), 3)
+        self.check(self.lib.cuMemSetAccess(ctypes.c_ulonglong(base.value), ctypes.c_size_t(size), ctypes.byref(access),
+                                           ctypes.c_size_t(1)), "cuMemSetAccess")
+        return base.value
+
+    def vmm_free(self, base: int, pieces: int) -> None:
+        size = ctypes.c_size_t(pieces * self.GRANULARITY)
+        self.check(self.lib.cuMemUnmap(ctypes.c_ulonglong(base), size), "cuMemUnmap")
+        self.check(self.lib.cuMemAddressFree(ctypes.c_ulonglong(base), size), "cuMemAddressFree")
+
+    def live_vmm(self) -> int:
+        """Physical allocations of cuMemCreate or imported, alive in this process."""
+        return int(self.lib.standin_cuda_live_vmm_allocations())
 
 
 def _datadist(device_id: int = 0, pool: bool = True) -> Any:

@@ -18,7 +18,8 @@ HELLO_ACK = struct.Struct("<QII")
 TARGET = struct.Struct("<BBHIqQQQQQ")
 RANGE = struct.Struct("<IIQQQ")
 SEGMENT = struct.Struct("<QQ")
-DEVICE_EXPORT = struct.Struct("<64sQiI")  # handle, base, ordinal, reserved
+DEVICE_EXPORT = struct.Struct("<64sQiI")  # handle, base, ordinal, kind
+DEVICE_FD = struct.Struct("<iIQQ")  # the handle of a descriptor export: fd, zero, size, serial
 STRIDE = struct.Struct("<IIQQ")
 SAME_HOST_INFO = struct.Struct("<16sQQ24s")
 LOOKUP_REPLY = struct.Struct("<qIIQQQ")
@@ -33,6 +34,9 @@ CHALLENGE_T, PROOF_T = 14, 15
 OFFERS_SAME_HOST, COPIES_FOR_YOU, AUTHENTICATED, GRANTS_CONNECTIONS, LOCAL_SOCKET = 1, 2, 4, 8, 16
 ANSWER_SOCKET = 32
 DEVICE_HANDLES = 64
+DEVICE_FDS = 128
+# Device export kinds.
+EXPORT_IPC, EXPORT_FD = 0, 1
 # Target kinds and flags.
 BY_ID, BY_KEY, BLOCKS_OF_MODEL, RAW_ADDRESS = 1, 2, 3, 4
 WITHIN_SLOT, RELEASE_KEY, STRIDED, DEVICE_SEGMENTS = 1, 2, 4, 8

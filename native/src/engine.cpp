@@ -344,7 +344,10 @@ std::map<std::string, uint64_t> Engine::link_stats(uint64_t peer) const {
           {"ipc_fallbacks", stats.device.ipc_fallbacks},
           {"staged_frames", stats.device.staged_frames},
           {"ipc_bytes_served", stats.device.ipc_bytes_served},
-          {"staged_bytes_served", stats.device.staged_bytes_served}};
+          {"staged_bytes_served", stats.device.staged_bytes_served},
+          {"fd_frames", stats.device.fd_frames},
+          {"fd_bytes_served", stats.device.fd_bytes_served},
+          {"fd_imports", stats.device.fd_imports}};
 }
 
 std::map<std::string, uint64_t> Engine::answer_counts() const { return completions_->answers().answer_counts(); }

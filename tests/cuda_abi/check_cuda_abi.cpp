@@ -5,6 +5,7 @@
 //   g++ -std=c++17 -fsyntax-only -I<dir of cuda.h> -Inative/src tests/cuda_abi/check_cuda_abi.cpp
 #include <cuda.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <type_traits>
 
@@ -48,6 +49,27 @@ struct Passed<::CUipcMemHandle *> {
   using type = IpcHandle *;
 };
 
+// The VMM structs, passed by pointer: the same layout on both sides
+// (checked below).
+struct AllocationProp;
+struct AccessDesc;
+template <>
+struct Passed<const ours::CUmemAllocationProp *> {
+  using type = const AllocationProp *;
+};
+template <>
+struct Passed<const ::CUmemAllocationProp *> {
+  using type = const AllocationProp *;
+};
+template <>
+struct Passed<const ours::CUmemAccessDesc *> {
+  using type = const AccessDesc *;
+};
+template <>
+struct Passed<const ::CUmemAccessDesc *> {
+  using type = const AccessDesc *;
+};
+
 template <typename F>
 struct Signature;
 template <typename R, typename... A>
@@ -88,6 +110,16 @@ CHECK_ENTRY(PFN_cuLaunchHostFunc, cuLaunchHostFunc);
 CHECK_ENTRY(PFN_cuIpcGetMemHandle, cuIpcGetMemHandle);
 CHECK_ENTRY(PFN_cuIpcOpenMemHandle, cuIpcOpenMemHandle_v2);
 CHECK_ENTRY(PFN_cuIpcCloseMemHandle, cuIpcCloseMemHandle);
+CHECK_ENTRY(PFN_cuMemGetAllocationGranularity, cuMemGetAllocationGranularity);
+CHECK_ENTRY(PFN_cuMemRelease, cuMemRelease);
+CHECK_ENTRY(PFN_cuMemAddressReserve, cuMemAddressReserve);
+CHECK_ENTRY(PFN_cuMemAddressFree, cuMemAddressFree);
+CHECK_ENTRY(PFN_cuMemMap, cuMemMap);
+CHECK_ENTRY(PFN_cuMemUnmap, cuMemUnmap);
+CHECK_ENTRY(PFN_cuMemSetAccess, cuMemSetAccess);
+CHECK_ENTRY(PFN_cuMemRetainAllocationHandle, cuMemRetainAllocationHandle);
+CHECK_ENTRY(PFN_cuMemExportToShareableHandle, cuMemExportToShareableHandle);
+CHECK_ENTRY(PFN_cuMemImportFromShareableHandle, cuMemImportFromShareableHandle);
 
 // Handle and value types.
 static_assert(std::is_same_v<ours::CUdeviceptr, ::CUdeviceptr>, "CUdeviceptr");
@@ -102,6 +134,31 @@ static_assert(sizeof(ours::CUipcMemHandle) == sizeof(::CUipcMemHandle) && CU_IPC
                   alignof(ours::CUipcMemHandle) == alignof(::CUipcMemHandle) &&
                   std::is_trivially_copyable_v<ours::CUipcMemHandle>,
               "CUipcMemHandle layout");
+
+static_assert(std::is_same_v<ours::CUmemGenericAllocationHandle, ::CUmemGenericAllocationHandle>,
+              "CUmemGenericAllocationHandle");
+static_assert(sizeof(ours::CUmemAllocationHandleType) == sizeof(::CUmemAllocationHandleType),
+              "CUmemAllocationHandleType size");
+#define CHECK_FIELD(ours_t, theirs_t, field)                                                     \
+  static_assert(offsetof(ours_t, field) == offsetof(theirs_t, field) &&                          \
+                    sizeof(ours_t::field) == sizeof(theirs_t::field),                             \
+                #theirs_t "::" #field)
+static_assert(sizeof(ours::CUmemLocation) == sizeof(::CUmemLocation), "CUmemLocation size");
+CHECK_FIELD(ours::CUmemLocation, ::CUmemLocation, type);
+CHECK_FIELD(ours::CUmemLocation, ::CUmemLocation, id);
+static_assert(sizeof(ours::CUmemAllocationProp) == sizeof(::CUmemAllocationProp) &&
+                  alignof(ours::CUmemAllocationProp) == alignof(::CUmemAllocationProp),
+              "CUmemAllocationProp layout");
+CHECK_FIELD(ours::CUmemAllocationProp, ::CUmemAllocationProp, type);
+CHECK_FIELD(ours::CUmemAllocationProp, ::CUmemAllocationProp, requestedHandleTypes);
+CHECK_FIELD(ours::CUmemAllocationProp, ::CUmemAllocationProp, location);
+CHECK_FIELD(ours::CUmemAllocationProp, ::CUmemAllocationProp, win32HandleMetaData);
+CHECK_FIELD(ours::CUmemAllocationProp, ::CUmemAllocationProp, allocFlags);
+static_assert(sizeof(ours::CUmemAccessDesc) == sizeof(::CUmemAccessDesc) &&
+                  alignof(ours::CUmemAccessDesc) == alignof(::CUmemAccessDesc),
+              "CUmemAccessDesc layout");
+CHECK_FIELD(ours::CUmemAccessDesc, ::CUmemAccessDesc, location);
+CHECK_FIELD(ours::CUmemAccessDesc, ::CUmemAccessDesc, flags);
 
 // Values.
 #define CHECK_VALUE(name) static_assert(static_cast<long long>(ours::name) == static_cast<long long>(::name), #name)
@@ -126,3 +183,9 @@ CHECK_VALUE(CU_MEMORYTYPE_DEVICE);
 CHECK_VALUE(CU_STREAM_NON_BLOCKING);
 CHECK_VALUE(CU_EVENT_DISABLE_TIMING);
 CHECK_VALUE(CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+CHECK_VALUE(CUDA_ERROR_NOT_SUPPORTED);
+CHECK_VALUE(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+CHECK_VALUE(CU_MEM_ALLOCATION_TYPE_PINNED);
+CHECK_VALUE(CU_MEM_LOCATION_TYPE_DEVICE);
+CHECK_VALUE(CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+CHECK_VALUE(CU_MEM_ALLOC_GRANULARITY_MINIMUM);

@@ -46,6 +46,7 @@
 /* Test hooks: not part of the driver. */
 STANDIN_API int standin_cuda_live_allocations(void);
 STANDIN_API unsigned long long standin_cuda_bytes_copied(void);
+STANDIN_API int standin_cuda_live_vmm_allocations(void);
 
 _Static_assert(sizeof(CUipcMemHandle) == 64, "CUipcMemHandle is 64 bytes");
 _Static_assert(sizeof(CUdeviceptr) == 8, "CUdeviceptr is 64 bits");
@@ -293,7 +294,10 @@ enum region_kind {
   REGION_IPC,             /* cuIpcOpenMemHandle */
   REGION_HOST_ALLOC,      /* cuMemAllocHost */
   REGION_HOST_REGISTERED, /* cuMemHostRegister */
+  REGION_VMM,             /* one cuMemMap of a physical allocation into a reservation */
 };
+
+struct vmm_alloc;
 
 struct region {
   struct region *next;
@@ -308,6 +312,8 @@ struct region {
   unsigned long long buffer_id;
   pid_t exporter;         /* REGION_IPC */
   int opens;              /* REGION_IPC: opens not closed yet */
+  struct vmm_alloc *alloc; /* REGION_VMM: what is mapped */
+  bool access;            /* REGION_VMM: cuMemSetAccess gave read or read-write access */
 };
 
 /* Writers first, so that a steady stream of copies cannot starve a free. */
@@ -334,7 +340,9 @@ static bool round_to_pages(size_t n, size_t *out) {
   return true;
 }
 
-static bool is_device_kind(const struct region *r) { return r->kind == REGION_DEVICE || r->kind == REGION_IPC; }
+static bool is_device_kind(const struct region *r) {
+  return r->kind == REGION_DEVICE || r->kind == REGION_IPC || r->kind == REGION_VMM;
+}
 
 /* The device region holding `p` (base <= p < base + size). Lock held. */
 static struct region *device_region_at(uintptr_t p) {
@@ -344,14 +352,31 @@ static struct region *device_region_at(uintptr_t p) {
   return NULL;
 }
 
+static struct region *region_with_base(uintptr_t base, enum region_kind kind);
+
 /* The shadow bytes behind [p, p + n) when all of it lies in one live device
- * allocation, else NULL. Lock held. */
+ * allocation (or in mappings side by side of one reservation, each with
+ * access), else NULL. Lock held. */
 static unsigned char *device_bytes(CUdeviceptr p, size_t n) {
   for (struct region *r = g_regions; r != NULL; r = r->next) {
     if (!is_device_kind(r) || p < r->base) continue;
     uintptr_t offset = (uintptr_t)p - r->base;
     if (offset > r->size || (offset == r->size && n != 0)) continue; /* not in this one */
-    if (n > r->size - offset) return NULL;                            /* runs past its end */
+    if (r->kind == REGION_VMM) {
+      /* Mappings side by side in one reservation are one range of
+       * addresses (their shadows lie side by side too); each needs access. */
+      if (!r->access) return NULL;
+      size_t covered = r->size - offset;
+      const struct region *at = r;
+      while (covered < n) {
+        const struct region *next = region_with_base(at->base + at->size, REGION_VMM);
+        if (next == NULL || !next->access || next->shadow != at->shadow + at->size) return NULL;
+        covered += next->size;
+        at = next;
+      }
+      return r->shadow + offset;
+    }
+    if (n > r->size - offset) return NULL; /* runs past its end */
     return r->shadow + offset;
   }
   return NULL;
@@ -1557,6 +1582,421 @@ STANDIN_API CUresult CUDAAPI cuIpcCloseMemHandle(CUdeviceptr dptr) {
 }
 
 /* ------------------------------------------------------------------ */
+/* Virtual memory management                                            */
+/* ------------------------------------------------------------------ */
+
+#define VMM_MEMFD_PREFIX "standin-cuda-vmm-"
+
+enum { kVmmGranularity = 2 << 20 };
+
+/* A physical allocation (cuMemCreate, cuMemImportFromShareableHandle): a
+ * memfd, alive while a handle or a mapping holds it. Its handle is its
+ * address, looked up in g_vmm_allocs before use. */
+struct vmm_alloc {
+  struct vmm_alloc *next;
+  int fd;
+  size_t size;
+  int device;
+  unsigned int handle_types; /* CUmemAllocationHandleType bits it may be exported as */
+  bool imported;             /* another process's memory: counts against no device here */
+  int handles;               /* create, import and retain, less release */
+  int mappings;
+};
+
+/* A reservation (cuMemAddressReserve): PROT_NONE addresses, and a shadow of
+ * the same size where mappings get their read-write view. */
+struct vmm_reserve {
+  struct vmm_reserve *next;
+  uintptr_t base;
+  size_t size;
+  unsigned char *shadow;
+};
+
+static struct vmm_alloc *g_vmm_allocs;
+static struct vmm_reserve *g_vmm_reserves;
+
+STANDIN_API int standin_cuda_live_vmm_allocations(void) {
+  int live = 0;
+  pthread_rwlock_rdlock(&g_mem_lock);
+  for (struct vmm_alloc *a = g_vmm_allocs; a != NULL; a = a->next) ++live;
+  pthread_rwlock_unlock(&g_mem_lock);
+  return live;
+}
+
+/* Lock held. */
+static struct vmm_alloc *known_alloc(CUmemGenericAllocationHandle handle) {
+  for (struct vmm_alloc *a = g_vmm_allocs; a != NULL; a = a->next) {
+    if ((CUmemGenericAllocationHandle)(uintptr_t)a == handle && a->handles > 0) return a;
+  }
+  return NULL;
+}
+
+/* Frees `a` once nothing holds it. Lock held. */
+static void settle_alloc(struct vmm_alloc *a) {
+  if (a->handles > 0 || a->mappings > 0) return;
+  for (struct vmm_alloc **link = &g_vmm_allocs; *link != NULL; link = &(*link)->next) {
+    if (*link == a) {
+      *link = a->next;
+      break;
+    }
+  }
+  if (!a->imported) g_used[a->device] -= a->size;
+  close(a->fd);
+  free(a);
+}
+
+static bool valid_prop(const CUmemAllocationProp *prop) {
+  return prop != NULL && prop->type == CU_MEM_ALLOCATION_TYPE_PINNED &&
+         prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE && prop->location.id >= 0 &&
+         prop->location.id < g_device_count;
+}
+
+STANDIN_API CUresult CUDAAPI cuMemGetAllocationGranularity(size_t *granularity, const CUmemAllocationProp *prop,
+                                                           CUmemAllocationGranularity_flags option) {
+  CUresult r = enter();
+  if (r != CUDA_SUCCESS) return r;
+  if (granularity == NULL || !valid_prop(prop) ||
+      (option != CU_MEM_ALLOC_GRANULARITY_MINIMUM && option != CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)) {
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  *granularity = kVmmGranularity;
+  return CUDA_SUCCESS;
+}
+
+STANDIN_API CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
+                                         const CUmemAllocationProp *prop, unsigned long long flags) {
+  CUresult r = enter();
+  if (r != CUDA_SUCCESS) return r;
+  if (handle == NULL || flags != 0 || !valid_prop(prop) || size == 0 || size % kVmmGranularity != 0) {
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  if (((unsigned int)prop->requestedHandleTypes & ~(unsigned int)CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) != 0) {
+    return CUDA_ERROR_NOT_SUPPORTED;
+  }
+  const int device = prop->location.id;
+  pthread_rwlock_wrlock(&g_mem_lock);
+  bool fits = size <= g_capacity && g_used[device] <= g_capacity - size;
+  if (fits) g_used[device] += size;
+  pthread_rwlock_unlock(&g_mem_lock);
+  if (!fits) return CUDA_ERROR_OUT_OF_MEMORY;
+  struct vmm_alloc *a = calloc(1, sizeof *a);
+  char name[96];
+  snprintf(name, sizeof name, VMM_MEMFD_PREFIX "d%d-%016llx", device, (unsigned long long)random_id());
+  int fd = a != NULL ? memfd_create(name, MFD_CLOEXEC) : -1;
+  if (fd < 0 || ftruncate(fd, (off_t)size) != 0) {
+    if (fd >= 0) close(fd);
+    free(a);
+    pthread_rwlock_wrlock(&g_mem_lock);
+    g_used[device] -= size;
+    pthread_rwlock_unlock(&g_mem_lock);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  a->fd = fd;
+  a->size = size;
+  a->device = device;
+  a->handle_types = (unsigned int)prop->requestedHandleTypes;
+  a->handles = 1;
+  pthread_rwlock_wrlock(&g_mem_lock);
+  a->next = g_vmm_allocs;
+  g_vmm_allocs = a;
+  pthread_rwlock_unlock(&g_mem_lock);
+  *handle = (CUmemGenericAllocationHandle)(uintptr_t)a;
+  return CUDA_SUCCESS;
+}
+
+STANDIN_API CUresult CUDAAPI cuMemRelease(CUmemGenericAllocationHandle handle) {
+  CUresult r = enter();
+  if (r != CUDA_SUCCESS) return r;
+  pthread_rwlock_wrlock(&g_mem_lock);
+  struct vmm_alloc *a = known_alloc(handle);
+  if (a != NULL) {
+    --a->handles;
+    settle_alloc(a);
+  }
+  pthread_rwlock_unlock(&g_mem_lock);
+  return a != NULL ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+STANDIN_API CUresult CUDAAPI cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr,
+                                                 unsigned long long flags) {
+  CUresult r = enter();
+  if (r != CUDA_SUCCESS) return r;
+  (void)addr; /* a hint only */
+  if (ptr == NULL || flags != 0 || size == 0 || size % kVmmGranularity != 0 ||
+      (alignment & (alignment - 1)) != 0) {
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  if (alignment < kVmmGranularity) alignment = kVmmGranularity;
+  if (size > SIZE_MAX - alignment) return CUDA_ERROR_OUT_OF_MEMORY;
+  struct vmm_reserve *res = calloc(1, sizeof *res);
+  if (res == NULL) return CUDA_ERROR_OUT_OF_MEMORY;
+  const int anon = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE;
+  unsigned char *wide = mmap(NULL, size + alignment, PROT_NONE, anon, -1, 0);
+  void *shadow = mmap(NULL, size, PROT_NONE, anon, -1, 0);
+  if (wide == MAP_FAILED || shadow == MAP_FAILED) {
+    if (wide != MAP_FAILED) munmap(wide, size + alignment);
+    if (shadow != MAP_FAILED) munmap(shadow, size);
+    free(res);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  uintptr_t base = ((uintptr_t)wide + alignment - 1) & ~(uintptr_t)(alignment - 1);
+  if (base > (uintptr_t)wide) munmap(wide, base - (uintptr_t)wide);
+  uintptr_t tail = (uintptr_t)wide + size + alignment - (base + size);
+  if (tail > 0) munmap((void *)(base + size), tail);
+  res->base = base;
+  res->size = size;
+  res->shadow = shadow;
+  pthread_rwlock_wrlock(&g_mem_lock);
+  res->next = g_vmm_reserves;
+  g_vmm_reserves = res;
+  pthread_rwlock_unlock(&g_mem_lock);
+  *ptr = (CUdeviceptr)base;
+  return CUDA_SUCCESS;
+}
+
+/* The reservation holding [p, p + n). Lock held. */
+static struct vmm_reserve *reserve_holding(uintptr_t p, size_t n) {
+  for (struct vmm_reserve *res = g_vmm_reserves; res != NULL; res = res->next) {
+    if (p >= res->base && n <= res->size && p - res->base <= res->size - n) return res;
+  }
+  return NULL;
+}
+
+STANDIN_API CUresult CUDAAPI cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+  CUresult r = enter();
+  if (r != CUDA_SUCCESS) return r;
+  pthread_rwlock_wrlock(&g_mem_lock);
+  struct vmm_reserve **link = &g_vmm_reserves;
+  while (*link != NULL && ((*link)->base != (uintptr_t)ptr || (*link)->size != size)) link = &(*link)->next;
+  struct vmm_reserve *res = *link;
+  if (res != NULL) {
+    /* Its mappings go first (cuMemUnmap). */
+    for (struct region *reg = g_regions; reg != NULL; reg = reg->next) {
+      if (reg->kind == REGION_VMM && reg->base >= res->base && reg->base - res->base < res->size) {
+        res = NULL;
+        break;
+      }
+    }
+    if (res != NULL) *link = res->next;
+  }
+  pthread_rwlock_unlock(&g_mem_lock);
+  if (res == NULL) return CUDA_ERROR_INVALID_VALUE;
+  munmap((void *)res->base, res->size);
+  munmap(res->shadow, res->size);
+  free(res);
+  return CUDA_SUCCESS;
+}
+
+STANDIN_API CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                                      unsigned long long flags) {
+  CUresult r = enter();
+  if (r != CUDA_SUCCESS) return r;
+  /* The driver's offset must be 0 for now. */
+  if (flags != 0 || offset != 0 || size == 0 || size % kVmmGranularity != 0 || ptr % kVmmGranularity != 0) {
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  struct region *reg = calloc(1, sizeof *reg);
+  if (reg == NULL) return CUDA_ERROR_OUT_OF_MEMORY;
+  pthread_rwlock_wrlock(&g_mem_lock);
+  struct vmm_alloc *a = known_alloc(handle);
+  struct vmm_reserve *res = reserve_holding((uintptr_t)ptr, size);
+  r = a == NULL ? CUDA_ERROR_INVALID_HANDLE : (res == NULL || size > a->size) ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+  for (struct region *other = g_regions; r == CUDA_SUCCESS && other != NULL; other = other->next) {
+    if (other->kind == REGION_VMM && ranges_overlap((uintptr_t)ptr, size, other->base, other->size)) {
+      r = CUDA_ERROR_INVALID_VALUE; /* already mapped */
+    }
+  }
+  unsigned char *shadow = res != NULL ? res->shadow + ((uintptr_t)ptr - res->base) : NULL;
+  if (r == CUDA_SUCCESS &&
+      (mmap((void *)(uintptr_t)ptr, size, PROT_NONE, MAP_SHARED | MAP_FIXED, a->fd, 0) == MAP_FAILED ||
+       mmap(shadow, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, a->fd, 0) == MAP_FAILED)) {
+    const int anon = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED;
+    mmap((void *)(uintptr_t)ptr, size, PROT_NONE, anon, -1, 0);
+    mmap(shadow, size, PROT_NONE, anon, -1, 0);
+    r = CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  if (r == CUDA_SUCCESS) {
+    reg->kind = REGION_VMM;
+    reg->base = (uintptr_t)ptr;
+    reg->size = size;
+    reg->map_size = size;
+    reg->shadow = shadow;
+    reg->fd = -1;
+    reg->ctx = &g_ctx[a->device];
+    reg->buffer_id = atomic_fetch_add(&g_next_buffer_id, 1);
+    reg->alloc = a;
+    ++a->mappings;
+    insert_region(reg);
+  }
+  pthread_rwlock_unlock(&g_mem_lock);
+  if (r != CUDA_SUCCESS) free(reg);
+  return r;
+}
+
+STANDIN_API CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size) {
+  CUresult r = enter();
+  if (r != CUDA_SUCCESS) return r;
+  if (size == 0) return CUDA_ERROR_INVALID_VALUE;
+  pthread_rwlock_wrlock(&g_mem_lock);
+  /* Whole mappings, side by side, from ptr to ptr + size. */
+  size_t covered = 0;
+  while (covered < size) {
+    struct region *reg = region_with_base((uintptr_t)ptr + covered, REGION_VMM);
+    if (reg == NULL || reg->size > size - covered) break;
+    covered += reg->size;
+  }
+  if (covered != size) {
+    pthread_rwlock_unlock(&g_mem_lock);
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  for (covered = 0; covered < size;) {
+    struct region *reg = region_with_base((uintptr_t)ptr + covered, REGION_VMM);
+    covered += reg->size;
+    unlink_region(reg);
+    const int anon = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED;
+    mmap((void *)reg->base, reg->size, PROT_NONE, anon, -1, 0);
+    mmap(reg->shadow, reg->size, PROT_NONE, anon, -1, 0);
+    --reg->alloc->mappings;
+    settle_alloc(reg->alloc);
+    free(reg);
+  }
+  pthread_rwlock_unlock(&g_mem_lock);
+  return CUDA_SUCCESS;
+}
+
+STANDIN_API CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count) {
+  CUresult r = enter();
+  if (r != CUDA_SUCCESS) return r;
+  if (desc == NULL || count == 0 || size == 0) return CUDA_ERROR_INVALID_VALUE;
+  bool access = false;
+  for (size_t i = 0; i < count; ++i) {
+    if (desc[i].location.type != CU_MEM_LOCATION_TYPE_DEVICE || desc[i].location.id < 0 ||
+        desc[i].location.id >= g_device_count) {
+      return CUDA_ERROR_INVALID_DEVICE;
+    }
+    if (desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_NONE && desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_READ &&
+        desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_READWRITE) {
+      return CUDA_ERROR_INVALID_VALUE;
+    }
+    access = access || desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_NONE;
+  }
+  pthread_rwlock_wrlock(&g_mem_lock);
+  /* Every byte of the range mapped. */
+  size_t covered = 0;
+  struct region *reg = device_region_at((uintptr_t)ptr);
+  if (reg != NULL && reg->kind == REGION_VMM) covered = reg->size - ((uintptr_t)ptr - reg->base);
+  struct region *at = reg;
+  while (at != NULL && at->kind == REGION_VMM && covered < size) {
+    at = region_with_base(at->base + at->size, REGION_VMM);
+    if (at != NULL) covered += at->size;
+  }
+  if (reg == NULL || reg->kind != REGION_VMM || covered < size) {
+    pthread_rwlock_unlock(&g_mem_lock);
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  for (at = reg, covered = 0; covered < size + ((uintptr_t)ptr - reg->base);
+       at = region_with_base(at->base + at->size, REGION_VMM)) {
+    at->access = access;
+    covered += at->size;
+  }
+  pthread_rwlock_unlock(&g_mem_lock);
+  return CUDA_SUCCESS;
+}
+
+STANDIN_API CUresult CUDAAPI cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void *addr) {
+  CUresult r = enter();
+  if (r != CUDA_SUCCESS) return r;
+  if (handle == NULL) return CUDA_ERROR_INVALID_VALUE;
+  pthread_rwlock_wrlock(&g_mem_lock);
+  struct region *reg = device_region_at((uintptr_t)addr);
+  struct vmm_alloc *a = reg != NULL && reg->kind == REGION_VMM ? reg->alloc : NULL;
+  if (a != NULL) {
+    ++a->handles;
+    *handle = (CUmemGenericAllocationHandle)(uintptr_t)a;
+  }
+  pthread_rwlock_unlock(&g_mem_lock);
+  return a != NULL ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+STANDIN_API CUresult CUDAAPI cuMemExportToShareableHandle(void *shareableHandle, CUmemGenericAllocationHandle handle,
+                                                          CUmemAllocationHandleType handleType,
+                                                          unsigned long long flags) {
+  CUresult r = enter();
+  if (r != CUDA_SUCCESS) return r;
+  if (shareableHandle == NULL || flags != 0) return CUDA_ERROR_INVALID_VALUE;
+  if (handleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) return CUDA_ERROR_NOT_SUPPORTED;
+  int fd = -1;
+  pthread_rwlock_rdlock(&g_mem_lock);
+  struct vmm_alloc *a = known_alloc(handle);
+  /* Only as a type it was created with. */
+  if (a == NULL) {
+    r = CUDA_ERROR_INVALID_HANDLE;
+  } else if ((a->handle_types & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) == 0) {
+    r = CUDA_ERROR_INVALID_VALUE;
+  } else {
+    fd = fcntl(a->fd, F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) r = CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  pthread_rwlock_unlock(&g_mem_lock);
+  if (r == CUDA_SUCCESS) *(int *)shareableHandle = fd;
+  return r;
+}
+
+/* The device of a memfd made by cuMemCreate here or in another process;
+ * -1 for any other descriptor. */
+static int vmm_memfd_device(int fd, size_t *size) {
+  struct stat st;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size <= 0 || st.st_size % kVmmGranularity != 0) return -1;
+  char link[64];
+  char target[256];
+  snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+  ssize_t n = readlink(link, target, sizeof target - 1);
+  if (n < 0) return -1;
+  target[n] = '\0';
+  static const char prefix[] = "/memfd:" VMM_MEMFD_PREFIX "d";
+  if (strncmp(target, prefix, sizeof prefix - 1) != 0) return -1;
+  int device = -1;
+  unsigned long long id = 0;
+  char rest[16] = "";
+  if (sscanf(target + sizeof prefix - 1, "%d-%16llx%15s", &device, &id, rest) < 2) return -1;
+  if (rest[0] != '\0' && strcmp(rest, "(deleted)") != 0) return -1;
+  if (device < 0 || device >= g_device_count) return -1;
+  *size = (size_t)st.st_size;
+  return device;
+}
+
+STANDIN_API CUresult CUDAAPI cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, void *osHandle,
+                                                            CUmemAllocationHandleType shHandleType) {
+  CUresult r = enter();
+  if (r != CUDA_SUCCESS) return r;
+  if (handle == NULL) return CUDA_ERROR_INVALID_VALUE;
+  if (shHandleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) return CUDA_ERROR_NOT_SUPPORTED;
+  /* The descriptor travels in the pointer's bits. */
+  const int given = (int)(intptr_t)osHandle;
+  size_t size = 0;
+  const int device = given >= 0 ? vmm_memfd_device(given, &size) : -1;
+  if (device < 0) return CUDA_ERROR_INVALID_HANDLE;
+  struct vmm_alloc *a = calloc(1, sizeof *a);
+  int fd = a != NULL ? fcntl(given, F_DUPFD_CLOEXEC, 0) : -1;
+  if (fd < 0) {
+    free(a);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  a->fd = fd;
+  a->size = size;
+  a->device = device;
+  a->handle_types = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  a->imported = true;
+  a->handles = 1;
+  pthread_rwlock_wrlock(&g_mem_lock);
+  a->next = g_vmm_allocs;
+  g_vmm_allocs = a;
+  pthread_rwlock_unlock(&g_mem_lock);
+  *handle = (CUmemGenericAllocationHandle)(uintptr_t)a;
+  return CUDA_SUCCESS;
+}
+
+/* ------------------------------------------------------------------ */
 /* cuGetProcAddress                                                     */
 /* ------------------------------------------------------------------ */
 
@@ -1610,6 +2050,17 @@ static const struct proc_entry k_procs[] = {
     PROC("cuIpcGetMemHandle", cuIpcGetMemHandle),
     PROC("cuIpcOpenMemHandle", cuIpcOpenMemHandle_v2),
     PROC("cuIpcCloseMemHandle", cuIpcCloseMemHandle),
+    PROC("cuMemGetAllocationGranularity", cuMemGetAllocationGranularity),
+    PROC("cuMemCreate", cuMemCreate),
+    PROC("cuMemRelease", cuMemRelease),
+    PROC("cuMemAddressReserve", cuMemAddressReserve),
+    PROC("cuMemAddressFree", cuMemAddressFree),
+    PROC("cuMemMap", cuMemMap),
+    PROC("cuMemUnmap", cuMemUnmap),
+    PROC("cuMemSetAccess", cuMemSetAccess),
+    PROC("cuMemRetainAllocationHandle", cuMemRetainAllocationHandle),
+    PROC("cuMemExportToShareableHandle", cuMemExportToShareableHandle),
+    PROC("cuMemImportFromShareableHandle", cuMemImportFromShareableHandle),
     PROC("cuGetProcAddress", cuGetProcAddress_v2),
 };
 

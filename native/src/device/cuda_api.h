@@ -31,6 +31,34 @@ struct CUipcMemHandle {
   char reserved[64];
 };
 
+// Virtual memory management (cuMemCreate and its kin).
+using CUmemGenericAllocationHandle = unsigned long long;
+using CUmemAllocationHandleType = int;
+using CUmemAllocationGranularity_flags = int;
+
+struct CUmemLocation {
+  int type;  // CUmemLocationType
+  int id;
+};
+
+struct CUmemAllocationProp {
+  int type;                                        // CUmemAllocationType
+  CUmemAllocationHandleType requestedHandleTypes;  // a bit mask
+  CUmemLocation location;
+  void *win32HandleMetaData;
+  struct {
+    unsigned char compressionType;
+    unsigned char gpuDirectRDMACapable;
+    unsigned short usage;
+    unsigned char reserved[4];
+  } allocFlags;
+};
+
+struct CUmemAccessDesc {
+  CUmemLocation location;
+  int flags;  // CUmemAccess_flags
+};
+
 // CUresult values the engine tells apart.
 constexpr CUresult CUDA_SUCCESS = 0;
 constexpr CUresult CUDA_ERROR_INVALID_VALUE = 1;
@@ -41,6 +69,7 @@ constexpr CUresult CUDA_ERROR_INVALID_DEVICE = 101;
 constexpr CUresult CUDA_ERROR_INVALID_CONTEXT = 201;
 constexpr CUresult CUDA_ERROR_NOT_FOUND = 500;
 constexpr CUresult CUDA_ERROR_NOT_READY = 600;
+constexpr CUresult CUDA_ERROR_NOT_SUPPORTED = 801;
 
 // CUpointer_attribute values.
 constexpr CUpointer_attribute CU_POINTER_ATTRIBUTE_CONTEXT = 1;
@@ -58,6 +87,12 @@ constexpr unsigned int CU_MEMORYTYPE_DEVICE = 2;
 constexpr unsigned int CU_STREAM_NON_BLOCKING = 1;
 constexpr unsigned int CU_EVENT_DISABLE_TIMING = 2;
 constexpr unsigned int CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1;
+
+constexpr CUmemAllocationHandleType CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1;
+constexpr int CU_MEM_ALLOCATION_TYPE_PINNED = 1;
+constexpr int CU_MEM_LOCATION_TYPE_DEVICE = 1;
+constexpr int CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3;
+constexpr CUmemAllocationGranularity_flags CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0;
 
 // One pointer type per entry point, named after the function; the loader
 // resolves the symbol given in cuda_driver.cpp (the _v2 one where the
@@ -89,6 +124,21 @@ using PFN_cuStreamWaitEvent = CUresult (*)(CUstream stream, CUevent event, unsig
 using PFN_cuIpcGetMemHandle = CUresult (*)(CUipcMemHandle *handle, CUdeviceptr ptr);
 using PFN_cuIpcOpenMemHandle = CUresult (*)(CUdeviceptr *ptr, CUipcMemHandle handle, unsigned int flags);
 using PFN_cuIpcCloseMemHandle = CUresult (*)(CUdeviceptr ptr);
+using PFN_cuMemGetAllocationGranularity = CUresult (*)(size_t *granularity, const CUmemAllocationProp *prop,
+                                                       CUmemAllocationGranularity_flags option);
+using PFN_cuMemRelease = CUresult (*)(CUmemGenericAllocationHandle handle);
+using PFN_cuMemAddressReserve = CUresult (*)(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr,
+                                             unsigned long long flags);
+using PFN_cuMemAddressFree = CUresult (*)(CUdeviceptr ptr, size_t size);
+using PFN_cuMemMap = CUresult (*)(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                                  unsigned long long flags);
+using PFN_cuMemUnmap = CUresult (*)(CUdeviceptr ptr, size_t size);
+using PFN_cuMemSetAccess = CUresult (*)(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count);
+using PFN_cuMemRetainAllocationHandle = CUresult (*)(CUmemGenericAllocationHandle *handle, void *addr);
+using PFN_cuMemExportToShareableHandle = CUresult (*)(void *shareable, CUmemGenericAllocationHandle handle,
+                                                      CUmemAllocationHandleType type, unsigned long long flags);
+using PFN_cuMemImportFromShareableHandle = CUresult (*)(CUmemGenericAllocationHandle *handle, void *os_handle,
+                                                        CUmemAllocationHandleType type);
 
 }  // namespace datadist::cuda
 

@@ -1,6 +1,9 @@
 #include "device/cuda_driver.h"
 
 #include <dlfcn.h>
+#include <unistd.h>
+
+#include <atomic>
 
 #include <cstdlib>
 #include <mutex>
@@ -68,6 +71,16 @@ Loaded load() {
   resolve(library, "cuIpcGetMemHandle", d.cuIpcGetMemHandle, missing);
   resolve(library, "cuIpcOpenMemHandle_v2", d.cuIpcOpenMemHandle, missing);
   resolve(library, "cuIpcCloseMemHandle", d.cuIpcCloseMemHandle, missing);
+  resolve(library, "cuMemGetAllocationGranularity", d.cuMemGetAllocationGranularity, missing);
+  resolve(library, "cuMemRelease", d.cuMemRelease, missing);
+  resolve(library, "cuMemAddressReserve", d.cuMemAddressReserve, missing);
+  resolve(library, "cuMemAddressFree", d.cuMemAddressFree, missing);
+  resolve(library, "cuMemMap", d.cuMemMap, missing);
+  resolve(library, "cuMemUnmap", d.cuMemUnmap, missing);
+  resolve(library, "cuMemSetAccess", d.cuMemSetAccess, missing);
+  resolve(library, "cuMemRetainAllocationHandle", d.cuMemRetainAllocationHandle, missing);
+  resolve(library, "cuMemExportToShareableHandle", d.cuMemExportToShareableHandle, missing);
+  resolve(library, "cuMemImportFromShareableHandle", d.cuMemImportFromShareableHandle, missing);
   if (!missing.empty()) {
     out.why = "the CUDA driver " + d.path + " has no " + missing + " (a driver for CUDA 12 or later is needed)";
     dlclose(library);
@@ -141,6 +154,10 @@ Status Device::open(int ordinal, std::shared_ptr<Device> &out) {
 }
 
 Device::~Device() {
+  {
+    std::lock_guard<std::mutex> lock(exports_mu_);
+    drop_fd_exports(true);
+  }
   // Every staging buffer has come back: the transfers using them pinned this device.
   staging_[0].reset();
   staging_[1].reset();
@@ -349,9 +366,24 @@ Status Device::check_range(uint64_t addr, uint64_t size, const std::string &what
     return refuse(LLM_PARAM_INVALID, words(what, ": address ", addr, " is memory of device ", ordinal,
                                            ", not of device_id ", ordinal_));
   }
-  if (addr < start || size > length || addr - start > length - size) {
+  // Memory of cuMemCreate may continue in the allocation mapped next to it
+  // (one reserved range backed by several, as torch's expandable segments).
+  uint64_t end = start + length;
+  while (addr >= start && addr < end && end - addr < size) {
+    unsigned int next_type = 0;
+    int next_ordinal = -1;
+    CUdeviceptr next_start = 0;
+    size_t next_length = 0;
+    void *next[] = {&next_type, &next_ordinal, &next_start, &next_length};
+    if (driver_->cuPointerGetAttributes(4, attributes, next, static_cast<CUdeviceptr>(end)) != CUDA_SUCCESS ||
+        next_type != CU_MEMORYTYPE_DEVICE || next_ordinal != ordinal_ || next_start != end || next_length == 0) {
+      break;
+    }
+    end += next_length;
+  }
+  if (addr < start || addr >= end || end - addr < size) {
     return refuse(LLM_PARAM_INVALID, words(what, ": [", addr, ", +", size, ") runs past its allocation [", start,
-                                           ", +", length, ")"));
+                                           ", +", end - start, ")"));
   }
   return LLM_SUCCESS;
 }
@@ -363,7 +395,28 @@ constexpr size_t kMaxExports = 4096;
 
 }  // namespace
 
-bool Device::export_range(uint64_t addr, uint64_t size, Export &out, std::string &why) const {
+void Device::drop_fd_exports(bool all) const {
+  for (auto it = exports_.begin(); it != exports_.end();) {
+    bool drop = it->second.fd >= 0 && all;
+    if (it->second.fd >= 0 && !all) {
+      // Still the same mapping at its base?
+      unsigned long long buffer = 0;
+      CUpointer_attribute attribute = CU_POINTER_ATTRIBUTE_BUFFER_ID;
+      void *data[] = {&buffer};
+      drop = driver_->cuPointerGetAttributes(1, &attribute, data, static_cast<CUdeviceptr>(it->second.base)) !=
+                 CUDA_SUCCESS ||
+             buffer != it->first;
+    }
+    if (drop) {
+      ::close(it->second.fd);
+      it = exports_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+bool Device::export_at(uint64_t addr, bool fds, Export &out, std::string &why) const {
   if (!make_current(why)) return false;
   unsigned int type = 0;
   int ordinal = -1;
@@ -380,19 +433,18 @@ bool Device::export_range(uint64_t addr, uint64_t size, Export &out, std::string
     why = "cuPointerGetAttributes: " + describe(r);
     return false;
   }
-  if (type != CU_MEMORYTYPE_DEVICE || ordinal != ordinal_ || addr < start || size > length ||
-      addr - start > length - size) {
-    why = words("address ", addr, " is not inside one allocation of device ", ordinal_);
+  if (type != CU_MEMORYTYPE_DEVICE || ordinal != ordinal_ || addr < start || addr - start >= length) {
+    why = words("address ", addr, " is not inside an allocation of device ", ordinal_);
     return false;
   }
-  if (capable == 0) {
+  if (capable == 0 && !fds) {
     why = "the allocation cannot be exported with legacy CUDA IPC";
     return false;
   }
   {
     std::lock_guard<std::mutex> lock(exports_mu_);
     auto it = exports_.find(buffer);
-    if (it != exports_.end() && it->second.base == start) {
+    if (it != exports_.end() && it->second.base == start && it->second.size == length) {
       out = it->second;
       return true;
     }
@@ -400,13 +452,41 @@ bool Device::export_range(uint64_t addr, uint64_t size, Export &out, std::string
   Export made;
   made.base = start;
   made.size = length;
-  const CUresult e = driver_->cuIpcGetMemHandle(&made.handle, start);
-  if (e != CUDA_SUCCESS) {
-    why = "cuIpcGetMemHandle: " + describe(e);
-    return false;
+  if (capable != 0) {
+    const CUresult e = driver_->cuIpcGetMemHandle(&made.handle, start);
+    if (e != CUDA_SUCCESS) {
+      why = "cuIpcGetMemHandle: " + describe(e);
+      return false;
+    }
+  } else {
+    // Memory of cuMemCreate: the physical allocation mapped here, as a
+    // descriptor. The retained handle only serves the export.
+    CUmemGenericAllocationHandle handle = 0;
+    CUresult e = driver_->cuMemRetainAllocationHandle(&handle, reinterpret_cast<void *>(static_cast<uintptr_t>(start)));
+    if (e != CUDA_SUCCESS) {
+      why = "neither legacy CUDA IPC nor cuMemRetainAllocationHandle can export it: " + describe(e);
+      return false;
+    }
+    int fd = -1;
+    e = driver_->cuMemExportToShareableHandle(&fd, handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+    driver_->cuMemRelease(handle);
+    if (e != CUDA_SUCCESS) {
+      why = "cuMemExportToShareableHandle (POSIX file descriptor; cuMemCreate must request "
+            "CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR): " + describe(e);
+      return false;
+    }
+    static std::atomic<uint64_t> serials{0};
+    made.fd = fd;
+    made.serial = serials.fetch_add(1, std::memory_order_relaxed) + 1;
   }
   std::lock_guard<std::mutex> lock(exports_mu_);
-  if (exports_.size() >= kMaxExports) exports_.clear();
+  if (made.fd >= 0) drop_fd_exports(false);
+  auto it = exports_.find(buffer);
+  if (it != exports_.end() && it->second.fd >= 0) ::close(it->second.fd);
+  if (exports_.size() >= kMaxExports) {
+    drop_fd_exports(true);
+    exports_.clear();
+  }
   exports_[buffer] = made;
   out = made;
   return true;
@@ -465,12 +545,75 @@ std::shared_ptr<PeerAllocation> PeerAllocation::open(const std::shared_ptr<Devic
     driver.cuIpcCloseMemHandle(ptr);
     return nullptr;
   }
-  return std::shared_ptr<PeerAllocation>(new PeerAllocation(device, ptr, size));
+  return std::shared_ptr<PeerAllocation>(new PeerAllocation(device, ptr, size, false, 0));
+}
+
+std::shared_ptr<PeerAllocation> PeerAllocation::import(const std::shared_ptr<Device> &device, int fd, uint64_t size,
+                                                       std::string &why) {
+  if (!device->make_current(why)) {
+    ::close(fd);
+    return nullptr;
+  }
+  const Driver &driver = device->driver();
+  CUmemGenericAllocationHandle handle = 0;
+  CUresult r = driver.cuMemImportFromShareableHandle(&handle, reinterpret_cast<void *>(static_cast<intptr_t>(fd)),
+                                                     CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+  ::close(fd);
+  if (r != CUDA_SUCCESS) {
+    why = "cuMemImportFromShareableHandle: " + device->describe(r);
+    return nullptr;
+  }
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = device->ordinal();
+  size_t granularity = 0;
+  CUdeviceptr ptr = 0;
+  const char *step = "cuMemGetAllocationGranularity";
+  r = driver.cuMemGetAllocationGranularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+  if (r == CUDA_SUCCESS && (size == 0 || granularity == 0 || size % granularity != 0)) {
+    driver.cuMemRelease(handle);
+    why = words("an exported allocation of ", size, " bytes, not a multiple of the granularity ", granularity);
+    return nullptr;
+  }
+  if (r == CUDA_SUCCESS) {
+    step = "cuMemAddressReserve";
+    r = driver.cuMemAddressReserve(&ptr, static_cast<size_t>(size), granularity, 0, 0);
+  }
+  bool reserved = r == CUDA_SUCCESS;
+  if (r == CUDA_SUCCESS) {
+    step = "cuMemMap";
+    r = driver.cuMemMap(ptr, static_cast<size_t>(size), 0, handle, 0);
+  }
+  bool mapped = r == CUDA_SUCCESS;
+  if (r == CUDA_SUCCESS) {
+    step = "cuMemSetAccess";
+    CUmemAccessDesc access{};
+    access.location = prop.location;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    r = driver.cuMemSetAccess(ptr, static_cast<size_t>(size), &access, 1);
+  }
+  if (r != CUDA_SUCCESS) {
+    why = std::string(step) + ": " + device->describe(r);
+    if (mapped) driver.cuMemUnmap(ptr, static_cast<size_t>(size));
+    if (reserved) driver.cuMemAddressFree(ptr, static_cast<size_t>(size));
+    driver.cuMemRelease(handle);
+    return nullptr;
+  }
+  return std::shared_ptr<PeerAllocation>(new PeerAllocation(device, ptr, size, true, handle));
 }
 
 PeerAllocation::~PeerAllocation() {
   std::string why;
-  if (device_->make_current(why)) device_->driver().cuIpcCloseMemHandle(static_cast<CUdeviceptr>(base_));
+  if (!device_->make_current(why)) return;
+  const Driver &driver = device_->driver();
+  if (!imported_) {
+    driver.cuIpcCloseMemHandle(static_cast<CUdeviceptr>(base_));
+    return;
+  }
+  driver.cuMemUnmap(static_cast<CUdeviceptr>(base_), static_cast<size_t>(size_));
+  driver.cuMemAddressFree(static_cast<CUdeviceptr>(base_), static_cast<size_t>(size_));
+  driver.cuMemRelease(handle_);
 }
 
 }  // namespace datadist::cuda

@@ -54,6 +54,16 @@ struct Driver {
   PFN_cuIpcGetMemHandle cuIpcGetMemHandle = nullptr;
   PFN_cuIpcOpenMemHandle cuIpcOpenMemHandle = nullptr;
   PFN_cuIpcCloseMemHandle cuIpcCloseMemHandle = nullptr;
+  PFN_cuMemGetAllocationGranularity cuMemGetAllocationGranularity = nullptr;
+  PFN_cuMemRelease cuMemRelease = nullptr;
+  PFN_cuMemAddressReserve cuMemAddressReserve = nullptr;
+  PFN_cuMemAddressFree cuMemAddressFree = nullptr;
+  PFN_cuMemMap cuMemMap = nullptr;
+  PFN_cuMemUnmap cuMemUnmap = nullptr;
+  PFN_cuMemSetAccess cuMemSetAccess = nullptr;
+  PFN_cuMemRetainAllocationHandle cuMemRetainAllocationHandle = nullptr;
+  PFN_cuMemExportToShareableHandle cuMemExportToShareableHandle = nullptr;
+  PFN_cuMemImportFromShareableHandle cuMemImportFromShareableHandle = nullptr;
 
   // "CUDA_ERROR_INVALID_VALUE (invalid argument)", from the driver's own names.
   std::string describe(CUresult result) const;
@@ -63,10 +73,14 @@ struct Driver {
 // first call decides for the life of the process.
 const Driver *load_driver(std::string &why);
 
-// One allocation of a device exported for another process of the host
-// (legacy CUDA IPC): its handle and its base address in this process.
+// One allocation of a device exported for another process of the host:
+// by legacy CUDA IPC (its handle), or, for memory of cuMemCreate, as a POSIX
+// file descriptor of this process that the Device keeps open; and where it
+// lies in this process.
 struct Export {
-  CUipcMemHandle handle{};
+  CUipcMemHandle handle{};  // legacy IPC (fd < 0)
+  int fd = -1;              // POSIX-fd export: the descriptor here
+  uint64_t serial = 0;      // POSIX-fd export: tells a descriptor number reused after a close apart
   uint64_t base = 0;
   uint64_t size = 0;
 };
@@ -83,28 +97,39 @@ struct Copy {
 
 class Device;
 
-// Another process's allocation, opened here (cuIpcOpenMemHandle) in a
-// device's context; closed by the destructor once nothing uses it.
+// Another process's allocation, opened here in a device's context
+// (cuIpcOpenMemHandle, or a POSIX-fd export imported and mapped); closed
+// (unmapped and released) by the destructor once nothing uses it.
 class PeerAllocation {
  public:
   // Opens `handle` in `device`'s context and learns the size of what it
   // opened from the driver; null with `why` when the driver refuses.
   static std::shared_ptr<PeerAllocation> open(const std::shared_ptr<Device> &device, const CUipcMemHandle &handle,
                                               std::string &why);
+  // Imports the allocation descriptor `fd` names (cuMemImportFromShareableHandle;
+  // `fd` is closed either way), reserves addresses for `size` bytes of it,
+  // maps them and gives `device` read-write access; the driver refuses a
+  // size past the allocation's. Null with `why` when the driver refuses.
+  static std::shared_ptr<PeerAllocation> import(const std::shared_ptr<Device> &device, int fd, uint64_t size,
+                                                std::string &why);
   ~PeerAllocation();
   PeerAllocation(const PeerAllocation &) = delete;
   PeerAllocation &operator=(const PeerAllocation &) = delete;
 
   uint64_t base() const { return base_; }
   uint64_t size() const { return size_; }
+  bool imported() const { return imported_; }
   const std::shared_ptr<Device> &device() const { return device_; }
 
  private:
-  PeerAllocation(std::shared_ptr<Device> device, uint64_t base, uint64_t size)
-      : device_(std::move(device)), base_(base), size_(size) {}
+  PeerAllocation(std::shared_ptr<Device> device, uint64_t base, uint64_t size, bool imported,
+                 CUmemGenericAllocationHandle handle)
+      : device_(std::move(device)), base_(base), size_(size), imported_(imported), handle_(handle) {}
   const std::shared_ptr<Device> device_;
   const uint64_t base_;
   const uint64_t size_;
+  const bool imported_;                        // import(): mapped here, else opened IPC
+  const CUmemGenericAllocationHandle handle_;  // import(): the imported allocation
 };
 
 // One device's primary context (the one torch and the CUDA runtime use),
@@ -132,11 +157,14 @@ class Device {
   // allocation; otherwise LLM_PARAM_INVALID naming `what` and what it is.
   Status check_range(uint64_t addr, uint64_t size, const std::string &what) const;
 
-  // The export of the allocation that holds [addr, addr + size), made once
-  // per allocation (the driver's buffer id tells a freed and remade one
-  // apart); false with `why` where legacy IPC cannot export it (memory of
-  // cuMemCreate, an opened IPC mapping, a driver without IPC). Any thread.
-  bool export_range(uint64_t addr, uint64_t size, Export &out, std::string &why) const;
+  // The export of the allocation that holds `addr`, made once per
+  // allocation (the driver's buffer id tells a freed and remade one apart):
+  // legacy IPC where the driver can; else, with `fds`, memory of cuMemCreate
+  // made with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR as a descriptor (of
+  // the physical allocation mapped at `addr`, which may be one of several
+  // side by side). False with `why` where neither works (an opened IPC
+  // mapping, cuMemCreate memory without that handle type). Any thread.
+  bool export_at(uint64_t addr, bool fds, Export &out, std::string &why) const;
 
   // Runs `copies` in order on a stream of the engine's and waits for them;
   // false with `why` (the driver's words) when one is refused or fails.
@@ -182,6 +210,9 @@ class Device {
   mutable std::unique_ptr<staging::Pool> staging_[2];  // out, in
   mutable std::mutex exports_mu_;
   mutable std::unordered_map<unsigned long long, Export> exports_;  // by the driver's buffer id
+  // Closes the descriptors of exports whose memory is no longer mapped where
+  // it was (freed, or unmapped and remade); `all`: every one. Lock held.
+  void drop_fd_exports(bool all) const;
 };
 
 // The driver's copies for staging: lane i is a stream of the device's,

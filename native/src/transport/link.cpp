@@ -32,7 +32,8 @@ Link::Link(uint64_t peer_id, uint32_t peer_role, bool initiated_here, std::vecto
       peer_copies_(paths.offered && paths.peer_copies),
       peer_memory_(std::move(paths.peer_memory)),
       answer_fd_(paths.answers),
-      peer_opens_device_(paths.peer_opens_device) {
+      peer_opens_device_(paths.peer_opens_device),
+      peer_takes_fds_(paths.peer_opens_device && paths.peer_takes_fds) {
   for (int fd : fds) conns_.push_back(std::make_unique<Connection>(fd));
 }
 
@@ -232,29 +233,41 @@ void Link::submit(bool write, std::vector<PlannedFrame> frames, const std::share
   }
 }
 
-bool Link::export_all(const cuda::Device &device, const PlannedFrame &planned,
+bool Link::export_all(const cuda::Device &device, const PlannedFrame &planned, bool fds,
                       std::vector<wire::DeviceExport> &exports) {
   std::vector<cuda::Export> found;
   for (const iovec &v : planned.local) {
-    const auto addr = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(v.iov_base));
-    const auto inside = [&](const cuda::Export &e) {
-      return addr >= e.base && v.iov_len <= e.size && addr - e.base <= e.size - v.iov_len;
-    };
-    if (!found.empty() && inside(found.back())) continue;
-    auto it = std::find_if(found.begin(), found.end(), inside);
-    if (it != found.end()) {
-      std::swap(*it, found.back());  // the next element is most likely in the same one
-      continue;
+    auto addr = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(v.iov_base));
+    const uint64_t end = addr + v.iov_len;
+    // Every export the range touches: one, or (memory of cuMemCreate)
+    // several mapped side by side.
+    while (addr < end) {
+      const auto holds = [&](const cuda::Export &e) { return addr >= e.base && addr - e.base < e.size; };
+      if (found.empty() || !holds(found.back())) {
+        auto it = std::find_if(found.begin(), found.end(), holds);
+        if (it != found.end()) {
+          std::swap(*it, found.back());  // the next element is most likely in the same one
+        } else {
+          cuda::Export made;
+          std::string why;
+          if (found.size() == wire::kMaxExports || !device.export_at(addr, fds, made, why)) return false;
+          found.push_back(made);
+        }
+      }
+      addr = found.back().base + found.back().size;
     }
-    cuda::Export made;
-    std::string why;
-    if (found.size() == wire::kMaxExports || !device.export_range(addr, v.iov_len, made, why)) return false;
-    found.push_back(made);
   }
   exports.clear();
   for (const cuda::Export &e : found) {
     wire::DeviceExport out{};
-    std::memcpy(out.handle, e.handle.reserved, sizeof(out.handle));
+    if (e.fd >= 0) {
+      const wire::DeviceFd fd{e.fd, 0, e.size, e.serial};
+      std::memcpy(out.handle, &fd, sizeof(fd));
+      out.kind = wire::kExportFd;
+    } else {
+      std::memcpy(out.handle, e.handle.reserved, sizeof(out.handle));
+      out.kind = wire::kExportIpc;
+    }
     out.base = e.base;
     out.ordinal = device.ordinal();
     exports.push_back(out);
@@ -278,12 +291,16 @@ void Link::send_planned(bool write, PlannedFrame &planned, const std::shared_ptr
   std::vector<wire::DeviceExport> exports;
   if (same_host && device) {
     same_host = exports_ok && peer_opens_device_ && !exports_refused_.load(std::memory_order_acquire) &&
-                export_all(*device, planned, exports) &&
+                export_all(*device, planned, peer_takes_fds_, exports) &&
                 body_bytes + 2 * sizeof(uint32_t) + exports.size() * sizeof(wire::DeviceExport) <= wire::kMaxBodyBytes;
   }
   std::shared_ptr<PlannedFrame> resend;
   if (device) {
     (same_host ? ipc_frames_ : staged_frames_).fetch_add(1, std::memory_order_relaxed);
+    if (same_host && std::any_of(exports.begin(), exports.end(),
+                                 [](const wire::DeviceExport &e) { return e.kind == wire::kExportFd; })) {
+      fd_frames_.fetch_add(1, std::memory_order_relaxed);
+    }
     if (same_host) resend = std::make_shared<PlannedFrame>(planned);
   }
   std::vector<wire::Segment> segments;
@@ -871,10 +888,20 @@ bool Link::open_exports(const std::vector<wire::DeviceExport> &exports, const st
   out.clear();
   for (const wire::DeviceExport &e : exports) {
     std::string key(reinterpret_cast<const char *>(e.handle), sizeof(e.handle));
-    key += ":" + std::to_string(in->ordinal());
+    key += ":" + std::to_string(e.kind) + ":" + std::to_string(in->ordinal());
     auto it = opened_.find(key);
     if (it == opened_.end()) {
-      std::shared_ptr<cuda::PeerAllocation> opened = cuda::PeerAllocation::open(in, *reinterpret_cast<const cuda::CUipcMemHandle *>(e.handle), why);
+      std::shared_ptr<cuda::PeerAllocation> opened;
+      if (e.kind == wire::kExportFd) {
+        // The initiator's descriptor, taken as the link's sockets were.
+        wire::DeviceFd named{};
+        std::memcpy(&named, e.handle, sizeof(named));
+        const int fd = same_host::take_descriptor(peer_memory_->pid(), static_cast<uint32_t>(named.fd), why);
+        if (fd < 0) return false;
+        opened = cuda::PeerAllocation::import(in, fd, named.size, why);
+      } else {
+        opened = cuda::PeerAllocation::open(in, *reinterpret_cast<const cuda::CUipcMemHandle *>(e.handle), why);
+      }
       if (!opened) return false;
       if (opened_.size() >= kMaxOpened) opened_.clear();
       it = opened_.emplace(std::move(key), std::move(opened)).first;
@@ -898,27 +925,49 @@ void Link::serve_device_copy(Connection &conn, const FrameHeader &header, const 
     }
   }
   // Every segment inside the allocation it names, by the size of what was
-  // opened (not what the initiator says), before any byte moves.
+  // opened (not what the initiator says), or running on into exports whose
+  // bases follow that size without a gap, before any byte moves.
   std::vector<cuda::Copy> copies;
+  uint64_t fd_bytes = 0;
+  const auto following = [&](uint64_t base) -> int64_t {
+    for (size_t e = 0; e < req.exports.size(); ++e) {
+      if (req.exports[e].base == base) return static_cast<int64_t>(e);
+    }
+    return -1;
+  };
   for (size_t i = 0; st == LLM_SUCCESS && i < req.segments.size(); ++i) {
     const wire::Segment &seg = req.segments[i];
-    const uint32_t e = req.segment_export[i];
-    const cuda::PeerAllocation &peer = *opened[e];
-    const uint64_t offset = seg.addr - req.exports[e].base;
-    if (offset > peer.size() || seg.length > peer.size() - offset) {
-      target.why = "device segment " + std::to_string(i) + " [" + std::to_string(seg.addr) + ", +" +
-                   std::to_string(seg.length) + ") runs outside its exported allocation of " +
-                   std::to_string(peer.size()) + " bytes at " + std::to_string(req.exports[e].base);
-      log_warning("link to cluster " + std::to_string(peer_id_) + ": refused a device operation: " + target.why);
-      st = llm_datadist::LLM_PARAM_INVALID;
-      refuse_group(req.target.group);
-      break;
-    }
-    const auto mine = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(target.iov[i].iov_base));
-    const uint64_t theirs = peer.base() + offset;
+    uint32_t e = req.segment_export[i];
+    uint64_t offset = seg.addr - req.exports[e].base;
+    auto mine = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(target.iov[i].iov_base));
     const bool mine_device = target.device != nullptr;
-    copies.push_back(write ? cuda::Copy{mine, theirs, seg.length, mine_device, true}
-                           : cuda::Copy{theirs, mine, seg.length, true, mine_device});
+    uint64_t left = seg.length;
+    while (left > 0) {
+      const cuda::PeerAllocation &peer = *opened[e];
+      const int64_t next = offset < peer.size() && left > peer.size() - offset
+                               ? following(req.exports[e].base + peer.size())
+                               : -1;
+      if (offset >= peer.size() || (left > peer.size() - offset && next < 0)) {
+        target.why = "device segment " + std::to_string(i) + " [" + std::to_string(seg.addr) + ", +" +
+                     std::to_string(seg.length) + ") runs outside its exported allocation of " +
+                     std::to_string(peer.size()) + " bytes at " + std::to_string(req.exports[e].base);
+        log_warning("link to cluster " + std::to_string(peer_id_) + ": refused a device operation: " + target.why);
+        st = llm_datadist::LLM_PARAM_INVALID;
+        refuse_group(req.target.group);
+        break;
+      }
+      const uint64_t n = std::min(left, peer.size() - offset);
+      const uint64_t theirs = peer.base() + offset;
+      copies.push_back(write ? cuda::Copy{mine, theirs, n, mine_device, true}
+                             : cuda::Copy{theirs, mine, n, true, mine_device});
+      if (peer.imported()) fd_bytes += n;
+      mine += n;
+      left -= n;
+      if (left > 0) {
+        e = static_cast<uint32_t>(next);
+        offset = 0;
+      }
+    }
   }
   if (st == LLM_SUCCESS && net::peer_closed(conn.fd)) {
     fail(LLM_LINK_FAILED, "the peer closed the link before its same-host operation was served");
@@ -935,6 +984,7 @@ void Link::serve_device_copy(Connection &conn, const FrameHeader &header, const 
       refuse_group(req.target.group);
     } else {
       ipc_bytes_served_.fetch_add(req.total_bytes, std::memory_order_relaxed);
+      fd_bytes_served_.fetch_add(fd_bytes, std::memory_order_relaxed);
     }
   }
   if (st == LLM_SUCCESS && !write) note_read(req);
@@ -948,6 +998,10 @@ DevicePathStats Link::device_path_stats() const {
   s.staged_frames = staged_frames_.load(std::memory_order_relaxed);
   s.ipc_bytes_served = ipc_bytes_served_.load(std::memory_order_relaxed);
   s.staged_bytes_served = staged_bytes_served_.load(std::memory_order_relaxed);
+  s.fd_frames = fd_frames_.load(std::memory_order_relaxed);
+  s.fd_bytes_served = fd_bytes_served_.load(std::memory_order_relaxed);
+  std::lock_guard<std::mutex> lock(opened_mu_);
+  for (const auto &entry : opened_) s.fd_imports += entry.second->imported() ? 1 : 0;
   return s;
 }
 

@@ -80,6 +80,9 @@ struct LinkPaths {
   // The peer reads same-host frames naming exported device memory
   // (wire::kDeviceHandles in its hello or ack).
   bool peer_opens_device = false;
+  // The peer also takes exports of cuMemCreate memory as descriptors of
+  // this end's process (wire::kDeviceFds).
+  bool peer_takes_fds = false;
 };
 
 // Which path device bytes took on a link, counted since it formed.
@@ -94,6 +97,13 @@ struct DevicePathStats {
   // memory, and device bytes it staged through host buffers.
   uint64_t ipc_bytes_served = 0;
   uint64_t staged_bytes_served = 0;
+  // Of those: initiator side, the ipc_frames naming at least one export as
+  // a descriptor (memory of cuMemCreate); owner side, the ipc_bytes_served
+  // from or into such imported memory, and its allocations imported and
+  // mapped here now (each unmapped and released when the link is reaped).
+  uint64_t fd_frames = 0;
+  uint64_t fd_bytes_served = 0;
+  uint64_t fd_imports = 0;
 };
 
 // One frame of an operation, planned by the initiator.
@@ -244,7 +254,8 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader {
                     const std::shared_ptr<cuda::Device> &device, bool exports_ok);
   // The exports of the allocations holding the frame's device memory;
   // false where one cannot be exported or there are too many.
-  static bool export_all(const cuda::Device &device, const PlannedFrame &planned,
+  // `fds`: memory of cuMemCreate may go as descriptors.
+  static bool export_all(const cuda::Device &device, const PlannedFrame &planned, bool fds,
                          std::vector<wire::DeviceExport> &exports);
   // Serves a same-host frame naming the peer's device exports: checks this
   // end's ranges, opens the exports, checks every segment against what was
@@ -350,12 +361,14 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader {
   std::shared_ptr<LookupState> probe_;  // the probe out, if any
   // Device paths.
   const bool peer_opens_device_;
+  const bool peer_takes_fds_;
   std::atomic<bool> exports_refused_{false};  // the peer could not open this end's exports once
   std::atomic<uint64_t> ipc_frames_{0}, ipc_fallbacks_{0}, staged_frames_{0};
   std::atomic<uint64_t> ipc_bytes_served_{0}, staged_bytes_served_{0};
+  std::atomic<uint64_t> fd_frames_{0}, fd_bytes_served_{0};
   // Owner side: the peer's allocations opened here, by handle and device;
   // closed when the link is reaped (or dropped past kMaxOpened).
-  std::mutex opened_mu_;
+  mutable std::mutex opened_mu_;
   std::unordered_map<std::string, std::shared_ptr<cuda::PeerAllocation>> opened_;
   std::shared_ptr<cuda::Device> host_side_device_;  // opens exports for host memory of this end
   bool reaping_ = false;  // no thread may start any more

@@ -96,12 +96,13 @@ void close_pair(SocketPair &pair) {
   }
 }
 
-int take_socket(pid_t pid, uint32_t number, std::string &why, int type) {
+int take_descriptor(pid_t pid, uint32_t number, std::string &why) {
   const int pidfd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
   if (pidfd < 0) {
     why = std::string("pidfd_open: ") + std::strerror(errno);
     return -1;
   }
+  // pidfd_getfd sets close-on-exec on the descriptor it makes.
   const int fd = static_cast<int>(::syscall(SYS_pidfd_getfd, pidfd, number, 0));
   const int error = errno;
   ::close(pidfd);
@@ -109,6 +110,12 @@ int take_socket(pid_t pid, uint32_t number, std::string &why, int type) {
     why = std::string("pidfd_getfd: ") + std::strerror(error);
     return -1;
   }
+  return fd;
+}
+
+int take_socket(pid_t pid, uint32_t number, std::string &why, int type) {
+  const int fd = take_descriptor(pid, number, why);
+  if (fd < 0) return -1;
   int domain = 0, actual = 0;
   ucred cred{};
   socklen_t len = sizeof(domain);

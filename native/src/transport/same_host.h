@@ -65,6 +65,9 @@ void close_pair(SocketPair &pair);
 // descriptor, or -1 with `why` set: the kernel refused (no pidfd_getfd,
 // ptrace rules) or the descriptor is not a Unix socket of `type` made by `pid`.
 int take_socket(pid_t pid, uint32_t number, std::string &why, int type = SOCK_STREAM);
+// Takes descriptor `number` out of process `pid`, whatever it is (the new
+// descriptor is close-on-exec); -1 with `why` set when the kernel refuses.
+int take_descriptor(pid_t pid, uint32_t number, std::string &why);
 
 // A peer process's memory, reached by kernel copies. Its ranges are checked
 // against the readable (or writable) mappings the kernel lists for it; the

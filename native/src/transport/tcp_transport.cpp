@@ -180,6 +180,8 @@ void TcpTransport::admit(FormedLink &formed) {
     // Said back only to a peer that said it: one that did not may not know the flag.
     paths.peer_opens_device = formed.opens_device;
     if (formed.opens_device) ack.fixed.flags |= wire::kDeviceHandles;
+    paths.peer_takes_fds = formed.opens_device && formed.takes_fds;
+    if (paths.peer_takes_fds) ack.fixed.flags |= wire::kDeviceFds;
     ack.same_host = same_host::local_info();
   }
   if (!options_.auth_key.empty()) ack.fixed.flags |= wire::kAuthenticated;
@@ -250,7 +252,7 @@ Status TcpTransport::greet(int fd, uint64_t peer_id, uint64_t nonce, uint32_t in
   handshake::Hello hello;
   hello.fixed = {cluster_id_, peer_id, nonce, role_.load(), index, count, 0};
   if (options_.same_host) {
-    hello.fixed.flags |= wire::kOffersSameHost | wire::kDeviceHandles;
+    hello.fixed.flags |= wire::kOffersSameHost | wire::kDeviceHandles | wire::kDeviceFds;
     hello.same_host = same_host::local_info();
     if (local_socket >= 0) {
       hello.fixed.flags |= wire::kLocalSocket;
@@ -392,6 +394,7 @@ Status TcpTransport::link(uint64_t peer_id, const std::string &ip, uint16_t port
     paths.offered = true;
     paths.peer_copies = (ack.fixed.flags & wire::kCopiesForYou) != 0;
     paths.peer_opens_device = (ack.fixed.flags & wire::kDeviceHandles) != 0;
+    paths.peer_takes_fds = (ack.fixed.flags & wire::kDeviceFds) != 0;
     paths.peer_memory = reach(peer_id, ack.same_host);
     paths.announce = true;
   }

@@ -129,7 +129,15 @@ std::string decode_request(const std::vector<uint8_t> &body, Request &out, bool 
     out.exports.resize(export_count);
     std::memcpy(out.exports.data(), body.data() + fixed + sizeof(head), export_count * sizeof(DeviceExport));
     for (const DeviceExport &e : out.exports) {
-      if (e.reserved != 0) return "bad device export";
+      if (e.kind == kExportIpc) continue;
+      if (e.kind != kExportFd) return "unknown device export kind";
+      DeviceFd fd{};
+      std::memcpy(&fd, e.handle, sizeof(fd));
+      const bool rest_zero = std::all_of(e.handle + sizeof(fd), e.handle + sizeof(e.handle),
+                                         [](uint8_t b) { return b == 0; });
+      if (fd.fd < 0 || fd.zero != 0 || fd.size == 0 || e.base + fd.size < e.base || !rest_zero) {
+        return "bad device fd export";
+      }
     }
   } else if (body.size() != fixed) {
     return "range table length mismatch";

@@ -108,6 +108,11 @@ enum HelloFlags : uint32_t {
   // whose segments are exported device memory (kDeviceSegments). An end
   // sends such frames only to a peer that said so.
   kDeviceHandles = 64,
+  // Same-host links only, beside kDeviceHandles. Hello or ack: the sender
+  // also reads device exports of kind kExportFd, taking each descriptor out
+  // of the peer's process (pidfd_getfd). An end names such exports only to
+  // a peer that said so.
+  kDeviceFds = 128,
 };
 
 // A hello is followed by a SameHostInfo when its flags offer the same-host
@@ -198,17 +203,30 @@ static_assert(sizeof(Stride) == 24, "stride layout");
 
 // With kDeviceSegments, after the segments: a uint32 count, a uint32 zero,
 // then `count` of these. Each names one device allocation of the
-// initiator's, as cuIpcGetMemHandle exported it, and its base address
-// there; a segment lies in the export with the greatest base at or below
-// its address, at that distance from the base. The owner opens the handle
-// and checks every segment against the size of what it opened.
+// initiator's and its base address there: of kind kExportIpc, as
+// cuIpcGetMemHandle exported it; of kind kExportFd, memory of cuMemCreate
+// exported as a POSIX file descriptor of the initiator's process (the
+// handle bytes are a DeviceFd). A segment lies in the export with the
+// greatest base at or below its address, at that distance from the base,
+// and may run on into exports whose bases follow without a gap. The owner
+// opens (or imports) each export and checks every segment against the size
+// of what it opened.
+enum DeviceExportKind : uint32_t { kExportIpc = 0, kExportFd = 1 };
 struct DeviceExport {
   uint8_t handle[64];
   uint64_t base;
   int32_t ordinal;  // the initiator's device (a hint: where to open it)
-  uint32_t reserved;
+  uint32_t kind;    // DeviceExportKind
 };
 static_assert(sizeof(DeviceExport) == 80, "device export layout");
+// The handle of a kExportFd export; the rest of the 64 bytes are zero.
+struct DeviceFd {
+  int32_t fd;       // the descriptor's number in the initiator's process
+  uint32_t zero;
+  uint64_t size;    // bytes mapped at the base: what the owner maps
+  uint64_t serial;  // the initiator's number for this export (a reused descriptor number differs in it)
+};
+static_assert(sizeof(DeviceFd) == 24, "device fd layout");
 constexpr uint32_t kMaxExports = 1024;
 
 struct LookupReply {
