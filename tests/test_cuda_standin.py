@@ -112,6 +112,27 @@ class IpcHandle(ctypes.Structure):
 
 HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
+
+class MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class AllocationProp(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", MemLocation),
+                ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", ctypes.c_ubyte * 8)]
+
+
+class AccessDesc(ctypes.Structure):
+    _fields_ = [("location", MemLocation), ("flags", ctypes.c_int)]
+
+
+# Virtual memory management values.
+GRANULARITY = 2 * MiB  # the stand-in's
+HANDLE_NONE, HANDLE_POSIX_FD, HANDLE_WIN32 = 0, 1, 2
+ALLOCATION_PINNED = 1
+LOCATION_DEVICE = 1
+ACCESS_NONE, ACCESS_READWRITE = 0, 3
+
 _u = ctypes.c_uint
 _i = ctypes.c_int
 _ull = ctypes.c_ulonglong
@@ -160,10 +181,22 @@ SIGNATURES: dict[str, list[Any]] = {
     "cuIpcOpenMemHandle_v2": [_P(_ull), IpcHandle, _u],
     "cuIpcCloseMemHandle": [_ull],
     "cuGetProcAddress_v2": [ctypes.c_char_p, _P(_vp), _i, ctypes.c_uint64, _P(_i)],
+    "cuMemGetAllocationGranularity": [_P(_sz), _P(AllocationProp), _i],
+    "cuMemCreate": [_P(_ull), _sz, _P(AllocationProp), _ull],
+    "cuMemRelease": [_ull],
+    "cuMemAddressReserve": [_P(_ull), _sz, _sz, _ull, _ull],
+    "cuMemAddressFree": [_ull, _sz],
+    "cuMemMap": [_ull, _sz, _sz, _ull, _ull],
+    "cuMemUnmap": [_ull, _sz],
+    "cuMemSetAccess": [_ull, _sz, _P(AccessDesc), _sz],
+    "cuMemRetainAllocationHandle": [_P(_ull), _vp],
+    "cuMemExportToShareableHandle": [_vp, _ull, _i, _ull],
+    "cuMemImportFromShareableHandle": [_P(_ull), _vp, _i],
 }
 HOOKS: dict[str, Any] = {
     "standin_cuda_live_allocations": ctypes.c_int,
     "standin_cuda_bytes_copied": ctypes.c_ulonglong,
+    "standin_cuda_live_vmm_allocations": ctypes.c_int,
 }
 
 
@@ -292,6 +325,34 @@ class Cu:
             value: Any = ATTRIBUTES[attribute].from_buffer_copy(bytes(slot[:size]))
             values[attribute] = value.value or 0
         return values
+
+    def vmm_create(self, size: int = GRANULARITY, types: int = HANDLE_POSIX_FD, device: int = 0) -> int:
+        handle = _ull()
+        prop = AllocationProp(ALLOCATION_PINNED, types, MemLocation(LOCATION_DEVICE, device))
+        self.ok(self.lib.cuMemCreate(ctypes.byref(handle), size, ctypes.byref(prop), 0))
+        return handle.value
+
+    def vmm_reserve(self, size: int) -> int:
+        ptr = _ull()
+        self.ok(self.lib.cuMemAddressReserve(ctypes.byref(ptr), size, 0, 0, 0))
+        return ptr.value
+
+    def vmm_access(self, ptr: int, size: int, flags: int = ACCESS_READWRITE, device: int = 0) -> int:
+        desc = AccessDesc(MemLocation(LOCATION_DEVICE, device), flags)
+        return int(self.lib.cuMemSetAccess(ptr, size, ctypes.byref(desc), 1))
+
+    def vmm_export(self, handle: int) -> tuple[int, int]:
+        fd = ctypes.c_int(-1)
+        r = self.lib.cuMemExportToShareableHandle(ctypes.byref(fd), handle, HANDLE_POSIX_FD, 0)
+        return r, fd.value
+
+    def vmm_import(self, fd: int) -> tuple[int, int]:
+        handle = _ull()
+        r = self.lib.cuMemImportFromShareableHandle(ctypes.byref(handle), ctypes.c_void_p(fd), HANDLE_POSIX_FD)
+        return r, handle.value
+
+    def live_vmm(self) -> int:
+        return int(self.lib.standin_cuda_live_vmm_allocations())
 
     def ipc_handle(self, ptr: int) -> bytes:
         handle = IpcHandle()
@@ -1321,6 +1382,150 @@ def descriptor_as(fd: int, source: int) -> Iterator[None]:
 
 def digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def test_virtual_memory_management(cu: Cu) -> None:
+    """cuMemCreate memory: granularity, reservations, mappings side by side,
+    access, what the pointer queries say, retain and release."""
+    G = GRANULARITY
+    lib = cu.lib
+    size = _sz()
+    prop = AllocationProp(ALLOCATION_PINNED, HANDLE_POSIX_FD, MemLocation(LOCATION_DEVICE, 1))
+    cu.ok(lib.cuMemGetAllocationGranularity(ctypes.byref(size), ctypes.byref(prop), 0))
+    assert size.value == G
+    assert lib.cuMemGetAllocationGranularity(ctypes.byref(size), ctypes.byref(AllocationProp()), 0) == INVALID_VALUE
+    handle = _ull()
+    assert lib.cuMemCreate(ctypes.byref(handle), G + PAGE, ctypes.byref(prop), 0) == INVALID_VALUE
+    assert lib.cuMemCreate(ctypes.byref(handle), G, ctypes.byref(prop), 1) == INVALID_VALUE
+    win32 = AllocationProp(ALLOCATION_PINNED, HANDLE_WIN32, MemLocation(LOCATION_DEVICE, 0))
+    assert lib.cuMemCreate(ctypes.byref(handle), G, ctypes.byref(win32), 0) == NOT_SUPPORTED
+    assert lib.cuMemCreate(ctypes.byref(handle), 64 * MiB + G, ctypes.byref(prop), 0) == OUT_OF_MEMORY
+
+    vmm_before, live_before = cu.live_vmm(), cu.live()
+    first, second = cu.vmm_create(), cu.vmm_create(types=HANDLE_NONE)
+    assert cu.live_vmm() == vmm_before + 2
+    base = cu.vmm_reserve(3 * G)
+    assert base % G == 0
+    assert lib.cuMemMap(base + PAGE, G, 0, first, 0) == INVALID_VALUE  # not aligned
+    assert lib.cuMemMap(base, G, PAGE, first, 0) == INVALID_VALUE  # the offset must be 0
+    assert lib.cuMemMap(base, 2 * G, 0, first, 0) == INVALID_VALUE  # past the allocation
+    assert lib.cuMemMap(base + 2 * G, 2 * G, 0, first, 0) == INVALID_VALUE  # past the reservation
+    assert lib.cuMemMap(base, G, 0, 12345, 0) == INVALID_HANDLE
+    cu.ok(lib.cuMemMap(base, G, 0, first, 0))
+    cu.ok(lib.cuMemMap(base + G, G, 0, second, 0))
+    assert lib.cuMemMap(base + G, G, 0, first, 0) == INVALID_VALUE  # already mapped
+    # The mappings hold the memory once the handles are released.
+    cu.ok(lib.cuMemRelease(first))
+    cu.ok(lib.cuMemRelease(second))
+    assert lib.cuMemRelease(second) == INVALID_VALUE
+    assert cu.live_vmm() == vmm_before + 2 and cu.live() == live_before + 2
+
+    # No access until cuMemSetAccess; then one range across both mappings.
+    data = random.Random(3).randbytes(G)
+    src = buffer(data)
+    assert lib.cuMemcpyHtoD_v2(base + G // 2, addr(src), G) == INVALID_VALUE
+    assert cu.vmm_access(base, 3 * G) == INVALID_VALUE  # the third piece is not mapped
+    assert cu.vmm_access(base, 2 * G, device=5) == INVALID_DEVICE
+    cu.ok(cu.vmm_access(base, 2 * G))
+    cu.htod(base + G // 2, data)
+    assert cu.dtoh(base + G // 2, G) == data
+    assert lib.cuMemcpyDtoH_v2(addr((ctypes.c_char * G)()), base + G + G // 2, G) == INVALID_VALUE  # past the end
+
+    # Each mapping is a range of its own; legacy IPC refuses it.
+    values = cu.attributes(base + G + 5)
+    assert values[ATTR_MEMORY_TYPE] == MEMORYTYPE_DEVICE and values[ATTR_DEVICE_ORDINAL] == 0
+    assert (values[ATTR_RANGE_START_ADDR], values[ATTR_RANGE_SIZE]) == (base + G, G)
+    assert values[ATTR_IS_LEGACY_CUDA_IPC_CAPABLE] == 0 and values[ATTR_MAPPED] == 1
+    start, length = _ull(), _sz()
+    cu.ok(lib.cuMemGetAddressRange_v2(ctypes.byref(start), ctypes.byref(length), base + 7))
+    assert (start.value, length.value) == (base, G)
+    assert cu.attributes(base + 2 * G)[ATTR_MEMORY_TYPE] == 0  # reserved, not mapped
+    assert lib.cuIpcGetMemHandle(ctypes.byref(IpcHandle()), base) == INVALID_VALUE
+
+    # Retain gives the handle mapped at any address of a mapping.
+    retained = _ull()
+    cu.ok(lib.cuMemRetainAllocationHandle(ctypes.byref(retained), ctypes.c_void_p(base + G + 100)))
+    assert retained.value == second
+    assert lib.cuMemRetainAllocationHandle(ctypes.byref(_ull()), ctypes.c_void_p(base + 2 * G)) == INVALID_VALUE
+    # Exported only as a type it was made with.
+    assert cu.vmm_export(retained.value)[0] == INVALID_VALUE
+    cu.ok(lib.cuMemRelease(retained.value))
+    cu.ok(lib.cuMemRetainAllocationHandle(ctypes.byref(retained), ctypes.c_void_p(base)))
+    r, fd = cu.vmm_export(retained.value)
+    cu.ok(lib.cuMemRelease(retained.value))
+    assert r == SUCCESS and fd >= 0
+    # Imported (here too), mapped elsewhere: the same bytes.
+    r, imported = cu.vmm_import(fd)
+    os.close(fd)
+    assert r == SUCCESS and cu.live_vmm() == vmm_before + 3
+    assert cu.vmm_import(0)[0] == INVALID_HANDLE  # not an exported allocation
+    other = cu.vmm_reserve(G)
+    cu.ok(lib.cuMemMap(other, G, 0, imported, 0))
+    cu.ok(lib.cuMemRelease(imported))
+    cu.ok(cu.vmm_access(other, G))
+    assert cu.dtoh(other + G // 2, G // 2) == data[: G // 2]
+    cu.htod(other, b"written through the import")
+    assert cu.dtoh(base, 26) == b"written through the import"
+
+    # Unmapping: whole mappings only; a reservation is freed once unmapped.
+    assert lib.cuMemUnmap(base, G // 2) == INVALID_VALUE
+    assert lib.cuMemAddressFree(base, 3 * G) == INVALID_VALUE
+    cu.ok(lib.cuMemUnmap(other, G))
+    cu.ok(lib.cuMemAddressFree(other, G))
+    assert cu.live_vmm() == vmm_before + 2
+    cu.ok(lib.cuMemUnmap(base, 2 * G))
+    assert lib.cuMemAddressFree(base, 2 * G) == INVALID_VALUE  # not the reserved size
+    cu.ok(lib.cuMemAddressFree(base, 3 * G))
+    assert cu.live_vmm() == vmm_before and cu.live() == live_before
+
+
+def _vmm_peer(conn: multiprocessing.connection.Connection, path: str, pid: int, fd: int) -> None:
+    """Takes descriptor `fd` out of process `pid`, imports and maps it, sends
+    what it reads there, writes its own bytes, and lets go of it all."""
+    _child_env({ENV_DEVICES: None, ENV_MEMORY: None})
+    try:
+        cu = Cu(load(path))
+        cu.ok(cu.lib.cuInit(0))
+        cu.ok(cu.lib.cuCtxSetCurrent(cu.retain(0)))
+        libc = ctypes.CDLL(None, use_errno=True)
+        pidfd = os.pidfd_open(pid)
+        taken = libc.syscall(438, pidfd, fd, 0)  # pidfd_getfd
+        os.close(pidfd)
+        assert taken >= 0, os.strerror(ctypes.get_errno())
+        r, handle = cu.vmm_import(taken)
+        os.close(taken)
+        assert r == SUCCESS, name_of(r)
+        ptr = cu.vmm_reserve(GRANULARITY)
+        cu.ok(cu.lib.cuMemMap(ptr, GRANULARITY, 0, handle, 0))
+        cu.ok(cu.vmm_access(ptr, GRANULARITY))
+        seen = cu.dtoh(ptr, 4096)
+        cu.htod(ptr + 4096, b"from the child")
+        cu.ok(cu.lib.cuMemUnmap(ptr, GRANULARITY))
+        cu.ok(cu.lib.cuMemAddressFree(ptr, GRANULARITY))
+        cu.ok(cu.lib.cuMemRelease(handle))
+        conn.send({"seen": seen, "live": cu.live_vmm()})
+    except BaseException:
+        conn.send({"error": traceback.format_exc()})
+
+
+def test_an_exported_descriptor_maps_the_same_memory_in_another_process(cu: Cu, standin_path: str) -> None:
+    handle = cu.vmm_create()
+    base = cu.vmm_reserve(GRANULARITY)
+    cu.ok(cu.lib.cuMemMap(base, GRANULARITY, 0, handle, 0))
+    cu.ok(cu.vmm_access(base, GRANULARITY))
+    data = random.Random(4).randbytes(4096)
+    cu.htod(base, data)
+    r, fd = cu.vmm_export(handle)
+    assert r == SUCCESS
+    try:
+        result = child_result(_vmm_peer, standin_path, os.getpid(), fd)
+    finally:
+        os.close(fd)
+    assert result["seen"] == data and result["live"] == 0
+    assert cu.dtoh(base + 4096, 14) == b"from the child"
+    cu.ok(cu.lib.cuMemUnmap(base, GRANULARITY))
+    cu.ok(cu.lib.cuMemAddressFree(base, GRANULARITY))
+    cu.ok(cu.lib.cuMemRelease(handle))
 
 
 def test_ipc_in_the_exporting_process_is_refused(cu: Cu) -> None:

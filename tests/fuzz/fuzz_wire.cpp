@@ -62,6 +62,14 @@ void check_request(const std::vector<uint8_t> &body, bool with_segments) {
   const bool device = (t.flags & wire::kDeviceSegments) != 0;
   require(device == !req.exports.empty() && req.exports.size() <= wire::kMaxExports, "export table wrong");
   require(req.segment_export.size() == (device ? req.segments.size() : 0), "segment exports differ");
+  for (const wire::DeviceExport &e : req.exports) {
+    require(e.kind == wire::kExportIpc || e.kind == wire::kExportFd, "accepted an unknown export kind");
+    if (e.kind != wire::kExportFd) continue;
+    wire::DeviceFd fd;
+    std::memcpy(&fd, e.handle, sizeof(fd));
+    require(fd.fd >= 0 && fd.zero == 0 && fd.size != 0 && e.base + fd.size >= e.base, "accepted a bad fd export");
+    for (size_t b = sizeof(fd); b < sizeof(e.handle); ++b) require(e.handle[b] == 0, "accepted fd export padding");
+  }
   for (size_t i = 0; i < req.segment_export.size(); ++i) {
     require(req.segment_export[i] < req.exports.size(), "a segment names no export");
     const uint64_t base = req.exports[req.segment_export[i]].base;

@@ -23,7 +23,9 @@ from wire_frames import (  # noqa: E402
     BY_KEY,
     CHALLENGE_T,
     DEVICE_EXPORT,
+    DEVICE_FD,
     DEVICE_SEGMENTS,
+    EXPORT_FD,
     HEADER,
     HELLO_ACK,
     HELLO_ACK_T,
@@ -63,11 +65,16 @@ OFFERED, PEER_COPIES, REACHES, ANNOUNCE, SUBMIT, INITIATED = 1, 2, 4, 8, 16, 32
 LLM_PARAM_INVALID = 0x2000  # any non-zero status refuses
 
 
-def device_request(ranges, segments, exports, **target) -> bytes:
+def device_request(ranges, segments, exports, fd_size=0, **target) -> bytes:
     """A same-host request whose segments lie in exported device memory:
-    the export table (handle, base) follows the segments."""
+    the export table (handle, base) follows the segments. With `fd_size`,
+    each export is a descriptor export of that many bytes."""
     body = request(ranges, flags=DEVICE_SEGMENTS, segments=segments, **target)
-    table = b"".join(DEVICE_EXPORT.pack(bytes([i + 1]) * 64, base, 0, 0) for i, base in enumerate(exports))
+    if fd_size:
+        table = b"".join(DEVICE_EXPORT.pack(DEVICE_FD.pack(3 + i, 0, fd_size, i + 1).ljust(64, b"\0"), base, 0, EXPORT_FD)
+                         for i, base in enumerate(exports))
+    else:
+        table = b"".join(DEVICE_EXPORT.pack(bytes([i + 1]) * 64, base, 0, 0) for i, base in enumerate(exports))
     return body + len(exports).to_bytes(4, "little") + bytes(4) + table
 
 
@@ -89,6 +96,9 @@ def wire_seeds() -> dict[str, bytes]:
         "write-from-device": segmented
         + frame(WRITE_FROM_T, device_request([(0, 0, 0, 32), (0, 1, 0, 32)], [(PEER, 32), (PEER + 4096, 32)],
                                              [PEER, PEER + 4096], kind=BY_ID, cache_id=2)),
+        "write-from-device-fd": segmented
+        + frame(WRITE_FROM_T, device_request([(0, 0, 0, 64)], [(PEER + 4096 - 32, 64)], [PEER, PEER + 4096],
+                                             fd_size=4096, kind=BY_ID, cache_id=2)),
         "read-strided": plain
         + frame(READ_T, request([(0, 1, 0, 8), (1, 1, 4, 4)], strides=[(8, 16, 0), (1, 0, 0)], flags=WITHIN_SLOT)),
         "read-into-strided": segmented
@@ -148,6 +158,9 @@ def link_seeds() -> dict[str, bytes]:
         + frame(WRITE_FROM_T, device_request([(0, 0, 0, 32)], [(PEER, 32)], [PEER], kind=BY_ID, cache_id=2))
         + frame(READ_INTO_T, device_request([(0, 2, 0, 8)], [(PEER + 64, 8)], [PEER], kind=BY_ID, cache_id=2,
                                             strides=[(4, 8, 32)]), op_id=2),
+        "same-host-device-fd": bytes([OFFERED | REACHES])
+        + frame(WRITE_FROM_T, device_request([(0, 0, 0, 64)], [(PEER + 4096 - 32, 64)], [PEER, PEER + 4096],
+                                             fd_size=4096, kind=BY_ID, cache_id=2)),
         "peer-copies": bytes([OFFERED | REACHES | ANNOUNCE]) + frame(PEER_COPIES_T),
         "answers": bytes([SUBMIT])
         + HEADER.pack(MAGIC, VERSION, READ_DATA_T, 0, 0, 1, 64) + b"\x07" * 64
