@@ -186,8 +186,9 @@ def initiator_with_vmm_memory(conn: Any, transport: str) -> None:
     datadist, port, ids = _link(conn, transport)
     cuda = Cuda()
     local = VmmCaches(datadist.cache_manager, cuda, posix_fd=True)
-    # The layout straddles pieces: tensor 0's block 21 and tensor 1 itself.
-    assert (local.addrs["blocks-vmm"][0] + 21 * BLOCK) // PIECE != (local.addrs["blocks-vmm"][0] + 22 * BLOCK - 1) // PIECE
+    # The layout straddles pieces: tensor 0's block 21, for one.
+    block_21 = local.addrs["blocks-vmm"][0] + 21 * BLOCK
+    assert block_21 // PIECE != (block_21 + BLOCK - 1) // PIECE
     remote = Remote(conn, ids)
     conn.send(("live_vmm",))
     assert _recv(conn) == 0
@@ -314,7 +315,8 @@ def hostile_fd_initiator(conn: Any, transport: str) -> None:
         return DEVICE_EXPORT.pack(handle, base + piece * PIECE, 0, EXPORT_FD)
 
     def device_frame(kind: int, block: int, addr: int, op_id: int, exports: list[bytes]) -> bytes:
-        body = request([(0, block, 0, BLOCK)], model_id=MODEL["device"], flags=DEVICE_SEGMENTS, segments=[(addr, BLOCK)])
+        body = request([(0, block, 0, BLOCK)], model_id=MODEL["device"], flags=DEVICE_SEGMENTS,
+                       segments=[(addr, BLOCK)])
         body += struct.pack("<II", len(exports), 0) + b"".join(exports)
         return frame(kind, body, op_id=op_id)
 

@@ -71,8 +71,8 @@ def device_request(ranges, segments, exports, fd_size=0, **target) -> bytes:
     each export is a descriptor export of that many bytes."""
     body = request(ranges, flags=DEVICE_SEGMENTS, segments=segments, **target)
     if fd_size:
-        table = b"".join(DEVICE_EXPORT.pack(DEVICE_FD.pack(3 + i, 0, fd_size, i + 1).ljust(64, b"\0"), base, 0, EXPORT_FD)
-                         for i, base in enumerate(exports))
+        handles = [DEVICE_FD.pack(3 + i, 0, fd_size, i + 1).ljust(64, b"\0") for i in range(len(exports))]
+        table = b"".join(DEVICE_EXPORT.pack(h, base, 0, EXPORT_FD) for h, base in zip(handles, exports))
     else:
         table = b"".join(DEVICE_EXPORT.pack(bytes([i + 1]) * 64, base, 0, 0) for i, base in enumerate(exports))
     return body + len(exports).to_bytes(4, "little") + bytes(4) + table
