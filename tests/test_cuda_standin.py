@@ -526,7 +526,21 @@ def _child_uninitialised(conn: multiprocessing.connection.Connection, path: str)
                 ctypes.byref(ull), handle, IPC_LAZY_ENABLE_PEER_ACCESS
             ),
             "cuIpcCloseMemHandle": lambda: cu.lib.cuIpcCloseMemHandle(4096),
+            "cuMemGetAllocationGranularity": lambda: cu.lib.cuMemGetAllocationGranularity(
+                ctypes.byref(sz), ctypes.byref(prop), 0
+            ),
+            "cuMemCreate": lambda: cu.lib.cuMemCreate(ctypes.byref(ull), GRANULARITY, ctypes.byref(prop), 0),
+            "cuMemRelease": lambda: cu.lib.cuMemRelease(1),
+            "cuMemAddressReserve": lambda: cu.lib.cuMemAddressReserve(ctypes.byref(ull), GRANULARITY, 0, 0, 0),
+            "cuMemAddressFree": lambda: cu.lib.cuMemAddressFree(GRANULARITY, GRANULARITY),
+            "cuMemMap": lambda: cu.lib.cuMemMap(GRANULARITY, GRANULARITY, 0, 1, 0),
+            "cuMemUnmap": lambda: cu.lib.cuMemUnmap(GRANULARITY, GRANULARITY),
+            "cuMemSetAccess": lambda: cu.vmm_access(GRANULARITY, GRANULARITY),
+            "cuMemRetainAllocationHandle": lambda: cu.lib.cuMemRetainAllocationHandle(ctypes.byref(ull), addr(buf)),
+            "cuMemExportToShareableHandle": lambda: cu.vmm_export(1)[0],
+            "cuMemImportFromShareableHandle": lambda: cu.vmm_import(0)[0],
         }
+        prop = AllocationProp(ALLOCATION_PINNED, HANDLE_POSIX_FD, MemLocation(LOCATION_DEVICE, 0))
         before = {name: call() for name, call in calls.items()}
         pfn = _vp()
         status = _i(-1)
