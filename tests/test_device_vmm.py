@@ -249,6 +249,39 @@ def test_cumemcreate_memory_without_the_posix_handle_type_is_staged(standin: Pat
     run_pair(standin, owner_serves_and_counts, initiator_without_the_posix_handle_type, "auto")
 
 
+def initiator_meets_an_owner_that_cannot_import(conn: Any, transport: str) -> None:
+    """The owner has no driver to import the descriptors with: the frame goes
+    again inline, staged, with the same bytes."""
+    import datadist_aio as dd
+
+    datadist, _, ids = _link(conn, transport)
+    local = VmmCaches(datadist.cache_manager, Cuda(), posix_fd=True)
+    remote = Remote(conn, ids)
+    key = dd.BlocksCacheKey(OWNER, MODEL["host"])
+    sent = local.fill("blocks-vmm", 81)
+    remote.fill("blocks-host", 82)
+    datadist.cache_manager.push_blocks(key, local.caches["blocks-vmm"], [0, 21, 23], [1, 2, 3])
+    for t in range(TENSORS):
+        _blocks(remote.expect["blocks-host"][t])[[1, 2, 3]] = _blocks(sent[t])[[0, 21, 23]]
+    remote.check("blocks-host", "push_blocks sent again inline")
+    mine = datadist._engine.link_stats(OWNER)
+    assert mine["fd_frames"] == mine["ipc_frames"] == mine["ipc_fallbacks"] >= 1, mine
+    assert mine["staged_frames"] == mine["ipc_fallbacks"], mine
+    conn.send(("stats",))
+    owner = _recv(conn)
+    assert owner["ipc_bytes_served"] == 0 and owner["fd_imports"] == 0, owner
+    conn.send(("quit",))
+    local.free()
+    datadist.finalize()
+
+
+def test_an_owner_that_cannot_import_has_the_bytes_staged(standin: Path) -> None:  # noqa: F811
+    from test_device_ipc import owner_without_driver
+
+    run_pair(standin, owner_without_driver, initiator_meets_an_owner_that_cannot_import, "auto",
+             owner_env={"DATADIST_AIO_CUDA_DRIVER": "/nonexistent/libcuda.so.1"})
+
+
 # -- a hostile initiator --------------------------------------------------------------------------------
 
 
