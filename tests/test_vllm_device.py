@@ -222,6 +222,11 @@ class StandinMemory:
     def open_gates(self) -> None:
         self.gate.set()
 
+    def synchronize(self) -> None:
+        """Waits for the model's stream (as vLLM's step waits for its sampled tokens)."""
+        if self.stream is not None:
+            Cuda.check(self.cuda.lib.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+
     def close(self) -> None:
         self.gate.set()
         if self.stream is not None:
@@ -272,6 +277,9 @@ class TorchMemory:
     def open_gates(self) -> None:
         return None
 
+    def synchronize(self) -> None:
+        self.torch.cuda.synchronize()
+
     def close(self) -> None:
         if self.torch.cuda.is_available():
             self.torch.cuda.synchronize()
@@ -300,7 +308,8 @@ def _wait_for(side: WorkerSide, what: str, timeout_s: float = 20.0) -> set[str]:
     raise AssertionError(f"{what} did not show up within {timeout_s} s")
 
 
-def decode_worker(conn: Any, backend: str, placements: tuple[str, str], mode: str, device: int = 0) -> None:
+def decode_worker(conn: Any, backend: str, placements: tuple[str, str], mode: str, device: int = 0,
+                  event: str = "recorded") -> None:
     """Loads the request's blocks into its KV tensors (zeros), then checks every byte."""
     from datadist_aio.integrations.vllm.metadata import LoadSpec, StepPlan
 
@@ -342,9 +351,12 @@ def decode_worker(conn: Any, backend: str, placements: tuple[str, str], mode: st
         memory.close()
 
 
-def prefill_worker(conn: Any, backend: str, placements: tuple[str, str], mode: str, device: int = 0) -> None:
+def prefill_worker(conn: Any, backend: str, placements: tuple[str, str], mode: str, device: int = 0,
+                   event: str = "recorded") -> None:
     """Holds the request's blocks (writing them in a step, pushed layer by
-    layer in ``push_layerwise``) until the decode side releases them."""
+    layer in ``push_layerwise``) until the decode side releases them.
+    ``event="refused"``: each saved layer's event is a handle the driver
+    refuses, which fails the push (the decode side then pulls)."""
     from datadist_aio.integrations.vllm.metadata import SaveSpec, StepPlan
 
     placement = placements[0]
@@ -353,7 +365,7 @@ def prefill_worker(conn: Any, backend: str, placements: tuple[str, str], mode: s
     decode_port = _recv(conn)
     side = WorkerSide(WorkerSettings(engine_id="prefill", is_consumer=False, transfer_mode=mode, load_timeout_s=10.0,
                                      push_port=decode_port, kv_buffer_device="cuda",
-                                     record_event=memory.record_event))
+                                     record_event=memory.record_event if event == "recorded" else lambda: 0xDEAD0))
     try:
         side.register(kv, BLOCKS)
         assert side.device == (device if placement == "device" else None)
@@ -369,14 +381,20 @@ def prefill_worker(conn: Any, backend: str, placements: tuple[str, str], mode: s
             for layer, name in enumerate(NAMES):
                 memory.write_blocks(kv[name], REMOTE, _new(layer), on_stream=True)
                 side.save_layer(name)
-            if isinstance(memory, StandinMemory) and placement == "device":
+            if isinstance(memory, StandinMemory) and placement == "device" and event == "recorded":
                 time.sleep(0.3)
                 assert side.take_records() == [], "pushed before the model's stream wrote the layers"
             memory.open_gates()
+            start = time.monotonic()
             side.finish_step()
-            records = side.take_records()
-            assert [(r.nbytes, r.blocks, r.ok) for r in records] == [(2 * LAYERS * len(REMOTE) * BLOCK_BYTES,
-                                                                       len(REMOTE), True)], records
+            elapsed = time.monotonic() - start
+            records = [(r.nbytes, r.blocks, r.ok) for r in side.take_records()]
+            if event == "recorded":
+                assert records == [(2 * LAYERS * len(REMOTE) * BLOCK_BYTES, len(REMOTE), True)], records
+            else:
+                assert records == [(0, len(REMOTE), False)], records
+                assert elapsed < 3.0, f"a refused event failed the push after {elapsed:.1f} s, not at once"
+            memory.synchronize()
         conn.send(side.side_channel_port)
         assert _recv(conn) == "loaded"
         _wait_for(side, "p-a")
@@ -393,6 +411,10 @@ MIXES = [("device", "device"), ("host", "device"), ("device", "host")]  # (prefi
 @pytest.mark.parametrize("placements", MIXES, ids=[f"prefill_{p}-decode_{d}" for p, d in MIXES])
 def test_blocks_move_between_workers_in_place(standin: Path, placements: tuple[str, str], mode: str) -> None:
     run_pair(standin, decode_worker, prefill_worker, "standin", placements, mode)
+
+
+def test_a_push_whose_events_the_driver_refuses_is_pulled_instead(standin: Path) -> None:
+    run_pair(standin, decode_worker, prefill_worker, "standin", ("device", "device"), "push_layerwise", 0, "refused")
 
 
 def test_a_worker_registers_the_device_its_tensors_are_on(standin: Path) -> None:
