@@ -15,6 +15,8 @@ buffers. Each pair runs in both transfer modes and in every mix of host and
 device tensors; in the layer-wise push a prefill with device tensors writes
 each layer on a gated "model stream" and saves it before the stream has run,
 so a layer sent before its CUDA event completed would carry the old bytes.
+Prefill blocks are also read into decode blocks of twice the tokens (byte
+ranges, not whole blocks).
 
 The last test runs the same pairs with torch CUDA tensors where a GPU is
 present.
@@ -136,9 +138,9 @@ def _new(layer: int) -> np.ndarray:
     return np.random.default_rng(200 + layer).integers(0, 256, 2 * len(REMOTE) * BLOCK_BYTES, dtype=np.uint8)
 
 
-def _ranges(blocks: list[int]) -> list[int]:
+def _ranges(blocks: list[int], block_bytes: int = BLOCK_BYTES) -> list[int]:
     """Byte offsets in a layer of each block of ``blocks``, K's then V's."""
-    return [kv * BLOCKS * BLOCK_BYTES + block * BLOCK_BYTES for kv in range(2) for block in blocks]
+    return [kv * LAYER_BYTES // 2 + block * block_bytes for kv in range(2) for block in blocks]
 
 
 # -- the memory of one side: stand-in or torch -----------------------------------------------------
@@ -161,13 +163,13 @@ class StandinMemory:
         self.events: list[int] = []
         self.keep: list[Any] = []
 
-    def tensor(self, placement: str, data: np.ndarray) -> Any:
+    def tensor(self, placement: str, data: np.ndarray, shape: tuple[int, ...] = SHAPE) -> Any:
         if placement == "host":
-            return HostTensor(data.copy().view(np.float16).reshape(SHAPE))
+            return HostTensor(data.copy().view(np.float16).reshape(shape))
         ptr = self.cuda.alloc(LAYER_BYTES)
         self.allocations.append(ptr)
         self.cuda.write(ptr, data)
-        return DeviceTensor(ptr, SHAPE, self.device)
+        return DeviceTensor(ptr, shape, self.device)
 
     def read(self, tensor: Any) -> np.ndarray:
         if isinstance(tensor, HostTensor):
@@ -254,9 +256,9 @@ class TorchMemory:
         self.device = device
         torch.cuda.set_device(device)
 
-    def tensor(self, placement: str, data: np.ndarray) -> Any:
+    def tensor(self, placement: str, data: np.ndarray, shape: tuple[int, ...] = SHAPE) -> Any:
         torch = self.torch
-        host = torch.from_numpy(data.copy()).view(torch.float16).reshape(SHAPE)
+        host = torch.from_numpy(data.copy()).view(torch.float16).reshape(shape)
         return host if placement == "host" else host.to(f"cuda:{self.device}")
 
     def read(self, tensor: Any) -> np.ndarray:
@@ -309,36 +311,49 @@ def _wait_for(side: WorkerSide, what: str, timeout_s: float = 20.0) -> set[str]:
 
 
 def decode_worker(conn: Any, backend: str, placements: tuple[str, str], mode: str, device: int = 0,
-                  event: str = "recorded") -> None:
-    """Loads the request's blocks into its KV tensors (zeros), then checks every byte."""
+                  event: str = "recorded", wide: bool = False) -> None:
+    """Loads the request's blocks into its KV tensors (zeros), then checks
+    every byte. ``wide``: blocks of twice the prefill's tokens (half as many),
+    decode block k holding prefill blocks 2k and 2k + 1."""
     from datadist_aio.integrations.vllm.metadata import LoadSpec, StepPlan
 
     placement = placements[1]
     memory = _memory(backend, device)
-    kv = {name: memory.tensor(placement, np.zeros(LAYER_BYTES, np.uint8)) for name in NAMES}
+    block_size, blocks = (2 * BLOCK_SIZE, BLOCKS // 2) if wide else (BLOCK_SIZE, BLOCKS)
+    shape = (2, blocks, block_size, HEADS, HEAD_DIM)
+    local = LOCAL[:2] if wide else LOCAL
+    kv = {name: memory.tensor(placement, np.zeros(LAYER_BYTES, np.uint8), shape) for name in NAMES}
     side = WorkerSide(WorkerSettings(engine_id="decode", is_producer=False, transfer_mode=mode, load_timeout_s=10.0,
-                                     inbox_blocks=8, inbox_share_blocks=8, kv_buffer_device="cuda"))
+                                     kv_heads=HEADS, block_size=block_size, inbox_blocks=8, inbox_share_blocks=8,
+                                     kv_buffer_device="cuda"))
     try:
-        side.register(kv, BLOCKS)
+        side.register(kv, blocks)
         assert side.device == (device if placement == "device" else None)
         if mode == "push_layerwise":
             inbox = side._inbox_caches[0].cache_desc.placement
             assert inbox.name == ("DEVICE" if placement == "device" else "HOST"), "the inbox is where the KV tensors are"
         conn.send(side.side_channel_port)
         prefill_port = _recv(conn)
-        spec = LoadSpec("a", LOCAL, REMOTE, "prefill", "127.0.0.1", prefill_port, "p-a")
+        spec = LoadSpec("a", local, REMOTE, "prefill", "127.0.0.1", prefill_port, "p-a")
         side.start_loads(StepPlan(loads={"a": spec}))
         failed = _wait_for(side, "a")
         assert not failed and not side.load_errors(), f"the load failed: {failed}"
-        untouched = [b for b in range(BLOCKS) if b not in LOCAL]
+        # Where each prefill block's K and V land: with blocks as wide, at
+        # the start of the matching decode block; twice as wide, in its
+        # first or second half ([tokens, heads, head_dim] per block).
+        width = BLOCK_BYTES * block_size // BLOCK_SIZE
+        targets = [kv * LAYER_BYTES // 2 + local[i * BLOCK_SIZE // block_size] * width
+                   + (i * BLOCK_BYTES) % width for kv in range(2) for i in range(len(REMOTE))]
         for layer, name in enumerate(NAMES):
             got = memory.read(kv[name])
             new = _new(layer).reshape(-1, BLOCK_BYTES)
-            for chunk, offset in zip(new, _ranges(LOCAL)):
+            for chunk, offset in zip(new, targets):
                 assert got[offset:offset + BLOCK_BYTES].tobytes() == chunk.tobytes(), \
-                    f"{name}: block at byte {offset} differs from the prefill's"
-            for offset in _ranges(untouched):
-                assert not got[offset:offset + BLOCK_BYTES].any(), f"{name}: a block nobody asked for was written"
+                    f"{name}: bytes at {offset} differ from the prefill's"
+            rest = np.ones(LAYER_BYTES, bool)
+            for offset in targets:
+                rest[offset:offset + BLOCK_BYTES] = False
+            assert not got[rest].any(), f"{name}: a byte nobody asked for was written"
         if mode == "pull" and placement == "device":
             datadist = side._datadist
             assert datadist is not None
@@ -352,7 +367,7 @@ def decode_worker(conn: Any, backend: str, placements: tuple[str, str], mode: st
 
 
 def prefill_worker(conn: Any, backend: str, placements: tuple[str, str], mode: str, device: int = 0,
-                   event: str = "recorded") -> None:
+                   event: str = "recorded", wide: bool = False) -> None:
     """Holds the request's blocks (writing them in a step, pushed layer by
     layer in ``push_layerwise``) until the decode side releases them.
     ``event="refused"``: each saved layer's event is a handle the driver
@@ -364,7 +379,8 @@ def prefill_worker(conn: Any, backend: str, placements: tuple[str, str], mode: s
     kv = {name: memory.tensor(placement, _old(layer)) for layer, name in enumerate(NAMES)}
     decode_port = _recv(conn)
     side = WorkerSide(WorkerSettings(engine_id="prefill", is_consumer=False, transfer_mode=mode, load_timeout_s=10.0,
-                                     push_port=decode_port, kv_buffer_device="cuda",
+                                     kv_heads=HEADS, block_size=BLOCK_SIZE, push_port=decode_port,
+                                     kv_buffer_device="cuda",
                                      record_event=memory.record_event if event == "recorded" else lambda: 0xDEAD0))
     try:
         side.register(kv, BLOCKS)
@@ -415,6 +431,13 @@ def test_blocks_move_between_workers_in_place(standin: Path, placements: tuple[s
 
 def test_a_push_whose_events_the_driver_refuses_is_pulled_instead(standin: Path) -> None:
     run_pair(standin, decode_worker, prefill_worker, "standin", ("device", "device"), "push_layerwise", 0, "refused")
+
+
+@pytest.mark.parametrize("placements", MIXES, ids=[f"prefill_{p}-decode_{d}" for p, d in MIXES])
+def test_decode_blocks_of_twice_the_tokens_read_in_place(standin: Path, placements: tuple[str, str]) -> None:
+    """Prefill blocks of 16 tokens into decode blocks of 32: the engine reads
+    byte ranges (pull_block_ranges) into and out of device memory."""
+    run_pair(standin, decode_worker, prefill_worker, "standin", placements, "pull", 0, "recorded", True)
 
 
 def test_a_worker_registers_the_device_its_tensors_are_on(standin: Path) -> None:
