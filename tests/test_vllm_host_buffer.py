@@ -63,8 +63,9 @@ def device_tensors(seed: int) -> dict[str, Any]:
 def test_host_buffer_only_for_device_tensors_and_only_to_the_cpu() -> None:
     assert not needs_host_buffer(device_tensors(0), "cpu")
     assert needs_host_buffer({"l0": OnDevice("cuda:0")}, "cpu")
+    assert not needs_host_buffer({"l0": OnDevice("cuda:0")}, "cuda"), "CUDA tensors are registered in place"
     with pytest.raises(ValueError, match="kv_buffer_device='cpu'"):
-        needs_host_buffer({"l0": OnDevice("cuda:0")}, "cuda")
+        needs_host_buffer({"l0": OnDevice("xpu:0")}, "cuda")
 
 
 def test_saves_copy_each_layer_out_as_it_is_saved_then_the_rest() -> None:

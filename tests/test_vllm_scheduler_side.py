@@ -378,6 +378,40 @@ def test_connector_scheduler_role_end_to_end_of_one_request() -> None:
     assert not connector.has_pending_block_frees()
 
 
+@needs_vllm
+@pytest.mark.parametrize("buffer, planned", [("cuda", False), ("cpu", True)])
+def test_a_prefill_on_a_gpu_plans_saves_only_for_the_host_buffer(monkeypatch: pytest.MonkeyPatch, buffer: str,
+                                                                  planned: bool) -> None:
+    """With kv_buffer_device "cuda" the device tensors are registered in
+    place: a pulled request's blocks need no copy out, so no saves are planned."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from datadist_aio.integrations.vllm import connector as module
+
+    monkeypatch.setattr(module, "_on_device", lambda: True)
+
+    class Config:
+        kv_transfer_config = KVTransferConfig(
+            kv_connector="DatadistAioConnector",
+            kv_connector_module_path="datadist_aio.integrations.vllm",
+            kv_role="kv_producer",
+            engine_id="engine-a",
+            kv_buffer_device=buffer,
+            kv_connector_extra_config={"side_channel_port": 6123},
+        )
+
+        class parallel_config:  # noqa: N801
+            tensor_parallel_size = 1
+
+        class cache_config:  # noqa: N801
+            block_size = 16
+
+    connector = module.DatadistAioConnector(Config(), KVConnectorRole.SCHEDULER, None)
+    assert connector._plan_saves is planned
+    assert connector.scheduler_side is not None and connector.scheduler_side.settings.plan_saves is planned
+
+
 @pytest.mark.parametrize("given, taken", [(2, 2), (8, 8), (None, 1), ("2", 1), (0, 1), (True, 1)])
 def test_decode_learns_the_prefill_tp_size_from_its_params(given: Any, taken: int) -> None:
     side = SchedulerSide(SETTINGS, Clock())

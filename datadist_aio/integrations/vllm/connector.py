@@ -20,8 +20,10 @@ waits for the others its step started, so vLLM gets them together),
 blocks, at most ``inbox_share_blocks`` (256) to each prefill, and listens on
 its side channel port; a prefill instance pushes to the decode instance whose
 side channel is ``push_host`` (127.0.0.1) : ``push_port`` (plus its rank).
-With KV tensors on a device, ``kv_buffer_device="cpu"`` stages them through
-a host buffer.
+With KV tensors on a CUDA device, ``kv_transfer_config.kv_buffer_device``
+chooses how they move: ``"cuda"`` (vLLM's default on a CUDA build) registers
+them in place as device memory, ``"cpu"`` stages their blocks through a host
+buffer.
 """
 
 from __future__ import annotations
@@ -226,7 +228,9 @@ class DatadistAioConnector(KVConnectorBase_V1):
         base_port = int(extra.get("side_channel_port", transfer.kv_port))
         mode = str(extra.get("transfer_mode", "pull"))
         push = mode == "push_layerwise"
-        self._plan_saves = bool(transfer.is_kv_producer) and (push or _on_device())
+        buffer_device = getattr(transfer, "kv_buffer_device", None)
+        # Saves are planned for the push, and for the host buffer's copies out.
+        self._plan_saves = bool(transfer.is_kv_producer) and (push or (_on_device() and buffer_device == "cpu"))
         self.scheduler_side: Optional[SchedulerSide] = None
         self.worker_side: Optional[WorkerSide] = None
         self._stats = stats.empty()
@@ -273,7 +277,7 @@ class DatadistAioConnector(KVConnectorBase_V1):
                     push_host=str(extra.get("push_host", "127.0.0.1")),
                     push_port=push_port + rank if push_port > 0 else 0,
                     lease_timeout_s=float(extra.get("lease_timeout_s", 120.0)),
-                    kv_buffer_device=getattr(transfer, "kv_buffer_device", None),
+                    kv_buffer_device=buffer_device,
                 )
             )
 

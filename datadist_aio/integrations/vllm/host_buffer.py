@@ -19,6 +19,10 @@ destination block ids, ``"h2d"`` or ``"d2h"``), which runs the platform's
 
 A block keeps its id: block ``b`` of the host buffer mirrors block ``b`` of
 the device tensor.
+
+With ``kv_buffer_device="cuda"`` (vLLM's default) CUDA tensors are not
+staged: the worker registers them in place as device memory
+(``kv_placement``).
 """
 
 from __future__ import annotations
@@ -26,23 +30,64 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
-__all__ = ["CopyBlocks", "HostBuffer", "needs_host_buffer"]
+__all__ = ["CopyBlocks", "HostBuffer", "kv_placement", "needs_host_buffer"]
 
 CopyBlocks = Callable[[dict[str, Any], dict[str, Any], list[int], list[int], str], None]
 
 
-def needs_host_buffer(kv_caches: Mapping[str, Any], kv_buffer_device: Optional[str]) -> bool:
-    """Whether the tensors must be staged; ValueError for a layout that cannot be."""
-    devices = {str(tensor.device) for tensor in kv_caches.values() if getattr(tensor, "device", None) is not None}
-    off_host = sorted(device for device in devices if not device.startswith("cpu"))
+def _device_index(device: Any) -> int:
+    index = getattr(device, "index", None)
+    if index is not None:
+        return int(index)
+    import torch  # pyright: ignore[reportMissingImports]  (vLLM installs it)
+
+    return int(torch.cuda.current_device())
+
+
+def kv_placement(kv_caches: Mapping[str, Any], kv_buffer_device: Optional[str]) -> tuple[str, Optional[int]]:
+    """Where the connector registers vLLM's KV tensors, and the device's index.
+
+    ``("host", None)``: the tensors are host memory, registered in place.
+    ``("device", index)``: CUDA tensors of device ``index`` with
+    ``kv_buffer_device`` ``"cuda"`` (or unset), registered in place as
+    device memory. ``("host_buffer", None)``: device tensors with
+    ``kv_buffer_device="cpu"``, staged through a host buffer. ValueError
+    for tensors on several devices, on a device other than CUDA without a
+    host buffer, or a ``kv_buffer_device`` the connector does not know.
+    """
+    devices: dict[str, Any] = {}
+    for tensor in kv_caches.values():
+        device = getattr(tensor, "device", None)
+        if device is not None:
+            devices.setdefault(str(device), device)
+    off_host = sorted(name for name in devices if not name.startswith("cpu"))
     if not off_host:
-        return False
-    if kv_buffer_device != "cpu":
+        return "host", None
+    if kv_buffer_device == "cpu":
+        return "host_buffer", None
+    if kv_buffer_device not in (None, "cuda"):
         raise ValueError(
-            f"KV tensors are on {', '.join(off_host)} and kv_buffer_device is {kv_buffer_device!r}: this "
-            "connector moves host memory only; set kv_buffer_device='cpu' to stage device blocks through a host buffer"
+            f"kv_buffer_device is {kv_buffer_device!r}: this connector takes 'cuda' (register the KV tensors in "
+            "place in device memory) or 'cpu' (stage them through a host buffer)"
         )
-    return True
+    if len(devices) > 1:
+        raise ValueError(
+            f"KV tensors are on {' and '.join(sorted(devices))}: one worker registers the memory of one device "
+            "(every KV tensor of a worker must be on the same CUDA device)"
+        )
+    (name,) = off_host
+    device = devices[name]
+    if getattr(device, "type", name.split(":")[0]) != "cuda":
+        raise ValueError(
+            f"KV tensors are on {name}: this connector registers CUDA device memory or host memory; set "
+            "kv_buffer_device='cpu' to stage the blocks through a host buffer"
+        )
+    return "device", _device_index(device)
+
+
+def needs_host_buffer(kv_caches: Mapping[str, Any], kv_buffer_device: Optional[str]) -> bool:
+    """Whether the tensors must be staged; ValueError for a layout the connector cannot register."""
+    return kv_placement(kv_caches, kv_buffer_device)[0] == "host_buffer"
 
 
 class HostBuffer:

@@ -14,6 +14,12 @@ tensors per model layer) a transfer layer is a model layer; with one tensor
 per model layer (vLLM's CPU backend, MLA's latent cache) it is two model
 layers, released once both were saved.
 
+With KV tensors in device memory, ``save_kv_layer`` returns before the
+model's stream has written the layer: each save records a CUDA event on the
+stream (``EventRelease``), and the engine sends the layer once that event
+has completed (``CudaEventSynchronizer``: no thread waits, no stream is
+synchronized).
+
 Thread rules: ``begin_step``, ``save_layer``, ``finish_step`` and ``freed``
 are called from vLLM's worker thread; the coroutines run on the loop thread.
 """
@@ -25,7 +31,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -36,7 +42,7 @@ from .metadata import SaveSpec
 from .side_channel import SideChannelClient
 from .stats import TransferRecord
 
-__all__ = ["INBOX_MODEL_ID", "LayerRelease", "Pusher", "PushSettings"]
+__all__ = ["INBOX_MODEL_ID", "EventRelease", "LayerRelease", "Pusher", "PushSettings"]
 
 log = logging.getLogger(__name__)
 
@@ -67,17 +73,66 @@ class LayerRelease(dd.LayerSynchronizer):
         while self._done < self._model_layers and self._saved[self._done]:
             self._done += 1
         ready = self._done * self._per_layer // _TENSORS_PER_LAYER
-        for layer in range(self._released, ready):
-            self._loop.call_soon_threadsafe(self._events[layer].set)
+        if ready > self._released:
+            self._release(range(self._released, ready))
         self._released = max(self._released, ready)
 
+    def _release(self, layers: range) -> None:
+        for layer in layers:
+            self._loop.call_soon_threadsafe(self._events[layer].set)
+
     def saved_all(self) -> None:
-        for layer in range(self._model_layers):
-            self.saved(layer)
+        """The forward is over: every layer not yet released goes at once."""
+        self._saved = [True] * self._model_layers
+        self.saved(-1)
 
     async def synchronize_layer(self, layer_index: int, timeout_in_millis: Optional[int]) -> bool:
         await self._events[layer_index].wait()
         return True
+
+
+class EventRelease(LayerRelease):
+    """``LayerRelease`` for device memory: a transfer layer goes once the
+    CUDA event recorded on the model's stream at its last save has completed.
+
+    ``record_event`` records an event on the model's current stream and
+    returns it (``torch.cuda.Event`` or a ``CUevent`` int); it is called on
+    vLLM's worker thread, at the save that completes one or more transfer
+    layers, which all take that event. A layer whose event the engine
+    refuses fails the push (the decode side then pulls).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, model_layers: int, per_layer: int,
+                 sync: dd.CudaEventSynchronizer, record_event: Callable[[], Any]) -> None:
+        super().__init__(loop, model_layers, per_layer)
+        self._sync = sync
+        self._record_event = record_event
+        self._failed: set[int] = set()
+        self._keep: list[Any] = []  # this step's events, alive until the engine has watched them
+
+    def _release(self, layers: range) -> None:
+        event: Any = None
+        try:
+            event = self._record_event()
+            self._keep.append(event)
+        except Exception as exc:
+            log.warning("datadist_aio connector: no CUDA event for saved layers %s: %s", layers, str(exc))
+        for layer in layers:
+            try:
+                if event is None:
+                    raise RuntimeError("no event was recorded")
+                self._sync.record(layer, event)
+            except Exception as exc:
+                if event is not None:
+                    log.warning("datadist_aio connector: the engine refused the event of layer %d: %s", layer, exc)
+                self._failed.add(layer)
+        super()._release(layers)
+
+    async def synchronize_layer(self, layer_index: int, timeout_in_millis: Optional[int]) -> bool:
+        await self._events[layer_index].wait()
+        if layer_index in self._failed:
+            return False
+        return await self._sync.synchronize_layer(layer_index, timeout_in_millis)
 
 
 @dataclass(frozen=True)
@@ -112,7 +167,7 @@ class Pusher:
 
     def __init__(self, settings: PushSettings, datadist: dd.LLMDataDist, cache: dd.Cache,
                  layout: list[dict[str, Any]], layer_names: Sequence[str], per_layer: int, block_bytes: int,
-                 loop: asyncio.AbstractEventLoop) -> None:
+                 loop: asyncio.AbstractEventLoop, record_event: Optional[Callable[[], Any]] = None) -> None:
         if len(layer_names) * per_layer % _TENSORS_PER_LAYER:
             raise ValueError(
                 f"push_layerwise moves two tensors per transfer layer; {len(layer_names)} layers of "
@@ -126,6 +181,7 @@ class Pusher:
         self._per_layer = per_layer
         self._block_bytes = block_bytes
         self._loop = loop
+        self._record_event = record_event  # device memory: layers go on CUDA events
         self._client = SideChannelClient(settings.decode_host, settings.decode_port)
         self._decode: Optional[_Decode] = None
         self._connecting: Optional[asyncio.Lock] = None
@@ -143,7 +199,12 @@ class Pusher:
         """Starts the step's push; its layers go as ``save_layer`` reports them."""
         if not saves:
             return
-        release = LayerRelease(self._loop, len(self._layers), self._per_layer)
+        release: LayerRelease
+        if self._record_event is None:
+            release = LayerRelease(self._loop, len(self._layers), self._per_layer)
+        else:
+            release = EventRelease(self._loop, len(self._layers), self._per_layer,
+                                   dd.CudaEventSynchronizer(self._datadist), self._record_event)
         future = asyncio.run_coroutine_threadsafe(self._push(list(saves.values()), release), self._loop)
         self._step = _Step(release, future)
 

@@ -27,8 +27,15 @@ first link to a peer, release notices.
   inbox blocks (``inbox.py``), a prefill side pushes each step's blocks into
   them as its layers are saved (``push.py``); the decode side's load is then
   a local copy from its inbox, or the pull above where nothing was pushed.
-- Host buffer (``host_buffer.py``): device KV tensors are staged through
-  registered host copies.
+- Device memory: CUDA KV tensors with ``kv_buffer_device="cuda"`` (vLLM's
+  default) are registered in place as device memory (``Placement.DEVICE``,
+  ``LLMConfig.device_id`` their device): the engine moves their blocks
+  device to device (CUDA IPC between processes of one host, pinned host
+  buffers over TCP), and to or from a peer's host memory. The inbox is then
+  device memory the engine allocates, and a layer-wise push releases each
+  layer on a CUDA event recorded on the model's stream when it was saved.
+- Host buffer (``host_buffer.py``): with ``kv_buffer_device="cpu"`` device
+  KV tensors are staged through registered host copies.
 """
 
 from __future__ import annotations
@@ -44,11 +51,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import datadist_aio as dd
 
-from .host_buffer import HostBuffer, needs_host_buffer
+from .host_buffer import HostBuffer, kv_placement
 from .inbox import CLAIMED, COMMITTED, Inbox
 from .layout import INTERIORS, GroupShape, HeadMap, LayoutError, WorkerLayout, heads_of, map_heads, plan_ranges
 from .metadata import LoadSpec, StepPlan
@@ -134,16 +141,12 @@ def _split_blocks(tensor: Any, num_blocks: Optional[int]) -> tuple[list[Any], in
 def describe_kv_caches(kv_caches: Mapping[str, Any], num_blocks: Optional[int] = None) -> list[CacheGroup]:
     """Groups vLLM's per-layer KV tensors by shape and dtype, in layer order.
 
-    A tensor shared by several layers is registered once.
+    A tensor shared by several layers is registered once. Where the tensors
+    are (host or one CUDA device) is ``kv_placement``'s to check.
     """
     groups: dict[tuple[str, tuple[int, ...]], CacheGroup] = {}
     seen: set[int] = set()
     for name, tensor in kv_caches.items():
-        if getattr(tensor, "device", None) is not None and tensor.device.type != "cpu":
-            raise ValueError(
-                f"KV tensor {name} is on {tensor.device}; this connector registers host memory only "
-                "(set kv_buffer_device='cpu' to stage device blocks through a host buffer)"
-            )
         dtype = str(tensor.dtype)
         if dtype not in _TORCH_TO_DATATYPE:
             raise ValueError(f"KV tensor {name} has dtype {dtype}, which the connector does not map")
@@ -240,9 +243,15 @@ class WorkerSettings:
     push_host: str = "127.0.0.1"
     push_port: int = 0
     lease_timeout_s: float = 120.0
-    # Host-buffer mode: None decides from the tensors' device and kv_buffer_device.
+    # Host-buffer mode: True stages the tensors wherever they are; otherwise
+    # kv_buffer_device decides for device tensors ("cuda" or None: registered
+    # in place; "cpu": staged).
     host_buffer: Optional[bool] = None
     kv_buffer_device: Optional[str] = None
+    # Device memory, layer-wise push: records an event on the model's current
+    # stream and returns it (a torch.cuda.Event or a CUevent int); None: a
+    # torch.cuda.Event on torch's current stream.
+    record_event: Optional[Callable[[], Any]] = None
 
     def __post_init__(self) -> None:
         if self.transfer_mode not in TRANSFER_MODES:
@@ -348,6 +357,9 @@ class WorkerSide:
         self._answers = AnswerCounter()
         self._leases: dict[str, float] = {}
         self._host: Optional[HostBuffer] = None
+        # The CUDA device whose memory the KV tensors are (registered in
+        # place); None: host memory.
+        self.device: Optional[int] = None
         self._layer_names: list[str] = []
         # Layer-wise push: the decode side's inbox, the prefill side's pusher.
         self._inbox: Optional[Inbox] = None
@@ -358,13 +370,18 @@ class WorkerSide:
     # -- set-up and tear-down (worker thread) -----------------------------------
 
     def register(self, kv_caches: Mapping[str, Any], num_blocks: Optional[int] = None) -> None:
-        """Registers vLLM's KV tensors (or their host copies) and starts the loop thread."""
-        host_buffer = self.settings.host_buffer
-        if host_buffer is None:
-            host_buffer = needs_host_buffer(kv_caches, self.settings.kv_buffer_device)
-        if host_buffer:
+        """Registers vLLM's KV tensors (or their host copies) and starts the loop thread.
+
+        ValueError for tensors the connector cannot register (``kv_placement``).
+        """
+        placement, device = "host_buffer", None
+        if not self.settings.host_buffer:
+            placement, device = kv_placement(kv_caches, self.settings.kv_buffer_device)
+        if placement == "host_buffer":
             self._host = HostBuffer(kv_caches)
             kv_caches = self._host.host
+        elif placement == "device":
+            self.device = device
         self._layer_names = list(kv_caches)
         self.groups = describe_kv_caches(kv_caches, num_blocks)
         self.layout = worker_layout(self.groups, self.settings)
@@ -398,6 +415,8 @@ class WorkerSide:
         config = dd.LLMConfig()
         config.enable_cache_manager = True
         config.sync_kv_timeout = max(1, int(self.settings.load_timeout_s * 1000))
+        if self.device is not None:
+            config.device_id = self.device
         if self.settings.is_producer or self.settings.lends_inbox:
             config.listen_ip_info = f"{self.settings.host}:0"
         if self.settings.pushes:
@@ -415,7 +434,7 @@ class WorkerSide:
                 num_tensors=len(group.addresses),
                 shape=[group.num_blocks, *group.block_shape],
                 data_type=_TORCH_TO_DATATYPE[group.dtype],
-                placement=dd.Placement.HOST,
+                placement=self._placement,
             )
             key = dd.BlocksCacheKey(self.cluster_id, _MODEL_ID_BASE + index)
             self._caches.append(datadist.cache_manager.register_blocks_cache(desc, list(group.addresses), key))
@@ -435,6 +454,7 @@ class WorkerSide:
                 ),
                 datadist, self._caches[0], [g.layout() for g in self.groups], self._layer_names,
                 group.per_layer, group.block_bytes, asyncio.get_running_loop(),
+                record_event=self._record_event() if self.device is not None else None,
             )
         if self.settings.is_producer or self.settings.lends_inbox:
             self._server = SideChannelServer(self._answer)
@@ -458,23 +478,46 @@ class WorkerSide:
             error.errno = exc.errno
             raise error from exc
 
+    @property
+    def _placement(self) -> dd.Placement:
+        return dd.Placement.DEVICE if self.device is not None else dd.Placement.HOST
+
+    def _record_event(self) -> Callable[[], Any]:
+        """How a saved layer is marked on the model's stream (device memory)."""
+        if self.settings.record_event is not None:
+            return self.settings.record_event
+
+        def record() -> Any:
+            import torch  # pyright: ignore[reportMissingImports]  (vLLM installs it)
+
+            event = torch.cuda.Event()
+            event.record()  # on the current stream: the forward's
+            return event
+
+        return record
+
     def _register_inbox(self, datadist: dd.LLMDataDist) -> None:
-        """The staging blocks prefill sides push into: one blocks cache per group."""
+        """The staging blocks prefill sides push into: one blocks cache per group,
+        where the KV tensors are (host memory of numpy's, or device memory the
+        engine allocates on the KV tensors' device)."""
         import numpy as np
 
         blocks = self.settings.inbox_blocks
         self._inbox = Inbox(blocks, self.settings.inbox_share_blocks)
         for index, group in enumerate(self.groups):
+            desc = dd.CacheDesc(
+                num_tensors=len(group.addresses),
+                shape=[blocks, *group.block_shape],
+                data_type=_TORCH_TO_DATATYPE[group.dtype],
+                placement=self._placement,
+            )
+            key = dd.BlocksCacheKey(self.cluster_id, INBOX_MODEL_ID + index)
+            if self.device is not None:
+                self._inbox_caches.append(datadist.cache_manager.allocate_blocks_cache(desc, key))
+                continue
             per_tensor = group.block_bytes // len(group.addresses)
             memory = [np.zeros(blocks * per_tensor, np.uint8) for _ in group.addresses]
             self._inbox_memory.append(memory)
-            desc = dd.CacheDesc(
-                num_tensors=len(memory),
-                shape=[blocks, *group.block_shape],
-                data_type=_TORCH_TO_DATATYPE[group.dtype],
-                placement=dd.Placement.HOST,
-            )
-            key = dd.BlocksCacheKey(self.cluster_id, INBOX_MODEL_ID + index)
             addresses = [int(array.ctypes.data) for array in memory]
             self._inbox_caches.append(datadist.cache_manager.register_blocks_cache(desc, addresses, key))
 
