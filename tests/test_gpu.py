@@ -538,6 +538,7 @@ def initiator_outlives_its_owner(conn: Any, memory_kind: str, transport: str) ->
         error = asyncio.run(until_it_fails())
     except dd.LLMException as e:  # refused at once: the link is already down
         error = e
+    assert isinstance(error, dd.LLMException), error
     assert error.status_code in (code.LLM_LINK_FAILED, code.LLM_TIMEOUT, code.LLM_NOT_YET_LINK), error
     assert time.monotonic() - began < 25
 
