@@ -660,3 +660,64 @@ def test_bad_device_registrations_are_refused(standin: Path, memory: str) -> Non
         in_child(registrations_are_checked, standin, 2, None, memory, "tcp")
     else:
         in_child(registrations_are_checked, Path("libcuda.so.1"), 1, None, memory, "tcp")
+
+
+# -- the stand-in suites' scenarios on NVIDIA's driver ------------------------------------------------
+#
+# The scenarios of test_device_transfer.py, test_device_ipc.py,
+# test_cuda_events.py and test_device_memory.py that hold for any driver,
+# run on libcuda.so.1 with device memory of the driver's own (cuMemAlloc).
+# Left out: those that need the stand-in's knobs or hooks (two devices,
+# STANDIN_CUDA_IPC=0, its allocation count), free memory under a queued
+# copy, or hand the driver an event handle it never made.
+
+
+def _no_driver() -> Optional[str]:
+    """Why NVIDIA's driver cannot run the scenarios here, or None (asked in the pytest process only)."""
+    if multiprocessing.parent_process() is not None:
+        return None
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        return f"no CUDA driver (libcuda.so.1: {e})"
+    if hasattr(lib, "standin_cuda_live_allocations"):
+        return "libcuda.so.1 is the test stand-in"
+    count = ctypes.c_int()
+    if lib.cuInit(0) != 0 or lib.cuDeviceGetCount(ctypes.byref(count)) != 0 or count.value < 1:
+        return "the CUDA driver sees no device"
+    return None
+
+
+NO_DRIVER = _no_driver()
+on_nvidia_driver = pytest.mark.skipif(NO_DRIVER is not None, reason=f"needs NVIDIA's driver and a GPU: {NO_DRIVER}")
+NVIDIA = Path("libcuda.so.1")
+
+
+@pytest.mark.gpu
+@on_nvidia_driver
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_standin_suite_transfers_on_the_nvidia_driver(transport: str) -> None:
+    import test_cuda_events as events
+    import test_device_transfer as transfer
+
+    run_pair(NVIDIA, transfer.owner_serves, transfer.initiator_moves_everything, transport)
+    run_pair(NVIDIA, transfer.owner_serves, transfer.initiator_sends_layers_to_addresses, transport)
+    run_pair(NVIDIA, transfer.owner_dies, transfer.initiator_outlives, transport, killed=transfer.owner_dies)
+    run_pair(NVIDIA, transfer.owner_outlives, transfer.initiator_dies, transport, killed=transfer.initiator_dies)
+    run_pair(NVIDIA, events.owner_receives, events.initiator_sends_as_events_complete, transport)
+
+
+@pytest.mark.gpu
+@on_nvidia_driver
+def test_standin_suite_ipc_and_memory_on_the_nvidia_driver(tmp_path: Path) -> None:
+    import test_device_ipc as ipc
+    import test_device_memory as memory
+    import test_device_transfer as transfer
+
+    run_pair(NVIDIA, ipc.owner_without_driver, ipc.initiator_meets_an_owner_without_driver, "auto",
+             owner_env={"DATADIST_AIO_CUDA_DRIVER": str(tmp_path / "no-libcuda.so.1")})
+    run_pair(NVIDIA, transfer.owner_serves, ipc.hostile_initiator, "auto")
+    memory.in_child(memory.scenario_a_raw_peer_reads_and_writes_a_device_cache, NVIDIA)
+    memory.in_child(memory.scenario_refusal, NVIDIA, 1, 64, "device_id 64 is not a CUDA device")
