@@ -520,17 +520,17 @@ def initiator_outlives_its_owner(conn: Any, memory_kind: str, transport: str) ->
         killed = False
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            tasks = [cm.push_blocks_async(key, local.caches["blocks-device"], every, every),
-                     cm.pull_blocks_async(key, local.caches["blocks-device"], every, every)]
+            rounds = 1 if killed else 4  # several operations in flight both ways when the kill lands
+            tasks = [op(key, local.caches["blocks-device"], every, every)
+                     for _ in range(rounds) for op in (cm.push_blocks_async, cm.pull_blocks_async)]
             if not killed:
                 await asyncio.sleep(0.01)
                 os.kill(pid, signal.SIGKILL)
                 killed = True
-            for task in tasks:
-                try:
-                    await asyncio.wait_for(task, 20)
-                except dd.LLMException as e:
-                    return e
+            done = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 20)
+            failed = [e for e in done if isinstance(e, BaseException)]
+            if failed:
+                return failed[0]
         raise AssertionError("no transfer failed after the owner was killed")
 
     began = time.monotonic()
