@@ -281,6 +281,16 @@ def test_the_device_benchmark_runs_on_the_driver_standin(tmp_path):
         assert row["ratio_d2d_copy"] > 0 and row["ratio_tcp_device_host"] > 0
 
 
+@pytest.mark.parametrize("argv", [["--cache-size", "3M", "--block-sizes", "1M"], ["--block-sizes", "3X"],
+                                  ["--iterations", "0"]])
+def test_bad_device_arguments_exit_2(argv, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--device", *argv, "--output", str(tmp_path)])
+    assert exc.value.code == 2
+    assert "error" in capsys.readouterr().err
+    assert not (tmp_path / "datadist_bench_device.json").exists()
+
+
 def test_the_device_benchmark_names_a_driver_it_cannot_load(tmp_path):
     done = _run(["--device", "--driver", str(tmp_path / "libcuda.so.1"), "--output", str(tmp_path)], timeout=60)
     assert done.returncode == 1

@@ -379,15 +379,17 @@ def _note(text: str) -> None:
     print(f"[device bench] {text}", file=sys.stderr, flush=True)
 
 
+def workload(args: argparse.Namespace) -> tuple[int, list[int], int]:
+    """Bytes per batch, block sizes and timed batches, from the options and their defaults."""
+    cache_bytes = args.cache_size or ((256 if args.quick else 1024) << 20)
+    sizes = args.block_sizes or [256 << 10, 4 << 20, 64 << 20]
+    return cache_bytes, sizes, args.iterations or (3 if args.quick else 7)
+
+
 def measure(args: argparse.Namespace, driver_path: str, argv: list[str]) -> dict[str, Any]:
     import datadist_aio as dd
 
-    cache_bytes = args.cache_size or ((256 if args.quick else 1024) << 20)
-    sizes = args.block_sizes or [256 << 10, 4 << 20, 64 << 20]
-    iterations = args.iterations or (3 if args.quick else 7)
-    for size in sizes:
-        if cache_bytes % (TENSORS * size):
-            raise ValueError(f"--cache-size {cache_bytes} is not a whole number of {TENSORS} x {size}-byte blocks")
+    cache_bytes, sizes, iterations = workload(args)
     env = {DRIVER_ENV: driver_path}
     os.environ.update(env)
     driver = Driver(driver_path, args.device_id)
@@ -501,16 +503,17 @@ def table(report: dict[str, Any]) -> str:
 def main(argv: list[str]) -> int:
     p = parser()
     args = p.parse_args(argv)
+    cache_bytes, sizes, _ = workload(args)
+    for size in sizes:
+        if cache_bytes % (TENSORS * size):
+            p.error(f"--cache-size {cache_bytes} is not a whole number of {TENSORS} x {size}-byte blocks")
     driver_path = args.driver or os.environ.get(DRIVER_ENV) or "libcuda.so.1"
     try:
         ctypes.CDLL(driver_path)
     except OSError as exc:
         print(f"error: the CUDA driver could not be loaded from {driver_path}: {exc}", file=sys.stderr)
         return 1
-    try:
-        report = measure(args, driver_path, argv)
-    except ValueError as exc:
-        p.error(str(exc))
+    report = measure(args, driver_path, argv)
     args.output.mkdir(parents=True, exist_ok=True)
     path = args.output / "datadist_bench_device.json"
     path.write_text(json.dumps(report, indent=1) + "\n")
