@@ -410,7 +410,7 @@ def measure(args: argparse.Namespace, driver_path: str, argv: list[str]) -> dict
     _note(f"driver: {report['driver']['what']} ({driver_path}, version {driver.version}, {driver.name})")
     _note("baseline: a copy of the same bytes inside one process")
     report["baseline"] = copy_baseline(driver, cache_bytes, iterations, args.device_id)
-    rows = {size: {"block_size": size} for size in sizes}
+    rows: dict[int, dict[str, Any]] = {size: {"block_size": size} for size in sizes}
     for transport in ("auto", "tcp"):
         _note(f"transport {transport}: starting the target")
         target = Target(env, transport, args.device_id, pool)
