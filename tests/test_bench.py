@@ -251,3 +251,48 @@ def test_compared_engines_move_checked_bytes(engine, tmp_path):
     latency = [lat for lat in report["latency"] if lat["engine"] == engine]
     assert len(latency) == variants and all(lat["verified"] for lat in latency)
     assert report["errors"] == [] and report["skipped"] == []
+
+
+# -- the device benchmark, on the CUDA driver stand-in -----------------------------------------------
+
+
+def test_the_device_benchmark_runs_on_the_driver_standin(tmp_path):
+    """A smoke run of ``--device`` without a GPU: every batch checked, the
+    driver named, and the path of each measurement taken from link_stats
+    (figures not compared: the stand-in copies host memory)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__)))
+    from cuda_standin.build import build
+
+    driver = build(tmp_path / "standin")
+    done = _run(["--device", "--driver", str(driver), "--cache-size", "2M", "--block-sizes", "256K,1M",
+                 "--iterations", "2", "--output", str(tmp_path)], timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "driver: the CUDA driver stand-in" in done.stdout
+    report = json.loads((tmp_path / "datadist_bench_device.json").read_text())
+    assert report["driver"]["standin"] and report["driver"]["library"] == str(driver)
+    assert report["baseline"]["verified"] and report["baseline"]["kind"].startswith("cuMemcpyDtoD")
+    assert [r["block_size"] for r in report["results"]] == [256 * KiB, MiB]
+    for row in report["results"]:
+        d2d, dev, host = row["d2d"], row["tcp_device"], row["tcp_host"]
+        assert all(r["verified"] and len(r["seconds"]) == 2 and r["gbps"] > 0 for r in (d2d, dev, host)), row
+        assert (d2d["link"], d2d["path"]) == ("same_host", "cuda_ipc"), d2d
+        assert d2d["link_stats"]["target_ipc_bytes_served"] == 3 * 2 * MiB, d2d  # the untimed batch and two timed
+        assert (dev["link"], dev["path"], host["path"]) == ("tcp", "staged", "host memory"), row
+        assert row["ratio_d2d_copy"] > 0 and row["ratio_tcp_device_host"] > 0
+
+
+@pytest.mark.parametrize("argv", [["--cache-size", "3M", "--block-sizes", "1M"], ["--block-sizes", "3X"],
+                                  ["--iterations", "0"]])
+def test_bad_device_arguments_exit_2(argv, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--device", *argv, "--output", str(tmp_path)])
+    assert exc.value.code == 2
+    assert "error" in capsys.readouterr().err
+    assert not (tmp_path / "datadist_bench_device.json").exists()
+
+
+def test_the_device_benchmark_names_a_driver_it_cannot_load(tmp_path):
+    done = _run(["--device", "--driver", str(tmp_path / "libcuda.so.1"), "--output", str(tmp_path)], timeout=60)
+    assert done.returncode == 1
+    assert f"the CUDA driver could not be loaded from {tmp_path / 'libcuda.so.1'}" in done.stderr
+    assert not (tmp_path / "datadist_bench_device.json").exists()

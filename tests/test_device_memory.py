@@ -132,6 +132,10 @@ class Cuda:
     def write(self, ptr: int, data: np.ndarray) -> None:
         data = np.ascontiguousarray(data)
         self.check(self.lib.cuMemcpyHtoD_v2(ptr, data.ctypes.data, data.nbytes), "cuMemcpyHtoD")
+        # NVIDIA's driver may return before a copy from pageable memory has
+        # landed; the stand-in (which has no cuCtxSynchronize) copies at once.
+        if hasattr(self.lib, "cuCtxSynchronize"):
+            self.check(self.lib.cuCtxSynchronize(), "cuCtxSynchronize")
 
     def read(self, ptr: int, nbytes: int) -> np.ndarray:
         out = np.empty(nbytes, np.uint8)

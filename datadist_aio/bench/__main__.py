@@ -2,9 +2,11 @@
 
     python -m datadist_aio.bench [--quick] [--output DIR] [--compare] ...
     python -m datadist_aio.bench serve --listen IP:PORT --authkey KEY
+    python -m datadist_aio.bench --device [--quick] [--output DIR] [--driver PATH] ...
 
 The first form measures; with ``--peer IP:PORT`` its target side is a
 ``serve`` process on another host, otherwise one it starts on loopback.
+The third measures device-memory transfers on one GPU (bench/device.py).
 """
 
 from __future__ import annotations
@@ -108,6 +110,8 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--authkey", help=f"the serve process's key (default: ${AUTHKEY_ENV}; a fresh one on loopback)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds without progress before a session is given up")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--device", action="store_true", help="the device benchmark instead, on one GPU: its own options "
+                   "(python -m datadist_aio.bench --device -h)")
     return p
 
 
@@ -212,6 +216,10 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             pass
         return 0
+    if "--device" in argv:
+        from .device import main as device_main
+
+        return device_main(argv)
     return run(argv)
 
 

@@ -1,0 +1,524 @@
+"""The device benchmark: ``python -m datadist_aio.bench --device``.
+
+Two processes on one GPU, each engine with its caches in device memory:
+
+- same host (transport "auto", CUDA IPC): ``push_blocks`` of a whole
+  device cache into the peer's device cache, against a copy of the same
+  bytes between two device buffers inside one process (torch ``copy_``,
+  synchronised; the driver's ``cuMemcpyDtoD`` where torch is missing);
+- TCP (transport "tcp", staged through pinned host buffers): the same push
+  with device caches at both ends, against host caches at both ends.
+
+Every figure is the best of its timed batches, and every batch is checked:
+the source alternates between two patterns, and the target reads its cache
+back after each push. The report says which driver ran (NVIDIA's or the
+test stand-in, ``--driver``) and, from ``link_stats``, which path moved the
+bytes of each measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import importlib
+import importlib.util
+import json
+import multiprocessing as mp
+import os
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+OWNER, INITIATOR = 2, 1
+TENSORS = 2  # one layer, K and V
+GOALS = {"d2d_vs_copy": 0.8, "tcp_device_vs_host": 0.9}
+DRIVER_ENV = "DATADIST_AIO_CUDA_DRIVER"
+ANSWER_S = 300.0  # the longest one request to the target may take
+
+
+def parser() -> argparse.ArgumentParser:
+    from .__main__ import byte_size, listed, positive
+
+    p = argparse.ArgumentParser(
+        prog="python -m datadist_aio.bench --device",
+        description="Device-memory transfers between two processes on one GPU: push over CUDA IPC against a "
+        "copy inside one process, and TCP with staging against host memory over TCP. Writes "
+        "DIR/datadist_bench_device.json.")
+    p.add_argument("--device", action="store_true", help="this benchmark (required)")
+    p.add_argument("--quick", action="store_true", help="256 MiB per batch and 3 batches")
+    p.add_argument("--output", type=Path, metavar="DIR", default=Path("bench-results"),
+                   help="directory for the JSON (default: %(default)s)")
+    p.add_argument("--cache-size", type=byte_size, metavar="SIZE", help="bytes moved per batch (default 1G; quick 256M)")
+    p.add_argument("--block-sizes", type=listed(byte_size), metavar="SIZES",
+                   help="block sizes per tensor (default 256K,4M,64M)")
+    p.add_argument("--iterations", type=positive, help="timed batches per figure (default 7; quick 3)")
+    p.add_argument("--device-id", type=int, default=0, help="the GPU (LLMConfig.device_id; default 0)")
+    p.add_argument("--driver", metavar="PATH",
+                   help=f"the CUDA driver library to load (default: ${DRIVER_ENV}, else libcuda.so.1); "
+                   "the test stand-in (tests/cuda_standin) runs the whole benchmark without a GPU")
+    return p
+
+
+# -- the driver, through ctypes ----------------------------------------------------------------------
+
+
+class Driver:
+    """The CUDA driver the engine loads (the same library, so the same
+    primary context), for filling and reading device memory and the copy
+    baseline without torch."""
+
+    def __init__(self, path: str, device: int) -> None:
+        self.path = path
+        self.lib = ctypes.CDLL(path)
+        lib = self.lib
+        lib.cuMemcpyHtoD_v2.argtypes = [ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_size_t]
+        lib.cuMemcpyDtoH_v2.argtypes = [ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_size_t]
+        lib.cuMemcpyDtoD_v2.argtypes = [ctypes.c_ulonglong, ctypes.c_ulonglong, ctypes.c_size_t]
+        lib.cuMemAlloc_v2.argtypes = [ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_size_t]
+        lib.cuMemFree_v2.argtypes = [ctypes.c_ulonglong]
+        self.check(lib.cuInit(0), "cuInit")
+        handle = ctypes.c_int()
+        self.check(lib.cuDeviceGet(ctypes.byref(handle), device), f"cuDeviceGet({device})")
+        self.context = ctypes.c_void_p()
+        self.check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(self.context), handle), "cuDevicePrimaryCtxRetain")
+        self.current()
+        self.standin = hasattr(lib, "standin_cuda_live_allocations")
+        version = ctypes.c_int()
+        self.check(lib.cuDriverGetVersion(ctypes.byref(version)), "cuDriverGetVersion")
+        self.version = version.value
+        self.name = "stand-in device"
+        if hasattr(lib, "cuDeviceGetName"):
+            name = ctypes.create_string_buffer(256)
+            if lib.cuDeviceGetName(name, 256, handle) == 0:
+                self.name = name.value.decode(errors="replace")
+        self._sync: Optional[Callable[[], int]] = getattr(lib, "cuCtxSynchronize", None)
+
+    def check(self, result: int, what: str) -> None:
+        if result != 0:
+            raise RuntimeError(f"{what} failed: CUresult {result}")
+
+    def current(self) -> None:
+        """Makes the device's primary context current on this thread."""
+        self.check(self.lib.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+
+    def sync(self) -> None:
+        """Waits for the context's work (the stand-in runs synchronous copies in the caller)."""
+        if self._sync is not None:
+            self.check(self._sync(), "cuCtxSynchronize")
+
+    def write(self, addr: int, data: np.ndarray) -> None:
+        self.check(self.lib.cuMemcpyHtoD_v2(addr, data.ctypes.data, data.nbytes), "cuMemcpyHtoD")
+        self.sync()
+
+    def read(self, addr: int, out: np.ndarray) -> None:
+        self.check(self.lib.cuMemcpyDtoH_v2(out.ctypes.data, addr, out.nbytes), "cuMemcpyDtoH")
+
+    def alloc(self, size: int) -> int:
+        ptr = ctypes.c_ulonglong()
+        self.check(self.lib.cuMemAlloc_v2(ctypes.byref(ptr), size), "cuMemAlloc")
+        return ptr.value
+
+    def free(self, addr: int) -> None:
+        self.check(self.lib.cuMemFree_v2(addr), "cuMemFree")
+
+    def describe(self) -> dict[str, Any]:
+        return {"library": self.path, "standin": self.standin, "version": self.version, "device": self.name,
+                "what": "the CUDA driver stand-in (tests/cuda_standin): host memory, no GPU" if self.standin
+                else "NVIDIA's CUDA driver"}
+
+
+# -- both sides ----------------------------------------------------------------------------------------
+
+
+def _engine(role: Any, cluster_id: int, transport: str, device_id: int, pool_bytes: int, listen: bool) -> Any:
+    import datadist_aio as dd
+
+    config = dd.LLMConfig()
+    config.device_id = device_id
+    config.enable_cache_manager = True
+    config.enable_remote_cache_accessible = True
+    config.host_mem_pool_cfg = f'{{"memory_size": {pool_bytes}}}'
+    config.transport = transport
+    config.sync_kv_timeout = 120000
+    if listen:
+        config.listen_ip_info = "127.0.0.1:0"
+    datadist = dd.LLMDataDist(role, cluster_id)
+    datadist.init(config.generate_options())
+    return datadist
+
+
+def patterns(seed: int, nbytes: int) -> list[np.ndarray]:
+    """The two patterns a source alternates between, each ``TENSORS`` x ``nbytes // TENSORS``."""
+    first = np.frombuffer(np.random.default_rng(seed).bytes(nbytes), np.uint8).reshape(TENSORS, -1)
+    return [first, first ^ np.uint8(0x5A)]
+
+
+class Caches:
+    """One process's blocks caches of one layout, by placement, with their bytes written and read back."""
+
+    def __init__(self, datadist: Any, driver: Driver, block: int, blocks: int, bind: bool) -> None:
+        import datadist_aio as dd
+
+        self.cm, self.driver = datadist.cache_manager, driver
+        self.caches = {}
+        for placement, model in (("device", 2), ("host", 1)):
+            where = dd.Placement.DEVICE if placement == "device" else dd.Placement.HOST
+            desc = dd.CacheDesc(TENSORS, [blocks, block], dd.DataType.DT_UINT8, where)
+            self.caches[placement] = self.cm.allocate_blocks_cache(desc, dd.BlocksCacheKey(OWNER, model) if bind else None)
+        self.scratch = np.empty(blocks * block, np.uint8)
+
+    def write(self, placement: str, data: np.ndarray) -> None:
+        cache = self.caches[placement]
+        for t in range(TENSORS):
+            if placement == "device":
+                self.driver.write(cache.tensor_addrs[t], data[t])
+            else:
+                cache.as_numpy(t).reshape(-1)[:] = data[t]
+
+    def holds(self, placement: str, data: np.ndarray) -> bool:
+        cache = self.caches[placement]
+        for t in range(TENSORS):
+            if placement == "device":
+                self.driver.read(cache.tensor_addrs[t], self.scratch)
+                got = self.scratch
+            else:
+                got = cache.as_numpy(t).reshape(-1)
+            if not np.array_equal(got, data[t]):
+                return False
+        return True
+
+    def free(self) -> None:
+        for cache in self.caches.values():
+            self.cm.deallocate_blocks_cache(cache)
+
+
+def target_main(conn: Any, env: dict[str, str], transport: str, device_id: int, pool_bytes: int) -> None:
+    """The decode side: caches the initiator pushes into, checked when asked."""
+    os.environ.update(env)
+    try:
+        driver = Driver(env[DRIVER_ENV], device_id)
+        datadist = _engine(_role("PROMPT"), OWNER, transport, device_id, pool_bytes, listen=True)
+        conn.send(("ok", datadist.listen_port))
+        caches: Optional[Caches] = None
+        expected: list[np.ndarray] = []
+        while True:
+            command, *args = conn.recv()
+            if command == "layout":
+                block, blocks, seed = args
+                if caches is not None:
+                    caches.free()
+                driver.current()
+                caches = Caches(datadist, driver, block, blocks, bind=True)
+                expected = patterns(seed, TENSORS * blocks * block)
+                for placement in caches.caches:
+                    caches.write(placement, expected[1] ^ np.uint8(0xFF))  # neither pattern
+                conn.send(("ok", None))
+            elif command == "holds":
+                placement, which = args
+                assert caches is not None
+                conn.send(("ok", caches.holds(placement, expected[which])))
+            elif command == "stats":
+                conn.send(("ok", datadist._engine.link_stats(INITIATOR)))
+            else:
+                break
+        if caches is not None:
+            caches.free()
+        datadist.finalize()
+        conn.send(("ok", None))
+    except BaseException:  # noqa: BLE001 - reported to the command
+        conn.send(("error", traceback.format_exc()))
+
+
+def _role(name: str) -> Any:
+    import datadist_aio as dd
+
+    return getattr(dd.LLMRole, name)
+
+
+class Target:
+    """The target process of one transport, as the command drives it."""
+
+    def __init__(self, env: dict[str, str], transport: str, device_id: int, pool_bytes: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, theirs = ctx.Pipe()
+        self.process = ctx.Process(target=target_main, args=(theirs, env, transport, device_id, pool_bytes), daemon=True)
+        self.process.start()
+        theirs.close()
+        self.port = self.call()
+
+    def call(self, *request: Any) -> Any:
+        if request:
+            self.conn.send(request)
+        if not self.conn.poll(ANSWER_S):
+            raise TimeoutError(f"the target did not answer {request[:1]} within {ANSWER_S:.0f} s")
+        kind, value = self.conn.recv()
+        if kind != "ok":
+            raise RuntimeError(f"the target failed:\n{value}")
+        return value
+
+    def close(self) -> None:
+        try:
+            if self.process.is_alive():
+                self.call("quit")
+        finally:
+            self.process.join(30)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join(10)
+            self.conn.close()
+
+
+# -- measurements --------------------------------------------------------------------------------------
+
+
+def _path(before: tuple[dict[str, int], dict[str, int]], after: tuple[dict[str, int], dict[str, int]]) -> tuple[str, dict[str, int]]:
+    """What moved the bytes, from both ends' link_stats."""
+    (mine0, theirs0), (mine1, theirs1) = before, after
+    delta = {k: mine1[k] - mine0[k] for k in mine1} | {"target_" + k: theirs1[k] - theirs0[k] for k in theirs1}
+    if delta["ipc_frames"] > 0 and delta["staged_frames"] == 0 and delta["ipc_fallbacks"] == 0:
+        path = "cuda_ipc"
+    elif delta["staged_frames"] > 0 or delta["target_staged_bytes_served"] > 0:
+        path = "staged" if delta["ipc_frames"] == 0 else "cuda_ipc+staged"
+    else:
+        path = "host memory"
+    return path, delta
+
+
+def push_figures(datadist: Any, target: Target, caches: Caches, pats: list[np.ndarray], placement: str,
+                 blocks: int, iterations: int) -> dict[str, Any]:
+    """Pushes the whole ``placement`` cache into the target's one of the
+    same placement: one batch untimed, then ``iterations`` timed, each
+    checked at the target."""
+    import datadist_aio as dd
+
+    cm = datadist.cache_manager
+    key = dd.BlocksCacheKey(OWNER, 2 if placement == "device" else 1)
+    every = list(range(blocks))
+    seconds: list[float] = []
+    verified = True
+    before = (datadist._engine.link_stats(OWNER), target.call("stats"))
+    for batch in range(iterations + 1):
+        which = batch % 2
+        caches.write(placement, pats[which])
+        started = time.perf_counter()
+        cm.push_blocks(key, caches.caches[placement], every, every)
+        took = time.perf_counter() - started
+        verified = verified and bool(target.call("holds", placement, which))
+        if batch:
+            seconds.append(took)
+    path, delta = _path(before, (datadist._engine.link_stats(OWNER), target.call("stats")))
+    return {"seconds": seconds, "best_s": min(seconds), "path": path, "link_stats": delta, "verified": verified}
+
+
+def copy_baseline(driver: Driver, nbytes: int, iterations: int, device_id: int) -> dict[str, Any]:
+    """The same bytes copied between two device buffers of one process: torch
+    ``copy_`` on the real driver when torch is there, else ``cuMemcpyDtoD``."""
+    per = nbytes // TENSORS
+    seconds: list[float] = []
+    torch: Any = None
+    if not driver.standin and importlib.util.find_spec("torch") is not None:
+        torch = importlib.import_module("torch")
+    if torch is not None and torch.cuda.is_available():
+        device = torch.device("cuda", device_id)
+        src = [torch.randint(0, 256, (per,), dtype=torch.uint8, device=device) for _ in range(TENSORS)]
+        dst = [torch.empty_like(s) for s in src]
+        for batch in range(iterations + 1):
+            torch.cuda.synchronize(device)
+            started = time.perf_counter()
+            for d, s in zip(dst, src):
+                d.copy_(s)
+            torch.cuda.synchronize(device)
+            if batch:
+                seconds.append(time.perf_counter() - started)
+        verified = all(bool(torch.equal(d, s)) for d, s in zip(dst, src))
+        kind = f"torch {torch.__version__} Tensor.copy_, synchronised"
+        del src, dst
+        torch.cuda.empty_cache()
+        driver.current()
+    else:
+        data = patterns(7, nbytes)[0]
+        src = [driver.alloc(per) for _ in range(TENSORS)]
+        dst = [driver.alloc(per) for _ in range(TENSORS)]
+        try:
+            for s, d in zip(src, data):
+                driver.write(s, d)
+            for batch in range(iterations + 1):
+                driver.sync()
+                started = time.perf_counter()
+                for d_addr, s_addr in zip(dst, src):
+                    driver.check(driver.lib.cuMemcpyDtoD_v2(d_addr, s_addr, per), "cuMemcpyDtoD")
+                driver.sync()
+                if batch:
+                    seconds.append(time.perf_counter() - started)
+            out = np.empty(per, np.uint8)
+            verified = True
+            for d_addr, d in zip(dst, data):
+                driver.read(d_addr, out)
+                verified = verified and bool(np.array_equal(out, d))
+        finally:
+            for addr in src + dst:
+                driver.free(addr)
+        kind = "cuMemcpyDtoD, synchronised"
+    best = min(seconds)
+    return {"kind": kind, "bytes": nbytes, "seconds": seconds, "best_s": best, "gbps": nbytes / best / 1e9,
+            "verified": verified}
+
+
+def _gbps(row: dict[str, Any], nbytes: int) -> dict[str, Any]:
+    row["gbps"] = nbytes / row["best_s"] / 1e9
+    return row
+
+
+def _note(text: str) -> None:
+    print(f"[device bench] {text}", file=sys.stderr, flush=True)
+
+
+def workload(args: argparse.Namespace) -> tuple[int, list[int], int]:
+    """Bytes per batch, block sizes and timed batches, from the options and their defaults."""
+    cache_bytes = args.cache_size or ((256 if args.quick else 1024) << 20)
+    sizes = args.block_sizes or [256 << 10, 4 << 20, 64 << 20]
+    return cache_bytes, sizes, args.iterations or (3 if args.quick else 7)
+
+
+def measure(args: argparse.Namespace, driver_path: str, argv: list[str]) -> dict[str, Any]:
+    import datadist_aio as dd
+
+    cache_bytes, sizes, iterations = workload(args)
+    env = {DRIVER_ENV: driver_path}
+    os.environ.update(env)
+    driver = Driver(driver_path, args.device_id)
+    pool = cache_bytes + (64 << 20)
+    report: dict[str, Any] = {
+        "command": ["python", "-m", "datadist_aio.bench", *argv],
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "datadist_aio": dd.__version__ if hasattr(dd, "__version__") else None,
+        "driver": driver.describe(),
+        "workload": {"cache_bytes": cache_bytes, "tensors": TENSORS, "block_sizes": sizes, "iterations": iterations,
+                     "device_id": args.device_id},
+        "goals": GOALS,
+        "errors": [],
+        "results": [],
+    }
+    _note(f"driver: {report['driver']['what']} ({driver_path}, version {driver.version}, {driver.name})")
+    _note("baseline: a copy of the same bytes inside one process")
+    report["baseline"] = copy_baseline(driver, cache_bytes, iterations, args.device_id)
+    rows: dict[int, dict[str, Any]] = {size: {"block_size": size} for size in sizes}
+    for transport in ("auto", "tcp"):
+        _note(f"transport {transport}: starting the target")
+        target = Target(env, transport, args.device_id, pool)
+        datadist = _engine(_role("DECODER"), INITIATOR, transport, args.device_id, pool, listen=False)
+        try:
+            status, statuses = datadist.link_clusters([_cluster(target.port)], 10000)
+            if status != dd.LLMStatusCode.LLM_SUCCESS:
+                raise RuntimeError(f"link to the target failed: {status} {statuses}")
+            link = datadist.link_transport(OWNER)
+            for seed, size in enumerate(sizes, 1):
+                blocks = cache_bytes // (TENSORS * size)
+                driver.current()
+                target.call("layout", size, blocks, seed)
+                caches = Caches(datadist, driver, size, blocks, bind=False)
+                pats = patterns(seed, cache_bytes)
+                try:
+                    row = rows[size]
+                    if transport == "auto":
+                        _note(f"{_size(size)} blocks: device to device over the {link} link")
+                        d2d = _gbps(push_figures(datadist, target, caches, pats, "device", blocks, iterations), cache_bytes)
+                        d2d["link"] = link
+                        row["d2d"] = d2d
+                        row["ratio_d2d_copy"] = d2d["gbps"] / report["baseline"]["gbps"]
+                    else:
+                        _note(f"{_size(size)} blocks: device and host caches over TCP")
+                        dev = _gbps(push_figures(datadist, target, caches, pats, "device", blocks, iterations), cache_bytes)
+                        host = _gbps(push_figures(datadist, target, caches, pats, "host", blocks, iterations), cache_bytes)
+                        dev["link"] = host["link"] = link
+                        row["tcp_device"], row["tcp_host"] = dev, host
+                        row["ratio_tcp_device_host"] = dev["gbps"] / host["gbps"]
+                finally:
+                    caches.free()
+        except Exception as exc:  # noqa: BLE001 - recorded, the run goes on to the report
+            report["errors"].append(f"transport {transport}: {exc!r}")
+            traceback.print_exc()
+        finally:
+            datadist.finalize()
+            try:
+                target.close()
+            except Exception as exc:  # noqa: BLE001
+                report["errors"].append(f"target of transport {transport}: {exc!r}")
+    report["results"] = list(rows.values())
+    return report
+
+
+def _cluster(port: int) -> Any:
+    import datadist_aio as dd
+
+    info = dd.LLMClusterInfo()
+    info.remote_cluster_id = OWNER
+    info.append_local_ip_info("127.0.0.1", 0)
+    info.append_remote_ip_info("127.0.0.1", port)
+    return info
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n >> 10} KiB"
+
+
+def verified(report: dict[str, Any]) -> bool:
+    rows = [r.get(k) for r in report["results"] for k in ("d2d", "tcp_device", "tcp_host")]
+    return report.get("baseline", {}).get("verified", False) and all(r is not None and r["verified"] for r in rows)
+
+
+def table(report: dict[str, Any]) -> str:
+    work, base, drv = report["workload"], report.get("baseline"), report["driver"]
+    lines = [f"driver: {drv['what']} ({drv['library']}, version {drv['version']}, {drv['device']})",
+             f"{work['cache_bytes'] >> 20} MiB per batch, {work['tensors']} tensors, best of {work['iterations']} "
+             "batches, every batch checked"]
+    if base:
+        lines.append(f"copy inside one process ({base['kind']}): {base['gbps']:.2f} GB/s")
+    lines += ["", f"{'block':>8}  {'d2d push GB/s':>13} {'/copy':>6} {'path':>9}   "
+              f"{'tcp device GB/s':>15} {'tcp host GB/s':>13} {'dev/host':>8} {'path':>7}  verified"]
+
+    def cell(row: Optional[dict[str, Any]], width: int) -> str:
+        return f"{row['gbps']:>{width}.2f}" if row else f"{'-':>{width}}"
+
+    for r in report["results"]:
+        d2d, dev, host = r.get("d2d"), r.get("tcp_device"), r.get("tcp_host")
+        ok = all(x is not None and x["verified"] for x in (d2d, dev, host))
+        lines.append(
+            f"{_size(r['block_size']):>8}  {cell(d2d, 13)} {r.get('ratio_d2d_copy', float('nan')):>5.2f}x "
+            f"{(d2d or {}).get('path', '-'):>9}   {cell(dev, 15)} {cell(host, 13)} "
+            f"{r.get('ratio_tcp_device_host', float('nan')):>7.2f}x {(dev or {}).get('path', '-'):>7}  {'yes' if ok else 'NO'}")
+    lines.append(f"goals: d2d push >= {GOALS['d2d_vs_copy']}x the copy; TCP device >= {GOALS['tcp_device_vs_host']}x "
+                 "TCP host")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    cache_bytes, sizes, _ = workload(args)
+    for size in sizes:
+        if cache_bytes % (TENSORS * size):
+            p.error(f"--cache-size {cache_bytes} is not a whole number of {TENSORS} x {size}-byte blocks")
+    driver_path = args.driver or os.environ.get(DRIVER_ENV) or "libcuda.so.1"
+    try:
+        ctypes.CDLL(driver_path)
+    except OSError as exc:
+        print(f"error: the CUDA driver could not be loaded from {driver_path}: {exc}", file=sys.stderr)
+        return 1
+    report = measure(args, driver_path, argv)
+    args.output.mkdir(parents=True, exist_ok=True)
+    path = args.output / "datadist_bench_device.json"
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    print(table(report))
+    for error in report["errors"]:
+        print(f"error: {error}")
+    print(f"\nwrote {path}")
+    return 0 if verified(report) and not report["errors"] else 1
