@@ -320,15 +320,21 @@ def _stats(conn: Any, datadist: Any) -> tuple[dict[str, int], dict[str, int]]:
     return datadist._engine.link_stats(OWNER), _recv(conn)
 
 
-def _check_paths(before: Any, after: Any, transport: str, mine: str, theirs: str) -> None:
+def _check_paths(before: Any, after: Any, transport: str, mine: str, theirs: str, memory_kind: str) -> None:
     """Same host: the initiator's device memory goes through CUDA IPC and
-    nothing is staged. TCP: every device end stages, nothing goes by IPC."""
+    nothing is staged: cuMemCreate memory (expandable segments) exported as
+    POSIX file descriptors, the rest as legacy IPC handles. TCP: every device
+    end stages, nothing goes by IPC."""
     (mine0, theirs0), (mine1, theirs1) = before, after
     delta = {k: mine1[k] - mine0[k] for k in mine1} | {"owner_" + k: theirs1[k] - theirs0[k] for k in theirs1}
     what = f"{transport}, initiator {mine}, owner {theirs}: {delta}"
     if transport == "auto" and mine == "device":
         assert delta["ipc_frames"] > 0 and delta["staged_frames"] == 0, what
         assert delta["owner_ipc_bytes_served"] > 0 and delta["owner_staged_bytes_served"] == 0, what
+        if memory_kind == "torch-expandable":
+            assert delta["fd_frames"] > 0 and delta["owner_fd_bytes_served"] > 0, what
+        else:
+            assert delta["fd_frames"] == 0, what
     else:
         assert delta["ipc_frames"] == 0 and delta["owner_ipc_bytes_served"] == 0, what
         assert (delta["staged_frames"] > 0) == (mine == "device"), what
@@ -404,7 +410,7 @@ def initiator_moves_everything(conn: Any, memory_kind: str, transport: str) -> N
         for t in range(PER_LAYER):
             _rows(remote.expect[rs][PER_LAYER + t], SLOT)[0] = _rows(sent[t], SLOT)[1]
         remote.check(rs, f"transfer_cache_async ({what})")
-        _check_paths(before_stats, _stats(conn, datadist), transport, mine, theirs)
+        _check_paths(before_stats, _stats(conn, datadist), transport, mine, theirs, memory_kind)
     conn.send(("quit",))
     local.free()
     datadist.finalize()
