@@ -15,7 +15,8 @@ namespace datadist {
 
 class WorkerPool {
  public:
-  explicit WorkerPool(size_t threads);
+  // `name`: the threads' name (thread_name.h).
+  explicit WorkerPool(size_t threads, const char *name = "dd-worker");
   ~WorkerPool();
   WorkerPool(const WorkerPool &) = delete;
   WorkerPool &operator=(const WorkerPool &) = delete;

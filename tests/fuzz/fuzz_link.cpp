@@ -62,6 +62,10 @@ class FuzzHost : public LinkHost {
     static same_host::CopyPool p(1);
     return p;
   }
+  IoLoop &io_loop() override {
+    static IoLoop loop(1);
+    return loop;
+  }
   std::atomic<bool> down{false};
 
  private:

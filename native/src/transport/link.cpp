@@ -1,5 +1,6 @@
 #include "transport/link.h"
 
+#include <sys/epoll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -84,16 +85,20 @@ bool Link::start() {
     hello.header = wire::make_header(FrameType::kPeerCopies, 0, 0, 0);
     conns_[0]->queue.push_back(std::move(hello));
   }
+  IoLoop &loop = host_->io_loop();
+  for (size_t i = 0; i < conns_.size(); ++i) {
+    Connection &conn = *conns_[i];
+    conn.io_id = loop.add(conn.fd, std::weak_ptr<IoHandler>(self), i);
+    if (conn.io_id == 0) return false;
+    std::lock_guard<std::mutex> queued(conn.mu);
+    if (!conn.queue.empty()) arm_locked(conn);
+  }
   try {
     for (auto &conn : conns_) {
       Connection *c = conn.get();
       c->reader = std::thread([self, c] {
         name_this_thread("dd-read");
         self->reader_loop(*c);
-      });
-      c->writer = std::thread([self, c] {
-        name_this_thread("dd-write");
-        self->writer_loop(*c);
       });
     }
   } catch (const std::system_error &) {
@@ -129,8 +134,7 @@ void Link::enqueue(Connection &conn, OutFrame frame) {
   std::unique_lock<std::mutex> lock(conn.mu);
   if (total > kDirectBytes || frame.close_after || frame.device || conn.busy || !conn.queue.empty() || is_down()) {
     conn.queue.push_back(std::move(frame));
-    lock.unlock();
-    conn.cv.notify_one();
+    if (!conn.busy) arm_locked(conn);  // else its writer goes on to it
     return;
   }
   conn.busy = true;
@@ -138,21 +142,144 @@ void Link::enqueue(Connection &conn, OutFrame frame) {
   std::vector<iovec> iov = frame_bytes(frame);
   const ssize_t n = net::writev_now(conn.fd, iov.data(), iov.size());
   if (n >= 0 && static_cast<size_t>(n) < total) {
-    // The socket is full: the writer sends the rest, ahead of anything queued since.
+    // The socket is full: the loop sends the rest, ahead of anything queued since.
     frame.sent = static_cast<size_t>(n);
     lock.lock();
     conn.queue.push_front(std::move(frame));
     conn.busy = false;
-    lock.unlock();
-    conn.cv.notify_one();
+    arm_locked(conn);
     return;
   }
   after_send(frame, n >= 0);
   lock.lock();
   conn.busy = false;
-  const bool more = !conn.queue.empty();
-  lock.unlock();
-  if (more) conn.cv.notify_one();
+  if (!conn.queue.empty()) arm_locked(conn);
+}
+
+void Link::arm_locked(Connection &conn) {
+  if (conn.armed || is_down()) return;
+  conn.armed = true;
+  if (!host_->io_loop().arm(conn.io_id, EPOLLOUT)) {
+    conn.armed = false;
+    // Not from here: fail() takes every connection's lock.
+    std::weak_ptr<Link> weak = weak_from_this();
+    host_->io_loop().run_blocking([weak] {
+      if (auto self = weak.lock()) self->fail(LLM_LINK_FAILED, "the I/O loop refused a connection");
+    });
+  }
+}
+
+bool Link::begin_work() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (reaping_) return false;
+  ++working_;
+  return true;
+}
+
+void Link::end_work() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (--working_ == 0) work_done_cv_.notify_all();
+}
+
+void Link::on_ready(uint64_t tag, uint32_t /*events*/) {
+  if (tag >= conns_.size() || !begin_work()) return;
+  Connection &conn = *conns_[tag];
+  {
+    std::lock_guard<std::mutex> lock(conn.mu);
+    conn.armed = false;
+  }
+  write_queued(conn);
+  end_work();
+}
+
+bool Link::cancelled_before_send(const OutFrame &frame) {
+  if (frame.op_id == 0 || frame.sent != 0) return false;
+  std::shared_ptr<Request> request;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = open_.find(frame.op_id);
+    if (it != open_.end()) request = it->second.request;
+  }
+  if (!request || !request->cancel_requested()) return false;
+  mark(frame.op_id, true, true, request->cancel_reason(), true);
+  return true;
+}
+
+namespace {
+
+// What one turn of an I/O thread writes to a connection before it lets
+// the loop serve other connections.
+constexpr size_t kBytesPerTurn = 4 << 20;
+
+}  // namespace
+
+void Link::write_queued(Connection &conn) {
+  size_t written = 0;
+  for (;;) {
+    OutFrame frame;
+    {
+      std::lock_guard<std::mutex> lock(conn.mu);
+      if (is_down() || conn.busy || conn.queue.empty()) return;  // what is left is settled by reap()
+      if (written >= kBytesPerTurn) {
+        arm_locked(conn);
+        return;
+      }
+      frame = std::move(conn.queue.front());
+      conn.queue.pop_front();
+      conn.busy = true;
+    }
+    if (cancelled_before_send(frame)) {
+      std::lock_guard<std::mutex> lock(conn.mu);
+      conn.busy = false;
+      continue;
+    }
+    if (frame.device) {
+      // Device copies and the sends between them may block: the blocking
+      // pool sends the frame, the connection staying busy meanwhile.
+      if (!begin_work()) return;
+      auto self = shared_from_this();
+      auto shared = std::make_shared<OutFrame>(std::move(frame));
+      Connection *c = &conn;
+      if (!host_->io_loop().run_blocking([self, c, shared] { self->write_staged(*c, std::move(*shared)); })) {
+        end_work();
+        fail(LLM_LINK_FAILED, "no thread can send device memory");
+      }
+      return;
+    }
+    const size_t total = sizeof(frame.header) + frame.body.size() + frame.header.data_len;
+    std::vector<iovec> iov = frame_bytes(frame);
+    net::drop_front(iov, frame.sent);
+    ssize_t n = 0;
+    while (frame.sent < total) {
+      n = net::writev_now(conn.fd, iov.data(), iov.size());
+      if (n <= 0) break;
+      frame.sent += static_cast<size_t>(n);
+      written += static_cast<size_t>(n);
+      net::drop_front(iov, static_cast<size_t>(n));
+    }
+    if (frame.sent < total && n == 0) {
+      // The socket is full: the rest goes when it is writable again.
+      std::lock_guard<std::mutex> lock(conn.mu);
+      conn.queue.push_front(std::move(frame));
+      conn.busy = false;
+      arm_locked(conn);
+      return;
+    }
+    const bool go_on = after_send(frame, frame.sent == total);
+    std::lock_guard<std::mutex> lock(conn.mu);
+    conn.busy = false;
+    if (!go_on) return;
+  }
+}
+
+void Link::write_staged(Connection &conn, OutFrame frame) {
+  const bool go_on = finish_staged(conn, frame);
+  {
+    std::lock_guard<std::mutex> lock(conn.mu);
+    conn.busy = false;
+    if (go_on && !conn.queue.empty()) arm_locked(conn);
+  }
+  end_work();
 }
 
 void Link::send_answer(Connection &conn, OutFrame frame) {
@@ -450,13 +577,6 @@ std::string Link::ended_message() const {
   return down_why_.empty() ? link + " was closed" : link + " failed: " + down_why_;
 }
 
-bool Link::finish(Connection &conn, OutFrame &frame) {
-  if (frame.device) return finish_staged(conn, frame);
-  std::vector<iovec> iov = frame_bytes(frame);
-  net::drop_front(iov, frame.sent);
-  return after_send(frame, net::writev_full(conn.fd, iov.data(), iov.size()));
-}
-
 namespace {
 
 // Zeros that keep a frame whole after its device copy failed mid-send.
@@ -592,39 +712,6 @@ bool Link::after_send(OutFrame &frame, bool ok) {
     return false;
   }
   return true;
-}
-
-void Link::writer_loop(Connection &conn) {
-  for (;;) {
-    OutFrame frame;
-    {
-      std::unique_lock<std::mutex> lock(conn.mu);
-      conn.cv.wait(lock, [&] { return is_down() || (!conn.queue.empty() && !conn.busy); });
-      if (is_down()) return;  // what is left is settled by reap()
-      frame = std::move(conn.queue.front());
-      conn.queue.pop_front();
-      conn.busy = true;
-    }
-    bool cancelled = false;
-    if (frame.op_id != 0 && frame.sent == 0) {
-      std::shared_ptr<Request> request;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        auto it = open_.find(frame.op_id);
-        if (it != open_.end()) request = it->second.request;
-      }
-      if (request && request->cancel_requested()) {
-        mark(frame.op_id, true, true, request->cancel_reason(), true);
-        cancelled = true;
-      }
-    }
-    const bool go_on = cancelled || finish(conn, frame);
-    {
-      std::lock_guard<std::mutex> lock(conn.mu);
-      conn.busy = false;
-    }
-    if (!go_on) return;
-  }
 }
 
 void Link::reader_loop(Connection &conn) {
@@ -1053,11 +1140,7 @@ void Link::fail(Status reason, const std::string &why) {
     down_why_ = why;
   }
   if (!why.empty()) log_warning("link to cluster " + std::to_string(peer_id_) + ": " + why);
-  for (auto &conn : conns_) {
-    ::shutdown(conn->fd, SHUT_RDWR);
-    std::lock_guard<std::mutex> lock(conn->mu);
-    conn->cv.notify_all();
-  }
+  for (auto &conn : conns_) ::shutdown(conn->fd, SHUT_RDWR);
   host_->link_down(shared_from_this());
 }
 
@@ -1068,8 +1151,15 @@ void Link::reap() {
     reaping_ = true;
   }
   for (auto &conn : conns_) {
+    if (conn->io_id != 0) host_->io_loop().remove(conn->io_id);
+  }
+  {
+    // No I/O thread or blocking job touches the link's frames from here.
+    std::unique_lock<std::mutex> lock(mu_);
+    work_done_cv_.wait(lock, [this] { return working_ == 0; });
+  }
+  for (auto &conn : conns_) {
     if (conn->reader.joinable()) conn->reader.join();
-    if (conn->writer.joinable()) conn->writer.join();
   }
   // Answers that came before the end settle their operations as answered.
   {

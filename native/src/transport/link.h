@@ -1,13 +1,18 @@
 // Link: the established connection set to one peer engine, usable in both
 // directions.
 //
-// Threads: each connection has one reader and one writer thread. submit(),
+// Threads: each connection has one reader thread. Frames go out from the
+// thread that makes them while the socket takes them at once, and
+// otherwise from the transport's I/O threads (io_loop.h), which write a
+// connection's frames as its socket becomes writable (frames on device
+// memory from the loop's blocking pool, which stages them). submit(),
 // lookup(), fail() may be called from any thread. reap() is called once,
 // by the transport's housekeeping thread, after fail(): it joins the
-// connection threads and only then settles every operation still open, so
-// no byte of a settled operation can move afterwards.
-// An operation is settled when its frame has left the writer (or was
-// skipped) and its answer has come (or the link died).
+// connection threads, waits out any writing for the link, and only then
+// settles every operation still open, so no byte of a settled operation
+// can move afterwards.
+// An operation is settled when its frame has left (or was skipped) and
+// its answer has come (or the link died).
 #ifndef DATADIST_TRANSPORT_LINK_H_
 #define DATADIST_TRANSPORT_LINK_H_
 
@@ -29,6 +34,7 @@
 #include "answer_hub.h"
 #include "registry.h"
 #include "request.h"
+#include "transport/io_loop.h"
 #include "transport/same_host.h"
 #include "transport/socket_util.h"
 #include "transport/target_resolver.h"
@@ -58,6 +64,8 @@ class LinkHost {
   virtual same_host::CopyPool &copy_pool() = 0;
   // Where the link's answer socket is watched; nullptr: the link has none.
   virtual AnswerHub *answer_hub() { return nullptr; }
+  // The threads that write the link's frames.
+  virtual IoLoop &io_loop() = 0;
 };
 
 // How a link's bytes move, as its handshake settled it.
@@ -112,7 +120,7 @@ struct PlannedFrame {
 // answer_hub.h) reads them on the thread that waits for them. An answer the
 // socket cannot take at once goes on the connection as before, so either
 // end reads answers from both.
-class Link : public std::enable_shared_from_this<Link>, public AnswerReader {
+class Link : public std::enable_shared_from_this<Link>, public AnswerReader, public IoHandler {
  public:
   Link(uint64_t peer_id, uint32_t peer_role, bool initiated_here, std::vector<int> fds, LinkHost *host,
        LinkPaths paths = {});
@@ -120,8 +128,9 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader {
   Link(const Link &) = delete;
   Link &operator=(const Link &) = delete;
 
-  // Starts the connection threads; false (the link is then to be failed)
-  // when a thread or its memory cannot be had.
+  // Starts the connection threads and puts the connections in the I/O
+  // loop; false (the link is then to be failed) when a thread, a place in
+  // the loop or memory cannot be had.
   bool start();
   uint64_t peer_id() const { return peer_id_; }
   uint32_t peer_role() const { return peer_role_; }
@@ -179,6 +188,8 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader {
   // Reads the answers waiting on the answer socket (AnswerReader); the
   // link's own reads (at its end, before a timeout) count as kLink.
   void read_answers(AnswerHub::Reader by) override;
+  // A connection's socket became writable (IoHandler; `tag` is its index).
+  void on_ready(uint64_t tag, uint32_t events) override;
   size_t refused_group_count() const;
   DevicePathStats device_path_stats() const;
 
@@ -191,8 +202,8 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader {
     uint64_t op_id = 0;  // set for frames this end is waiting an answer to
     bool close_after = false;  // the last frame before this end closes
     size_t sent = 0;  // bytes a direct send already put on the socket
-    // Set when `data` are addresses of this device: the writer thread
-    // stages them (never a direct send).
+    // Set when `data` are addresses of this device: the I/O loop's
+    // blocking pool stages them (never a direct send).
     std::shared_ptr<cuda::Device> device;
   };
 
@@ -200,12 +211,12 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader {
     explicit Connection(int socket) : fd(socket), in(socket) {}
     const int fd;
     std::mutex mu;
-    std::condition_variable cv;
     std::deque<OutFrame> queue;
     bool busy = false;  // a thread is writing a frame to fd
+    bool armed = false;  // the I/O loop waits for fd to be writable
+    uint64_t io_id = 0;  // the connection's place in the I/O loop
     net::Reader in;  // the reader thread's only
     std::thread reader;
-    std::thread writer;
   };
 
   // A request answered by one frame (lookup, unlink), waited for by its caller.
@@ -255,12 +266,28 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader {
   // false with `why` when one cannot be opened here.
   bool open_exports(const std::vector<wire::DeviceExport> &exports, const std::shared_ptr<cuda::Device> &device,
                     std::vector<std::shared_ptr<cuda::PeerAllocation>> &out, std::string &why);
-  // Hands a frame to the connection's writer thread, in order. A frame of
-  // at most kDirectBytes (not the last before closing) is sent by the
-  // calling thread instead when the connection is idle (nothing queued or
-  // being written); what the socket does not take at once is left to the
-  // writer. Saves the writer's wake-up on small requests and answers.
+  // Queues a frame on the connection, in order, for the I/O loop to write.
+  // A frame of at most kDirectBytes (not the last before closing) is sent
+  // by the calling thread instead when the connection is idle (nothing
+  // queued or being written); what the socket does not take at once is
+  // left to the loop. Saves a wake-up on small requests and answers.
   void enqueue(Connection &conn, OutFrame frame);
+  // Has the I/O loop wait for the connection's socket to be writable, once
+  // (conn.mu held); fails the link when the loop refuses.
+  void arm_locked(Connection &conn);
+  // Writes the connection's queued frames without waiting (an I/O thread),
+  // until the socket is full or the queue empty; a frame on device memory
+  // goes to the blocking pool, which sends it whole.
+  void write_queued(Connection &conn);
+  // The blocking pool's part: sends a staged frame, then goes back to the queue.
+  void write_staged(Connection &conn, OutFrame frame);
+  // Whether the frame's operation was cancelled before a byte of it left
+  // (then settled as skipped).
+  bool cancelled_before_send(const OutFrame &frame);
+  // Counts a thread working for the link (false once it is being reaped:
+  // the thread must not touch it); reap() waits for the count to drop.
+  bool begin_work();
+  void end_work();
   // The bytes of a frame, in the order they go out.
   static std::vector<iovec> frame_bytes(OutFrame &frame);
   // Writes the rest of `frame`, blocking; false once the link must stop writing.
@@ -287,7 +314,6 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader {
   bool after_send(OutFrame &frame, bool ok);
   Connection &next_connection();
   void reader_loop(Connection &conn);
-  void writer_loop(Connection &conn);
   bool handle_frame(Connection &conn, const wire::FrameHeader &header, std::vector<uint8_t> &body);
   void serve_write(Connection &conn, const wire::FrameHeader &header, const wire::Request &req);
   void serve_read(Connection &conn, const wire::FrameHeader &header, const wire::Request &req);
@@ -359,6 +385,8 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader {
   std::unordered_map<std::string, std::shared_ptr<cuda::PeerAllocation>> opened_;
   std::shared_ptr<cuda::Device> host_side_device_;  // opens exports for host memory of this end
   bool reaping_ = false;  // no thread may start any more
+  size_t working_ = 0;  // I/O threads and blocking jobs working for the link (mu_)
+  std::condition_variable work_done_cv_;
   bool reaped_ = false;
 };
 
