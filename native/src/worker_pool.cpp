@@ -4,12 +4,12 @@
 
 namespace datadist {
 
-WorkerPool::WorkerPool(size_t threads, const char *name) {
+WorkerPool::WorkerPool(size_t threads) {
   if (threads == 0) threads = 1;
   threads_.reserve(threads);
   for (size_t i = 0; i < threads; ++i) {
-    threads_.emplace_back([this, name] {
-      name_this_thread(name);
+    threads_.emplace_back([this] {
+      name_this_thread("dd-worker");
       run();
     });
   }

@@ -15,8 +15,7 @@ namespace datadist {
 
 class WorkerPool {
  public:
-  // `name`: the threads' name (thread_name.h).
-  explicit WorkerPool(size_t threads, const char *name = "dd-worker");
+  explicit WorkerPool(size_t threads);
   ~WorkerPool();
   WorkerPool(const WorkerPool &) = delete;
   WorkerPool &operator=(const WorkerPool &) = delete;

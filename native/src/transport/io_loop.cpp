@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <iterator>
 #include <cerrno>
 #include <system_error>
 
@@ -31,8 +32,9 @@ size_t IoLoop::default_threads() {
   return std::clamp<size_t>(cores, 1, kMaxThreads);
 }
 
-IoLoop::IoLoop(size_t threads)
+IoLoop::IoLoop(size_t threads, std::chrono::milliseconds blocking_idle)
     : count_(std::clamp<size_t>(threads == 0 ? default_threads() : threads, 1, kMaxThreads)),
+      blocking_idle_(blocking_idle),
       epoll_fd_(checked_epoll()),
       stop_fd_(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {
   epoll_event event{};
@@ -47,16 +49,21 @@ IoLoop::IoLoop(size_t threads)
 }
 
 IoLoop::~IoLoop() {
-  std::unique_ptr<WorkerPool> blocking;
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
-    blocking = std::move(blocking_);
   }
+  blocking_cv_.notify_all();
   const uint64_t one = 1;
   [[maybe_unused]] ssize_t n = ::write(stop_fd_, &one, sizeof(one));
   for (auto &thread : threads_) thread.join();
-  if (blocking) blocking->shutdown();
+  // Blocking threads run the jobs already queued, then end.
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!blocking_.empty() || !ended_.empty()) {
+    join_ended_locked();
+    if (!blocking_.empty()) blocking_cv_.wait_for(lock, std::chrono::milliseconds(10));
+  }
+  lock.unlock();
   ::close(stop_fd_);
   ::close(epoll_fd_);
 }
@@ -107,21 +114,61 @@ void IoLoop::remove(uint64_t id) {
 }
 
 bool IoLoop::run_blocking(std::function<void()> job) {
-  WorkerPool *pool;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_) return false;
-    if (!blocking_) {
-      try {
-        blocking_ = std::make_unique<WorkerPool>(kBlockingThreads, "dd-io-block");
-      } catch (const std::system_error &) {
-        return false;
-      }
-    }
-    pool = blocking_.get();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stopping_) return false;
+  join_ended_locked();
+  if (idle_ > jobs_.size()) {
+    jobs_.push_back(std::move(job));
+    blocking_cv_.notify_one();
+    return true;
   }
-  // The pool lives until the destructor, which no thread of its own runs.
-  return pool->submit(std::move(job));
+  try {
+    blocking_.emplace_back();
+    auto self = std::prev(blocking_.end());
+    *self = std::thread([this, self] {
+      name_this_thread("dd-io-block");
+      run_blocking_thread(self);
+    });
+  } catch (const std::system_error &) {
+    blocking_.pop_back();
+    return false;
+  }
+  jobs_.push_back(std::move(job));
+  return true;
+}
+
+size_t IoLoop::blocking_threads() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return blocking_.size();
+}
+
+void IoLoop::join_ended_locked() {
+  for (auto &thread : ended_) thread.join();
+  ended_.clear();
+}
+
+void IoLoop::run_blocking_thread(std::list<std::thread>::iterator self) {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    if (!jobs_.empty()) {
+      std::function<void()> job = std::move(jobs_.front());
+      jobs_.pop_front();
+      lock.unlock();
+      job();
+      job = nullptr;  // what it holds goes before the lock is taken
+      lock.lock();
+      continue;
+    }
+    if (stopping_) break;
+    ++idle_;
+    const bool woken = blocking_cv_.wait_for(lock, blocking_idle_, [this] { return stopping_ || !jobs_.empty(); });
+    --idle_;
+    if (!woken) break;  // idle too long
+  }
+  // Joined by the next caller, or the destructor.
+  ended_.push_back(std::move(*self));
+  blocking_.erase(self);
+  blocking_cv_.notify_all();
 }
 
 void IoLoop::run() {

@@ -7,24 +7,30 @@
 // again when it wants more. Handlers are held weakly; one whose owner is
 // gone is skipped.
 //
-// Work that may block for long (a send staged through device copies) goes
-// to the loop's blocking pool, a few threads of its own, started on first
-// use, so it never holds up the I/O threads.
+// Work that may wait for long (a frame staged through device copies, whose
+// sends and reads wait on the socket) goes to the loop's blocking pool, so
+// it never holds up the I/O threads. Every job gets a thread at once: an
+// idle one, or one started for it (a job may wait for one on the peer, so
+// none may wait for a thread); a thread idle for kBlockingIdle ends. The
+// pool is as large as the staged frames in flight, and empty when none are.
 //
 // Threads: every method may be called from any thread, including the
 // loop's own; the destructor must not be.
 #ifndef DATADIST_TRANSPORT_IO_LOOP_H_
 #define DATADIST_TRANSPORT_IO_LOOP_H_
 
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <functional>
+#include <list>
 #include <memory>
 #include <mutex>
 #include <thread>
 #include <unordered_map>
 #include <vector>
 
-#include "worker_pool.h"
 
 namespace datadist {
 
@@ -41,11 +47,12 @@ class IoLoop {
   // One thread per core, within [1, kMaxThreads].
   static size_t default_threads();
   static constexpr size_t kMaxThreads = 64;
-  static constexpr size_t kBlockingThreads = 2;
+  static constexpr std::chrono::milliseconds kBlockingIdle{5000};
 
-  // `threads` 0: default_threads(). Throws std::system_error when the
-  // kernel refuses the epoll set.
-  explicit IoLoop(size_t threads = 0);
+  // `threads` 0: default_threads(); `blocking_idle`: how long a blocking
+  // thread waits for a job before it ends. Throws std::system_error when
+  // the kernel refuses the epoll set.
+  explicit IoLoop(size_t threads = 0, std::chrono::milliseconds blocking_idle = kBlockingIdle);
   ~IoLoop();
   IoLoop(const IoLoop &) = delete;
   IoLoop &operator=(const IoLoop &) = delete;
@@ -63,11 +70,16 @@ class IoLoop {
   // Stops watching; a handler already running goes on to its end.
   void remove(uint64_t id);
   // Runs `job` on the blocking pool; false once the loop is stopping or
-  // its threads cannot start.
+  // no thread can start for it.
   bool run_blocking(std::function<void()> job);
+  // Threads of the blocking pool now.
+  size_t blocking_threads() const;
 
  private:
   void run();
+  void run_blocking_thread(std::list<std::thread>::iterator self);
+  // Joins the blocking threads that ended (mu_ held; they hold no lock).
+  void join_ended_locked();
 
   struct Watched {
     int fd;
@@ -76,6 +88,7 @@ class IoLoop {
   };
 
   const size_t count_;
+  const std::chrono::milliseconds blocking_idle_;
   const int epoll_fd_;
   const int stop_fd_;  // an eventfd, written once at destruction
   mutable std::mutex mu_;
@@ -83,7 +96,12 @@ class IoLoop {
   uint64_t next_id_ = 1;
   bool stopping_ = false;
   std::vector<std::thread> threads_;
-  std::unique_ptr<WorkerPool> blocking_;
+  // The blocking pool.
+  std::condition_variable blocking_cv_;
+  std::deque<std::function<void()>> jobs_;
+  std::list<std::thread> blocking_;
+  std::vector<std::thread> ended_;  // ended blocking threads, to be joined
+  size_t idle_ = 0;  // blocking threads waiting for a job
 };
 
 }  // namespace datadist

@@ -1,16 +1,16 @@
 // Link: the established connection set to one peer engine, usable in both
 // directions.
 //
-// Threads: each connection has one reader thread. Frames go out from the
-// thread that makes them while the socket takes them at once, and
-// otherwise from the transport's I/O threads (io_loop.h), which write a
-// connection's frames as its socket becomes writable (frames on device
-// memory from the loop's blocking pool, which stages them). submit(),
-// lookup(), fail() may be called from any thread. reap() is called once,
-// by the transport's housekeeping thread, after fail(): it joins the
-// connection threads, waits out any writing for the link, and only then
-// settles every operation still open, so no byte of a settled operation
-// can move afterwards.
+// Threads: a link has none of its own. The transport's I/O threads
+// (io_loop.h) read each connection's frames as they come and write its
+// frames as its socket takes them; a frame is also sent by the thread that
+// makes it when the socket takes it at once. Device memory, whose copies
+// may wait, is staged by the loop's blocking pool, which then reads or
+// writes that frame's bytes. submit(), lookup(), fail() may be called from
+// any thread. reap() is called once, by the transport's housekeeping
+// thread, after fail(): it waits out every thread working for the link and
+// only then settles every operation still open, so no byte of a settled
+// operation can move afterwards.
 // An operation is settled when its frame has left (or was skipped) and
 // its answer has come (or the link died).
 #ifndef DATADIST_TRANSPORT_LINK_H_
@@ -23,6 +23,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -64,7 +65,7 @@ class LinkHost {
   virtual same_host::CopyPool &copy_pool() = 0;
   // Where the link's answer socket is watched; nullptr: the link has none.
   virtual AnswerHub *answer_hub() { return nullptr; }
-  // The threads that write the link's frames.
+  // The threads that read and write the link's frames.
   virtual IoLoop &io_loop() = 0;
 };
 
@@ -128,9 +129,8 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader, pub
   Link(const Link &) = delete;
   Link &operator=(const Link &) = delete;
 
-  // Starts the connection threads and puts the connections in the I/O
-  // loop; false (the link is then to be failed) when a thread, a place in
-  // the loop or memory cannot be had.
+  // Puts the connections in the I/O loop; false (the link is then to be
+  // failed) when the loop cannot take one.
   bool start();
   uint64_t peer_id() const { return peer_id_; }
   uint32_t peer_role() const { return peer_role_; }
@@ -150,8 +150,8 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader, pub
   // (CUDA IPC) goes as a same-host frame naming them, and the peer copies
   // device to device; otherwise (or when the peer answers that it cannot
   // open them, the frame then sent again inline) the bytes go on the
-  // connections, staged through pinned host buffers by the writer (a
-  // write) or the reader (a read's answer).
+  // connections, staged through pinned host buffers by the I/O loop's
+  // blocking pool.
   // Frames of a group (their target's `group` is not 0) all take the same
   // connection, so the peer sees them in order.
   void submit(bool write, std::vector<PlannedFrame> frames, const std::shared_ptr<Request> &request,
@@ -171,9 +171,9 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader, pub
   Status request_unlink(int timeout_ms);
 
   // Marks the link down with `reason` (the status its open operations
-  // get), wakes its threads and asks the host to reap it. Idempotent.
+  // get), shuts its connections and asks the host to reap it. Idempotent.
   void fail(Status reason, const std::string &why);
-  // Idempotent; returns once the link's threads are gone.
+  // Idempotent; returns once no thread works for the link.
   void reap();
 
   // True if an open operation is past its deadline.
@@ -188,7 +188,7 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader, pub
   // Reads the answers waiting on the answer socket (AnswerReader); the
   // link's own reads (at its end, before a timeout) count as kLink.
   void read_answers(AnswerHub::Reader by) override;
-  // A connection's socket became writable (IoHandler; `tag` is its index).
+  // A connection's socket became readable or writable (IoHandler; `tag` is its index).
   void on_ready(uint64_t tag, uint32_t events) override;
   size_t refused_group_count() const;
   DevicePathStats device_path_stats() const;
@@ -207,16 +207,32 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader, pub
     std::shared_ptr<cuda::Device> device;
   };
 
+  // Where the frame being read is.
+  enum class Stage { kHeader, kBody, kData };
+  // What reading a connection's input came to.
+  enum class InputEnd { kWait, kAway, kStop };
+
   struct Connection {
     explicit Connection(int socket) : fd(socket), in(socket) {}
     const int fd;
-    std::mutex mu;
+    std::mutex mu;  // guards the output queue and the fields marked (mu)
     std::deque<OutFrame> queue;
-    bool busy = false;  // a thread is writing a frame to fd
-    bool armed = false;  // the I/O loop waits for fd to be writable
+    bool busy = false;  // a thread is writing a frame to fd (mu)
+    bool running = false;  // an I/O thread runs the connection's handler, which arms it at its end (mu)
+    bool away = false;  // the blocking pool reads the input (mu)
+    uint32_t armed = 0;  // the events the I/O loop waits for (mu)
     uint64_t io_id = 0;  // the connection's place in the I/O loop
-    net::Reader in;  // the reader thread's only
-    std::thread reader;
+    // Input: read by the connection's handler, or by the blocking pool
+    // while `away`; one at a time.
+    net::Reader in;
+    Stage stage = Stage::kHeader;
+    wire::FrameHeader header{};
+    std::vector<uint8_t> body;
+    iovec part{};  // what is left of the header or body
+    std::vector<iovec> data;  // where the rest of the frame's data go
+    uint64_t drop = 0;  // data bytes to read and drop after `data`
+    std::function<bool()> then;  // once the data are in; false: the link stops reading
+    std::function<bool()> receive;  // set by a frame whose data the blocking pool reads
   };
 
   // A request answered by one frame (lookup, unlink), waited for by its caller.
@@ -272,9 +288,23 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader, pub
   // queued or being written); what the socket does not take at once is
   // left to the loop. Saves a wake-up on small requests and answers.
   void enqueue(Connection &conn, OutFrame frame);
-  // Has the I/O loop wait for the connection's socket to be writable, once
-  // (conn.mu held); fails the link when the loop refuses.
+  // Has the I/O loop wait for what the connection wants now: input unless
+  // the blocking pool reads it, output while frames are queued and none is
+  // being written (conn.mu held). Left to the handler when one runs. Fails
+  // the link when the loop refuses.
   void arm_locked(Connection &conn);
+  // Reads and handles the connection's frames until the socket has no more
+  // for now (kWait), a frame's input went to the blocking pool (kAway), or
+  // the link stopped reading (kStop).
+  InputEnd read_input(Connection &conn);
+  // The frame's data go into `to`, then `drop` bytes are dropped, then `then` runs.
+  static void expect_data(Connection &conn, std::vector<iovec> to, uint64_t drop, std::function<bool()> then);
+  // The blocking pool is to read the rest of the frame (`receive`: false
+  // when the link stops), then the connection's input until it has no more.
+  static void hand_off(Connection &conn, std::function<bool()> receive);
+  void receive_away(Connection &conn, std::function<bool()> receive);
+  // Back to reading a frame's header.
+  static void next_frame(Connection &conn);
   // Writes the connection's queued frames without waiting (an I/O thread),
   // until the socket is full or the queue empty; a frame on device memory
   // goes to the blocking pool, which sends it whole.
@@ -313,7 +343,7 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader, pub
   // once the link must stop writing.
   bool after_send(OutFrame &frame, bool ok);
   Connection &next_connection();
-  void reader_loop(Connection &conn);
+
   bool handle_frame(Connection &conn, const wire::FrameHeader &header, std::vector<uint8_t> &body);
   void serve_write(Connection &conn, const wire::FrameHeader &header, const wire::Request &req);
   void serve_read(Connection &conn, const wire::FrameHeader &header, const wire::Request &req);
@@ -322,8 +352,9 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader, pub
   void note_read(const wire::Request &req);
   // A same-host write (copy from the peer) or read (copy into the peer).
   void serve_peer_copy(Connection &conn, const wire::FrameHeader &header, const wire::Request &req, bool write);
-  // An answer from a connection (`in` reads its data) or from the answer socket (`in` is null).
-  bool take_answer(const wire::FrameHeader &header, std::vector<uint8_t> &body, net::Reader *in);
+  // An answer from a connection (its data to be read from it) or from the
+  // answer socket (`conn` is null).
+  bool take_answer(const wire::FrameHeader &header, std::vector<uint8_t> &body, Connection *conn);
   // Sends an answer without data on the answer socket if it takes it now,
   // else on `conn`.
   void send_answer(Connection &conn, OutFrame frame);

@@ -30,6 +30,7 @@ bool to_addr(const std::string &ip, uint16_t port, sockaddr_in &addr) {
 size_t advance(iovec *iov, size_t count, size_t start, size_t done) {
   while (start < count && done >= iov[start].iov_len) {
     done -= iov[start].iov_len;
+    iov[start].iov_len = 0;  // consumed: a call again with the same array skips it
     ++start;
   }
   if (start < count) {
