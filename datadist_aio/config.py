@@ -62,6 +62,7 @@ class LLMConfig:
         self._mem_utilization = 0.95
         self._tcp_connections_per_peer: Optional[int] = None
         self._engine_threads: Optional[int] = None
+        self._io_threads: Optional[int] = None
         self._transport: Optional[str] = None
         self._auth_key: Optional[str] = None
         self._handshake_timeout_ms: Optional[int] = None
@@ -405,6 +406,24 @@ class LLMConfig:
         self._answer_sweep_ms = value
 
     @property
+    def io_threads(self) -> Optional[int]:
+        """The transport's I/O threads, in [1, 64]; emits `llm.IoThreads`.
+
+        A fixed number of threads writes the frames of every link, however
+        many links there are. Unset: one per core.
+
+        Raises:
+            TypeError: If not an int.
+            LLMException: `LLM_PARAM_INVALID` if outside [1, 64].
+        """
+        return self._io_threads
+
+    @io_threads.setter
+    def io_threads(self, value: int) -> None:
+        _check_int_in("io_threads", value, 1, 64)
+        self._io_threads = value
+
+    @property
     def engine_threads(self) -> Optional[int]:
         """Engine worker threads for local copies, in [1, 64]; emits `llm.EngineThreads`.
 
@@ -514,6 +533,7 @@ class LLMConfig:
             ("llm.HandshakeTimeoutMs", self._handshake_timeout_ms),
             ("llm.AnswerSweepMs", self._answer_sweep_ms),
             ("llm.EngineThreads", self._engine_threads),
+            ("llm.IoThreads", self._io_threads),
         ):
             if value is not None:
                 options[key] = str(int(value))

@@ -320,7 +320,7 @@ def _rusage() -> dict[str, float]:
 def thread_costs() -> dict[str, dict[str, int]]:
     """CPU nanoseconds and voluntary switches so far of this process's threads,
     summed by name ("main" for the main thread; the engine names its threads
-    dd-read, dd-write, ...). Empty where /proc has no per-thread figures."""
+    dd-io, dd-keeper, ...). Empty where /proc has no per-thread figures."""
     out: dict[str, dict[str, int]] = {}
     pid = os.getpid()
     try:

@@ -102,6 +102,7 @@ Status Engine::initialize(const OptionMap &options) {
   }
   TransportOptions transport_options;
   transport_options.connections_per_peer = parsed.tcp_connections_per_peer;
+  transport_options.io_threads = parsed.io_threads;
   transport_options.same_host = parsed.same_host;
   transport_options.auth_key = parsed.auth_key;
   transport_options.handshake_timeout_ms = static_cast<int>(parsed.handshake_timeout_ms);

@@ -186,6 +186,12 @@ Status parse_options(const OptionMap &options, EngineOptions &out) {
     }
     out.tcp_connections_per_peer = static_cast<uint32_t>(value);
   }
+  if (const std::string *io = find(options, kOptIoThreads)) {
+    if (!parse_uint(*io, 64, value) || value == 0) {
+      return refuse(LLM_PARAM_INVALID, "I/O threads must be an integer in [1, 64], got '" + *io + "'");
+    }
+    out.io_threads = static_cast<uint32_t>(value);
+  }
   if (const std::string *transport = find(options, kOptTransport)) {
     if (*transport != "auto" && *transport != "tcp") return LLM_PARAM_INVALID;
     out.same_host = *transport == "auto";

@@ -27,6 +27,8 @@ inline constexpr const char *kOptRemoteCacheAccessible = "llm.EnableRemoteCacheA
 inline constexpr const char *kOptListenIp = "llm.ListenIp";
 inline constexpr const char *kOptListenPort = "llm.ListenPort";
 inline constexpr const char *kOptTcpConnections = "llm.TcpConnectionsPerPeer";
+// The transport's I/O threads, which serve every link's connections; default one per core.
+inline constexpr const char *kOptIoThreads = "llm.IoThreads";
 // "auto" (default): kernel copies with peers on this host where allowed; "tcp": sockets only.
 inline constexpr const char *kOptTransport = "llm.Transport";
 // A shared secret every link proves both ways (HMAC-SHA256); without the
@@ -64,6 +66,7 @@ struct EngineOptions {
   std::optional<std::string> listen_ip;
   uint16_t listen_port = 0;
   uint32_t tcp_connections_per_peer = 2;
+  uint32_t io_threads = 0;  // 0: one per core
   bool same_host = true;  // llm.Transport "auto"
   std::string auth_key;   // llm.AuthKey, else $DATADIST_AIO_AUTH_KEY
   uint32_t handshake_timeout_ms = 5000;

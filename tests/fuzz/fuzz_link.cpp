@@ -62,6 +62,11 @@ class FuzzHost : public LinkHost {
     static same_host::CopyPool p(1);
     return p;
   }
+  IoLoop &io_loop() override { return loop(); }
+  static IoLoop &loop() {
+    static IoLoop l(1);
+    return l;
+  }
   std::atomic<bool> down{false};
 
  private:
@@ -116,6 +121,7 @@ extern "C" int LLVMFuzzerInitialize(int *, char ***) {
   std::memset(map_fixed(kPeerAddr, kPeerBytes), 0x5c, kPeerBytes);
   start_peer();
   FuzzHost::pool();
+  FuzzHost::loop();
   return 0;
 }
 
@@ -147,6 +153,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   const std::vector<uint8_t> answers = exchange(fds[1], data, size);
   ::close(fds[1]);
   if (std::getenv("FUZZ_LOG") != nullptr) trace(answers);
+  // The I/O thread reads to the end of the input, which takes the link down.
+  for (int i = 0; i < 10000 && !host.down.load(); ++i) ::usleep(1000);
   link->reap();
   require(host.down.load(), "the link is not down at the end of its input");
   require(link->open_operations() == 0, "operations left open after the link was reaped");

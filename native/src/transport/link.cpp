@@ -1,5 +1,6 @@
 #include "transport/link.h"
 
+#include <sys/epoll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -68,7 +69,7 @@ bool Link::has_answer_socket() const {
 
 bool Link::start() {
   auto self = shared_from_this();
-  // Under the lock, so reap() either joins every thread or none was started.
+  // Under the lock, so reap() finds the connections in the loop or never there.
   std::lock_guard<std::mutex> lock(mu_);
   if (reaping_ || is_down()) return false;
   if (answer_fd_ >= 0) {
@@ -85,22 +86,14 @@ bool Link::start() {
     hello.header = wire::make_header(FrameType::kPeerCopies, 0, 0, 0);
     conns_[0]->queue.push_back(std::move(hello));
   }
-  try {
-    for (auto &conn : conns_) {
-      Connection *c = conn.get();
-      c->reader = std::thread([self, c] {
-        name_this_thread("dd-read");
-        self->reader_loop(*c);
-      });
-      c->writer = std::thread([self, c] {
-        name_this_thread("dd-write");
-        self->writer_loop(*c);
-      });
-    }
-  } catch (const std::system_error &) {
-    return false;  // the threads that did start end when the link is failed; reap() joins them
-  } catch (const std::bad_alloc &) {
-    return false;
+  IoLoop &loop = host_->io_loop();
+  for (size_t i = 0; i < conns_.size(); ++i) {
+    Connection &conn = *conns_[i];
+    next_frame(conn);
+    conn.io_id = loop.add(conn.fd, std::weak_ptr<IoHandler>(self), i);
+    if (conn.io_id == 0) return false;
+    std::lock_guard<std::mutex> armed(conn.mu);
+    arm_locked(conn);
   }
   return true;
 }
@@ -130,8 +123,7 @@ void Link::enqueue(Connection &conn, OutFrame frame) {
   std::unique_lock<std::mutex> lock(conn.mu);
   if (total > kDirectBytes || frame.close_after || frame.device || conn.busy || !conn.queue.empty() || is_down()) {
     conn.queue.push_back(std::move(frame));
-    lock.unlock();
-    conn.cv.notify_one();
+    if (!conn.busy) arm_locked(conn);  // else its writer goes on to it
     return;
   }
   conn.busy = true;
@@ -139,21 +131,262 @@ void Link::enqueue(Connection &conn, OutFrame frame) {
   std::vector<iovec> iov = frame_bytes(frame);
   const ssize_t n = net::writev_now(conn.fd, iov.data(), iov.size());
   if (n >= 0 && static_cast<size_t>(n) < total) {
-    // The socket is full: the writer sends the rest, ahead of anything queued since.
+    // The socket is full: the loop sends the rest, ahead of anything queued since.
     frame.sent = static_cast<size_t>(n);
     lock.lock();
     conn.queue.push_front(std::move(frame));
     conn.busy = false;
-    lock.unlock();
-    conn.cv.notify_one();
+    arm_locked(conn);
     return;
   }
   after_send(frame, n >= 0);
   lock.lock();
   conn.busy = false;
-  const bool more = !conn.queue.empty();
-  lock.unlock();
-  if (more) conn.cv.notify_one();
+  if (!conn.queue.empty()) arm_locked(conn);
+}
+
+void Link::arm_locked(Connection &conn) {
+  if (conn.running || is_down()) return;
+  uint32_t want = 0;
+  if (!conn.away) want |= EPOLLIN | EPOLLRDHUP;
+  if (!conn.busy && !conn.queue.empty()) want |= EPOLLOUT;
+  // Nothing wanted: left as it is (disarmed since it fired, or about to be).
+  if (want == 0 || want == conn.armed) return;
+  conn.armed = want;
+  if (!host_->io_loop().arm(conn.io_id, want)) {
+    conn.armed = 0;
+    // Not from here: fail() takes every connection's lock.
+    std::weak_ptr<Link> weak = weak_from_this();
+    host_->io_loop().run_blocking([weak] {
+      if (auto self = weak.lock()) self->fail(LLM_LINK_FAILED, "the I/O loop refused a connection");
+    });
+  }
+}
+
+bool Link::begin_work() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (reaping_) return false;
+  ++working_;
+  return true;
+}
+
+void Link::end_work() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (--working_ == 0) work_done_cv_.notify_all();
+}
+
+void Link::on_ready(uint64_t tag, uint32_t events) {
+  if (tag >= conns_.size() || !begin_work()) return;
+  Connection &conn = *conns_[tag];
+  bool input;
+  {
+    std::lock_guard<std::mutex> lock(conn.mu);
+    conn.armed = 0;  // it fired: disarmed
+    conn.running = true;
+    input = !conn.away;
+  }
+  if (input && (events & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR)) != 0) read_input(conn);
+  write_queued(conn);
+  {
+    std::lock_guard<std::mutex> lock(conn.mu);
+    conn.running = false;
+    arm_locked(conn);
+  }
+  end_work();
+}
+
+void Link::next_frame(Connection &conn) {
+  conn.stage = Stage::kHeader;
+  conn.part = {&conn.header, sizeof(conn.header)};
+  conn.data.clear();
+  conn.drop = 0;
+  conn.then = nullptr;
+  conn.receive = nullptr;
+}
+
+void Link::expect_data(Connection &conn, std::vector<iovec> to, uint64_t drop, std::function<bool()> then) {
+  conn.data = std::move(to);
+  conn.drop = drop;
+  conn.then = std::move(then);
+}
+
+Link::InputEnd Link::read_input(Connection &conn) {
+  using Got = net::Reader::Got;
+  for (;;) {
+    if (is_down()) return InputEnd::kStop;
+    if (conn.stage != Stage::kData) {
+      const Got got = conn.in.readv_now(&conn.part, 1);
+      if (got == Got::kAgain) return InputEnd::kWait;
+      if (got == Got::kEnd) {
+        if (conn.stage == Stage::kBody) {
+          fail(LLM_LINK_FAILED, "connection closed by the peer");
+          return InputEnd::kStop;
+        }
+        // Between frames with nothing open (or while unlinking) this is an
+        // ordinary unlink or exit.
+        read_answers(AnswerHub::Reader::kLink);  // answers that came before the close count
+        const bool expected = closing_.load(std::memory_order_acquire) || open_operations() == 0;
+        fail(LLM_LINK_FAILED, expected ? "" : "connection lost with operations in flight");
+        return InputEnd::kStop;
+      }
+      if (conn.stage == Stage::kHeader) {
+        const std::string problem = wire::check_header(conn.header);
+        if (!problem.empty()) {
+          fail(LLM_LINK_FAILED, "malformed frame from the peer (" + problem + "); closing the link");
+          return InputEnd::kStop;
+        }
+        conn.body.assign(conn.header.body_len, 0);
+        if (!conn.body.empty()) {
+          conn.stage = Stage::kBody;
+          conn.part = {conn.body.data(), conn.body.size()};
+          continue;
+        }
+      }
+      // The frame's header and body are in: it may want its data next, or
+      // hand them to the blocking pool.
+      const FrameHeader header = conn.header;
+      if (!handle_frame(conn, header, conn.body)) return InputEnd::kStop;
+      if (conn.receive) {
+        std::function<bool()> receive = std::move(conn.receive);
+        next_frame(conn);
+        receive_away(conn, std::move(receive));
+        return InputEnd::kAway;
+      }
+      if (conn.data.empty() && conn.drop == 0 && !conn.then) {
+        next_frame(conn);
+      } else {
+        conn.stage = Stage::kData;
+      }
+      continue;
+    }
+    Got got = conn.data.empty() ? Got::kDone : conn.in.readv_now(conn.data.data(), conn.data.size());
+    if (got == Got::kDone) {
+      conn.data.clear();
+      got = conn.in.discard_now(conn.drop);
+    }
+    if (got == Got::kAgain) return InputEnd::kWait;
+    if (got == Got::kEnd) {
+      fail(LLM_LINK_FAILED, "connection closed by the peer");
+      return InputEnd::kStop;
+    }
+    std::function<bool()> then = std::move(conn.then);
+    next_frame(conn);
+    if (then && !then()) return InputEnd::kStop;
+  }
+}
+
+void Link::hand_off(Connection &conn, std::function<bool()> receive) { conn.receive = std::move(receive); }
+
+void Link::receive_away(Connection &conn, std::function<bool()> receive) {
+  {
+    std::lock_guard<std::mutex> lock(conn.mu);
+    conn.away = true;
+  }
+  if (!begin_work()) return;  // being reaped: nothing more is read
+  auto self = shared_from_this();
+  Connection *c = &conn;
+  const bool posted = host_->io_loop().run_blocking([self, c, receive = std::move(receive)] {
+    if (receive() && self->read_input(*c) != InputEnd::kAway) {
+      std::lock_guard<std::mutex> lock(c->mu);
+      c->away = false;
+      self->arm_locked(*c);
+    }
+    self->end_work();
+  });
+  if (!posted) {
+    end_work();
+    fail(LLM_LINK_FAILED, "no thread can receive into device memory");
+  }
+}
+
+bool Link::cancelled_before_send(const OutFrame &frame) {
+  if (frame.op_id == 0 || frame.sent != 0) return false;
+  std::shared_ptr<Request> request;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = open_.find(frame.op_id);
+    if (it != open_.end()) request = it->second.request;
+  }
+  if (!request || !request->cancel_requested()) return false;
+  mark(frame.op_id, true, true, request->cancel_reason(), true);
+  return true;
+}
+
+namespace {
+
+// What one turn of an I/O thread writes to a connection before it lets
+// the loop serve other connections.
+constexpr size_t kBytesPerTurn = 4 << 20;
+
+}  // namespace
+
+void Link::write_queued(Connection &conn) {
+  size_t written = 0;
+  for (;;) {
+    OutFrame frame;
+    {
+      std::lock_guard<std::mutex> lock(conn.mu);
+      if (is_down() || conn.busy || conn.queue.empty()) return;  // what is left is settled by reap()
+      if (written >= kBytesPerTurn) {
+        arm_locked(conn);
+        return;
+      }
+      frame = std::move(conn.queue.front());
+      conn.queue.pop_front();
+      conn.busy = true;
+    }
+    if (cancelled_before_send(frame)) {
+      std::lock_guard<std::mutex> lock(conn.mu);
+      conn.busy = false;
+      continue;
+    }
+    if (frame.device) {
+      // Device copies and the sends between them may block: the blocking
+      // pool sends the frame, the connection staying busy meanwhile.
+      if (!begin_work()) return;
+      auto self = shared_from_this();
+      auto shared = std::make_shared<OutFrame>(std::move(frame));
+      Connection *c = &conn;
+      if (!host_->io_loop().run_blocking([self, c, shared] { self->write_staged(*c, std::move(*shared)); })) {
+        end_work();
+        fail(LLM_LINK_FAILED, "no thread can send device memory");
+      }
+      return;
+    }
+    const size_t total = sizeof(frame.header) + frame.body.size() + frame.header.data_len;
+    std::vector<iovec> iov = frame_bytes(frame);
+    net::drop_front(iov, frame.sent);
+    ssize_t n = 0;
+    while (frame.sent < total) {
+      n = net::writev_now(conn.fd, iov.data(), iov.size());
+      if (n <= 0) break;
+      frame.sent += static_cast<size_t>(n);
+      written += static_cast<size_t>(n);
+      net::drop_front(iov, static_cast<size_t>(n));
+    }
+    if (frame.sent < total && n == 0) {
+      // The socket is full: the rest goes when it is writable again.
+      std::lock_guard<std::mutex> lock(conn.mu);
+      conn.queue.push_front(std::move(frame));
+      conn.busy = false;
+      arm_locked(conn);
+      return;
+    }
+    const bool go_on = after_send(frame, frame.sent == total);
+    std::lock_guard<std::mutex> lock(conn.mu);
+    conn.busy = false;
+    if (!go_on) return;
+  }
+}
+
+void Link::write_staged(Connection &conn, OutFrame frame) {
+  const bool go_on = finish_staged(conn, frame);
+  {
+    std::lock_guard<std::mutex> lock(conn.mu);
+    conn.busy = false;
+    if (go_on && !conn.queue.empty()) arm_locked(conn);
+  }
+  end_work();
 }
 
 void Link::send_answer(Connection &conn, OutFrame frame) {
@@ -467,13 +700,6 @@ std::string Link::ended_message() const {
   return down_why_.empty() ? link + " was closed" : link + " failed: " + down_why_;
 }
 
-bool Link::finish(Connection &conn, OutFrame &frame) {
-  if (frame.device) return finish_staged(conn, frame);
-  std::vector<iovec> iov = frame_bytes(frame);
-  net::drop_front(iov, frame.sent);
-  return after_send(frame, net::writev_full(conn.fd, iov.data(), iov.size()));
-}
-
 namespace {
 
 // Zeros that keep a frame whole after its device copy failed mid-send.
@@ -611,64 +837,6 @@ bool Link::after_send(OutFrame &frame, bool ok) {
   return true;
 }
 
-void Link::writer_loop(Connection &conn) {
-  for (;;) {
-    OutFrame frame;
-    {
-      std::unique_lock<std::mutex> lock(conn.mu);
-      conn.cv.wait(lock, [&] { return is_down() || (!conn.queue.empty() && !conn.busy); });
-      if (is_down()) return;  // what is left is settled by reap()
-      frame = std::move(conn.queue.front());
-      conn.queue.pop_front();
-      conn.busy = true;
-    }
-    bool cancelled = false;
-    if (frame.op_id != 0 && frame.sent == 0) {
-      std::shared_ptr<Request> request;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        auto it = open_.find(frame.op_id);
-        if (it != open_.end()) request = it->second.request;
-      }
-      if (request && request->cancel_requested()) {
-        mark(frame.op_id, true, true, request->cancel_reason(), true);
-        cancelled = true;
-      }
-    }
-    const bool go_on = cancelled || finish(conn, frame);
-    {
-      std::lock_guard<std::mutex> lock(conn.mu);
-      conn.busy = false;
-    }
-    if (!go_on) return;
-  }
-}
-
-void Link::reader_loop(Connection &conn) {
-  for (;;) {
-    FrameHeader header;
-    if (!conn.in.read(&header, sizeof(header))) {
-      // Between frames with nothing open (or while unlinking) this is an
-      // ordinary unlink or exit.
-      read_answers(AnswerHub::Reader::kLink);  // answers that came before the close count
-      const bool expected = closing_.load(std::memory_order_acquire) || open_operations() == 0;
-      fail(LLM_LINK_FAILED, expected ? "" : "connection lost with operations in flight");
-      return;
-    }
-    const std::string problem = wire::check_header(header);
-    if (!problem.empty()) {
-      fail(LLM_LINK_FAILED, "malformed frame from the peer (" + problem + "); closing the link");
-      return;
-    }
-    std::vector<uint8_t> body(header.body_len);
-    if (!body.empty() && !conn.in.read(body.data(), body.size())) {
-      fail(LLM_LINK_FAILED, "connection closed by the peer");
-      return;
-    }
-    if (!handle_frame(conn, header, body)) return;
-  }
-}
-
 bool Link::handle_frame(Connection &conn, const FrameHeader &header, std::vector<uint8_t> &body) {
   const auto type = static_cast<FrameType>(header.type);
   switch (type) {
@@ -716,7 +884,7 @@ bool Link::handle_frame(Connection &conn, const FrameHeader &header, std::vector
     case FrameType::kReadData:
     case FrameType::kLookupReply:
     case FrameType::kUnlinkAck:
-      return take_answer(header, body, &conn.in);
+      return take_answer(header, body, &conn);
     case FrameType::kUnlink: {
       // Forget the link first, so the peer's unlink returns with both ends gone.
       host_->detach(shared_from_this());
@@ -763,26 +931,39 @@ size_t Link::refused_group_count() const {
 }
 
 void Link::serve_write(Connection &conn, const FrameHeader &header, const wire::Request &req) {
-  ResolvedTarget target;
-  Status st = resolve_in_group(req, target);
-  bool ok;
-  if (st == LLM_SUCCESS && target.device) {
-    std::string why;
+  auto target = std::make_shared<ResolvedTarget>();  // its pins hold the memory until the data are in
+  const Status st = resolve_in_group(req, *target);
+  const uint64_t op_id = header.op_id;
+  const uint64_t group = req.target.group;
+  Connection *c = &conn;
+  if (st == LLM_SUCCESS && target->device) {
     staged_bytes_served_.fetch_add(header.data_len, std::memory_order_relaxed);
-    if (!receive_staged(conn.in, *target.device, target.iov, header.data_len, ok, why) && ok) {
-      st = llm_datadist::LLM_FAILED;
-      target.why = "copying into device memory on the peer failed: " + why;
-      log_warning("link to cluster " + std::to_string(peer_id_) + ": " + target.why);
-      refuse_group(req.target.group);
-    }
-  } else {
-    ok = st == LLM_SUCCESS ? conn.in.readv(target.iov.data(), target.iov.size()) : conn.in.discard(header.data_len);
-  }
-  if (!ok) {
-    fail(LLM_LINK_FAILED, "connection closed by the peer");
+    const uint64_t bytes = header.data_len;
+    hand_off(conn, [this, c, target, op_id, group, bytes] {
+      bool ok = true;
+      std::string why;
+      Status status = LLM_SUCCESS;
+      if (!receive_staged(c->in, *target->device, target->iov, bytes, ok, why) && ok) {
+        status = llm_datadist::LLM_FAILED;
+        target->why = "copying into device memory on the peer failed: " + why;
+        log_warning("link to cluster " + std::to_string(peer_id_) + ": " + target->why);
+        refuse_group(group);
+      }
+      if (!ok) {
+        fail(LLM_LINK_FAILED, "connection closed by the peer");
+        return false;
+      }
+      send_answer(*c, answer(FrameType::kWriteAck, op_id, status, target->why));
+      return true;
+    });
     return;
   }
-  send_answer(conn, answer(FrameType::kWriteAck, header.op_id, st, target.why));
+  std::vector<iovec> to;
+  if (st == LLM_SUCCESS) to = target->iov;
+  expect_data(conn, std::move(to), st == LLM_SUCCESS ? 0 : header.data_len, [this, c, target, op_id, st] {
+    send_answer(*c, answer(FrameType::kWriteAck, op_id, st, target->why));
+    return true;
+  });
 }
 
 void Link::serve_read(Connection &conn, const FrameHeader &header, const wire::Request &req) {
@@ -1025,7 +1206,7 @@ void Link::serve_lookup(Connection &conn, const FrameHeader &header, const wire:
   enqueue(conn, std::move(out));
 }
 
-bool Link::take_answer(const FrameHeader &header, std::vector<uint8_t> &body, net::Reader *in) {
+bool Link::take_answer(const FrameHeader &header, std::vector<uint8_t> &body, Connection *conn) {
   const auto type = static_cast<FrameType>(header.type);
   std::vector<iovec> recv;
   std::shared_ptr<cuda::Device> device;
@@ -1060,7 +1241,7 @@ bool Link::take_answer(const FrameHeader &header, std::vector<uint8_t> &body, ne
       }
     }
   }
-  if (!known || (header.status != LLM_SUCCESS && header.data_len != 0) || (!recv.empty() && in == nullptr)) {
+  if (!known || (header.status != LLM_SUCCESS && header.data_len != 0) || (!recv.empty() && conn == nullptr)) {
     fail(LLM_LINK_FAILED, "unexpected answer from the peer; closing the link");
     return false;
   }
@@ -1074,20 +1255,6 @@ bool Link::take_answer(const FrameHeader &header, std::vector<uint8_t> &body, ne
                  resend.device, false);
     return true;
   }
-  if (!recv.empty() && device) {
-    bool io_ok = true;
-    std::string why;
-    if (!receive_staged(*in, *device, recv, header.data_len, io_ok, why) && io_ok) {
-      fail_here(header.op_id, llm_datadist::LLM_FAILED, "copying the data read into device memory failed: " + why);
-    }
-    if (!io_ok) {
-      fail(LLM_LINK_FAILED, "connection closed by the peer");
-      return false;
-    }
-  } else if (!recv.empty() && !in->readv(recv.data(), recv.size())) {
-    fail(LLM_LINK_FAILED, "connection closed by the peer");
-    return false;
-  }
   // An answer means the peer took the whole frame: the op counts as sent
   // too, though its sender may not have marked it yet (a direct send's
   // syscall can still be returning when the answer, and a close, arrive).
@@ -1095,7 +1262,35 @@ bool Link::take_answer(const FrameHeader &header, std::vector<uint8_t> &body, ne
   if (header.status != LLM_SUCCESS && type != FrameType::kLookupReply) {
     reason.assign(body.begin(), body.begin() + static_cast<std::ptrdiff_t>(std::min<size_t>(body.size(), wire::kMaxReasonBytes)));
   }
-  mark(header.op_id, true, true, header.status, false, std::move(reason));
+  const uint64_t op_id = header.op_id;
+  const Status status = header.status;
+  if (recv.empty()) {
+    mark(op_id, true, true, status, false, std::move(reason));
+    return true;
+  }
+  // The data read come next on the connection; the op settles once they are in.
+  auto settle_read = [this, op_id, status] {
+    mark(op_id, true, true, status);
+    return true;
+  };
+  if (device) {
+    const uint64_t bytes = header.data_len;
+    Connection *c = conn;
+    hand_off(*conn, [this, c, device, recv, bytes, op_id, settle_read] {
+      bool io_ok = true;
+      std::string why;
+      if (!receive_staged(c->in, *device, recv, bytes, io_ok, why) && io_ok) {
+        fail_here(op_id, llm_datadist::LLM_FAILED, "copying the data read into device memory failed: " + why);
+      }
+      if (!io_ok) {
+        fail(LLM_LINK_FAILED, "connection closed by the peer");
+        return false;
+      }
+      return settle_read();
+    });
+    return true;
+  }
+  expect_data(*conn, std::move(recv), 0, settle_read);
   return true;
 }
 
@@ -1107,11 +1302,7 @@ void Link::fail(Status reason, const std::string &why) {
     down_why_ = why;
   }
   if (!why.empty()) log_warning("link to cluster " + std::to_string(peer_id_) + ": " + why);
-  for (auto &conn : conns_) {
-    ::shutdown(conn->fd, SHUT_RDWR);
-    std::lock_guard<std::mutex> lock(conn->mu);
-    conn->cv.notify_all();
-  }
+  for (auto &conn : conns_) ::shutdown(conn->fd, SHUT_RDWR);
   host_->link_down(shared_from_this());
 }
 
@@ -1122,8 +1313,12 @@ void Link::reap() {
     reaping_ = true;
   }
   for (auto &conn : conns_) {
-    if (conn->reader.joinable()) conn->reader.join();
-    if (conn->writer.joinable()) conn->writer.join();
+    if (conn->io_id != 0) host_->io_loop().remove(conn->io_id);
+  }
+  {
+    // No I/O thread or blocking job touches the link's frames from here.
+    std::unique_lock<std::mutex> lock(mu_);
+    work_done_cv_.wait(lock, [this] { return working_ == 0; });
   }
   // Answers that came before the end settle their operations as answered.
   {

@@ -1,13 +1,18 @@
 // Link: the established connection set to one peer engine, usable in both
 // directions.
 //
-// Threads: each connection has one reader and one writer thread. submit(),
-// lookup(), fail() may be called from any thread. reap() is called once,
-// by the transport's housekeeping thread, after fail(): it joins the
-// connection threads and only then settles every operation still open, so
-// no byte of a settled operation can move afterwards.
-// An operation is settled when its frame has left the writer (or was
-// skipped) and its answer has come (or the link died).
+// Threads: a link has none of its own. The transport's I/O threads
+// (io_loop.h) read each connection's frames as they come and write its
+// frames as its socket takes them; a frame is also sent by the thread that
+// makes it when the socket takes it at once. Device memory, whose copies
+// may wait, is staged by the loop's blocking pool, which then reads or
+// writes that frame's bytes. submit(), lookup(), fail() may be called from
+// any thread. reap() is called once, by the transport's housekeeping
+// thread, after fail(): it waits out every thread working for the link and
+// only then settles every operation still open, so no byte of a settled
+// operation can move afterwards.
+// An operation is settled when its frame has left (or was skipped) and
+// its answer has come (or the link died).
 #ifndef DATADIST_TRANSPORT_LINK_H_
 #define DATADIST_TRANSPORT_LINK_H_
 
@@ -18,6 +23,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -29,6 +35,7 @@
 #include "answer_hub.h"
 #include "registry.h"
 #include "request.h"
+#include "transport/io_loop.h"
 #include "transport/same_host.h"
 #include "transport/socket_util.h"
 #include "transport/target_resolver.h"
@@ -58,6 +65,8 @@ class LinkHost {
   virtual same_host::CopyPool &copy_pool() = 0;
   // Where the link's answer socket is watched; nullptr: the link has none.
   virtual AnswerHub *answer_hub() { return nullptr; }
+  // The threads that read and write the link's frames.
+  virtual IoLoop &io_loop() = 0;
 };
 
 // How a link's bytes move, as its handshake settled it.
@@ -122,7 +131,7 @@ struct PlannedFrame {
 // answer_hub.h) reads them on the thread that waits for them. An answer the
 // socket cannot take at once goes on the connection as before, so either
 // end reads answers from both.
-class Link : public std::enable_shared_from_this<Link>, public AnswerReader {
+class Link : public std::enable_shared_from_this<Link>, public AnswerReader, public IoHandler {
  public:
   Link(uint64_t peer_id, uint32_t peer_role, bool initiated_here, std::vector<int> fds, LinkHost *host,
        LinkPaths paths = {});
@@ -130,8 +139,8 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader {
   Link(const Link &) = delete;
   Link &operator=(const Link &) = delete;
 
-  // Starts the connection threads; false (the link is then to be failed)
-  // when a thread or its memory cannot be had.
+  // Puts the connections in the I/O loop; false (the link is then to be
+  // failed) when the loop cannot take one.
   bool start();
   uint64_t peer_id() const { return peer_id_; }
   uint32_t peer_role() const { return peer_role_; }
@@ -151,8 +160,8 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader {
   // (CUDA IPC) goes as a same-host frame naming them, and the peer copies
   // device to device; otherwise (or when the peer answers that it cannot
   // open them, the frame then sent again inline) the bytes go on the
-  // connections, staged through pinned host buffers by the writer (a
-  // write) or the reader (a read's answer).
+  // connections, staged through pinned host buffers by the I/O loop's
+  // blocking pool.
   // Frames of a group (their target's `group` is not 0) all take the same
   // connection, so the peer sees them in order.
   void submit(bool write, std::vector<PlannedFrame> frames, const std::shared_ptr<Request> &request,
@@ -172,9 +181,9 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader {
   Status request_unlink(int timeout_ms);
 
   // Marks the link down with `reason` (the status its open operations
-  // get), wakes its threads and asks the host to reap it. Idempotent.
+  // get), shuts its connections and asks the host to reap it. Idempotent.
   void fail(Status reason, const std::string &why);
-  // Idempotent; returns once the link's threads are gone.
+  // Idempotent; returns once no thread works for the link.
   void reap();
 
   // True if an open operation is past its deadline.
@@ -189,6 +198,8 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader {
   // Reads the answers waiting on the answer socket (AnswerReader); the
   // link's own reads (at its end, before a timeout) count as kLink.
   void read_answers(AnswerHub::Reader by) override;
+  // A connection's socket became readable or writable (IoHandler; `tag` is its index).
+  void on_ready(uint64_t tag, uint32_t events) override;
   size_t refused_group_count() const;
   DevicePathStats device_path_stats() const;
 
@@ -201,21 +212,37 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader {
     uint64_t op_id = 0;  // set for frames this end is waiting an answer to
     bool close_after = false;  // the last frame before this end closes
     size_t sent = 0;  // bytes a direct send already put on the socket
-    // Set when `data` are addresses of this device: the writer thread
-    // stages them (never a direct send).
+    // Set when `data` are addresses of this device: the I/O loop's
+    // blocking pool stages them (never a direct send).
     std::shared_ptr<cuda::Device> device;
   };
+
+  // Where the frame being read is.
+  enum class Stage { kHeader, kBody, kData };
+  // What reading a connection's input came to.
+  enum class InputEnd { kWait, kAway, kStop };
 
   struct Connection {
     explicit Connection(int socket) : fd(socket), in(socket) {}
     const int fd;
-    std::mutex mu;
-    std::condition_variable cv;
+    std::mutex mu;  // guards the output queue and the fields marked (mu)
     std::deque<OutFrame> queue;
-    bool busy = false;  // a thread is writing a frame to fd
-    net::Reader in;  // the reader thread's only
-    std::thread reader;
-    std::thread writer;
+    bool busy = false;  // a thread is writing a frame to fd (mu)
+    bool running = false;  // an I/O thread runs the connection's handler, which arms it at its end (mu)
+    bool away = false;  // the blocking pool reads the input (mu)
+    uint32_t armed = 0;  // the events the I/O loop waits for (mu)
+    uint64_t io_id = 0;  // the connection's place in the I/O loop
+    // Input: read by the connection's handler, or by the blocking pool
+    // while `away`; one at a time.
+    net::Reader in;
+    Stage stage = Stage::kHeader;
+    wire::FrameHeader header{};
+    std::vector<uint8_t> body;
+    iovec part{};  // what is left of the header or body
+    std::vector<iovec> data;  // where the rest of the frame's data go
+    uint64_t drop = 0;  // data bytes to read and drop after `data`
+    std::function<bool()> then;  // once the data are in; false: the link stops reading
+    std::function<bool()> receive;  // set by a frame whose data the blocking pool reads
   };
 
   // A request answered by one frame (lookup, unlink), waited for by its caller.
@@ -266,12 +293,42 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader {
   // false with `why` when one cannot be opened here.
   bool open_exports(const std::vector<wire::DeviceExport> &exports, const std::shared_ptr<cuda::Device> &device,
                     std::vector<std::shared_ptr<cuda::PeerAllocation>> &out, std::string &why);
-  // Hands a frame to the connection's writer thread, in order. A frame of
-  // at most kDirectBytes (not the last before closing) is sent by the
-  // calling thread instead when the connection is idle (nothing queued or
-  // being written); what the socket does not take at once is left to the
-  // writer. Saves the writer's wake-up on small requests and answers.
+  // Queues a frame on the connection, in order, for the I/O loop to write.
+  // A frame of at most kDirectBytes (not the last before closing) is sent
+  // by the calling thread instead when the connection is idle (nothing
+  // queued or being written); what the socket does not take at once is
+  // left to the loop. Saves a wake-up on small requests and answers.
   void enqueue(Connection &conn, OutFrame frame);
+  // Has the I/O loop wait for what the connection wants now: input unless
+  // the blocking pool reads it, output while frames are queued and none is
+  // being written (conn.mu held). Left to the handler when one runs. Fails
+  // the link when the loop refuses.
+  void arm_locked(Connection &conn);
+  // Reads and handles the connection's frames until the socket has no more
+  // for now (kWait), a frame's input went to the blocking pool (kAway), or
+  // the link stopped reading (kStop).
+  InputEnd read_input(Connection &conn);
+  // The frame's data go into `to`, then `drop` bytes are dropped, then `then` runs.
+  static void expect_data(Connection &conn, std::vector<iovec> to, uint64_t drop, std::function<bool()> then);
+  // The blocking pool is to read the rest of the frame (`receive`: false
+  // when the link stops), then the connection's input until it has no more.
+  static void hand_off(Connection &conn, std::function<bool()> receive);
+  void receive_away(Connection &conn, std::function<bool()> receive);
+  // Back to reading a frame's header.
+  static void next_frame(Connection &conn);
+  // Writes the connection's queued frames without waiting (an I/O thread),
+  // until the socket is full or the queue empty; a frame on device memory
+  // goes to the blocking pool, which sends it whole.
+  void write_queued(Connection &conn);
+  // The blocking pool's part: sends a staged frame, then goes back to the queue.
+  void write_staged(Connection &conn, OutFrame frame);
+  // Whether the frame's operation was cancelled before a byte of it left
+  // (then settled as skipped).
+  bool cancelled_before_send(const OutFrame &frame);
+  // Counts a thread working for the link (false once it is being reaped:
+  // the thread must not touch it); reap() waits for the count to drop.
+  bool begin_work();
+  void end_work();
   // The bytes of a frame, in the order they go out.
   static std::vector<iovec> frame_bytes(OutFrame &frame);
   // Writes the rest of `frame`, blocking; false once the link must stop writing.
@@ -297,8 +354,7 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader {
   // once the link must stop writing.
   bool after_send(OutFrame &frame, bool ok);
   Connection &next_connection();
-  void reader_loop(Connection &conn);
-  void writer_loop(Connection &conn);
+
   bool handle_frame(Connection &conn, const wire::FrameHeader &header, std::vector<uint8_t> &body);
   void serve_write(Connection &conn, const wire::FrameHeader &header, const wire::Request &req);
   void serve_read(Connection &conn, const wire::FrameHeader &header, const wire::Request &req);
@@ -307,8 +363,9 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader {
   void note_read(const wire::Request &req);
   // A same-host write (copy from the peer) or read (copy into the peer).
   void serve_peer_copy(Connection &conn, const wire::FrameHeader &header, const wire::Request &req, bool write);
-  // An answer from a connection (`in` reads its data) or from the answer socket (`in` is null).
-  bool take_answer(const wire::FrameHeader &header, std::vector<uint8_t> &body, net::Reader *in);
+  // An answer from a connection (its data to be read from it) or from the
+  // answer socket (`conn` is null).
+  bool take_answer(const wire::FrameHeader &header, std::vector<uint8_t> &body, Connection *conn);
   // Sends an answer without data on the answer socket if it takes it now,
   // else on `conn`.
   void send_answer(Connection &conn, OutFrame frame);
@@ -372,6 +429,8 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader {
   std::unordered_map<std::string, std::shared_ptr<cuda::PeerAllocation>> opened_;
   std::shared_ptr<cuda::Device> host_side_device_;  // opens exports for host memory of this end
   bool reaping_ = false;  // no thread may start any more
+  size_t working_ = 0;  // I/O threads and blocking jobs working for the link (mu_)
+  std::condition_variable work_done_cv_;
   bool reaped_ = false;
 };
 

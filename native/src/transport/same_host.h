@@ -7,7 +7,7 @@
 // nothing written.
 //
 // Threads: every function may be called from any thread. PeerMemory and
-// CopyPool are shared by a link's reader threads.
+// CopyPool are shared by the transport's I/O threads.
 #ifndef DATADIST_TRANSPORT_SAME_HOST_H_
 #define DATADIST_TRANSPORT_SAME_HOST_H_
 

@@ -30,6 +30,7 @@ bool to_addr(const std::string &ip, uint16_t port, sockaddr_in &addr) {
 size_t advance(iovec *iov, size_t count, size_t start, size_t done) {
   while (start < count && done >= iov[start].iov_len) {
     done -= iov[start].iov_len;
+    iov[start].iov_len = 0;  // consumed: a call again with the same array skips it
     ++start;
   }
   if (start < count) {
@@ -187,21 +188,23 @@ bool Reader::wait_readable() {
   }
 }
 
-bool Reader::fill() {
+Reader::Got Reader::fill(bool wait) {
   if (buf_.empty()) buf_.resize(kBufferBytes);
   begin_ = end_ = 0;
-  // Poll first: a reader that has handled every byte it had usually waits
-  // for the next frame, and a read that finds nothing would be a wasted
-  // call (when frames queue up, one read takes several).
+  // Waiting, poll first: a reader that has handled every byte it had
+  // usually waits for the next frame, and a read that finds nothing would
+  // be a wasted call (when frames queue up, one read takes several).
   for (;;) {
-    if (!wait_readable()) return false;
+    if (wait && !wait_readable()) return Got::kEnd;
     const ssize_t n = ::recv(fd_, buf_.data(), buf_.size(), MSG_DONTWAIT);
     if (n > 0) {
       end_ = static_cast<size_t>(n);
-      return true;
+      return Got::kDone;
     }
-    if (n == 0) return false;
-    if (errno != EINTR && errno != EAGAIN && errno != EWOULDBLOCK) return false;
+    if (n == 0) return Got::kEnd;
+    if (errno == EINTR) continue;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) return Got::kEnd;
+    if (!wait) return Got::kAgain;
   }
 }
 
@@ -210,7 +213,15 @@ bool Reader::read(void *buf, size_t len) {
   return readv(&iov, 1);
 }
 
-bool Reader::readv(iovec *iov, size_t count) {
+bool Reader::readv(iovec *iov, size_t count) { return readv_impl(iov, count, true) == Got::kDone; }
+
+Reader::Got Reader::readv_now(iovec *iov, size_t count) { return readv_impl(iov, count, false); }
+
+bool Reader::discard(uint64_t len) { return discard_impl(len, true) == Got::kDone; }
+
+Reader::Got Reader::discard_now(uint64_t &len) { return discard_impl(len, false); }
+
+Reader::Got Reader::readv_impl(iovec *iov, size_t count, bool wait) {
   size_t start = advance(iov, count, 0, 0);
   while (start < count) {
     if (begin_ < end_) {
@@ -223,7 +234,8 @@ bool Reader::readv(iovec *iov, size_t count) {
     size_t left = 0;
     for (size_t i = start; i < count && left < kDirectBytes; ++i) left += iov[i].iov_len;
     if (left < kDirectBytes) {
-      if (!fill()) return false;
+      const Got got = fill(wait);
+      if (got != Got::kDone) return got;
       continue;
     }
     msghdr msg{};
@@ -233,15 +245,21 @@ bool Reader::readv(iovec *iov, size_t count) {
     if (n > 0) {
       start = advance(iov, count, start, static_cast<size_t>(n));
     } else if (n == 0) {
-      return false;
-    } else if (errno != EINTR && ((errno != EAGAIN && errno != EWOULDBLOCK) || !wait_readable())) {
-      return false;
+      return Got::kEnd;
+    } else if (errno == EINTR) {
+      continue;
+    } else if (errno != EAGAIN && errno != EWOULDBLOCK) {
+      return Got::kEnd;
+    } else if (!wait) {
+      return Got::kAgain;
+    } else if (!wait_readable()) {
+      return Got::kEnd;
     }
   }
-  return true;
+  return Got::kDone;
 }
 
-bool Reader::discard(uint64_t len) {
+Reader::Got Reader::discard_impl(uint64_t &len, bool wait) {
   while (len > 0) {
     if (begin_ < end_) {
       const size_t take = static_cast<size_t>(std::min<uint64_t>(len, end_ - begin_));
@@ -249,9 +267,10 @@ bool Reader::discard(uint64_t len) {
       len -= take;
       continue;
     }
-    if (!fill()) return false;
+    const Got got = fill(wait);
+    if (got != Got::kDone) return got;
   }
-  return true;
+  return Got::kDone;
 }
 
 }  // namespace datadist::net

@@ -51,9 +51,14 @@ std::string errno_text();
 // bytes come: a Unix socket's blocking read is also woken each time the
 // peer consumes what this end sent. Reads of `kDirectBytes` or more that the
 // buffer does not hold go straight into the caller's memory.
-// One thread reads through a Reader; the descriptor stays the caller's.
+// The *_now forms never wait: they take what has come and say whether that
+// was all (kDone), the rest is yet to come (kAgain: the iovecs or the count
+// are consumed as far as they were filled), or the stream ended (kEnd).
+// One thread at a time reads through a Reader; the descriptor stays the caller's.
 class Reader {
  public:
+  enum class Got { kDone, kAgain, kEnd };
+
   static constexpr size_t kBufferBytes = 32 * 1024;
   static constexpr size_t kDirectBytes = 8 * 1024;
 
@@ -65,10 +70,14 @@ class Reader {
   bool read(void *buf, size_t len);
   bool readv(iovec *iov, size_t count);  // the array is consumed on the way
   bool discard(uint64_t len);
+  Got readv_now(iovec *iov, size_t count);
+  Got discard_now(uint64_t &len);
 
  private:
-  // Waits for input and takes what has come into the empty buffer.
-  bool fill();
+  Got readv_impl(iovec *iov, size_t count, bool wait);
+  Got discard_impl(uint64_t &len, bool wait);
+  // Takes what has come into the empty buffer, waiting for input if `wait`.
+  Got fill(bool wait);
   // Waits until the descriptor is readable (or closed).
   bool wait_readable();
 

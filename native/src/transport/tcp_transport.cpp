@@ -77,7 +77,7 @@ void send_to_all(const std::vector<int> &fds, const std::string &bytes) {
 }  // namespace
 
 TcpTransport::TcpTransport(uint64_t cluster_id, uint32_t role, Registry &registry, TransportOptions options)
-    : cluster_id_(cluster_id), role_(role), registry_(registry), options_(options) {
+    : cluster_id_(cluster_id), role_(role), registry_(registry), options_(options), io_loop_(options.io_threads) {
   housekeeping_ = std::thread([this] {
     name_this_thread("dd-keeper");
     housekeeping_loop();

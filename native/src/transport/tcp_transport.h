@@ -2,7 +2,9 @@
 // watches open operations for their deadlines.
 //
 // Threads: a Listener thread while listening (handshakes, see listener.h;
-// it also answers the links it completes), and one housekeeping thread that
+// it also answers the links it completes), the I/O loop's threads that
+// write every link's frames (a fixed number, io_loop.h), a reader per
+// connection, and one housekeeping thread that
 // reaps links that went down and fails links whose operations overran
 // sync_kv_timeout. Public methods may be called from any thread; shutdown()
 // must be the last call.
@@ -42,6 +44,8 @@ struct TransportOptions {
   // Where same-host links have answers to this end's operations read (an
   // answer socket per link); nullptr: they come on the link's connections.
   AnswerHub *answers = nullptr;
+  // The I/O loop's threads; 0: one per core.
+  uint32_t io_threads = 0;
 };
 
 // Links per process, as upstream's limit; one more is refused with
@@ -99,6 +103,7 @@ class TcpTransport : public LinkHost {
   void detach(const std::shared_ptr<Link> &link) override;
   same_host::CopyPool &copy_pool() override { return copy_pool_; }
   AnswerHub *answer_hub() override { return options_.answers; }
+  IoLoop &io_loop() override { return io_loop_; }
 
  private:
   // Answers a link whose connections all came (listener thread): refuses
@@ -140,6 +145,7 @@ class TcpTransport : public LinkHost {
   Registry &registry_;
   const TransportOptions options_;
   same_host::CopyPool copy_pool_;
+  IoLoop io_loop_;  // outlives every link: shutdown() reaps them all
   std::atomic<bool> refusal_logged_{false};  // the kernel refused same-host copies
   std::atomic<bool> socket_refusal_logged_{false};  // the kernel refused to hand over a local socket
 
