@@ -231,7 +231,7 @@ class Fleet:
         self.path = path
         self.subnet = subnet
         self.ctx = multiprocessing.get_context("spawn")
-        self.processes: list[Any] = []
+        self.processes: list[tuple[str, Any]] = []
         self.prefills: dict[int, multiprocessing.connection.Connection] = {}
         self.failures: dict[str, list[str]] = {}
 
@@ -246,7 +246,7 @@ class Fleet:
         process = self.ctx.Process(target=decode_main, args=(theirs,), daemon=True)
         process.start()
         theirs.close()
-        self.processes.append(process)
+        self.processes.append(("decode", process))
         self.decode = ours
         ours.send({"peers": peers, "host": host, "transport": transport})
         return self.ask_decode(None, 120)
@@ -277,7 +277,7 @@ class Fleet:
             except OSError as exc:
                 self.failures.setdefault("start", []).append(f"cluster {cluster}: {exc}")
                 continue
-            self.processes.append(process)
+            self.processes.append((f"cluster {cluster}", process))
             self.prefills[cluster] = conn
             conn.send({"cluster": cluster, "transport": transport})
         self.gather("start", None, timeout)
@@ -321,11 +321,13 @@ class Fleet:
             self.ask_decode(("close",), 60)
         except (OSError, EOFError, TimeoutError, RuntimeError):
             pass
-        for process in self.processes:
+        for name, process in self.processes:
             process.join(10)
             if process.is_alive():
                 process.kill()
                 process.join(10)
+            if process.exitcode != 0:  # a negative code: the signal that ended it (SIGABRT: -6)
+                self.failures.setdefault("exit", []).append(f"{name}: exit code {process.exitcode}")
             process.close()
         for conn in [*self.prefills.values(), self.decode]:
             conn.close()
