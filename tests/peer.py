@@ -85,13 +85,16 @@ def seeded_tensors(desc: dd.CacheDesc, seed: int) -> list[np.ndarray]:
     return [np.frombuffer(rng.bytes(desc.size), dtype=np.uint8) for _ in range(desc.num_tensors)]
 
 
-def cluster_info(cluster_id: int, port: Optional[int]) -> dd.LLMClusterInfo:
-    """The peer ``cluster_id`` listening on loopback ``port`` (no remote address if None)."""
+def cluster_info(
+    cluster_id: int, port: Optional[int], host: str = LOOPBACK, local: str = LOOPBACK
+) -> dd.LLMClusterInfo:
+    """The peer ``cluster_id`` listening on ``host``:``port`` (no remote address
+    if ``port`` is None), reached from the local address ``local``."""
     info = dd.LLMClusterInfo()
     info.remote_cluster_id = cluster_id
-    info.append_local_ip_info(LOOPBACK, 0)
+    info.append_local_ip_info(local, 0)
     if port is not None:
-        info.append_remote_ip_info(LOOPBACK, port)
+        info.append_remote_ip_info(host, port)
     return info
 
 
@@ -160,9 +163,11 @@ class PeerTimeout(PeerError):
 class _Endpoint:
     """What the child holds: its LLMDataDist, caches, started tasks, event loop."""
 
-    def __init__(self, role: dd.LLMRole, cluster_id: int, listen: bool, options: dict[str, Any], loop: str) -> None:
+    def __init__(
+        self, role: dd.LLMRole, cluster_id: int, listen: bool, options: dict[str, Any], loop: str, host: str
+    ) -> None:
         config = dd.LLMConfig()
-        listen_options = {"listen_ip_info": f"{LOOPBACK}:0"} if listen else {}
+        listen_options = {"listen_ip_info": f"{host}:0"} if listen else {}
         for name, value in {**DEFAULT_OPTIONS, **listen_options, **options}.items():
             setattr(config, name, value)
         if loop == "uvloop":
@@ -172,6 +177,7 @@ class _Endpoint:
         else:
             self.loop = asyncio.new_event_loop()
         self.cluster_id = cluster_id
+        self.host = host
         self.datadist = dd.LLMDataDist(role, cluster_id)
         self.datadist.init(config.generate_options())
         self.cm = self.datadist.cache_manager
@@ -284,13 +290,15 @@ def _tensor_addrs(ep: _Endpoint, ref: CacheRef) -> list[int]:
 
 
 @_command
-def _link(ep: _Endpoint, cluster_id: int, port: Optional[int], timeout: int) -> Any:
-    return ep.datadist.link_clusters([cluster_info(cluster_id, port)], timeout)
+def _link(ep: _Endpoint, cluster_id: int, port: Optional[int], timeout: int, host: str = LOOPBACK) -> Any:
+    return ep.datadist.link_clusters([cluster_info(cluster_id, port, host, ep.host)], timeout)
 
 
 @_command
-def _unlink(ep: _Endpoint, cluster_id: int, port: Optional[int], timeout: int, force: bool) -> Any:
-    return ep.datadist.unlink_clusters([cluster_info(cluster_id, port)], timeout, force)
+def _unlink(
+    ep: _Endpoint, cluster_id: int, port: Optional[int], timeout: int, force: bool, host: str = LOOPBACK
+) -> Any:
+    return ep.datadist.unlink_clusters([cluster_info(cluster_id, port, host, ep.host)], timeout, force)
 
 
 @_command
@@ -489,12 +497,13 @@ def _child_main(
     options: dict[str, Any],
     loop: str,
     prepare: Optional[str],
+    host: str = LOOPBACK,
 ) -> None:
     _die_with_parent()
     try:
         if prepare is not None:
             _PREPARE[prepare]()
-        endpoint = _Endpoint(role, cluster_id, listen, options, loop)
+        endpoint = _Endpoint(role, cluster_id, listen, options, loop, host)
     except BaseException as exc:
         _answer_error(conn, exc)
         return
@@ -534,6 +543,7 @@ class Peer:
         self.name = name
         self.command_timeout = command_timeout
         self.cluster_id: Optional[int] = None
+        self.address = LOOPBACK  # where it listens, and the local address of the links it opens
         self._process: Optional[Any] = None
         self._conn: Optional[multiprocessing.connection.Connection] = None
         self._stopped = False
@@ -564,6 +574,7 @@ class Peer:
         options: Optional[dict[str, Any]] = None,
         loop: str = "asyncio",
         prepare: Optional[str] = None,
+        host: str = LOOPBACK,
     ) -> "Peer":
         """Starts the child and initialises its LLMDataDist; returns ``self``.
 
@@ -576,25 +587,27 @@ class Peer:
             loop: Event loop of the async commands: ``"asyncio"`` or ``"uvloop"``.
             prepare: A function the child runs before anything else, by its
                 name in ``_PREPARE`` (``"deny_memory_access"``).
+            host: The address it listens on and opens its links from.
         """
         assert self._process is None, f"{self!r} was already started"
         self.cluster_id = cluster_id
-        parent_end, child_end = _SPAWN.Pipe()
-        process = _SPAWN.Process(
-            target=_child_main,
-            args=(child_end, role, cluster_id, listen, dict(options or {}), loop, prepare),
-            name=f"peer-{self.name}",
-            daemon=True,
-        )
-        process.start()
-        child_end.close()
-        self._process, self._conn = process, parent_end
+        self.address = host
+        self._process, self._conn = self._spawn((role, cluster_id, listen, dict(options or {}), loop, prepare, host))
         try:
             self._answer("start", self.command_timeout)
         except BaseException:
             self.close()
             raise
         return self
+
+    def _spawn(self, args: tuple[Any, ...]) -> tuple[Any, multiprocessing.connection.Connection]:
+        """Starts the child running ``_child_main(conn, *args)``: the process
+        (as ``multiprocessing.Process``) and the parent's end of the pipe."""
+        parent_end, child_end = _SPAWN.Pipe()
+        process = _SPAWN.Process(target=_child_main, args=(child_end, *args), name=f"peer-{self.name}", daemon=True)
+        process.start()
+        child_end.close()
+        return process, parent_end
 
     def close(self, timeout: float = 10.0) -> Optional[int]:
         """Finalizes the child, joins it (killing it after ``timeout`` s), returns its exit code.
@@ -727,13 +740,13 @@ class Peer:
 
     def link(self, target: "Peer | int", port: Optional[int] = None, timeout: int = 3000) -> Any:
         """``link_clusters`` to a peer (its cluster id and port) or to ``target`` id at ``port``."""
-        cluster_id, port = _address(target, port)
-        return self._call("link", cluster_id, port, timeout)
+        cluster_id, port, host = _address(target, port)
+        return self._call("link", cluster_id, port, timeout, host)
 
     def unlink(self, target: "Peer | int", port: Optional[int] = None, timeout: int = 3000, force: bool = False) -> Any:
         """``unlink_clusters``; a dead peer's last port is not needed with ``force``."""
-        cluster_id, port = _address(target, port, needed=not force)
-        return self._call("unlink", cluster_id, port, timeout, force)
+        cluster_id, port, host = _address(target, port, needed=not force)
+        return self._call("unlink", cluster_id, port, timeout, force, host)
 
     def datadist(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Calls ``LLMDataDist.<method>`` in the child."""
@@ -785,14 +798,14 @@ class Peer:
         return self._call("wait_task", handle, deadline=deadline)
 
 
-def _address(target: "Peer | int", port: Optional[int], needed: bool = True) -> tuple[int, Optional[int]]:
+def _address(target: "Peer | int", port: Optional[int], needed: bool = True) -> tuple[int, Optional[int], str]:
     if isinstance(target, Peer):
         assert target.cluster_id is not None
         if port is None and needed:
             port = target.listen_port
             assert port is not None, f"{target!r} does not listen"
-        return target.cluster_id, port
-    return target, port
+        return target.cluster_id, port, target.address
+    return target, port, LOOPBACK
 
 
 def _process_state(pid: int) -> str:

@@ -27,7 +27,7 @@ import pytest
 
 import datadist_aio as dd
 from cache_bytes import fill_random, snapshot
-from peer import MiB, CacheRef, Peer, PeerGroup, cluster_info, pool_cfg, raises_status
+from peer import LOOPBACK, MiB, CacheRef, Peer, PeerGroup, cluster_info, pool_cfg, raises_status
 
 SUCCESS = dd.LLMStatusCode.LLM_SUCCESS
 FAILED = dd.LLMStatusCode.LLM_FAILED
@@ -217,9 +217,12 @@ class Prefill:
 
 
 @contextlib.contextmanager
-def prefill_side(mode: str, peers: Sequence[Peer], link: bool = True) -> Iterator[Prefill]:
-    """An initialised PROMPT instance, cluster A, linked to ``peers``; finalized on exit
-    and every cache of the peers freed."""
+def prefill_side(
+    mode: str, peers: Sequence[Peer], link: bool = True, local: str = LOOPBACK, path: Optional[str] = None
+) -> Iterator[Prefill]:
+    """An initialised PROMPT instance, cluster A, linked to ``peers`` from the
+    address ``local``; finalized on exit and every cache of the peers freed.
+    Each link's path is checked: ``path``, else the one the mode asks for."""
     mode, _, transport = mode.partition("-")
     assert mode in ("key", "raw") and transport in ("", "tcp"), (mode, transport)
     config = dd.LLMConfig()
@@ -234,10 +237,10 @@ def prefill_side(mode: str, peers: Sequence[Peer], link: bool = True) -> Iterato
     side = Prefill(mode, datadist, peers)
     try:
         if link and peers:
-            clusters = [cluster_info(peer.cluster_id, peer.listen_port) for peer in peers]
+            clusters = [cluster_info(peer.cluster_id, peer.listen_port, peer.address, local) for peer in peers]
             assert datadist.link_clusters(clusters, 3000) == (SUCCESS, [SUCCESS] * len(peers))
             for peer in peers:
-                assert datadist.link_transport(peer.cluster_id) == (transport or "same_host")
+                assert datadist.link_transport(peer.cluster_id) == (path or transport or "same_host")
         yield side
     finally:
         side.release_threads()
