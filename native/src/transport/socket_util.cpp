@@ -18,6 +18,7 @@ namespace datadist::net {
 namespace {
 
 constexpr size_t kMaxIov = 1024;
+constexpr int kListenBacklog = 4096;
 
 bool to_addr(const std::string &ip, uint16_t port, sockaddr_in &addr) {
   std::memset(&addr, 0, sizeof(addr));
@@ -57,7 +58,10 @@ int listen_tcp(const std::string &ip, uint16_t port, uint16_t &bound_port, std::
   }
   int one = 1;
   ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  if (::bind(fd, reinterpret_cast<sockaddr *>(&addr), sizeof(addr)) != 0 || ::listen(fd, 128) != 0) {
+  // A deep accept queue: hundreds of peers may link at once (the kernel
+  // caps it at net.core.somaxconn); a full queue drops their SYNs, which
+  // come again only after a second.
+  if (::bind(fd, reinterpret_cast<sockaddr *>(&addr), sizeof(addr)) != 0 || ::listen(fd, kListenBacklog) != 0) {
     error = errno_text();
     ::close(fd);
     return -1;

@@ -487,7 +487,8 @@ std::shared_ptr<same_host::PeerMemory> TcpTransport::reach(uint64_t peer_id, con
       if (!refusal_logged_.exchange(true)) {
         log_warning("the kernel refuses copies between this process and cluster " + std::to_string(peer_id) +
                     " on the same host (" + why +
-                    "; ptrace rules, seccomp, a container or another user); such links move their bytes over TCP");
+                    "; ptrace rules, seccomp, a container, a PID namespace of its own or another user); such links move "
+                    "their bytes over TCP");
       }
       return nullptr;
     default:
