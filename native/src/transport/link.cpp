@@ -212,8 +212,14 @@ void Link::expect_data(Connection &conn, std::vector<iovec> to, uint64_t drop, s
 
 Link::InputEnd Link::read_input(Connection &conn) {
   using Got = net::Reader::Got;
+  bool handled = false;  // a frame was handled in this call
   for (;;) {
     if (is_down()) return InputEnd::kStop;
+    // Between frames with nothing buffered, no read is tried that would
+    // most often find nothing: the socket, armed again, says when more came.
+    if (handled && conn.stage == Stage::kHeader && conn.part.iov_len == sizeof(conn.header) && !conn.in.buffered()) {
+      return InputEnd::kWait;
+    }
     if (conn.stage != Stage::kData) {
       const Got got = conn.in.readv_now(&conn.part, 1);
       if (got == Got::kAgain) return InputEnd::kWait;
@@ -246,6 +252,7 @@ Link::InputEnd Link::read_input(Connection &conn) {
       // hand them to the blocking pool.
       const FrameHeader header = conn.header;
       if (!handle_frame(conn, header, conn.body)) return InputEnd::kStop;
+      handled = true;
       if (conn.receive) {
         std::function<bool()> receive = std::move(conn.receive);
         next_frame(conn);

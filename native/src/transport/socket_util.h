@@ -71,6 +71,8 @@ class Reader {
   bool readv(iovec *iov, size_t count);  // the array is consumed on the way
   bool discard(uint64_t len);
   Got readv_now(iovec *iov, size_t count);
+  // Whether bytes already read wait in the buffer.
+  bool buffered() const { return begin_ < end_; }
   Got discard_now(uint64_t &len);
 
  private:
