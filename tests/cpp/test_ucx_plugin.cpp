@@ -34,6 +34,11 @@ constexpr size_t kRemoteSize = 40 * kMiB;  // the initiator's memory
 constexpr size_t kLocalSize = 24 * kMiB;   // the owner's
 constexpr int kUnreachable = -6;           // UCS_ERR_UNREACHABLE
 
+// UCX's malloc and mmap hooks serve registrations made on the fly, which
+// these transports need none of; LeakSanitizer's check at exit can crash
+// among them. Set for the whole process, before UCX first starts.
+const bool kNoMemoryHooks = setenv("UCX_MEM_EVENTS", "no", 0) == 0;
+
 uint8_t initiator_byte(size_t i) { return static_cast<uint8_t>(i * 131 + 7 + (i >> 12)); }
 uint8_t owner_byte(size_t i) { return static_cast<uint8_t>(i * 29 + 101 + (i >> 10)); }
 
@@ -169,9 +174,6 @@ class UcxPlugin : public ::testing::TestWithParam<const char *> {
     setenv("UCX_NET_DEVICES", "lo", 1);  // TCP on loopback only
     setenv("UCX_KEEPALIVE_INTERVAL", "1s", 1);
     setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
-    // UCX's malloc and mmap hooks serve registrations made on the fly, which
-    // TCP needs none of; LeakSanitizer's check at exit can crash among them.
-    setenv("UCX_MEM_EVENTS", "no", 1);
     datadist_ucx_worker *probe = nullptr;
     int st = api_->worker_create(&probe);
     if (st != 0) GTEST_SKIP() << "UCX cannot start with UCX_TLS=" << GetParam() << ": " << plugin_->describe(st);
@@ -194,7 +196,6 @@ class UcxPlugin : public ::testing::TestWithParam<const char *> {
     unsetenv("UCX_TLS");
     unsetenv("UCX_NET_DEVICES");
     unsetenv("UCX_KEEPALIVE_INTERVAL");
-    unsetenv("UCX_MEM_EVENTS");
   }
 
   // Forks the initiator, then makes this process's worker, maps its memory
