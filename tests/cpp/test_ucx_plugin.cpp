@@ -163,7 +163,7 @@ class UcxPlugin : public ::testing::TestWithParam<const char *> {
  protected:
   void SetUp() override {
 #ifndef DATADIST_TEST_UCX_PLUGIN
-    GTEST_SKIP() << "the UCX plugin was not built (UCX's headers were not found)";
+    GTEST_SKIP() << "the UCX plugin was not built (UCX was not found, or DATADIST_UCX=OFF)";
 #else
     std::string why;
     plugin_ = datadist::ucx::load_plugin(why);
@@ -404,7 +404,7 @@ INSTANTIATE_TEST_SUITE_P(Transports, UcxPlugin, ::testing::Values("tcp", "sm"),
 
 TEST(UcxPluginLifecycle, MapUnmapAndDestroyLeaveNoFileDescriptors) {
 #ifndef DATADIST_TEST_UCX_PLUGIN
-  GTEST_SKIP() << "the UCX plugin was not built (UCX's headers were not found)";
+  GTEST_SKIP() << "the UCX plugin was not built (UCX was not found, or DATADIST_UCX=OFF)";
 #else
   std::string why;
   const Plugin *plugin = datadist::ucx::load_plugin(why);

@@ -48,6 +48,17 @@ struct datadist_ucx_worker {
     }
     if (wake) ucp_worker_signal(worker);
   }
+
+  // After a call into UCX outside progress (a post, a close), which may have
+  // run callbacks that queued work: wakes a thread asleep on the event fd.
+  void wake_if_due() {
+    bool any;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      any = !due.empty();
+    }
+    if (any) ucp_worker_signal(worker);
+  }
 };
 
 struct datadist_ucx_mem {
@@ -184,6 +195,7 @@ void ep_close(datadist_ucx_ep *ep, int force) {
     }
     delete ep;
   }
+  w->wake_if_due();  // a forced close fails the pending operations at once
 }
 
 int mem_unmap(datadist_ucx_mem *mem) {
@@ -396,7 +408,9 @@ int transfer(bool is_put, datadist_ucx_ep *ep, datadist_ucx_rkey *rkey, const da
     }
     account(batch, request);
   }
+  datadist_ucx_worker *w = ep->worker;
   account(batch, UCS_STATUS_PTR(UCS_OK));  // the guard: all posted
+  w->wake_if_due();
   return UCS_OK;
 }
 
