@@ -65,3 +65,16 @@ def test_the_default_answer_matches_what_is_installed() -> None:
     else:
         # Without a system UCX the libucx-cu12 wheel beside the package is used, if any.
         assert ok == (PLUGIN.parent.parent / "libucx" / "lib" / "libucp.so.0").exists(), why
+
+
+def test_ucx_from_the_libucx_wheel() -> None:
+    if not PLUGIN.exists():
+        pytest.skip("this build has no UCX plugin (UCX's headers were not found when it was built)")
+    try:
+        import libucx  # type: ignore[import-not-found]  # the ucx extra: libucx-cu12
+    except ImportError:
+        pytest.skip("the libucx-cu12 wheel is not installed (pip install 'datadist_aio[ucx]')")
+    folder = Path(libucx.__file__).resolve().parent / "lib"
+    ok, why = _available(DATADIST_AIO_UCX_LIB_DIR=str(folder))
+    assert ok, why
+    assert why.startswith("UCX 1.") and f" from {folder}, plugin {PLUGIN}" in why
