@@ -18,7 +18,9 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "transport/ucx_loader.h"
@@ -238,11 +240,15 @@ class UcxPlugin : public ::testing::TestWithParam<const char *> {
   // Waits for `done` on the event fd: progress until idle, arm, poll.
   // Returns the number of progress calls.
   int Wait(const Done &done, int timeout_ms) {
+    return WaitFor([&] { return done.called; }, timeout_ms);
+  }
+
+  int WaitFor(const std::function<bool()> &finished, int timeout_ms) {
     int calls = 0;
     auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
-    while (!done.called && Clock::now() < deadline) {
+    while (!finished() && Clock::now() < deadline) {
       ++calls;
-      if (api_->progress(worker_) > 0 || done.called) continue;
+      if (api_->progress(worker_) > 0 || finished()) continue;
       int armed = api_->arm(worker_);
       if (armed == DATADIST_UCX_BUSY) continue;
       EXPECT_EQ(armed, 0) << plugin_->describe(armed);
@@ -329,6 +335,46 @@ TEST_P(UcxPlugin, OwnerGetsAndPutsRangesOfTheInitiatorsMemory) {
   ASSERT_EQ(remote.size(), expected.size());
   for (size_t i = 0; i < remote.size(); ++i) ASSERT_EQ(remote[i], expected[i]) << "initiator byte " << i;
   EXPECT_EQ(peer_error_.calls, 0);
+}
+
+// The worker is MULTI-threaded: two threads post gets while this one
+// sleeps on the event fd and progresses; every completion runs here.
+TEST_P(UcxPlugin, TwoThreadsPostWhileAThirdProgresses) {
+  ASSERT_NO_FATAL_FAILURE(Connect());
+  if (IsSkipped()) return;
+  constexpr size_t kPiece = 256 * kKiB;
+  constexpr int kPerThread = 16;
+  std::vector<Done> done(2 * kPerThread);
+  std::vector<int> posted(2, -1);
+  auto poster = [&](int t) {
+    for (int i = 0; i < kPerThread; ++i) {
+      size_t n = static_cast<size_t>(t * kPerThread + i);
+      // Remote pieces in reverse order, so that each lands somewhere else.
+      datadist_ucx_range range = Range(n * kPiece, (2 * kPerThread - 1 - n) * kPiece + 3, kPiece);
+      if (api_->get(ep_, rkey_, &range, 1, Done::fn, &done[n]) != 0) return;
+      posted[static_cast<size_t>(t)] = i;
+    }
+  };
+  std::thread a(poster, 0), b(poster, 1);
+  auto all_done = [&] {
+    for (const Done &d : done) {
+      if (!d.called) return false;
+    }
+    return true;
+  };
+  WaitFor(all_done, 30000);
+  a.join();
+  b.join();
+  ASSERT_EQ(posted[0], kPerThread - 1);
+  ASSERT_EQ(posted[1], kPerThread - 1);
+  ASSERT_TRUE(all_done()) << "not every get completed in 30 s";
+  for (size_t n = 0; n < done.size(); ++n) {
+    ASSERT_EQ(done[n].status, 0) << plugin_->describe(done[n].status);
+    size_t remote = (2 * kPerThread - 1 - n) * kPiece + 3;
+    for (size_t i = 0; i < kPiece; ++i) {
+      ASSERT_EQ(local_[n * kPiece + i], initiator_byte(remote + i)) << "piece " << n << " byte " << i;
+    }
+  }
 }
 
 TEST_P(UcxPlugin, AnIdleWorkerSleepsOnItsEventFd) {
