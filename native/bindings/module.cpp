@@ -1,6 +1,7 @@
 #include "bindings.h"
 #include "error_detail.h"
 #include "log.h"
+#include "transport/ucx_loader.h"
 
 namespace py = pybind11;
 
@@ -36,4 +37,18 @@ PYBIND11_MODULE(_native, m) {
         datadist::log_message(static_cast<datadist::LogLevel>(level), message);
       },
       py::arg("level"), py::arg("message"), "Logs through the engine's path (used by tests).");
+  m.def(
+      "ucx_available",
+      [] {
+        std::string why;
+        const datadist::ucx::Plugin *plugin = nullptr;
+        {
+          py::gil_scoped_release release;
+          plugin = datadist::ucx::load_plugin(why);
+        }
+        if (plugin == nullptr) return std::make_pair(false, why);
+        return std::make_pair(true, "UCX " + plugin->version + " from " + plugin->ucx_from + ", plugin " + plugin->path);
+      },
+      "Whether the UCX plugin and UCX load in this process: (True, what was loaded) or (False, why not). "
+      "The first call decides for the life of the process.");
 }

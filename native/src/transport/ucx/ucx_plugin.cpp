@@ -1,0 +1,465 @@
+// libdatadist_ucx.so: ucx_plugin.h over UCP. Built only where UCX is found;
+// the engine loads it at run time (transport/ucx_loader.cpp).
+#include "transport/ucx/ucx_plugin.h"
+
+#include <ucp/api/ucp.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <set>
+#include <utility>
+#include <vector>
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// An endpoint's error callback, shared with the callbacks queued for it so
+// that a close in between silences them.
+struct ErrorSink {
+  datadist_ucx_ep_error_fn on_error = nullptr;
+  void *arg = nullptr;
+  bool closed = false;  // under the worker's mutex
+};
+
+}  // namespace
+
+struct datadist_ucx_worker {
+  ucp_context_h context = nullptr;
+  ucp_worker_h worker = nullptr;
+  ucp_address_t *address = nullptr;
+  size_t address_length = 0;
+
+  std::mutex mutex;  // guards all below
+  std::vector<std::function<void()>> due;  // callbacks for the next progress
+  std::set<datadist_ucx_ep *> eps;
+  std::set<datadist_ucx_mem *> mems;
+  std::set<datadist_ucx_ep *> closing;  // closed by the caller, UCX not done yet
+
+  // Queues `fn` for progress; `wake` when called outside progress, so that a
+  // thread asleep on the event fd sees it.
+  void defer(std::function<void()> fn, bool wake) {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      due.push_back(std::move(fn));
+    }
+    if (wake) ucp_worker_signal(worker);
+  }
+
+  // After a call into UCX outside progress (a post, a close), which may have
+  // run callbacks that queued work: wakes a thread asleep on the event fd.
+  void wake_if_due() {
+    bool any;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      any = !due.empty();
+    }
+    if (any) ucp_worker_signal(worker);
+  }
+};
+
+struct datadist_ucx_mem {
+  datadist_ucx_worker *worker = nullptr;
+  ucp_mem_h memh = nullptr;
+  void *rkey = nullptr;
+  size_t rkey_length = 0;
+};
+
+struct datadist_ucx_ep {
+  datadist_ucx_worker *worker = nullptr;
+  ucp_ep_h ep = nullptr;
+  std::shared_ptr<ErrorSink> sink;
+};
+
+struct datadist_ucx_rkey {
+  ucp_rkey_h rkey = nullptr;
+};
+
+namespace {
+
+// The ranges of one get, put or flush: done runs when the last completes,
+// with the first failure.
+struct Batch {
+  datadist_ucx_worker *worker;
+  size_t remaining;
+  ucs_status_t status = UCS_OK;
+  datadist_ucx_done_fn done;
+  void *arg;
+
+  // One range finished; true when it was the last. Under UCX's worker lock
+  // or the posting thread's: the worker's mutex orders them.
+  bool finish(ucs_status_t result) {
+    std::lock_guard<std::mutex> lock(worker->mutex);
+    if (result != UCS_OK && status == UCS_OK) status = result;
+    return --remaining == 0;
+  }
+  void complete(bool wake) {
+    datadist_ucx_done_fn fn = done;
+    void *a = arg;
+    int s = status;
+    datadist_ucx_worker *w = worker;
+    delete this;
+    w->defer([fn, a, s] { fn(a, s); }, wake);
+  }
+};
+
+void on_request_done(void *request, ucs_status_t status, void *user_data) {
+  auto *batch = static_cast<Batch *>(user_data);
+  if (batch->finish(status)) batch->complete(false);
+  ucp_request_free(request);
+}
+
+// A posted request: pending (its callback finishes it), or done at once.
+void account(Batch *batch, ucs_status_ptr_t request) {
+  if (UCS_PTR_IS_PTR(request)) return;
+  if (batch->finish(UCS_PTR_STATUS(request))) batch->complete(true);
+}
+
+void on_ep_error(void *arg, ucp_ep_h, ucs_status_t status) {
+  auto *ep = static_cast<datadist_ucx_ep *>(arg);
+  std::shared_ptr<ErrorSink> sink = ep->sink;
+  ep->worker->defer(
+      [sink, status, worker = ep->worker] {
+        datadist_ucx_ep_error_fn fn;
+        void *a;
+        {
+          std::lock_guard<std::mutex> lock(worker->mutex);
+          if (sink->closed || sink->on_error == nullptr) return;
+          fn = sink->on_error;
+          a = sink->arg;
+        }
+        fn(a, status);
+      },
+      false);
+}
+
+void on_close_done(void *request, ucs_status_t, void *user_data) {
+  auto *ep = static_cast<datadist_ucx_ep *>(user_data);
+  {
+    std::lock_guard<std::mutex> lock(ep->worker->mutex);
+    ep->worker->closing.erase(ep);
+  }
+  delete ep;
+  ucp_request_free(request);
+}
+
+const char *ucx_version() { return ucp_get_version_string(); }
+
+const char *status_string(int status) {
+  if (status == DATADIST_UCX_BUSY) return "busy: progress the worker before waiting";
+  return ucs_status_string(static_cast<ucs_status_t>(status));
+}
+
+unsigned progress(datadist_ucx_worker *w) {
+  unsigned n = ucp_worker_progress(w->worker);
+  std::vector<std::function<void()>> due;
+  {
+    std::lock_guard<std::mutex> lock(w->mutex);
+    due.swap(w->due);
+  }
+  for (auto &fn : due) fn();
+  return n + static_cast<unsigned>(due.size());
+}
+
+int arm(datadist_ucx_worker *w) {
+  {
+    std::lock_guard<std::mutex> lock(w->mutex);
+    if (!w->due.empty()) return DATADIST_UCX_BUSY;
+  }
+  ucs_status_t s = ucp_worker_arm(w->worker);
+  if (s == UCS_ERR_BUSY) return DATADIST_UCX_BUSY;
+  return s;
+}
+
+void ep_close(datadist_ucx_ep *ep, int force) {
+  datadist_ucx_worker *w = ep->worker;
+  {
+    std::lock_guard<std::mutex> lock(w->mutex);
+    ep->sink->closed = true;
+    w->eps.erase(ep);
+    w->closing.insert(ep);
+  }
+  ucp_request_param_t param{};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  param.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+  param.cb.send = on_close_done;
+  param.user_data = ep;
+  ucs_status_ptr_t request = ucp_ep_close_nbx(ep->ep, &param);
+  if (!UCS_PTR_IS_PTR(request)) {
+    {
+      std::lock_guard<std::mutex> lock(w->mutex);
+      w->closing.erase(ep);
+    }
+    delete ep;
+  }
+  w->wake_if_due();  // a forced close fails the pending operations at once
+}
+
+int mem_unmap(datadist_ucx_mem *mem) {
+  if (mem == nullptr) return UCS_ERR_INVALID_PARAM;
+  datadist_ucx_worker *w = mem->worker;
+  {
+    std::lock_guard<std::mutex> lock(w->mutex);
+    w->mems.erase(mem);
+  }
+  ucp_rkey_buffer_release(mem->rkey);
+  ucs_status_t s = ucp_mem_unmap(w->context, mem->memh);
+  delete mem;
+  return s;
+}
+
+void worker_destroy(datadist_ucx_worker *w) {
+  if (w == nullptr) return;
+  std::vector<datadist_ucx_ep *> eps;
+  {
+    std::lock_guard<std::mutex> lock(w->mutex);
+    eps.assign(w->eps.begin(), w->eps.end());
+  }
+  for (auto *ep : eps) ep_close(ep, 1);
+  // Forced closes finish without the peer; bounded all the same.
+  auto deadline = Clock::now() + std::chrono::seconds(5);
+  for (;;) {
+    progress(w);
+    std::lock_guard<std::mutex> lock(w->mutex);
+    if ((w->closing.empty() && w->due.empty()) || Clock::now() > deadline) break;
+  }
+  std::vector<datadist_ucx_mem *> mems;
+  {
+    std::lock_guard<std::mutex> lock(w->mutex);
+    mems.assign(w->mems.begin(), w->mems.end());
+  }
+  for (auto *mem : mems) mem_unmap(mem);
+  ucp_worker_release_address(w->worker, w->address);
+  ucp_worker_destroy(w->worker);
+  ucp_cleanup(w->context);
+  for (auto *ep : w->closing) delete ep;
+  delete w;
+}
+
+int worker_create(datadist_ucx_worker **out) {
+  if (out == nullptr) return UCS_ERR_INVALID_PARAM;
+  *out = nullptr;
+  ucp_config_t *config = nullptr;
+  ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);  // UCX_* of the environment
+  if (s != UCS_OK) return s;
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+  params.features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
+  params.mt_workers_shared = 0;  // one worker per context
+  auto *w = new (std::nothrow) datadist_ucx_worker();
+  if (w == nullptr) {
+    ucp_config_release(config);
+    return UCS_ERR_NO_MEMORY;
+  }
+  s = ucp_init(&params, config, &w->context);
+  ucp_config_release(config);
+  if (s != UCS_OK) {
+    delete w;
+    return s;
+  }
+  ucp_worker_params_t wp{};
+  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wp.thread_mode = UCS_THREAD_MODE_MULTI;
+  s = ucp_worker_create(w->context, &wp, &w->worker);
+  if (s != UCS_OK) {
+    ucp_cleanup(w->context);
+    delete w;
+    return s;
+  }
+  ucp_worker_attr_t attr{};
+  attr.field_mask = UCP_WORKER_ATTR_FIELD_THREAD_MODE;
+  s = ucp_worker_query(w->worker, &attr);
+  if (s == UCS_OK && attr.thread_mode != UCS_THREAD_MODE_MULTI) s = UCS_ERR_UNSUPPORTED;  // UCX built single-threaded
+  if (s == UCS_OK) s = ucp_worker_get_address(w->worker, &w->address, &w->address_length);
+  if (s != UCS_OK) {
+    ucp_worker_destroy(w->worker);
+    ucp_cleanup(w->context);
+    delete w;
+    return s;
+  }
+  *out = w;
+  return UCS_OK;
+}
+
+int worker_address(datadist_ucx_worker *w, const void **address, size_t *length) {
+  if (w == nullptr || address == nullptr || length == nullptr) return UCS_ERR_INVALID_PARAM;
+  *address = w->address;
+  *length = w->address_length;
+  return UCS_OK;
+}
+
+int event_fd(datadist_ucx_worker *w, int *fd) {
+  if (w == nullptr || fd == nullptr) return UCS_ERR_INVALID_PARAM;
+  return ucp_worker_get_efd(w->worker, fd);
+}
+
+int mem_map(datadist_ucx_worker *w, void *address, size_t length, datadist_ucx_mem **out, const void **rkey,
+            size_t *rkey_length) {
+  if (w == nullptr || address == nullptr || length == 0 || out == nullptr || rkey == nullptr ||
+      rkey_length == nullptr) {
+    return UCS_ERR_INVALID_PARAM;
+  }
+  *out = nullptr;
+  ucp_mem_map_params_t params{};
+  params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+  params.address = address;
+  params.length = length;
+  auto *mem = new (std::nothrow) datadist_ucx_mem();
+  if (mem == nullptr) return UCS_ERR_NO_MEMORY;
+  mem->worker = w;
+  ucs_status_t s = ucp_mem_map(w->context, &params, &mem->memh);
+  if (s != UCS_OK) {
+    delete mem;
+    return s;
+  }
+  s = ucp_rkey_pack(w->context, mem->memh, &mem->rkey, &mem->rkey_length);
+  if (s != UCS_OK) {
+    ucp_mem_unmap(w->context, mem->memh);
+    delete mem;
+    return s;
+  }
+  {
+    std::lock_guard<std::mutex> lock(w->mutex);
+    w->mems.insert(mem);
+  }
+  *out = mem;
+  *rkey = mem->rkey;
+  *rkey_length = mem->rkey_length;
+  return UCS_OK;
+}
+
+int ep_create(datadist_ucx_worker *w, const void *address, size_t length, datadist_ucx_ep_error_fn on_error,
+              void *error_arg, datadist_ucx_ep **out) {
+  if (w == nullptr || address == nullptr || length == 0 || out == nullptr) return UCS_ERR_INVALID_PARAM;
+  *out = nullptr;
+  auto *ep = new (std::nothrow) datadist_ucx_ep();
+  if (ep == nullptr) return UCS_ERR_NO_MEMORY;
+  ep->worker = w;
+  ep->sink = std::make_shared<ErrorSink>();
+  ep->sink->on_error = on_error;
+  ep->sink->arg = error_arg;
+  ucp_ep_params_t params{};
+  params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                      UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  params.address = static_cast<const ucp_address_t *>(address);
+  params.err_mode = UCP_ERR_HANDLING_MODE_PEER;  // a dead peer fails its operations
+  params.err_handler.cb = on_ep_error;
+  params.err_handler.arg = ep;
+  ucs_status_t s = ucp_ep_create(w->worker, &params, &ep->ep);
+  if (s != UCS_OK) {
+    delete ep;
+    return s;
+  }
+  {
+    std::lock_guard<std::mutex> lock(w->mutex);
+    w->eps.insert(ep);
+  }
+  *out = ep;
+  return UCS_OK;
+}
+
+int rkey_unpack(datadist_ucx_ep *ep, const void *buffer, size_t length, datadist_ucx_rkey **out) {
+  if (ep == nullptr || buffer == nullptr || length == 0 || out == nullptr) return UCS_ERR_INVALID_PARAM;
+  *out = nullptr;
+  auto *rkey = new (std::nothrow) datadist_ucx_rkey();
+  if (rkey == nullptr) return UCS_ERR_NO_MEMORY;
+  ucs_status_t s = ucp_ep_rkey_unpack(ep->ep, buffer, &rkey->rkey);
+  if (s != UCS_OK) {
+    delete rkey;
+    return s;
+  }
+  *out = rkey;
+  return UCS_OK;
+}
+
+void rkey_destroy(datadist_ucx_rkey *rkey) {
+  if (rkey == nullptr) return;
+  ucp_rkey_destroy(rkey->rkey);
+  delete rkey;
+}
+
+int transfer(bool is_put, datadist_ucx_ep *ep, datadist_ucx_rkey *rkey, const datadist_ucx_range *ranges,
+             size_t count, datadist_ucx_done_fn done, void *arg) {
+  if (ep == nullptr || rkey == nullptr || done == nullptr || (count > 0 && ranges == nullptr)) {
+    return UCS_ERR_INVALID_PARAM;
+  }
+  for (size_t i = 0; i < count; ++i) {
+    if (ranges[i].length == 0 || ranges[i].local == 0) return UCS_ERR_INVALID_PARAM;
+  }
+  auto *batch = new (std::nothrow) Batch{ep->worker, count + 1, UCS_OK, done, arg};
+  if (batch == nullptr) return UCS_ERR_NO_MEMORY;
+  ucp_request_param_t param{};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  param.cb.send = on_request_done;
+  param.user_data = batch;
+  size_t i = 0;
+  for (; i < count; ++i) {
+    const datadist_ucx_range &r = ranges[i];
+    void *local = reinterpret_cast<void *>(static_cast<uintptr_t>(r.local));
+    ucs_status_ptr_t request = is_put ? ucp_put_nbx(ep->ep, local, r.length, r.remote, rkey->rkey, &param)
+                                      : ucp_get_nbx(ep->ep, local, r.length, r.remote, rkey->rkey, &param);
+    if (UCS_PTR_IS_ERR(request)) {
+      // The ranges not posted fail with it; those posted still finish.
+      for (size_t rest = i; rest < count; ++rest) account(batch, request);
+      break;
+    }
+    account(batch, request);
+  }
+  datadist_ucx_worker *w = ep->worker;
+  account(batch, UCS_STATUS_PTR(UCS_OK));  // the guard: all posted
+  w->wake_if_due();
+  return UCS_OK;
+}
+
+int get(datadist_ucx_ep *ep, datadist_ucx_rkey *rkey, const datadist_ucx_range *ranges, size_t count,
+        datadist_ucx_done_fn done, void *arg) {
+  return transfer(false, ep, rkey, ranges, count, done, arg);
+}
+
+int put(datadist_ucx_ep *ep, datadist_ucx_rkey *rkey, const datadist_ucx_range *ranges, size_t count,
+        datadist_ucx_done_fn done, void *arg) {
+  return transfer(true, ep, rkey, ranges, count, done, arg);
+}
+
+int ep_flush(datadist_ucx_ep *ep, datadist_ucx_done_fn done, void *arg) {
+  if (ep == nullptr || done == nullptr) return UCS_ERR_INVALID_PARAM;
+  auto *batch = new (std::nothrow) Batch{ep->worker, 1, UCS_OK, done, arg};
+  if (batch == nullptr) return UCS_ERR_NO_MEMORY;
+  ucp_request_param_t param{};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  param.cb.send = on_request_done;
+  param.user_data = batch;
+  account(batch, ucp_ep_flush_nbx(ep->ep, &param));
+  return UCS_OK;
+}
+
+const datadist_ucx_plugin_v1 kPlugin = {
+    DATADIST_UCX_ABI_VERSION,
+    sizeof(datadist_ucx_plugin_v1),
+    ucx_version,
+    status_string,
+    worker_create,
+    worker_destroy,
+    worker_address,
+    event_fd,
+    arm,
+    progress,
+    mem_map,
+    mem_unmap,
+    ep_create,
+    rkey_unpack,
+    rkey_destroy,
+    get,
+    put,
+    ep_flush,
+    ep_close,
+};
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default"))) const datadist_ucx_plugin_v1 *datadist_ucx_plugin_v1_get(void) {
+  return &kPlugin;
+}

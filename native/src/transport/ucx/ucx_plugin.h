@@ -1,0 +1,114 @@
+/* The UCX data plane as a run-time plugin: libdatadist_ucx.so, built only
+ * where UCX is found, implements this C ABI over UCP; the engine opens it with
+ * dlopen (transport/ucx_loader.h), so neither building nor installing the
+ * engine needs UCX.
+ *
+ * One worker per engine, with its own UCP context (RMA and WAKEUP features).
+ * The worker runs in UCS_THREAD_MODE_MULTI: the engine's I/O threads may all
+ * call into it. No thread of the plugin's own progresses it: the engine polls
+ * event_fd() beside its sockets, and `arm` then `progress` when it is ready.
+ * Every callback (an operation's completion, an endpoint's error) runs from
+ * within `progress`, on the thread that called it, outside UCX's locks, so a
+ * callback may post new operations.
+ *
+ * Statuses: 0 is success, DATADIST_UCX_BUSY is `arm`'s "progress first", and
+ * anything else is a negative ucs_status_t that status_string() describes. */
+#ifndef DATADIST_TRANSPORT_UCX_UCX_PLUGIN_H_
+#define DATADIST_TRANSPORT_UCX_UCX_PLUGIN_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define DATADIST_UCX_ABI_VERSION 1
+#define DATADIST_UCX_OK 0
+#define DATADIST_UCX_BUSY 1
+/* The symbol the loader resolves: returns the plugin's table. */
+#define DATADIST_UCX_ENTRY_SYMBOL "datadist_ucx_plugin_v1_get"
+
+typedef struct datadist_ucx_worker datadist_ucx_worker;
+typedef struct datadist_ucx_mem datadist_ucx_mem;
+typedef struct datadist_ucx_ep datadist_ucx_ep;
+typedef struct datadist_ucx_rkey datadist_ucx_rkey;
+
+/* One range of a get or put: `local` in this process, `remote` in the
+ * peer's memory that the rkey covers. */
+typedef struct datadist_ucx_range {
+  uint64_t local;
+  uint64_t remote;
+  uint64_t length;
+} datadist_ucx_range;
+
+/* An operation's completion: status 0, or why it failed (the first failure
+ * among its ranges). Called once. */
+typedef void (*datadist_ucx_done_fn)(void *arg, int status);
+/* An endpoint's peer failed (died, reset, timed out): its pending operations
+ * fail, and the endpoint is to be closed with force. Called once. */
+typedef void (*datadist_ucx_ep_error_fn)(void *arg, int status);
+
+typedef struct datadist_ucx_plugin_v1 {
+  uint32_t abi_version; /* DATADIST_UCX_ABI_VERSION */
+  uint32_t struct_size; /* sizeof(datadist_ucx_plugin_v1) */
+
+  /* "1.13.1": the UCX library in use. */
+  const char *(*ucx_version)(void);
+  /* A status as text: "Endpoint timeout (UCS_ERR_ENDPOINT_TIMEOUT)". */
+  const char *(*status_string)(int status);
+
+  /* A context and its worker. */
+  int (*worker_create)(datadist_ucx_worker **out);
+  /* Force-closes the endpoints and unmaps the memory left, then frees all;
+   * pending operations complete with UCS_ERR_CANCELED first. */
+  void (*worker_destroy)(datadist_ucx_worker *worker);
+  /* The worker's address for a peer's ep_create; valid until destroy. */
+  int (*worker_address)(datadist_ucx_worker *worker, const void **address, size_t *length);
+  /* The file descriptor to poll for readability; owned by the worker. */
+  int (*event_fd)(datadist_ucx_worker *worker, int *fd);
+  /* Before sleeping on event_fd: 0 when armed, DATADIST_UCX_BUSY when there
+   * is work to progress first. */
+  int (*arm)(datadist_ucx_worker *worker);
+  /* Progresses UCX and runs the callbacks due; returns how many events it
+   * handled (0: nothing left to do now). */
+  unsigned (*progress)(datadist_ucx_worker *worker);
+
+  /* Maps [address, address + length) of host memory for peers' access; the
+   * packed rkey is for the peer, valid until unmap. */
+  int (*mem_map)(datadist_ucx_worker *worker, void *address, size_t length, datadist_ucx_mem **out,
+                 const void **rkey, size_t *rkey_length);
+  int (*mem_unmap)(datadist_ucx_mem *mem);
+
+  /* An endpoint to a peer's worker address; on_error(error_arg, status)
+   * runs from progress when the peer fails. */
+  int (*ep_create)(datadist_ucx_worker *worker, const void *address, size_t length,
+                   datadist_ucx_ep_error_fn on_error, void *error_arg, datadist_ucx_ep **out);
+  /* A peer's packed rkey, usable on that peer's endpoint. */
+  int (*rkey_unpack)(datadist_ucx_ep *ep, const void *rkey, size_t length, datadist_ucx_rkey **out);
+  void (*rkey_destroy)(datadist_ucx_rkey *rkey);
+
+  /* Reads the peer's ranges into local memory (get) or writes local memory
+   * into the peer's (put). 0: posted, and done runs once from progress;
+   * otherwise nothing was posted and done never runs. */
+  int (*get)(datadist_ucx_ep *ep, datadist_ucx_rkey *rkey, const datadist_ucx_range *ranges, size_t count,
+             datadist_ucx_done_fn done, void *arg);
+  int (*put)(datadist_ucx_ep *ep, datadist_ucx_rkey *rkey, const datadist_ucx_range *ranges, size_t count,
+             datadist_ucx_done_fn done, void *arg);
+  /* done runs once every operation posted on ep so far is complete at the
+   * peer. */
+  int (*ep_flush)(datadist_ucx_ep *ep, datadist_ucx_done_fn done, void *arg);
+  /* Closes ep (force: at once, without flushing; required after an error).
+   * The handle is gone on return; the close finishes in progress. Pending
+   * operations fail with UCS_ERR_CANCELED. Its rkeys are to be destroyed
+   * first. */
+  void (*ep_close)(datadist_ucx_ep *ep, int force);
+} datadist_ucx_plugin_v1;
+
+typedef const datadist_ucx_plugin_v1 *(*datadist_ucx_entry_fn)(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* DATADIST_TRANSPORT_UCX_UCX_PLUGIN_H_ */
