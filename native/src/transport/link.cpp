@@ -231,6 +231,7 @@ Link::InputEnd Link::read_input(Connection &conn) {
         // Between frames with nothing open (or while unlinking) this is an
         // ordinary unlink or exit.
         read_answers(AnswerHub::Reader::kLink);  // answers that came before the close count
+        if (closing_.load(std::memory_order_acquire)) unlink_answered();
         const bool expected = closing_.load(std::memory_order_acquire) || open_operations() == 0;
         fail(LLM_LINK_FAILED, expected ? "" : "connection lost with operations in flight");
         return InputEnd::kStop;
@@ -684,6 +685,17 @@ void Link::mark(uint64_t op_id, bool sent, bool answered, Status status, bool sk
   }
   answered_cv_.notify_all();
   settle(done);
+}
+
+void Link::unlink_answered() {
+  std::vector<uint64_t> asked;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto &entry : open_) {
+      if (entry.second.lookup && entry.second.answer_type == FrameType::kUnlinkAck) asked.push_back(entry.first);
+    }
+  }
+  for (uint64_t op_id : asked) mark(op_id, true, true, LLM_SUCCESS);
 }
 
 void Link::fail_here(uint64_t op_id, Status status, std::string why) {

@@ -348,6 +348,11 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader, pub
   // with `why` when the device copy failed.
   int peer_copy_staged(const cuda::Device &device, const std::vector<iovec> &mine,
                        const std::vector<wire::Segment> &theirs, bool from_peer, std::string &why);
+  // The peer closed a connection after this end asked it to unlink: it
+  // closes only once it has dropped its end (and acked on the connection
+  // the question took, which another connection's close may overtake), so
+  // the question is answered.
+  void unlink_answered();
   // Fails an open operation here (its status, unless it has one) with `why`.
   void fail_here(uint64_t op_id, Status status, std::string why);
   // Settles the sending side of a frame written whole (`ok`) or not; false
