@@ -19,6 +19,10 @@ namespace {
 // while does not hold ready descriptors back from idle threads.
 constexpr int kEventsPerWait = 4;
 
+// The registration whose handler this thread runs now (0: none).
+thread_local uint64_t t_dispatching = 0;
+thread_local const void *t_loop = nullptr;
+
 int checked_epoll() {
   const int fd = ::epoll_create1(EPOLL_CLOEXEC);
   if (fd < 0) throw std::system_error(errno, std::generic_category(), "epoll_create1");
@@ -106,11 +110,16 @@ bool IoLoop::arm(uint64_t id, uint32_t events) {
 }
 
 void IoLoop::remove(uint64_t id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   auto it = watched_.find(id);
   if (it == watched_.end()) return;
   ::epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, it->second.fd, nullptr);
-  watched_.erase(it);
+  const int mine = t_loop == this && t_dispatching == id ? 1 : 0;  // called from its own handler
+  dispatched_cv_.wait(lock, [&] {
+    it = watched_.find(id);
+    return it == watched_.end() || it->second.dispatching <= mine;
+  });
+  if (it != watched_.end()) watched_.erase(it);
 }
 
 bool IoLoop::run_blocking(std::function<void()> job) {
@@ -190,8 +199,19 @@ void IoLoop::run() {
         if (it == watched_.end()) continue;
         handler = it->second.handler.lock();
         tag = it->second.tag;
+        ++it->second.dispatching;
       }
+      t_dispatching = id;
+      t_loop = this;
       if (handler) handler->on_ready(tag, events[i].events);
+      handler.reset();  // before remove() may return: the owner may then go
+      t_dispatching = 0;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = watched_.find(id);
+        if (it != watched_.end()) --it->second.dispatching;
+      }
+      dispatched_cv_.notify_all();
     }
   }
 }

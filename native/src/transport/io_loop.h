@@ -67,7 +67,9 @@ class IoLoop {
   // Arms the descriptor of `id` for `events` (EPOLLIN, EPOLLOUT) once;
   // false when it is not watched or the kernel refuses.
   bool arm(uint64_t id, uint32_t events);
-  // Stops watching; a handler already running goes on to its end.
+  // Stops watching. Returns once no thread runs the descriptor's handler or
+  // holds it (called from that handler itself, at once), so the handler's
+  // owner may close the descriptor and go.
   void remove(uint64_t id);
   // Runs `job` on the blocking pool; false once the loop is stopping or
   // no thread can start for it.
@@ -85,6 +87,7 @@ class IoLoop {
     int fd;
     std::weak_ptr<IoHandler> handler;
     uint64_t tag;
+    int dispatching = 0;  // threads holding the handler (a re-armed one may fire before the last let go)
   };
 
   const size_t count_;
@@ -93,6 +96,7 @@ class IoLoop {
   const int stop_fd_;  // an eventfd, written once at destruction
   mutable std::mutex mu_;
   std::unordered_map<uint64_t, Watched> watched_;
+  std::condition_variable dispatched_cv_;
   uint64_t next_id_ = 1;
   bool stopping_ = false;
   std::vector<std::thread> threads_;
