@@ -123,7 +123,7 @@ void Link::enqueue(Connection &conn, OutFrame frame) {
   std::unique_lock<std::mutex> lock(conn.mu);
   if (total > kDirectBytes || frame.close_after || frame.device || conn.busy || !conn.queue.empty() || is_down()) {
     conn.queue.push_back(std::move(frame));
-    if (!conn.busy) arm_locked(conn);  // else its writer goes on to it
+    if (!conn.busy) arm_locked(conn);  // else the thread writing goes on to it
     return;
   }
   conn.busy = true;
@@ -155,7 +155,8 @@ void Link::arm_locked(Connection &conn) {
   conn.armed = want;
   if (!host_->io_loop().arm(conn.io_id, want)) {
     conn.armed = 0;
-    // Not from here: fail() takes every connection's lock.
+    // Not from here, under this connection's lock: fail() tells the host,
+    // which takes locks of its own.
     std::weak_ptr<Link> weak = weak_from_this();
     host_->io_loop().run_blocking([weak] {
       if (auto self = weak.lock()) self->fail(LLM_LINK_FAILED, "the I/O loop refused a connection");
