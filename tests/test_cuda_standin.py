@@ -76,6 +76,7 @@ ERROR_NAMES = {
 # CUpointer_attribute values, each with the size of the value it writes.
 ATTR_CONTEXT = 1
 ATTR_MEMORY_TYPE = 2
+ATTR_BUFFER_ID = 7
 ATTR_DEVICE_ORDINAL = 9
 ATTR_IS_LEGACY_CUDA_IPC_CAPABLE = 10
 ATTR_RANGE_START_ADDR = 11
@@ -309,6 +310,14 @@ class Cu:
             yield
         finally:
             self.ok(self.lib.cuCtxSetCurrent(before))
+
+    def buffer_id(self, ptr: int) -> int:
+        """The driver's buffer id of the allocation (or mapping) at ``ptr``."""
+        value = ctypes.c_ulonglong()
+        kinds = (ctypes.c_int * 1)(ATTR_BUFFER_ID)
+        data = (_vp * 1)(addr(value))
+        self.ok(self.lib.cuPointerGetAttributes(1, kinds, data, ptr))
+        return value.value
 
     def attributes(self, ptr: int) -> dict[int, int]:
         """Every attribute of ATTRIBUTES for ``ptr``, after checking that each
@@ -1445,14 +1454,17 @@ def test_virtual_memory_management(cu: Cu) -> None:
     assert cu.dtoh(base + G // 2, G) == data
     assert lib.cuMemcpyDtoH_v2(addr((ctypes.c_char * G)()), base + G + G // 2, G) == INVALID_VALUE  # past the end
 
-    # Each mapping is a range of its own; legacy IPC refuses it.
+    # The range reported is every piece mapped side by side (as NVIDIA's
+    # driver reports torch's expandable segments), each piece with a buffer
+    # id of its own; legacy IPC refuses them.
     values = cu.attributes(base + G + 5)
     assert values[ATTR_MEMORY_TYPE] == MEMORYTYPE_DEVICE and values[ATTR_DEVICE_ORDINAL] == 0
-    assert (values[ATTR_RANGE_START_ADDR], values[ATTR_RANGE_SIZE]) == (base + G, G)
+    assert (values[ATTR_RANGE_START_ADDR], values[ATTR_RANGE_SIZE]) == (base, 2 * G)
+    assert cu.buffer_id(base + G + 5) not in (0, cu.buffer_id(base + 5))
     assert values[ATTR_IS_LEGACY_CUDA_IPC_CAPABLE] == 0 and values[ATTR_MAPPED] == 1
     start, length = _ull(), _sz()
-    cu.ok(lib.cuMemGetAddressRange_v2(ctypes.byref(start), ctypes.byref(length), base + 7))
-    assert (start.value, length.value) == (base, G)
+    cu.ok(lib.cuMemGetAddressRange_v2(ctypes.byref(start), ctypes.byref(length), base + G + 7))
+    assert (start.value, length.value) == (base, 2 * G)
     assert cu.attributes(base + 2 * G)[ATTR_MEMORY_TYPE] == 0  # reserved, not mapped
     assert lib.cuIpcGetMemHandle(ctypes.byref(IpcHandle()), base) == INVALID_VALUE
 

@@ -382,6 +382,32 @@ static unsigned char *device_bytes(CUdeviceptr p, size_t n) {
   return NULL;
 }
 
+/* The range the driver reports for an address of r (cuMemGetAddressRange,
+ * the RANGE_START_ADDR and RANGE_SIZE attributes). For cuMemMap pieces it is
+ * every piece of r's reservation mapped side by side with r, not r alone: NVIDIA's driver was
+ * seen to report more than one piece of torch's expandable segments (the
+ * size so reported, given to cuMemMap, was refused), so an exporter must
+ * find a piece's own extent another way (its buffer id). Lock held. */
+struct vmm_reserve;
+static struct vmm_reserve *reserve_holding(uintptr_t p, size_t n);
+
+static void reported_range(const struct region *r, uintptr_t *base, size_t *size) {
+  uintptr_t lo = r->base, hi = r->base + r->size;
+  if (r->kind == REGION_VMM) {
+    const struct vmm_reserve *res = reserve_holding(r->base, r->size);
+    for (bool grew = true; grew;) {
+      grew = false;
+      for (const struct region *o = g_regions; o != NULL; o = o->next) {
+        if (o->kind != REGION_VMM || reserve_holding(o->base, o->size) != res) continue;
+        if (o->base + o->size == lo) lo = o->base, grew = true;
+        if (o->base == hi) hi = o->base + o->size, grew = true;
+      }
+    }
+  }
+  *base = lo;
+  *size = hi - lo;
+}
+
 static bool ranges_overlap(uintptr_t a, size_t an, uintptr_t b, size_t bn) {
   if (an == 0) an = 1;
   if (bn == 0) bn = 1;
@@ -534,8 +560,11 @@ STANDIN_API CUresult CUDAAPI cuMemGetAddressRange_v2(CUdeviceptr *pbase, size_t 
   pthread_rwlock_rdlock(&g_mem_lock);
   struct region *reg = device_region_at((uintptr_t)dptr);
   if (reg != NULL) {
-    if (pbase != NULL) *pbase = (CUdeviceptr)reg->base;
-    if (psize != NULL) *psize = reg->size;
+    uintptr_t base = 0;
+    size_t size = 0;
+    reported_range(reg, &base, &size);
+    if (pbase != NULL) *pbase = (CUdeviceptr)base;
+    if (psize != NULL) *psize = size;
   }
   pthread_rwlock_unlock(&g_mem_lock);
   return reg != NULL ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND;
@@ -696,8 +725,9 @@ STANDIN_API CUresult CUDAAPI cuPointerGetAttributes(unsigned int numAttributes, 
     device_pointer = ptr;
     host_pointer = is_device_kind(reg) ? NULL : (void *)(uintptr_t)ptr;
     buffer_id = reg->buffer_id;
-    start = (CUdeviceptr)reg->base;
-    size = reg->size;
+    uintptr_t range_base = 0;
+    reported_range(reg, &range_base, &size);
+    start = (CUdeviceptr)range_base;
     ipc_capable = reg->kind == REGION_DEVICE && g_ipc;
     mapped = 1;
     break;

@@ -3,6 +3,7 @@
 #include <dlfcn.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 
 #include <cstdlib>
@@ -416,6 +417,36 @@ void Device::drop_fd_exports(bool all) const {
   }
 }
 
+bool Device::piece_extent(uint64_t addr, unsigned long long buffer, uint64_t start, uint64_t length,
+                          uint64_t &base, uint64_t &size, std::string &why) const {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = ordinal_;
+  size_t granule = 0;
+  const CUresult r = driver_->cuMemGetAllocationGranularity(&granule, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+  if (r != CUDA_SUCCESS || granule == 0) {
+    why = "cuMemGetAllocationGranularity: " + (r != CUDA_SUCCESS ? describe(r) : std::string("0 bytes"));
+    return false;
+  }
+  auto same = [&](uint64_t at) {
+    unsigned long long id = 0;
+    CUpointer_attribute attribute = CU_POINTER_ATTRIBUTE_BUFFER_ID;
+    void *data[] = {&id};
+    return driver_->cuPointerGetAttributes(1, &attribute, data, static_cast<CUdeviceptr>(at)) == CUDA_SUCCESS &&
+           id == buffer;
+  };
+  // Pieces are mapped at whole granules of the reported range.
+  const uint64_t end = start + length;
+  uint64_t lo = start + (addr - start) / granule * granule;
+  while (lo - start >= granule && same(lo - granule)) lo -= granule;
+  uint64_t hi = std::min(end, lo + granule);
+  while (hi < end && same(hi)) hi = std::min(end, hi + granule);
+  base = lo;
+  size = hi - lo;
+  return true;
+}
+
 bool Device::export_at(uint64_t addr, bool fds, Export &out, std::string &why) const {
   if (!make_current(why)) return false;
   unsigned int type = 0;
@@ -444,14 +475,20 @@ bool Device::export_at(uint64_t addr, bool fds, Export &out, std::string &why) c
   {
     std::lock_guard<std::mutex> lock(exports_mu_);
     auto it = exports_.find(buffer);
-    if (it != exports_.end() && it->second.base == start && it->second.size == length) {
-      out = it->second;
-      return true;
+    if (it != exports_.end()) {
+      const Export &known = it->second;
+      // A descriptor export is of one piece of the range the driver reports.
+      if (known.fd >= 0 ? addr >= known.base && addr - known.base < known.size
+                        : known.base == start && known.size == length) {
+        out = known;
+        return true;
+      }
     }
   }
   Export made;
   made.base = start;
   made.size = length;
+  if (capable == 0 && !piece_extent(addr, buffer, start, length, made.base, made.size, why)) return false;
   if (capable != 0) {
     const CUresult e = driver_->cuIpcGetMemHandle(&made.handle, start);
     if (e != CUDA_SUCCESS) {
@@ -462,7 +499,7 @@ bool Device::export_at(uint64_t addr, bool fds, Export &out, std::string &why) c
     // Memory of cuMemCreate: the physical allocation mapped here, as a
     // descriptor. The retained handle only serves the export.
     CUmemGenericAllocationHandle handle = 0;
-    CUresult e = driver_->cuMemRetainAllocationHandle(&handle, reinterpret_cast<void *>(static_cast<uintptr_t>(start)));
+    CUresult e = driver_->cuMemRetainAllocationHandle(&handle, reinterpret_cast<void *>(static_cast<uintptr_t>(made.base)));
     if (e != CUDA_SUCCESS) {
       why = "neither legacy CUDA IPC nor cuMemRetainAllocationHandle can export it: " + describe(e);
       return false;

@@ -213,6 +213,12 @@ class Device {
   // Closes the descriptors of exports whose memory is no longer mapped where
   // it was (freed, or unmapped and remade); `all`: every one. Lock held.
   void drop_fd_exports(bool all) const;
+  // The physical allocation (cuMemCreate) mapped at `addr`: the granules
+  // around it, inside the range [start, start + length) the driver reports,
+  // that carry its buffer id `buffer`. That range can hold several
+  // allocations mapped side by side, and cuMemMap takes one whole one.
+  bool piece_extent(uint64_t addr, unsigned long long buffer, uint64_t start, uint64_t length, uint64_t &base,
+                    uint64_t &size, std::string &why) const;
 };
 
 // The driver's copies for staging: lane i is a stream of the device's,
