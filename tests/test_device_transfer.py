@@ -78,21 +78,28 @@ def run_pair(driver: Path, owner: Callable[..., None], initiator: Callable[..., 
     mine.close()
     theirs.close()
     try:
+        # Every child's outcome is gathered before failing: the first to fail
+        # is often the one that only saw the other end go away.
         deadline = time.monotonic() + TIMEOUT_S
+        problems = []
         for name, process, report in reversed(children):
             if not report.poll(max(0.0, deadline - time.monotonic())):
-                pytest.fail(f"{name} did not finish within {TIMEOUT_S} s")
+                problems.append(f"{name} did not finish within {TIMEOUT_S} s")
+                continue
             try:
                 outcome = report.recv()
             except EOFError:
                 process.join(10)
                 if killed is not None and name == killed.__name__ and process.exitcode == -signal.SIGKILL:
                     continue
-                pytest.fail(f"{name}: the process died (exit code {process.exitcode})")
+                problems.append(f"{name}: the process died (exit code {process.exitcode})")
+                continue
             if killed is not None and name == killed.__name__:
-                pytest.fail(f"{name} was to be killed, but ended with: {outcome}")
-            if outcome != "ok":
-                pytest.fail(f"{name} failed in its process:\n{outcome}")
+                problems.append(f"{name} was to be killed, but ended with: {outcome}")
+            elif outcome != "ok":
+                problems.append(f"{name} failed in its process:\n{outcome}")
+        if problems:
+            pytest.fail("\n".join(problems))
     finally:
         for _, process, report in children:
             process.join(10)

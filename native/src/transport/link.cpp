@@ -1231,10 +1231,18 @@ bool Link::take_answer(const FrameHeader &header, std::vector<uint8_t> &body, Co
   std::vector<iovec> recv;
   std::shared_ptr<cuda::Device> device;
   bool known = false;
+  const char *unknown = "";  // why an answer is refused, for the link's last words
   OpenOp resend;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = open_.find(header.op_id);
+    if (it == open_.end()) {
+      unknown = "no such operation open";
+    } else if (it->second.answered) {
+      unknown = "its operation was answered already";
+    } else if (it->second.answer_type != type) {
+      unknown = "of another type than its operation takes";
+    }
     // A write takes a write ack, a read its data, a question its reply.
     if (it != open_.end() && !it->second.answered && it->second.answer_type == type) {
       OpenOp &op = it->second;
@@ -1245,24 +1253,32 @@ bool Link::take_answer(const FrameHeader &header, std::vector<uint8_t> &body, Co
         resend = std::move(op);
         open_.erase(it);
       } else if (type == FrameType::kReadData) {
-        if (header.status == LLM_SUCCESS && header.data_len != op.recv_bytes) known = false;
+        if (header.status == LLM_SUCCESS && header.data_len != op.recv_bytes) {
+          known = false;
+          unknown = "its data are not the length read";
+        }
         if (header.status == LLM_SUCCESS) {
           recv = op.recv;
           device = op.device;
         }
       } else if (type == FrameType::kUnlinkAck) {
         known = op.lookup != nullptr && body.empty();
+        if (!known) unknown = "a malformed unlink ack";
       } else if (type == FrameType::kLookupReply) {
         if (!op.lookup || body.size() != sizeof(wire::LookupReply)) {
           known = false;
+          unknown = "a malformed lookup reply";
         } else if (header.status == LLM_SUCCESS) {
           std::memcpy(&op.lookup->reply, body.data(), sizeof(wire::LookupReply));
         }
       }
     }
   }
-  if (!known || (header.status != LLM_SUCCESS && header.data_len != 0) || (!recv.empty() && conn == nullptr)) {
-    fail(LLM_LINK_FAILED, "unexpected answer from the peer; closing the link");
+  if (known && header.status != LLM_SUCCESS && header.data_len != 0) unknown = "a failure that carries data";
+  if (known && !recv.empty() && conn == nullptr) unknown = "data outside a connection";
+  if (*unknown != '\0') {
+    fail(LLM_LINK_FAILED, "unexpected answer from the peer (frame type " + std::to_string(header.type) + " for op " +
+                              std::to_string(header.op_id) + ": " + unknown + "); closing the link");
     return false;
   }
   if (resend.resend) {
