@@ -442,13 +442,19 @@ class LLMConfig:
 
     @property
     def transport(self) -> Optional[str]:
-        """How links move bytes: ``"auto"`` or ``"tcp"``; emits `llm.Transport`.
+        """How links move bytes: ``"auto"``, ``"tcp"`` or ``"ucx"``; emits `llm.Transport`.
 
         ``"auto"`` (the engine default) moves the bytes of a link between two
         processes on one host with one kernel copy (``process_vm_readv`` /
         ``process_vm_writev``) once the handshake has proven that each can
         reach the other's memory, and over TCP otherwise; ``"tcp"`` always uses
-        sockets. The owner of a cache checks every range either way.
+        sockets. ``"ucx"`` moves them with UCX (RDMA where UCX finds a NIC,
+        else its shared memory or TCP, as ``UCX_TLS`` allows): the owner reads
+        or writes the initiator's host caches with UCX's one-sided operations;
+        device caches go over the link's sockets, staged. Both ends must say
+        ``"ucx"``, and ``init`` fails with `LLM_FEATURE_NOT_ENABLED` where UCX
+        is not installed (``pip install 'datadist_aio[ucx]'`` or the system's
+        UCX). The owner of a cache checks every range either way.
 
         Raises:
             TypeError: If not a str.
@@ -459,7 +465,7 @@ class LLMConfig:
     @transport.setter
     def transport(self, value: str) -> None:
         check_isinstance("transport", value, str, allow_none=False)
-        raise_if_false(value in ("auto", "tcp"), "transport must be 'auto' or 'tcp', got {!r}", value)
+        raise_if_false(value in ("auto", "tcp", "ucx"), "transport must be 'auto', 'tcp' or 'ucx', got {!r}", value)
         self._transport = value
 
     @property

@@ -27,7 +27,7 @@ import pytest
 
 import datadist_aio as dd
 from cache_bytes import fill_random, snapshot
-from peer import LOOPBACK, MiB, CacheRef, Peer, PeerGroup, cluster_info, pool_cfg, raises_status
+from peer import HAVE_UCX, LOOPBACK, UCX_WHY, MiB, CacheRef, Peer, PeerGroup, cluster_info, pool_cfg, raises_status
 
 SUCCESS = dd.LLMStatusCode.LLM_SUCCESS
 FAILED = dd.LLMStatusCode.LLM_FAILED
@@ -224,7 +224,7 @@ def prefill_side(
     address ``local``; finalized on exit and every cache of the peers freed.
     Each link's path is checked: ``path``, else the one the mode asks for."""
     mode, _, transport = mode.partition("-")
-    assert mode in ("key", "raw") and transport in ("", "tcp"), (mode, transport)
+    assert mode in ("key", "raw") and transport in ("", "tcp", "ucx"), (mode, transport)
     config = dd.LLMConfig()
     if transport:
         config.transport = transport
@@ -256,10 +256,28 @@ def decoders() -> Iterator[tuple[Peer, Peer]]:
         yield group.start("b", dd.LLMRole.DECODER, B), group.start("c", dd.LLMRole.DECODER, C)
 
 
+@pytest.fixture(scope="module")
+def ucx_decoders() -> Iterator[tuple[Peer, Peer]]:
+    """B and C with transport "ucx", for a prefill side that says "ucx" too."""
+    if not HAVE_UCX:
+        pytest.skip(f"no UCX: {UCX_WHY}")
+    options = {"transport": "ucx"}
+    with PeerGroup() as group:
+        yield (group.start("b-ucx", dd.LLMRole.DECODER, B, options=options),
+               group.start("c-ucx", dd.LLMRole.DECODER, C, options=options))
+
+
 @pytest.fixture
 def prefill(request: pytest.FixtureRequest, decoders: tuple[Peer, Peer]) -> Iterator[Prefill]:
     """The prefill side linked to B and C; "key" mode unless parametrized with "raw"."""
     with prefill_side(getattr(request, "param", "key"), decoders) as side:
+        yield side
+
+
+@pytest.fixture(params=["key", "raw"])
+def ucx_prefill(request: pytest.FixtureRequest, ucx_decoders: tuple[Peer, Peer]) -> Iterator[Prefill]:
+    """The prefill side linked to B and C over UCX, in each mode."""
+    with prefill_side(request.param + "-ucx", ucx_decoders) as side:
         yield side
 
 
@@ -532,6 +550,18 @@ async def test_done_callbacks_run_once_on_their_loop_or_the_callback_thread(pref
 @pytest.mark.parametrize("prefill", ["key", "raw", "key-tcp", "raw-tcp"], indirect=True)
 @pytest.mark.parametrize("kind", list(KINDS))
 async def test_each_kind(prefill, kind):
+    await each_kind(prefill, kind)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+async def test_each_kind_over_ucx(ucx_prefill, kind):
+    await each_kind(ucx_prefill, kind)
+    stats = ucx_prefill.datadist._engine.link_stats(B)
+    assert stats["ucx_frames"] > 0 and stats["ucx_fallbacks"] == 0, stats
+
+
+async def each_kind(prefill: Prefill, kind: str) -> None:
+    """Every layer of each kind into B, and layers 1..2 into 2..3, every byte checked."""
     spec = KINDS[kind]
     b = prefill.b
     src, sent = prefill.source(spec.source(), spec.source_blocks)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import datadist_aio as dd
-from peer import MiB, Peer, PeerError, PeerGroup, PeerTimeout, pool_cfg, raises_status
+from peer import HAVE_UCX, UCX_PEER_DEATH, UCX_WHY, MiB, Peer, PeerError, PeerGroup, PeerTimeout, pool_cfg, raises_status
 
 SUCCESS = dd.LLMStatusCode.LLM_SUCCESS
 LINKED = (SUCCESS, [SUCCESS])
@@ -49,17 +49,19 @@ def assert_blocks_push(src: Peer, dst: Peer, model_id: int, seed: int) -> None:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("transport", ["auto", "tcp"])
+@pytest.mark.parametrize("transport", ["auto", "tcp", pytest.param("ucx", marks=UCX_PEER_DEATH)])
 @pytest.mark.parametrize("direction", ["push", "pull"])
 def test_peer_killed_mid_transfer(group, direction, transport):
     timeout_ms = 3000
     big = {"host_mem_pool_cfg": pool_cfg(288 * MiB)}
     options = big | {"sync_kv_timeout": timeout_ms, "transport": transport}
+    # UCX links only with peers that say "ucx" too.
+    theirs = {"transport": "ucx"} if transport == "ucx" else {}
     survivor = group.start("survivor", dd.LLMRole.PROMPT, 1, options=options)
-    victim = group.start("victim", dd.LLMRole.DECODER, 2, options=big)
-    third = group.start("third", dd.LLMRole.DECODER, 3)
+    victim = group.start("victim", dd.LLMRole.DECODER, 2, options=big | theirs)
+    third = group.start("third", dd.LLMRole.DECODER, 3, options=theirs)
     assert survivor.link(victim) == LINKED
-    assert survivor.datadist("link_transport", 2) == ("same_host" if transport == "auto" else "tcp")
+    assert survivor.datadist("link_transport", 2) == {"auto": "same_host"}.get(transport, transport)
     assert survivor.link(third) == LINKED
     local, remote = survivor.allocate(big_desc()), victim.allocate(big_desc())
     side = survivor.allocate(small_desc(), blocks=True)
@@ -87,19 +89,23 @@ def test_peer_killed_mid_transfer(group, direction, transport):
     assert_blocks_push(survivor, third, 6, 2)
 
     # The same cluster comes back on another port and is linked again.
-    again = group.start("victim-again", dd.LLMRole.DECODER, 2)
+    again = group.start("victim-again", dd.LLMRole.DECODER, 2, options=theirs)
     assert survivor.link(again) == LINKED
     assert_blocks_push(survivor, again, 7, 3)
     assert_blocks_push(again, survivor, 8, 4)
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "transport", ["auto", pytest.param("ucx", marks=pytest.mark.skipif(not HAVE_UCX, reason=f"no UCX: {UCX_WHY}"))]
+)
 @pytest.mark.parametrize("via", ["sync", "async"])
-def test_stopped_peer_times_out(group, via):
+def test_stopped_peer_times_out(group, via, transport):
     timeout_ms = 1000
-    a = group.start("a", dd.LLMRole.PROMPT, 1, options={"sync_kv_timeout": timeout_ms})
-    b = group.start("b", dd.LLMRole.DECODER, 2)
+    a = group.start("a", dd.LLMRole.PROMPT, 1, options={"sync_kv_timeout": timeout_ms, "transport": transport})
+    b = group.start("b", dd.LLMRole.DECODER, 2, options={"transport": transport})
     assert a.link(b) == LINKED
+    assert a.datadist("link_transport", 2) == {"auto": "same_host"}.get(transport, transport)
     desc = dd.CacheDesc(2, [1, 8 * MiB], dd.DataType.DT_UINT8, dd.Placement.HOST)
     local, remote = a.allocate(desc), b.allocate(desc)
     sent = a.fill(local, 5)

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import datadist_aio as dd
-from peer import HAVE_UVLOOP, CacheRef, Peer, PeerGroup, raises_status
+from peer import HAVE_UCX, HAVE_UVLOOP, UCX_WHY, CacheRef, Peer, PeerGroup, raises_status
 
 SUCCESS = dd.LLMStatusCode.LLM_SUCCESS
 PARAM_INVALID = dd.LLMStatusCode.LLM_PARAM_INVALID
@@ -49,16 +49,17 @@ class Pair(NamedTuple):
 def pairs() -> Iterator[dict[str, tuple[Peer, Peer]]]:
     """One linked pair of processes per event loop kind, shared by the module:
     on one host their bytes move by kernel copy; the "tcp" pair (asyncio) is
-    told to use sockets."""
+    told to use sockets, and the "ucx" pair (asyncio, where UCX is
+    installed) UCX."""
     with PeerGroup() as group:
         made = {}
-        for name in ["asyncio", "tcp"] + (["uvloop"] if HAVE_UVLOOP else []):
-            loop = "asyncio" if name == "tcp" else name
-            options = {"transport": "tcp"} if name == "tcp" else {}
+        for name in ["asyncio", "tcp"] + (["uvloop"] if HAVE_UVLOOP else []) + (["ucx"] if HAVE_UCX else []):
+            loop = "asyncio" if name in ("tcp", "ucx") else name
+            options = {"transport": name} if name in ("tcp", "ucx") else {}
             a = group.start(f"a-{name}", dd.LLMRole.PROMPT, A, loop=loop, options=options)
             b = group.start(f"b-{name}", dd.LLMRole.DECODER, B, loop=loop, options=options)
             assert a.link(b) == (SUCCESS, [SUCCESS])
-            path = "tcp" if name == "tcp" else "same_host"
+            path = name if name in ("tcp", "ucx") else "same_host"
             assert a.datadist("link_transport", B) == path
             assert wait_for_path(b, A, path)
             made[name] = (a, b)
@@ -89,6 +90,7 @@ def _pair(pairs: dict[str, tuple[Peer, Peer]], loop: str, via: str) -> Iterator[
         pytest.param(("asyncio", "async"), id="asyncio"),
         pytest.param(("uvloop", "async"), id="uvloop", marks=pytest.mark.skipif(not HAVE_UVLOOP, reason="no uvloop")),
         pytest.param(("tcp", "async"), id="tcp"),
+        pytest.param(("ucx", "async"), id="ucx", marks=pytest.mark.skipif(not HAVE_UCX, reason=f"no UCX: {UCX_WHY}")),
     ]
 )
 def pair(request, pairs) -> Iterator[Pair]:

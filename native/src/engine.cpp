@@ -104,6 +104,7 @@ Status Engine::initialize(const OptionMap &options) {
   transport_options.connections_per_peer = parsed.tcp_connections_per_peer;
   transport_options.io_threads = parsed.io_threads;
   transport_options.same_host = parsed.same_host;
+  transport_options.ucx = parsed.ucx;
   transport_options.auth_key = parsed.auth_key;
   transport_options.handshake_timeout_ms = static_cast<int>(parsed.handshake_timeout_ms);
   transport_options.answers = &completions_->answers();
@@ -123,6 +124,8 @@ Status Engine::initialize(const OptionMap &options) {
     }
   }
   auto transport = std::make_unique<TcpTransport>(cluster_id_, role_code(parsed.role), registry_, transport_options);
+  st = transport->start_ucx();
+  if (st != LLM_SUCCESS) return st;
   if (parsed.listen_ip) {
     st = transport->listen(*parsed.listen_ip, parsed.listen_port);
     if (st != LLM_SUCCESS) return st;
@@ -348,7 +351,10 @@ std::map<std::string, uint64_t> Engine::link_stats(uint64_t peer) const {
           {"staged_bytes_served", stats.device.staged_bytes_served},
           {"fd_frames", stats.device.fd_frames},
           {"fd_bytes_served", stats.device.fd_bytes_served},
-          {"fd_imports", stats.device.fd_imports}};
+          {"fd_imports", stats.device.fd_imports},
+          {"ucx_frames", stats.device.ucx_frames},
+          {"ucx_fallbacks", stats.device.ucx_fallbacks},
+          {"ucx_bytes_served", stats.device.ucx_bytes_served}};
 }
 
 std::map<std::string, uint64_t> Engine::answer_counts() const { return completions_->answers().answer_counts(); }

@@ -193,8 +193,11 @@ Status parse_options(const OptionMap &options, EngineOptions &out) {
     out.io_threads = static_cast<uint32_t>(value);
   }
   if (const std::string *transport = find(options, kOptTransport)) {
-    if (*transport != "auto" && *transport != "tcp") return LLM_PARAM_INVALID;
+    if (*transport != "auto" && *transport != "tcp" && *transport != "ucx") {
+      return refuse(LLM_PARAM_INVALID, "llm.Transport must be auto, tcp or ucx, got '" + *transport + "'");
+    }
     out.same_host = *transport == "auto";
+    out.ucx = *transport == "ucx";
   }
   if (const std::string *key = find(options, kOptAuthKey)) {
     if (key->empty()) return LLM_PARAM_INVALID;

@@ -68,6 +68,7 @@ struct EngineOptions {
   uint32_t tcp_connections_per_peer = 2;
   uint32_t io_threads = 0;  // 0: one per core
   bool same_host = true;  // llm.Transport "auto"
+  bool ucx = false;        // llm.Transport "ucx"
   std::string auth_key;   // llm.AuthKey, else $DATADIST_AIO_AUTH_KEY
   uint32_t handshake_timeout_ms = 5000;
   uint32_t answer_sweep_ms = 100;

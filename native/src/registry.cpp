@@ -1,5 +1,7 @@
 #include "registry.h"
 
+#include "transport/ucx_path.h"
+
 #include <set>
 
 #include "error_detail.h"
@@ -16,6 +18,7 @@ constexpr uint8_t kBlocksKeys = 2;
 }  // namespace
 
 CacheEntry::~CacheEntry() {
+  ucx_maps.clear();  // unmapped while the memory is there
   if (pool) pool->free(pool_block);
   if (device_allocated) device->free(addrs);
 }

@@ -25,6 +25,10 @@ namespace datadist {
 
 constexpr uint64_t kInvalidId = UINT64_MAX;
 
+namespace ucx {
+class Mapping;
+}
+
 struct CacheEntry {
   CacheEntry() = default;
   ~CacheEntry();
@@ -43,6 +47,10 @@ struct CacheEntry {
   // device addresses, which the engine never dereferences.
   std::shared_ptr<cuda::Device> device;
   bool device_allocated = false;  // the engine allocated `addrs` and frees them
+  // Tensors mapped for UCX peers (transport/ucx_path.h), each on its first
+  // use; unmapped before the memory is freed.
+  std::mutex ucx_mu;
+  std::vector<std::shared_ptr<ucx::Mapping>> ucx_maps;
 };
 
 // A key as the user spells it: `req_id` (or `prefix_id` when it is not the

@@ -34,7 +34,8 @@ Link::Link(uint64_t peer_id, uint32_t peer_role, bool initiated_here, std::vecto
       peer_memory_(std::move(paths.peer_memory)),
       answer_fd_(paths.answers),
       peer_opens_device_(paths.peer_opens_device),
-      peer_takes_fds_(paths.peer_opens_device && paths.peer_takes_fds) {
+      peer_takes_fds_(paths.peer_opens_device && paths.peer_takes_fds),
+      ucx_(std::move(paths.ucx)) {
   for (int fd : fds) conns_.push_back(std::make_unique<Connection>(fd));
 }
 
@@ -85,6 +86,12 @@ bool Link::start() {
     OutFrame hello;
     hello.header = wire::make_header(FrameType::kPeerCopies, 0, 0, 0);
     conns_[0]->queue.push_back(std::move(hello));
+  }
+  if (ucx_) {
+    std::weak_ptr<Link> weak = self;
+    ucx_->on_error([weak](const std::string &why) {
+      if (auto link = weak.lock()) link->fail(llm_datadist::LLM_LINK_FAILED, why);
+    });
   }
   IoLoop &loop = host_->io_loop();
   for (size_t i = 0; i < conns_.size(); ++i) {
@@ -536,7 +543,31 @@ void Link::send_planned(bool write, PlannedFrame &planned, const std::shared_ptr
                 export_all(*device, planned, peer_takes_fds_, exports) &&
                 body_bytes + 2 * sizeof(uint32_t) + exports.size() * sizeof(wire::DeviceExport) <= wire::kMaxBodyBytes;
   }
+  // UCX: host memory goes as a frame naming it, with the keys of the
+  // tensors it lies in; otherwise (or where its keys cannot be had) inline.
+  std::vector<std::shared_ptr<ucx::Mapping>> keys;
+  bool ucx = false;
+  if (ucx_ && !device && exports_ok) {
+    std::string why;
+    size_t key_bytes = 2 * sizeof(uint32_t);
+    if (ucx::keys_for(ucx_->worker(), host_->registry(), planned.local, keys, why)) {
+      for (const auto &k : keys) key_bytes += sizeof(wire::UcxKey) + (k->rkey().size() + 7) / 8 * 8;
+      const size_t with_segments =
+          sizeof(wire::Target) + planned.ranges.size() * (sizeof(wire::Range) + sizeof(wire::Segment)) +
+          planned.strides.size() * sizeof(wire::Stride) + planned.bounds.size() * sizeof(wire::Range);
+      ucx = with_segments + key_bytes <= wire::kMaxBodyBytes;
+    } else if (!ucx_unmapped_logged_.exchange(true)) {
+      log_warning("link to cluster " + std::to_string(peer_id_) + ": an operation goes inline, not by UCX: " + why);
+    }
+    if (!ucx) keys.clear();
+    same_host = ucx;
+  }
   std::shared_ptr<PlannedFrame> resend;
+  if (ucx) {
+    ucx_frames_.fetch_add(1, std::memory_order_relaxed);
+    resend = std::make_shared<PlannedFrame>(planned);  // for a peer whose memory is a device's
+    planned.target.flags |= wire::kUcxSegments;
+  }
   if (device) {
     (same_host ? ipc_frames_ : staged_frames_).fetch_add(1, std::memory_order_relaxed);
     if (same_host && std::any_of(exports.begin(), exports.end(),
@@ -560,6 +591,7 @@ void Link::send_planned(bool write, PlannedFrame &planned, const std::shared_ptr
     for (wire::Stride &s : planned.strides) s.segment_stride = 0;
   }
   out.body = wire::encode_request(planned.target, planned.ranges, planned.bounds, segments, planned.strides, exports);
+  if (ucx) ucx::encode_keys(keys, out.body);
   const FrameType type = same_host ? (write ? FrameType::kWriteFrom : FrameType::kReadInto)
                                    : (write ? FrameType::kWrite : FrameType::kRead);
   out.header = wire::make_header(type, 0, static_cast<uint32_t>(out.body.size()), write && !same_host ? data_len : 0);
@@ -580,6 +612,7 @@ void Link::send_planned(bool write, PlannedFrame &planned, const std::shared_ptr
     op.write = write;
     op.resend = std::move(resend);
     if (op.resend) op.device = device;
+    op.ucx = ucx;
     if (!write && !same_host) {
       op.recv = std::move(planned.local);
       op.recv_bytes = data_len;
@@ -885,7 +918,11 @@ bool Link::handle_frame(Connection &conn, const FrameHeader &header, std::vector
     case FrameType::kReadInto: {
       wire::Request req;
       std::string problem = wire::decode_request(body, req, true);
-      if (problem.empty() && !peer_memory_) problem = "same-host frame, but this end cannot reach the peer's memory";
+      const bool by_ucx = (req.target.flags & wire::kUcxSegments) != 0;
+      if (problem.empty() && by_ucx && !ucx_) problem = "UCX frame on a link without UCX";
+      if (problem.empty() && !by_ucx && !peer_memory_) {
+        problem = "same-host frame, but this end cannot reach the peer's memory";
+      }
       if (!problem.empty()) {
         fail(LLM_LINK_FAILED, "malformed request from the peer (" + problem + "); closing the link");
         return false;
@@ -1013,6 +1050,10 @@ void Link::serve_peer_copy(Connection &conn, const FrameHeader &header, const wi
     serve_device_copy(conn, header, req, write);
     return;
   }
+  if (!req.ucx_keys.empty()) {
+    serve_ucx(conn, header, req, write);
+    return;
+  }
   ResolvedTarget target;
   Status st = resolve_in_group(req, target);
   // The peer's own ranges, checked before any byte moves: a write reads
@@ -1112,6 +1153,97 @@ bool Link::open_exports(const std::vector<wire::DeviceExport> &exports, const st
   return true;
 }
 
+void Link::serve_ucx(Connection &conn, const FrameHeader &header, const wire::Request &req, bool write) {
+  const FrameType type = write ? FrameType::kWriteAck : FrameType::kReadData;
+  ResolvedTarget target;
+  Status st = resolve_in_group(req, target);
+  if (st == LLM_SUCCESS && target.device) {
+    // UCX moves host memory here: the initiator sends the frame again inline.
+    send_answer(conn, answer(type, header.op_id, llm_datadist::LLM_FEATURE_NOT_ENABLED,
+                             "this end's cache is device memory, which its UCX does not reach"));
+    return;
+  }
+  if (st != LLM_SUCCESS) {
+    send_answer(conn, answer(type, header.op_id, st, target.why));
+    return;
+  }
+  // One get or put per key: this end's ranges (checked above) against the
+  // initiator's, which the key bounds.
+  std::vector<std::vector<datadist_ucx_range>> by_key(req.ucx_keys.size());
+  for (size_t i = 0; i < req.segments.size(); ++i) {
+    by_key[req.segment_key[i]].push_back({static_cast<uint64_t>(reinterpret_cast<uintptr_t>(target.iov[i].iov_base)),
+                                          req.segments[i].addr, req.segments[i].length});
+  }
+  struct Served {
+    std::shared_ptr<Link> link;
+    Connection *conn;
+    uint64_t op_id;
+    bool write;
+    wire::Request req;
+    std::shared_ptr<const void> pin;  // this end's cache, alive until UCX is done with it
+    std::mutex mu;
+    size_t left = 0;
+    int status = 0;
+    std::string why;
+  };
+  auto served = std::make_shared<Served>();
+  served->link = shared_from_this();
+  served->conn = &conn;
+  served->op_id = header.op_id;
+  served->write = write;
+  served->req = req;
+  served->pin = target.entry;
+  // Settles the frame once every get (or every put and the flush) is done.
+  auto finish = [served](int status, const std::string &why) {
+    bool last;
+    {
+      std::lock_guard<std::mutex> lock(served->mu);
+      if (status != 0 && served->status == 0) {
+        served->status = status;
+        served->why = why;
+      }
+      last = --served->left == 0;
+    }
+    if (!last) return;
+    Link &link = *served->link;
+    if (!link.begin_work()) return;
+    Status result = LLM_SUCCESS;
+    std::string words;
+    if (served->status != 0) {
+      words = std::string("UCX could not ") + (served->write ? "read the initiator's memory: " : "write the initiator's memory: ") +
+              (served->why.empty() ? link.ucx_->worker()->describe(served->status) : served->why);
+      log_warning("link to cluster " + std::to_string(link.peer_id_) + ": " + words);
+      result = llm_datadist::LLM_FAILED;
+      link.refuse_group(served->req.target.group);
+    } else {
+      link.ucx_bytes_served_.fetch_add(served->req.total_bytes, std::memory_order_relaxed);
+      if (!served->write) link.note_read(served->req);
+    }
+    link.send_answer(*served->conn,
+                     answer(served->write ? FrameType::kWriteAck : FrameType::kReadData, served->op_id, result, words));
+    link.end_work();
+  };
+  size_t posts = 0;
+  for (const auto &ranges : by_key) posts += ranges.empty() ? 0 : 1;
+  served->left = posts + (write ? 0 : 1) + 1;  // the gets or puts, the flush, and this thread's hold
+  std::string why;
+  bool posted = true;
+  for (size_t k = 0; k < by_key.size() && posted; ++k) {
+    if (by_key[k].empty()) continue;
+    posted = write ? ucx_->get(req.ucx_key_bytes[k], by_key[k], finish, why)
+                   : ucx_->put(req.ucx_key_bytes[k], by_key[k], finish, why);
+    if (!posted) {
+      // This post and those never tried end here.
+      size_t never = 0;
+      for (size_t j = k; j < by_key.size(); ++j) never += by_key[j].empty() ? 0 : 1;
+      for (size_t j = 0; j < never; ++j) finish(-1, why);
+      if (!write) finish(-1, why);
+    }
+  }
+  if (posted && !write && !ucx_->flush(finish, why)) finish(-1, why);
+  finish(0, {});
+}
+
 void Link::serve_device_copy(Connection &conn, const FrameHeader &header, const wire::Request &req, bool write) {
   ResolvedTarget target;
   Status st = resolve_in_group(req, target);
@@ -1201,6 +1333,9 @@ DevicePathStats Link::device_path_stats() const {
   s.staged_bytes_served = staged_bytes_served_.load(std::memory_order_relaxed);
   s.fd_frames = fd_frames_.load(std::memory_order_relaxed);
   s.fd_bytes_served = fd_bytes_served_.load(std::memory_order_relaxed);
+  s.ucx_frames = ucx_frames_.load(std::memory_order_relaxed);
+  s.ucx_fallbacks = ucx_fallbacks_.load(std::memory_order_relaxed);
+  s.ucx_bytes_served = ucx_bytes_served_.load(std::memory_order_relaxed);
   std::lock_guard<std::mutex> lock(opened_mu_);
   for (const auto &entry : opened_) s.fd_imports += entry.second->imported() ? 1 : 0;
   return s;
@@ -1280,6 +1415,13 @@ bool Link::take_answer(const FrameHeader &header, std::vector<uint8_t> &body, Co
     fail(LLM_LINK_FAILED, "unexpected answer from the peer (frame type " + std::to_string(header.type) + " for op " +
                               std::to_string(header.op_id) + ": " + unknown + "); closing the link");
     return false;
+  }
+  if (resend.resend && resend.ucx) {
+    // The peer's memory is a device's, which UCX does not reach there.
+    ucx_fallbacks_.fetch_add(1, std::memory_order_relaxed);
+    send_planned(resend.write, *resend.resend, resend.request, resend.result_index, resend.deadline, resend.pin,
+                 resend.device, false);
+    return true;
   }
   if (resend.resend) {
     exports_refused_.store(true, std::memory_order_release);

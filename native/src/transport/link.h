@@ -39,6 +39,7 @@
 #include "transport/same_host.h"
 #include "transport/socket_util.h"
 #include "transport/target_resolver.h"
+#include "transport/ucx_path.h"
 #include "transport/wire.h"
 
 namespace datadist {
@@ -92,6 +93,10 @@ struct LinkPaths {
   // The peer also takes exports of cuMemCreate memory as descriptors of
   // this end's process (wire::kDeviceFds).
   bool peer_takes_fds = false;
+  // Both ends move bytes with UCX: the endpoint to the peer's worker.
+  // Operations started here on host memory go as frames naming it with
+  // its keys (wire::kUcxSegments); the peer reads or writes it with UCX.
+  std::shared_ptr<ucx::Peer> ucx;
 };
 
 // Which path device bytes took on a link, counted since it formed.
@@ -113,6 +118,12 @@ struct DevicePathStats {
   uint64_t fd_frames = 0;
   uint64_t fd_bytes_served = 0;
   uint64_t fd_imports = 0;
+  // UCX links. Initiator side: frames sent naming this end's memory for
+  // the peer to move with UCX, and those sent again inline because the
+  // peer's memory was a device's. Owner side: bytes this end moved with UCX.
+  uint64_t ucx_frames = 0;
+  uint64_t ucx_fallbacks = 0;
+  uint64_t ucx_bytes_served = 0;
 };
 
 // One frame of an operation, planned by the initiator.
@@ -150,7 +161,11 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader, pub
   // copies them with one kernel call; an operation on device memory of
   // this end goes as a same-host frame naming its exported allocations
   // where both ends can, else inline, staged) or "tcp".
-  const char *transport() const { return peer_copies_.load(std::memory_order_acquire) ? "same_host" : "tcp"; }
+  // "ucx": both ends move bytes with UCX (the peer reads or writes this
+  // end's host memory; device memory goes inline).
+  const char *transport() const {
+    return ucx_ ? "ucx" : peer_copies_.load(std::memory_order_acquire) ? "same_host" : "tcp";
+  }
 
   // Sends the frames of one operation; each settles `result_index` of
   // `request` (one hold per frame is taken here). `pin` stays alive until
@@ -272,6 +287,7 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader, pub
     // planned, sent again inline if the owner cannot open the exports.
     std::shared_ptr<PlannedFrame> resend;
     bool write = false;
+    bool ucx = false;  // a UCX frame: a resend is for the peer's device memory
   };
 
   // Registers and sends one planned frame (its hold on `request` taken);
@@ -368,6 +384,10 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader, pub
   void note_read(const wire::Request &req);
   // A same-host write (copy from the peer) or read (copy into the peer).
   void serve_peer_copy(Connection &conn, const wire::FrameHeader &header, const wire::Request &req, bool write);
+  // A UCX frame: checks this end's ranges, then gets the peer's memory
+  // into them (write) or puts them into it and flushes (read); answers
+  // once UCX is done, from the thread that progresses the worker.
+  void serve_ucx(Connection &conn, const wire::FrameHeader &header, const wire::Request &req, bool write);
   // An answer from a connection (its data to be read from it) or from the
   // answer socket (`conn` is null).
   bool take_answer(const wire::FrameHeader &header, std::vector<uint8_t> &body, Connection *conn);
@@ -428,6 +448,10 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader, pub
   std::atomic<uint64_t> ipc_frames_{0}, ipc_fallbacks_{0}, staged_frames_{0};
   std::atomic<uint64_t> ipc_bytes_served_{0}, staged_bytes_served_{0};
   std::atomic<uint64_t> fd_frames_{0}, fd_bytes_served_{0};
+  // The UCX path (null: the link has none).
+  const std::shared_ptr<ucx::Peer> ucx_;
+  std::atomic<uint64_t> ucx_frames_{0}, ucx_fallbacks_{0}, ucx_bytes_served_{0};
+  std::atomic<bool> ucx_unmapped_logged_{false};  // said once that some memory goes inline
   // Owner side: the peer's allocations opened here, by handle and device;
   // closed when the link is reaped (or dropped past kMaxOpened).
   mutable std::mutex opened_mu_;

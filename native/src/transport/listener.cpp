@@ -385,6 +385,7 @@ void Listener::greeted(Waiting &w, Clock::time_point now) {
   f.link.transcripts[h.conn_index] = std::move(w.transcript);
   if (w.hello.names_socket()) f.link.local_sockets[h.conn_index] = w.hello.local_socket;
   if (w.hello.names_answer_socket() && h.conn_index == 0) f.link.answer_socket = w.hello.answer_socket;
+  if (w.hello.offers_ucx() && h.conn_index == 0) f.link.ucx_address = w.hello.ucx_address;
   if (++f.arrived < f.link.fds.size()) return;
   FormedLink link = std::move(f.link);
   forming_.erase(it);

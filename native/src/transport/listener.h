@@ -62,6 +62,8 @@ struct FormedLink {
   std::vector<int64_t> local_sockets;
   // The initiator's answer socket (kAnswerSocket, first connection's hello), or -1.
   int64_t answer_socket = -1;
+  // The initiator's UCX worker address (kOffersUcx, first connection's hello), or empty.
+  std::string ucx_address;
 };
 
 struct ListenerStats {

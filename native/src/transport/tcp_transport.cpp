@@ -13,6 +13,7 @@
 #include <random>
 #include <type_traits>
 
+#include "error_detail.h"
 #include "log.h"
 #include "thread_name.h"
 #include "transport/auth.h"
@@ -85,6 +86,14 @@ TcpTransport::TcpTransport(uint64_t cluster_id, uint32_t role, Registry &registr
 }
 
 TcpTransport::~TcpTransport() { shutdown(llm_datadist::LLM_LINK_FAILED); }
+
+Status TcpTransport::start_ucx() {
+  if (!options_.ucx || ucx_) return LLM_SUCCESS;
+  std::string why;
+  ucx_ = ucx::Worker::create(io_loop_, why);
+  if (!ucx_) return refuse(llm_datadist::LLM_FEATURE_NOT_ENABLED, "transport \"ucx\": " + why);
+  return LLM_SUCCESS;
+}
 
 Status TcpTransport::listen(const std::string &ip, uint16_t port) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -164,6 +173,21 @@ void TcpTransport::admit(FormedLink &formed) {
     close_all(formed.fds);
     return;
   }
+  // A UCX end links only with a peer that offers UCX too.
+  std::shared_ptr<ucx::Peer> ucx_peer;
+  if (options_.ucx) {
+    std::string why = formed.ucx_address.empty() ? "it does not move bytes with UCX (its transport is not \"ucx\")"
+                                                 : std::string();
+    if (why.empty()) ucx_peer = ucx::Peer::connect(ucx_, formed.ucx_address, why);
+    if (!ucx_peer) {
+      log_warning("refused a link from " + std::to_string(peer_id) + ": " + why);
+      send_to_all(formed.fds, handshake::frame(FrameType::kHelloAck, ack.bytes(), LLM_LINK_FAILED));
+      close_all(formed.fds);
+      return;
+    }
+    ack.fixed.flags |= wire::kOffersUcx;
+    ack.ucx_address = ucx_->address();
+  }
   // The peer linked again: its old link is gone.
   if (existing) existing->fail(LLM_LINK_FAILED, "replaced by a new link from the same cluster");
   if (formed.fds.size() < formed.asked) {
@@ -173,6 +197,7 @@ void TcpTransport::admit(FormedLink &formed) {
   // Both ends want the same-host path: this end offers its own memory and
   // says whether it reached the initiator's.
   LinkPaths paths;
+  paths.ucx = std::move(ucx_peer);
   paths.offered = options_.same_host && formed.offers_same_host;
   if (paths.offered) {
     paths.peer_memory = reach(peer_id, formed.same_host);
@@ -262,6 +287,10 @@ Status TcpTransport::greet(int fd, uint64_t peer_id, uint64_t nonce, uint32_t in
         hello.answer_socket = static_cast<uint32_t>(answer_socket);
       }
     }
+  }
+  if (options_.ucx && index == 0) {
+    hello.fixed.flags |= wire::kOffersUcx;
+    hello.ucx_address = ucx_->address();
   }
   const bool authed = !options_.auth_key.empty();
   if (authed) {
@@ -397,6 +426,15 @@ Status TcpTransport::link(uint64_t peer_id, const std::string &ip, uint16_t port
     paths.peer_takes_fds = (ack.fixed.flags & wire::kDeviceFds) != 0;
     paths.peer_memory = reach(peer_id, ack.same_host);
     paths.announce = true;
+  }
+  // A UCX end links only with a peer that answers with its UCX worker.
+  if (st == LLM_SUCCESS && options_.ucx) {
+    std::string why = ack.offers_ucx() ? std::string() : "it does not move bytes with UCX (its transport is not \"ucx\")";
+    if (why.empty()) paths.ucx = ucx::Peer::connect(ucx_, ack.ucx_address, why);
+    if (!paths.ucx) {
+      log_warning("link to cluster " + std::to_string(peer_id) + " at " + ip + ":" + std::to_string(port) + ": " + why);
+      st = LLM_LINK_FAILED;
+    }
   }
   // The acceptor took the local sockets: the link runs on this end's halves.
   if (st == LLM_SUCCESS && (ack.fixed.flags & wire::kLocalSocket) != 0) {
@@ -663,6 +701,9 @@ void TcpTransport::shutdown(Status reason) {
   }
   for (auto &link : links) link->fail(reason, "");
   reap(links);
+  // Caches may keep mappings (and so the worker) past the loop: it stops
+  // watching the worker now.
+  if (ucx_) ucx_->stop();
   std::lock_guard<std::mutex> lock(mu_);
   links_.clear();
   down_.clear();

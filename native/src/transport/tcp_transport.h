@@ -28,6 +28,7 @@
 #include "registry.h"
 #include "transport/link.h"
 #include "transport/listener.h"
+#include "transport/ucx_path.h"
 
 namespace datadist {
 
@@ -46,6 +47,9 @@ struct TransportOptions {
   AnswerHub *answers = nullptr;
   // The I/O loop's threads; 0: one per core.
   uint32_t io_threads = 0;
+  // Move operations' bytes with UCX (transport "ucx"): links are made only
+  // with peers that say so too (start_ucx() first).
+  bool ucx = false;
 };
 
 // Links per process, as upstream's limit; one more is refused with
@@ -60,6 +64,9 @@ class TcpTransport : public LinkHost {
   TcpTransport &operator=(const TcpTransport &) = delete;
 
   // Starts listening; the bound port is listen_port().
+  // With options.ucx: makes the UCX worker; LLM_FEATURE_NOT_ENABLED with
+  // the reason when UCX is missing or refuses. Before any link.
+  Status start_ucx();
   Status listen(const std::string &ip, uint16_t port);
   void stop_listening();
   uint16_t listen_port() const;
@@ -146,6 +153,8 @@ class TcpTransport : public LinkHost {
   const TransportOptions options_;
   same_host::CopyPool copy_pool_;
   IoLoop io_loop_;  // outlives every link: shutdown() reaps them all
+  // The UCX worker (options.ucx), progressed by io_loop_ until shutdown().
+  std::shared_ptr<ucx::Worker> ucx_;
   std::atomic<bool> refusal_logged_{false};  // the kernel refused same-host copies
   std::atomic<bool> socket_refusal_logged_{false};  // the kernel refused to hand over a local socket
 

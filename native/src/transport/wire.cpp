@@ -62,6 +62,32 @@ std::vector<uint8_t> encode_request(const Target &target, const std::vector<Rang
 
 namespace {
 
+// The key table of a kUcxSegments body, from `at` to its end.
+std::string decode_ucx_keys(const std::vector<uint8_t> &body, size_t at, Request &out) {
+  uint32_t head[2] = {0, 0};
+  if (body.size() < at + sizeof(head)) return "UCX key table missing";
+  std::memcpy(head, body.data() + at, sizeof(head));
+  if (head[0] == 0 || head[0] > kMaxUcxKeys || head[1] != 0) return "bad UCX key count";
+  at += sizeof(head);
+  for (uint32_t i = 0; i < head[0]; ++i) {
+    UcxKey key{};
+    if (body.size() - at < sizeof(key)) return "UCX key table too short";
+    std::memcpy(&key, body.data() + at, sizeof(key));
+    at += sizeof(key);
+    if (key.key_length == 0 || key.key_length > kMaxUcxKeyBytes || key.zero != 0 || key.length == 0 ||
+        key.base + key.length < key.base) {
+      return "bad UCX key";
+    }
+    const size_t padded = (static_cast<size_t>(key.key_length) + 7) / 8 * 8;
+    if (body.size() - at < padded) return "UCX key table too short";
+    out.ucx_keys.push_back(key);
+    out.ucx_key_bytes.emplace_back(reinterpret_cast<const char *>(body.data() + at), key.key_length);
+    at += padded;
+  }
+  if (at != body.size()) return "UCX key table length mismatch";
+  return {};
+}
+
 // Replaces each strided range (and its segment) by the ranges it stands for.
 std::string unroll(const std::vector<Stride> &strides, Request &out) {
   const bool with_segments = !out.segments.empty();
@@ -109,9 +135,13 @@ std::string decode_request(const std::vector<uint8_t> &body, Request &out, bool 
   std::memcpy(&out.target, body.data(), sizeof(Target));
   const Target &t = out.target;
   if (t.kind < kById || t.kind > kRawAddress) return "unknown target kind";
-  if ((t.flags & ~(kWithinSlot | kReleaseKey | kStrided | kDeviceSegments)) != 0) return "unknown target flags";
+  if ((t.flags & ~(kWithinSlot | kReleaseKey | kStrided | kDeviceSegments | kUcxSegments)) != 0) {
+    return "unknown target flags";
+  }
   const bool device_segments = (t.flags & kDeviceSegments) != 0;
-  if (device_segments && !with_segments) return "device segments without segments";
+  const bool ucx_segments = (t.flags & kUcxSegments) != 0;
+  if ((device_segments || ucx_segments) && !with_segments) return "device segments without segments";
+  if (device_segments && ucx_segments) return "device and UCX segments together";
   if ((t.flags & kReleaseKey) != 0 && t.kind != kByKey) return "key release without a key";
   if (t.range_count > kMaxRanges || t.bound_count > kMaxBounds) return "too many ranges";
   const size_t count = static_cast<size_t>(t.range_count) + t.bound_count;
@@ -139,6 +169,9 @@ std::string decode_request(const std::vector<uint8_t> &body, Request &out, bool 
         return "bad device fd export";
       }
     }
+  } else if (ucx_segments) {
+    std::string problem = decode_ucx_keys(body, fixed, out);
+    if (!problem.empty()) return problem;
   } else if (body.size() != fixed) {
     return "range table length mismatch";
   }
@@ -172,6 +205,21 @@ std::string decode_request(const std::vector<uint8_t> &body, Request &out, bool 
   }
   for (const Segment &s : out.segments) {
     if (s.addr + s.length < s.addr) return "segment wraps around the address space";
+  }
+  if (ucx_segments) {
+    // Each segment inside one key's range.
+    out.segment_key.resize(out.segments.size());
+    for (size_t i = 0; i < out.segments.size(); ++i) {
+      const Segment &s = out.segments[i];
+      size_t k = 0;
+      while (k < out.ucx_keys.size() && !(s.addr >= out.ucx_keys[k].base &&
+                                          s.length <= out.ucx_keys[k].length &&
+                                          s.addr - out.ucx_keys[k].base <= out.ucx_keys[k].length - s.length)) {
+        ++k;
+      }
+      if (k == out.ucx_keys.size()) return "UCX segment outside every key";
+      out.segment_key[i] = static_cast<uint32_t>(k);
+    }
   }
   if (device_segments) {
     // Each segment's export: the greatest base at or below its address.

@@ -113,7 +113,14 @@ enum HelloFlags : uint32_t {
   // of the peer's process (pidfd_getfd). An end names such exports only to
   // a peer that said so.
   kDeviceFds = 128,
+  // Hello or ack: the sender moves operations' bytes with UCX (its
+  // transport is "ucx"); a uint32 length and its UCX worker's address of
+  // that many bytes follow the other parts, before the authentication
+  // bytes. A link is a UCX link when both said so.
+  kOffersUcx = 256,
 };
+// The longest UCX worker address a hello or ack may carry.
+constexpr uint32_t kMaxUcxAddress = 8192;
 
 // A hello is followed by a SameHostInfo when its flags offer the same-host
 // path, then by its local socket's number (kLocalSocket), then by the
@@ -154,6 +161,10 @@ enum TargetFlags : uint8_t {
   // Same-host frames only: the segments are addresses in the initiator's
   // device memory, and an export table follows them (see DeviceExport).
   kDeviceSegments = 8,
+  // Same-host frame types on a UCX link: the segments are addresses in the
+  // initiator's host memory that the owner reaches with UCX, and a key
+  // table follows them (see UcxKey). Not beside kDeviceSegments.
+  kUcxSegments = 16,
 };
 
 // Names a cache on the owner and how the initiator sees its geometry.
@@ -229,6 +240,20 @@ struct DeviceFd {
 static_assert(sizeof(DeviceFd) == 24, "device fd layout");
 constexpr uint32_t kMaxExports = 1024;
 
+// With kUcxSegments, after the segments: a uint32 count, a uint32 zero,
+// then `count` keys, each this and then its `key_length` packed bytes,
+// padded with zeros to a multiple of 8. A key covers [base, base + length)
+// of the initiator's memory; every segment must lie inside one of them.
+struct UcxKey {
+  uint64_t base;
+  uint64_t length;
+  uint32_t key_length;
+  uint32_t zero;
+};
+static_assert(sizeof(UcxKey) == 24, "ucx key layout");
+constexpr uint32_t kMaxUcxKeys = 256;
+constexpr uint32_t kMaxUcxKeyBytes = 4096;
+
 struct LookupReply {
   int64_t cache_id;
   uint32_t num_tensors;
@@ -257,12 +282,18 @@ struct Request {
   // the export it lies in.
   std::vector<DeviceExport> exports;
   std::vector<uint32_t> segment_export;
+  // kUcxSegments: the keys (their packed bytes), and for each segment the
+  // index of the key it lies in.
+  std::vector<UcxKey> ucx_keys;
+  std::vector<std::string> ucx_key_bytes;
+  std::vector<uint32_t> segment_key;
   uint64_t total_bytes = 0;
 };
 
 // Encodes a target, ranges, bounds, (same-host frames) segments, when not
 // empty one stride per range (sets kStrided) and, when not empty, the
-// export table of device segments (sets kDeviceSegments) into a body.
+// export table of device segments (sets kDeviceSegments) into a body. A
+// target with kUcxSegments has its key table appended by the caller.
 std::vector<uint8_t> encode_request(const Target &target, const std::vector<Range> &ranges,
                                     const std::vector<Range> &bounds = {},
                                     const std::vector<Segment> &segments = {},

@@ -1,0 +1,282 @@
+#include "transport/ucx_path.h"
+
+#include <sys/epoll.h>
+
+#include <cstring>
+#include <utility>
+
+#include "log.h"
+
+namespace datadist::ucx {
+
+std::shared_ptr<Worker> Worker::create(IoLoop &loop, std::string &why) {
+  const Plugin *plugin = load_plugin(why);
+  if (plugin == nullptr) return nullptr;
+  std::shared_ptr<Worker> w(new Worker());
+  w->plugin_ = plugin;
+  int st = w->api().worker_create(&w->worker_);
+  if (st != DATADIST_UCX_OK) {
+    why = "UCX refused a worker: " + plugin->describe(st);
+    w->worker_ = nullptr;
+    return nullptr;
+  }
+  const void *address = nullptr;
+  size_t length = 0;
+  int fd = -1;
+  st = w->api().worker_address(w->worker_, &address, &length);
+  if (st == DATADIST_UCX_OK && length > wire::kMaxUcxAddress) {
+    why = "the UCX worker's address is " + std::to_string(length) + " bytes, past the handshake's " +
+          std::to_string(wire::kMaxUcxAddress);
+    return nullptr;
+  }
+  if (st == DATADIST_UCX_OK) st = w->api().event_fd(w->worker_, &fd);
+  if (st != DATADIST_UCX_OK) {
+    why = "UCX worker: " + plugin->describe(st);
+    return nullptr;
+  }
+  w->address_.assign(static_cast<const char *>(address), length);
+  w->loop_ = &loop;
+  w->io_id_ = loop.add(fd, w, 0);
+  if (w->io_id_ == 0) {
+    why = "the I/O loop refused the UCX worker's event fd";
+    return nullptr;
+  }
+  // Whatever came before the first wait is progressed by the first wake.
+  w->on_ready(0, 0);
+  return w;
+}
+
+Worker::~Worker() {
+  stop();
+  if (worker_ != nullptr) api().worker_destroy(worker_);
+}
+
+void Worker::stop() {
+  std::lock_guard<std::mutex> lock(stop_mu_);
+  if (io_id_ != 0) loop_->remove(io_id_);
+  io_id_ = 0;
+}
+
+void Worker::on_ready(uint64_t, uint32_t) {
+  for (;;) {
+    while (api().progress(worker_) != 0) {
+    }
+    if (api().arm(worker_) != DATADIST_UCX_BUSY) break;
+  }
+  std::lock_guard<std::mutex> lock(stop_mu_);
+  if (io_id_ != 0 && !loop_->arm(io_id_, EPOLLIN)) {
+    log_warning("UCX: the I/O loop no longer watches the worker's event fd");
+  }
+}
+
+void Worker::poke() { api().progress(worker_); }
+
+Mapping::~Mapping() {
+  const int st = worker_->api().mem_unmap(mem_);
+  if (st != DATADIST_UCX_OK) log_warning("UCX: unmapping a cache's memory: " + worker_->describe(st));
+}
+
+bool keys_for(const std::shared_ptr<Worker> &worker, Registry &registry, const std::vector<iovec> &local,
+              std::vector<std::shared_ptr<Mapping>> &out, std::string &why) {
+  out.clear();
+  for (const iovec &v : local) {
+    const auto addr = reinterpret_cast<uintptr_t>(v.iov_base);
+    bool known = false;
+    for (const auto &m : out) known = known || (addr >= m->base() && addr + v.iov_len <= m->base() + m->length());
+    if (known) continue;
+    std::shared_ptr<CacheEntry> entry = registry.find_by_address(addr, v.iov_len);
+    if (!entry || entry->device) {
+      why = "memory at " + std::to_string(addr) + " is not inside one registered host cache";
+      return false;
+    }
+    const uint64_t size = entry->geometry.tensor_size;
+    size_t t = 0;
+    while (t < entry->addrs.size() && !(addr >= reinterpret_cast<uintptr_t>(entry->addrs[t]) &&
+                                        addr + v.iov_len <= reinterpret_cast<uintptr_t>(entry->addrs[t]) + size)) {
+      ++t;
+    }
+    if (t == entry->addrs.size()) {
+      why = "memory at " + std::to_string(addr) + " is not inside one tensor";
+      return false;
+    }
+    std::shared_ptr<Mapping> mapping;
+    {
+      std::lock_guard<std::mutex> lock(entry->ucx_mu);
+      auto &slots = entry->ucx_maps;
+      if (slots.size() != entry->addrs.size()) slots.resize(entry->addrs.size());
+      if (!slots[t] || slots[t]->worker() != worker.get()) {
+        datadist_ucx_mem *mem = nullptr;
+        const void *rkey = nullptr;
+        size_t rkey_length = 0;
+        const int st = worker->api().mem_map(worker->handle(), entry->addrs[t], static_cast<size_t>(size), &mem,
+                                             &rkey, &rkey_length);
+        if (st != DATADIST_UCX_OK) {
+          why = "UCX could not map a tensor of cache " + std::to_string(entry->id) + ": " + worker->describe(st);
+          return false;
+        }
+        if (rkey_length == 0 || rkey_length > wire::kMaxUcxKeyBytes) {
+          worker->api().mem_unmap(mem);
+          why = "UCX's key for a tensor is " + std::to_string(rkey_length) + " bytes";
+          return false;
+        }
+        slots[t] = std::make_shared<Mapping>(worker, mem, reinterpret_cast<uintptr_t>(entry->addrs[t]), size,
+                                             std::string(static_cast<const char *>(rkey), rkey_length));
+      }
+      mapping = slots[t];
+    }
+    if (out.size() == wire::kMaxUcxKeys) {
+      why = "a frame over more than " + std::to_string(wire::kMaxUcxKeys) + " tensors";
+      return false;
+    }
+    out.push_back(std::move(mapping));
+  }
+  return true;
+}
+
+std::shared_ptr<Peer> Peer::connect(const std::shared_ptr<Worker> &worker, const std::string &address,
+                                    std::string &why) {
+  std::shared_ptr<Peer> peer(new Peer(worker));
+  // The plugin calls back (once, never after the close) with this pointer.
+  peer->error_arg_ = new std::shared_ptr<ErrorState>(peer->error_);
+  auto fail = [](void *arg, int status) {
+    auto *state = static_cast<std::shared_ptr<ErrorState> *>(arg);
+    std::function<void(const std::string &)> fn;
+    std::string words = "UCX found the peer failed: status " + std::to_string(status);
+    {
+      std::lock_guard<std::mutex> lock((*state)->mu);
+      (*state)->failed = true;
+      (*state)->why = words;
+      fn = (*state)->fn;
+    }
+    if (fn) fn(words);
+  };
+  const int st = worker->api().ep_create(worker->handle(), address.data(), address.size(), fail, peer->error_arg_,
+                                         &peer->ep_);
+  if (st != DATADIST_UCX_OK) {
+    why = "UCX refused the peer's worker address: " + worker->describe(st);
+    delete peer->error_arg_;
+    peer->error_arg_ = nullptr;
+    peer->ep_ = nullptr;
+    return nullptr;
+  }
+  return peer;
+}
+
+Peer::~Peer() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto &entry : rkeys_) worker_->api().rkey_destroy(entry.second);
+  rkeys_.clear();
+  if (ep_ != nullptr) worker_->api().ep_close(ep_, 1);
+  // No callback after the close: the error state may go.
+  delete error_arg_;
+}
+
+void Peer::on_error(std::function<void(const std::string &)> fn) {
+  std::string already;
+  {
+    std::lock_guard<std::mutex> lock(error_->mu);
+    error_->fn = fn;
+    if (error_->failed) already = error_->why;
+  }
+  if (!already.empty()) fn(already);
+}
+
+datadist_ucx_rkey *Peer::rkey_locked(const std::string &packed, std::string &why) {
+  auto it = rkeys_.find(packed);
+  if (it != rkeys_.end()) return it->second;
+  datadist_ucx_rkey *rkey = nullptr;
+  const int st = worker_->api().rkey_unpack(ep_, packed.data(), packed.size(), &rkey);
+  if (st != DATADIST_UCX_OK) {
+    why = "UCX refused the peer's memory key: " + worker_->describe(st);
+    return nullptr;
+  }
+  // Keys of tensors unmapped since are not told apart: bounded, the oldest dropped.
+  if (rkeys_.size() >= 1024) {
+    worker_->api().rkey_destroy(rkeys_.begin()->second);
+    rkeys_.erase(rkeys_.begin());
+  }
+  rkeys_.emplace(packed, rkey);
+  return rkey;
+}
+
+namespace {
+
+struct Pending {
+  Peer::Done done;
+};
+
+void finished(void *arg, int status) {
+  std::unique_ptr<Pending> pending(static_cast<Pending *>(arg));
+  pending->done(status, {});
+}
+
+}  // namespace
+
+bool Peer::post(bool get, const std::string &packed, const std::vector<datadist_ucx_range> &ranges, Done done,
+                std::string &why) {
+  auto *pending = new Pending{std::move(done)};
+  int st;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    datadist_ucx_rkey *rkey = rkey_locked(packed, why);
+    if (rkey == nullptr) {
+      delete pending;
+      return false;
+    }
+    st = get ? worker_->api().get(ep_, rkey, ranges.data(), ranges.size(), finished, pending)
+             : worker_->api().put(ep_, rkey, ranges.data(), ranges.size(), finished, pending);
+  }
+  if (st != DATADIST_UCX_OK) {
+    delete pending;
+    why = std::string("UCX refused a ") + (get ? "get" : "put") + ": " + worker_->describe(st);
+    return false;
+  }
+  worker_->poke();
+  return true;
+}
+
+bool Peer::get(const std::string &packed, const std::vector<datadist_ucx_range> &ranges, Done done,
+               std::string &why) {
+  return post(true, packed, ranges, std::move(done), why);
+}
+
+bool Peer::put(const std::string &packed, const std::vector<datadist_ucx_range> &ranges, Done done,
+               std::string &why) {
+  return post(false, packed, ranges, std::move(done), why);
+}
+
+bool Peer::flush(Done done, std::string &why) {
+  auto *pending = new Pending{std::move(done)};
+  int st;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    st = worker_->api().ep_flush(ep_, finished, pending);
+  }
+  if (st != DATADIST_UCX_OK) {
+    delete pending;
+    why = "UCX refused a flush: " + worker_->describe(st);
+    return false;
+  }
+  worker_->poke();
+  return true;
+}
+
+void encode_keys(const std::vector<std::shared_ptr<Mapping>> &keys, std::vector<uint8_t> &body) {
+  const uint32_t head[2] = {static_cast<uint32_t>(keys.size()), 0};
+  const size_t at = body.size();
+  size_t grow = sizeof(head);
+  for (const auto &k : keys) grow += sizeof(wire::UcxKey) + (k->rkey().size() + 7) / 8 * 8;
+  body.resize(at + grow, 0);
+  uint8_t *p = body.data() + at;
+  std::memcpy(p, head, sizeof(head));
+  p += sizeof(head);
+  for (const auto &k : keys) {
+    const wire::UcxKey key{k->base(), k->length(), static_cast<uint32_t>(k->rkey().size()), 0};
+    std::memcpy(p, &key, sizeof(key));
+    p += sizeof(key);
+    std::memcpy(p, k->rkey().data(), k->rkey().size());
+    p += (k->rkey().size() + 7) / 8 * 8;
+  }
+}
+
+}  // namespace datadist::ucx

@@ -1,0 +1,150 @@
+// The UCX data path of a link (LLMConfig.transport "ucx"): the owner moves
+// an operation's bytes with UCX's one-sided operations, reading the
+// initiator's memory for a write (get) and writing into it for a read (put,
+// then a flush), after checking its own ranges as on every path. The
+// initiator names its own memory only: each frame carries, beside its
+// segments, the packed remote key of every mapped tensor they lie in.
+//
+// One worker per transport, progressed by the transport's I/O loop: its
+// event fd is watched there like a socket, and the thread the loop wakes
+// progresses it, then arms it again. No thread of its own, no busy polling.
+// Completions run on that thread (or on the one that posted, when UCX
+// finishes an operation at once).
+//
+// Threads: every call may come from any thread.
+#ifndef DATADIST_TRANSPORT_UCX_PATH_H_
+#define DATADIST_TRANSPORT_UCX_PATH_H_
+
+#include <sys/uio.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "registry.h"
+#include "transport/io_loop.h"
+#include "transport/ucx_loader.h"
+#include "transport/wire.h"
+
+namespace datadist::ucx {
+
+class Worker : public IoHandler, public std::enable_shared_from_this<Worker> {
+ public:
+  // Loads the plugin, makes the worker and has `loop` watch its event fd;
+  // null with `why` (UCX missing, or UCX refused) otherwise.
+  static std::shared_ptr<Worker> create(IoLoop &loop, std::string &why);
+  ~Worker() override;
+  Worker(const Worker &) = delete;
+  Worker &operator=(const Worker &) = delete;
+
+  const datadist_ucx_plugin_v1 &api() const { return *plugin_->api; }
+  datadist_ucx_worker *handle() const { return worker_; }
+  // The worker's address, for the peer's endpoint (sent in the handshake).
+  const std::string &address() const { return address_; }
+  std::string describe(int status) const { return plugin_->describe(status); }
+  const std::string &version() const { return plugin_->version; }
+
+  // Progresses until nothing is due, then arms the event fd again.
+  void on_ready(uint64_t tag, uint32_t events) override;
+  // Progresses once from the calling thread (after posting operations).
+  void poke();
+  // Stops watching the event fd; the worker itself goes with the last owner.
+  void stop();
+
+ private:
+  Worker() = default;
+  const Plugin *plugin_ = nullptr;
+  datadist_ucx_worker *worker_ = nullptr;
+  std::string address_;
+  IoLoop *loop_ = nullptr;
+  uint64_t io_id_ = 0;
+  std::mutex stop_mu_;
+};
+
+// A range of this process's memory mapped for peers, and its packed key.
+class Mapping {
+ public:
+  Mapping(std::shared_ptr<Worker> worker, datadist_ucx_mem *mem, uint64_t base, uint64_t length, std::string rkey)
+      : worker_(std::move(worker)), mem_(mem), base_(base), length_(length), rkey_(std::move(rkey)) {}
+  ~Mapping();
+  Mapping(const Mapping &) = delete;
+  Mapping &operator=(const Mapping &) = delete;
+  uint64_t base() const { return base_; }
+  uint64_t length() const { return length_; }
+  const std::string &rkey() const { return rkey_; }
+  const Worker *worker() const { return worker_.get(); }
+
+ private:
+  std::shared_ptr<Worker> worker_;  // outlives the mapping
+  datadist_ucx_mem *mem_;
+  uint64_t base_;
+  uint64_t length_;
+  std::string rkey_;
+};
+
+// The keys a frame's local memory needs: for each iovec, the tensor of a
+// registered host cache that holds it, mapped with `worker` on its first
+// use (CacheEntry::ucx_maps keeps the mapping until the cache goes). False
+// with `why` when some memory is not inside one registered host tensor.
+bool keys_for(const std::shared_ptr<Worker> &worker, Registry &registry, const std::vector<iovec> &local,
+              std::vector<std::shared_ptr<Mapping>> &out, std::string &why);
+
+// A link's endpoint to its peer's worker, with the peer's keys unpacked
+// as they come (cached by their bytes).
+class Peer {
+ public:
+  // Null with `why` when UCX refuses the peer's address.
+  static std::shared_ptr<Peer> connect(const std::shared_ptr<Worker> &worker, const std::string &address,
+                                       std::string &why);
+  ~Peer();
+  Peer(const Peer &) = delete;
+  Peer &operator=(const Peer &) = delete;
+
+  // Runs `fn` (once, from the worker's progress) when UCX finds the peer
+  // failed; set once the link exists.
+  void on_error(std::function<void(const std::string &)> fn);
+  const std::shared_ptr<Worker> &worker() const { return worker_; }
+
+  // The ranges, each inside the region the key `packed` covers, moved with
+  // one get (from the peer into this process) or put; `done(status, why)`
+  // runs once (status 0: done; for put, done at the peer). False with `why`
+  // when nothing was posted (done then never runs).
+  using Done = std::function<void(int status, const std::string &why)>;
+  bool get(const std::string &packed, const std::vector<datadist_ucx_range> &ranges, Done done, std::string &why);
+  bool put(const std::string &packed, const std::vector<datadist_ucx_range> &ranges, Done done, std::string &why);
+  // `done` once every operation posted so far completed at the peer.
+  bool flush(Done done, std::string &why);
+
+ private:
+  explicit Peer(std::shared_ptr<Worker> worker) : worker_(std::move(worker)) {}
+  datadist_ucx_rkey *rkey_locked(const std::string &packed, std::string &why);
+  bool post(bool get, const std::string &packed, const std::vector<datadist_ucx_range> &ranges, Done done,
+            std::string &why);
+
+  struct ErrorState {
+    std::mutex mu;
+    std::function<void(const std::string &)> fn;
+    std::string why;  // set when the error came before fn
+    bool failed = false;
+  };
+
+  std::shared_ptr<Worker> worker_;
+  std::mutex mu_;
+  datadist_ucx_ep *ep_ = nullptr;
+  std::map<std::string, datadist_ucx_rkey *> rkeys_;
+  std::shared_ptr<ErrorState> error_ = std::make_shared<ErrorState>();
+  std::shared_ptr<ErrorState> *error_arg_ = nullptr;  // what the plugin calls back with
+};
+
+// The key table of a UCX frame (wire::kUcxSegments), after its segments:
+// a uint32 count and a uint32 zero, then per key a UcxKey and its packed
+// bytes, padded to 8 bytes.
+void encode_keys(const std::vector<std::shared_ptr<Mapping>> &keys, std::vector<uint8_t> &body);
+
+}  // namespace datadist::ucx
+
+#endif  // DATADIST_TRANSPORT_UCX_PATH_H_

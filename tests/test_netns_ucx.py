@@ -1,0 +1,203 @@
+"""UCX links between "hosts": peers in network and PID namespaces of their own
+(tests/netns.py), every end with ``transport`` "ucx".
+
+The transfer and layer-wise cases of test_transfer.py and test_layerwise.py
+run again on such links (collected here with this module's fixtures): the
+owner reads or writes the initiator's memory with UCX through the veth pair,
+and every case also checks that UCX moved the bytes. A peer killed
+mid-transfer fails the transfer and is linked again once it is back. Skipped
+where UCX or namespaces are missing.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+import datadist_aio as dd
+from netns import NetnsGroup, NetnsPeer, Subnet, unavailable
+from peer import HAVE_UCX, UCX_PEER_DEATH, UCX_WHY, MiB, Peer, pool_cfg, raises_status
+from test_layerwise import Prefill, each_kind, prefill_side
+from test_layerwise import KINDS
+from test_peer_failure import assert_blocks_push, big_desc, small_desc
+from test_transfer import A, B, Pair, wait_for_path
+from test_transfer import test_many_concurrent_transfers_on_one_link as test_many_concurrent_transfers_on_one_link  # noqa: F401
+from test_transfer import test_pull_blocks as test_pull_blocks  # noqa: F401
+from test_transfer import test_pull_cache as test_pull_cache  # noqa: F401
+from test_transfer import test_push_blocks as test_push_blocks  # noqa: F401
+from test_transfer import test_push_cache as test_push_cache  # noqa: F401
+
+SUCCESS = dd.LLMStatusCode.LLM_SUCCESS
+LINKED = (SUCCESS, [SUCCESS])
+LINK_LOST = (dd.LLMStatusCode.LLM_LINK_FAILED, dd.LLMStatusCode.LLM_TIMEOUT)
+UCX = {"transport": "ucx"}
+
+pytestmark = [
+    pytest.mark.skipif(unavailable() is not None, reason=f"no namespaces: {unavailable()}"),
+    pytest.mark.skipif(not HAVE_UCX, reason=f"no UCX: {UCX_WHY}"),
+    pytest.mark.timeout(60),
+]
+
+
+def _ucx_counts(a: Peer, b: Peer) -> tuple[int, int]:
+    """Bytes UCX moved on the link (either end serving) and frames sent inline instead."""
+    sa, sb = a.engine("link_stats", b.cluster_id), b.engine("link_stats", a.cluster_id)
+    return sa["ucx_bytes_served"] + sb["ucx_bytes_served"], sa["ucx_fallbacks"] + sb["ucx_fallbacks"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ucx_over_the_veth() -> Iterator[None]:
+    """UCX's TCP transport only, as between two hosts without RDMA: its shared
+    memory would otherwise find the other end on this kernel."""
+    saved = os.environ.get("UCX_TLS")
+    os.environ["UCX_TLS"] = "tcp"
+    yield
+    if saved is None:
+        del os.environ["UCX_TLS"]
+    else:
+        os.environ["UCX_TLS"] = saved
+
+
+# -- the transfer cases of test_transfer.py ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def netns_pair() -> Iterator[tuple[Peer, Peer]]:
+    """A (cluster A) on this side of a veth pair, B in a namespace, linked by A over UCX."""
+    with Subnet() as subnet, NetnsGroup() as group:
+        a = group.start("a", dd.LLMRole.PROMPT, A, host=subnet.host_ip, options=UCX)
+        b = group.start_in(subnet, "b", dd.LLMRole.DECODER, B, options=UCX)
+        assert a.link(b) == LINKED
+        assert a.datadist("link_transport", B) == "ucx"
+        assert wait_for_path(b, A, "ucx")
+        yield a, b
+
+
+@pytest.fixture(params=["sync", "async"])
+def pair(request, netns_pair) -> Iterator[Pair]:
+    a, b = netns_pair
+    moved, _ = _ucx_counts(a, b)
+    yield Pair(a, b, request.param)
+    now, inline = _ucx_counts(a, b)
+    assert now > moved and inline == 0, (moved, now, inline)
+    a.free_all()
+    b.free_all()
+
+
+@pytest.fixture
+def async_pair(netns_pair) -> Iterator[Pair]:
+    a, b = netns_pair
+    yield Pair(a, b, "async")
+    a.free_all()
+    b.free_all()
+
+
+# -- the layer-wise cases of test_layerwise.py -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def netns_decoders() -> Iterator[tuple[Subnet, NetnsPeer, NetnsPeer]]:
+    """The decode processes B and C over UCX in one network namespace, each in a PID namespace of its own."""
+    with Subnet() as subnet, NetnsGroup() as group:
+        b = group.start_in(subnet, "b", dd.LLMRole.DECODER, 2, options=UCX)
+        c = group.start_in(subnet, "c", dd.LLMRole.DECODER, 3, options=UCX)
+        yield subnet, b, c
+
+
+@pytest.fixture(params=["key", "raw"])
+def ucx_prefill(request: pytest.FixtureRequest, netns_decoders) -> Iterator[Prefill]:
+    """This process as the prefill side, linked to B and C over UCX."""
+    subnet, b, c = netns_decoders
+    with prefill_side(request.param + "-ucx", [b, c], local=subnet.host_ip) as side:
+        yield side
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+async def test_each_kind_over_ucx(ucx_prefill, kind):
+    await each_kind(ucx_prefill, kind)
+    stats = ucx_prefill.datadist._engine.link_stats(B)
+    assert stats["ucx_frames"] > 0 and stats["ucx_fallbacks"] == 0, stats
+
+
+# -- a peer killed mid-transfer ------------------------------------------------------------
+
+
+@pytest.mark.timeout(90)
+@UCX_PEER_DEATH
+@pytest.mark.parametrize("direction", ["push", "pull"])
+def test_peer_killed_mid_transfer(direction):
+    timeout_ms = 3000
+    big = {"host_mem_pool_cfg": pool_cfg(288 * MiB)}
+    with Subnet() as subnet, NetnsGroup() as group:
+        options = big | UCX | {"sync_kv_timeout": timeout_ms}
+        survivor = group.start("survivor", dd.LLMRole.PROMPT, 1, host=subnet.host_ip, options=options)
+        victim = group.start_in(subnet, "victim", dd.LLMRole.DECODER, 2, options=big | UCX)
+        third = group.start_in(subnet, "third", dd.LLMRole.DECODER, 3, options=UCX)
+        assert survivor.link(victim) == LINKED
+        assert survivor.link(third) == LINKED
+        assert survivor.datadist("link_transport", 2) == "ucx"
+        assert survivor.datadist("link_transport", 3) == "ucx"
+        local, remote = survivor.allocate(big_desc()), victim.allocate(big_desc())
+        side = survivor.allocate(small_desc(), blocks=True)
+        side_remote = third.allocate(small_desc(), blocks=True, model_id=5)
+        side_sent = survivor.fill(side, 1)
+
+        doomed = survivor.start_task(f"{direction}_cache", remote.key(), local)
+        bystander = survivor.start_task("push_blocks", side_remote.blocks_key(), side, [0, 1], [8, 9])
+        assert not survivor.task_done(doomed), "the transfer ended before the peer was killed; make it bigger"
+        killed_at = time.monotonic()
+        victim.kill()
+        with raises_status(*LINK_LOST):
+            survivor.wait_task(doomed)
+        elapsed = time.monotonic() - killed_at
+        assert elapsed < timeout_ms / 1000 + 1.0, f"the transfer failed {elapsed:.2f} s after the kill"
+
+        assert survivor.wait_task(bystander) == [SUCCESS]
+        got = third.read(side_remote)
+        for t in range(2):
+            np.testing.assert_array_equal(got[t][8 * 256 : 10 * 256], side_sent[t][: 2 * 256])
+        assert_blocks_push(survivor, third, 6, 2)
+        assert third.engine("link_stats", 1)["ucx_bytes_served"] > 0
+
+        # The same cluster comes back in the namespace on another port and is linked again.
+        again = group.start_in(subnet, "victim-again", dd.LLMRole.DECODER, 2, options=UCX)
+        assert survivor.link(again) == LINKED
+        assert survivor.datadist("link_transport", 2) == "ucx"
+        assert_blocks_push(survivor, again, 7, 3)
+        assert_blocks_push(again, survivor, 8, 4)
+        assert again.engine("link_stats", 1)["ucx_bytes_served"] > 0
+        assert survivor.engine("link_stats", 2)["ucx_bytes_served"] > 0
+
+
+def test_a_peer_killed_between_operations_fails_the_next_and_links_again():
+    """The peer dies with nothing in flight: the next operation toward it
+    fails at once (the link's connections tell before UCX does), a
+    bystander's link is untouched, and the cluster links again once back."""
+    with Subnet() as subnet, NetnsGroup() as group:
+        survivor = group.start("survivor", dd.LLMRole.PROMPT, 1, host=subnet.host_ip,
+                               options=UCX | {"sync_kv_timeout": 3000})
+        victim = group.start_in(subnet, "victim", dd.LLMRole.DECODER, 2, options=UCX)
+        third = group.start_in(subnet, "third", dd.LLMRole.DECODER, 3, options=UCX)
+        assert survivor.link(victim) == LINKED
+        assert survivor.link(third) == LINKED
+        assert_blocks_push(survivor, victim, 6, 1)
+        local, remote = survivor.allocate(small_desc(), blocks=True), victim.allocate(small_desc(), blocks=True, model_id=9)
+        survivor.fill(local, 2)
+        victim.kill()
+        started = time.monotonic()
+        # The link failed, or is already gone once its connections told.
+        with raises_status(*LINK_LOST, dd.LLMStatusCode.LLM_NOT_YET_LINK):
+            survivor.cm_async("push_blocks", remote.blocks_key(), local, [0], [1])
+        assert time.monotonic() - started < 4.0
+        assert_blocks_push(survivor, third, 7, 2)
+        again = group.start_in(subnet, "victim-again", dd.LLMRole.DECODER, 2, options=UCX)
+        assert survivor.link(again) == LINKED
+        assert survivor.datadist("link_transport", 2) == "ucx"
+        assert_blocks_push(survivor, again, 8, 3)
+        assert_blocks_push(again, survivor, 9, 4)
+        assert again.engine("link_stats", 1)["ucx_bytes_served"] > 0
+        assert survivor.engine("link_stats", 2)["ucx_bytes_served"] > 0
