@@ -28,6 +28,7 @@ cannot run here; the benchmark then reports it as skipped, with the reason.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from typing import Any, ClassVar, Protocol
 
@@ -47,12 +48,23 @@ PUSH, PULL, LAYERWISE = "push", "pull", "layerwise"
 UCX_TLS = {"tcp": "tcp", "shm": "shm,self,tcp"}
 
 
-def set_ucx_tls(name: str) -> None:
-    """Set ``UCX_TLS`` for the transports named ``name`` (a key of ``UCX_TLS``),
-    before anything in the process reads UCX's configuration."""
+def loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def set_ucx_tls(name: str, host: str) -> None:
+    """Set ``UCX_TLS`` for the transports named ``name`` (a key of ``UCX_TLS``)
+    for a peer on ``host``, before anything in the process reads UCX's
+    configuration; on loopback also ``UCX_NET_DEVICES=lo`` unless set, or
+    UCX would stripe its network transports over every interface it finds."""
     if name not in UCX_TLS:
         raise ValueError(f"ucx tls must be one of {tuple(UCX_TLS)}, not {name!r}")
     os.environ["UCX_TLS"] = UCX_TLS[name]
+    if loopback(host):
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 
 class Unavailable(RuntimeError):

@@ -8,9 +8,9 @@ carries the blocks key the initiator addresses.
 Variant settings: ``loop``, ``transport`` (the library's default when
 absent), ``connections``, and with ``transport="ucx"`` the ``ucx_tls`` of
 ``base.UCX_TLS``, set in the process's environment before the engine starts
-UCX. A library that refuses ``"ucx"`` makes the variant unavailable, with
-the library's words as the reason; a link that ends up on another
-transport fails the run.
+UCX (with ``UCX_NET_DEVICES=lo`` on loopback, as for NIXL). A library that
+refuses ``"ucx"`` makes the variant unavailable, with the library's words as
+the reason; a link that ends up on another transport fails the run.
 """
 
 from __future__ import annotations
@@ -65,12 +65,13 @@ def options(pool_bytes: int, listen: Optional[str] = None, sync_kv_timeout_ms: i
     return config.generate_options()
 
 
-def _datadist(role: LLMRole, cluster_id: int, variant: dict[str, Any], listen: Optional[str]) -> LLMDataDist:
+def _datadist(role: LLMRole, cluster_id: int, variant: dict[str, Any], listen: Optional[str],
+              peer_host: str) -> LLMDataDist:
     transport = variant.get("transport")
     if "ucx_tls" in variant:
         if transport != "ucx":
             raise ValueError(f"datadist_aio: ucx_tls needs transport='ucx', not {transport!r}")
-        set_ucx_tls(variant["ucx_tls"])
+        set_ucx_tls(variant["ucx_tls"], peer_host)
     # The benchmark registers its own memory: the pool stays small.
     connections = int(variant["connections"]) if "connections" in variant else None
     try:
@@ -113,7 +114,7 @@ class _Registered(Memory):
 class Target:
     def __init__(self, variant: dict[str, Any], host: str) -> None:
         self.host = host
-        self.datadist: LLMDataDist = _datadist(LLMRole.DECODER, TARGET_ID, variant, host)
+        self.datadist: LLMDataDist = _datadist(LLMRole.DECODER, TARGET_ID, variant, host, host)
         self.memory: _Registered = _Registered(self.datadist, KEY)
 
     def open(self) -> Any:
@@ -148,8 +149,8 @@ class Initiator:
             raise Unavailable("uvloop is not installed (pip install 'datadist_aio[uvloop]')") from None
         except ValueError as exc:
             raise Unavailable(str(exc)) from None
-        self.datadist: LLMDataDist = _datadist(LLMRole.PROMPT, INITIATOR_ID, variant, None)
         host, port = opened
+        self.datadist: LLMDataDist = _datadist(LLMRole.PROMPT, INITIATOR_ID, variant, None, host)
         cluster = LLMClusterInfo()
         cluster.remote_cluster_id = TARGET_ID
         cluster.append_local_ip_info(host if host != "0.0.0.0" else "127.0.0.1", 0)

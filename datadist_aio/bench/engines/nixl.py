@@ -39,7 +39,6 @@ and leaves the agent itself to that exit.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import time
 from typing import Any, ClassVar
@@ -47,18 +46,11 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..layout import Layout
-from .base import PULL, PUSH, UCX_TLS, Memory, Unavailable, set_ucx_tls
+from .base import PULL, PUSH, UCX_TLS, Memory, Unavailable, loopback, set_ucx_tls
 
 TLS = ("default", *UCX_TLS)
 _OPERATION = {PUSH: "WRITE", PULL: "READ"}
 _CONNECT_SECONDS = 10.0
-
-
-def _loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def _agent(variant: dict[str, Any], role: str, host: str, progress_thread: bool) -> Any:
@@ -66,11 +58,11 @@ def _agent(variant: dict[str, Any], role: str, host: str, progress_thread: bool)
     tls = variant.get("tls", "default")
     if tls not in TLS:
         raise ValueError(f"nixl: tls must be one of {TLS}, not {tls!r}")
-    if _loopback(host):
+    if loopback(host):
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     if tls != "default":
-        set_ucx_tls(tls)
+        set_ucx_tls(tls, host)
     try:
         from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[import-not-found]  # pyright: ignore[reportMissingImports]
     except ImportError as e:
