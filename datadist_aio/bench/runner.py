@@ -73,10 +73,8 @@ def plans(options: Options) -> list[Plan]:
         out.append(Plan("raw_tcp", {"streams": 1, "unix": True}, [], [], 0, options.latency_ops))
     if options.ucx_tls:
         for tls in options.ucx_tls:
-            for loop in options.loops:
-                variant = ucx_variants(tls, loop)["datadist_aio"]
-                out.append(Plan("datadist_aio", variant, layouts, options.ops, options.iterations,
-                                options.latency_ops, options.idle_seconds))
+            out += [Plan("datadist_aio", ucx_variants(tls, loop)["datadist_aio"], layouts, options.ops,
+                         options.iterations, options.latency_ops, options.idle_seconds) for loop in options.loops]
             out.append(Plan("nixl", ucx_variants(tls)["nixl"], layouts, options.ops, options.iterations,
                             options.latency_ops, options.idle_seconds))
         return out
@@ -326,11 +324,11 @@ def ucx_comparison(options: Options, report: dict[str, Any]) -> list[dict[str, A
                              for name in (ours, theirs)}
                     if not any(cells.values()):
                         continue
-                    gbps = {name: row["gbps"] if row else None for name, row in cells.items()}
+                    mine, other = (row["gbps"] if row is not None else None for row in (cells[ours], cells[theirs]))
                     entry["throughput"].append({
                         "op": op, "block_size": size, "ours": ours, "theirs": theirs,
-                        "ours_gbps": gbps[ours], "theirs_gbps": gbps[theirs],
-                        "ratio": gbps[ours] / gbps[theirs] if gbps[ours] and gbps[theirs] else None,
+                        "ours_gbps": mine, "theirs_gbps": other,
+                        "ratio": mine / other if mine and other else None,
                         "verified": all(row["verified"] for row in cells.values() if row)})
         out.append(entry)
     return out
