@@ -68,7 +68,8 @@ def test_sizes(text, value):
 @pytest.mark.parametrize("argv", [["--block-sizes", "3X"], ["--cache-size", "0"], ["--cache-size", "1K"],
                                   ["--ops", "push,fly"], ["--compare", "rdma"], ["--peer", "nowhere"],
                                   ["--cache-size", "3M", "--streams", "2"], ["--latency-ops", "-1"],
-                                  ["--idle", "-1"], ["--ucx", "--ucx-tls", "rdma"]])
+                                  ["--idle", "-1"], ["--ucx", "--ucx-tls", "rdma"],
+                                  ["--ucx", "--compare", "nixl"], ["--ucx", "--transport", "tcp"]])
 def test_bad_arguments_exit_2(argv, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main([*argv, "--output", str(tmp_path)])

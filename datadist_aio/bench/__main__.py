@@ -104,7 +104,7 @@ def run_parser() -> argparse.ArgumentParser:
                    help="read each engine's CPU use while connected and idle for this long, 0 for none (default 2; quick 1)")
     p.add_argument("--streams", type=listed(positive), help="raw TCP stream counts (default 1,2,4; with --ucx 1)")
     p.add_argument("--connections", type=positive, help="datadist_aio TCP connections per peer (default: the library's)")
-    p.add_argument("--transport", type=listed(str, ["auto", "tcp"]), default=["auto", "tcp"],
+    p.add_argument("--transport", type=listed(str, ["auto", "tcp"]),
                    help="datadist_aio transports to measure: auto (kernel copies on one host) and/or tcp (default: both)")
     p.add_argument("--compare", nargs="?", const=list(COMPARED), type=listed(str, COMPARED), default=[],
                    metavar="ENGINES", help="also measure these engines where installed: mooncake, nixl (default: both; "
@@ -156,7 +156,7 @@ def options_from(args: argparse.Namespace) -> Options:
         idle_seconds=args.idle if args.idle is not None else (1.0 if quick else 2.0),
         streams=args.streams or ([1] if ucx else [1, 2, 4]),
         connections=args.connections,
-        transports=args.transport,
+        transports=args.transport or ["auto", "tcp"],
         compare=args.compare,
         ucx_tls=args.ucx_tls if ucx else [],
         timeout=args.timeout,
@@ -166,6 +166,8 @@ def options_from(args: argparse.Namespace) -> Options:
 def run(argv: list[str]) -> int:
     parser = run_parser()
     args = parser.parse_args(argv)
+    if args.ucx and (args.compare or args.transport or args.connections):
+        parser.error("--ucx measures its own pair of engines: leave out --compare, --transport and --connections")
     options = options_from(args)
     try:
         plan_list = plans(options)
