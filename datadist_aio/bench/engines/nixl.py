@@ -24,7 +24,8 @@ Variant settings:
   not answering a request: a loop that polls NIXL's notifications.
 
 Environment, set in the constructor before the agent exists (only where the
-user has not set it, except ``UCX_TLS`` for ``tls="tcp"``):
+user has not set it, except ``UCX_TLS`` for a ``tls`` other than
+``"default"``):
 
 * ``UCX_NET_DEVICES=lo`` when the target's host is a loopback address: both
   sides share the machine, and UCX would otherwise stripe its network
