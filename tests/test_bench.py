@@ -19,6 +19,7 @@ from multiprocessing.connection import Client
 import numpy as np
 import pytest
 
+from datadist_aio import LLMConfig, LLMException
 from datadist_aio.bench.__main__ import byte_size, main
 from datadist_aio.bench.engines.base import PUSH, label
 from datadist_aio.bench.layout import Layout, aligned_tensors, digest, fill
@@ -67,7 +68,8 @@ def test_sizes(text, value):
 @pytest.mark.parametrize("argv", [["--block-sizes", "3X"], ["--cache-size", "0"], ["--cache-size", "1K"],
                                   ["--ops", "push,fly"], ["--compare", "rdma"], ["--peer", "nowhere"],
                                   ["--cache-size", "3M", "--streams", "2"], ["--latency-ops", "-1"],
-                                  ["--idle", "-1"]])
+                                  ["--idle", "-1"], ["--ucx", "--ucx-tls", "rdma"],
+                                  ["--ucx", "--compare", "nixl"], ["--ucx", "--transport", "tcp"]])
 def test_bad_arguments_exit_2(argv, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main([*argv, "--output", str(tmp_path)])
@@ -87,6 +89,19 @@ def test_plans_put_baselines_first():
     assert all(p.layouts == [] and p.ops == [] for p in got[2:4])
     assert [p.engine for p in got[6:]] == ["mooncake"] + ["nixl"] * 4
     assert label("nixl", {"tls": "tcp", "progress_thread": False}) == "nixl (tls=tcp, no progress_thread)"
+
+
+def test_ucx_plans_pair_each_tls():
+    options = Options(cache_bytes=4 * MiB, block_sizes=[16 * KiB], loops=["asyncio"], streams=[1],
+                      ucx_tls=["tcp", "shm"], compare=["mooncake"])
+    got = [p.label for p in plans(options)]
+    assert got == ["raw_tcp (streams=1)", "raw_tcp (streams=1, busy_poll)", "raw_tcp (streams=1, unix)",
+                   "datadist_aio (loop=asyncio, transport=ucx, ucx_tls=tcp)",
+                   "nixl (tls=tcp, no progress_thread, no target_progress_thread)",
+                   "datadist_aio (loop=asyncio, transport=ucx, ucx_tls=shm)",
+                   "nixl (tls=shm, no progress_thread, no target_progress_thread)"]
+    with pytest.raises(ValueError, match="ucx tls must be"):
+        plans(Options(ucx_tls=["rdma"]))
 
 
 def _run(argv: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
@@ -251,6 +266,54 @@ def test_compared_engines_move_checked_bytes(engine, tmp_path):
     latency = [lat for lat in report["latency"] if lat["engine"] == engine]
     assert len(latency) == variants and all(lat["verified"] for lat in latency)
     assert report["errors"] == [] and report["skipped"] == []
+
+
+def test_the_ucx_comparison_says_what_ran_and_why_not(tmp_path):
+    """``--ucx`` on tiny sizes with whatever is installed: each side of each
+    UCX_TLS either moved checked bytes or is reported as not run, with why."""
+    done = _run(["--ucx", "--cache-size", "1M", "--block-sizes", "16K,256K", "--layers", "1", "--iterations", "1",
+                 "--latency-ops", "20", "--idle", "0", "--no-plot", "--output", str(tmp_path)], timeout=120)
+    report = json.loads((tmp_path / "datadist_bench.json").read_text())
+    comparison = {entry["tls"]: entry for entry in report["ucx_comparison"]}
+    assert [(tls, entry["ucx_tls"]) for tls, entry in comparison.items()] == [("tcp", "tcp"), ("shm", "shm,self,tcp")]
+    nixl_installed = importlib.util.find_spec("nixl") is not None
+    try:
+        LLMConfig().transport = "ucx"
+        refused = None
+    except LLMException as exc:
+        refused = str(exc)
+    for tls, entry in comparison.items():
+        ours = entry["engines"][f"datadist_aio (loop=asyncio, transport=ucx, ucx_tls={tls})"]
+        theirs = entry["engines"][f"nixl (tls={tls}, no progress_thread, no target_progress_thread)"]
+        assert theirs["ran"] is nixl_installed
+        for side in (ours, theirs):
+            if side["ran"]:
+                assert side["verified"] and side["reason"] is None
+            else:
+                assert not side["verified"] and side["reason"]
+        if not nixl_installed:
+            assert theirs["reason"].startswith("nixl is not installed")
+        if refused is not None:  # this library has no UCX data plane: skipped, in its own words
+            assert ours["reason"] == f"this datadist_aio refuses transport 'ucx': {refused}"
+        elif not ours["ran"]:  # UCX cannot be loaded here
+            assert "ucx" in ours["reason"].lower()
+        assert len(entry["throughput"]) == (4 if ours["ran"] or theirs["ran"] else 0)  # push, pull; two sizes
+        for row in entry["throughput"]:
+            assert row["verified"]
+            assert (row["ours_gbps"] is not None) is ours["ran"] and (row["theirs_gbps"] is not None) is theirs["ran"]
+            assert (row["ratio"] is not None) is (ours["ran"] and theirs["ran"])
+        ran = [name for name, side in entry["engines"].items() if side["ran"]]
+        assert sorted(entry["latency"]) == sorted(ran)
+        for lat in entry["latency"].values():
+            assert lat["verified"] and set(lat["wakeups_per_op"]) == {"initiator", "target"}
+    # The wake-ups of each process: a blocking round trip wakes each side at least once per write.
+    baseline = next(lat for lat in report["latency"] if lat["label"] == "raw_tcp (streams=1)")
+    assert baseline["wakeups_per_op"]["initiator"] >= 1 and baseline["wakeups_per_op"]["target"] >= 1
+    failed = {error["label"] for error in report["errors"]}
+    assert failed <= ({f"datadist_aio (loop=asyncio, transport=ucx, ucx_tls={tls})" for tls in comparison}
+                      if refused is None else set())
+    assert done.returncode == (1 if failed else 0), done.stdout + done.stderr
+    assert "UCX_TLS=shm,self,tcp (shm)" in done.stdout
 
 
 # -- the device benchmark, on the CUDA driver stand-in -----------------------------------------------

@@ -1,11 +1,14 @@
 """Command line of the benchmark.
 
     python -m datadist_aio.bench [--quick] [--output DIR] [--compare] ...
+    python -m datadist_aio.bench --ucx [--quick] [--output DIR] ...
     python -m datadist_aio.bench serve --listen IP:PORT --authkey KEY
     python -m datadist_aio.bench --device [--quick] [--output DIR] [--driver PATH] ...
 
 The first form measures; with ``--peer IP:PORT`` its target side is a
 ``serve`` process on another host, otherwise one it starts on loopback.
+``--ucx`` measures this library on transport "ucx" against NIXL's UCX
+backend instead, on the same UCX transports.
 The third measures device-memory transfers on one GPU (bench/device.py).
 """
 
@@ -21,7 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
-from .engines.base import LAYERWISE, PULL, PUSH
+from .engines.base import LAYERWISE, PULL, PUSH, UCX_TLS
 from .loops import LOOPS, available_loops
 from .progress import Progress
 from .runner import COMPARED, Options, Outcome, build_report, memcpy_baseline, plans, run_plan, steps
@@ -92,20 +95,25 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-size", type=byte_size, metavar="SIZE", help="bytes moved per batch (default 256M; quick 64M)")
     p.add_argument("--block-sizes", type=listed(byte_size), metavar="SIZES", help="block sizes per tensor (default 16K,256K,4M)")
     p.add_argument("--layers", type=positive, default=4, help="layers of the cache, K and V each (default: %(default)s)")
-    p.add_argument("--ops", type=listed(str, [PUSH, PULL, LAYERWISE]), default=[PUSH, PULL, LAYERWISE],
-                   help="operations (default: push,pull,layerwise; the other engines do push and pull)")
-    p.add_argument("--loop", type=listed(str, LOOPS), help="event loops to await on (default: each installed)")
+    p.add_argument("--ops", type=listed(str, [PUSH, PULL, LAYERWISE]),
+                   help="operations (default: push,pull,layerwise; with --ucx push,pull; the other engines do push and pull)")
+    p.add_argument("--loop", type=listed(str, LOOPS), help="event loops to await on (default: each installed; with --ucx asyncio)")
     p.add_argument("--iterations", type=positive, help="timed batches per measurement (default 7; quick 3)")
     p.add_argument("--latency-ops", type=bounded(int, 0), help="4 KiB writes in the latency run, 0 for none (default 2000; quick 300)")
     p.add_argument("--idle", type=bounded(float, 0, 3600), metavar="SECONDS",
                    help="read each engine's CPU use while connected and idle for this long, 0 for none (default 2; quick 1)")
-    p.add_argument("--streams", type=listed(positive), default=[1, 2, 4], help="raw TCP stream counts (default 1,2,4)")
+    p.add_argument("--streams", type=listed(positive), help="raw TCP stream counts (default 1,2,4; with --ucx 1)")
     p.add_argument("--connections", type=positive, help="datadist_aio TCP connections per peer (default: the library's)")
-    p.add_argument("--transport", type=listed(str, ["auto", "tcp"]), default=["auto", "tcp"],
+    p.add_argument("--transport", type=listed(str, ["auto", "tcp"]),
                    help="datadist_aio transports to measure: auto (kernel copies on one host) and/or tcp (default: both)")
     p.add_argument("--compare", nargs="?", const=list(COMPARED), type=listed(str, COMPARED), default=[],
                    metavar="ENGINES", help="also measure these engines where installed: mooncake, nixl (default: both; "
                    "pip install 'datadist_aio[compare]')")
+    p.add_argument("--ucx", action="store_true", help="the UCX comparison instead of the engines above: this library on "
+                   "transport ucx and NIXL's UCX backend, no progress thread on either, with the baselines")
+    p.add_argument("--ucx-tls", type=listed(str, list(UCX_TLS)), default=list(UCX_TLS), metavar="TLS",
+                   help="UCX transports of --ucx: tcp (UCX_TLS=tcp) and/or shm (UCX_TLS=shm,self,tcp) "
+                   "(default: both)")
     p.add_argument("--peer", type=address, metavar="IP:PORT", help="the IP:PORT of a 'serve' process on the decode host (default: one on loopback)")
     p.add_argument("--authkey", help=f"the serve process's key (default: ${AUTHKEY_ENV}; a fresh one on loopback)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds without progress before a session is given up")
@@ -136,20 +144,21 @@ def _authkey(given: str | None, required: bool) -> bytes:
 
 
 def options_from(args: argparse.Namespace) -> Options:
-    quick = args.quick
+    quick, ucx = args.quick, args.ucx
     return Options(
         cache_bytes=args.cache_size or ((64 if quick else 256) << 20),
         block_sizes=args.block_sizes or [16 << 10, 256 << 10, 4 << 20],
         layers=args.layers,
-        ops=args.ops,
-        loops=args.loop or available_loops(),
+        ops=args.ops or ([PUSH, PULL] if ucx else [PUSH, PULL, LAYERWISE]),
+        loops=args.loop or (["asyncio"] if ucx else available_loops()),
         iterations=args.iterations or (3 if quick else 7),
         latency_ops=args.latency_ops if args.latency_ops is not None else (300 if quick else 2000),
         idle_seconds=args.idle if args.idle is not None else (1.0 if quick else 2.0),
-        streams=args.streams,
+        streams=args.streams or ([1] if ucx else [1, 2, 4]),
         connections=args.connections,
-        transports=args.transport,
+        transports=args.transport or ["auto", "tcp"],
         compare=args.compare,
+        ucx_tls=args.ucx_tls if ucx else [],
         timeout=args.timeout,
     )
 
@@ -157,6 +166,8 @@ def options_from(args: argparse.Namespace) -> Options:
 def run(argv: list[str]) -> int:
     parser = run_parser()
     args = parser.parse_args(argv)
+    if args.ucx and (args.compare or args.transport or args.connections):
+        parser.error("--ucx measures its own pair of engines: leave out --compare, --transport and --connections")
     options = options_from(args)
     try:
         plan_list = plans(options)

@@ -77,10 +77,39 @@ def tables(report: dict[str, Any]) -> str:
         lines.append(f"{'engine':<{width}} {'initiator':>10} {'target':>8}")
         for idle in report["idle_cpu"]:
             lines.append(f"{idle['label']:<{width}} {idle['initiator_percent']:>10.2f} {idle['target_percent']:>8.2f}")
+    if "ucx_comparison" in report:
+        lines += ["", ucx_table(report["ucx_comparison"])]
     for skipped in report["skipped"]:
         lines.append(f"skipped {skipped['label']}: {skipped['reason']}")
     for error in report["errors"]:
         lines.append(f"FAILED {error['label']}: {error['error'].strip().splitlines()[-1]}")
+    return "\n".join(lines)
+
+
+def ucx_table(comparison: list[dict[str, Any]]) -> str:
+    """The UCX comparison: per UCX_TLS, this library's GB/s against NIXL's and
+    their ratio, then each side's 4 KiB latency and wake-ups per write."""
+
+    def number(value: Any, digits: int) -> str:
+        return f"{value:.{digits}f}" if value is not None else "-"
+
+    lines = ["UCX: this library (transport ucx) against NIXL's UCX backend, no progress thread on either"]
+    for entry in comparison:
+        lines.append(f"UCX_TLS={entry['ucx_tls']} ({entry['tls']})")
+        for name, state in entry["engines"].items():
+            if not state["ran"]:
+                lines.append(f"  not run: {name}: {state['reason']}")
+        for row in entry["throughput"]:
+            mark = "" if row["verified"] else "  WRONG BYTES"
+            lines.append(f"  {row['op']:<9} {size_text(row['block_size']):>7}: ours {number(row['ours_gbps'], 2):>6} "
+                         f"GB/s, NIXL {number(row['theirs_gbps'], 2):>6} GB/s, ours/NIXL {number(row['ratio'], 2):>5}{mark}")
+        for name, lat in entry["latency"].items():
+            wakeups = lat["wakeups_per_op"] or {}
+            lines.append(f"  {name}: 4 KiB write {lat['median_us']:.1f} µs median, {lat['p99_us']:.1f} p99; "
+                         f"wake-ups per write: initiator {number(wakeups.get('initiator'), 2)}, "
+                         f"target {number(wakeups.get('target'), 2)}" + ("" if lat["verified"] else "  WRONG BYTES"))
+    lines.append("wake-ups: context switches (voluntary and involuntary) of all of a process's threads over the "
+                 "latency run, per write")
     return "\n".join(lines)
 
 

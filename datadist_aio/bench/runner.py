@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .engines.base import LAYERWISE, PULL, PUSH, label
+from .engines.base import LAYERWISE, PULL, PUSH, UCX_TLS, label
 from .layout import Layout
 from .loops import available_loops
 from .progress import Progress
@@ -42,22 +42,42 @@ class Options:
     connections: Optional[int] = None
     transports: list[str] = field(default_factory=lambda: ["auto", "tcp"])
     compare: list[str] = field(default_factory=list)  # of COMPARED
+    ucx_tls: list[str] = field(default_factory=list)  # of UCX_TLS: the UCX comparison instead of the rest
     timeout: float = 300.0
     seed: int = 0
 
 
+def ucx_variants(tls: str, loop: str = "asyncio") -> dict[str, dict[str, Any]]:
+    """The two sides of the UCX comparison on the UCX transports ``tls``
+    names: this library on transport "ucx", NIXL's UCX backend, neither with
+    a progress thread."""
+    return {"datadist_aio": {"loop": loop, "transport": "ucx", "ucx_tls": tls},
+            "nixl": {"tls": tls, "progress_thread": False, "target_progress_thread": False}}
+
+
 def plans(options: Options) -> list[Plan]:
-    """Baselines first, then this library on each loop, then the other engines."""
+    """Baselines first, then this library on each loop, then the other engines;
+    with ``ucx_tls``, the baselines and the UCX comparison only."""
     layouts = [Layout.for_cache(options.cache_bytes, size, options.layers, options.seed) for size in options.block_sizes]
     uneven = [n for n in options.streams if options.cache_bytes % n]
     if uneven:
         raise ValueError(f"the cache size must split evenly over {uneven[0]} raw TCP streams")
+    unknown = [tls for tls in options.ucx_tls if tls not in UCX_TLS]
+    if unknown:
+        raise ValueError(f"ucx tls must be of {', '.join(UCX_TLS)}, not {unknown[0]!r}")
     whole = Layout(1, 1, options.cache_bytes, options.seed)
     out = [Plan("raw_tcp", {"streams": n}, [whole], [PUSH], options.iterations,
                 options.latency_ops if n == 1 else 0) for n in options.streams]
     if options.latency_ops:  # latency only: the round trip without thread wake-ups, and over a Unix socket
         out.append(Plan("raw_tcp", {"streams": 1, "busy_poll": True}, [], [], 0, options.latency_ops))
         out.append(Plan("raw_tcp", {"streams": 1, "unix": True}, [], [], 0, options.latency_ops))
+    if options.ucx_tls:
+        for tls in options.ucx_tls:
+            out += [Plan("datadist_aio", ucx_variants(tls, loop)["datadist_aio"], layouts, options.ops,
+                         options.iterations, options.latency_ops, options.idle_seconds) for loop in options.loops]
+            out.append(Plan("nixl", ucx_variants(tls)["nixl"], layouts, options.ops, options.iterations,
+                            options.latency_ops, options.idle_seconds))
+        return out
     for loop in options.loops:
         for transport in options.transports:
             variant: dict[str, Any] = {"loop": loop}
@@ -230,6 +250,8 @@ def build_report(options: Options, outcome: Outcome, memcpy: dict[str, Any], pee
             row["voluntary_switches_per_op"] = costs["voluntary_switches"] / ops
             row["involuntary_switches_per_op"] = costs["involuntary_switches"] / ops
             row["cpu_us_per_op"] = costs["cpu_seconds"] / ops * 1e6
+        if lat.get("switches"):  # each process on its own, every thread, per operation
+            row["wakeups_per_op"] = {side: n / len(ordered) for side, n in lat["switches"].items()}
         if lat.get("submit_seconds"):
             row["submit_median_us"] = statistics.median(lat["submit_seconds"]) * 1e6
         if lat.get("submit_parts"):
@@ -241,7 +263,7 @@ def build_report(options: Options, outcome: Outcome, memcpy: dict[str, Any], pee
                        for name, t in sorted(named.items()) if t["cpu_ns"] >= 100 * ops or t["switches"] >= ops // 100}
                 for side, named in lat["threads"].items()}
         latency.append(row)
-    return {
+    report = {
         "schema": 1,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": argv,
@@ -264,6 +286,53 @@ def build_report(options: Options, outcome: Outcome, memcpy: dict[str, Any], pee
         "skipped": outcome.skipped,
         "errors": outcome.errors,
     }
+    if options.ucx_tls:
+        report["ucx_comparison"] = ucx_comparison(options, report)
+    return report
 
 
-__all__ = ["Options", "Outcome", "available_loops", "build_report", "label", "memcpy_baseline", "plans", "run_plan"]
+def ucx_comparison(options: Options, report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per UCX transport setting: whether each side ran (or why not), the
+    GB/s of each per operation and block size with the ratio ours / NIXL,
+    and each side's 4 KiB latency with the wake-ups of each process."""
+    out = []
+    for tls in options.ucx_tls:
+        entry: dict[str, Any] = {"tls": tls, "ucx_tls": UCX_TLS[tls], "engines": {}, "throughput": [], "latency": {}}
+        for loop in options.loops:
+            labels = {engine: label(engine, variant) for engine, variant in ucx_variants(tls, loop).items()}
+            for engine, name in labels.items():
+                if name in entry["engines"]:
+                    continue
+                skipped = next((s["reason"] for s in report["skipped"] if s["label"] == name), None)
+                failed = next((e["error"] for e in report["errors"] if e["label"] == name), None)
+                rows = [r for r in report["results"] if r["label"] == name]
+                entry["engines"][name] = {
+                    "engine": engine,
+                    "ran": skipped is None and failed is None,
+                    "reason": skipped or (failed.strip().splitlines()[-1] if failed else None),
+                    "verified": bool(rows) and all(r["verified"] for r in rows),
+                }
+                lat = next((r for r in report["latency"] if r["label"] == name), None)
+                if lat is not None:
+                    entry["latency"][name] = {"median_us": lat["median_us"], "p99_us": lat["p99_us"],
+                                              "verified": lat["verified"], "wakeups_per_op": lat.get("wakeups_per_op")}
+            ours, theirs = labels["datadist_aio"], labels["nixl"]
+            for op in options.ops:
+                for size in options.block_sizes:
+                    cells = {name: next((r for r in report["results"]
+                                         if (r["label"], r["op"], r["block_size"]) == (name, op, size)), None)
+                             for name in (ours, theirs)}
+                    if not any(cells.values()):
+                        continue
+                    mine, other = (row["gbps"] if row is not None else None for row in (cells[ours], cells[theirs]))
+                    entry["throughput"].append({
+                        "op": op, "block_size": size, "ours": ours, "theirs": theirs,
+                        "ours_gbps": mine, "theirs_gbps": other,
+                        "ratio": mine / other if mine and other else None,
+                        "verified": all(row["verified"] for row in cells.values() if row)})
+        out.append(entry)
+    return out
+
+
+__all__ = ["Options", "Outcome", "available_loops", "build_report", "label", "memcpy_baseline", "plans", "run_plan",
+           "ucx_variants"]

@@ -80,11 +80,25 @@ def _opened(target: Optional[Any]) -> Any:
     return target
 
 
+def _next_request(conn: Connection, target: Optional[Any]) -> bool:
+    """Wait for the next request; false when none came in time. A target
+    with ``drive()`` (an engine with no thread of its own) is driven meanwhile."""
+    drive = getattr(target, "drive", None)
+    if drive is None:
+        return conn.poll(CONTROL_TIMEOUT * 4)
+    deadline = time.monotonic() + CONTROL_TIMEOUT * 4
+    while not conn.poll(0):
+        drive()
+        if time.monotonic() > deadline:
+            return False
+    return True
+
+
 def _target_session(conn: Connection, host: str, authkey: bytes) -> None:
     _die_with_parent()
     target = None
     try:
-        while conn.poll(CONTROL_TIMEOUT * 4):
+        while _next_request(conn, target):
             request = conn.recv()
             command, args = request[0], request[1:]
             try:
@@ -105,6 +119,8 @@ def _target_session(conn: Connection, host: str, authkey: bytes) -> None:
                     answer = _rusage()
                 elif command == "threads":
                     answer = thread_costs()
+                elif command == "switches":
+                    answer = context_switches()
                 elif command == "close":
                     conn.send(("ok", None))
                     break
@@ -272,7 +288,10 @@ def initiator_main(report: Connection, address: Any, authkey: bytes, plan: Plan)
             _call(conn, "fill", seed + 2)
             remote_threads, local_threads = _call(conn, "threads"), thread_costs()
             remote_before, local_before = _call(conn, "rusage"), _rusage()
+            remote_switches, local_switches = _call(conn, "switches"), context_switches()
             samples = initiator.latency(plan.latency_ops)
+            local_switches = context_switches() - local_switches
+            remote_switches = _call(conn, "switches") - remote_switches
             local_after, remote_after = _rusage(), _call(conn, "rusage")
             threads = {"initiator": thread_delta(local_threads, thread_costs()),
                        "target": thread_delta(remote_threads, _call(conn, "threads"))}
@@ -280,7 +299,8 @@ def initiator_main(report: Connection, address: Any, authkey: bytes, plan: Plan)
                      for name in local_before}
             verified = digest(initiator.tensors()) == _call(conn, "digest", [0])
             measured = {"engine": plan.engine, "variant": plan.variant, "label": plan.label, "seconds": samples,
-                        "verified": verified, "costs": costs, "threads": threads}
+                        "verified": verified, "costs": costs, "threads": threads,
+                        "switches": {"initiator": local_switches, "target": remote_switches}}
             if hasattr(initiator, "submit_seconds"):
                 measured["submit_seconds"] = initiator.submit_seconds
             if hasattr(initiator, "submit_parts"):
@@ -315,6 +335,29 @@ def _rusage() -> dict[str, float]:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return {"voluntary_switches": usage.ru_nvcsw, "involuntary_switches": usage.ru_nivcsw,
             "cpu_seconds": usage.ru_utime + usage.ru_stime}
+
+
+def context_switches() -> int:
+    """Context switches so far, voluntary and involuntary, of this process's
+    threads alive now (/proc/self/task/*/status); getrusage's figure for the
+    whole process where /proc has none."""
+    total, found = 0, False
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        tids = []
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/status") as f:
+                total += sum(int(line.split()[1]) for line in f
+                             if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")))
+            found = True
+        except (OSError, ValueError):
+            continue  # the thread has gone
+    if found:
+        return total
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_nvcsw + usage.ru_nivcsw
 
 
 def thread_costs() -> dict[str, dict[str, int]]:

@@ -16,6 +16,10 @@ has landed; the benchmark times it. ``latency(ops)`` returns the seconds of
 An initiator whose ``contiguous`` is true moves the memory as it lies (the
 raw socket baseline): it is given the identity table.
 
+A target whose engine has no thread of its own to take in what arrives may
+have a ``drive()`` method: its process then calls it in a loop whenever it
+is not answering a request.
+
 ``variant`` is a dict of engine settings (event loop, transports, progress
 thread); ``label`` names the variant in tables and plots. A class may raise
 ``Unavailable`` from its constructor when the engine is not installed or
@@ -24,6 +28,8 @@ cannot run here; the benchmark then reports it as skipped, with the reason.
 
 from __future__ import annotations
 
+import ipaddress
+import os
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
@@ -31,6 +37,34 @@ import numpy as np
 from ..layout import Layout, aligned_tensors
 
 PUSH, PULL, LAYERWISE = "push", "pull", "layerwise"
+
+# UCX transports of the UCX comparison, by the name a variant gives them, as
+# UCX_TLS. Both engines ask UCX for peer-failure handling, which none of its
+# shared-memory transports offers; with "shm" alone UCX finds no transport
+# for its own messages and refuses the endpoint, so "shm" adds TCP for those.
+# Which transport then carries the bytes is UCX's choice: cma (one kernel
+# copy) with UCX 1.23, TCP with UCX 1.13, whose cma has no peer-failure
+# handling either (docs/benchmarks.md, "The UCX comparison").
+UCX_TLS = {"tcp": "tcp", "shm": "shm,self,tcp"}
+
+
+def loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def set_ucx_tls(name: str, host: str) -> None:
+    """Set ``UCX_TLS`` for the transports named ``name`` (a key of ``UCX_TLS``)
+    for a peer on ``host``, before anything in the process reads UCX's
+    configuration; on loopback also ``UCX_NET_DEVICES=lo`` unless set, or
+    UCX would stripe its network transports over every interface it finds."""
+    if name not in UCX_TLS:
+        raise ValueError(f"ucx tls must be one of {tuple(UCX_TLS)}, not {name!r}")
+    os.environ["UCX_TLS"] = UCX_TLS[name]
+    if loopback(host):
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 
 class Unavailable(RuntimeError):

@@ -4,6 +4,13 @@ transfer_cache_async, each awaited on the event loop the variant names.
 Both sides register their benchmark memory as a blocks cache (as a serving
 framework registers the KV tensors it already has); the target's cache
 carries the blocks key the initiator addresses.
+
+Variant settings: ``loop``, ``transport`` (the library's default when
+absent), ``connections``, and with ``transport="ucx"`` the ``ucx_tls`` of
+``base.UCX_TLS``, set in the process's environment before the engine starts
+UCX (with ``UCX_NET_DEVICES=lo`` on loopback, as for NIXL). A library that
+refuses ``"ucx"`` makes the variant unavailable, with the library's words as
+the reason; a link that ends up on another transport fails the run.
 """
 
 from __future__ import annotations
@@ -26,11 +33,11 @@ from ...data_type import DataType
 from ...enums import LLMRole, Placement
 from ...layer_synchronizer import LayerSynchronizer
 from ...llm_datadist import LLMDataDist
-from ...status import LLMStatusCode
+from ...status import LLMException, LLMStatusCode
 from ...transfer_config import TransferWithCacheKeyConfig
 from ..layout import Layout
 from ..loops import loop_runner
-from .base import LAYERWISE, PULL, PUSH, Memory, Unavailable
+from .base import LAYERWISE, PULL, PUSH, Memory, Unavailable, set_ucx_tls
 
 INITIATOR_ID, TARGET_ID = 1, 2
 KEY = BlocksCacheKey(TARGET_ID, 0)
@@ -58,12 +65,24 @@ def options(pool_bytes: int, listen: Optional[str] = None, sync_kv_timeout_ms: i
     return config.generate_options()
 
 
-def _datadist(role: LLMRole, cluster_id: int, variant: dict[str, Any], listen: Optional[str]) -> LLMDataDist:
-    datadist = LLMDataDist(role, cluster_id)
+def _datadist(role: LLMRole, cluster_id: int, variant: dict[str, Any], listen: Optional[str],
+              peer_host: str) -> LLMDataDist:
+    transport = variant.get("transport")
+    if "ucx_tls" in variant:
+        if transport != "ucx":
+            raise ValueError(f"datadist_aio: ucx_tls needs transport='ucx', not {transport!r}")
+        set_ucx_tls(variant["ucx_tls"], peer_host)
     # The benchmark registers its own memory: the pool stays small.
     connections = int(variant["connections"]) if "connections" in variant else None
-    datadist.init(options(16 << 20, listen, connections=connections, transport=variant.get("transport"),
-                          auth_key=variant.get("link_secret")))
+    try:
+        settings = options(16 << 20, listen, connections=connections, transport=transport,
+                           auth_key=variant.get("link_secret"))
+    except LLMException as exc:
+        if transport == "ucx":
+            raise Unavailable(f"this datadist_aio refuses transport 'ucx': {exc}") from None
+        raise
+    datadist = LLMDataDist(role, cluster_id)
+    datadist.init(settings)
     return datadist
 
 
@@ -95,7 +114,7 @@ class _Registered(Memory):
 class Target:
     def __init__(self, variant: dict[str, Any], host: str) -> None:
         self.host = host
-        self.datadist: LLMDataDist = _datadist(LLMRole.DECODER, TARGET_ID, variant, host)
+        self.datadist: LLMDataDist = _datadist(LLMRole.DECODER, TARGET_ID, variant, host, host)
         self.memory: _Registered = _Registered(self.datadist, KEY)
 
     def open(self) -> Any:
@@ -130,8 +149,8 @@ class Initiator:
             raise Unavailable("uvloop is not installed (pip install 'datadist_aio[uvloop]')") from None
         except ValueError as exc:
             raise Unavailable(str(exc)) from None
-        self.datadist: LLMDataDist = _datadist(LLMRole.PROMPT, INITIATOR_ID, variant, None)
         host, port = opened
+        self.datadist: LLMDataDist = _datadist(LLMRole.PROMPT, INITIATOR_ID, variant, None, host)
         cluster = LLMClusterInfo()
         cluster.remote_cluster_id = TARGET_ID
         cluster.append_local_ip_info(host if host != "0.0.0.0" else "127.0.0.1", 0)
@@ -139,6 +158,8 @@ class Initiator:
         status, per_cluster = self.datadist.link_clusters([cluster], 10000)
         if status is not LLMStatusCode.LLM_SUCCESS:
             raise RuntimeError(f"link to {host}:{port} failed: {status} {per_cluster}")
+        if variant.get("transport") == "ucx" and (path := self.datadist.link_transport(TARGET_ID)) != "ucx":
+            raise RuntimeError(f"the link to {host}:{port} moves bytes over {path!r}, not over UCX")
         self.cm: CacheManager = self.datadist.cache_manager
         self.memory: _Registered = _Registered(self.datadist, None)
         self.layers: int = 0

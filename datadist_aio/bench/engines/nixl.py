@@ -11,17 +11,21 @@ Variant settings:
 
 * ``tls``: ``"default"`` leaves ``UCX_TLS`` alone, so UCX picks what suits
   two processes of one machine (cross-memory attach for the bytes, TCP on
-  ``lo`` for its own messages); ``"tcp"`` sets ``UCX_TLS=tcp``.
+  ``lo`` for its own messages); ``"tcp"`` and ``"shm"`` set ``UCX_TLS`` as
+  ``base.UCX_TLS`` says.
 * ``progress_thread``: whether the initiator's agent runs NIXL's progress
-  thread; without it, polling ``check_xfer_state`` drives UCX. The target's
-  agent always runs it: the target makes no call during a transfer, yet UCX
-  needs its worker driven to finish one (to answer the flush that completes
-  a transfer; over TCP even to take in the bytes), or the initiator waits
-  forever. NIXL's Python agent runs that thread without a delay, so it keeps
-  a core busy.
+  thread; without it, polling ``check_xfer_state`` drives UCX. NIXL's
+  Python agent runs that thread without a delay, so it keeps a core busy.
+* ``target_progress_thread`` (default true): the same on the target. The
+  target makes no call during a transfer, yet UCX needs its worker driven
+  to finish one (to answer the flush that completes a transfer; over TCP
+  even to take in the bytes), or the initiator waits forever. Without the
+  thread, the target's process drives it with ``drive()`` whenever it is
+  not answering a request: a loop that polls NIXL's notifications.
 
 Environment, set in the constructor before the agent exists (only where the
-user has not set it, except ``UCX_TLS`` for ``tls="tcp"``):
+user has not set it, except ``UCX_TLS`` for a ``tls`` other than
+``"default"``):
 
 * ``UCX_NET_DEVICES=lo`` when the target's host is a loopback address: both
   sides share the machine, and UCX would otherwise stripe its network
@@ -36,7 +40,6 @@ and leaves the agent itself to that exit.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import time
 from typing import Any, ClassVar
@@ -44,18 +47,11 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..layout import Layout
-from .base import PULL, PUSH, Memory, Unavailable
+from .base import PULL, PUSH, UCX_TLS, Memory, Unavailable, loopback, set_ucx_tls
 
-TLS = ("default", "tcp")
+TLS = ("default", *UCX_TLS)
 _OPERATION = {PUSH: "WRITE", PULL: "READ"}
 _CONNECT_SECONDS = 10.0
-
-
-def _loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def _agent(variant: dict[str, Any], role: str, host: str, progress_thread: bool) -> Any:
@@ -63,11 +59,11 @@ def _agent(variant: dict[str, Any], role: str, host: str, progress_thread: bool)
     tls = variant.get("tls", "default")
     if tls not in TLS:
         raise ValueError(f"nixl: tls must be one of {TLS}, not {tls!r}")
-    if _loopback(host):
+    if loopback(host):
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    if tls == "tcp":
-        os.environ["UCX_TLS"] = "tcp"
+    if tls != "default":
+        set_ucx_tls(tls, host)
     try:
         from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[import-not-found]  # pyright: ignore[reportMissingImports]
     except ImportError as e:
@@ -118,8 +114,15 @@ class Target:
     def __init__(self, variant: dict[str, Any], host: str) -> None:
         # UCX advertises its own addresses; ``host`` only tells whether the run is local.
         self.host = host
-        self.agent: Any = _agent(variant, "target", host, progress_thread=True)
+        thread = bool(variant.get("target_progress_thread", True))
+        self.agent: Any = _agent(variant, "target", host, progress_thread=thread)
         self.memory: _Memory = _Memory(self.agent)
+        if not thread:
+            self.drive = self._drive
+
+    def _drive(self) -> None:
+        """Progress the agent's UCX worker once (fetching notifications does)."""
+        self.agent.get_new_notifs()
 
     def open(self) -> list[Any]:
         """The agent's metadata (its name and how to connect to it) and the host."""
