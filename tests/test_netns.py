@@ -155,17 +155,24 @@ def test_closing_a_namespace_kills_what_runs_in_it():
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("direction", ["push", "pull"])
 def test_peer_killed_mid_transfer(direction):
+    peer_killed_mid_transfer(direction, {"transport": "auto"}, {}, "tcp")
+
+
+def peer_killed_mid_transfer(direction: str, survivor_options: dict, peer_options: dict, path: str) -> None:
+    """A push or pull from this side of the veth killed by its peer's death:
+    it fails within the timeout, a bystander's link carries on, and the
+    cluster links again once back (each link on ``path``)."""
     timeout_ms = 3000
     big = {"host_mem_pool_cfg": pool_cfg(288 * MiB)}
     with Subnet() as subnet, NetnsGroup() as group:
-        options = big | {"sync_kv_timeout": timeout_ms, "transport": "auto"}
+        options = big | survivor_options | {"sync_kv_timeout": timeout_ms}
         survivor = group.start("survivor", dd.LLMRole.PROMPT, 1, host=subnet.host_ip, options=options)
-        victim = group.start_in(subnet, "victim", dd.LLMRole.DECODER, 2, options=big)
-        third = group.start_in(subnet, "third", dd.LLMRole.DECODER, 3)
+        victim = group.start_in(subnet, "victim", dd.LLMRole.DECODER, 2, options=big | peer_options)
+        third = group.start_in(subnet, "third", dd.LLMRole.DECODER, 3, options=peer_options)
         assert survivor.link(victim) == LINKED
         assert survivor.link(third) == LINKED
-        assert survivor.datadist("link_transport", 2) == "tcp"
-        assert survivor.datadist("link_transport", 3) == "tcp"
+        assert survivor.datadist("link_transport", 2) == path
+        assert survivor.datadist("link_transport", 3) == path
         local, remote = survivor.allocate(big_desc()), victim.allocate(big_desc())
         side = survivor.allocate(small_desc(), blocks=True)
         side_remote = third.allocate(small_desc(), blocks=True, model_id=5)
@@ -188,8 +195,8 @@ def test_peer_killed_mid_transfer(direction):
         assert_blocks_push(survivor, third, 6, 2)
 
         # The same cluster comes back in the namespace on another port and is linked again.
-        again = group.start_in(subnet, "victim-again", dd.LLMRole.DECODER, 2)
+        again = group.start_in(subnet, "victim-again", dd.LLMRole.DECODER, 2, options=peer_options)
         assert survivor.link(again) == LINKED
-        assert survivor.datadist("link_transport", 2) == "tcp"
+        assert survivor.datadist("link_transport", 2) == path
         assert_blocks_push(survivor, again, 7, 3)
         assert_blocks_push(again, survivor, 8, 4)

@@ -15,15 +15,15 @@ import os
 import time
 from collections.abc import Iterator
 
-import numpy as np
 import pytest
 
 import datadist_aio as dd
 from netns import NetnsGroup, NetnsPeer, Subnet, unavailable
-from peer import HAVE_UCX, UCX_PEER_DEATH, UCX_WHY, MiB, Peer, pool_cfg, raises_status
+from peer import HAVE_UCX, UCX_PEER_DEATH, UCX_WHY, Peer, raises_status
 from test_layerwise import Prefill, each_kind, prefill_side
+from test_netns import peer_killed_mid_transfer
 from test_layerwise import KINDS
-from test_peer_failure import assert_blocks_push, big_desc, small_desc
+from test_peer_failure import assert_blocks_push, small_desc
 from test_transfer import A, B, Pair, wait_for_path
 from test_transfer import test_many_concurrent_transfers_on_one_link as test_many_concurrent_transfers_on_one_link  # noqa: F401
 from test_transfer import test_pull_blocks as test_pull_blocks  # noqa: F401
@@ -130,47 +130,7 @@ async def test_each_kind_over_ucx(ucx_prefill, kind):
 @UCX_PEER_DEATH
 @pytest.mark.parametrize("direction", ["push", "pull"])
 def test_peer_killed_mid_transfer(direction):
-    timeout_ms = 3000
-    big = {"host_mem_pool_cfg": pool_cfg(288 * MiB)}
-    with Subnet() as subnet, NetnsGroup() as group:
-        options = big | UCX | {"sync_kv_timeout": timeout_ms}
-        survivor = group.start("survivor", dd.LLMRole.PROMPT, 1, host=subnet.host_ip, options=options)
-        victim = group.start_in(subnet, "victim", dd.LLMRole.DECODER, 2, options=big | UCX)
-        third = group.start_in(subnet, "third", dd.LLMRole.DECODER, 3, options=UCX)
-        assert survivor.link(victim) == LINKED
-        assert survivor.link(third) == LINKED
-        assert survivor.datadist("link_transport", 2) == "ucx"
-        assert survivor.datadist("link_transport", 3) == "ucx"
-        local, remote = survivor.allocate(big_desc()), victim.allocate(big_desc())
-        side = survivor.allocate(small_desc(), blocks=True)
-        side_remote = third.allocate(small_desc(), blocks=True, model_id=5)
-        side_sent = survivor.fill(side, 1)
-
-        doomed = survivor.start_task(f"{direction}_cache", remote.key(), local)
-        bystander = survivor.start_task("push_blocks", side_remote.blocks_key(), side, [0, 1], [8, 9])
-        assert not survivor.task_done(doomed), "the transfer ended before the peer was killed; make it bigger"
-        killed_at = time.monotonic()
-        victim.kill()
-        with raises_status(*LINK_LOST):
-            survivor.wait_task(doomed)
-        elapsed = time.monotonic() - killed_at
-        assert elapsed < timeout_ms / 1000 + 1.0, f"the transfer failed {elapsed:.2f} s after the kill"
-
-        assert survivor.wait_task(bystander) == [SUCCESS]
-        got = third.read(side_remote)
-        for t in range(2):
-            np.testing.assert_array_equal(got[t][8 * 256 : 10 * 256], side_sent[t][: 2 * 256])
-        assert_blocks_push(survivor, third, 6, 2)
-        assert third.engine("link_stats", 1)["ucx_bytes_served"] > 0
-
-        # The same cluster comes back in the namespace on another port and is linked again.
-        again = group.start_in(subnet, "victim-again", dd.LLMRole.DECODER, 2, options=UCX)
-        assert survivor.link(again) == LINKED
-        assert survivor.datadist("link_transport", 2) == "ucx"
-        assert_blocks_push(survivor, again, 7, 3)
-        assert_blocks_push(again, survivor, 8, 4)
-        assert again.engine("link_stats", 1)["ucx_bytes_served"] > 0
-        assert survivor.engine("link_stats", 2)["ucx_bytes_served"] > 0
+    peer_killed_mid_transfer(direction, UCX, UCX, "ucx")
 
 
 def test_a_peer_killed_between_operations_fails_the_next_and_links_again():

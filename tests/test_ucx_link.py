@@ -9,8 +9,8 @@ of their own. Skipped where UCX is not installed, but the first.
 from __future__ import annotations
 
 import os
-import sys
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
