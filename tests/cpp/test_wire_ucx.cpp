@@ -74,6 +74,10 @@ TEST(WireUcx, MalformedTablesAndStraySegmentsAreRefused) {
   req = {};
   EXPECT_EQ(decode_request(Body(kBase, {{~uint64_t{0} - 8, 4096, "key"}}), req, true), "bad UCX key");
   req = {};
+  std::vector<uint8_t> padded = Body(kBase, one);  // "key" and five bytes of padding
+  padded.back() = 1;
+  EXPECT_EQ(decode_request(padded, req, true), "UCX key padding not zero");
+  req = {};
   std::vector<uint8_t> extra = Body(kBase, one);
   extra.push_back(0);
   EXPECT_EQ(decode_request(extra, req, true), "UCX key table length mismatch");

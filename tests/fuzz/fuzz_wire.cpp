@@ -79,16 +79,48 @@ void check_request(const std::vector<uint8_t> &body, bool with_segments) {
       require(e.base <= base || e.base > req.segments[i].addr, "a segment's export is not the nearest below it");
     }
   }
+  // UCX segments: a key table within its limits, and each segment inside
+  // the key it names.
+  const bool ucx = (t.flags & wire::kUcxSegments) != 0;
+  require(!(ucx && device), "accepted device and UCX segments together");
+  require(ucx == !req.ucx_keys.empty() && req.ucx_keys.size() <= wire::kMaxUcxKeys, "UCX key table wrong");
+  require(req.ucx_key_bytes.size() == req.ucx_keys.size(), "UCX key bytes differ");
+  require(req.segment_key.size() == (ucx ? req.segments.size() : 0), "segment keys differ");
+  for (size_t k = 0; k < req.ucx_keys.size(); ++k) {
+    const wire::UcxKey &key = req.ucx_keys[k];
+    require(key.key_length != 0 && key.key_length <= wire::kMaxUcxKeyBytes && key.zero == 0 && key.length != 0 &&
+                key.base + key.length >= key.base && req.ucx_key_bytes[k].size() == key.key_length,
+            "accepted a bad UCX key");
+  }
+  for (size_t i = 0; i < req.segment_key.size(); ++i) {
+    require(req.segment_key[i] < req.ucx_keys.size(), "a segment names no key");
+    const wire::UcxKey &key = req.ucx_keys[req.segment_key[i]];
+    const wire::Segment &s = req.segments[i];
+    require(s.addr >= key.base && s.addr + s.length <= key.base + key.length, "a segment runs outside its key");
+  }
+  // The body again from what was decoded: the key table after the rest.
+  auto encode = [&](const std::vector<wire::Range> &ranges, const std::vector<wire::Segment> &segments) {
+    std::vector<uint8_t> out = wire::encode_request(t, ranges, req.bounds, segments, {}, req.exports);
+    if (!ucx) return out;
+    const uint32_t head[2] = {static_cast<uint32_t>(req.ucx_keys.size()), 0};
+    out.insert(out.end(), reinterpret_cast<const uint8_t *>(head), reinterpret_cast<const uint8_t *>(head) + sizeof(head));
+    for (size_t k = 0; k < req.ucx_keys.size(); ++k) {
+      const auto *key = reinterpret_cast<const uint8_t *>(&req.ucx_keys[k]);
+      out.insert(out.end(), key, key + sizeof(wire::UcxKey));
+      out.insert(out.end(), req.ucx_key_bytes[k].begin(), req.ucx_key_bytes[k].end());
+      out.resize(out.size() + (8 - req.ucx_key_bytes[k].size() % 8) % 8, 0);
+    }
+    return out;
+  };
   // Unrolled, a strided request is the plain request of its rows.
   if (!strided) {
-    require(wire::encode_request(t, req.ranges, req.bounds, req.segments, {}, req.exports) == body,
-            "does not encode back");
+    require(encode(req.ranges, req.segments) == body, "does not encode back");
     return;
   }
   // Rows past what one plain request may carry have no plain form to compare.
   if (req.ranges.size() > wire::kMaxRanges) return;
   wire::Request plain;
-  const std::vector<uint8_t> unrolled = wire::encode_request(t, req.ranges, req.bounds, req.segments, {}, req.exports);
+  const std::vector<uint8_t> unrolled = encode(req.ranges, req.segments);
   require(wire::decode_request(unrolled, plain, with_segments).empty(), "the unrolled request is refused");
   require(plain.ranges.size() == req.ranges.size() && plain.total_bytes == req.total_bytes,
           "the unrolled request differs");

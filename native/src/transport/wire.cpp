@@ -80,6 +80,10 @@ std::string decode_ucx_keys(const std::vector<uint8_t> &body, size_t at, Request
     }
     const size_t padded = (static_cast<size_t>(key.key_length) + 7) / 8 * 8;
     if (body.size() - at < padded) return "UCX key table too short";
+    if (!std::all_of(body.begin() + static_cast<std::ptrdiff_t>(at + key.key_length),
+                     body.begin() + static_cast<std::ptrdiff_t>(at + padded), [](uint8_t b) { return b == 0; })) {
+      return "UCX key padding not zero";
+    }
     out.ucx_keys.push_back(key);
     out.ucx_key_bytes.emplace_back(reinterpret_cast<const char *>(body.data() + at), key.key_length);
     at += padded;
