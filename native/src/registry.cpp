@@ -82,7 +82,7 @@ std::shared_ptr<CacheEntry> Registry::find_blocks(uint64_t model_id) const {
   return it == by_key_.end() ? nullptr : it->second.entry;
 }
 
-std::shared_ptr<CacheEntry> Registry::find_by_address(uintptr_t addr, uint64_t length) const {
+std::shared_ptr<CacheEntry> Registry::find_by_address(uintptr_t addr, uint64_t length, size_t *tensor) const {
   uintptr_t end;
   if (__builtin_add_overflow(addr, length, &end)) return nullptr;
   std::lock_guard<std::mutex> lock(mu_);
@@ -90,9 +90,12 @@ std::shared_ptr<CacheEntry> Registry::find_by_address(uintptr_t addr, uint64_t l
     const uint64_t size = entry.second->geometry.tensor_size;
     // Device caches too: with CUDA's unified addressing (every 64-bit
     // platform the driver supports) no device range overlaps a host one.
-    for (uint8_t *base : entry.second->addrs) {
-      const auto start = reinterpret_cast<uintptr_t>(base);
-      if (addr >= start && end <= start + size) return entry.second;
+    for (size_t t = 0; t < entry.second->addrs.size(); ++t) {
+      const auto start = reinterpret_cast<uintptr_t>(entry.second->addrs[t]);
+      if (addr >= start && end <= start + size) {
+        if (tensor != nullptr) *tensor = t;
+        return entry.second;
+      }
     }
   }
   return nullptr;

@@ -79,8 +79,9 @@ class Registry {
   std::shared_ptr<CacheEntry> find(int64_t cache_id) const;
   CacheRef find_by_key(const KeySpec &key) const;
   std::shared_ptr<CacheEntry> find_blocks(uint64_t model_id) const;
-  // The registered cache with a tensor holding all of [addr, addr + length).
-  std::shared_ptr<CacheEntry> find_by_address(uintptr_t addr, uint64_t length) const;
+  // The registered cache with a tensor holding all of [addr, addr + length);
+  // `tensor`, when given, gets that tensor's index.
+  std::shared_ptr<CacheEntry> find_by_address(uintptr_t addr, uint64_t length, size_t *tensor = nullptr) const;
 
   // Deallocation of an allocated cache: it leaves the id table and, for a
   // blocks cache, its blocks key; bound contiguous keys keep it alive until

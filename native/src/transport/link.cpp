@@ -549,13 +549,8 @@ void Link::send_planned(bool write, PlannedFrame &planned, const std::shared_ptr
   bool ucx = false;
   if (ucx_ && !device && exports_ok) {
     std::string why;
-    size_t key_bytes = 2 * sizeof(uint32_t);
     if (ucx::keys_for(ucx_->worker(), host_->registry(), planned.local, keys, why)) {
-      for (const auto &k : keys) key_bytes += sizeof(wire::UcxKey) + (k->rkey().size() + 7) / 8 * 8;
-      const size_t with_segments =
-          sizeof(wire::Target) + planned.ranges.size() * (sizeof(wire::Range) + sizeof(wire::Segment)) +
-          planned.strides.size() * sizeof(wire::Stride) + planned.bounds.size() * sizeof(wire::Range);
-      ucx = with_segments + key_bytes <= wire::kMaxBodyBytes;
+      ucx = body_bytes + ucx::key_table_bytes(keys) <= wire::kMaxBodyBytes;
     } else if (!ucx_unmapped_logged_.exchange(true)) {
       log_warning("link to cluster " + std::to_string(peer_id_) + ": an operation goes inline, not by UCX: " + why);
     }

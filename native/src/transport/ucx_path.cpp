@@ -84,21 +84,13 @@ bool keys_for(const std::shared_ptr<Worker> &worker, Registry &registry, const s
     bool known = false;
     for (const auto &m : out) known = known || (addr >= m->base() && addr + v.iov_len <= m->base() + m->length());
     if (known) continue;
-    std::shared_ptr<CacheEntry> entry = registry.find_by_address(addr, v.iov_len);
+    size_t t = 0;
+    std::shared_ptr<CacheEntry> entry = registry.find_by_address(addr, v.iov_len, &t);
     if (!entry || entry->device) {
-      why = "memory at " + std::to_string(addr) + " is not inside one registered host cache";
+      why = "memory at " + std::to_string(addr) + " is not inside one tensor of a registered host cache";
       return false;
     }
     const uint64_t size = entry->geometry.tensor_size;
-    size_t t = 0;
-    while (t < entry->addrs.size() && !(addr >= reinterpret_cast<uintptr_t>(entry->addrs[t]) &&
-                                        addr + v.iov_len <= reinterpret_cast<uintptr_t>(entry->addrs[t]) + size)) {
-      ++t;
-    }
-    if (t == entry->addrs.size()) {
-      why = "memory at " + std::to_string(addr) + " is not inside one tensor";
-      return false;
-    }
     std::shared_ptr<Mapping> mapping;
     {
       std::lock_guard<std::mutex> lock(entry->ucx_mu);
@@ -261,12 +253,16 @@ bool Peer::flush(Done done, std::string &why) {
   return true;
 }
 
+size_t key_table_bytes(const std::vector<std::shared_ptr<Mapping>> &keys) {
+  size_t bytes = 2 * sizeof(uint32_t);
+  for (const auto &k : keys) bytes += sizeof(wire::UcxKey) + (k->rkey().size() + 7) / 8 * 8;
+  return bytes;
+}
+
 void encode_keys(const std::vector<std::shared_ptr<Mapping>> &keys, std::vector<uint8_t> &body) {
   const uint32_t head[2] = {static_cast<uint32_t>(keys.size()), 0};
   const size_t at = body.size();
-  size_t grow = sizeof(head);
-  for (const auto &k : keys) grow += sizeof(wire::UcxKey) + (k->rkey().size() + 7) / 8 * 8;
-  body.resize(at + grow, 0);
+  body.resize(at + key_table_bytes(keys), 0);
   uint8_t *p = body.data() + at;
   std::memcpy(p, head, sizeof(head));
   p += sizeof(head);

@@ -144,6 +144,8 @@ class Peer {
 // a uint32 count and a uint32 zero, then per key a UcxKey and its packed
 // bytes, padded to 8 bytes.
 void encode_keys(const std::vector<std::shared_ptr<Mapping>> &keys, std::vector<uint8_t> &body);
+// The bytes encode_keys() appends.
+size_t key_table_bytes(const std::vector<std::shared_ptr<Mapping>> &keys);
 
 }  // namespace datadist::ucx
 
