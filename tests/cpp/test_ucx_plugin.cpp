@@ -113,7 +113,7 @@ double cpu_seconds() {
   const void *address = nullptr;
   size_t address_length = 0;
   int efd = -1;
-  if (api.mem_map(worker, memory.data(), memory.size(), &mem, &rkey, &rkey_length) != 0 ||
+  if (api.mem_map(worker, memory.data(), memory.size(), DATADIST_UCX_HOST, &mem, &rkey, &rkey_length) != 0 ||
       api.worker_address(worker, &address, &address_length) != 0 || api.event_fd(worker, &efd) != 0) {
     _exit(4);
   }
@@ -218,7 +218,7 @@ class UcxPlugin : public ::testing::TestWithParam<const char *> {
     local_.resize(kLocalSize);
     const void *own_rkey = nullptr;
     size_t own_rkey_length = 0;
-    ASSERT_EQ(api_->mem_map(worker_, local_.data(), local_.size(), &mem_, &own_rkey, &own_rkey_length), 0);
+    ASSERT_EQ(api_->mem_map(worker_, local_.data(), local_.size(), DATADIST_UCX_HOST, &mem_, &own_rkey, &own_rkey_length), 0);
     EXPECT_GT(own_rkey_length, 0u);
     std::vector<uint8_t> address, rkey, base;
     ASSERT_TRUE(recv_blob(sock_, address)) << "the initiator sent no worker address";
@@ -258,8 +258,10 @@ class UcxPlugin : public ::testing::TestWithParam<const char *> {
     return calls;
   }
 
-  datadist_ucx_range Range(size_t local_offset, size_t remote_offset, size_t length) {
-    return {reinterpret_cast<uintptr_t>(local_.data()) + local_offset, remote_base_ + remote_offset, length};
+  // With `mapped`, the range names the owner's mapping of its memory.
+  datadist_ucx_range Range(size_t local_offset, size_t remote_offset, size_t length, bool mapped = true) {
+    return {reinterpret_cast<uintptr_t>(local_.data()) + local_offset, remote_base_ + remote_offset, length,
+            mapped ? mem_ : nullptr};
   }
 
   const Plugin *plugin_ = nullptr;
@@ -350,7 +352,7 @@ TEST_P(UcxPlugin, TwoThreadsPostWhileAThirdProgresses) {
     for (int i = 0; i < kPerThread; ++i) {
       size_t n = static_cast<size_t>(t * kPerThread + i);
       // Remote pieces in reverse order, so that each lands somewhere else.
-      datadist_ucx_range range = Range(n * kPiece, (2 * kPerThread - 1 - n) * kPiece + 3, kPiece);
+      datadist_ucx_range range = Range(n * kPiece, (2 * kPerThread - 1 - n) * kPiece + 3, kPiece, n % 2 == 0);
       if (api_->get(ep_, rkey_, &range, 1, Done::fn, &done[n]) != 0) return;
       posted[static_cast<size_t>(t)] = i;
     }
@@ -467,7 +469,7 @@ TEST(UcxPluginLifecycle, MapUnmapAndDestroyLeaveNoFileDescriptors) {
       datadist_ucx_mem *mem = nullptr;
       const void *rkey = nullptr;
       size_t rkey_length = 0;
-      st = api.mem_map(worker, memory.data(), memory.size(), &mem, &rkey, &rkey_length);
+      st = api.mem_map(worker, memory.data(), memory.size(), DATADIST_UCX_HOST, &mem, &rkey, &rkey_length);
       if (st != 0) break;
       st = api.mem_unmap(mem);
       if (st != 0) break;
@@ -476,7 +478,7 @@ TEST(UcxPluginLifecycle, MapUnmapAndDestroyLeaveNoFileDescriptors) {
     datadist_ucx_mem *left = nullptr;
     const void *rkey = nullptr;
     size_t rkey_length = 0;
-    if (st == 0) st = api.mem_map(worker, memory.data(), memory.size(), &left, &rkey, &rkey_length);
+    if (st == 0) st = api.mem_map(worker, memory.data(), memory.size(), DATADIST_UCX_HOST, &left, &rkey, &rkey_length);
     api.worker_destroy(worker);
     return st;
   };
@@ -497,9 +499,17 @@ TEST(UcxPluginLifecycle, MapUnmapAndDestroyLeaveNoFileDescriptors) {
   datadist_ucx_mem *mem = nullptr;
   const void *rkey = nullptr;
   size_t rkey_length = 0;
-  int bad = api.mem_map(worker, nullptr, 4096, &mem, &rkey, &rkey_length);
+  int bad = api.mem_map(worker, nullptr, 4096, DATADIST_UCX_HOST, &mem, &rkey, &rkey_length);
   EXPECT_NE(bad, 0);
   EXPECT_NE(plugin->describe(bad).find("Invalid parameter"), std::string::npos) << plugin->describe(bad);
+  std::vector<uint8_t> page(4096);
+  bad = api.mem_map(worker, page.data(), page.size(), 7, &mem, &rkey, &rkey_length);
+  EXPECT_NE(plugin->describe(bad).find("Invalid parameter"), std::string::npos) << "memory type 7: " << plugin->describe(bad);
+  if (api.reaches_cuda(worker) == 0) {
+    // Device memory where UCX has no CUDA: refused, not mapped as host memory.
+    bad = api.mem_map(worker, page.data(), page.size(), DATADIST_UCX_CUDA, &mem, &rkey, &rkey_length);
+    EXPECT_NE(plugin->describe(bad).find("Unsupported"), std::string::npos) << plugin->describe(bad);
+  }
   EXPECT_NE(api.ep_create(worker, nullptr, 0, nullptr, nullptr, nullptr), 0);
   api.worker_destroy(worker);
   EXPECT_FALSE(plugin->version.empty());

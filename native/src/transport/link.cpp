@@ -547,7 +547,7 @@ void Link::send_planned(bool write, PlannedFrame &planned, const std::shared_ptr
   // tensors it lies in; otherwise (or where its keys cannot be had) inline.
   std::vector<std::shared_ptr<ucx::Mapping>> keys;
   bool ucx = false;
-  if (ucx_ && !device && exports_ok) {
+  if (ucx_ && (!device || ucx_->worker()->reaches_device()) && exports_ok) {
     std::string why;
     if (ucx::keys_for(ucx_->worker(), host_->registry(), planned.local, keys, why)) {
       ucx = body_bytes + ucx::key_table_bytes(keys) <= wire::kMaxBodyBytes;
@@ -563,7 +563,7 @@ void Link::send_planned(bool write, PlannedFrame &planned, const std::shared_ptr
     resend = std::make_shared<PlannedFrame>(planned);  // for a peer whose memory is a device's
     planned.target.flags |= wire::kUcxSegments;
   }
-  if (device) {
+  if (device && !ucx) {
     (same_host ? ipc_frames_ : staged_frames_).fetch_add(1, std::memory_order_relaxed);
     if (same_host && std::any_of(exports.begin(), exports.end(),
                                  [](const wire::DeviceExport &e) { return e.kind == wire::kExportFd; })) {
@@ -1152,14 +1152,26 @@ void Link::serve_ucx(Connection &conn, const FrameHeader &header, const wire::Re
   const FrameType type = write ? FrameType::kWriteAck : FrameType::kReadData;
   ResolvedTarget target;
   Status st = resolve_in_group(req, target);
-  if (st == LLM_SUCCESS && target.device) {
-    // UCX moves host memory here: the initiator sends the frame again inline.
-    send_answer(conn, answer(type, header.op_id, llm_datadist::LLM_FEATURE_NOT_ENABLED,
-                             "this end's cache is device memory, which its UCX does not reach"));
-    return;
-  }
   if (st != LLM_SUCCESS) {
     send_answer(conn, answer(type, header.op_id, st, target.why));
+    return;
+  }
+  // This end's memory as UCX's mappings. Where it cannot be had (device
+  // memory this UCX does not reach), the initiator sends the frame again
+  // inline: nothing has moved.
+  std::vector<std::shared_ptr<ucx::Mapping>> mine;
+  std::vector<datadist_ucx_mem *> mems(target.iov.size(), nullptr);
+  std::string unmapped;
+  if (target.device && !target.entry) {
+    unmapped = "device memory named by address";
+  } else if (target.entry && !ucx::local_maps(ucx_->worker(), *target.entry, target.iov, mine, mems, unmapped)) {
+    // unmapped says why
+  } else if (target.device && !target.device->make_current(unmapped)) {
+    // the CUDA transports copy on this thread too
+  }
+  if (!unmapped.empty()) {
+    send_answer(conn, answer(type, header.op_id, llm_datadist::LLM_FEATURE_NOT_ENABLED,
+                             "this end's UCX cannot move its memory: " + unmapped));
     return;
   }
   // One get or put per key: this end's ranges (checked above) against the
@@ -1167,7 +1179,7 @@ void Link::serve_ucx(Connection &conn, const FrameHeader &header, const wire::Re
   std::vector<std::vector<datadist_ucx_range>> by_key(req.ucx_keys.size());
   for (size_t i = 0; i < req.segments.size(); ++i) {
     by_key[req.segment_key[i]].push_back({static_cast<uint64_t>(reinterpret_cast<uintptr_t>(target.iov[i].iov_base)),
-                                          req.segments[i].addr, req.segments[i].length});
+                                          req.segments[i].addr, req.segments[i].length, mems[i]});
   }
   struct Served {
     std::shared_ptr<Link> link;
@@ -1176,6 +1188,7 @@ void Link::serve_ucx(Connection &conn, const FrameHeader &header, const wire::Re
     bool write;
     wire::Request req;
     std::shared_ptr<const void> pin;  // this end's cache, alive until UCX is done with it
+    std::vector<std::shared_ptr<ucx::Mapping>> mine;  // and its mappings
     std::mutex mu;
     size_t left = 0;
     int status = 0;
@@ -1188,6 +1201,7 @@ void Link::serve_ucx(Connection &conn, const FrameHeader &header, const wire::Re
   served->write = write;
   served->req = req;
   served->pin = target.entry;
+  served->mine = std::move(mine);
   // Settles the frame once every get (or every put and the flush) is done.
   auto finish = [served](int status, const std::string &why) {
     bool last;

@@ -35,6 +35,7 @@ std::shared_ptr<Worker> Worker::create(IoLoop &loop, std::string &why) {
     return nullptr;
   }
   w->address_.assign(static_cast<const char *>(address), length);
+  w->reaches_device_ = w->api().reaches_cuda(w->worker_) != 0;
   w->loop_ = &loop;
   w->io_id_ = loop.add(fd, w, 0);
   if (w->io_id_ == 0) {
@@ -57,7 +58,19 @@ void Worker::stop() {
   io_id_ = 0;
 }
 
+void Worker::use_device(const std::shared_ptr<cuda::Device> &device) {
+  std::lock_guard<std::mutex> lock(device_mu_);
+  if (!device_) device_ = device;
+}
+
 void Worker::on_ready(uint64_t, uint32_t) {
+  std::shared_ptr<cuda::Device> device;
+  {
+    std::lock_guard<std::mutex> lock(device_mu_);
+    device = device_;
+  }
+  std::string why;
+  if (device && !device->make_current(why)) log_warning("UCX: progress without the device's context: " + why);
   for (;;) {
     while (api().progress(worker_) != 0) {
     }
@@ -76,51 +89,104 @@ Mapping::~Mapping() {
   if (st != DATADIST_UCX_OK) log_warning("UCX: unmapping a cache's memory: " + worker_->describe(st));
 }
 
+namespace {
+
+// Tensor `t` of `entry` mapped with `worker`: made on its first use and kept
+// in the entry until the cache goes. Device memory is mapped with its
+// context current on the calling thread, where the worker's UCX reaches it.
+std::shared_ptr<Mapping> map_tensor(const std::shared_ptr<Worker> &worker, CacheEntry &entry, size_t t,
+                                    std::string &why) {
+  if (entry.device && !worker->reaches_device()) {
+    why = "cache " + std::to_string(entry.id) + " is device memory, which this end's UCX does not reach";
+    return nullptr;
+  }
+  std::lock_guard<std::mutex> lock(entry.ucx_mu);
+  auto &slots = entry.ucx_maps;
+  if (slots.size() != entry.addrs.size()) slots.resize(entry.addrs.size());
+  if (slots[t] && slots[t]->worker() == worker.get()) return slots[t];
+  if (entry.device) {
+    if (!entry.device->make_current(why)) return nullptr;
+    worker->use_device(entry.device);
+  }
+  const uint64_t size = entry.geometry.tensor_size;
+  datadist_ucx_mem *mem = nullptr;
+  const void *rkey = nullptr;
+  size_t rkey_length = 0;
+  const int st = worker->api().mem_map(worker->handle(), entry.addrs[t], static_cast<size_t>(size),
+                                       entry.device ? DATADIST_UCX_CUDA : DATADIST_UCX_HOST, &mem, &rkey,
+                                       &rkey_length);
+  if (st != DATADIST_UCX_OK) {
+    why = "UCX could not map a tensor of cache " + std::to_string(entry.id) + ": " + worker->describe(st);
+    return nullptr;
+  }
+  if (rkey_length == 0 || rkey_length > wire::kMaxUcxKeyBytes) {
+    worker->api().mem_unmap(mem);
+    why = "UCX's key for a tensor is " + std::to_string(rkey_length) + " bytes";
+    return nullptr;
+  }
+  slots[t] = std::make_shared<Mapping>(worker, mem, reinterpret_cast<uintptr_t>(entry.addrs[t]), size,
+                                       std::string(static_cast<const char *>(rkey), rkey_length));
+  return slots[t];
+}
+
+bool inside(const Mapping &m, uintptr_t addr, size_t length) {
+  return addr >= m.base() && addr + length <= m.base() + m.length();
+}
+
+}  // namespace
+
 bool keys_for(const std::shared_ptr<Worker> &worker, Registry &registry, const std::vector<iovec> &local,
               std::vector<std::shared_ptr<Mapping>> &out, std::string &why) {
   out.clear();
   for (const iovec &v : local) {
     const auto addr = reinterpret_cast<uintptr_t>(v.iov_base);
     bool known = false;
-    for (const auto &m : out) known = known || (addr >= m->base() && addr + v.iov_len <= m->base() + m->length());
+    for (const auto &m : out) known = known || inside(*m, addr, v.iov_len);
     if (known) continue;
     size_t t = 0;
     std::shared_ptr<CacheEntry> entry = registry.find_by_address(addr, v.iov_len, &t);
-    if (!entry || entry->device) {
-      why = "memory at " + std::to_string(addr) + " is not inside one tensor of a registered host cache";
+    if (!entry) {
+      why = "memory at " + std::to_string(addr) + " is not inside one tensor of a registered cache";
       return false;
     }
-    const uint64_t size = entry->geometry.tensor_size;
-    std::shared_ptr<Mapping> mapping;
-    {
-      std::lock_guard<std::mutex> lock(entry->ucx_mu);
-      auto &slots = entry->ucx_maps;
-      if (slots.size() != entry->addrs.size()) slots.resize(entry->addrs.size());
-      if (!slots[t] || slots[t]->worker() != worker.get()) {
-        datadist_ucx_mem *mem = nullptr;
-        const void *rkey = nullptr;
-        size_t rkey_length = 0;
-        const int st = worker->api().mem_map(worker->handle(), entry->addrs[t], static_cast<size_t>(size), &mem,
-                                             &rkey, &rkey_length);
-        if (st != DATADIST_UCX_OK) {
-          why = "UCX could not map a tensor of cache " + std::to_string(entry->id) + ": " + worker->describe(st);
-          return false;
-        }
-        if (rkey_length == 0 || rkey_length > wire::kMaxUcxKeyBytes) {
-          worker->api().mem_unmap(mem);
-          why = "UCX's key for a tensor is " + std::to_string(rkey_length) + " bytes";
-          return false;
-        }
-        slots[t] = std::make_shared<Mapping>(worker, mem, reinterpret_cast<uintptr_t>(entry->addrs[t]), size,
-                                             std::string(static_cast<const char *>(rkey), rkey_length));
-      }
-      mapping = slots[t];
-    }
+    std::shared_ptr<Mapping> mapping = map_tensor(worker, *entry, t, why);
+    if (!mapping) return false;
     if (out.size() == wire::kMaxUcxKeys) {
       why = "a frame over more than " + std::to_string(wire::kMaxUcxKeys) + " tensors";
       return false;
     }
     out.push_back(std::move(mapping));
+  }
+  return true;
+}
+
+bool local_maps(const std::shared_ptr<Worker> &worker, CacheEntry &entry, const std::vector<iovec> &ranges,
+                std::vector<std::shared_ptr<Mapping>> &held, std::vector<datadist_ucx_mem *> &mems,
+                std::string &why) {
+  held.clear();
+  mems.assign(ranges.size(), nullptr);
+  const uint64_t size = entry.geometry.tensor_size;
+  size_t t = 0;  // ranges mostly follow the tensors in order
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    const auto addr = reinterpret_cast<uintptr_t>(ranges[i].iov_base);
+    auto holds = [&](size_t k) {
+      const auto base = reinterpret_cast<uintptr_t>(entry.addrs[k]);
+      return addr >= base && addr + ranges[i].iov_len <= base + size;
+    };
+    if (t >= entry.addrs.size() || !holds(t)) {
+      t = 0;
+      while (t < entry.addrs.size() && !holds(t)) ++t;
+      if (t == entry.addrs.size()) {
+        why = "a range of cache " + std::to_string(entry.id) + " is not inside one of its tensors";
+        return false;
+      }
+    }
+    if (held.empty() || held.back()->base() != reinterpret_cast<uintptr_t>(entry.addrs[t])) {
+      std::shared_ptr<Mapping> mapping = map_tensor(worker, entry, t, why);
+      if (!mapping) return false;
+      held.push_back(std::move(mapping));
+    }
+    mems[i] = held.back()->mem();
   }
   return true;
 }

@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "device/cuda_driver.h"
 #include "registry.h"
 #include "transport/io_loop.h"
 #include "transport/ucx_loader.h"
@@ -47,6 +48,11 @@ class Worker : public IoHandler, public std::enable_shared_from_this<Worker> {
   const std::string &address() const { return address_; }
   std::string describe(int status) const { return plugin_->describe(status); }
   const std::string &version() const { return plugin_->version; }
+  // Whether this UCX moves CUDA device memory (built with CUDA, driver found).
+  bool reaches_device() const { return reaches_device_; }
+  // The device whose context the progressing thread makes current (the
+  // first one mapped; UCX's CUDA transports copy on that thread).
+  void use_device(const std::shared_ptr<cuda::Device> &device);
 
   // Progresses until nothing is due, then arms the event fd again.
   void on_ready(uint64_t tag, uint32_t events) override;
@@ -60,6 +66,9 @@ class Worker : public IoHandler, public std::enable_shared_from_this<Worker> {
   const Plugin *plugin_ = nullptr;
   datadist_ucx_worker *worker_ = nullptr;
   std::string address_;
+  bool reaches_device_ = false;
+  std::mutex device_mu_;
+  std::shared_ptr<cuda::Device> device_;  // under device_mu_
   IoLoop *loop_ = nullptr;
   uint64_t io_id_ = 0;
   std::mutex stop_mu_;
@@ -77,6 +86,7 @@ class Mapping {
   uint64_t length() const { return length_; }
   const std::string &rkey() const { return rkey_; }
   const Worker *worker() const { return worker_.get(); }
+  datadist_ucx_mem *mem() const { return mem_; }
 
  private:
   std::shared_ptr<Worker> worker_;  // outlives the mapping
@@ -87,11 +97,19 @@ class Mapping {
 };
 
 // The keys a frame's local memory needs: for each iovec, the tensor of a
-// registered host cache that holds it, mapped with `worker` on its first
-// use (CacheEntry::ucx_maps keeps the mapping until the cache goes). False
-// with `why` when some memory is not inside one registered host tensor.
+// registered cache that holds it, mapped with `worker` on its first use
+// (CacheEntry::ucx_maps keeps the mapping until the cache goes). False with
+// `why` when some memory is not inside one registered tensor, or is device
+// memory that this UCX does not reach.
 bool keys_for(const std::shared_ptr<Worker> &worker, Registry &registry, const std::vector<iovec> &local,
               std::vector<std::shared_ptr<Mapping>> &out, std::string &why);
+
+// The owner's side: the mapping of each of `ranges` (ranges of `entry`,
+// already checked), for UCX to move them with no lookup of its own; `held`
+// keeps the mappings. False with `why` when one cannot be mapped.
+bool local_maps(const std::shared_ptr<Worker> &worker, CacheEntry &entry, const std::vector<iovec> &ranges,
+                std::vector<std::shared_ptr<Mapping>> &held, std::vector<datadist_ucx_mem *> &mems,
+                std::string &why);
 
 // A link's endpoint to its peer's worker, with the peer's keys unpacked
 // as they come (cached by their bytes).

@@ -314,17 +314,28 @@ int event_fd(datadist_ucx_worker *w, int *fd) {
   return ucp_worker_get_efd(w->worker, fd);
 }
 
-int mem_map(datadist_ucx_worker *w, void *address, size_t length, datadist_ucx_mem **out, const void **rkey,
-            size_t *rkey_length) {
+int reaches_cuda(datadist_ucx_worker *w) {
+  if (w == nullptr) return 0;
+  ucp_context_attr_t attr{};
+  attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+  if (ucp_context_query(w->context, &attr) != UCS_OK) return 0;
+  return (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0 ? 1 : 0;
+}
+
+int mem_map(datadist_ucx_worker *w, void *address, size_t length, int memory_type, datadist_ucx_mem **out,
+            const void **rkey, size_t *rkey_length) {
   if (w == nullptr || address == nullptr || length == 0 || out == nullptr || rkey == nullptr ||
-      rkey_length == nullptr) {
+      rkey_length == nullptr || (memory_type != DATADIST_UCX_HOST && memory_type != DATADIST_UCX_CUDA)) {
     return UCS_ERR_INVALID_PARAM;
   }
+  if (memory_type == DATADIST_UCX_CUDA && reaches_cuda(w) == 0) return UCS_ERR_UNSUPPORTED;
   *out = nullptr;
   ucp_mem_map_params_t params{};
-  params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+  params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                      UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
   params.address = address;
   params.length = length;
+  params.memory_type = memory_type == DATADIST_UCX_CUDA ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
   auto *mem = new (std::nothrow) datadist_ucx_mem();
   if (mem == nullptr) return UCS_ERR_NO_MEMORY;
   mem->worker = w;
@@ -409,13 +420,17 @@ int transfer(bool is_put, datadist_ucx_ep *ep, datadist_ucx_rkey *rkey, const da
   }
   auto *batch = new (std::nothrow) Batch{ep->worker, count + 1, UCS_OK, done, arg};
   if (batch == nullptr) return UCS_ERR_NO_MEMORY;
-  ucp_request_param_t param{};
-  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-  param.cb.send = on_request_done;
-  param.user_data = batch;
   size_t i = 0;
   for (; i < count; ++i) {
     const datadist_ucx_range &r = ranges[i];
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    param.cb.send = on_request_done;
+    param.user_data = batch;
+    if (r.local_mem != nullptr) {
+      param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+      param.memh = r.local_mem->memh;
+    }
     void *local = reinterpret_cast<void *>(static_cast<uintptr_t>(r.local));
     ucs_status_ptr_t request = is_put ? ucp_put_nbx(ep->ep, local, r.length, r.remote, rkey->rkey, &param)
                                       : ucp_get_nbx(ep->ep, local, r.length, r.remote, rkey->rkey, &param);
@@ -466,6 +481,7 @@ const datadist_ucx_plugin_v1 kPlugin = {
     event_fd,
     arm,
     progress,
+    reaches_cuda,
     mem_map,
     mem_unmap,
     ep_create,

@@ -23,7 +23,7 @@
 extern "C" {
 #endif
 
-#define DATADIST_UCX_ABI_VERSION 1
+#define DATADIST_UCX_ABI_VERSION 2
 #define DATADIST_UCX_OK 0
 #define DATADIST_UCX_BUSY 1
 /* The symbol the loader resolves: returns the plugin's table. */
@@ -34,12 +34,18 @@ typedef struct datadist_ucx_mem datadist_ucx_mem;
 typedef struct datadist_ucx_ep datadist_ucx_ep;
 typedef struct datadist_ucx_rkey datadist_ucx_rkey;
 
-/* One range of a get or put: `local` in this process, `remote` in the
- * peer's memory that the rkey covers. */
+/* Memory types of mem_map. */
+#define DATADIST_UCX_HOST 0
+#define DATADIST_UCX_CUDA 1
+
+/* One range of a get or put: `local` in this process, inside `local_mem`
+ * where it is not null (UCX then needs no lookup of its own), `remote` in
+ * the peer's memory that the rkey covers. */
 typedef struct datadist_ucx_range {
   uint64_t local;
   uint64_t remote;
   uint64_t length;
+  datadist_ucx_mem *local_mem;
 } datadist_ucx_range;
 
 /* An operation's completion: status 0, or why it failed (the first failure
@@ -74,10 +80,15 @@ typedef struct datadist_ucx_plugin_v1 {
    * handled (0: nothing left to do now). */
   unsigned (*progress)(datadist_ucx_worker *worker);
 
-  /* Maps [address, address + length) of host memory for peers' access; the
+  /* 1 when the worker's UCX moves CUDA device memory (built with CUDA, and
+   * its CUDA transports found a driver), else 0. */
+  int (*reaches_cuda)(datadist_ucx_worker *worker);
+  /* Maps [address, address + length) of memory of `memory_type`
+   * (DATADIST_UCX_HOST or, where reaches_cuda, DATADIST_UCX_CUDA, with the
+   * device's context current on the calling thread) for peers' access; the
    * packed rkey is for the peer, valid until unmap. */
-  int (*mem_map)(datadist_ucx_worker *worker, void *address, size_t length, datadist_ucx_mem **out,
-                 const void **rkey, size_t *rkey_length);
+  int (*mem_map)(datadist_ucx_worker *worker, void *address, size_t length, int memory_type,
+                 datadist_ucx_mem **out, const void **rkey, size_t *rkey_length);
   int (*mem_unmap)(datadist_ucx_mem *mem);
 
   /* An endpoint to a peer's worker address; on_error(error_arg, status)
