@@ -1,7 +1,7 @@
 #include "bindings.h"
 #include "error_detail.h"
 #include "log.h"
-#include "transport/ucx_loader.h"
+#include "transport/paths/ucx/ucx_loader.h"
 
 namespace py = pybind11;
 

@@ -1,6 +1,6 @@
 #include "registry.h"
 
-#include "transport/ucx_path.h"
+#include "transport/paths/ucx/ucx_path.h"
 
 #include <set>
 

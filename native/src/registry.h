@@ -47,7 +47,7 @@ struct CacheEntry {
   // device addresses, which the engine never dereferences.
   std::shared_ptr<cuda::Device> device;
   bool device_allocated = false;  // the engine allocated `addrs` and frees them
-  // Tensors mapped for UCX peers (transport/ucx_path.h), each on its first
+  // Tensors mapped for UCX peers (transport/paths/ucx/ucx_path.h), each on its first
   // use; unmapped before the memory is freed.
   std::mutex ucx_mu;
   std::vector<std::shared_ptr<ucx::Mapping>> ucx_maps;

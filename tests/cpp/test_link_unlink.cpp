@@ -18,7 +18,7 @@
 #include "registry.h"
 #include "transport/io_loop.h"
 #include "transport/link.h"
-#include "transport/same_host.h"
+#include "transport/paths/same_host/same_host.h"
 #include "transport/wire.h"
 
 namespace datadist {

@@ -1,4 +1,4 @@
-// The UCX plugin (native/src/transport/ucx) through the engine's loader, on
+// The UCX plugin (native/src/transport/paths/ucx) through the engine's loader, on
 // its own: two processes, the owner here and the initiator a forked child,
 // exchange worker addresses and rkeys over a socketpair; the owner gets from
 // the initiator's memory and puts into it over TCP on loopback and over
@@ -23,7 +23,7 @@
 #include <thread>
 #include <vector>
 
-#include "transport/ucx_loader.h"
+#include "transport/paths/ucx/ucx_loader.h"
 
 namespace {
 

@@ -31,7 +31,7 @@
 #include "registry.h"
 #include "request.h"
 #include "transport/link.h"
-#include "transport/same_host.h"
+#include "transport/paths/same_host/same_host.h"
 
 namespace {
 

@@ -36,10 +36,10 @@
 #include "registry.h"
 #include "request.h"
 #include "transport/io_loop.h"
-#include "transport/same_host.h"
+#include "transport/paths/same_host/same_host.h"
+#include "transport/paths/ucx/ucx_path.h"
 #include "transport/socket_util.h"
 #include "transport/target_resolver.h"
-#include "transport/ucx_path.h"
 #include "transport/wire.h"
 
 namespace datadist {

@@ -28,7 +28,7 @@
 #include "registry.h"
 #include "transport/link.h"
 #include "transport/listener.h"
-#include "transport/ucx_path.h"
+#include "transport/paths/ucx/ucx_path.h"
 
 namespace datadist {
 

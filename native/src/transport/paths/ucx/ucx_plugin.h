@@ -1,6 +1,6 @@
 /* The UCX data plane as a run-time plugin: libdatadist_ucx.so, built only
  * where UCX is found, implements this C ABI over UCP; the engine opens it with
- * dlopen (transport/ucx_loader.h), so neither building nor installing the
+ * dlopen (transport/paths/ucx/ucx_loader.h), so neither building nor installing the
  * engine needs UCX.
  *
  * One worker per engine, with its own UCP context (RMA and WAKEUP features).
@@ -13,8 +13,8 @@
  *
  * Statuses: 0 is success, DATADIST_UCX_BUSY is `arm`'s "progress first", and
  * anything else is a negative ucs_status_t that status_string() describes. */
-#ifndef DATADIST_TRANSPORT_UCX_UCX_PLUGIN_H_
-#define DATADIST_TRANSPORT_UCX_UCX_PLUGIN_H_
+#ifndef DATADIST_TRANSPORT_PATHS_UCX_UCX_PLUGIN_H_
+#define DATADIST_TRANSPORT_PATHS_UCX_UCX_PLUGIN_H_
 
 #include <stddef.h>
 #include <stdint.h>
@@ -122,4 +122,4 @@ typedef const datadist_ucx_plugin_v1 *(*datadist_ucx_entry_fn)(void);
 }
 #endif
 
-#endif /* DATADIST_TRANSPORT_UCX_UCX_PLUGIN_H_ */
+#endif /* DATADIST_TRANSPORT_PATHS_UCX_UCX_PLUGIN_H_ */

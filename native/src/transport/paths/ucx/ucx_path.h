@@ -12,8 +12,8 @@
 // finishes an operation at once).
 //
 // Threads: every call may come from any thread.
-#ifndef DATADIST_TRANSPORT_UCX_PATH_H_
-#define DATADIST_TRANSPORT_UCX_PATH_H_
+#ifndef DATADIST_TRANSPORT_PATHS_UCX_UCX_PATH_H_
+#define DATADIST_TRANSPORT_PATHS_UCX_UCX_PATH_H_
 
 #include <sys/uio.h>
 
@@ -28,7 +28,7 @@
 #include "device/cuda_driver.h"
 #include "registry.h"
 #include "transport/io_loop.h"
-#include "transport/ucx_loader.h"
+#include "transport/paths/ucx/ucx_loader.h"
 #include "transport/wire.h"
 
 namespace datadist::ucx {
@@ -167,4 +167,4 @@ size_t key_table_bytes(const std::vector<std::shared_ptr<Mapping>> &keys);
 
 }  // namespace datadist::ucx
 
-#endif  // DATADIST_TRANSPORT_UCX_PATH_H_
+#endif  // DATADIST_TRANSPORT_PATHS_UCX_UCX_PATH_H_

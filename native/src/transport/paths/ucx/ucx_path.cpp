@@ -1,4 +1,4 @@
-#include "transport/ucx_path.h"
+#include "transport/paths/ucx/ucx_path.h"
 
 #include <sys/epoll.h>
 

@@ -1,4 +1,4 @@
-#include "transport/same_host.h"
+#include "transport/paths/same_host/same_host.h"
 
 #include <sys/socket.h>
 #include <sys/syscall.h>

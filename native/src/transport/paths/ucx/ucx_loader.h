@@ -1,16 +1,16 @@
-// The UCX plugin (transport/ucx/ucx_plugin.h), loaded at run time: the
+// The UCX plugin (transport/paths/ucx/ucx_plugin.h), loaded at run time: the
 // first use opens libdatadist_ucx.so from beside the engine's own library
 // (or the file named by $DATADIST_AIO_UCX_PLUGIN) with dlopen, after UCX
 // itself: the folder named by $DATADIST_AIO_UCX_LIB_DIR where it is set,
 // else a system libucp.so.0 on the loader's paths, then the libucx-cu12
 // wheel's libraries (site-packages/libucx/lib beside the engine's package). Neither building nor installing the
 // engine needs UCX; without it the reason says what is missing.
-#ifndef DATADIST_TRANSPORT_UCX_LOADER_H_
-#define DATADIST_TRANSPORT_UCX_LOADER_H_
+#ifndef DATADIST_TRANSPORT_PATHS_UCX_UCX_LOADER_H_
+#define DATADIST_TRANSPORT_PATHS_UCX_UCX_LOADER_H_
 
 #include <string>
 
-#include "transport/ucx/ucx_plugin.h"
+#include "transport/paths/ucx/ucx_plugin.h"
 
 namespace datadist::ucx {
 
@@ -34,4 +34,4 @@ const Plugin *load_plugin(std::string &why);
 
 }  // namespace datadist::ucx
 
-#endif  // DATADIST_TRANSPORT_UCX_LOADER_H_
+#endif  // DATADIST_TRANSPORT_PATHS_UCX_UCX_LOADER_H_

@@ -1,4 +1,4 @@
-#include "transport/ucx_loader.h"
+#include "transport/paths/ucx/ucx_loader.h"
 
 #include <dlfcn.h>
 #include <unistd.h>

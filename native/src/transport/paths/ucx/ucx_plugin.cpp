@@ -1,6 +1,6 @@
 // libdatadist_ucx.so: ucx_plugin.h over UCP. Built only where UCX is found;
-// the engine loads it at run time (transport/ucx_loader.cpp).
-#include "transport/ucx/ucx_plugin.h"
+// the engine loads it at run time (transport/paths/ucx/ucx_loader.cpp).
+#include "transport/paths/ucx/ucx_plugin.h"
 
 #include <ucp/api/ucp.h>
 

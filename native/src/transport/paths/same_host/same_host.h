@@ -8,8 +8,8 @@
 //
 // Threads: every function may be called from any thread. PeerMemory and
 // CopyPool are shared by the transport's I/O threads.
-#ifndef DATADIST_TRANSPORT_SAME_HOST_H_
-#define DATADIST_TRANSPORT_SAME_HOST_H_
+#ifndef DATADIST_TRANSPORT_PATHS_SAME_HOST_SAME_HOST_H_
+#define DATADIST_TRANSPORT_PATHS_SAME_HOST_SAME_HOST_H_
 
 #include <sys/socket.h>
 #include <sys/types.h>
@@ -132,4 +132,4 @@ int copy_pairs(PeerMemory &memory, CopyPool &pool, const std::vector<iovec> &loc
 
 }  // namespace datadist::same_host
 
-#endif  // DATADIST_TRANSPORT_SAME_HOST_H_
+#endif  // DATADIST_TRANSPORT_PATHS_SAME_HOST_SAME_HOST_H_

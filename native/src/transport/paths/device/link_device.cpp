@@ -1,0 +1,354 @@
+// The device paths: CUDA IPC (the initiator exports its device memory, the
+// owner opens it and copies) and staging (device memory moved through pinned
+// host buffers, inline or by the same-host copy).
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "device/cuda_driver.h"
+#include "device/staging.h"
+#include "log.h"
+#include "transport/link.h"
+#include "transport/paths/same_host/same_host.h"
+#include "transport/socket_util.h"
+
+namespace datadist {
+
+using llm_datadist::LLM_LINK_FAILED;
+using llm_datadist::LLM_SUCCESS;
+using wire::FrameHeader;
+using wire::FrameType;
+
+bool Link::export_all(const cuda::Device &device, const PlannedFrame &planned, bool fds,
+                      std::vector<wire::DeviceExport> &exports) {
+  std::vector<cuda::Export> found;
+  for (const iovec &v : planned.local) {
+    auto addr = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(v.iov_base));
+    const uint64_t end = addr + v.iov_len;
+    // Every export the range touches: one, or (memory of cuMemCreate)
+    // several mapped side by side.
+    while (addr < end) {
+      const auto holds = [&](const cuda::Export &e) { return addr >= e.base && addr - e.base < e.size; };
+      if (found.empty() || !holds(found.back())) {
+        auto it = std::find_if(found.begin(), found.end(), holds);
+        if (it != found.end()) {
+          std::swap(*it, found.back());  // the next element is most likely in the same one
+        } else {
+          cuda::Export made;
+          std::string why;
+          if (found.size() == wire::kMaxExports || !device.export_at(addr, fds, made, why)) return false;
+          found.push_back(made);
+        }
+      }
+      addr = found.back().base + found.back().size;
+    }
+  }
+  exports.clear();
+  for (const cuda::Export &e : found) {
+    wire::DeviceExport out{};
+    if (e.fd >= 0) {
+      const wire::DeviceFd fd{e.fd, 0, e.size, e.serial};
+      std::memcpy(out.handle, &fd, sizeof(fd));
+      out.kind = wire::kExportFd;
+    } else {
+      std::memcpy(out.handle, e.handle.reserved, sizeof(out.handle));
+      out.kind = wire::kExportIpc;
+    }
+    out.base = e.base;
+    out.ordinal = device.ordinal();
+    exports.push_back(out);
+  }
+  return true;
+}
+
+void Link::write_staged(Connection &conn, OutFrame frame) {
+  const bool go_on = finish_staged(conn, frame);
+  {
+    std::lock_guard<std::mutex> lock(conn.mu);
+    conn.busy = false;
+    if (go_on && !conn.queue.empty()) arm_locked(conn);
+  }
+  end_work();
+}
+
+namespace {
+
+// Zeros that keep a frame whole after its device copy failed mid-send.
+constexpr size_t kPadBytes = 64 * 1024;
+
+}  // namespace
+
+bool Link::finish_staged(Connection &conn, OutFrame &frame) {
+  const std::shared_ptr<cuda::Device> device = frame.device;  // outlives the copier and its pool buffers
+  const uint64_t total = frame.header.data_len;
+  bool header_out = false;
+  // The header and body leave with the first chunk, once its copy has run.
+  auto sink = [&](const uint8_t *bytes, size_t n) {
+    iovec iov[3];
+    size_t count = 0;
+    if (!header_out) {
+      iov[count++] = {&frame.header, sizeof(frame.header)};
+      if (!frame.body.empty()) iov[count++] = {frame.body.data(), frame.body.size()};
+    }
+    iov[count++] = {const_cast<uint8_t *>(bytes), n};
+    header_out = true;
+    return net::writev_full(conn.fd, iov, count);
+  };
+  staging::Result result;
+  {
+    cuda::StreamCopier copier(*device);
+    result = staging::stage_out(device->staging_pool(false), copier, frame.data, staging::kDepth, sink);
+  }
+  if (result.outcome == staging::Outcome::kDone) return after_send(frame, true);
+  if (result.outcome == staging::Outcome::kIoFailed) return after_send(frame, false);
+  const std::string why = "copying out of device memory failed: " + result.why;
+  log_warning("link to cluster " + std::to_string(peer_id_) + ": " + why);
+  if (frame.op_id == 0) {
+    // The answer to a read: its status left with its header.
+    if (header_out) {
+      fail(LLM_LINK_FAILED, why + ", after part of a read's data was sent");
+      return false;
+    }
+    OutFrame failed = answer(FrameType::kReadData, frame.header.op_id, llm_datadist::LLM_FAILED,
+                             "copying out of device memory on the peer failed: " + result.why);
+    std::vector<iovec> iov = frame_bytes(failed);
+    return after_send(failed, net::writev_full(conn.fd, iov.data(), iov.size()));
+  }
+  // A write: it fails here. Once its header is out, the peer gets the frame
+  // whole (zeros for the rest), and its answer cannot make it a success.
+  fail_here(frame.op_id, llm_datadist::LLM_FAILED, why);
+  if (!header_out) {
+    mark(frame.op_id, true, true, llm_datadist::LLM_FAILED);
+    return true;
+  }
+  const std::vector<uint8_t> zeros(static_cast<size_t>(std::min<uint64_t>(kPadBytes, total - result.moved)));
+  bool ok = true;
+  for (uint64_t left = total - result.moved; left > 0 && ok;) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(left, zeros.size()));
+    ok = net::write_full(conn.fd, zeros.data(), n);
+    left -= n;
+  }
+  return after_send(frame, ok);
+}
+
+bool Link::receive_staged(net::Reader &in, const cuda::Device &device, const std::vector<iovec> &to, uint64_t bytes,
+                          bool &io_ok, std::string &why) {
+  staging::Result result;
+  {
+    cuda::StreamCopier copier(device);
+    result = staging::stage_in(device.staging_pool(true), copier, to, staging::kDepth,
+                               [&](uint8_t *buffer, size_t n) { return in.read(buffer, n); });
+  }
+  io_ok = result.outcome != staging::Outcome::kIoFailed;
+  if (result.outcome != staging::Outcome::kCopyFailed) return true;
+  why = result.why;
+  io_ok = in.discard(bytes - result.moved);  // the frame's rest, so the next frame is read whole
+  return false;
+}
+
+int Link::peer_copy_staged(const cuda::Device &device, const std::vector<iovec> &mine,
+                           const std::vector<wire::Segment> &theirs, bool from_peer, std::string &why) {
+  // The peer's segments, read (or written) as one stream in the order of `mine`.
+  size_t index = 0;
+  uint64_t offset = 0;
+  int error = 0;
+  auto copy = [&](uint8_t *buffer, size_t n) {
+    std::vector<iovec> local, remote;
+    for (size_t done = 0; done < n;) {
+      if (index == theirs.size()) {
+        error = EINVAL;
+        return false;
+      }
+      const wire::Segment &seg = theirs[index];
+      const size_t take = static_cast<size_t>(std::min<uint64_t>(n - done, seg.length - offset));
+      if (take > 0) {
+        local.push_back({buffer + done, take});
+        remote.push_back({reinterpret_cast<void *>(static_cast<uintptr_t>(seg.addr + offset)), take});
+      }
+      done += take;
+      offset += take;
+      if (offset == seg.length) {
+        ++index;
+        offset = 0;
+      }
+    }
+    error = peer_memory_->copy(local.data(), remote.data(), local.size(), from_peer);
+    return error == 0;
+  };
+  staging::Result result;
+  {
+    cuda::StreamCopier copier(device);
+    if (from_peer) {
+      result = staging::stage_in(device.staging_pool(true), copier, mine, staging::kDepth, copy);
+    } else {
+      result = staging::stage_out(device.staging_pool(false), copier, mine, staging::kDepth,
+                                  [&](const uint8_t *bytes, size_t n) { return copy(const_cast<uint8_t *>(bytes), n); });
+    }
+  }
+  if (result.outcome == staging::Outcome::kIoFailed) return error;
+  if (result.outcome == staging::Outcome::kCopyFailed) {
+    why = result.why;
+    return -1;
+  }
+  return 0;
+}
+
+namespace {
+
+// The peer's allocations one link keeps open; past it, all are let go
+// (each closes once no copy uses it) and opened again on need.
+constexpr size_t kMaxOpened = 1024;
+
+}  // namespace
+
+bool Link::open_exports(const std::vector<wire::DeviceExport> &exports, const std::shared_ptr<cuda::Device> &device,
+                        std::vector<std::shared_ptr<cuda::PeerAllocation>> &out, std::string &why) {
+  // The driver refuses an open in the exporting process; so does this end.
+  if (peer_memory_->pid() == ::getpid()) {
+    why = "the initiator is this process";
+    return false;
+  }
+  std::lock_guard<std::mutex> lock(opened_mu_);
+  std::shared_ptr<cuda::Device> in = device;
+  if (!in) {
+    if (!host_side_device_) {
+      const int ordinal = exports.front().ordinal;
+      if (ordinal < 0 || cuda::Device::open(ordinal, host_side_device_) != LLM_SUCCESS) {
+        host_side_device_.reset();
+        why = "no CUDA driver or no device " + std::to_string(ordinal) + " here";
+        return false;
+      }
+    }
+    in = host_side_device_;
+  }
+  out.clear();
+  for (const wire::DeviceExport &e : exports) {
+    std::string key(reinterpret_cast<const char *>(e.handle), sizeof(e.handle));
+    key += ":" + std::to_string(e.kind) + ":" + std::to_string(in->ordinal());
+    auto it = opened_.find(key);
+    if (it == opened_.end()) {
+      std::shared_ptr<cuda::PeerAllocation> opened;
+      if (e.kind == wire::kExportFd) {
+        // The initiator's descriptor, taken as the link's sockets were.
+        wire::DeviceFd named{};
+        std::memcpy(&named, e.handle, sizeof(named));
+        const int fd = same_host::take_descriptor(peer_memory_->pid(), static_cast<uint32_t>(named.fd), why);
+        if (fd < 0) return false;
+        opened = cuda::PeerAllocation::import(in, fd, named.size, why);
+      } else {
+        opened = cuda::PeerAllocation::open(in, *reinterpret_cast<const cuda::CUipcMemHandle *>(e.handle), why);
+      }
+      if (!opened) return false;
+      if (opened_.size() >= kMaxOpened) opened_.clear();
+      it = opened_.emplace(std::move(key), std::move(opened)).first;
+    }
+    out.push_back(it->second);
+  }
+  return true;
+}
+
+void Link::serve_device_copy(Connection &conn, const FrameHeader &header, const wire::Request &req, bool write) {
+  ResolvedTarget target;
+  Status st = resolve_in_group(req, target);
+  std::vector<std::shared_ptr<cuda::PeerAllocation>> opened;
+  if (st == LLM_SUCCESS) {
+    std::string why;
+    if (!open_exports(req.exports, target.device, opened, why)) {
+      // Not a refusal: the initiator sends the frame again inline.
+      target.why = "cannot open the initiator's device memory here: " + why;
+      log_warning("link to cluster " + std::to_string(peer_id_) + ": " + target.why);
+      st = llm_datadist::LLM_FEATURE_NOT_ENABLED;
+    }
+  }
+  // Every segment inside the allocation it names, by the size of what was
+  // opened (not what the initiator says), or running on into exports whose
+  // bases follow that size without a gap, before any byte moves.
+  std::vector<cuda::Copy> copies;
+  uint64_t fd_bytes = 0;
+  const auto following = [&](uint64_t base) -> int64_t {
+    for (size_t e = 0; e < req.exports.size(); ++e) {
+      if (req.exports[e].base == base) return static_cast<int64_t>(e);
+    }
+    return -1;
+  };
+  for (size_t i = 0; st == LLM_SUCCESS && i < req.segments.size(); ++i) {
+    const wire::Segment &seg = req.segments[i];
+    uint32_t e = req.segment_export[i];
+    uint64_t offset = seg.addr - req.exports[e].base;
+    auto mine = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(target.iov[i].iov_base));
+    const bool mine_device = target.device != nullptr;
+    uint64_t left = seg.length;
+    while (left > 0) {
+      const cuda::PeerAllocation &peer = *opened[e];
+      const int64_t next = offset < peer.size() && left > peer.size() - offset
+                               ? following(req.exports[e].base + peer.size())
+                               : -1;
+      if (offset >= peer.size() || (left > peer.size() - offset && next < 0)) {
+        target.why = "device segment " + std::to_string(i) + " [" + std::to_string(seg.addr) + ", +" +
+                     std::to_string(seg.length) + ") runs outside its exported allocation of " +
+                     std::to_string(peer.size()) + " bytes at " + std::to_string(req.exports[e].base);
+        log_warning("link to cluster " + std::to_string(peer_id_) + ": refused a device operation: " + target.why);
+        st = llm_datadist::LLM_PARAM_INVALID;
+        refuse_group(req.target.group);
+        break;
+      }
+      const uint64_t n = std::min(left, peer.size() - offset);
+      const uint64_t theirs = peer.base() + offset;
+      copies.push_back(write ? cuda::Copy{mine, theirs, n, mine_device, true}
+                             : cuda::Copy{theirs, mine, n, true, mine_device});
+      if (peer.imported()) fd_bytes += n;
+      mine += n;
+      left -= n;
+      if (left > 0) {
+        e = static_cast<uint32_t>(next);
+        offset = 0;
+      }
+    }
+  }
+  if (st == LLM_SUCCESS && net::peer_closed(conn.fd)) {
+    fail(LLM_LINK_FAILED, "the peer closed the link before its same-host operation was served");
+    return;
+  }
+  if (st == LLM_SUCCESS) {
+    std::string why;
+    const cuda::Device &device = target.device ? *target.device : *opened.front()->device();
+    if (!device.copy(copies, why)) {
+      target.why = std::string("copying ") + (write ? "into" : "out of") + (target.device ? " device" : " host") +
+                   " memory on the peer failed (through CUDA IPC): " + why;
+      log_warning("link to cluster " + std::to_string(peer_id_) + ": " + target.why);
+      st = llm_datadist::LLM_FAILED;
+      refuse_group(req.target.group);
+    } else {
+      ipc_bytes_served_.fetch_add(req.total_bytes, std::memory_order_relaxed);
+      fd_bytes_served_.fetch_add(fd_bytes, std::memory_order_relaxed);
+    }
+  }
+  if (st == LLM_SUCCESS && !write) note_read(req);
+  send_answer(conn, answer(write ? FrameType::kWriteAck : FrameType::kReadData, header.op_id, st, target.why));
+}
+
+DevicePathStats Link::device_path_stats() const {
+  DevicePathStats s;
+  s.ipc_frames = ipc_frames_.load(std::memory_order_relaxed);
+  s.ipc_fallbacks = ipc_fallbacks_.load(std::memory_order_relaxed);
+  s.staged_frames = staged_frames_.load(std::memory_order_relaxed);
+  s.ipc_bytes_served = ipc_bytes_served_.load(std::memory_order_relaxed);
+  s.staged_bytes_served = staged_bytes_served_.load(std::memory_order_relaxed);
+  s.fd_frames = fd_frames_.load(std::memory_order_relaxed);
+  s.fd_bytes_served = fd_bytes_served_.load(std::memory_order_relaxed);
+  s.ucx_frames = ucx_frames_.load(std::memory_order_relaxed);
+  s.ucx_fallbacks = ucx_fallbacks_.load(std::memory_order_relaxed);
+  s.ucx_bytes_served = ucx_bytes_served_.load(std::memory_order_relaxed);
+  std::lock_guard<std::mutex> lock(opened_mu_);
+  for (const auto &entry : opened_) s.fd_imports += entry.second->imported() ? 1 : 0;
+  return s;
+}
+
+}  // namespace datadist
