@@ -35,6 +35,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from cuda_standin.build import build  # noqa: E402
+from peer import HAVE_UCX, UCX_WHY  # noqa: E402
 from test_device_transfer import _child, _pattern, _recv, run_pair  # noqa: E402
 
 OWNER, INITIATOR = 7, 5
@@ -69,6 +70,7 @@ _ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(NO_GPU is not None, reason=f"need
 TORCH = pytest.param("torch", marks=_ON_GPU, id="torch")
 TORCH_EXPANDABLE = pytest.param("torch-expandable", marks=_ON_GPU, id="torch-expandable")
 STANDIN = pytest.param("standin", id="standin")
+UCX = pytest.param("ucx", marks=pytest.mark.skipif(not HAVE_UCX, reason=UCX_WHY), id="ucx")
 
 
 @pytest.fixture(scope="module")
@@ -328,6 +330,25 @@ def _check_paths(before: Any, after: Any, transport: str, mine: str, theirs: str
     (mine0, theirs0), (mine1, theirs1) = before, after
     delta = {k: mine1[k] - mine0[k] for k in mine1} | {"owner_" + k: theirs1[k] - theirs0[k] for k in theirs1}
     what = f"{transport}, initiator {mine}, owner {theirs}: {delta}"
+    if transport == "ucx":
+        # UCX moves host memory, and device memory where both ends' UCX
+        # reach it (built with CUDA, NVIDIA's driver found). Elsewhere a
+        # device end's bytes go inline, staged: the initiator's from the
+        # start, the owner's once it has turned the UCX frame down.
+        assert delta["ipc_frames"] == 0 and delta["owner_ipc_bytes_served"] == 0, what
+        if os.environ.get("DATADIST_AIO_TEST_UCX_DEVICE") == "1":  # a UCX built with CUDA, on a GPU
+            assert mine1["ucx_device"] and theirs1["ucx_device"], f"UCX does not reach device memory here: {what}"
+        if mine1["ucx_device"] and theirs1["ucx_device"]:
+            assert delta["ucx_frames"] > 0 and delta["owner_ucx_bytes_served"] > 0, what
+            assert delta["staged_frames"] == 0 and delta["ucx_fallbacks"] == 0, what
+            assert delta["owner_staged_bytes_served"] == 0, what
+        else:
+            assert delta["owner_ucx_bytes_served"] == 0, what
+            assert (delta["staged_frames"] > 0) == (mine == "device"), what
+            assert (delta["ucx_fallbacks"] > 0) == (mine == "host" and theirs == "device"), what
+            assert (delta["owner_staged_bytes_served"] > 0) == (theirs == "device"), what
+        assert delta["ipc_fallbacks"] == 0, what
+        return
     if transport == "auto" and mine == "device":
         assert delta["ipc_frames"] > 0 and delta["staged_frames"] == 0, what
         assert delta["owner_ipc_bytes_served"] > 0 and delta["owner_staged_bytes_served"] == 0, what
@@ -360,7 +381,7 @@ def initiator_moves_everything(conn: Any, memory_kind: str, transport: str) -> N
     cm = datadist.cache_manager
     status, statuses = datadist.link_clusters([cluster_info(OWNER, port)], 10000)
     assert status == code.LLM_SUCCESS and statuses == [code.LLM_SUCCESS], (status, statuses)
-    assert datadist.link_transport(OWNER) == ("tcp" if transport == "tcp" else "same_host")
+    assert datadist.link_transport(OWNER) == {"tcp": "tcp", "ucx": "ucx"}.get(transport, "same_host")
     local = Caches(cm, memory, bind_blocks=False)
     remote = Remote(conn, ids)
     src, dst = [0, 1, 2, 3, 9, 10, 23], [5, 6, 7, 8, 0, 22, 11]
@@ -417,7 +438,7 @@ def initiator_moves_everything(conn: Any, memory_kind: str, transport: str) -> N
     memory.close()
 
 
-@pytest.mark.parametrize("transport", ["auto", "tcp"])
+@pytest.mark.parametrize("transport", ["auto", "tcp", UCX])
 @pytest.mark.parametrize("memory", [TORCH, TORCH_EXPANDABLE, STANDIN])
 def test_every_operation_between_host_and_device(standin: Path, memory: str, transport: str) -> None:
     _pair(memory, standin, owner_serves, initiator_moves_everything, transport)

@@ -354,7 +354,8 @@ std::map<std::string, uint64_t> Engine::link_stats(uint64_t peer) const {
           {"fd_imports", stats.device.fd_imports},
           {"ucx_frames", stats.device.ucx_frames},
           {"ucx_fallbacks", stats.device.ucx_fallbacks},
-          {"ucx_bytes_served", stats.device.ucx_bytes_served}};
+          {"ucx_bytes_served", stats.device.ucx_bytes_served},
+          {"ucx_device", stats.device.ucx_device}};
 }
 
 std::map<std::string, uint64_t> Engine::answer_counts() const { return completions_->answers().answer_counts(); }

@@ -121,9 +121,12 @@ struct DevicePathStats {
   // UCX links. Initiator side: frames sent naming this end's memory for
   // the peer to move with UCX, and those sent again inline because the
   // peer's memory was a device's. Owner side: bytes this end moved with UCX.
+  // ucx_device: 1 where this end's UCX moves device memory (built with
+  // CUDA, driver found), so device caches go by UCX too.
   uint64_t ucx_frames = 0;
   uint64_t ucx_fallbacks = 0;
   uint64_t ucx_bytes_served = 0;
+  uint64_t ucx_device = 0;
 };
 
 // One frame of an operation, planned by the initiator.

@@ -346,6 +346,7 @@ DevicePathStats Link::device_path_stats() const {
   s.ucx_frames = ucx_frames_.load(std::memory_order_relaxed);
   s.ucx_fallbacks = ucx_fallbacks_.load(std::memory_order_relaxed);
   s.ucx_bytes_served = ucx_bytes_served_.load(std::memory_order_relaxed);
+  s.ucx_device = ucx_ && ucx_->worker()->reaches_device() ? 1 : 0;
   std::lock_guard<std::mutex> lock(opened_mu_);
   for (const auto &entry : opened_) s.fd_imports += entry.second->imported() ? 1 : 0;
   return s;
