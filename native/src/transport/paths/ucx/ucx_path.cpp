@@ -53,9 +53,14 @@ Worker::~Worker() {
 }
 
 void Worker::stop() {
-  std::lock_guard<std::mutex> lock(stop_mu_);
-  if (io_id_ != 0) loop_->remove(io_id_);
-  io_id_ = 0;
+  uint64_t id;
+  {
+    std::lock_guard<std::mutex> lock(stop_mu_);
+    id = io_id_;
+    io_id_ = 0;  // a handler running now arms nothing more
+  }
+  // Outside the lock: remove() waits for a running handler, which takes it.
+  if (id != 0) loop_->remove(id);
 }
 
 void Worker::use_device(const std::shared_ptr<cuda::Device> &device) {
