@@ -161,3 +161,40 @@ def test_a_peer_killed_between_operations_fails_the_next_and_links_again():
         assert_blocks_push(again, survivor, 9, 4)
         assert again.engine("link_stats", 1)["ucx_bytes_served"] > 0
         assert survivor.engine("link_stats", 2)["ucx_bytes_served"] > 0
+
+
+# -- transport "auto" -----------------------------------------------------------------------
+
+
+def _rdma_here() -> bool:
+    return any(not name.startswith(".") for name in (os.listdir("/sys/class/infiniband")
+                                                     if os.path.isdir("/sys/class/infiniband") else []))
+
+
+@pytest.mark.parametrize("offered", ["1", None])
+def test_auto_takes_ucx_to_another_host_where_both_offer_it(monkeypatch, offered):
+    """Transport "auto" (every end here): the same-host path to a peer on
+    this host, UCX to one in other namespaces where both ends offer UCX
+    (DATADIST_AIO_UCX_AUTO=1 makes them offer it over tcp; by default only
+    over RDMA), and TCP otherwise; the bytes arrive whichever it is."""
+    if offered is None:
+        if _rdma_here():
+            pytest.skip("this host has an RDMA device: auto offers UCX by default")
+        monkeypatch.delenv("DATADIST_AIO_UCX_AUTO", raising=False)
+    else:
+        monkeypatch.setenv("DATADIST_AIO_UCX_AUTO", offered)
+    with Subnet() as subnet, NetnsGroup() as group:
+        a = group.start("a", dd.LLMRole.PROMPT, 1, host=subnet.host_ip)
+        far = group.start_in(subnet, "far", dd.LLMRole.DECODER, 2)
+        near = group.start("near", dd.LLMRole.DECODER, 3, host=subnet.host_ip)
+        assert a.link(far) == LINKED
+        assert a.link(near) == LINKED
+        expected = "ucx" if offered else "tcp"
+        assert a.datadist("link_transport", 2) == expected
+        assert wait_for_path(far, 1, expected)
+        assert a.datadist("link_transport", 3) == "same_host"
+        before, _ = _ucx_counts(a, far)
+        assert_blocks_push(a, far, 6, 1)
+        assert_blocks_push(a, near, 7, 2)
+        moved, inline = _ucx_counts(a, far)
+        assert (moved > before) == (offered is not None) and inline == 0, (before, moved, inline)

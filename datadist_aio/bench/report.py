@@ -79,6 +79,8 @@ def tables(report: dict[str, Any]) -> str:
             lines.append(f"{idle['label']:<{width}} {idle['initiator_percent']:>10.2f} {idle['target_percent']:>8.2f}")
     if "ucx_comparison" in report:
         lines += ["", ucx_table(report["ucx_comparison"])]
+        if "ucx_ours" in report:
+            lines.append(f"this library's UCX: {report['ucx_ours']}")
     for skipped in report["skipped"]:
         lines.append(f"skipped {skipped['label']}: {skipped['reason']}")
     for error in report["errors"]:

@@ -287,7 +287,10 @@ def build_report(options: Options, outcome: Outcome, memcpy: dict[str, Any], pee
         "errors": outcome.errors,
     }
     if options.ucx_tls:
+        from .._native import ucx_available
+
         report["ucx_comparison"] = ucx_comparison(options, report)
+        report["ucx_ours"] = ucx_available()[1]  # the UCX this library loaded (DATADIST_AIO_UCX_LIB_DIR picks one)
     return report
 
 

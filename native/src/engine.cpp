@@ -105,6 +105,7 @@ Status Engine::initialize(const OptionMap &options) {
   transport_options.io_threads = parsed.io_threads;
   transport_options.same_host = parsed.same_host;
   transport_options.ucx = parsed.ucx;
+  transport_options.ucx_auto = parsed.same_host && !parsed.ucx;  // transport "auto"
   transport_options.auth_key = parsed.auth_key;
   transport_options.handshake_timeout_ms = static_cast<int>(parsed.handshake_timeout_ms);
   transport_options.answers = &completions_->answers();

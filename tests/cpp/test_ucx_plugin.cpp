@@ -490,6 +490,13 @@ TEST(UcxPluginLifecycle, MapUnmapAndDestroyLeaveNoFileDescriptors) {
   setenv("UCX_NET_DEVICES", "lo", 1);
   int before = open_fds();
   for (int i = 0; i < 3; ++i) ASSERT_EQ(cycle(), 0);
+  {
+    // Over tcp and shared memory only, nothing one-sided on a network.
+    datadist_ucx_worker *tcp_only = nullptr;
+    ASSERT_EQ(api.worker_create(&tcp_only), 0);
+    EXPECT_EQ(api.one_sided_network(tcp_only), 0);
+    api.worker_destroy(tcp_only);
+  }
   EXPECT_EQ(open_fds(), before) << "file descriptors left open by create, map, unmap and destroy";
   unsetenv("UCX_TLS");
   unsetenv("UCX_NET_DEVICES");

@@ -1,5 +1,6 @@
 #include "transport/tcp_transport.h"
 
+#include <dirent.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -9,6 +10,7 @@
 #include <algorithm>
 #include <array>
 #include <climits>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <type_traits>
@@ -87,11 +89,43 @@ TcpTransport::TcpTransport(uint64_t cluster_id, uint32_t role, Registry &registr
 
 TcpTransport::~TcpTransport() { shutdown(llm_datadist::LLM_LINK_FAILED); }
 
+namespace {
+
+// An RDMA device on this host (a verbs device: InfiniBand, RoCE, EFA), by
+// its entry in sysfs; nothing is loaded to tell.
+bool rdma_device_here() {
+  DIR *dir = opendir("/sys/class/infiniband");
+  if (dir == nullptr) return false;
+  bool found = false;
+  while (dirent *e = readdir(dir)) found = found || e->d_name[0] != '.';
+  closedir(dir);
+  return found;
+}
+
+}  // namespace
+
 Status TcpTransport::start_ucx() {
-  if (!options_.ucx || ucx_) return LLM_SUCCESS;
+  if ((!options_.ucx && !options_.ucx_auto) || ucx_) return LLM_SUCCESS;
   std::string why;
-  ucx_ = ucx::Worker::create(io_loop_, why);
-  if (!ucx_) return refuse(llm_datadist::LLM_FEATURE_NOT_ENABLED, "transport \"ucx\": " + why);
+  if (options_.ucx) {
+    ucx_ = ucx::Worker::create(io_loop_, why);
+    if (!ucx_) return refuse(llm_datadist::LLM_FEATURE_NOT_ENABLED, "transport \"ucx\": " + why);
+    return LLM_SUCCESS;
+  }
+  const char *env = std::getenv("DATADIST_AIO_UCX_AUTO");
+  const std::string asked = env != nullptr ? env : "";
+  if (asked == "0" || (asked != "1" && !rdma_device_here())) return LLM_SUCCESS;
+  std::shared_ptr<ucx::Worker> worker = ucx::Worker::create(io_loop_, why);
+  if (worker && asked != "1" && !worker->one_sided_network()) {
+    why = "UCX " + worker->version() + " has no one-sided network transport here";
+    worker->stop();
+    worker.reset();
+  }
+  if (!worker) {
+    log_message(LogLevel::kInfo, "transport \"auto\" goes on without UCX: " + why);
+    return LLM_SUCCESS;
+  }
+  ucx_ = std::move(worker);
   return LLM_SUCCESS;
 }
 
@@ -208,7 +242,19 @@ void TcpTransport::admit(FormedLink &formed) {
     paths.peer_takes_fds = formed.opens_device && formed.takes_fds;
     if (paths.peer_takes_fds) ack.fixed.flags |= wire::kDeviceFds;
     ack.same_host = same_host::local_info();
+  }  // Transport "auto": UCX for a peer that offers it where the same-host
+  // path does not serve (another host, or memory out of reach).
+  if (!options_.ucx && ucx_ && !formed.ucx_address.empty() && !(paths.offered && paths.peer_memory)) {
+    std::string why;
+    paths.ucx = ucx::Peer::connect(ucx_, formed.ucx_address, why);
+    if (paths.ucx) {
+      ack.fixed.flags |= wire::kOffersUcx;
+      ack.ucx_address = ucx_->address();
+    } else {
+      log_warning("link from cluster " + std::to_string(peer_id) + " goes without UCX: " + why);
+    }
   }
+
   if (!options_.auth_key.empty()) ack.fixed.flags |= wire::kAuthenticated;
   // The link runs on the initiator's local sockets when this end could take
   // them all; its TCP connections then only carry the acks, and close after.
@@ -288,7 +334,7 @@ Status TcpTransport::greet(int fd, uint64_t peer_id, uint64_t nonce, uint32_t in
       }
     }
   }
-  if (options_.ucx && index == 0) {
+  if (ucx_ && index == 0) {
     hello.fixed.flags |= wire::kOffersUcx;
     hello.ucx_address = ucx_->address();
   }
@@ -433,6 +479,16 @@ Status TcpTransport::link(uint64_t peer_id, const std::string &ip, uint16_t port
     if (why.empty()) paths.ucx = ucx::Peer::connect(ucx_, ack.ucx_address, why);
     if (!paths.ucx) {
       log_warning("link to cluster " + std::to_string(peer_id) + " at " + ip + ":" + std::to_string(port) + ": " + why);
+      st = LLM_LINK_FAILED;
+    }
+  }
+  // Transport "auto": the acceptor chose UCX, so this end moves with it too.
+  if (st == LLM_SUCCESS && !options_.ucx && ucx_ && ack.offers_ucx()) {
+    std::string why;
+    paths.ucx = ucx::Peer::connect(ucx_, ack.ucx_address, why);
+    if (!paths.ucx) {
+      log_warning("link to cluster " + std::to_string(peer_id) + " at " + ip + ":" + std::to_string(port) +
+                  ": the peer chose UCX, which refused its address here: " + why);
       st = LLM_LINK_FAILED;
     }
   }

@@ -50,6 +50,9 @@ struct TransportOptions {
   // Move operations' bytes with UCX (transport "ucx"): links are made only
   // with peers that say so too (start_ucx() first).
   bool ucx = false;
+  // Transport "auto": UCX where it has a one-sided network transport (RDMA)
+  // and both ends offer it, for peers on other hosts (start_ucx() first).
+  bool ucx_auto = false;
 };
 
 // Links per process, as upstream's limit; one more is refused with
@@ -65,8 +68,13 @@ class TcpTransport : public LinkHost {
 
   // Starts listening; the bound port is listen_port().
   // With options.ucx: makes the UCX worker; LLM_FEATURE_NOT_ENABLED with
-  // the reason when UCX is missing or refuses. Before any link.
+  // the reason when UCX is missing or refuses. With options.ucx_auto: makes
+  // it where this host has an RDMA device and UCX a one-sided network
+  // transport over it (or $DATADIST_AIO_UCX_AUTO is 1; 0: never), else
+  // goes on without. Before any link.
   Status start_ucx();
+  // Whether this end offers UCX to its peers (ucx_used(): a UCX worker runs).
+  bool ucx_used() const { return ucx_ != nullptr; }
   Status listen(const std::string &ip, uint16_t port);
   void stop_listening();
   uint16_t listen_port() const;

@@ -48,6 +48,8 @@ class Worker : public IoHandler, public std::enable_shared_from_this<Worker> {
   const std::string &address() const { return address_; }
   std::string describe(int status) const { return plugin_->describe(status); }
   const std::string &version() const { return plugin_->version; }
+  // Whether this UCX has a one-sided network transport (RDMA) here.
+  bool one_sided_network() const { return api().one_sided_network(worker_) != 0; }
   // Whether this UCX moves CUDA device memory (built with CUDA, driver found).
   bool reaches_device() const { return reaches_device_; }
   // The device whose context the progressing thread makes current (the

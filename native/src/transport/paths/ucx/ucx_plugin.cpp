@@ -5,12 +5,14 @@
 #include <ucp/api/ucp.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <new>
 #include <set>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -314,6 +316,29 @@ int event_fd(datadist_ucx_worker *w, int *fd) {
   return ucp_worker_get_efd(w->worker, fd);
 }
 
+int one_sided_network(datadist_ucx_worker *w) {
+  if (w == nullptr) return 0;
+  // UCP names its transports only in its printed description of the
+  // context: one "resource" line per transport and device, ending in
+  // "-- <transport>/<device>".
+  char *text = nullptr;
+  size_t size = 0;
+  FILE *out = open_memstream(&text, &size);
+  if (out == nullptr) return 0;
+  ucp_context_print_info(w->context, out);
+  std::fclose(out);
+  int found = 0;
+  std::istringstream lines(std::string(text, size));
+  std::free(text);
+  for (std::string line; std::getline(lines, line);) {
+    const size_t mark = line.find("-- ");
+    if (line.find("resource") == std::string::npos || mark == std::string::npos) continue;
+    const std::string tl = line.substr(mark + 3, line.find('/', mark) - mark - 3);
+    if (tl.rfind("rc", 0) == 0 || tl.rfind("dc", 0) == 0 || tl == "srd") found = 1;
+  }
+  return found;
+}
+
 int reaches_cuda(datadist_ucx_worker *w) {
   if (w == nullptr) return 0;
   ucp_context_attr_t attr{};
@@ -481,6 +506,7 @@ const datadist_ucx_plugin_v1 kPlugin = {
     event_fd,
     arm,
     progress,
+    one_sided_network,
     reaches_cuda,
     mem_map,
     mem_unmap,

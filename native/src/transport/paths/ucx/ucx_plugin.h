@@ -80,6 +80,10 @@ typedef struct datadist_ucx_plugin_v1 {
    * handled (0: nothing left to do now). */
   unsigned (*progress)(datadist_ucx_worker *worker);
 
+  /* 1 when the worker's context has a one-sided network transport (RDMA:
+   * rc, dc or srd over a verbs device), so the owner's gets and puts run in
+   * its NIC; 0 when its network transports are tcp alone. */
+  int (*one_sided_network)(datadist_ucx_worker *worker);
   /* 1 when the worker's UCX moves CUDA device memory (built with CUDA, and
    * its CUDA transports found a driver), else 0. */
   int (*reaches_cuda)(datadist_ucx_worker *worker);
