@@ -242,7 +242,8 @@ void TcpTransport::admit(FormedLink &formed) {
     paths.peer_takes_fds = formed.opens_device && formed.takes_fds;
     if (paths.peer_takes_fds) ack.fixed.flags |= wire::kDeviceFds;
     ack.same_host = same_host::local_info();
-  }  // Transport "auto": UCX for a peer that offers it where the same-host
+  }
+  // Transport "auto": UCX for a peer that offers it where the same-host
   // path does not serve (another host, or memory out of reach).
   if (!options_.ucx && ucx_ && !formed.ucx_address.empty() && !(paths.offered && paths.peer_memory)) {
     std::string why;
@@ -254,7 +255,6 @@ void TcpTransport::admit(FormedLink &formed) {
       log_warning("link from cluster " + std::to_string(peer_id) + " goes without UCX: " + why);
     }
   }
-
   if (!options_.auth_key.empty()) ack.fixed.flags |= wire::kAuthenticated;
   // The link runs on the initiator's local sockets when this end could take
   // them all; its TCP connections then only carry the acks, and close after.
