@@ -144,6 +144,16 @@ class Subnet:
             self.close()
             raise
 
+    @property
+    def host_link(self) -> str:
+        """The name of this side's end of the veth pair."""
+        return self._link
+
+    @property
+    def peer_link(self) -> str:
+        """The name of the end inside the namespace."""
+        return self._inner
+
     @staticmethod
     def _free_network(k: int) -> ipaddress.IPv4Network:
         taken = _ip("-4", "-o", "addr", "show", check=False).stdout

@@ -184,8 +184,14 @@ def test_auto_takes_ucx_to_another_host_where_both_offer_it(monkeypatch, offered
     else:
         monkeypatch.setenv("DATADIST_AIO_UCX_AUTO", offered)
     with Subnet() as subnet, NetnsGroup() as group:
+        # Each end's UCX on its end of the pair only: a UCX worker's address
+        # names every interface its process saw, the veths of other subnets
+        # too, and UCX 1.13 gives up on the first it cannot reach.
+        monkeypatch.setenv("UCX_NET_DEVICES", subnet.host_link)
         a = group.start("a", dd.LLMRole.PROMPT, 1, host=subnet.host_ip)
+        monkeypatch.setenv("UCX_NET_DEVICES", subnet.peer_link)
         far = group.start_in(subnet, "far", dd.LLMRole.DECODER, 2)
+        monkeypatch.setenv("UCX_NET_DEVICES", subnet.host_link)
         near = group.start("near", dd.LLMRole.DECODER, 3, host=subnet.host_ip)
         assert a.link(far) == LINKED
         assert a.link(near) == LINKED

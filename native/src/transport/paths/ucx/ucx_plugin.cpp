@@ -245,16 +245,26 @@ void worker_destroy(datadist_ucx_worker *w) {
 // zero copy on an endpoint that handles peer failure; otherwise it emulates
 // the put. UCX emulates a get over tcp with fragments of the tcp segment
 // size: 64 KiB ones carry an owner's read at 3x the speed of the 8 KiB
-// default. Names a UCX does not know are skipped.
+// default. Those two are set from UCX 1.16 on: 1.13 warns that they are
+// invalid at every worker (and emulates both anyway); the versions between
+// were not tried.
 void apply_defaults(ucp_config_t *config) {
-  static const char *const kDefaults[][2] = {
-      {"RNDV_THRESH", "inf"},
-      {"TCP_TX_SEG_SIZE", "64k"},
-      {"TCP_RX_SEG_SIZE", "64k"},
+  struct Default {
+    const char *name;
+    const char *value;
+    unsigned since_minor;  // of UCX 1.x: an older one warns of the name at every worker
   };
-  for (const auto &d : kDefaults) {
-    const std::string env = std::string("UCX_") + d[0];
-    if (std::getenv(env.c_str()) == nullptr) ucp_config_modify(config, d[0], d[1]);
+  static const Default kDefaults[] = {
+      {"RNDV_THRESH", "inf", 0},
+      {"TCP_TX_SEG_SIZE", "64k", 16},
+      {"TCP_RX_SEG_SIZE", "64k", 16},
+  };
+  unsigned major = 0, minor = 0, release = 0;
+  ucp_get_version(&major, &minor, &release);
+  for (const Default &d : kDefaults) {
+    const std::string env = std::string("UCX_") + d.name;
+    if (major == 1 && minor < d.since_minor) continue;
+    if (std::getenv(env.c_str()) == nullptr) ucp_config_modify(config, d.name, d.value);
   }
 }
 
