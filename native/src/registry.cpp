@@ -82,20 +82,30 @@ std::shared_ptr<CacheEntry> Registry::find_blocks(uint64_t model_id) const {
   return it == by_key_.end() ? nullptr : it->second.entry;
 }
 
-std::shared_ptr<CacheEntry> Registry::find_by_address(uintptr_t addr, uint64_t length, size_t *tensor) const {
+size_t CacheEntry::tensor_holding(uintptr_t addr, uint64_t length, size_t hint) const {
   uintptr_t end;
-  if (__builtin_add_overflow(addr, length, &end)) return nullptr;
+  if (__builtin_add_overflow(addr, length, &end)) return addrs.size();
+  const uint64_t size = geometry.tensor_size;
+  auto holds = [&](size_t t) {
+    const auto start = reinterpret_cast<uintptr_t>(addrs[t]);
+    return addr >= start && end <= start + size;
+  };
+  if (hint < addrs.size() && holds(hint)) return hint;
+  for (size_t t = 0; t < addrs.size(); ++t) {
+    if (holds(t)) return t;
+  }
+  return addrs.size();
+}
+
+std::shared_ptr<CacheEntry> Registry::find_by_address(uintptr_t addr, uint64_t length, size_t *tensor) const {
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto &entry : by_id_) {
-    const uint64_t size = entry.second->geometry.tensor_size;
     // Device caches too: with CUDA's unified addressing (every 64-bit
     // platform the driver supports) no device range overlaps a host one.
-    for (size_t t = 0; t < entry.second->addrs.size(); ++t) {
-      const auto start = reinterpret_cast<uintptr_t>(entry.second->addrs[t]);
-      if (addr >= start && end <= start + size) {
-        if (tensor != nullptr) *tensor = t;
-        return entry.second;
-      }
+    const size_t t = entry.second->tensor_holding(addr, length);
+    if (t < entry.second->addrs.size()) {
+      if (tensor != nullptr) *tensor = t;
+      return entry.second;
     }
   }
   return nullptr;

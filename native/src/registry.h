@@ -47,6 +47,11 @@ struct CacheEntry {
   // device addresses, which the engine never dereferences.
   std::shared_ptr<cuda::Device> device;
   bool device_allocated = false;  // the engine allocated `addrs` and frees them
+
+  // The tensor whose memory holds all of [addr, addr + length), trying
+  // `hint` first; addrs.size() when none does.
+  size_t tensor_holding(uintptr_t addr, uint64_t length, size_t hint = 0) const;
+
   // Tensors mapped for UCX peers (transport/paths/ucx/ucx_path.h), each on its first
   // use; unmapped before the memory is freed.
   std::mutex ucx_mu;

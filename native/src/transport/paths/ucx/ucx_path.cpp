@@ -170,21 +170,12 @@ bool local_maps(const std::shared_ptr<Worker> &worker, CacheEntry &entry, const 
                 std::string &why) {
   held.clear();
   mems.assign(ranges.size(), nullptr);
-  const uint64_t size = entry.geometry.tensor_size;
-  size_t t = 0;  // ranges mostly follow the tensors in order
+  size_t t = 0;  // ranges mostly follow the tensors in order: the last one is tried first
   for (size_t i = 0; i < ranges.size(); ++i) {
-    const auto addr = reinterpret_cast<uintptr_t>(ranges[i].iov_base);
-    auto holds = [&](size_t k) {
-      const auto base = reinterpret_cast<uintptr_t>(entry.addrs[k]);
-      return addr >= base && addr + ranges[i].iov_len <= base + size;
-    };
-    if (t >= entry.addrs.size() || !holds(t)) {
-      t = 0;
-      while (t < entry.addrs.size() && !holds(t)) ++t;
-      if (t == entry.addrs.size()) {
-        why = "a range of cache " + std::to_string(entry.id) + " is not inside one of its tensors";
-        return false;
-      }
+    t = entry.tensor_holding(reinterpret_cast<uintptr_t>(ranges[i].iov_base), ranges[i].iov_len, t);
+    if (t == entry.addrs.size()) {
+      why = "a range of cache " + std::to_string(entry.id) + " is not inside one of its tensors";
+      return false;
     }
     if (held.empty() || held.back()->base() != reinterpret_cast<uintptr_t>(entry.addrs[t])) {
       std::shared_ptr<Mapping> mapping = map_tensor(worker, entry, t, why);
