@@ -73,8 +73,6 @@ class TcpTransport : public LinkHost {
   // transport over it (or $DATADIST_AIO_UCX_AUTO is 1; 0: never), else
   // goes on without. Before any link.
   Status start_ucx();
-  // Whether this end offers UCX to its peers (ucx_used(): a UCX worker runs).
-  bool ucx_used() const { return ucx_ != nullptr; }
   Status listen(const std::string &ip, uint16_t port);
   void stop_listening();
   uint16_t listen_port() const;

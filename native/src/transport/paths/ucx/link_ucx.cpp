@@ -31,14 +31,16 @@ void Link::serve_ucx(Connection &conn, const FrameHeader &header, const wire::Re
   std::vector<std::shared_ptr<ucx::Mapping>> mine;
   std::vector<datadist_ucx_mem *> mems(target.iov.size(), nullptr);
   std::string unmapped;
-  if (target.device && !target.entry) {
+  bool mapped = true;
+  if (target.entry) {
+    mapped = ucx::local_maps(ucx_->worker(), *target.entry, target.iov, mine, mems, unmapped);
+  } else if (target.device) {
+    mapped = false;
     unmapped = "device memory named by address";
-  } else if (target.entry && !ucx::local_maps(ucx_->worker(), *target.entry, target.iov, mine, mems, unmapped)) {
-    // unmapped says why
-  } else if (target.device && !target.device->make_current(unmapped)) {
-    // the CUDA transports copy on this thread too
   }
-  if (!unmapped.empty()) {
+  // The CUDA transports copy on this thread too.
+  if (mapped && target.device) mapped = target.device->make_current(unmapped);
+  if (!mapped) {
     send_answer(conn, answer(type, header.op_id, llm_datadist::LLM_FEATURE_NOT_ENABLED,
                              "this end's UCX cannot move its memory: " + unmapped));
     return;

@@ -43,14 +43,12 @@ struct datadist_ucx_worker {
   std::set<datadist_ucx_mem *> mems;
   std::set<datadist_ucx_ep *> closing;  // closed by the caller, UCX not done yet
 
-  // Queues `fn` for progress; `wake` when called outside progress, so that a
-  // thread asleep on the event fd sees it.
-  void defer(std::function<void()> fn, bool wake) {
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      due.push_back(std::move(fn));
-    }
-    if (wake) ucp_worker_signal(worker);
+  // Queues `fn` for progress. Called outside progress, the caller wakes the
+  // worker after (wake() below), so that a thread asleep on the event fd
+  // sees it.
+  void defer(std::function<void()> fn) {
+    std::lock_guard<std::mutex> lock(mutex);
+    due.push_back(std::move(fn));
   }
 
   // After a call into UCX outside progress (a post, a flush, a close): UCX
@@ -96,26 +94,27 @@ struct Batch {
     if (result != UCS_OK && status == UCS_OK) status = result;
     return --remaining == 0;
   }
-  void complete(bool wake) {
+  void complete() {
     datadist_ucx_done_fn fn = done;
     void *a = arg;
     int s = status;
     datadist_ucx_worker *w = worker;
     delete this;
-    w->defer([fn, a, s] { fn(a, s); }, wake);
+    w->defer([fn, a, s] { fn(a, s); });
   }
 };
 
 void on_request_done(void *request, ucs_status_t status, void *user_data) {
   auto *batch = static_cast<Batch *>(user_data);
-  if (batch->finish(status)) batch->complete(false);
+  if (batch->finish(status)) batch->complete();
   ucp_request_free(request);
 }
 
-// A posted request: pending (its callback finishes it), or done at once.
+// A posted request: pending (its callback finishes it), or done at once
+// (the poster wakes the worker once all are posted).
 void account(Batch *batch, ucs_status_ptr_t request) {
   if (UCS_PTR_IS_PTR(request)) return;
-  if (batch->finish(UCS_PTR_STATUS(request))) batch->complete(true);
+  if (batch->finish(UCS_PTR_STATUS(request))) batch->complete();
 }
 
 void on_ep_error(void *arg, ucp_ep_h, ucs_status_t status) {
@@ -132,8 +131,7 @@ void on_ep_error(void *arg, ucp_ep_h, ucs_status_t status) {
           a = sink->arg;
         }
         fn(a, status);
-      },
-      false);
+      });
 }
 
 void on_close_done(void *request, ucs_status_t, void *user_data) {
