@@ -70,6 +70,9 @@ def test_prefill_finished_holds_blocks_under_a_lease_and_answers_nixl_params() -
     request = Request("p-req", list(range(100)), {"do_remote_decode": True}, Status.FINISHED_LENGTH_CAPPED)
     held, params = side.request_finished(request, [4, 5, 6, 8])
     assert held is True
+    assert params is not None
+    token = params.pop("lease_token")
+    assert isinstance(token, str) and len(token) == 16 and int(token, 16) >= 0
     assert params == {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -83,6 +86,7 @@ def test_prefill_finished_holds_blocks_under_a_lease_and_answers_nixl_params() -
     assert side.held == {"p-req"}
     plan = side.build_plan()
     assert plan.leases == {"p-req": 1030.0}
+    assert plan.lease_tokens == {"p-req": token}, "the worker side learns the token the decode side will name"
     assert plan.loads == {}
     assert side.build_plan().is_empty(), "the plan hands its state over once"
     side.blocks_freed({"p-req"})
@@ -332,8 +336,8 @@ def test_connector_stats_and_prometheus_metrics() -> None:
 class _Blocks:
     ids: list[int] = field(default_factory=list)
 
-    def get_unhashed_block_ids(self) -> list[int]:
-        return self.ids
+    def get_unhashed_block_ids_all_groups(self) -> list[list[int]]:
+        return [self.ids]  # vLLM's KVCacheBlocks of one KV cache group
 
 
 @needs_vllm

@@ -72,7 +72,10 @@ def _prefill(conn: Any, lease_s: float) -> None:
             if conn.poll(0.05):
                 command, value = conn.recv()
                 if command == "lease":
-                    side.start_loads(StepPlan(leases={req: time.monotonic() + lease_s for req in value}))
+                    # Request ids, or (request id, lease token) pairs.
+                    pairs = [item if isinstance(item, tuple) else (item, "") for item in value]
+                    side.start_loads(StepPlan(leases={req: time.monotonic() + lease_s for req, _ in pairs},
+                                              lease_tokens=dict(pairs)))
                     conn.send("ok")
                 elif command == "stop":
                     break
@@ -92,15 +95,17 @@ class _Warnings(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def _decode(conn: Any, port: int, specs: list[tuple[str, list[int], list[int]]], timeout_s: float,
-            shape: tuple[int, ...] = SHAPE) -> None:
+def _decode(conn: Any, port: int, specs: list[tuple[Any, ...]], timeout_s: float,
+            shape: tuple[int, ...] = SHAPE, engine: str = "prefill") -> None:
     warnings = _Warnings()
     logging.getLogger("datadist_aio.integrations.vllm.worker").addHandler(warnings)
     arrays = {name: np.zeros(shape, np.float32) for name in layer_arrays(0)}
     side = WorkerSide(WorkerSettings(engine_id="decode", is_producer=False, load_timeout_s=timeout_s))
     side.register({name: FakeTensor(a) for name, a in arrays.items()})
+    # (request, local blocks, remote blocks[, lease token])
     loads = {
-        req: LoadSpec(req, local, remote, "prefill", "127.0.0.1", port, "p-" + req) for req, local, remote in specs
+        req: LoadSpec(req, local, remote, engine, "127.0.0.1", port, "p-" + req, lease_token=token[0] if token else "")
+        for req, local, remote, *token in specs
     }
     start = time.monotonic()
     side.start_loads(StepPlan(loads=loads))
@@ -148,9 +153,9 @@ def _start_prefill(ctx: Any, lease_s: float = 60.0) -> tuple[Any, Any, int]:
 
 
 def _run_decode(ctx: Any, port: int, specs: list[Any], timeout_s: float = 5.0,
-                shape: tuple[int, ...] = SHAPE) -> dict[str, Any]:
+                shape: tuple[int, ...] = SHAPE, engine: str = "prefill") -> dict[str, Any]:
     parent, child = ctx.Pipe()
-    process = ctx.Process(target=_decode, args=(child, port, specs, timeout_s, shape), daemon=True)
+    process = ctx.Process(target=_decode, args=(child, port, specs, timeout_s, shape, engine), daemon=True)
     process.start()
     child.close()
     try:
@@ -254,6 +259,8 @@ def test_frozen_prefill_fails_within_the_timeout(ctx: Any, linked_before: bool) 
     prefill, conn, port = _start_prefill(ctx)
     try:
         if linked_before:
+            conn.send(("lease", ["p-warm"]))
+            assert conn.poll(10) and conn.recv() == "ok"
             result = _run_decode(ctx, port, [("warm", [0], [0])], timeout_s=3.0)
             assert result["failed"] == []
         os.kill(prefill.pid, signal.SIGSTOP)
@@ -264,6 +271,82 @@ def test_frozen_prefill_fails_within_the_timeout(ctx: Any, linked_before: bool) 
         assert result["done"] == ["a"] and result["failed"] == ["a"]
         assert result["errors"] == [1, 2, 3]
         assert result["elapsed"] < 2.0 + 3, f"the load took {result['elapsed']:.1f} s to fail"
+    finally:
+        _stop(prefill, conn)
+
+
+def _freed(conn: Any, wanted: set[str], timeout: float = 15.0) -> set[str]:
+    """The prefill's requests freed until ``wanted`` all were, or the timeout."""
+    freed: set[str] = set()
+    deadline = time.monotonic() + timeout
+    while not wanted <= freed and time.monotonic() < deadline:
+        if conn.poll(0.1):
+            kind, reqs = conn.recv()
+            assert kind == "freed"
+            freed.update(reqs)
+    return freed
+
+
+def test_a_read_after_the_lease_ran_out_fails_and_names_why(ctx: Any) -> None:
+    """The prefill freed the request's blocks when its lease ran out (vLLM may
+    give them to another request): the decode's read of them must never be
+    taken for the request's KV. Its claim is refused, the load fails with its
+    blocks, and the prefill's other leased request still loads."""
+    prefill, conn, port = _start_prefill(ctx, lease_s=0.5)
+    try:
+        conn.send(("lease", [("p-old", "t-old")]))
+        assert conn.poll(10) and conn.recv() == "ok"
+        assert _freed(conn, {"p-old"}) == {"p-old"}, "the lease did not run out"
+        conn.send(("lease", [("p-new", "t-new")]))
+        assert conn.poll(10) and conn.recv() == "ok"
+        specs = [("old", [1, 2], [3, 4], "t-old"), ("new", [5], [6], "t-new")]
+        result = _run_decode(ctx, port, specs, timeout_s=5.0)
+        assert result["done"] == ["new", "old"]
+        assert result["failed"] == ["old"] and result["errors"] == [1, 2]
+        (warning,) = [w for w in result["warnings"] if "load of old" in w]
+        assert "no longer holds the blocks of request p-old" in warning, warning
+        assert sorted(result["records"]) == [(0, 2, False), (LAYERS * HEADS * BLOCK_SIZE * 2 * HEAD_DIM * 4, 1, True)]
+        assert result["elapsed"] < 5.0, "a refused claim waited for the load timeout"
+        source = layer_arrays(1)
+        for name, array in result["arrays"].items():
+            np.testing.assert_array_equal(array[5], source[name][6])
+    finally:
+        _stop(prefill, conn)
+
+
+def test_a_read_naming_another_lease_token_fails(ctx: Any) -> None:
+    """Same request id, another token (a restarted prefill, another request
+    that reused the id): refused; the right token loads."""
+    prefill, conn, port = _start_prefill(ctx)
+    try:
+        conn.send(("lease", [("p-a", "right"), ("p-b", "right-b")]))
+        assert conn.poll(10) and conn.recv() == "ok"
+        result = _run_decode(ctx, port, [("a", [1], [2], "wrong"), ("b", [3], [4], "right-b")], timeout_s=5.0)
+        assert result["failed"] == ["a"] and result["errors"] == [1]
+        assert result["done"] == ["a", "b"]
+        # The right token, but the request of another prefill instance (one
+        # that ran at this address before): nothing of it is held here.
+        result = _run_decode(ctx, port, [("b", [3], [4], "right-b")], timeout_s=5.0, engine="before-restart")
+        assert result["failed"] == ["b"] and result["errors"] == [3]
+    finally:
+        _stop(prefill, conn)
+
+
+def test_a_claim_before_its_lease_is_granted_and_the_lease_still_frees(ctx: Any) -> None:
+    """The prefill's worker learns a lease with vLLM's next step, which may
+    come after the decode side read (an idle engine steps only with new
+    work): blocks it has not heard of are still held, so the read counts; the
+    decode's done, come first, frees the request once its lease comes."""
+    prefill, conn, port = _start_prefill(ctx)
+    try:
+        result = _run_decode(ctx, port, [("late", [1, 2], [7, 8], "t")], timeout_s=5.0)
+        assert result["done"] == ["late"] and result["failed"] == [], result["warnings"]
+        source = layer_arrays(1)
+        for name, array in result["arrays"].items():
+            np.testing.assert_array_equal(array[[1, 2]], source[name][[7, 8]])
+        conn.send(("lease", [("p-late", "t")]))
+        assert conn.poll(10) and conn.recv() == "ok"
+        assert _freed(conn, {"p-late"}) == {"p-late"}
     finally:
         _stop(prefill, conn)
 

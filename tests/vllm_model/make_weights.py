@@ -24,7 +24,7 @@ HERE = Path(__file__).resolve().parent
 
 def make(out_dir: Path, seed: int = 1234, variant: str = "llama") -> Path:
     """Creates ``out_dir`` holding config.json and model.safetensors; returns it."""
-    source = HERE / ("mla" if variant == "mla" else ".") / "config.json"
+    source = HERE / (variant if variant in ("mla", "sliding") else ".") / "config.json"
     config = json.loads(source.read_text())
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     heads = config["num_attention_heads"]

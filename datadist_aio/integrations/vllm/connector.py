@@ -38,6 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -195,6 +196,27 @@ def _first_group(block_ids: Any) -> Optional[list[int]]:
     return list(block_ids[0]) if block_ids else None
 
 
+def _window_blocks(kv_cache_config: Any) -> tuple[int, ...]:
+    """Per vLLM KV cache group, the trailing blocks a sliding-window group
+    needs (0: all, full attention); ``(0,)`` where vLLM does not say."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    windows = []
+    for group in groups:
+        spec = group.kv_cache_spec
+        window = int(getattr(spec, "sliding_window", 0) or 0)
+        # The blocks its window spans, one more where it straddles a block boundary.
+        windows.append(-(-window // int(spec.block_size)) + 1 if window else 0)
+    return tuple(windows) or (0,)
+
+
+def _layer_groups(kv_cache_config: Any) -> Optional[dict[str, int]]:
+    """Each layer's vLLM KV cache group, where there are several; None otherwise."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    if len(groups) < 2:
+        return None
+    return {name: index for index, group in enumerate(groups) for name in group.layer_names}
+
+
 def scheduled_chunks(output: "SchedulerOutput") -> list[ScheduledChunk]:
     """This step's requests, as the scheduler side reads them."""
     counts = output.num_scheduled_tokens
@@ -214,8 +236,14 @@ def scheduled_chunks(output: "SchedulerOutput") -> list[ScheduledChunk]:
     return chunks
 
 
-class DatadistAioConnector(KVConnectorBase_V1):
-    """Moves each request's prompt KV from a prefill vLLM to a decode vLLM."""
+class DatadistAioConnector(KVConnectorBase_V1, SupportsHMA):
+    """Moves each request's prompt KV from a prefill vLLM to a decode vLLM.
+
+    Serves vLLM's hybrid KV cache manager (``SupportsHMA``): several KV
+    cache groups, sliding-window ones beside full attention, each with its
+    own block table; a sliding-window group moves only the blocks its window
+    needs.
+    """
 
     _cache_hit_source = CacheHitSource.P2P
 
@@ -244,6 +272,7 @@ class DatadistAioConnector(KVConnectorBase_V1):
                     tp_size=_tp_size(vllm_config),
                     plan_saves=self._plan_saves,
                     block_size=int(vllm_config.cache_config.block_size) if self._plan_saves else 16,
+                    window_blocks=_window_blocks(kv_cache_config),
                 )
             )
         else:
@@ -289,7 +318,10 @@ class DatadistAioConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         assert self.scheduler_side is not None
-        local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
+        local: Any = []
+        if num_external_tokens > 0:
+            groups = blocks.get_unhashed_block_ids_all_groups()
+            local = groups[0] if len(groups) == 1 else groups
         self.scheduler_side.update_state_after_alloc(request, local, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
@@ -305,6 +337,11 @@ class DatadistAioConnector(KVConnectorBase_V1):
         assert self.scheduler_side is not None
         return self.scheduler_side.request_finished(request, block_ids)
 
+    def request_finished_all_groups(self, request: "Request",
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler_side is not None
+        return self.scheduler_side.request_finished(request, block_ids)
+
     def has_pending_block_frees(self) -> bool:
         return self.scheduler_side is not None and bool(self.scheduler_side.held)
 
@@ -313,7 +350,7 @@ class DatadistAioConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.worker_side is not None
         num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
-        self.worker_side.register(kv_caches, num_blocks)
+        self.worker_side.register(kv_caches, num_blocks, _layer_groups(self._kv_cache_config))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self.worker_side is not None
@@ -342,17 +379,22 @@ class DatadistAioConnector(KVConnectorBase_V1):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self.worker_side is not None
-        sending, recving, _failed = self.worker_side.get_finished()
+        sending, recving, failed = self.worker_side.get_finished()
         for item in self.worker_side.take_records():
             stats.record(self._stats, item)
         read, by_sweep = self.worker_side.take_answer_counts()
         if read or by_sweep:
             stats.add_answers(self._stats, read, by_sweep)
-        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving)
+        # Block ids are unique only within a KV cache group: with several,
+        # vLLM takes failed loads by request.
+        hybrid = self.worker_side.hybrid
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=failed if hybrid else set())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self.worker_side is not None
-        return self.worker_side.load_errors()
+        blocks = self.worker_side.load_errors()
+        return set() if self.worker_side.hybrid else blocks
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if stats.is_empty(self._stats):

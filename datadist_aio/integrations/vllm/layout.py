@@ -63,13 +63,15 @@ class LayoutError(ValueError):
 
 @dataclass(frozen=True)
 class GroupShape:
-    """One cache group: its dtype, the shape of one block of one tensor, tensors per layer, tensors in all."""
+    """One cache group: its dtype, the shape of one block of one tensor, tensors per layer, tensors in all,
+    and the vLLM KV cache groups (block tables) whose blocks its tensors hold."""
 
     dtype: str
     block_shape: tuple[int, ...]
     per_layer: int
     tensors: int
     interior: str = "opaque"
+    kv_groups: tuple[int, ...] = (0,)
 
     @property
     def block_bytes(self) -> int:
@@ -95,7 +97,7 @@ class WorkerLayout:
             "block_size": self.block_size,
             "groups": [
                 {"dtype": g.dtype, "block_shape": list(g.block_shape), "per_layer": g.per_layer,
-                 "tensors": g.tensors, "interior": g.interior}
+                 "tensors": g.tensors, "interior": g.interior, "kv_groups": list(g.kv_groups)}
                 for g in self.groups
             ],
         }
@@ -130,12 +132,24 @@ class WorkerLayout:
             dtype, interior = group.get("dtype"), group.get("interior", "opaque")
             if dtype not in _DTYPE_BYTES or interior not in INTERIORS:
                 raise ValueError(f"unknown dtype {dtype!r:.40} or interior {interior!r:.20}")
-            shapes.append(GroupShape(dtype, tuple(shape), per_layer, tensors, interior))
+            kv_groups = group.get("kv_groups", [0])
+            if (not isinstance(kv_groups, list) or not 0 < len(kv_groups) <= 64
+                    or not all(type(k) is int and 0 <= k < 64 for k in kv_groups)
+                    or kv_groups != sorted(set(kv_groups))):
+                raise ValueError(f"kv_groups must be a sorted list of distinct KV cache group indices, "
+                                 f"got {kv_groups!r:.80}")
+            shapes.append(GroupShape(dtype, tuple(shape), per_layer, tensors, interior, tuple(kv_groups)))
         return cls(groups=tuple(shapes), **numbers)
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether its tensors serve more than one vLLM KV cache group (hybrid KV cache manager)."""
+        return any(g.kv_groups != (0,) for g in self.groups)
 
     def describe(self) -> str:
         """One line for messages: TP, block size, heads and block shapes."""
-        groups = "; ".join(f"{g.interior} {list(g.block_shape)} {g.dtype} x{g.tensors}" for g in self.groups)
+        groups = "; ".join(f"{g.interior} {list(g.block_shape)} {g.dtype} x{g.tensors}"
+                           + (f" KV groups {list(g.kv_groups)}" if g.kv_groups != (0,) else "") for g in self.groups)
         return (f"TP {self.tp_rank}/{self.tp_size}, block size {self.block_size}, {self.kv_heads} KV heads "
                 f"[{groups}]")
 
@@ -186,6 +200,11 @@ def map_heads(mine: WorkerLayout, theirs: WorkerLayout) -> dict[int, HeadMap]:
     for ours, peer in zip(mine.groups, theirs.groups):
         if (ours.dtype, ours.per_layer, ours.tensors) != (peer.dtype, peer.per_layer, peer.tensors):
             raise _mismatch(mine, theirs, "dtypes or tensors per layer differ")
+        if ours.kv_groups != peer.kv_groups:
+            raise _mismatch(mine, theirs, "the KV cache groups differ (is the hybrid KV cache manager on for one "
+                                          "instance only?)")
+    if mine.hybrid and mine.block_size != theirs.block_size:
+        raise _mismatch(mine, theirs, "several KV cache groups (a hybrid model) map only between equal block sizes")
     kv_heads = mine.kv_heads
     same_tp = mine.tp_size == theirs.tp_size
     maps: dict[int, list[list[tuple[int, int, int]]]] = {}

@@ -22,6 +22,14 @@ class LoadSpec:
     the prefill to release. ``remote_port`` is the side channel of the
     prefill's rank 0; rank ``r`` of its ``remote_tp_size`` listens on
     ``remote_port + r``.
+
+    Those three fields are vLLM's first KV cache group; ``more_groups``
+    holds ``(local_block_ids, remote_block_ids, first_token)`` of each
+    further one (the hybrid KV cache manager: a sliding-window group's
+    lists are the in-window tails, aligned by the scheduler side, with a
+    first token of 0). ``lease_token`` is the prefill's token for this
+    request's blocks: a read counts only while the request holds them under
+    that token.
     """
 
     req_id: str
@@ -34,6 +42,19 @@ class LoadSpec:
     remote_request_id: str
     first_token: int = 0
     remote_tp_size: int = 1
+    more_groups: list[tuple[list[int], list[int], int]] = field(default_factory=list)
+    lease_token: str = ""
+    # Set where the load cannot be planned (the layouts of KV cache groups
+    # differ): the worker side fails it at once, its blocks reported.
+    error: str = ""
+
+    def kv_groups(self) -> list[tuple[list[int], list[int], int]]:
+        """``(local_block_ids, remote_block_ids, first_token)`` of every KV cache group, in order."""
+        return [(self.local_block_ids, self.remote_block_ids, self.first_token), *self.more_groups]
+
+    def all_local_blocks(self) -> list[int]:
+        """Every block this load writes, of every KV cache group."""
+        return [block for local, _remote, _first in self.kv_groups() for block in local]
 
 
 @dataclass
@@ -59,7 +80,8 @@ class StepPlan:
 
     ``loads``: reads to start. ``leases``: prefill requests whose blocks now
     wait for a decode side, with the monotonic deadline after which they are
-    freed anyway. ``saves``: blocks of requests bound for a remote decode
+    freed anyway, and ``lease_tokens`` the token each was announced with
+    (its decode side names it to read). ``saves``: blocks of requests bound for a remote decode
     written in this step (planned only where they are pushed layer by layer
     or copied to a host buffer).
     """
@@ -67,6 +89,7 @@ class StepPlan:
     loads: dict[str, LoadSpec] = field(default_factory=dict)
     leases: dict[str, float] = field(default_factory=dict)
     saves: dict[str, SaveSpec] = field(default_factory=dict)
+    lease_tokens: dict[str, str] = field(default_factory=dict)
 
     def is_empty(self) -> bool:
         return not self.loads and not self.leases and not self.saves

@@ -8,7 +8,11 @@ unchanged:
   capped) its blocks stay allocated under a lease, and the answer's params
   tell the decode side where they are (``do_remote_prefill``,
   ``remote_block_ids``, ``remote_engine_id``, ``remote_host``,
-  ``remote_port``, ``remote_request_id``);
+  ``remote_port``, ``remote_request_id``) and the lease's token
+  (``lease_token``), without which the prefill serves no read of them;
+- under vLLM's hybrid KV cache manager (several KV cache groups)
+  ``remote_block_ids`` holds one list per group, and a sliding-window
+  group's list only the blocks its window still needs: the tail;
 - a decode request carrying ``do_remote_prefill`` reports its prompt as
   computed externally and asynchronously, and the worker side reads it;
 - where the worker side pushes layer by layer or copies to a host buffer
@@ -21,8 +25,9 @@ the few attributes named here, so it is tested without an engine.
 
 from __future__ import annotations
 
+import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Optional
 
@@ -45,6 +50,9 @@ class SideSettings:
     # Plan ``StepPlan.saves`` (layer-wise push, host buffer) with this block size.
     plan_saves: bool = False
     block_size: int = 16
+    # Per vLLM KV cache group, the trailing blocks a sliding-window group
+    # needs (0: every block, full attention); one entry per group.
+    window_blocks: tuple[int, ...] = (0,)
 
 
 class ScheduledChunk(NamedTuple):
@@ -78,10 +86,15 @@ def _params(request: Any) -> dict[str, Any]:
 
 def _flat_blocks(block_ids: Any) -> list[int]:
     """Block ids as a flat list; of the first group where vLLM gives one list per group."""
+    return _group_blocks(block_ids)[0]
+
+
+def _group_blocks(block_ids: Any) -> list[list[int]]:
+    """Block ids as one list per KV cache group: a flat list is one group's."""
     block_ids = list(block_ids or ())
     if block_ids and isinstance(block_ids[0], (list, tuple)):
-        block_ids = list(block_ids[0])
-    return [int(block) for block in block_ids]
+        return [[int(block) for block in group] for group in block_ids]
+    return [[int(block) for block in block_ids]]
 
 
 def _has_remote(params: dict[str, Any]) -> bool:
@@ -99,6 +112,7 @@ class SchedulerSide:
         self._clock = clock
         self._loads: dict[str, LoadSpec] = {}
         self._leases: dict[str, float] = {}
+        self._tokens: dict[str, str] = {}
         # Prefill requests whose blocks are held until the worker side frees them.
         self.held: set[str] = set()
         self._outgoing: dict[str, _Outgoing] = {}
@@ -116,11 +130,12 @@ class SchedulerSide:
             return 0, False
         return count, True
 
-    def update_state_after_alloc(self, request: Any, local_block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Any, local_block_ids: Sequence[Any], num_external_tokens: int) -> None:
         """Plans the read of a request whose blocks were just allocated.
 
         ``local_block_ids`` are the blocks the external tokens go to (those
-        not found in the local prefix cache). Each request is planned once.
+        not found in the local prefix cache): a list, or one list per KV
+        cache group. Each request is planned once.
         """
         params = _params(request)
         if not params.get("do_remote_prefill"):
@@ -131,31 +146,56 @@ class SchedulerSide:
         params["do_remote_prefill"] = False
         if not _has_remote(params):
             return
-        remote = _flat_blocks(params["remote_block_ids"])
-        local = [int(block) for block in local_block_ids] if num_external_tokens > 0 else []
-        # Local prefix-cache hits cover the leading blocks: the worker reads
-        # only the tokens after them (the block sizes may differ, so it maps
-        # tokens, not block counts).
+        remote_groups = _group_blocks(params["remote_block_ids"])
+        local_groups = _group_blocks(local_block_ids) if num_external_tokens > 0 else [[]]
         prompt = getattr(request, "prompt_token_ids", None) or []
-        first_token = max(0, len(prompt) - num_external_tokens) if local else 0
+        error = ""
+        windows = self.settings.window_blocks
+        if num_external_tokens > 0 and not len(remote_groups) == len(local_groups) == len(windows):
+            error = (f"the prefill sent blocks of {len(remote_groups)} KV cache groups, this instance has "
+                     f"{len(local_groups)}: the hybrid KV cache manager must be on for both or for neither")
+        groups: list[tuple[list[int], list[int], int]] = []
+        for index, (local, remote) in enumerate(zip(local_groups, remote_groups)):
+            window = windows[index] if index < len(windows) else 0
+            if window and local and remote:
+                # A sliding-window group: both lists end at the prompt's last
+                # block; the decode reads the tail it allocated, at most the
+                # window.
+                count = min(len(local), len(remote), window)
+                groups.append((local[-count:], remote[-count:], 0))
+                continue
+            # Local prefix-cache hits cover the leading blocks: the worker reads
+            # only the tokens after them (the block sizes may differ, so it maps
+            # tokens, not block counts).
+            first_token = max(0, len(prompt) - num_external_tokens) if local else 0
+            groups.append((local if remote else [], remote if local else [], first_token))
         tp_size = params.get("tp_size", 1)
+        token = params.get("lease_token", "")
+        first, *more = groups or [([], [], 0)]
         self._loads[request.request_id] = LoadSpec(
             req_id=request.request_id,
-            local_block_ids=local if remote else [],
-            remote_block_ids=remote if local else [],
+            local_block_ids=first[0],
+            remote_block_ids=first[1],
             remote_engine_id=str(params["remote_engine_id"]),
             remote_host=str(params["remote_host"]),
             remote_port=int(params["remote_port"]),
             remote_request_id=str(params.get("remote_request_id", request.request_id)),
-            first_token=first_token,
+            first_token=first[2],
             remote_tp_size=tp_size if type(tp_size) is int and 1 <= tp_size <= 1024 else 1,
+            more_groups=more if not error else [],
+            lease_token=token if isinstance(token, str) and len(token) <= 64 else "",
+            error=error,
         )
 
     # -- prefill side ---------------------------------------------------------
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
+    def request_finished(self, request: Any, block_ids: Sequence[Any]) -> tuple[bool, Optional[dict[str, Any]]]:
         """Keeps a finished prefill's blocks for the decode side; returns
-        (blocks freed later, params for the decode request)."""
+        (blocks freed later, params for the decode request).
+
+        ``block_ids``: a list, or one list per KV cache group (of which a
+        sliding-window group's is clipped to the tail its window needs).
+        """
         params = _params(request)
         self._outgoing.pop(request.request_id, None)
         if params.get("do_remote_prefill"):
@@ -168,15 +208,22 @@ class SchedulerSide:
         status = getattr(getattr(request, "status", None), "name", "")
         if status not in ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"):
             return False, None  # aborted: nothing for a decode side
-        block_ids = _flat_blocks(block_ids)
-        held = bool(block_ids)
+        groups = _group_blocks(block_ids)
+        windows = self.settings.window_blocks
+        for index, window in enumerate(windows[:len(groups)]):
+            if window:
+                groups[index] = groups[index][-window:]
+        held = any(groups)
+        token = secrets.token_hex(8)
         if held:
             self._leases[request.request_id] = self._clock() + self.settings.lease_timeout_s
+            self._tokens[request.request_id] = token
             self.held.add(request.request_id)
         return held, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_block_ids": block_ids,
+            "remote_block_ids": groups[0] if len(groups) == 1 else groups,
+            "lease_token": token,
             "remote_engine_id": self.settings.engine_id,
             "remote_host": self.settings.host,
             "remote_port": self.settings.port,
@@ -193,8 +240,9 @@ class SchedulerSide:
     def build_plan(self, scheduled: Any = ()) -> StepPlan:
         """What the worker side does this step (``scheduled``: this step's
         ``ScheduledChunk``s); the state is handed over."""
-        plan = StepPlan(loads=self._loads, leases=self._leases, saves=self._saves(scheduled))
-        self._loads, self._leases = {}, {}
+        plan = StepPlan(loads=self._loads, leases=self._leases, saves=self._saves(scheduled),
+                        lease_tokens=self._tokens)
+        self._loads, self._leases, self._tokens = {}, {}, {}
         return plan
 
     def _saves(self, scheduled: Any) -> dict[str, SaveSpec]:

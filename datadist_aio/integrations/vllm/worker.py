@@ -7,21 +7,25 @@ no polling of its own, and no hop through another thread on the hot path.
 One event loop, run by one thread, does the rest: the side channel, the
 first link to a peer, release notices.
 
-- Registration: each distinct KV tensor vLLM allocated is registered in place
-  (``register_blocks_cache`` on its address, no copy). Tensors of the same
-  shape and dtype form one blocks cache (a group); the block dimension and
-  the tensors per layer are read off the tensors.
+- Registration (``groups.py``): each distinct KV tensor vLLM allocated is
+  registered in place (``register_blocks_cache`` on its address, no copy).
+  Tensors of the same shape and dtype that serve the same vLLM KV cache
+  groups form one blocks cache; the block dimension and the tensors per
+  layer are read off the tensors.
 - Prefill side: listens for links, answers the side channel (who it is, its
-  layout; which requests a decode side has finished reading) and frees a
-  request's blocks when its decode side confirms or its lease runs out.
+  layout; which requests a decode side holds and has finished reading) and
+  frees a request's blocks when its decode side confirms or its lease runs
+  out (``leases.py``: a read counts only while the request holds its blocks).
 - Decode side: on a prefill instance's first use, says hello to its ranks,
   maps their KV layout onto its own (``layout.py``: another TP size, another
-  block size) and links to the ranks it reads from (then reuses all of it);
-  it reads each request's blocks with ``pull_blocks_async``, or the byte
-  ranges inside them with ``pull_block_ranges_async`` where the layouts
-  differ, and tells every prefill rank when it is done. A load that fails
-  or exceeds ``load_timeout_s`` is cancelled in the engine and reported only
-  once it has settled (no byte lands afterwards), with its blocks in
+  block size) and links to the ranks it reads from (``routes.py``; then
+  reuses all of it); it reads each request's blocks, KV cache group by KV
+  cache group, with ``pull_blocks_async``, or the byte ranges inside them
+  with ``pull_block_ranges_async`` where the layouts differ, claims the
+  request's lease beside the reads, and tells every prefill rank when it
+  is done. A load that fails, whose claim is refused, or that exceeds
+  ``load_timeout_s`` is cancelled in the engine and reported only once it
+  has settled (no byte lands afterwards), with its blocks in
   ``load_errors``; it never blocks the step.
 - Layer-wise push (``transfer_mode="push_layerwise"``): a decode side lends
   inbox blocks (``inbox.py``), a prefill side pushes each step's blocks into
@@ -42,24 +46,25 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import hashlib
 import logging
 import os
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import datadist_aio as dd
 
+from .groups import DATATYPES, CacheGroup, describe_kv_caches, worker_layout
 from .host_buffer import HostBuffer, kv_placement
 from .inbox import CLAIMED, COMMITTED, Inbox
-from .layout import INTERIORS, GroupShape, HeadMap, LayoutError, WorkerLayout, heads_of, map_heads, plan_ranges
+from .layout import LayoutError, WorkerLayout, plan_ranges
+from .leases import MAX_READERS, Leases
 from .metadata import LoadSpec, StepPlan
 from .push import INBOX_MODEL_ID, Pusher, PushSettings
+from .routes import Route, Router, instance_of
 from .side_channel import SideChannelClient, SideChannelPortError, SideChannelServer
 from .stats import AnswerCounter, TransferRecord
 
@@ -68,144 +73,19 @@ __all__ = ["CacheGroup", "WorkerSettings", "WorkerSide", "cluster_id_for", "desc
 log = logging.getLogger(__name__)
 
 _MODEL_ID_BASE = 0
-_MAX_PENDING_RELEASES = 1 << 16
-_MAX_READERS = 1024  # decode ranks that may share one prefill rank's request
 _MAX_IDS = 4096
 TRANSFER_MODES = ("pull", "push_layerwise")
-_TORCH_TO_DATATYPE = {
-    "torch.float32": dd.DataType.DT_FLOAT,
-    "torch.float16": dd.DataType.DT_FLOAT16,
-    "torch.bfloat16": dd.DataType.DT_BF16,
-    "torch.int8": dd.DataType.DT_INT8,
-    "torch.uint8": dd.DataType.DT_UINT8,
-    "torch.float8_e4m3fn": dd.DataType.DT_UINT8,
-    "torch.float8_e5m2": dd.DataType.DT_UINT8,
-}
+
+
+def _instance(spec: LoadSpec) -> tuple[str, int, int]:
+    """The prefill instance a load reads: host, base side-channel port (its rank 0's), TP size."""
+    return instance_of(spec.remote_host, spec.remote_port, spec.remote_tp_size)
 
 
 def cluster_id_for(engine_id: str, rank: int) -> int:
     """A stable 63-bit cluster id for one worker of one engine."""
     digest = hashlib.blake2b(f"{engine_id}/{rank}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
-
-
-@dataclass
-class CacheGroup:
-    """KV tensors of one shape and dtype, registered as one blocks cache.
-
-    ``block_shape`` is the shape of one block of one tensor; ``addresses``
-    holds one address per tensor, layer by layer (``per_layer`` tensors each).
-    """
-
-    dtype: str
-    block_shape: list[int]
-    num_blocks: int
-    per_layer: int
-    addresses: list[int] = field(default_factory=list)
-    keep: list[Any] = field(default_factory=list)
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of one block across every tensor of the group."""
-        elements = 1
-        for dim in self.block_shape:
-            elements *= dim
-        return elements * _TORCH_TO_DATATYPE[self.dtype].itemsize * len(self.addresses)
-
-    def layout(self) -> dict[str, Any]:
-        """What must match on both sides (the block count may differ)."""
-        return {
-            "dtype": self.dtype,
-            "block_shape": self.block_shape,
-            "per_layer": self.per_layer,
-            "tensors": len(self.addresses),
-        }
-
-
-def _split_blocks(tensor: Any, num_blocks: Optional[int]) -> tuple[list[Any], int]:
-    """The block-major tensors a layer's KV tensor holds, and how many.
-
-    A tensor whose first dimension is the block count is one tensor; one
-    shaped ``[2, num_blocks, ...]`` (K and V apart) gives two.
-    """
-    shape = list(tensor.shape)
-    if not tensor.is_contiguous():
-        raise ValueError(f"KV tensor of shape {shape} is not contiguous; cannot register it in place")
-    if num_blocks is None or shape[0] == num_blocks:
-        return [tensor], shape[0]
-    if len(shape) > 1 and shape[1] == num_blocks and shape[0] <= 4:
-        return [tensor[i] for i in range(shape[0])], num_blocks
-    raise ValueError(f"cannot find the block dimension ({num_blocks} blocks) in a KV tensor of shape {shape}")
-
-
-def describe_kv_caches(kv_caches: Mapping[str, Any], num_blocks: Optional[int] = None) -> list[CacheGroup]:
-    """Groups vLLM's per-layer KV tensors by shape and dtype, in layer order.
-
-    A tensor shared by several layers is registered once. Where the tensors
-    are (host or one CUDA device) is ``kv_placement``'s to check.
-    """
-    groups: dict[tuple[str, tuple[int, ...]], CacheGroup] = {}
-    seen: set[int] = set()
-    for name, tensor in kv_caches.items():
-        dtype = str(tensor.dtype)
-        if dtype not in _TORCH_TO_DATATYPE:
-            raise ValueError(f"KV tensor {name} has dtype {dtype}, which the connector does not map")
-        if tensor.data_ptr() in seen:
-            continue
-        seen.add(tensor.data_ptr())
-        parts, blocks = _split_blocks(tensor, num_blocks)
-        block_shape = list(parts[0].shape[1:])
-        key = (dtype, tuple(parts[0].shape))
-        group = groups.get(key)
-        if group is None:
-            group = groups[key] = CacheGroup(dtype, block_shape, blocks, len(parts))
-        if group.per_layer != len(parts):
-            raise ValueError(f"KV tensor {name} splits into {len(parts)} tensors, others into {group.per_layer}")
-        for part in parts:
-            group.addresses.append(int(part.data_ptr()))
-            group.keep.append(part)
-    return list(groups.values())
-
-
-def _instance(spec: LoadSpec) -> tuple[str, int, int]:
-    """A prefill instance: host, base side-channel port (its rank 0's), TP size."""
-    return spec.remote_host, spec.remote_port, max(1, spec.remote_tp_size)
-
-
-def worker_layout(groups: list[CacheGroup], settings: "WorkerSettings") -> WorkerLayout:
-    """This worker's KV layout, as its peers are told it.
-
-    The block interior is read off each group's block shape against the
-    heads this rank holds and the block size: ``[heads, tokens, channels]``
-    is ``HNC``, or ``settings.head_major`` (``HKTV`` for vLLM's CPU
-    backend), ``[tokens, channels]`` with MLA is ``NC``, ``[tokens, heads,
-    channels]`` is ``NHC``. Where the settings do
-    not give the heads or the block size, a 3-D block is taken as ``HNC``
-    and a 2-D one as ``NC``.
-    """
-    first = groups[0].block_shape if groups else []
-    kv_heads, block_size = settings.kv_heads, settings.block_size
-    if settings.mla or (not kv_heads and len(first) == 2):
-        kv_heads = 1
-    elif not kv_heads:
-        kv_heads = first[0] * settings.tp_size if len(first) == 3 else 1
-    if not block_size:
-        block_size = first[1] if len(first) == 3 else first[0] if len(first) == 2 else 1
-    local_heads = len(heads_of(settings.rank, settings.tp_size, kv_heads))
-    shapes = []
-    for group in groups:
-        shape = tuple(group.block_shape)
-        if len(shape) == 3 and shape[:2] == (local_heads, block_size) and not settings.mla:
-            interior = settings.head_major or "HNC"
-        elif len(shape) == 2 and shape[0] == block_size and kv_heads == 1:
-            interior = "NC"
-        elif len(shape) == 3 and shape[:2] == (block_size, local_heads) and not settings.mla:
-            interior = "NHC"
-        else:
-            interior = "opaque"
-        assert interior in INTERIORS
-        shapes.append(GroupShape(group.dtype, shape, group.per_layer, len(group.addresses), interior))
-    return WorkerLayout(settings.tp_size, settings.rank, kv_heads, block_size, tuple(shapes))
 
 
 @dataclass(frozen=True)
@@ -267,37 +147,6 @@ class WorkerSettings:
 
 
 @dataclass
-class _Peer:
-    """A prefill worker this decode side reads from."""
-
-    client: SideChannelClient
-    lock: asyncio.Lock
-    cluster_id: int = 0
-    listen_port: int = 0
-    layout: Optional[WorkerLayout] = None
-    cluster: Optional[dd.LLMClusterInfo] = None
-    linked: bool = False
-
-
-@dataclass(frozen=True)
-class _Source:
-    """One prefill rank this decode worker reads from, and what it reads."""
-
-    port: int
-    cluster_id: int
-    head_map: HeadMap
-    layout: WorkerLayout
-
-
-@dataclass(frozen=True)
-class _Route:
-    """How this decode worker reads a prefill instance: the same for every load."""
-
-    sources: tuple[_Source, ...]
-    mine: WorkerLayout
-
-
-@dataclass
 class _Load:
     """A read in flight; ``tasks`` empty with ``error`` set: it failed before starting."""
 
@@ -313,6 +162,13 @@ class _Load:
     # When get_finished first found it done: the end of its transfer, also
     # while it is held for the rest of its step.
     seen_done: float = 0.0
+    # Pulls: the route read, and the prefill ranks whose claim on the
+    # request's lease has not been answered yet (guarded by the side's lock);
+    # stale: a claim was refused (the prefill freed the blocks), which says
+    # nothing against the link.
+    route: Optional[Route] = None
+    holds_pending: int = 0
+    stale: bool = False
 
 
 class WorkerSide:
@@ -335,27 +191,21 @@ class WorkerSide:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
         self._server: Optional[SideChannelServer] = None
-        self._peers: dict[tuple[str, int], _Peer] = {}
+        # Decode side: the prefill ranks and routes (made on the loop thread).
+        self._router: Optional[Router] = None
         self._linking: set[asyncio.Task[None]] = set()
-        # How to read each prefill instance, by (host, base side-channel
-        # port, its TP size) (written on the loop thread, read on the worker
-        # thread).
-        self._routes: dict[tuple[str, int, int], _Route] = {}
-        # Decode ranks that read each request (prefill side): released when
-        # as many have said done as the first of them announced.
-        self._dones: OrderedDict[str, list[int]] = OrderedDict()
+        # Prefill side: the requests whose blocks wait for decode sides.
+        self.leases = Leases()
         # Shared between the loop thread and vLLM's worker thread.
         self._lock = threading.Lock()
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
         self._invalid_blocks: set[int] = set()
-        self._released: OrderedDict[str, float] = OrderedDict()
         self._records: list[TransferRecord] = []
         self._inflight: list[_Load] = []
         self._step = 0  # start_loads calls that began loads
         # vLLM's worker thread only.
         self._answers = AnswerCounter()
-        self._leases: dict[str, float] = {}
         self._host: Optional[HostBuffer] = None
         # The CUDA device whose memory the KV tensors are (registered in
         # place); None: host memory.
@@ -369,23 +219,39 @@ class WorkerSide:
 
     # -- set-up and tear-down (worker thread) -----------------------------------
 
-    def register(self, kv_caches: Mapping[str, Any], num_blocks: Optional[int] = None) -> None:
+    def register(self, kv_caches: Mapping[str, Any], num_blocks: Optional[int] = None,
+                 layer_groups: Optional[Mapping[str, int]] = None) -> None:
         """Registers vLLM's KV tensors (or their host copies) and starts the loop thread.
 
-        ValueError for tensors the connector cannot register (``kv_placement``).
+        ``layer_groups``: each layer's vLLM KV cache group, where there are
+        several (the hybrid KV cache manager); None: one. ValueError for
+        tensors the connector cannot register (``kv_placement``), and for a
+        mode that serves one KV cache group with several.
         """
+        kv_group_count = len(set(layer_groups.values())) if layer_groups else 1
         placement, device = "host_buffer", None
         if not self.settings.host_buffer:
             placement, device = kv_placement(kv_caches, self.settings.kv_buffer_device)
         if placement == "host_buffer":
+            if kv_group_count > 1:
+                raise ValueError(
+                    f"the host buffer (device KV tensors staged through host memory) serves one KV cache group; this "
+                    f"model has {kv_group_count} (vLLM's hybrid KV cache manager): register the tensors in place "
+                    "(kv_buffer_device=\"cuda\") or start vLLM with --disable-hybrid-kv-cache-manager"
+                )
             self._host = HostBuffer(kv_caches)
             kv_caches = self._host.host
         elif placement == "device":
             self.device = device
         self._layer_names = list(kv_caches)
-        self.groups = describe_kv_caches(kv_caches, num_blocks)
+        self.groups = describe_kv_caches(kv_caches, num_blocks, layer_groups)
         self.layout = worker_layout(self.groups, self.settings)
         if self.settings.transfer_mode == "push_layerwise":
+            if kv_group_count > 1:
+                raise ValueError(
+                    f"push_layerwise serves one KV cache group; this model has {kv_group_count} (vLLM's hybrid KV "
+                    "cache manager): use the pull mode, or start vLLM with --disable-hybrid-kv-cache-manager"
+                )
             if len(self.groups) != 1 or len(self.groups[0].addresses) != len(kv_caches) * self.groups[0].per_layer:
                 raise ValueError(
                     "push_layerwise needs one KV tensor (or one K and one V) per layer, all of one shape and "
@@ -429,11 +295,14 @@ class WorkerSide:
         datadist = dd.LLMDataDist(role, self.cluster_id)
         datadist.init(config.generate_options())
         self._datadist = datadist
+        assert self.layout is not None
+        self._router = Router(datadist, self.layout, hello_timeout_s=self.settings.load_timeout_s,
+                              link_timeout_ms=self.settings.link_timeout_ms)
         for index, group in enumerate(self.groups):
             desc = dd.CacheDesc(
                 num_tensors=len(group.addresses),
                 shape=[group.num_blocks, *group.block_shape],
-                data_type=_TORCH_TO_DATATYPE[group.dtype],
+                data_type=DATATYPES[group.dtype],
                 placement=self._placement,
             )
             key = dd.BlocksCacheKey(self.cluster_id, _MODEL_ID_BASE + index)
@@ -508,7 +377,7 @@ class WorkerSide:
             desc = dd.CacheDesc(
                 num_tensors=len(group.addresses),
                 shape=[blocks, *group.block_shape],
-                data_type=_TORCH_TO_DATATYPE[group.dtype],
+                data_type=DATATYPES[group.dtype],
                 placement=self._placement,
             )
             key = dd.BlocksCacheKey(self.cluster_id, INBOX_MODEL_ID + index)
@@ -549,8 +418,8 @@ class WorkerSide:
         for load in loads:
             for cache_task in load.tasks:
                 cache_task.synchronize(int(self.settings.load_timeout_s * 1000) + 5000)
-        for peer in self._peers.values():
-            peer.client.close()
+        if self._router is not None:
+            self._router.close()
         if self.pusher is not None:
             await self.pusher.close()
         if self._server is not None:
@@ -564,7 +433,7 @@ class WorkerSide:
     def start_loads(self, plan: StepPlan) -> None:
         """Starts the reads the scheduler planned, and the step's saves; returns at once."""
         if plan.leases:
-            self._leases.update(plan.leases)
+            self.leases.add(plan.leases, plan.lease_tokens)
         if plan.saves:
             if self._host is not None:
                 self._host.begin_step([block for spec in plan.saves.values() for block in spec.block_ids])
@@ -574,6 +443,7 @@ class WorkerSide:
             return
         assert self._loop is not None, "register_kv_caches was not called"
         self._step += 1
+        begun: list[_Load] = []
         for spec in plan.loads.values():
             if not spec.local_block_ids:
                 # Nothing to read (a local prefix hit or an abort): only release the prefill.
@@ -582,22 +452,32 @@ class WorkerSide:
                 self._loop.call_soon_threadsafe(self._spawn_notify, spec)
                 continue
             start = time.perf_counter()
+            if spec.error:
+                self._begin(spec, None, start, error=spec.error, step=self._step)
+                continue
             state = self._inbox.state(spec.remote_engine_id, spec.remote_request_id) if self._inbox else None
             if state == COMMITTED and self._begin_local(spec, start, self._step):
                 continue
             if state == CLAIMED:
                 self._loop.call_soon_threadsafe(self._spawn_wait_commit, spec, start)
                 continue
-            self._begin_pull(spec, start, self._step)
+            load = self._begin_pull(spec, start, self._step)
+            if load is not None and load.route is not None:
+                begun.append(load)
+        if begun:
+            # One wake-up of the loop thread for the step: the claims on the
+            # prefills' leases, sent beside the reads.
+            self._loop.call_soon_threadsafe(self._spawn_holds, begun)
 
-    def _begin_pull(self, spec: LoadSpec, start: float, step: int = -1) -> None:
-        """Pulls one load from its prefill, linking first where needed (either thread)."""
-        assert self._loop is not None
-        route = self._routes.get(_instance(spec))
+    def _begin_pull(self, spec: LoadSpec, start: float, step: int = -1) -> Optional["_Load"]:
+        """Pulls one load from its prefill, linking first where needed (either
+        thread); the load if it began here, None if it waits for a link."""
+        assert self._loop is not None and self._router is not None
+        route = self._router.routes.get(_instance(spec))
         if route is not None:
-            self._begin(spec, route, start, step=step)
-        else:
-            self._loop.call_soon_threadsafe(self._spawn_link, spec, start)
+            return self._begin(spec, route, start, step=step)
+        self._loop.call_soon_threadsafe(self._spawn_link, spec, start)
+        return None
 
     def _begin_local(self, spec: LoadSpec, start: float, step: int = -1) -> bool:
         """Copies a pushed request from the inbox into its blocks; False if it is not there."""
@@ -637,45 +517,60 @@ class WorkerSide:
         if self.pusher is not None:
             self.pusher.finish_step()
 
-    def _begin(self, spec: LoadSpec, route: Optional[_Route], start: float, error: str = "",
-               step: int = -1) -> None:
-        """Starts the pulls of one load from every prefill rank it reads (or records why it could not start)."""
+    def _begin(self, spec: LoadSpec, route: Optional[Route], start: float, error: str = "",
+               step: int = -1) -> _Load:
+        """Starts the pulls of one load from every prefill rank it reads (or
+        records why it could not start); its claims are the caller's to send
+        (``_spawn_holds``)."""
         load = _Load(spec, start, start + self.settings.load_timeout_s, error=error, step=step)
         if route is not None and not error:
+            load.route = route
+            load.holds_pending = len(route.sources)
             try:
                 self._start_pulls(load, route)
             except Exception as exc:  # refused before any byte moved (a dropped link, ...)
                 load.error = f"{type(exc).__name__}: {exc}"
         with self._lock:
             self._inflight.append(load)
+        return load
 
-    def _start_pulls(self, load: _Load, route: _Route) -> None:
+    def _start_pulls(self, load: _Load, route: Route) -> None:
+        """The reads of one load: per prefill rank, per blocks cache, the blocks
+        of each vLLM KV cache group the cache's tensors serve."""
         assert self._datadist is not None
         manager = self._datadist.cache_manager
         spec, mine = load.spec, route.mine
+        kv_groups = spec.kv_groups()
+        for index, group in enumerate(self.groups):
+            if group.kv_groups[-1] >= len(kv_groups):
+                raise ValueError(f"load {spec.req_id} names {len(kv_groups)} KV cache groups; this worker's "
+                                 f"tensors serve {group.kv_groups[-1] + 1}")
         for source in route.sources:
             theirs = source.layout
             for index, (cache, group) in enumerate(zip(self._caches, self.groups)):
                 key = dd.BlocksCacheKey(source.cluster_id, _MODEL_ID_BASE + index)
-                if source.head_map.whole[index]:
-                    # The same blocks on both sides: block for block.
-                    skip = spec.first_token // theirs.block_size
-                    remote = spec.remote_block_ids[skip:skip + len(spec.local_block_ids)]
-                    if not remote:
+                for kv_group in group.kv_groups:
+                    local, remote_all, first_token = kv_groups[kv_group]
+                    if not local:
                         continue
-                    load.tasks.append(manager.pull_blocks_async(
-                        key, cache, src_blocks=remote, dst_blocks=spec.local_block_ids[:len(remote)],
-                        tensor_num_per_layer=group.per_layer,
-                    ))
-                    load.nbytes += group.block_bytes * len(remote)
-                    continue
-                rows = plan_ranges(source.head_map, index, mine, theirs, spec.remote_block_ids,
-                                   spec.local_block_ids, spec.first_token)
-                if rows is None:
-                    continue
-                load.tasks.append(manager.pull_block_ranges_async(
-                    key, cache, rows, tensor_num_per_layer=group.per_layer))
-                load.nbytes += int((rows[:, 4] * rows[:, 5]).sum()) * len(group.addresses)
+                    if source.head_map.whole[index]:
+                        # The same blocks on both sides: block for block.
+                        skip = first_token // theirs.block_size
+                        remote = remote_all[skip:skip + len(local)]
+                        if not remote:
+                            continue
+                        load.tasks.append(manager.pull_blocks_async(
+                            key, cache, src_blocks=remote, dst_blocks=local[:len(remote)],
+                            tensor_num_per_layer=group.per_layer,
+                        ))
+                        load.nbytes += group.block_bytes * len(remote)
+                        continue
+                    rows = plan_ranges(source.head_map, index, mine, theirs, remote_all, local, first_token)
+                    if rows is None:
+                        continue
+                    load.tasks.append(manager.pull_block_ranges_async(
+                        key, cache, rows, tensor_num_per_layer=group.per_layer))
+                    load.nbytes += int((rows[:, 4] * rows[:, 5]).sum()) * len(group.addresses)
 
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:
         """(prefill requests whose blocks may be freed, loads settled, loads failed).
@@ -691,7 +586,9 @@ class WorkerSide:
         settled: list[_Load] = []
         wait = self.settings.load_batch_wait_ms / 1000.0
         with self._lock:
-            done = [all(task.done() for task in load.tasks) for load in self._inflight]
+            # Done: its reads settled, and every claim answered (or it failed).
+            done = [all(task.done() for task in load.tasks) and (load.holds_pending <= 0 or bool(load.error))
+                    for load in self._inflight]
             open_steps = {load.step for load, ok in zip(self._inflight, done) if not ok and load.step >= 0}
             for load, ok in zip(self._inflight, done):
                 if ok:
@@ -707,23 +604,15 @@ class WorkerSide:
             if settled:
                 self._inflight = [load for load in self._inflight if load not in settled]
         if settled:
-            forget = [load.spec for load in settled if not self._settle(load) and not load.local]
+            forget = [load for load in settled if not self._settle(load) and not load.local and not load.stale]
             # One wake-up of the loop thread for the whole batch: the
             # releases go to the prefills, the failed peers are dropped.
             assert self._loop is not None
             self._loop.call_soon_threadsafe(self._spawn_after_settle, [load.spec for load in settled], forget)
-        now = time.monotonic()
         with self._lock:
             recving, self._finished_recving = self._finished_recving, set()
             failed, self._failed_recving = self._failed_recving, set()
-            sending = {req_id for req_id in self._leases if req_id in self._released}
-            for req_id in sending:
-                del self._released[req_id]
-            while self._released and next(iter(self._released.values())) < now:
-                self._released.popitem(last=False)  # confirmations nobody leased
-        sending.update(req_id for req_id, deadline in self._leases.items() if deadline <= now)
-        for req_id in sending:
-            self._leases.pop(req_id, None)
+        sending = self.leases.collect()
         if self.pusher is not None and sending:
             self.pusher.freed(sending)
         return sending, recving, failed
@@ -748,16 +637,21 @@ class WorkerSide:
         if not ok:
             log.warning("datadist_aio connector: load of %s from %s:%d failed: %s",
                         spec.req_id, spec.remote_host, spec.remote_port, load.error)
+        blocks = spec.all_local_blocks()
         with self._lock:
             if not ok:
-                self._invalid_blocks.update(spec.local_block_ids)
+                self._invalid_blocks.update(blocks)
                 self._failed_recving.add(spec.req_id)
             self._finished_recving.add(spec.req_id)
             self._records.append(TransferRecord(load.seen_done - load.start, load.nbytes if ok else 0,
-                                                len(spec.local_block_ids), ok))
-        if not ok and not load.local:
-            self._routes.pop(_instance(spec), None)
+                                                len(blocks), ok))
         return ok
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether the tensors serve several vLLM KV cache groups: vLLM then takes
+        a failed load by request (``failed_recving``), not by block."""
+        return any(group.kv_groups != (0,) for group in self.groups)
 
     def load_errors(self) -> set[int]:
         with self._lock:
@@ -802,24 +696,23 @@ class WorkerSide:
             req_ids, readers = message.get("req_ids"), message.get("readers", 1)
             if not isinstance(req_ids, list) or not all(isinstance(r, str) and len(r) <= 1024 for r in req_ids):
                 return {"ok": False, "error": "req_ids must be a list of strings"}
-            if type(readers) is not int or not 1 <= readers <= _MAX_READERS:
-                return {"ok": False, "error": f"readers must be an int from 1 to {_MAX_READERS}"}
-            keep_until = time.monotonic() + 600.0
-            with self._lock:
-                for req_id in req_ids[:4096]:
-                    # Each decode rank that reads the request says done once.
-                    count = self._dones.setdefault(req_id, [0, readers])
-                    count[0] += 1
-                    if count[0] < count[1]:
-                        continue
-                    del self._dones[req_id]
-                    self._released[req_id] = keep_until
-                    self._released.move_to_end(req_id)
-                while len(self._released) > _MAX_PENDING_RELEASES:
-                    self._released.popitem(last=False)
-                while len(self._dones) > _MAX_PENDING_RELEASES:
-                    self._dones.popitem(last=False)
+            if type(readers) is not int or not 1 <= readers <= MAX_READERS:
+                return {"ok": False, "error": f"readers must be an int from 1 to {MAX_READERS}"}
+            # Each decode rank that reads the request says done once.
+            self.leases.done(req_ids, readers)
             return {"ok": True}
+        if op == "hold":
+            requests, hold_s = message.get("requests"), message.get("hold_s")
+            if (not isinstance(requests, dict) or len(requests) > _MAX_IDS
+                    or not all(len(r) <= 1024 and isinstance(t, str) and len(t) <= 64 for r, t in requests.items())):
+                return {"ok": False, "error": f"requests must map at most {_MAX_IDS} request ids to lease tokens"}
+            if not isinstance(hold_s, (int, float)) or not 0 < hold_s <= 3600:
+                return {"ok": False, "error": "hold_s must be a number of seconds above 0, at most 3600"}
+            if message.get("engine_id") != self.settings.engine_id:
+                # Another instance's requests (this one restarted at the same
+                # address): none of them is held here.
+                return {"ok": True, "granted": [], "refused": list(requests)}
+            return {"ok": True, **self.leases.claim(requests, float(hold_s))}
         if op in ("share", "claim", "commit", "abort") and self._inbox is not None:
             return self._answer_inbox(op, message)
         return {"ok": False, "error": f"unknown op {op!r}"[:128]}
@@ -889,25 +782,26 @@ class WorkerSide:
         if not self._begin_local(spec, start):
             self._begin_pull(spec, start)
 
-    def _spawn_forget(self, host: str, port: int) -> None:
-        asyncio.get_running_loop().create_task(self._forget(host, port))
-
     def _spawn_notify(self, spec: LoadSpec) -> None:
         asyncio.get_running_loop().create_task(self._notify(spec))
 
-    def _spawn_after_settle(self, released: list[LoadSpec], forget: list[LoadSpec]) -> None:
-        for spec in forget:
-            for rank in range(max(1, spec.remote_tp_size)):
-                self._spawn_forget(spec.remote_host, spec.remote_port + rank)
+    def _spawn_after_settle(self, released: list[LoadSpec], forget: list[_Load]) -> None:
+        """After loads settled (loop thread): drops the links failed reads used, tells the prefills."""
+        assert self._router is not None
+        for load in forget:
+            if load.route is not None:
+                for source in load.route.sources:
+                    self._router.forget(load.spec.remote_host, source.port, source.peer)
         for spec in released:
             self._spawn_notify(spec)
 
     async def _link_then_begin(self, spec: LoadSpec, start: float) -> None:
-        """First use of a prefill instance: its route, then the pulls."""
+        """First use of a prefill instance: its route, then the pulls and their claims."""
+        assert self._router is not None
         try:
             remaining = max(0.0, start + self.settings.load_timeout_s - time.perf_counter())
             async with asyncio.timeout(remaining):
-                route = await self._route(spec)
+                route = await self._router.route(_instance(spec))
         except LayoutError as exc:
             # Found at the first hello, and again at each load's: every load fails at once.
             self._begin(spec, None, start, error=f"layout: {exc}")
@@ -915,81 +809,56 @@ class WorkerSide:
         except (Exception, TimeoutError) as exc:
             self._begin(spec, None, start, error=f"link: {type(exc).__name__}: {exc}")
             for rank in range(max(1, spec.remote_tp_size)):
-                await self._forget(spec.remote_host, spec.remote_port + rank)
+                self._router.forget(spec.remote_host, spec.remote_port + rank)
             return
-        self._begin(spec, route, start)
+        self._spawn_holds([self._begin(spec, route, start)])
 
-    async def _route(self, spec: LoadSpec) -> _Route:
-        """How to read the prefill instance of ``spec``: hello to one of its
-        ranks, the mapping of its layout onto this worker's, a link to each
-        rank it names."""
-        key = _instance(spec)
-        route = self._routes.get(key)
-        if route is not None:
-            return route
-        host, base, ranks = key
-        assert self.layout is not None
-        mine = self.layout
-        first = await self._peer(host, base + mine.tp_rank % ranks, link=False)
-        assert first.layout is not None
-        if first.layout.tp_size != ranks:
-            raise LayoutError(f"{host}:{base} announced TP size {ranks} but its rank {first.layout.tp_rank} "
-                              f"says {first.layout.tp_size}")
-        maps = map_heads(mine, first.layout)
-        sources = []
-        for rank, head_map in maps.items():
-            peer = await self._peer(host, base + rank)
-            assert peer.layout is not None
-            if peer.layout != dataclasses.replace(first.layout, tp_rank=rank):
-                raise LayoutError(f"rank {rank} of the prefill at {host}:{base} ({peer.layout.describe()}) "
-                                  f"differs from its rank {first.layout.tp_rank} ({first.layout.describe()})")
-            sources.append(_Source(base + rank, peer.cluster_id, head_map, peer.layout))
-        route = self._routes[key] = _Route(tuple(sources), mine)
-        return route
+    def _spawn_holds(self, loads: list[_Load]) -> None:
+        """Claims the leases of loads whose reads began: one message per prefill rank (loop thread)."""
+        by_rank: dict[tuple[str, int, str], list[_Load]] = {}
+        for load in loads:
+            if load.route is None:
+                continue
+            for source in load.route.sources:
+                by_rank.setdefault((load.spec.remote_host, source.port, load.spec.remote_engine_id), []).append(load)
+        loop = asyncio.get_running_loop()
+        for (host, port, _engine), group in by_rank.items():
+            task = loop.create_task(self._hold(host, port, group))
+            self._linking.add(task)
+            task.add_done_callback(self._linking.discard)
 
-    async def _peer(self, host: str, port: int, link: bool = True) -> _Peer:
-        """The peer at ``host:port`` (its side channel): its hello, then the link (on first use)."""
-        peer = self._peers.get((host, port))
-        if peer is None:
-            peer = self._peers[(host, port)] = _Peer(SideChannelClient(host, port), asyncio.Lock())
-        async with peer.lock:
-            if peer.linked or (peer.layout is not None and not link):
-                return peer
-            if peer.layout is None:
-                hello = await peer.client.request({"op": "hello"}, self.settings.load_timeout_s)
-                cluster_id, listen_port = hello.get("cluster_id"), hello.get("port")
-                if not isinstance(cluster_id, int) or not isinstance(listen_port, int):
-                    raise ValueError(f"{host}:{port} answered hello with {hello!r:.200}")
-                layout = WorkerLayout.from_wire(hello.get("layout"))
-                peer.cluster_id, peer.listen_port, peer.layout = cluster_id, listen_port, layout
-            if not link:
-                return peer
-            cluster_id, listen_port = peer.cluster_id, peer.listen_port
-            cluster = dd.LLMClusterInfo()
-            cluster.remote_cluster_id = cluster_id
-            cluster.append_local_ip_info("0.0.0.0", 0)  # any local address: the kernel picks the route
-            cluster.append_remote_ip_info(host, listen_port)
-            assert self._datadist is not None
-            datadist = self._datadist
-            status, per_cluster = await asyncio.get_running_loop().run_in_executor(
-                None, datadist.link_clusters, [cluster], self.settings.link_timeout_ms
-            )
-            if per_cluster[0] not in (dd.LLMStatusCode.LLM_SUCCESS, dd.LLMStatusCode.LLM_ALREADY_LINK):
-                raise dd.LLMException(f"link to {host}:{listen_port} failed", status_code=per_cluster[0])
-            peer.cluster, peer.linked = cluster, True
-            return peer
-
-    async def _forget(self, host: str, port: int) -> None:
-        """Drops a peer after a failure, so the next load links afresh."""
-        peer = self._peers.pop((host, port), None)
-        if peer is None:
-            return
-        peer.client.close()
-        if peer.cluster is not None and self._datadist is not None:
-            try:
-                self._datadist.unlink_clusters([peer.cluster], timeout=100, force=True)
-            except Exception as exc:  # the link may already be gone
-                log.debug("unlink after failure: %s", exc)
+    async def _hold(self, host: str, port: int, loads: list[_Load]) -> None:
+        """Claims these loads' requests on the prefill rank at ``host:port``; a
+        refused claim fails its load (the prefill no longer holds the blocks)."""
+        assert self._router is not None
+        timeout = self.settings.load_timeout_s
+        message = {
+            "op": "hold",
+            "requests": {load.spec.remote_request_id: load.spec.lease_token for load in loads},
+            "engine_id": loads[0].spec.remote_engine_id,
+            # Held past this side's own deadline, by which it has cancelled the read.
+            "hold_s": timeout + 5.0,
+        }
+        errors: list[str] = []
+        stale = False
+        try:
+            answer = await self._router.client(host, port).request(message, timeout)
+            granted = set(answer.get("granted") or ())
+            for load in loads:
+                errors.append("" if load.spec.remote_request_id in granted else
+                              f"the prefill at {host}:{port} no longer holds the blocks of request "
+                              f"{load.spec.remote_request_id} (its lease ran out, or they were freed): the read "
+                              "is not used")
+            stale = True
+        except (Exception, TimeoutError) as exc:
+            errors = [f"lease claim at {host}:{port}: {type(exc).__name__}: {exc}"] * len(loads)
+        with self._lock:
+            for load, error in zip(loads, errors):
+                load.holds_pending -= 1
+                if error and not load.error:
+                    load.error, load.stale = error, stale
+                    for task in load.tasks:
+                        task.cancel()
 
     async def _notify(self, spec: LoadSpec) -> None:
         """Tells every rank of the prefill instance that this rank is done with the request."""
@@ -1000,13 +869,14 @@ class WorkerSide:
                                for rank in range(max(1, spec.remote_tp_size))))
 
     async def _tell(self, host: str, port: int, message: dict[str, Any], spec: LoadSpec) -> None:
-        peer = self._peers.get((host, port))
-        client = peer.client if peer is not None else SideChannelClient(host, port)
+        assert self._router is not None
+        known = (host, port) in self._router.peers
+        client = self._router.client(host, port) if known else SideChannelClient(host, port)
         try:
             await client.request(message, self.settings.notify_timeout_s)
         except (Exception, TimeoutError) as exc:
             log.debug("datadist_aio connector: release of %s by %s:%d not confirmed: %s",
                       spec.remote_request_id, host, port, exc)
         finally:
-            if peer is None:
+            if not known:
                 client.close()
