@@ -104,6 +104,13 @@ def delta(after: dict[str, float], before: dict[str, float], name: str) -> float
     return after.get(name, 0.0) - before.get(name, 0.0)
 
 
+def _kv_group_kinds(llm: Any) -> list[str]:
+    """The kinds of the engine's KV cache groups (its scheduler's, in this
+    process), e.g. ``["SlidingWindowSpec", "FullAttentionSpec"]``."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    return [type(group.kv_cache_spec).__name__ for group in scheduler.kv_cache_config.kv_cache_groups]
+
+
 def _metric_values(llm: Any) -> dict[str, float]:
     """Counters and gauges by name; a histogram as its count, and ``name + "_sum"``."""
     values: dict[str, float] = {}
@@ -171,6 +178,9 @@ def _engine_main(conn: Any, model: str, kv_transfer: Optional[dict[str, Any]], e
                 return
             if command == "metrics":
                 conn.send(("ok", _metric_values(llm)))
+                continue
+            if command == "kv_groups":
+                conn.send(("ok", _kv_group_kinds(llm)))
                 continue
             assert command == "generate"
             prompts, max_tokens, params, logprobs = args
@@ -275,6 +285,10 @@ class Engine:
 
     def metrics(self) -> dict[str, float]:
         return self.call("metrics", None, 60.0)
+
+    def kv_groups(self) -> list[str]:
+        """The kinds of the instance's KV cache groups (two or more: vLLM's hybrid KV cache manager is on)."""
+        return self.call("kv_groups", None, 60.0)
 
     def stop_signal(self, timeout: float = 10.0) -> None:
         """Freezes the engine's process and returns once every one of its
