@@ -37,9 +37,13 @@ happens inside the prefill's step: ``push`` is the prefill side's histogram
 (from the step's first claim to the commit), ``transfer`` the decode side's
 copy out of the inbox, and the pushes' answers are the prefill side's.
 
-Medians per run, then the median and range over the runs of each (layout,
-phase, connector), and the ratios ours/NIXL of the medians, go to stdout and
-to ``--output`` (JSON). Needs vLLM (CPU build) and, for the comparison,
+Medians per run, the 99th percentile and maximum of the transfer and TTFT,
+the loads each connector counted failed, then the median and range over the
+runs of each (layout, phase, connector), and the ratios ours/NIXL of the
+medians, go to stdout and to ``--output`` (JSON). ``--model sliding`` runs
+the hybrid variant of the tiny Llama (sliding-window layers beside full
+attention) with vLLM's hybrid KV cache manager on: the KV bytes per request
+show what each connector moves of the sliding-window group. Needs vLLM (CPU build) and, for the comparison,
 ``pip install --no-deps nixl nixl-cu12``. The full measurement:
 
     python benchmarks/bench_vllm_pd.py --rounds 2 --requests 16 --batch 8
@@ -81,6 +85,8 @@ from vllm_pd import (  # noqa: E402
 
 METRICS = dict(XFER_METRICS)
 METRICS["push"] = METRICS["datadist"]
+FAILED = {"datadist": "vllm:datadist_aio_num_failed_transfers", "push": "vllm:datadist_aio_num_failed_transfers",
+          "nixl": "vllm:nixl_num_failed_transfers"}
 ANSWERS, ANSWERS_BY_SWEEP = "vllm:datadist_aio_answers_read", "vllm:datadist_aio_answers_read_by_sweep"
 LAYOUTS = {"kv_both": ("kv_both", "kv_both"), "producer_consumer": ("kv_producer", "kv_consumer")}
 PHASES = ("sequential", "batched")
@@ -98,7 +104,10 @@ def free_ports(count: int) -> list[int]:
 
 
 def start_pair(kind: str, layout: str, model: Path) -> tuple[Engine, Engine]:
-    """A prefill and a decode instance (policy ``recompute``), each with its own side-channel port."""
+    """A prefill and a decode instance (policy ``recompute``), each with its own side-channel port.
+
+    vLLM keeps its hybrid KV cache manager on for a hybrid model (``--model
+    sliding``) with either connector: both declare ``SupportsHMA``."""
     prefill_role, decode_role = LAYOUTS[layout]
     prefill_port, decode_port = free_ports(2)
     if kind == "datadist":
@@ -153,6 +162,7 @@ def one_batch(prefill: Engine, decode: Engine, prompts: list[list[int]], max_tok
         "ttft_s": [result["ttft"] for result in results],
         "transfers": delta(after, before, time_metric),
         "xfer_s": delta(after, before, time_metric + "_sum"),
+        "failed": delta(after, before, FAILED[kind]) if FAILED[kind] in after else 0.0,
         "bytes": delta(after, before, bytes_metric + "_sum"),
         "push_s": delta(pushed_after, pushed_before, time_metric + "_sum"),
         "answers_read": delta(after, before, ANSWERS),
@@ -169,6 +179,14 @@ def _median(values: list[float]) -> Optional[float]:
     return statistics.median(values) if values else None
 
 
+def _p99(values: list[float]) -> Optional[float]:
+    """The 99th percentile (nearest rank); the maximum below 100 values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, -(-99 * len(ordered) // 100) - 1)]
+
+
 def summarize_phase(rows: list[dict[str, Any]], reference: list[list[int]], kind: str) -> dict[str, Any]:
     """Medians over one phase of one run; a row is one request or one batch.
 
@@ -183,6 +201,9 @@ def summarize_phase(rows: list[dict[str, Any]], reference: list[list[int]], kind
     def per_request(key: str, chosen: list[dict[str, Any]]) -> Optional[float]:
         return _median([row[key] / row["size"] for row in chosen])
 
+    # A row of one request gives that request's own transfer; a batch's is its mean.
+    xfers = [row["xfer_s"] / row["size"] for row in measured]
+
     def ms(value: Optional[float]) -> Optional[float]:
         return value * 1e3 if value is not None else None
 
@@ -191,9 +212,14 @@ def summarize_phase(rows: list[dict[str, Any]], reference: list[list[int]], kind
         "requests": len(got),
         "measured": sum(row["size"] for row in measured),
         "median_xfer_ms": ms(per_request("xfer_s", measured)),
+        "p99_xfer_ms": ms(_p99(xfers)),
+        "max_xfer_ms": ms(max(xfers) if xfers else None),
+        "failed_loads": sum(row["failed"] for row in rows),
         "median_push_ms": ms(per_request("push_s", measured)) if kind == "push" else None,
         "median_bytes": per_request("bytes", measured),
         "median_ttft_ms": ms(_median(ttfts)),
+        "p99_ttft_ms": ms(_p99(ttfts)),
+        "max_ttft_ms": ms(max(ttfts) if ttfts else None),
         "median_prefill_ms": ms(per_request("prefill_wall_s", rows)),
         "median_wall_ms": ms(per_request("wall_s", rows)),
         "answers_read": sum(row["answers_read"] for row in rows),
@@ -253,6 +279,9 @@ def main() -> None:
     parser.add_argument("--connectors", default="datadist,nixl", help="of datadist (the pull), push, nixl")
     parser.add_argument("--output", type=Path, default=Path("build/bench-vllm-pd.json"))
     parser.add_argument("--shapes", default="", help="then bench_vllm_shapes.py for these shapes ('all': every one)")
+    parser.add_argument("--model", choices=("llama", "sliding"), default="llama",
+                        help="the tiny Llama, or its hybrid variant (sliding-window layers beside full attention: "
+                             "two KV cache groups, vLLM's hybrid KV cache manager on)")
     args = parser.parse_args()
 
     def listed(text: str, known: Any, what: str) -> list[str]:
@@ -267,6 +296,8 @@ def main() -> None:
     kinds = listed(args.connectors, ("datadist", "push", "nixl"), "--connectors")
     if args.requests < 1 or args.batch < 1 or args.rounds < 1:
         parser.error("--rounds, --requests and --batch must be at least 1")
+    if args.model == "sliding" and "push" in kinds:
+        parser.error("push_layerwise serves one KV cache group; the sliding model has two")
     if "nixl" in kinds and importlib.util.find_spec("nixl") is None:
         print("nixl is not installed: pip install --no-deps nixl nixl-cu12; measuring ours alone")
         kinds = [k for k in kinds if k != "nixl"]
@@ -290,7 +321,7 @@ def main() -> None:
     started = time.monotonic()
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        model = model_dir(Path(tmp))
+        model = model_dir(Path(tmp), args.model)
         single = Engine(model)
         try:
             everything = prompts["sequential"] + prompts["batched"]
@@ -324,8 +355,11 @@ def main() -> None:
                             f"round {round_index + 1} {layout:17s} {result['phase']:10s} {kind:8s}"
                             f" exact={result['exact']} measured={result['measured']}/{result['requests']}"
                             f" xfer={_fmt(result['median_xfer_ms'], 2)} ms"
+                            f" (p99 {_fmt(result['p99_xfer_ms'], 2)}, max {_fmt(result['max_xfer_ms'], 2)})"
                             + (f" push={_fmt(result['median_push_ms'], 2)} ms" if kind == "push" else "")
                             + f" ttft={_fmt(result['median_ttft_ms'], 1)} ms"
+                            f" (p99 {_fmt(result['p99_ttft_ms'], 1)}, max {_fmt(result['max_ttft_ms'], 1)})"
+                            f" failed={result['failed_loads']:.0f}"
                             f" prefill={_fmt(result['median_prefill_ms'], 1)} ms/req"
                             f" wall={_fmt(result['median_wall_ms'], 1)} ms/req"
                             f" kv={_fmt(kv / 2**20 if kv is not None else None, 2)} MiB" + answers,
@@ -335,7 +369,8 @@ def main() -> None:
 
     print(f"\nMedians per run; median (range) over the runs. {elapsed:.0f} s in all.")
     header = (f"{'layout':17s}  {'phase':10s}  {'connector':9s}  runs  {'transfer ms/req':20s}  {'push ms/req':18s}"
-              f"  {'TTFT ms':20s}  {'wall ms/req':22s}  exact  answers read / by sweep (decode)")
+              f"  {'TTFT ms':20s}  {'wall ms/req':22s}  exact  {'max xfer':8s}  {'max TTFT':8s}  failed  "
+              "KV MiB/req  answers read / by sweep (decode)")
     print(header)
     summary: dict[str, dict[str, dict[str, Any]]] = {}
     ratios: dict[str, dict[str, dict[str, Any]]] = {}
@@ -351,6 +386,11 @@ def main() -> None:
                     "xfer_ms": _agg([r["median_xfer_ms"] for r in mine]),
                     "push_ms": _agg([r["median_push_ms"] for r in mine]) if kind == "push" else None,
                     "ttft_ms": _agg([r["median_ttft_ms"] for r in mine]),
+                    "max_xfer_ms": max((r["max_xfer_ms"] for r in mine if r["max_xfer_ms"] is not None), default=None),
+                    "p99_xfer_ms": _agg([r["p99_xfer_ms"] for r in mine]),
+                    "max_ttft_ms": max((r["max_ttft_ms"] for r in mine if r["max_ttft_ms"] is not None), default=None),
+                    "p99_ttft_ms": _agg([r["p99_ttft_ms"] for r in mine]),
+                    "failed_loads": sum(r["failed_loads"] for r in mine),
                     "prefill_ms": _agg([r["median_prefill_ms"] for r in mine]),
                     "wall_ms": _agg([r["median_wall_ms"] for r in mine]),
                     "bytes": _agg([r["median_bytes"] for r in mine]),
@@ -365,7 +405,10 @@ def main() -> None:
                                        zip(entry["answers_read"], entry["answers_read_by_sweep"]))
                 print(f"{layout:17s}  {phase:10s}  {kind:9s}  {len(mine):4d}  {_fmt_agg(entry['xfer_ms'], 2):20s}"
                       f"  {_fmt_agg(entry['push_ms'], 2):18s}  {_fmt_agg(entry['ttft_ms'], 1):20s}"
-                      f"  {_fmt_agg(entry['wall_ms'], 1):22s}  {str(entry['exact']):5s}  {answers}")
+                      f"  {_fmt_agg(entry['wall_ms'], 1):22s}  {str(entry['exact']):5s}"
+                      f"  {_fmt(entry['max_xfer_ms'], 2):8s}  {_fmt(entry['max_ttft_ms'], 1):8s}"
+                      f"  {entry['failed_loads']:6.0f}"
+                      f"  {_fmt(entry['bytes'][0] / 2**20 if entry['bytes'] else None, 3):10s}  {answers}")
             summary.setdefault(layout, {})[phase] = cell
             if "nixl" in cell:
                 for kind in OURS:
