@@ -19,7 +19,7 @@ import os
 import signal
 import socket
 import time
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import pytest
@@ -385,6 +385,7 @@ class _Pull:
 
     def __init__(self) -> None:
         self.finished = False
+        self.completed_at: Optional[float] = None  # as the engine stamps a CacheTask
 
     def done(self) -> bool:
         return self.finished
@@ -407,12 +408,12 @@ def _held_side(wait_ms: float) -> tuple[WorkerSide, Any]:
     return side, loop
 
 
-def _in_flight(side: WorkerSide, req: str, step: int, error: str = "") -> _Pull:
+def _in_flight(side: WorkerSide, req: str, step: int, error: str = "", start: Optional[float] = None) -> _Pull:
     from datadist_aio.integrations.vllm.worker import _Load
 
     pull = _Pull()
     spec = LoadSpec(req, [1], [2], "prefill", "127.0.0.1", 1, "p-" + req)
-    now = time.perf_counter()
+    now = time.perf_counter() if start is None else start
     # A load refused before it started has no task, only its error.
     side._inflight.append(_Load(spec, now, now + 60, tasks=[] if error else [pull], error=error, step=step))
     return pull
@@ -438,17 +439,23 @@ def test_loads_of_one_step_reach_vllm_together() -> None:
 def test_a_held_load_goes_when_the_wait_is_over() -> None:
     side, loop = _held_side(wait_ms=50)
     try:
-        a, _b = _in_flight(side, "a", 1), _in_flight(side, "b", 1)
+        start = time.perf_counter() - 1.0  # begun a second ago...
+        a, _b = _in_flight(side, "a", 1, start=start), _in_flight(side, "b", 1)
         _in_flight(side, "f", 1, error="link: refused")
         a.finished = True
+        a.completed_at = start + 0.25  # ...and completed by the engine 0.25 s after
         # A failed load is never held; a finished one only up to the wait.
+        first_look = time.perf_counter()
         assert side.get_finished()[1:] == ({"f"}, {"f"})
+        looked = time.perf_counter()
         assert side.get_finished()[1] == set()
         time.sleep(0.06)
         assert side.get_finished()[1] == {"a"}
-        # Its transfer ended when it was first found done, not when the hold let it go.
+        # Its transfer ended when the engine completed it; vLLM first saw it
+        # done at the first look, not when the hold let it go.
         (record,) = [r for r in side.take_records() if r.ok]
-        assert record.seconds < 0.03, record
+        assert record.seconds == pytest.approx(0.25, abs=1e-9), record
+        assert first_look - start <= record.seen_seconds <= looked - start, record
     finally:
         loop.close()
 

@@ -100,7 +100,15 @@ class DatadistAioPromMetrics(KVConnectorPromMetrics):
         histogram, counter = self._histogram_cls, self._counter_cls
         self._xfer_time = self._per_engine(histogram(
             name="vllm:datadist_aio_xfer_time_seconds",
-            documentation="Time of each request's KV load through datadist_aio, from start to settled.",
+            documentation="Time of each request's KV load through datadist_aio, from its start until the engine "
+            "completed it.",
+            buckets=time_buckets,
+            labelnames=labelnames,
+        ))
+        self._seen_time = self._per_engine(histogram(
+            name="vllm:datadist_aio_load_seen_seconds",
+            documentation="Time from each request's KV load start until vLLM's step found it done (the transfer "
+            "and the wait for that step).",
             buckets=time_buckets,
             labelnames=labelnames,
         ))
@@ -138,6 +146,8 @@ class DatadistAioPromMetrics(KVConnectorPromMetrics):
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for seconds in transfer_stats_data.get("transfer_duration", ()):
             self._xfer_time[engine_idx].observe(seconds)
+        for seconds in transfer_stats_data.get("seen_duration", ()):
+            self._seen_time[engine_idx].observe(seconds)
         for nbytes in transfer_stats_data.get("bytes_transferred", ()):
             self._bytes[engine_idx].observe(nbytes)
         if transfer_stats_data.get("num_successful_transfers"):

@@ -77,6 +77,21 @@ _MAX_IDS = 4096
 TRANSFER_MODES = ("pull", "push_layerwise")
 
 
+def _completed(load: "_Load") -> float:
+    """When the engine completed the load's last operation (``CacheTask.completed_at``,
+    on ``time.perf_counter``'s clock); when vLLM's step first found it done
+    where the tasks do not say."""
+    stamps: list[float] = []
+    for task in load.tasks:
+        stamp = getattr(task, "completed_at", None)
+        if not isinstance(stamp, float):
+            return load.seen_done
+        stamps.append(stamp)
+    if not stamps:
+        return load.seen_done
+    return max(min(max(stamps), load.seen_done), load.start)
+
+
 def _instance(spec: LoadSpec) -> tuple[str, int, int]:
     """The prefill instance a load reads: host, base side-channel port (its rank 0's), TP size."""
     return instance_of(spec.remote_host, spec.remote_port, spec.remote_tp_size)
@@ -643,8 +658,9 @@ class WorkerSide:
                 self._invalid_blocks.update(blocks)
                 self._failed_recving.add(spec.req_id)
             self._finished_recving.add(spec.req_id)
-            self._records.append(TransferRecord(load.seen_done - load.start, load.nbytes if ok else 0,
-                                                len(blocks), ok))
+            seen = load.seen_done - load.start
+            self._records.append(TransferRecord(_completed(load) - load.start if ok else seen,
+                                                load.nbytes if ok else 0, len(blocks), ok, seen))
         return ok
 
     @property
