@@ -38,7 +38,8 @@ happens inside the prefill's step: ``push`` is the prefill side's histogram
 copy out of the inbox, and the pushes' answers are the prefill side's.
 
 Medians per run, the 99th percentile and maximum of the transfer and TTFT,
-the loads each connector counted failed, then the median and range over the
+the loads each connector counted failed, the first request of each pair of
+instances (the first warm-up: its link and handshake), then the median and range over the
 runs of each (layout, phase, connector), and the ratios ours/NIXL of the
 medians, go to stdout and to ``--output`` (JSON). ``--model sliding`` runs
 the hybrid variant of the tiny Llama (sliding-window layers beside full
@@ -237,14 +238,20 @@ def run_pair(kind: str, layout: str, model: Path, phases: dict[str, tuple[list[l
     """One fresh pair serving every phase: (groups of prompts, reference tokens) by phase."""
     prefill, decode = start_pair(kind, layout, model)
     try:
+        first: Optional[dict[str, Any]] = None
         for prompt in prompts_of_lengths([100] * args.warmup, seed=99):
-            one_batch(prefill, decode, [prompt], args.max_tokens, kind)
+            row = one_batch(prefill, decode, [prompt], args.max_tokens, kind)
+            first = first or row
         if "batched" in phases:
             one_batch(prefill, decode, prompts_of_lengths([100] * args.batch, seed=98), args.max_tokens, kind)
         results = []
         for phase, (groups, reference) in phases.items():
             rows = [one_batch(prefill, decode, group, args.max_tokens, kind) for group in groups]
             results.append({"layout": layout, "phase": phase, "kind": kind, **summarize_phase(rows, reference, kind)})
+        # The instance pair's first request (the first warm-up): its link, handshake and first load.
+        for result in results:
+            result["first_xfer_ms"] = first["xfer_s"] * 1e3 if first and first["transfers"] else None
+            result["first_ttft_ms"] = first["ttft_s"][0] * 1e3 if first and first["ttft_s"][0] is not None else None
         return results
     finally:
         decode.close()
@@ -360,6 +367,8 @@ def main() -> None:
                             + f" ttft={_fmt(result['median_ttft_ms'], 1)} ms"
                             f" (p99 {_fmt(result['p99_ttft_ms'], 1)}, max {_fmt(result['max_ttft_ms'], 1)})"
                             f" failed={result['failed_loads']:.0f}"
+                            f" first request: xfer={_fmt(result['first_xfer_ms'], 2)} ms"
+                            f" ttft={_fmt(result['first_ttft_ms'], 1)} ms"
                             f" prefill={_fmt(result['median_prefill_ms'], 1)} ms/req"
                             f" wall={_fmt(result['median_wall_ms'], 1)} ms/req"
                             f" kv={_fmt(kv / 2**20 if kv is not None else None, 2)} MiB" + answers,
@@ -391,6 +400,8 @@ def main() -> None:
                     "max_ttft_ms": max((r["max_ttft_ms"] for r in mine if r["max_ttft_ms"] is not None), default=None),
                     "p99_ttft_ms": _agg([r["p99_ttft_ms"] for r in mine]),
                     "failed_loads": sum(r["failed_loads"] for r in mine),
+                    "first_xfer_ms": _agg([r.get("first_xfer_ms") for r in mine]),
+                    "first_ttft_ms": _agg([r.get("first_ttft_ms") for r in mine]),
                     "prefill_ms": _agg([r["median_prefill_ms"] for r in mine]),
                     "wall_ms": _agg([r["median_wall_ms"] for r in mine]),
                     "bytes": _agg([r["median_bytes"] for r in mine]),

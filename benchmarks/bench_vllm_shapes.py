@@ -20,8 +20,9 @@ odd rounds):
 
     python benchmarks/bench_vllm_shapes.py --rounds 2
 
-Prints a table of medians per run and median (range) over the runs, and
-writes everything to ``--output`` (JSON).
+Prints a table of medians per run and median (range) over the runs, the
+largest transfer and TTFT of any request and the loads counted failed, and
+writes everything (with each run's 99th percentiles) to ``--output`` (JSON).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ SHAPES = {
     "block32_into_block64": ({"block_size": 32}, {"block_size": 64}),
 }
 METRICS = XFER_METRICS
+FAILED = {"datadist": "vllm:datadist_aio_num_failed_transfers", "nixl": "vllm:nixl_num_failed_transfers"}
 NEAR_TIE = 0.05
 
 
@@ -104,6 +106,7 @@ def one_pass(prefill: Engine, decode: Engine, prompts: list[list[int]], max_toke
             "transfers": delta(after, before, time_metric),
             "xfer_s": delta(after, before, time_metric + "_sum"),
             "bytes": delta(after, before, bytes_metric + "_sum"),
+            "failed": delta(after, before, FAILED[kind]) if FAILED[kind] in after else 0.0,
         })
     return {"rows": rows}
 
@@ -137,7 +140,15 @@ def run_one(kind: str, shape: str, model: Path, prompts: list[list[int]], max_to
     ms = [row["xfer_s"] / row["transfers"] * 1e3 for row in rows if row["transfers"] > 0]
     ttft = [row["ttft_s"] * 1e3 for row in rows if row["ttft_s"] is not None]
     verdicts = [row["verdict"] for row in rows] + [row["verdict"] for row in second["rows"]]
+    both = rows + second["rows"]
+    all_ms = [row["xfer_s"] / row["transfers"] * 1e3 for row in both if row["transfers"] > 0]
+    all_ttft = [row["ttft_s"] * 1e3 for row in both if row["ttft_s"] is not None]
     return {
+        "max_xfer_ms": max(all_ms) if all_ms else None,
+        "p99_xfer_ms": _p99(all_ms),
+        "max_ttft_ms": max(all_ttft) if all_ttft else None,
+        "p99_ttft_ms": _p99(all_ttft),
+        "failed_loads": sum(row["failed"] for row in both),
         "kind": kind,
         "shape": shape,
         "median_xfer_ms": statistics.median(ms) if ms else None,
@@ -151,6 +162,14 @@ def run_one(kind: str, shape: str, model: Path, prompts: list[list[int]], max_to
         "first": rows,
         "second": second["rows"],
     }
+
+
+def _p99(values: list[float]) -> Optional[float]:
+    """The 99th percentile (nearest rank); the maximum below 100 values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, -(-99 * len(ordered) // 100) - 1)]
 
 
 def _range(values: list[Optional[float]]) -> str:
@@ -189,11 +208,12 @@ def main() -> None:
                     print(f"round {round_index + 1} {shape:21s} {kind:8s} xfer={result['median_xfer_ms']} ms "
                           f"ttft={result['median_ttft_ms']} ms exact={result['exact']} near_tie={result['near_tie']} "
                           f"wrong={result['wrong']} bytes={result['bytes_first']:.0f}/{result['bytes_second']:.0f} "
-                          f"control={result['control']}", flush=True)
+                          f"control={result['control']} max xfer={result['max_xfer_ms']} ms "
+                          f"max ttft={result['max_ttft_ms']} ms failed={result['failed_loads']:.0f}", flush=True)
                 results.append({"round": round_index + 1, **result})
     print(f"\nMedian (range) over runs; {time.monotonic() - started:.0f} s in all.")
     print(f"{'shape':21s}  {'connector':9s}  {'transfer ms/req':20s}  {'TTFT ms':20s}  exact/tie/wrong  "
-          "bytes 2nd/1st  control")
+          "bytes 2nd/1st  control  max xfer ms  max TTFT ms  failed")
     for shape in args.shapes.split(","):
         for kind in kinds:
             runs = [r for r in results if r["shape"] == shape and r["kind"] == kind and "error" not in r]
@@ -204,7 +224,9 @@ def main() -> None:
             shares = [r["bytes_second"] / r["bytes_first"] for r in runs if r["bytes_first"]]
             print(f"{shape:21s}  {kind:9s}  {_range([r['median_xfer_ms'] for r in runs]):20s}  "
                   f"{_range([r['median_ttft_ms'] for r in runs]):20s}  {counts:15s}  "
-                  f"{_range(shares):13s}  {all(r['control'] for r in runs)}")
+                  f"{_range(shares):13s}  {str(all(r['control'] for r in runs)):7s}  "
+                  f"{max(r['max_xfer_ms'] or 0 for r in runs):11.2f}  {max(r['max_ttft_ms'] or 0 for r in runs):11.1f}  "
+                  f"{sum(r['failed_loads'] for r in runs):6.0f}")
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps({"command": sys.argv, "results": results}, indent=1))
     print(f"\nwrote {args.output}")
