@@ -91,6 +91,16 @@ def run_layout(pair: dict[str, Engine]) -> None:
     check_outputs(got, reference)
     assert delta(after, before, FAILED) == 0
     assert delta(after, before, XFERS) >= len(prompts), "every prompt's KV was read through the connector"
+    # Those four were the pair's first: every decode rank linked to every
+    # prefill rank it reads while the others' loads waited for the same
+    # links. Now eight more at once on the links made, none may fail.
+    more = prompts_of_lengths([40, 90, 150, 260, 410, 520, 700, 950], seed=9)
+    more_reference = reference_engine.generate(more, MAX_TOKENS, logprobs=5)["results"]
+    params = [r["kv_transfer_params"] for r in
+              prefill.generate(more, 1, [{"do_remote_decode": True}] * len(more))["results"]]
+    before = decode.metrics()
+    check_outputs([r["tokens"] for r in decode.generate(more, MAX_TOKENS, params)["results"]], more_reference)
+    assert delta(decode.metrics(), before, FAILED) == 0
     # The control: prompt a's tokens with prompt b's KV give b's output.
     a, b = prompts_of_lengths([300, 300], seed=6)
     a[-1] = b[-1]  # the decode computes the last token itself
