@@ -72,10 +72,12 @@ def _prefill(conn: Any, lease_s: float) -> None:
             if conn.poll(0.05):
                 command, value = conn.recv()
                 if command == "lease":
-                    # Request ids, or (request id, lease token) pairs.
-                    pairs = [item if isinstance(item, tuple) else (item, "") for item in value]
-                    side.start_loads(StepPlan(leases={req: time.monotonic() + lease_s for req, _ in pairs},
-                                              lease_tokens=dict(pairs)))
+                    # Request ids, or (request id, lease token[, lease seconds]).
+                    items = [item if isinstance(item, tuple) else (item, "") for item in value]
+                    now = time.monotonic()
+                    side.start_loads(StepPlan(
+                        leases={item[0]: now + (item[2] if len(item) > 2 else lease_s) for item in items},
+                        lease_tokens={item[0]: item[1] for item in items}))
                     conn.send("ok")
                 elif command == "stop":
                     break
@@ -297,7 +299,7 @@ def test_a_read_after_the_lease_ran_out_fails_and_names_why(ctx: Any) -> None:
         conn.send(("lease", [("p-old", "t-old")]))
         assert conn.poll(10) and conn.recv() == "ok"
         assert _freed(conn, {"p-old"}) == {"p-old"}, "the lease did not run out"
-        conn.send(("lease", [("p-new", "t-new")]))
+        conn.send(("lease", [("p-new", "t-new", 60.0)]))
         assert conn.poll(10) and conn.recv() == "ok"
         specs = [("old", [1, 2], [3, 4], "t-old"), ("new", [5], [6], "t-new")]
         result = _run_decode(ctx, port, specs, timeout_s=5.0)
