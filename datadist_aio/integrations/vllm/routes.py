@@ -25,6 +25,7 @@ from typing import Optional
 
 import datadist_aio as dd
 
+from .claims import ClaimChannel
 from .layout import HeadMap, LayoutError, WorkerLayout, map_heads
 from .side_channel import SideChannelClient
 
@@ -51,6 +52,8 @@ class Peer:
     layout: Optional[WorkerLayout] = None
     cluster: Optional[dd.LLMClusterInfo] = None
     linked: bool = False
+    # Where the reads' lease claims go (claims.py), opened with the link.
+    claims: Optional[ClaimChannel] = None
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,9 @@ class Router:
             if not link:
                 return peer
             await self._link(peer, host)
+            if peer.claims is None:
+                peer.claims = await asyncio.get_running_loop().run_in_executor(
+                    None, ClaimChannel, host, port, self._hello_timeout_s)
             return peer
 
     async def _link(self, peer: Peer, host: str) -> None:
@@ -185,6 +191,8 @@ class Router:
             if any(source.peer is peer for source in route.sources):
                 del self.routes[key]
         peer.client.close()
+        if peer.claims is not None:
+            peer.claims.close()
         if peer.cluster is not None:
             try:
                 self._datadist.unlink_clusters([peer.cluster], timeout=100, force=True)
@@ -194,3 +202,11 @@ class Router:
     def close(self) -> None:
         for peer in self.peers.values():
             peer.client.close()
+            if peer.claims is not None:
+                peer.claims.close()
+
+    def poll_claims(self) -> None:
+        """Reads the claims' answers that have come (any thread; never blocks)."""
+        for peer in list(self.peers.values()):
+            if peer.claims is not None:
+                peer.claims.poll()

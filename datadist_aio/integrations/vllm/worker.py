@@ -480,9 +480,9 @@ class WorkerSide:
             if load is not None and load.route is not None:
                 begun.append(load)
         if begun:
-            # One wake-up of the loop thread for the step: the claims on the
-            # prefills' leases, sent beside the reads.
-            self._loop.call_soon_threadsafe(self._spawn_holds, begun)
+            # The claims on the prefills' leases, sent beside the reads: one
+            # message per prefill rank for the step.
+            self._send_claims(begun)
 
     def _begin_pull(self, spec: LoadSpec, start: float, step: int = -1) -> Optional["_Load"]:
         """Pulls one load from its prefill, linking first where needed (either
@@ -536,7 +536,7 @@ class WorkerSide:
                step: int = -1) -> _Load:
         """Starts the pulls of one load from every prefill rank it reads (or
         records why it could not start); its claims are the caller's to send
-        (``_spawn_holds``)."""
+        (``_send_claims``)."""
         load = _Load(spec, start, start + self.settings.load_timeout_s, error=error, step=step)
         if route is not None and not error:
             load.route = route
@@ -600,6 +600,8 @@ class WorkerSide:
         now = time.perf_counter()
         settled: list[_Load] = []
         wait = self.settings.load_batch_wait_ms / 1000.0
+        if self._router is not None:
+            self._router.poll_claims()
         with self._lock:
             # Done: its reads settled, and every claim answered (or it failed).
             done = [all(task.done() for task in load.tasks) and (load.holds_pending <= 0 or bool(load.error))
@@ -827,54 +829,42 @@ class WorkerSide:
             for rank in range(max(1, spec.remote_tp_size)):
                 self._router.forget(spec.remote_host, spec.remote_port + rank)
             return
-        self._spawn_holds([self._begin(spec, route, start)])
+        self._send_claims([self._begin(spec, route, start)])
 
-    def _spawn_holds(self, loads: list[_Load]) -> None:
-        """Claims the leases of loads whose reads began: one message per prefill rank (loop thread)."""
-        by_rank: dict[tuple[str, int, str], list[_Load]] = {}
+    def _send_claims(self, loads: list[_Load]) -> None:
+        """Claims the leases of loads whose reads began: one message per prefill
+        rank (either thread; the answers are read by ``get_finished``)."""
+        by_peer: dict[int, tuple[Any, list[_Load]]] = {}
         for load in loads:
             if load.route is None:
                 continue
             for source in load.route.sources:
-                by_rank.setdefault((load.spec.remote_host, source.port, load.spec.remote_engine_id), []).append(load)
-        loop = asyncio.get_running_loop()
-        for (host, port, _engine), group in by_rank.items():
-            task = loop.create_task(self._hold(host, port, group))
-            self._linking.add(task)
-            task.add_done_callback(self._linking.discard)
-
-    async def _hold(self, host: str, port: int, loads: list[_Load]) -> None:
-        """Claims these loads' requests on the prefill rank at ``host:port``; a
-        refused claim fails its load (the prefill no longer holds the blocks)."""
-        assert self._router is not None
+                by_peer.setdefault(id(source.peer), (source.peer, []))[1].append(load)
         timeout = self.settings.load_timeout_s
-        message = {
-            "op": "hold",
-            "requests": {load.spec.remote_request_id: load.spec.lease_token for load in loads},
-            "engine_id": loads[0].spec.remote_engine_id,
-            # Held past this side's own deadline, by which it has cancelled the read.
-            "hold_s": timeout + 5.0,
-        }
-        errors: list[str] = []
-        stale = False
-        try:
-            answer = await self._router.client(host, port).request(message, timeout)
-            granted = set(answer.get("granted") or ())
-            for load in loads:
-                errors.append("" if load.spec.remote_request_id in granted else
-                              f"the prefill at {host}:{port} no longer holds the blocks of request "
-                              f"{load.spec.remote_request_id} (its lease ran out, or they were freed): the read "
-                              "is not used")
-            stale = True
-        except (Exception, TimeoutError) as exc:
-            errors = [f"lease claim at {host}:{port}: {type(exc).__name__}: {exc}"] * len(loads)
-        with self._lock:
-            for load, error in zip(loads, errors):
+        for peer, group in by_peer.values():
+            items = [(load.spec.remote_request_id, self._claim_settler(load)) for load in group]
+            if peer.claims is None:
+                for _req_id, settle in items:
+                    settle("no lease claim channel to the prefill", False)
+                continue
+            peer.claims.send({
+                "op": "hold",
+                "requests": {load.spec.remote_request_id: load.spec.lease_token for load in group},
+                "engine_id": group[0].spec.remote_engine_id,
+                # Held past this side's own deadline, by which it has cancelled the read.
+                "hold_s": timeout + 5.0,
+            }, items)
+
+    def _claim_settler(self, load: _Load) -> Callable[[str, bool], None]:
+        def settle(why: str, refused: bool) -> None:
+            with self._lock:
                 load.holds_pending -= 1
-                if error and not load.error:
-                    load.error, load.stale = error, stale
+                if why and not load.error:
+                    # A refusal says nothing against the link; no answer does.
+                    load.error, load.stale = why, refused
                     for task in load.tasks:
                         task.cancel()
+        return settle
 
     async def _notify(self, spec: LoadSpec) -> None:
         """Tells every rank of the prefill instance that this rank is done with the request."""
