@@ -411,13 +411,13 @@ def _held_side(wait_ms: float) -> tuple[WorkerSide, Any]:
 
 
 def _in_flight(side: WorkerSide, req: str, step: int, error: str = "", start: Optional[float] = None) -> _Pull:
-    from datadist_aio.integrations.vllm.worker import _Load
+    from datadist_aio.integrations.vllm.loads import Load
 
     pull = _Pull()
     spec = LoadSpec(req, [1], [2], "prefill", "127.0.0.1", 1, "p-" + req)
     now = time.perf_counter() if start is None else start
     # A load refused before it started has no task, only its error.
-    side._inflight.append(_Load(spec, now, now + 60, tasks=[] if error else [pull], error=error, step=step))
+    side._inflight.append(Load(spec, now, now + 60, tasks=[] if error else [pull], error=error, step=step))
     return pull
 
 

@@ -52,16 +52,18 @@ import os
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import datadist_aio as dd
 
+from .answers import SideChannelAnswers
 from .groups import DATATYPES, CacheGroup, describe_kv_caches, worker_layout
 from .host_buffer import HostBuffer, kv_placement
 from .inbox import CLAIMED, COMMITTED, Inbox
-from .layout import LayoutError, WorkerLayout, plan_ranges
-from .leases import MAX_READERS, Leases
+from .layout import LayoutError, WorkerLayout
+from .leases import Leases
+from .loads import Load, completed_at, start_pulls
 from .metadata import LoadSpec, StepPlan
 from .push import INBOX_MODEL_ID, Pusher, PushSettings
 from .routes import Route, Router, instance_of
@@ -73,23 +75,7 @@ __all__ = ["CacheGroup", "WorkerSettings", "WorkerSide", "cluster_id_for", "desc
 log = logging.getLogger(__name__)
 
 _MODEL_ID_BASE = 0
-_MAX_IDS = 4096
 TRANSFER_MODES = ("pull", "push_layerwise")
-
-
-def _completed(load: "_Load") -> float:
-    """When the engine completed the load's last operation (``CacheTask.completed_at``,
-    on ``time.perf_counter``'s clock); when vLLM's step first found it done
-    where the tasks do not say."""
-    stamps: list[float] = []
-    for task in load.tasks:
-        stamp = getattr(task, "completed_at", None)
-        if not isinstance(stamp, float):
-            return load.seen_done
-        stamps.append(stamp)
-    if not stamps:
-        return load.seen_done
-    return max(min(max(stamps), load.seen_done), load.start)
 
 
 def _instance(spec: LoadSpec) -> tuple[str, int, int]:
@@ -161,31 +147,6 @@ class WorkerSettings:
         return self.transfer_mode == "push_layerwise" and self.is_producer and self.push_port > 0
 
 
-@dataclass
-class _Load:
-    """A read in flight; ``tasks`` empty with ``error`` set: it failed before starting."""
-
-    spec: LoadSpec
-    start: float
-    deadline: float
-    tasks: list[dd.CacheTask] = field(default_factory=list)
-    nbytes: int = 0
-    error: str = ""
-    cancelled: bool = False
-    local: bool = False  # copied from the inbox, not pulled
-    step: int = -1  # the start_loads call that began it; -1: begun later, on the loop thread
-    # When get_finished first found it done: the end of its transfer, also
-    # while it is held for the rest of its step.
-    seen_done: float = 0.0
-    # Pulls: the route read, and the prefill ranks whose claim on the
-    # request's lease has not been answered yet (guarded by the side's lock);
-    # stale: a claim was refused (the prefill freed the blocks), which says
-    # nothing against the link.
-    route: Optional[Route] = None
-    holds_pending: int = 0
-    stale: bool = False
-
-
 class WorkerSide:
     """Worker-side state of one ``DatadistAioConnector``.
 
@@ -217,7 +178,7 @@ class WorkerSide:
         self._failed_recving: set[str] = set()
         self._invalid_blocks: set[int] = set()
         self._records: list[TransferRecord] = []
-        self._inflight: list[_Load] = []
+        self._inflight: list[Load] = []
         self._step = 0  # start_loads calls that began loads
         # vLLM's worker thread only.
         self._answers = AnswerCounter()
@@ -341,7 +302,11 @@ class WorkerSide:
                 record_event=self._record_event() if self.device is not None else None,
             )
         if self.settings.is_producer or self.settings.lends_inbox:
-            self._server = SideChannelServer(self._answer)
+            answers = SideChannelAnswers(
+                engine_id=self.settings.engine_id, cluster_id=self.cluster_id,
+                listen_port=lambda: datadist.listen_port, layout=self.layout,
+                group_layouts=[group.layout() for group in self.groups], leases=self.leases, inbox=self._inbox)
+            self._server = SideChannelServer(answers)
             self.side_channel_port = await self._listen(self._server)
 
     async def _listen(self, server: SideChannelServer) -> int:
@@ -458,7 +423,7 @@ class WorkerSide:
             return
         assert self._loop is not None, "register_kv_caches was not called"
         self._step += 1
-        begun: list[_Load] = []
+        begun: list[Load] = []
         for spec in plan.loads.values():
             if not spec.local_block_ids:
                 # Nothing to read (a local prefix hit or an abort): only release the prefill.
@@ -484,7 +449,7 @@ class WorkerSide:
             # message per prefill rank for the step.
             self._send_claims(begun)
 
-    def _begin_pull(self, spec: LoadSpec, start: float, step: int = -1) -> Optional["_Load"]:
+    def _begin_pull(self, spec: LoadSpec, start: float, step: int = -1) -> Optional["Load"]:
         """Pulls one load from its prefill, linking first where needed (either
         thread); the load if it began here, None if it waits for a link."""
         assert self._loop is not None and self._router is not None
@@ -507,7 +472,7 @@ class WorkerSide:
             return False
         # Local prefix-cache hits cover the leading blocks: copy only the tail.
         mapping = dict(zip(blocks[len(blocks) - len(local):], local))
-        load = _Load(spec, start, start + self.settings.load_timeout_s, local=True, step=step)
+        load = Load(spec, start, start + self.settings.load_timeout_s, local=True, step=step)
         try:
             for inbox, cache, group in zip(self._inbox_caches, self._caches, self.groups):
                 load.tasks.append(self._datadist.cache_manager.swap_blocks_async(inbox, cache, mapping))
@@ -533,11 +498,11 @@ class WorkerSide:
             self.pusher.finish_step()
 
     def _begin(self, spec: LoadSpec, route: Optional[Route], start: float, error: str = "",
-               step: int = -1) -> _Load:
+               step: int = -1) -> Load:
         """Starts the pulls of one load from every prefill rank it reads (or
         records why it could not start); its claims are the caller's to send
         (``_send_claims``)."""
-        load = _Load(spec, start, start + self.settings.load_timeout_s, error=error, step=step)
+        load = Load(spec, start, start + self.settings.load_timeout_s, error=error, step=step)
         if route is not None and not error:
             load.route = route
             load.holds_pending = len(route.sources)
@@ -549,43 +514,9 @@ class WorkerSide:
             self._inflight.append(load)
         return load
 
-    def _start_pulls(self, load: _Load, route: Route) -> None:
-        """The reads of one load: per prefill rank, per blocks cache, the blocks
-        of each vLLM KV cache group the cache's tensors serve."""
+    def _start_pulls(self, load: Load, route: Route) -> None:
         assert self._datadist is not None
-        manager = self._datadist.cache_manager
-        spec, mine = load.spec, route.mine
-        kv_groups = spec.kv_groups()
-        for index, group in enumerate(self.groups):
-            if group.kv_groups[-1] >= len(kv_groups):
-                raise ValueError(f"load {spec.req_id} names {len(kv_groups)} KV cache groups; this worker's "
-                                 f"tensors serve {group.kv_groups[-1] + 1}")
-        for source in route.sources:
-            theirs = source.layout
-            for index, (cache, group) in enumerate(zip(self._caches, self.groups)):
-                key = dd.BlocksCacheKey(source.cluster_id, _MODEL_ID_BASE + index)
-                for kv_group in group.kv_groups:
-                    local, remote_all, first_token = kv_groups[kv_group]
-                    if not local:
-                        continue
-                    if source.head_map.whole[index]:
-                        # The same blocks on both sides: block for block.
-                        skip = first_token // theirs.block_size
-                        remote = remote_all[skip:skip + len(local)]
-                        if not remote:
-                            continue
-                        load.tasks.append(manager.pull_blocks_async(
-                            key, cache, src_blocks=remote, dst_blocks=local[:len(remote)],
-                            tensor_num_per_layer=group.per_layer,
-                        ))
-                        load.nbytes += group.block_bytes * len(remote)
-                        continue
-                    rows = plan_ranges(source.head_map, index, mine, theirs, remote_all, local, first_token)
-                    if rows is None:
-                        continue
-                    load.tasks.append(manager.pull_block_ranges_async(
-                        key, cache, rows, tensor_num_per_layer=group.per_layer))
-                    load.nbytes += int((rows[:, 4] * rows[:, 5]).sum()) * len(group.addresses)
+        start_pulls(load, route, self._datadist.cache_manager, self._caches, self.groups, _MODEL_ID_BASE)
 
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:
         """(prefill requests whose blocks may be freed, loads settled, loads failed).
@@ -598,7 +529,7 @@ class WorkerSide:
         copies, wait behind.
         """
         now = time.perf_counter()
-        settled: list[_Load] = []
+        settled: list[Load] = []
         wait = self.settings.load_batch_wait_ms / 1000.0
         if self._router is not None:
             self._router.poll_claims()
@@ -634,7 +565,7 @@ class WorkerSide:
             self.pusher.freed(sending)
         return sending, recving, failed
 
-    def _settle(self, load: _Load) -> bool:
+    def _settle(self, load: Load) -> bool:
         """Records a finished load; True if its bytes arrived."""
         spec = load.spec
         if not load.error:
@@ -661,7 +592,7 @@ class WorkerSide:
                 self._failed_recving.add(spec.req_id)
             self._finished_recving.add(spec.req_id)
             seen = load.seen_done - load.start
-            self._records.append(TransferRecord(_completed(load) - load.start if ok else seen,
+            self._records.append(TransferRecord(completed_at(load) - load.start if ok else seen,
                                                 load.nbytes if ok else 0, len(blocks), ok, seen))
         return ok
 
@@ -699,84 +630,6 @@ class WorkerSide:
 
     # -- prefill side (loop thread) -------------------------------------------------
 
-    async def _answer(self, message: dict[str, Any]) -> dict[str, Any]:
-        op = message.get("op")
-        if op == "hello":
-            assert self._datadist is not None
-            assert self.layout is not None
-            return {
-                "ok": True,
-                "cluster_id": self.cluster_id,
-                "port": self._datadist.listen_port,
-                "layout": self.layout.to_wire(),
-            }
-        if op == "done":
-            req_ids, readers = message.get("req_ids"), message.get("readers", 1)
-            if not isinstance(req_ids, list) or not all(isinstance(r, str) and len(r) <= 1024 for r in req_ids):
-                return {"ok": False, "error": "req_ids must be a list of strings"}
-            if type(readers) is not int or not 1 <= readers <= MAX_READERS:
-                return {"ok": False, "error": f"readers must be an int from 1 to {MAX_READERS}"}
-            # Each decode rank that reads the request says done once.
-            self.leases.done(req_ids, readers)
-            return {"ok": True}
-        if op == "hold":
-            requests, hold_s = message.get("requests"), message.get("hold_s")
-            if (not isinstance(requests, dict) or len(requests) > _MAX_IDS
-                    or not all(len(r) <= 1024 and isinstance(t, str) and len(t) <= 64 for r, t in requests.items())):
-                return {"ok": False, "error": f"requests must map at most {_MAX_IDS} request ids to lease tokens"}
-            if not isinstance(hold_s, (int, float)) or not 0 < hold_s <= 3600:
-                return {"ok": False, "error": "hold_s must be a number of seconds above 0, at most 3600"}
-            if message.get("engine_id") != self.settings.engine_id:
-                # Another instance's requests (this one restarted at the same
-                # address): none of them is held here.
-                return {"ok": True, "granted": [], "refused": list(requests)}
-            return {"ok": True, **self.leases.claim(requests, float(hold_s))}
-        if op in ("share", "claim", "commit", "abort") and self._inbox is not None:
-            return self._answer_inbox(op, message)
-        return {"ok": False, "error": f"unknown op {op!r}"[:128]}
-
-    def _answer_inbox(self, op: str, message: dict[str, Any]) -> dict[str, Any]:
-        """A prefill side's share, claims, commits and aborts (decode side)."""
-        inbox = self._inbox
-        assert inbox is not None and self._datadist is not None
-        engine_id = message.get("engine_id")
-        if not isinstance(engine_id, str) or not 0 < len(engine_id) <= 256:
-            return {"ok": False, "error": "engine_id must be a string of 1 to 256 characters"}
-        if op == "share":
-            wanted = message.get("blocks")
-            if not isinstance(wanted, int) or wanted <= 0:
-                return {"ok": False, "error": "blocks must be a positive integer"}
-            first, count = inbox.grant(engine_id, wanted)
-            return {
-                "ok": True,
-                "cluster_id": self.cluster_id,
-                "port": self._datadist.listen_port,
-                "layout": [group.layout() for group in self.groups],
-                "first": first,
-                "count": count,
-            }
-        if op == "claim":
-            claims, hold_s = message.get("claims"), message.get("hold_s")
-            if not isinstance(claims, dict) or len(claims) > _MAX_IDS:
-                return {"ok": False, "error": f"claims must be an object of at most {_MAX_IDS} requests"}
-            if not isinstance(hold_s, (int, float)) or not 1 <= hold_s <= 3600:
-                return {"ok": False, "error": "hold_s must be a number of seconds from 1 to 3600"}
-            granted = [
-                req_id for req_id, blocks in claims.items()
-                if len(req_id) <= 1024 and isinstance(blocks, list) and len(blocks) <= inbox.num_blocks
-                and all(type(block) is int for block in blocks) and inbox.claim(engine_id, req_id, blocks, hold_s)
-            ]
-            return {"ok": True, "granted": granted}
-        req_ids = message.get("req_ids")
-        if not isinstance(req_ids, list) or len(req_ids) > _MAX_IDS or not all(isinstance(r, str) for r in req_ids):
-            return {"ok": False, "error": f"req_ids must be a list of at most {_MAX_IDS} strings"}
-        for req_id in req_ids:
-            if op == "commit":
-                inbox.commit(engine_id, req_id)
-            else:
-                inbox.abort(engine_id, req_id)
-        return {"ok": True}
-
     # -- decode side (loop thread) ---------------------------------------------------
 
     def _spawn_link(self, spec: LoadSpec, start: float) -> None:
@@ -803,7 +656,7 @@ class WorkerSide:
     def _spawn_notify(self, spec: LoadSpec) -> None:
         asyncio.get_running_loop().create_task(self._notify(spec))
 
-    def _spawn_after_settle(self, released: list[LoadSpec], forget: list[_Load]) -> None:
+    def _spawn_after_settle(self, released: list[LoadSpec], forget: list[Load]) -> None:
         """After loads settled (loop thread): drops the links failed reads used, tells the prefills."""
         assert self._router is not None
         for load in forget:
@@ -831,10 +684,10 @@ class WorkerSide:
             return
         self._send_claims([self._begin(spec, route, start)])
 
-    def _send_claims(self, loads: list[_Load]) -> None:
+    def _send_claims(self, loads: list[Load]) -> None:
         """Claims the leases of loads whose reads began: one message per prefill
         rank (either thread; the answers are read by ``get_finished``)."""
-        by_peer: dict[int, tuple[Any, list[_Load]]] = {}
+        by_peer: dict[int, tuple[Any, list[Load]]] = {}
         for load in loads:
             if load.route is None:
                 continue
@@ -855,7 +708,7 @@ class WorkerSide:
                 "hold_s": timeout + 5.0,
             }, items)
 
-    def _claim_settler(self, load: _Load) -> Callable[[str, bool], None]:
+    def _claim_settler(self, load: Load) -> Callable[[str, bool], None]:
         def settle(why: str, refused: bool) -> None:
             with self._lock:
                 load.holds_pending -= 1
