@@ -23,6 +23,7 @@
 #include "cache_geometry.h"
 #include "comm_links.h"
 #include "completion_queue.h"
+#include "device/cuda_driver.h"
 #include "host_pool.h"
 #include "local_copy.h"
 #include "options.h"

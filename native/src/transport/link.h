@@ -33,9 +33,11 @@
 #include <vector>
 
 #include "answer_hub.h"
+#include "device/cuda_driver.h"
 #include "registry.h"
 #include "request.h"
 #include "transport/io_loop.h"
+#include "transport/planned_frame.h"
 #include "transport/paths/same_host/same_host.h"
 #include "transport/paths/ucx/ucx_path.h"
 #include "transport/socket_util.h"
@@ -127,17 +129,6 @@ struct DevicePathStats {
   uint64_t ucx_fallbacks = 0;
   uint64_t ucx_bytes_served = 0;
   uint64_t ucx_device = 0;
-};
-
-// One frame of an operation, planned by the initiator.
-struct PlannedFrame {
-  wire::Target target{};
-  std::vector<wire::Range> ranges;
-  // Source (write) or destination (read): one per range, or, with strides,
-  // one per range each stands for, in order.
-  std::vector<iovec> local;
-  std::vector<wire::Range> bounds;  // the whole operation's outermost ranges
-  std::vector<wire::Stride> strides;  // none, or one per range (segment_stride: the local stride)
 };
 
 // A same-host link may have an answer socket beside its connections: each
