@@ -615,7 +615,6 @@ Status Engine::start_remote(const std::shared_ptr<Link> &link, bool write, Frame
     const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(options_.sync_kv_timeout_ms);
     std::shared_ptr<cuda::Device> device = pin->device;
     link->submit(write, std::move(frames), out, result_index, deadline, std::move(pin), std::move(device));
-    transport_->operations_started();
   }
   if (!into) out->release(0, LLM_SUCCESS);
   return LLM_SUCCESS;

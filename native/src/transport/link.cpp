@@ -563,6 +563,7 @@ void Link::send_planned(bool write, PlannedFrame &planned, const std::shared_ptr
     }
   }
   out.header.op_id = out.op_id;
+  host_->deadline_at(deadline);
   if (write && !same_host) {
     out.data = std::move(planned.local);
     out.device = device;
@@ -591,6 +592,7 @@ std::shared_ptr<Link::LookupState> Link::send_question(FrameType type, const std
     op.answer_type = type == FrameType::kLookup ? FrameType::kLookupReply : FrameType::kUnlinkAck;
   }
   out.header.op_id = out.op_id;
+  host_->deadline_at(deadline);
   enqueue(next_connection(), std::move(out));
   return state;
 }
@@ -1016,6 +1018,13 @@ bool Link::overdue(Clock::time_point now) const {
     if (entry.second.deadline <= now) return true;
   }
   return false;
+}
+
+Clock::time_point Link::next_deadline() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  Clock::time_point next = Clock::time_point::max();
+  for (const auto &entry : open_) next = std::min(next, entry.second.deadline);
+  return next;
 }
 
 size_t Link::open_operations() const {

@@ -70,6 +70,9 @@ class LinkHost {
   virtual AnswerHub *answer_hub() { return nullptr; }
   // The threads that read and write the link's frames.
   virtual IoLoop &io_loop() = 0;
+  // An operation with this deadline was opened: the host fails the link
+  // if it is still open then (overdue()). Called on no lock of the link's.
+  virtual void deadline_at(Clock::time_point) {}
 };
 
 // How a link's bytes move, as its handshake settled it.
@@ -197,6 +200,8 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader, pub
 
   // True if an open operation is past its deadline.
   bool overdue(Clock::time_point now) const;
+  // The earliest deadline of the open operations; time_point::max() when none is open.
+  Clock::time_point next_deadline() const;
   size_t open_operations() const;
   size_t connection_count() const { return conns_.size(); }
   // Connections that run on Unix sockets (a same-host link that moved to them).

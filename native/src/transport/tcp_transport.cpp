@@ -1,6 +1,7 @@
 #include "transport/tcp_transport.h"
 
 #include <dirent.h>
+#include <sys/epoll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -13,6 +14,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <system_error>
 #include <type_traits>
 
 #include "error_detail.h"
@@ -35,7 +37,6 @@ using wire::FrameType;
 
 namespace {
 
-constexpr auto kDeadlinePoll = std::chrono::milliseconds(20);
 constexpr size_t kMaxMadeCounts = 8 * kMaxLinks;
 
 uint64_t new_nonce() {
@@ -78,6 +79,56 @@ void send_to_all(const std::vector<int> &fds, const std::string &bytes) {
 }
 
 }  // namespace
+
+// Watches the answer hub's fd (readable while an answer waits unread):
+// once it fires, the timer comes back sweep_after later and reads what
+// nobody read meanwhile; only then is the fd watched again.
+class TcpTransport::AnswerWatch : public IoHandler {
+ public:
+  AnswerWatch(AnswerHub &hub, DeadlineTimer &timer) : hub_(hub), timer_(timer) {}
+  bool start(IoLoop &loop, const std::shared_ptr<AnswerWatch> &self) {
+    loop_ = &loop;
+    id_ = loop.add(hub_.fd(), std::weak_ptr<IoHandler>(self), 0);
+    return id_ != 0 && loop.arm(id_, EPOLLIN);
+  }
+  void stop() {
+    if (id_ != 0) loop_->remove(id_);
+  }
+  void on_ready(uint64_t, uint32_t) override {
+    const auto after = hub_.sweep_after();
+    if (after.count() == 0) return;  // the sweep is off: not watched again
+    const Clock::time_point due = Clock::now() + after;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      pending_ = true;
+      due_ = due;
+      seen_ = hub_.drives();
+    }
+    timer_.at(due);
+  }
+  // From the timer: sweeps when due, then watches the fd again.
+  void on_timer(Clock::time_point now) {
+    uint64_t seen;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!pending_ || now < due_) return;
+      pending_ = false;
+      seen = seen_;
+    }
+    hub_.sweep(seen);
+    loop_->arm(id_, EPOLLIN);
+  }
+
+ private:
+  AnswerHub &hub_;
+  DeadlineTimer &timer_;
+  IoLoop *loop_ = nullptr;
+  uint64_t id_ = 0;
+  std::mutex mu_;
+  bool pending_ = false;  // the fd fired; the sweep is due at due_ (mu_)
+  Clock::time_point due_{};
+  uint64_t seen_ = 0;  // the hub's drives() then
+};
 
 TcpTransport::TcpTransport(uint64_t cluster_id, uint32_t role, Registry &registry, TransportOptions options)
     : cluster_id_(cluster_id), role_(role), registry_(registry), options_(options), io_loop_(options.io_threads) {
@@ -178,8 +229,8 @@ bool TcpTransport::may_replace(const std::shared_ptr<Link> &existing, const Form
   if (formed.authenticated || existing->is_down() || existing->peer_closed()) return true;
   // A stranger may claim any id without a secret. The link stays while it
   // answers; a probe with a deadline finds out whether it still does (the
-  // housekeeping thread fails it at the deadline otherwise).
-  if (existing->probe(Clock::now() + std::chrono::milliseconds(options_.user_timeout_ms))) operations_started();
+  // timer fails it at the deadline otherwise).
+  existing->probe(Clock::now() + std::chrono::milliseconds(options_.user_timeout_ms));
   log_warning("refused a link from " + std::to_string(formed.peer_id) +
               ": a link with that cluster is up and this end has no secret to tell them apart");
   return false;
@@ -197,6 +248,8 @@ void TcpTransport::admit(FormedLink &formed) {
       st = LLM_ALREADY_LINK;
     } else if (!existing && links_.size() + linking_.size() >= kMaxLinks) {
       st = llm_datadist::LLM_CLUSTER_NUM_EXCEED_LIMIT;
+    } else if (!start_timer_locked()) {
+      st = LLM_LINK_FAILED;
     }
   }
   if (st == LLM_SUCCESS && existing && !may_replace(existing, formed)) st = LLM_ALREADY_LINK;
@@ -311,6 +364,23 @@ void TcpTransport::admit(FormedLink &formed) {
   if (!sent) link->fail(LLM_LINK_FAILED, "the initiator went away during the handshake");
 }
 
+bool TcpTransport::start_timer_locked() {
+  if (timer_) return true;
+  // With the first link, as the I/O loop's threads.
+  std::shared_ptr<DeadlineTimer> timer = DeadlineTimer::create(io_loop_, [this] { on_timer(); });
+  if (!timer) return false;
+  if (options_.answers != nullptr) {
+    auto watch = std::make_shared<AnswerWatch>(*options_.answers, *timer);
+    if (!watch->start(io_loop_, watch)) {
+      timer->stop();
+      return false;
+    }
+    answer_watch_ = std::move(watch);
+  }
+  timer_ = std::move(timer);
+  return true;
+}
+
 void TcpTransport::count_made(uint64_t peer_id) {
   ++made_count_[peer_id];
   for (auto it = made_count_.begin(); made_count_.size() > kMaxMadeCounts && it != made_count_.end();) {
@@ -376,6 +446,7 @@ Status TcpTransport::link(uint64_t peer_id, const std::string &ip, uint16_t port
     if (stopping_) return llm_datadist::LLM_FAILED;
     if (links_.count(peer_id) != 0 || linking_.count(peer_id) != 0) return LLM_ALREADY_LINK;
     if (links_.size() + linking_.size() >= kMaxLinks) return llm_datadist::LLM_CLUSTER_NUM_EXCEED_LIMIT;
+    if (!start_timer_locked()) return LLM_LINK_FAILED;
     linking_.insert(peer_id);
   }
   const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
@@ -673,19 +744,6 @@ void TcpTransport::link_down(const std::shared_ptr<Link> &link) {
   if (lost && loss_observer_) loss_observer_(link->peer_id());
 }
 
-void TcpTransport::operations_started() {
-  bool wake;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    ++generation_;
-    // Already polling deadlines, the housekeeper sees the new operations at
-    // its next round; only an idle one needs waking (a wake-up per operation
-    // costs the latency of small transfers).
-    wake = housekeeper_idle_;
-  }
-  if (wake) cv_.notify_all();
-}
-
 void TcpTransport::reap(const std::vector<std::shared_ptr<Link>> &links) {
   for (auto &link : links) link->reap();
   std::lock_guard<std::mutex> lock(mu_);
@@ -704,37 +762,38 @@ void TcpTransport::reap_down_links() {
 void TcpTransport::housekeeping_loop() {
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
-    bool open = false;
-    for (auto &entry : links_) open = open || entry.second->open_operations() != 0;
-    const uint64_t seen = generation_;
-    auto woken = [&] { return stopping_ || !down_.empty() || generation_ != seen; };
-    if (open) {
-      cv_.wait_for(lock, kDeadlinePoll, woken);
-    } else {
-      housekeeper_idle_ = true;
-      cv_.wait(lock, woken);
-      housekeeper_idle_ = false;
-    }
+    cv_.wait(lock, [&] { return stopping_ || !down_.empty(); });
     if (stopping_) return;
     lock.unlock();
-    // Answers that no event loop came for since the last round are read
-    // here, so their operations settle and none is taken for overdue.
-    if (options_.answers != nullptr) options_.answers->sweep();
-    lock.lock();
-    const Clock::time_point now = Clock::now();
-    std::vector<std::shared_ptr<Link>> overdue;
-    for (auto &entry : links_) {
-      if (entry.second->overdue(now)) overdue.push_back(entry.second);
-    }
-    lock.unlock();
-    for (auto &link : overdue) {
-      // An answer that came after the sweep still counts.
-      link->read_answers(AnswerHub::Reader::kLink);
-      if (link->overdue(now)) link->fail(LLM_TIMEOUT, "an operation exceeded sync_kv_timeout; closing the link");
-    }
     reap_down_links();
     lock.lock();
   }
+}
+
+void TcpTransport::on_timer() {
+  const Clock::time_point now = Clock::now();
+  // Answers that no event loop came for are read first, so their
+  // operations settle and none is taken for overdue.
+  if (answer_watch_) answer_watch_->on_timer(now);
+  std::vector<std::shared_ptr<Link>> links;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return;
+    for (auto &entry : links_) links.push_back(entry.second);
+  }
+  Clock::time_point next = Clock::time_point::max();
+  for (auto &link : links) {
+    if (link->overdue(now)) {
+      // An answer that came after the sweep still counts.
+      link->read_answers(AnswerHub::Reader::kLink);
+      if (link->overdue(now)) {
+        link->fail(LLM_TIMEOUT, "an operation exceeded sync_kv_timeout; closing the link");
+        continue;
+      }
+    }
+    next = std::min(next, link->next_deadline());
+  }
+  if (next != Clock::time_point::max()) timer_->at(next);
 }
 
 void TcpTransport::shutdown(Status reason) {
@@ -748,6 +807,9 @@ void TcpTransport::shutdown(Status reason) {
   }
   cv_.notify_all();
   if (housekeeping.joinable()) housekeeping.join();
+  // No link starts any more (stopping_): the timer stays as it is.
+  if (answer_watch_) answer_watch_->stop();
+  if (timer_) timer_->stop();
   // Every link made, including one whose threads are still telling us it
   // went down: reaping joins those threads.
   std::vector<std::shared_ptr<Link>> links;
