@@ -124,7 +124,7 @@ Status Engine::initialize(const OptionMap &options) {
                   std::string(kAuthKeyEnv) + " on every peer");
     }
   }
-  auto transport = std::make_unique<TcpTransport>(cluster_id_, role_code(parsed.role), registry_, transport_options);
+  auto transport = std::make_unique<LinkManager>(cluster_id_, role_code(parsed.role), registry_, transport_options);
   st = transport->start_ucx();
   if (st != LLM_SUCCESS) return st;
   if (parsed.listen_ip) {
@@ -339,7 +339,7 @@ std::map<std::string, uint64_t> Engine::listener_stats() const {
 
 std::map<std::string, uint64_t> Engine::link_stats(uint64_t peer) const {
   std::shared_lock<std::shared_mutex> lock(state_mu_);
-  TcpTransport::LinkStats stats;
+  LinkManager::LinkStats stats;
   if (state_ != State::kReady || !transport_->link_stats(peer, stats)) return {};
   return {{"connections", stats.connections},
           {"refused_groups", stats.refused_groups},

@@ -30,7 +30,7 @@
 #include "registry.h"
 #include "remote_plan.h"
 #include "request.h"
-#include "transport/tcp_transport.h"
+#include "transport/link_manager.h"
 #include "worker_pool.h"
 
 namespace datadist {
@@ -229,7 +229,7 @@ class Engine {
   EngineOptions options_;
   std::shared_ptr<HostPool> host_pool_;
   std::unique_ptr<WorkerPool> workers_;
-  std::unique_ptr<TcpTransport> transport_;
+  std::unique_ptr<LinkManager> transport_;
   std::unique_ptr<CommLinks> comms_;
 
   mutable std::shared_mutex state_mu_;  // shared by calls, exclusive for init/finalize

@@ -75,8 +75,15 @@ class LinkHost {
   virtual void deadline_at(Clock::time_point) {}
 };
 
+// The paths an operation started here may take.
+enum class PathKind { kSameHost, kUcx, kTcp };
+
 // How a link's bytes move, as its handshake settled it.
 struct LinkPaths {
+  // The paths operations started here try, in order (the handshake's
+  // negotiate step lists them); inline TCP, last, takes what the others
+  // cannot carry.
+  std::vector<PathKind> order{PathKind::kTcp};
   // This end offered the same-host path (the peer may reach its memory).
   bool offered = false;
   // The peer reaches this end's memory: operations started here go as
@@ -160,9 +167,7 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader, pub
   // where both ends can, else inline, staged) or "tcp".
   // "ucx": both ends move bytes with UCX (the peer reads or writes this
   // end's host memory; device memory goes inline).
-  const char *transport() const {
-    return ucx_ ? "ucx" : peer_copies_.load(std::memory_order_acquire) ? "same_host" : "tcp";
-  }
+  const char *transport() const;
 
   // Sends the frames of one operation; each settles `result_index` of
   // `request` (one hold per frame is taken here). `pin` stays alive until
@@ -416,6 +421,7 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader, pub
 
   const uint64_t peer_id_;
   const uint32_t peer_role_;
+  const std::vector<PathKind> order_;
   const bool initiated_here_;
   LinkHost *host_;
   const bool offered_same_host_;

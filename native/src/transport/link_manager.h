@@ -1,5 +1,11 @@
-// TcpTransport: listens for peers, establishes and tears down links, and
-// watches open operations for their deadlines.
+// LinkManager: the links of one engine to its peers, over every path. It
+// listens for peers and runs both ends of the handshake (the acceptor's
+// admit(), the initiator's link()), whose one negotiate() step settles each
+// link's ordered list of paths from what the peer offered: the same-host
+// path (its memory probed), UCX (the transport's worker, set up by
+// start_ucx(), and an endpoint per link), inline TCP. It makes, finds and
+// unlinks links, fails those whose operations overran their deadline, and
+// reaps those that went down.
 //
 // Threads: a Listener thread while listening (handshakes, see listener.h;
 // it also answers the links it completes), the I/O loop's threads
@@ -11,8 +17,8 @@
 //
 // Bounds: at most kMaxLinks links (either end starting them); a listener
 // grants each link at most its own connections_per_peer connections.
-#ifndef DATADIST_TRANSPORT_TCP_TRANSPORT_H_
-#define DATADIST_TRANSPORT_TCP_TRANSPORT_H_
+#ifndef DATADIST_TRANSPORT_LINK_MANAGER_H_
+#define DATADIST_TRANSPORT_LINK_MANAGER_H_
 
 #include <condition_variable>
 #include <cstdint>
@@ -60,12 +66,12 @@ struct TransportOptions {
 // LLM_CLUSTER_NUM_EXCEED_LIMIT.
 inline constexpr size_t kMaxLinks = 512;
 
-class TcpTransport : public LinkHost {
+class LinkManager : public LinkHost {
  public:
-  TcpTransport(uint64_t cluster_id, uint32_t role, Registry &registry, TransportOptions options);
-  ~TcpTransport() override;
-  TcpTransport(const TcpTransport &) = delete;
-  TcpTransport &operator=(const TcpTransport &) = delete;
+  LinkManager(uint64_t cluster_id, uint32_t role, Registry &registry, TransportOptions options);
+  ~LinkManager() override;
+  LinkManager(const LinkManager &) = delete;
+  LinkManager &operator=(const LinkManager &) = delete;
 
   // Starts listening; the bound port is listen_port().
   // With options.ucx: makes the UCX worker; LLM_FEATURE_NOT_ENABLED with
@@ -133,6 +139,21 @@ class TcpTransport : public LinkHost {
   // gets what the acceptor's proof will cover. `granted` is set when the
   // acceptor answered that it keeps only that many connections (this one
   // past them).
+  // What the other end of a handshake offered: its hello (at the acceptor)
+  // or its ack (at the initiator).
+  struct PeerOffer {
+    bool same_host = false;  // kOffersSameHost
+    wire::SameHostInfo info{};
+    bool copies_for_me = false;  // kCopiesForYou (an ack): the acceptor reached this end's memory
+    bool opens_device = false;  // kDeviceHandles
+    bool takes_fds = false;  // kDeviceFds
+    std::string ucx_address;  // kOffersUcx: the peer's worker
+  };
+  // The one step of both handshakes that settles a link's paths from what
+  // the peer offered: the same-host path (its memory probed), UCX (its
+  // endpoint made) and their order. Not LLM_SUCCESS (with `why`) when the
+  // link cannot be made with them.
+  Status negotiate(uint64_t peer_id, bool acceptor, const PeerOffer &peer, LinkPaths &paths, std::string &why);
   // Starts the timer (and the answer sweep's watch) unless it runs; false
   // when the kernel refuses them (mu_ held).
   bool start_timer_locked();
@@ -200,4 +221,4 @@ class TcpTransport : public LinkHost {
 
 }  // namespace datadist
 
-#endif  // DATADIST_TRANSPORT_TCP_TRANSPORT_H_
+#endif  // DATADIST_TRANSPORT_LINK_MANAGER_H_
