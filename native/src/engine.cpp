@@ -341,22 +341,12 @@ std::map<std::string, uint64_t> Engine::link_stats(uint64_t peer) const {
   std::shared_lock<std::shared_mutex> lock(state_mu_);
   LinkManager::LinkStats stats;
   if (state_ != State::kReady || !transport_->link_stats(peer, stats)) return {};
-  return {{"connections", stats.connections},
-          {"refused_groups", stats.refused_groups},
-          {"local_sockets", stats.local_sockets},
-          {"answer_socket", stats.answer_socket ? 1u : 0u},
-          {"ipc_frames", stats.device.ipc_frames},
-          {"ipc_fallbacks", stats.device.ipc_fallbacks},
-          {"staged_frames", stats.device.staged_frames},
-          {"ipc_bytes_served", stats.device.ipc_bytes_served},
-          {"staged_bytes_served", stats.device.staged_bytes_served},
-          {"fd_frames", stats.device.fd_frames},
-          {"fd_bytes_served", stats.device.fd_bytes_served},
-          {"fd_imports", stats.device.fd_imports},
-          {"ucx_frames", stats.device.ucx_frames},
-          {"ucx_fallbacks", stats.device.ucx_fallbacks},
-          {"ucx_bytes_served", stats.device.ucx_bytes_served},
-          {"ucx_device", stats.device.ucx_device}};
+  std::map<std::string, uint64_t> out = std::move(stats.paths);
+  out["connections"] = stats.connections;
+  out["refused_groups"] = stats.refused_groups;
+  out["local_sockets"] = stats.local_sockets;
+  out["answer_socket"] = stats.answer_socket ? 1u : 0u;
+  return out;
 }
 
 std::map<std::string, uint64_t> Engine::answer_counts() const { return completions_->answers().answer_counts(); }

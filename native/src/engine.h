@@ -147,7 +147,7 @@ class Engine {
   bool has_link(uint64_t peer) const;
   // Diagnostics, by name: the listener's counters (empty when it does not
   // listen), and a link's connections, refused ordered transfers and the
-  // paths its device bytes took (DevicePathStats; empty without a link).
+  // counters of its paths (Link::path_counters(); empty without a link).
   std::map<std::string, uint64_t> listener_stats() const;
   std::map<std::string, uint64_t> link_stats(uint64_t peer) const;
   // Answers to this end's operations read from same-host links' answer

@@ -824,6 +824,19 @@ void Link::refuse_group(uint64_t group) {
   }
 }
 
+Status Link::refuse_served(uint64_t group, Status status, std::string &out, std::string why, const char *context) {
+  out = std::move(why);
+  log_warning("link to cluster " + std::to_string(peer_id_) + ": " + context + out);
+  refuse_group(group);
+  return status;
+}
+
+bool Link::initiator_gone(const Connection &conn) {
+  if (!net::peer_closed(conn.fd)) return false;
+  fail(LLM_LINK_FAILED, "the peer closed the link before its same-host operation was served");
+  return true;
+}
+
 size_t Link::refused_group_count() const {
   std::lock_guard<std::mutex> lock(mu_);
   return refused_groups_.size();

@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -111,36 +112,6 @@ struct LinkPaths {
   std::shared_ptr<ucx::Peer> ucx;
 };
 
-// Which path device bytes took on a link, counted since it formed.
-struct DevicePathStats {
-  // Initiator side: frames on device memory of this end sent as same-host
-  // frames with its allocations exported (CUDA IPC), sent again inline
-  // because the owner could not open the exports, and sent inline (staged).
-  uint64_t ipc_frames = 0;
-  uint64_t ipc_fallbacks = 0;
-  uint64_t staged_frames = 0;
-  // Owner side: bytes this end copied to or from the peer's opened device
-  // memory, and device bytes it staged through host buffers.
-  uint64_t ipc_bytes_served = 0;
-  uint64_t staged_bytes_served = 0;
-  // Of those: initiator side, the ipc_frames naming at least one export as
-  // a descriptor (memory of cuMemCreate); owner side, the ipc_bytes_served
-  // from or into such imported memory, and its allocations imported and
-  // mapped here now (each unmapped and released when the link is reaped).
-  uint64_t fd_frames = 0;
-  uint64_t fd_bytes_served = 0;
-  uint64_t fd_imports = 0;
-  // UCX links. Initiator side: frames sent naming this end's memory for
-  // the peer to move with UCX, and those sent again inline because the
-  // peer's memory was a device's. Owner side: bytes this end moved with UCX.
-  // ucx_device: 1 where this end's UCX moves device memory (built with
-  // CUDA, driver found), so device caches go by UCX too.
-  uint64_t ucx_frames = 0;
-  uint64_t ucx_fallbacks = 0;
-  uint64_t ucx_bytes_served = 0;
-  uint64_t ucx_device = 0;
-};
-
 // A same-host link may have an answer socket beside its connections: each
 // end sends its answers without data there, and the other end's hub (see
 // answer_hub.h) reads them on the thread that waits for them. An answer the
@@ -220,7 +191,9 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader, pub
   // A connection's socket became readable or writable (IoHandler; `tag` is its index).
   void on_ready(uint64_t tag, uint32_t events) override;
   size_t refused_group_count() const;
-  DevicePathStats device_path_stats() const;
+  // The counters of the link's paths, by name (what each counts: see
+  // paths/device/link_device.cpp), counted since the link formed.
+  std::map<std::string, uint64_t> path_counters() const;
 
  private:
   struct OutFrame {
@@ -410,6 +383,15 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader, pub
   // resolve_request, refusing the rest of a group once one of it was refused.
   Status resolve_in_group(const wire::Request &req, ResolvedTarget &target);
   void refuse_group(uint64_t group);
+  // An operation this end serves fails: `why` (logged after `context`) is
+  // what the initiator is told, in `out`, and the rest of its ordered
+  // transfer `group` is refused too (0: none). Returns `status`.
+  Status refuse_served(uint64_t group, Status status, std::string &out, std::string why, const char *context = "");
+  // Whether the initiator gave up on the link (its timeout or its cancel
+  // closed it) before its operation was served: the link then fails, and
+  // no byte moves for it, however long this end was held up before it came
+  // to the request.
+  bool initiator_gone(const Connection &conn);
   // Marks a side of an open operation done; settles it when both are.
   void mark(uint64_t op_id, bool sent, bool answered, Status status, bool skipped = false, std::string reason = {});
   // An answer to op `op_id` with `status`; a refusal carries `why` as its body.

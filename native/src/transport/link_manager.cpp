@@ -741,7 +741,7 @@ bool LinkManager::link_stats(uint64_t peer_id, LinkStats &stats) const {
   stats.refused_groups = link->refused_group_count();
   stats.local_sockets = link->local_socket_count();
   stats.answer_socket = link->has_answer_socket();
-  stats.device = link->device_path_stats();
+  stats.paths = link->path_counters();
   return true;
 }
 

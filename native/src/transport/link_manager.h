@@ -107,7 +107,7 @@ class LinkManager : public LinkHost {
     size_t refused_groups = 0;
     size_t local_sockets = 0;  // connections on Unix sockets
     bool answer_socket = false;
-    DevicePathStats device;
+    std::map<std::string, uint64_t> paths;  // Link::path_counters()
   };
   bool link_stats(uint64_t peer_id, LinkStats &stats) const;
   ListenerStats listener_stats() const;
