@@ -51,6 +51,7 @@ const char *Link::transport() const {
   for (PathKind path : order_) {
     if (path == PathKind::kUcx && ucx_) return "ucx";
     if (path == PathKind::kSameHost && peer_copies_.load(std::memory_order_acquire)) return "same_host";
+    if (path == PathKind::kTcp) break;
   }
   return "tcp";
 }
