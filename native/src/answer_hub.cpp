@@ -101,29 +101,9 @@ void AnswerHub::drive(Reader by) {
   drives_.fetch_add(1, std::memory_order_release);
 }
 
-void AnswerHub::sweep() {
-  const auto after = sweep_after_.load(std::memory_order_relaxed);
-  if (after.count() == 0 || watched_.load(std::memory_order_relaxed) == 0) return;
-  const uint64_t drives = drives_.load(std::memory_order_acquire);
-  if (drives != sweep_drives_) {
-    // Someone read answers since the last look: whatever waits now is new.
-    sweep_drives_ = drives;
-    waiting_since_ = {};
-  }
-  pollfd ready{epoll_fd_, POLLIN, 0};
-  if (::poll(&ready, 1, 0) <= 0) {
-    waiting_since_ = {};
-    return;
-  }
-  const auto now = std::chrono::steady_clock::now();
-  if (waiting_since_ == std::chrono::steady_clock::time_point{}) {
-    waiting_since_ = now;
-    return;
-  }
-  if (now - waiting_since_ < after) return;
+void AnswerHub::sweep(uint64_t seen) {
+  if (sweep_after().count() == 0 || drives() != seen) return;
   drive(Reader::kSweep);
-  sweep_drives_ = drives_.load(std::memory_order_acquire);
-  waiting_since_ = {};
 }
 
 void AnswerHub::count(Reader by, size_t n) {

@@ -20,15 +20,15 @@
 //   from no event loop is waited for by the library's callback thread,
 //   which drains the completion fd like a loop.
 // - Only an answer nobody came for (a task never awaited nor polled) is left
-//   to the transport's housekeeping: sweep() reads answers that have waited
-//   unread for sweep_after with no read by anyone in between (0: never).
+//   to the transport: the hub's fd, readable while an answer waits, is
+//   watched by its I/O loop, and sweep_after later its timer reads what
+//   waits (kSweep), unless someone read answers in between (0: never).
 //   No style of waiting depends on it; operations it would not settle are
 //   settled by their deadline, which reads a link's answers before failing.
 // - A link that goes down reads its own answers before it settles its
 //   operations (kLink).
 //
-// Threads: every method may be called from any thread, but for sweep(),
-// which only the housekeeping thread calls.
+// Threads: every method may be called from any thread.
 #ifndef DATADIST_ANSWER_HUB_H_
 #define DATADIST_ANSWER_HUB_H_
 
@@ -81,11 +81,15 @@ class AnswerHub {
 
   // Reads every answer waiting now; `by` says who for the counts.
   void drive(Reader by = Reader::kDrain);
-  // Reads answers that have waited unread for at least sweep_after, with no
-  // drive in between; the caller calls it every few milliseconds.
-  void sweep();
+  // Reads every answer waiting now (kSweep), unless answers were read
+  // since drives() was `seen`: the transport's timer calls it sweep_after
+  // after it found answers waiting.
+  void sweep(uint64_t seen);
+  // Reads so far (drive() calls that found sockets to read).
+  uint64_t drives() const { return drives_.load(std::memory_order_acquire); }
   // 0 turns the sweep off. Default kSweepAfter.
   void set_sweep_after(std::chrono::milliseconds after) { sweep_after_ = after; }
+  std::chrono::milliseconds sweep_after() const { return sweep_after_.load(std::memory_order_relaxed); }
   // Counts answers read (by a reader, before it handles them).
   void count(Reader by, size_t n);
   // Answers read so far, by reader: "drain", "look", "thread", "sweep", "link".
@@ -122,11 +126,7 @@ class AnswerHub {
   std::chrono::steady_clock::time_point linger_until_{};
   bool stopping_ = false;
   std::atomic<uint64_t> drives_{0};
-  // The sweep's own state (housekeeping thread only): drives_ when it last
-  // looked, and since when it has seen answers waiting with no drive.
   std::atomic<std::chrono::milliseconds> sweep_after_{kSweepAfter};
-  uint64_t sweep_drives_ = 0;
-  std::chrono::steady_clock::time_point waiting_since_{};
   std::atomic<uint64_t> counts_[kAnswerReaderKinds] = {};
   std::thread thread_;
 };

@@ -22,7 +22,7 @@ constexpr uint32_t kMaxAttemptMs = 2000;
 
 }  // namespace
 
-CommLinks::CommLinks(uint64_t cluster_id, TcpTransport &transport) : cluster_id_(cluster_id), transport_(transport) {
+CommLinks::CommLinks(uint64_t cluster_id, LinkManager &transport) : cluster_id_(cluster_id), transport_(transport) {
   transport_.set_loss_observer([this](uint64_t peer) { lost(peer); });
 }
 

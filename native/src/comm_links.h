@@ -30,7 +30,7 @@
 #include <thread>
 #include <vector>
 
-#include "transport/tcp_transport.h"
+#include "transport/link_manager.h"
 
 namespace datadist {
 
@@ -57,7 +57,7 @@ enum class CommState : int32_t { kOk = 0, kPreparing = 1, kFailed = 2 };
 
 class CommLinks {
  public:
-  CommLinks(uint64_t cluster_id, TcpTransport &transport);
+  CommLinks(uint64_t cluster_id, LinkManager &transport);
   ~CommLinks();
   CommLinks(const CommLinks &) = delete;
   CommLinks &operator=(const CommLinks &) = delete;
@@ -98,7 +98,7 @@ class CommLinks {
   void stop(const std::shared_ptr<Comm> &comm);
 
   const uint64_t cluster_id_;
-  TcpTransport &transport_;
+  LinkManager &transport_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

@@ -124,7 +124,7 @@ Status Engine::initialize(const OptionMap &options) {
                   std::string(kAuthKeyEnv) + " on every peer");
     }
   }
-  auto transport = std::make_unique<TcpTransport>(cluster_id_, role_code(parsed.role), registry_, transport_options);
+  auto transport = std::make_unique<LinkManager>(cluster_id_, role_code(parsed.role), registry_, transport_options);
   st = transport->start_ucx();
   if (st != LLM_SUCCESS) return st;
   if (parsed.listen_ip) {
@@ -339,24 +339,14 @@ std::map<std::string, uint64_t> Engine::listener_stats() const {
 
 std::map<std::string, uint64_t> Engine::link_stats(uint64_t peer) const {
   std::shared_lock<std::shared_mutex> lock(state_mu_);
-  TcpTransport::LinkStats stats;
+  LinkManager::LinkStats stats;
   if (state_ != State::kReady || !transport_->link_stats(peer, stats)) return {};
-  return {{"connections", stats.connections},
-          {"refused_groups", stats.refused_groups},
-          {"local_sockets", stats.local_sockets},
-          {"answer_socket", stats.answer_socket ? 1u : 0u},
-          {"ipc_frames", stats.device.ipc_frames},
-          {"ipc_fallbacks", stats.device.ipc_fallbacks},
-          {"staged_frames", stats.device.staged_frames},
-          {"ipc_bytes_served", stats.device.ipc_bytes_served},
-          {"staged_bytes_served", stats.device.staged_bytes_served},
-          {"fd_frames", stats.device.fd_frames},
-          {"fd_bytes_served", stats.device.fd_bytes_served},
-          {"fd_imports", stats.device.fd_imports},
-          {"ucx_frames", stats.device.ucx_frames},
-          {"ucx_fallbacks", stats.device.ucx_fallbacks},
-          {"ucx_bytes_served", stats.device.ucx_bytes_served},
-          {"ucx_device", stats.device.ucx_device}};
+  std::map<std::string, uint64_t> out = std::move(stats.paths);
+  out["connections"] = stats.connections;
+  out["refused_groups"] = stats.refused_groups;
+  out["local_sockets"] = stats.local_sockets;
+  out["answer_socket"] = stats.answer_socket ? 1u : 0u;
+  return out;
 }
 
 std::map<std::string, uint64_t> Engine::answer_counts() const { return completions_->answers().answer_counts(); }
@@ -615,7 +605,6 @@ Status Engine::start_remote(const std::shared_ptr<Link> &link, bool write, Frame
     const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(options_.sync_kv_timeout_ms);
     std::shared_ptr<cuda::Device> device = pin->device;
     link->submit(write, std::move(frames), out, result_index, deadline, std::move(pin), std::move(device));
-    transport_->operations_started();
   }
   if (!into) out->release(0, LLM_SUCCESS);
   return LLM_SUCCESS;

@@ -23,13 +23,14 @@
 #include "cache_geometry.h"
 #include "comm_links.h"
 #include "completion_queue.h"
+#include "device/cuda_driver.h"
 #include "host_pool.h"
 #include "local_copy.h"
 #include "options.h"
 #include "registry.h"
 #include "remote_plan.h"
 #include "request.h"
-#include "transport/tcp_transport.h"
+#include "transport/link_manager.h"
 #include "worker_pool.h"
 
 namespace datadist {
@@ -146,7 +147,7 @@ class Engine {
   bool has_link(uint64_t peer) const;
   // Diagnostics, by name: the listener's counters (empty when it does not
   // listen), and a link's connections, refused ordered transfers and the
-  // paths its device bytes took (DevicePathStats; empty without a link).
+  // counters of its paths (Link::path_counters(); empty without a link).
   std::map<std::string, uint64_t> listener_stats() const;
   std::map<std::string, uint64_t> link_stats(uint64_t peer) const;
   // Answers to this end's operations read from same-host links' answer
@@ -228,7 +229,7 @@ class Engine {
   EngineOptions options_;
   std::shared_ptr<HostPool> host_pool_;
   std::unique_ptr<WorkerPool> workers_;
-  std::unique_ptr<TcpTransport> transport_;
+  std::unique_ptr<LinkManager> transport_;
   std::unique_ptr<CommLinks> comms_;
 
   mutable std::shared_mutex state_mu_;  // shared by calls, exclusive for init/finalize

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <unordered_set>
 
+#include "device/cuda_driver.h"
 #include "error_detail.h"
 
 namespace datadist {

@@ -1,9 +1,8 @@
 #include "registry.h"
 
-#include "transport/paths/ucx/ucx_path.h"
-
 #include <set>
 
+#include "device/cuda_driver.h"
 #include "error_detail.h"
 
 namespace datadist {
@@ -18,7 +17,7 @@ constexpr uint8_t kBlocksKeys = 2;
 }  // namespace
 
 CacheEntry::~CacheEntry() {
-  ucx_maps.clear();  // unmapped while the memory is there
+  attached_.clear();  // each path lets go of the memory while it is there
   if (pool) pool->free(pool_block);
   if (device_allocated) device->free(addrs);
 }

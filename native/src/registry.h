@@ -15,19 +15,27 @@
 #include <mutex>
 #include <optional>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "cache_geometry.h"
-#include "device/cuda_driver.h"
 #include "host_pool.h"
 
 namespace datadist {
 
 constexpr uint64_t kInvalidId = UINT64_MAX;
 
-namespace ucx {
-class Mapping;
+namespace cuda {
+class Device;
 }
+
+// State a data path keeps for one cache (its mappings of the cache's
+// memory, say): attached on the path's first use, released before the
+// memory is.
+class CacheAttachment {
+ public:
+  virtual ~CacheAttachment() = default;
+};
 
 struct CacheEntry {
   CacheEntry() = default;
@@ -52,10 +60,23 @@ struct CacheEntry {
   // `hint` first; addrs.size() when none does.
   size_t tensor_holding(uintptr_t addr, uint64_t length, size_t hint = 0) const;
 
-  // Tensors mapped for UCX peers (transport/paths/ucx/ucx_path.h), each on its first
-  // use; unmapped before the memory is freed.
-  std::mutex ucx_mu;
-  std::vector<std::shared_ptr<ucx::Mapping>> ucx_maps;
+  // The attachment of `owner` (a path's own tag), made by `make` on the
+  // first call; `make` runs under the entry's lock and returns a
+  // std::shared_ptr to a CacheAttachment of type T.
+  template <class T, class Make>
+  std::shared_ptr<T> attachment(const void *owner, Make make) {
+    std::lock_guard<std::mutex> lock(attached_mu_);
+    for (const auto &a : attached_) {
+      if (a.first == owner) return std::static_pointer_cast<T>(a.second);
+    }
+    std::shared_ptr<T> made = make();
+    attached_.emplace_back(owner, made);
+    return made;
+  }
+
+ private:
+  std::mutex attached_mu_;
+  std::vector<std::pair<const void *, std::shared_ptr<CacheAttachment>>> attached_;
 };
 
 // A key as the user spells it: `req_id` (or `prefix_id` when it is not the

@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "transport/link.h"
+#include "transport/planned_frame.h"
 #include "transport/wire.h"
 
 namespace datadist {

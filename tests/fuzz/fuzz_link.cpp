@@ -143,6 +143,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   paths.peer_copies = (mode & kPeerCopies) != 0;
   if ((mode & kReaches) != 0) paths.peer_memory = peer_memory;
   paths.announce = (mode & kAnnounce) != 0;
+  if (paths.offered) paths.order = {PathKind::kSameHost, PathKind::kTcp};  // as the handshake lists them
   int fds[2];
   require(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) == 0, "socketpair failed");
   auto link = std::make_shared<Link>(kPeerId, 1, (mode & kInitiated) != 0, std::vector<int>{fds[0]}, &host, paths);

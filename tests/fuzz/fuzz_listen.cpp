@@ -1,5 +1,5 @@
 // Fuzz target: the listener's handshake (hello, challenge and proof) and the
-// link it makes, fed from bytes. A real TcpTransport listens on loopback
+// link it makes, fed from bytes. A real LinkManager listens on loopback
 // with the caches of fuzz_support.h registered; each input is what one
 // connection sends. After each input the harness checks that no byte the
 // peer may not write changed and that no answer carried a byte it may not
@@ -20,7 +20,7 @@
 #include "fuzz_support.h"
 #include "registry.h"
 #include "transport/socket_util.h"
-#include "transport/tcp_transport.h"
+#include "transport/link_manager.h"
 
 namespace {
 
@@ -45,7 +45,7 @@ struct Listener {
     return o;
   }
   Registry registry;
-  TcpTransport transport;
+  LinkManager transport;
 };
 
 Listener &listener(bool with_secret) {

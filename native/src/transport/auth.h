@@ -2,7 +2,7 @@
 // link secret is first used, so the engine builds and runs without OpenSSL
 // until a secret is set.
 //
-// The handshake with a secret (see tcp_transport.cpp): the initiator's hello
+// The handshake with a secret (see link_manager.cpp): the initiator's hello
 // carries a fresh nonce, the acceptor answers with a fresh nonce of its own
 // (kChallenge) before revealing anything, the initiator proves the secret
 // over the whole exchange (kProof), and the acceptor's ack proves it back.

@@ -26,6 +26,7 @@ Link::Link(uint64_t peer_id, uint32_t peer_role, bool initiated_here, std::vecto
            LinkPaths paths)
     : peer_id_(peer_id),
       peer_role_(peer_role),
+      order_(std::move(paths.order)),
       initiated_here_(initiated_here),
       host_(host),
       offered_same_host_(paths.offered),
@@ -44,6 +45,15 @@ Link::~Link() {
     if (conn->fd >= 0) ::close(conn->fd);
   }
   if (answer_fd_ >= 0) ::close(answer_fd_);
+}
+
+const char *Link::transport() const {
+  for (PathKind path : order_) {
+    if (path == PathKind::kUcx && ucx_) return "ucx";
+    if (path == PathKind::kSameHost && peer_copies_.load(std::memory_order_acquire)) return "same_host";
+    if (path == PathKind::kTcp) break;
+  }
+  return "tcp";
 }
 
 bool Link::peer_closed() const {
@@ -478,32 +488,42 @@ void Link::send_planned(bool write, PlannedFrame &planned, const std::shared_ptr
   OutFrame out;
   uint64_t data_len = 0;
   for (const iovec &v : planned.local) data_len += v.iov_len;
-  // Same-host: the peer copies the bytes, so the frame names this end's
-  // memory instead of carrying it. A frame whose segment table would not
-  // fit a body goes over TCP. Device memory of this end goes so only as
-  // exports the peer can open; otherwise it goes inline, staged.
+  // The link's paths in order (LinkPaths::order); the first that can
+  // carry the frame takes it, inline TCP what none can.
+  // - UCX: memory it reaches goes as a frame naming it, with the keys of
+  //   the tensors it lies in; where its keys cannot be had, inline.
+  // - Same host: the peer copies the bytes, so the frame names this end's
+  //   memory instead of carrying it; device memory of this end only as
+  //   exports the peer can open.
+  // A frame whose segment table would not fit a body goes inline.
   size_t body_bytes = sizeof(wire::Target) + planned.ranges.size() * (sizeof(wire::Range) + sizeof(wire::Segment)) +
                       planned.strides.size() * sizeof(wire::Stride) + planned.bounds.size() * sizeof(wire::Range);
-  bool same_host = peer_copies_.load(std::memory_order_acquire) && body_bytes <= wire::kMaxBodyBytes;
-  std::vector<wire::DeviceExport> exports;
-  if (same_host && device) {
-    same_host = exports_ok && peer_opens_device_ && !exports_refused_.load(std::memory_order_acquire) &&
-                export_all(*device, planned, peer_takes_fds_, exports) &&
-                body_bytes + 2 * sizeof(uint32_t) + exports.size() * sizeof(wire::DeviceExport) <= wire::kMaxBodyBytes;
-  }
-  // UCX: host memory goes as a frame naming it, with the keys of the
-  // tensors it lies in; otherwise (or where its keys cannot be had) inline.
-  std::vector<std::shared_ptr<ucx::Mapping>> keys;
   bool ucx = false;
-  if (ucx_ && (!device || ucx_->worker()->reaches_device()) && exports_ok) {
-    std::string why;
-    if (ucx::keys_for(ucx_->worker(), host_->registry(), planned.local, keys, why)) {
-      ucx = body_bytes + ucx::key_table_bytes(keys) <= wire::kMaxBodyBytes;
-    } else if (!ucx_unmapped_logged_.exchange(true)) {
-      log_warning("link to cluster " + std::to_string(peer_id_) + ": an operation goes inline, not by UCX: " + why);
+  bool same_host = false;  // the frame names this end's memory (by UCX too)
+  std::vector<wire::DeviceExport> exports;
+  std::vector<std::shared_ptr<ucx::Mapping>> keys;
+  for (PathKind path : order_) {
+    if (path == PathKind::kUcx && ucx_ && (!device || ucx_->worker()->reaches_device()) && exports_ok) {
+      std::string why;
+      if (ucx::keys_for(ucx_->worker(), host_->registry(), planned.local, keys, why)) {
+        ucx = body_bytes + ucx::key_table_bytes(keys) <= wire::kMaxBodyBytes;
+      } else if (!ucx_unmapped_logged_.exchange(true)) {
+        log_warning("link to cluster " + std::to_string(peer_id_) + ": an operation goes inline, not by UCX: " + why);
+      }
+      if (!ucx) keys.clear();
+      same_host = ucx;
+      break;
     }
-    if (!ucx) keys.clear();
-    same_host = ucx;
+    if (path == PathKind::kSameHost && peer_copies_.load(std::memory_order_acquire) &&
+        body_bytes <= wire::kMaxBodyBytes) {
+      same_host = !device ||
+                  (exports_ok && peer_opens_device_ && !exports_refused_.load(std::memory_order_acquire) &&
+                   export_all(*device, planned, peer_takes_fds_, exports) &&
+                   body_bytes + 2 * sizeof(uint32_t) + exports.size() * sizeof(wire::DeviceExport) <=
+                       wire::kMaxBodyBytes);
+      if (same_host) break;
+    }
+    if (path == PathKind::kTcp) break;
   }
   std::shared_ptr<PlannedFrame> resend;
   if (ucx) {
@@ -563,6 +583,7 @@ void Link::send_planned(bool write, PlannedFrame &planned, const std::shared_ptr
     }
   }
   out.header.op_id = out.op_id;
+  host_->deadline_at(deadline);
   if (write && !same_host) {
     out.data = std::move(planned.local);
     out.device = device;
@@ -591,6 +612,7 @@ std::shared_ptr<Link::LookupState> Link::send_question(FrameType type, const std
     op.answer_type = type == FrameType::kLookup ? FrameType::kLookupReply : FrameType::kUnlinkAck;
   }
   out.header.op_id = out.op_id;
+  host_->deadline_at(deadline);
   enqueue(next_connection(), std::move(out));
   return state;
 }
@@ -801,6 +823,19 @@ void Link::refuse_group(uint64_t group) {
     refused_groups_.erase(refused_order_.front());
     refused_order_.pop_front();
   }
+}
+
+Status Link::refuse_served(uint64_t group, Status status, std::string &out, std::string why, const char *context) {
+  out = std::move(why);
+  log_warning("link to cluster " + std::to_string(peer_id_) + ": " + context + out);
+  refuse_group(group);
+  return status;
+}
+
+bool Link::initiator_gone(const Connection &conn) {
+  if (!net::peer_closed(conn.fd)) return false;
+  fail(LLM_LINK_FAILED, "the peer closed the link before its same-host operation was served");
+  return true;
 }
 
 size_t Link::refused_group_count() const {
@@ -1016,6 +1051,13 @@ bool Link::overdue(Clock::time_point now) const {
     if (entry.second.deadline <= now) return true;
   }
   return false;
+}
+
+Clock::time_point Link::next_deadline() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  Clock::time_point next = Clock::time_point::max();
+  for (const auto &entry : open_) next = std::min(next, entry.second.deadline);
+  return next;
 }
 
 size_t Link::open_operations() const {

@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -33,9 +34,11 @@
 #include <vector>
 
 #include "answer_hub.h"
+#include "device/cuda_driver.h"
 #include "registry.h"
 #include "request.h"
 #include "transport/io_loop.h"
+#include "transport/planned_frame.h"
 #include "transport/paths/same_host/same_host.h"
 #include "transport/paths/ucx/ucx_path.h"
 #include "transport/socket_util.h"
@@ -68,10 +71,20 @@ class LinkHost {
   virtual AnswerHub *answer_hub() { return nullptr; }
   // The threads that read and write the link's frames.
   virtual IoLoop &io_loop() = 0;
+  // An operation with this deadline was opened: the host fails the link
+  // if it is still open then (overdue()). Called on no lock of the link's.
+  virtual void deadline_at(Clock::time_point) {}
 };
+
+// The paths an operation started here may take.
+enum class PathKind { kSameHost, kUcx, kTcp };
 
 // How a link's bytes move, as its handshake settled it.
 struct LinkPaths {
+  // The paths operations started here try, in order (the handshake's
+  // negotiate step lists them); inline TCP, last, takes what the others
+  // cannot carry.
+  std::vector<PathKind> order{PathKind::kTcp};
   // This end offered the same-host path (the peer may reach its memory).
   bool offered = false;
   // The peer reaches this end's memory: operations started here go as
@@ -97,47 +110,6 @@ struct LinkPaths {
   // Operations started here on host memory go as frames naming it with
   // its keys (wire::kUcxSegments); the peer reads or writes it with UCX.
   std::shared_ptr<ucx::Peer> ucx;
-};
-
-// Which path device bytes took on a link, counted since it formed.
-struct DevicePathStats {
-  // Initiator side: frames on device memory of this end sent as same-host
-  // frames with its allocations exported (CUDA IPC), sent again inline
-  // because the owner could not open the exports, and sent inline (staged).
-  uint64_t ipc_frames = 0;
-  uint64_t ipc_fallbacks = 0;
-  uint64_t staged_frames = 0;
-  // Owner side: bytes this end copied to or from the peer's opened device
-  // memory, and device bytes it staged through host buffers.
-  uint64_t ipc_bytes_served = 0;
-  uint64_t staged_bytes_served = 0;
-  // Of those: initiator side, the ipc_frames naming at least one export as
-  // a descriptor (memory of cuMemCreate); owner side, the ipc_bytes_served
-  // from or into such imported memory, and its allocations imported and
-  // mapped here now (each unmapped and released when the link is reaped).
-  uint64_t fd_frames = 0;
-  uint64_t fd_bytes_served = 0;
-  uint64_t fd_imports = 0;
-  // UCX links. Initiator side: frames sent naming this end's memory for
-  // the peer to move with UCX, and those sent again inline because the
-  // peer's memory was a device's. Owner side: bytes this end moved with UCX.
-  // ucx_device: 1 where this end's UCX moves device memory (built with
-  // CUDA, driver found), so device caches go by UCX too.
-  uint64_t ucx_frames = 0;
-  uint64_t ucx_fallbacks = 0;
-  uint64_t ucx_bytes_served = 0;
-  uint64_t ucx_device = 0;
-};
-
-// One frame of an operation, planned by the initiator.
-struct PlannedFrame {
-  wire::Target target{};
-  std::vector<wire::Range> ranges;
-  // Source (write) or destination (read): one per range, or, with strides,
-  // one per range each stands for, in order.
-  std::vector<iovec> local;
-  std::vector<wire::Range> bounds;  // the whole operation's outermost ranges
-  std::vector<wire::Stride> strides;  // none, or one per range (segment_stride: the local stride)
 };
 
 // A same-host link may have an answer socket beside its connections: each
@@ -166,9 +138,7 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader, pub
   // where both ends can, else inline, staged) or "tcp".
   // "ucx": both ends move bytes with UCX (the peer reads or writes this
   // end's host memory; device memory goes inline).
-  const char *transport() const {
-    return ucx_ ? "ucx" : peer_copies_.load(std::memory_order_acquire) ? "same_host" : "tcp";
-  }
+  const char *transport() const;
 
   // Sends the frames of one operation; each settles `result_index` of
   // `request` (one hold per frame is taken here). `pin` stays alive until
@@ -206,6 +176,8 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader, pub
 
   // True if an open operation is past its deadline.
   bool overdue(Clock::time_point now) const;
+  // The earliest deadline of the open operations; time_point::max() when none is open.
+  Clock::time_point next_deadline() const;
   size_t open_operations() const;
   size_t connection_count() const { return conns_.size(); }
   // Connections that run on Unix sockets (a same-host link that moved to them).
@@ -219,7 +191,9 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader, pub
   // A connection's socket became readable or writable (IoHandler; `tag` is its index).
   void on_ready(uint64_t tag, uint32_t events) override;
   size_t refused_group_count() const;
-  DevicePathStats device_path_stats() const;
+  // The counters of the link's paths, by name (what each counts: see
+  // paths/device/link_device.cpp), counted since the link formed.
+  std::map<std::string, uint64_t> path_counters() const;
 
  private:
   struct OutFrame {
@@ -409,6 +383,15 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader, pub
   // resolve_request, refusing the rest of a group once one of it was refused.
   Status resolve_in_group(const wire::Request &req, ResolvedTarget &target);
   void refuse_group(uint64_t group);
+  // An operation this end serves fails: `why` (logged after `context`) is
+  // what the initiator is told, in `out`, and the rest of its ordered
+  // transfer `group` is refused too (0: none). Returns `status`.
+  Status refuse_served(uint64_t group, Status status, std::string &out, std::string why, const char *context = "");
+  // Whether the initiator gave up on the link (its timeout or its cancel
+  // closed it) before its operation was served: the link then fails, and
+  // no byte moves for it, however long this end was held up before it came
+  // to the request.
+  bool initiator_gone(const Connection &conn);
   // Marks a side of an open operation done; settles it when both are.
   void mark(uint64_t op_id, bool sent, bool answered, Status status, bool skipped = false, std::string reason = {});
   // An answer to op `op_id` with `status`; a refusal carries `why` as its body.
@@ -420,6 +403,7 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader, pub
 
   const uint64_t peer_id_;
   const uint32_t peer_role_;
+  const std::vector<PathKind> order_;
   const bool initiated_here_;
   LinkHost *host_;
   const bool offered_same_host_;

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "device/cuda_driver.h"
 #include "registry.h"
 #include "transport/wire.h"
 

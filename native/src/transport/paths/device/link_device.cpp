@@ -261,10 +261,9 @@ void Link::serve_device_copy(Connection &conn, const FrameHeader &header, const 
   if (st == LLM_SUCCESS) {
     std::string why;
     if (!open_exports(req.exports, target.device, opened, why)) {
-      // Not a refusal: the initiator sends the frame again inline.
-      target.why = "cannot open the initiator's device memory here: " + why;
-      log_warning("link to cluster " + std::to_string(peer_id_) + ": " + target.why);
-      st = llm_datadist::LLM_FEATURE_NOT_ENABLED;
+      // Not a refusal of the transfer (group 0): the initiator sends the frame again inline.
+      st = refuse_served(0, llm_datadist::LLM_FEATURE_NOT_ENABLED, target.why,
+                         "cannot open the initiator's device memory here: " + why);
     }
   }
   // Every segment inside the allocation it names, by the size of what was
@@ -291,12 +290,11 @@ void Link::serve_device_copy(Connection &conn, const FrameHeader &header, const 
                                ? following(req.exports[e].base + peer.size())
                                : -1;
       if (offset >= peer.size() || (left > peer.size() - offset && next < 0)) {
-        target.why = "device segment " + std::to_string(i) + " [" + std::to_string(seg.addr) + ", +" +
-                     std::to_string(seg.length) + ") runs outside its exported allocation of " +
-                     std::to_string(peer.size()) + " bytes at " + std::to_string(req.exports[e].base);
-        log_warning("link to cluster " + std::to_string(peer_id_) + ": refused a device operation: " + target.why);
-        st = llm_datadist::LLM_PARAM_INVALID;
-        refuse_group(req.target.group);
+        st = refuse_served(req.target.group, llm_datadist::LLM_PARAM_INVALID, target.why,
+                           "device segment " + std::to_string(i) + " [" + std::to_string(seg.addr) + ", +" +
+                               std::to_string(seg.length) + ") runs outside its exported allocation of " +
+                               std::to_string(peer.size()) + " bytes at " + std::to_string(req.exports[e].base),
+                           "refused a device operation: ");
         break;
       }
       const uint64_t n = std::min(left, peer.size() - offset);
@@ -312,19 +310,14 @@ void Link::serve_device_copy(Connection &conn, const FrameHeader &header, const 
       }
     }
   }
-  if (st == LLM_SUCCESS && net::peer_closed(conn.fd)) {
-    fail(LLM_LINK_FAILED, "the peer closed the link before its same-host operation was served");
-    return;
-  }
+  if (st == LLM_SUCCESS && initiator_gone(conn)) return;
   if (st == LLM_SUCCESS) {
     std::string why;
     const cuda::Device &device = target.device ? *target.device : *opened.front()->device();
     if (!device.copy(copies, why)) {
-      target.why = std::string("copying ") + (write ? "into" : "out of") + (target.device ? " device" : " host") +
-                   " memory on the peer failed (through CUDA IPC): " + why;
-      log_warning("link to cluster " + std::to_string(peer_id_) + ": " + target.why);
-      st = llm_datadist::LLM_FAILED;
-      refuse_group(req.target.group);
+      st = refuse_served(req.target.group, llm_datadist::LLM_FAILED, target.why,
+                         std::string("copying ") + (write ? "into" : "out of") + (target.device ? " device" : " host") +
+                             " memory on the peer failed (through CUDA IPC): " + why);
     } else {
       ipc_bytes_served_.fetch_add(req.total_bytes, std::memory_order_relaxed);
       fd_bytes_served_.fetch_add(fd_bytes, std::memory_order_relaxed);
@@ -334,22 +327,43 @@ void Link::serve_device_copy(Connection &conn, const FrameHeader &header, const 
   send_answer(conn, answer(write ? FrameType::kWriteAck : FrameType::kReadData, header.op_id, st, target.why));
 }
 
-DevicePathStats Link::device_path_stats() const {
-  DevicePathStats s;
-  s.ipc_frames = ipc_frames_.load(std::memory_order_relaxed);
-  s.ipc_fallbacks = ipc_fallbacks_.load(std::memory_order_relaxed);
-  s.staged_frames = staged_frames_.load(std::memory_order_relaxed);
-  s.ipc_bytes_served = ipc_bytes_served_.load(std::memory_order_relaxed);
-  s.staged_bytes_served = staged_bytes_served_.load(std::memory_order_relaxed);
-  s.fd_frames = fd_frames_.load(std::memory_order_relaxed);
-  s.fd_bytes_served = fd_bytes_served_.load(std::memory_order_relaxed);
-  s.ucx_frames = ucx_frames_.load(std::memory_order_relaxed);
-  s.ucx_fallbacks = ucx_fallbacks_.load(std::memory_order_relaxed);
-  s.ucx_bytes_served = ucx_bytes_served_.load(std::memory_order_relaxed);
-  s.ucx_device = ucx_ && ucx_->worker()->reaches_device() ? 1 : 0;
-  std::lock_guard<std::mutex> lock(opened_mu_);
-  for (const auto &entry : opened_) s.fd_imports += entry.second->imported() ? 1 : 0;
-  return s;
+std::map<std::string, uint64_t> Link::path_counters() const {
+  const auto get = [](const std::atomic<uint64_t> &n) { return n.load(std::memory_order_relaxed); };
+  size_t imports = 0;
+  {
+    std::lock_guard<std::mutex> lock(opened_mu_);
+    for (const auto &entry : opened_) imports += entry.second->imported() ? 1 : 0;
+  }
+  return {
+      // Device memory. Initiator side: frames on device memory of this end
+      // sent as same-host frames with its allocations exported (CUDA IPC),
+      // sent again inline because the owner could not open the exports, and
+      // sent inline (staged). Owner side: bytes this end copied to or from
+      // the peer's opened device memory, and device bytes it staged through
+      // host buffers.
+      {"ipc_frames", get(ipc_frames_)},
+      {"ipc_fallbacks", get(ipc_fallbacks_)},
+      {"staged_frames", get(staged_frames_)},
+      {"ipc_bytes_served", get(ipc_bytes_served_)},
+      {"staged_bytes_served", get(staged_bytes_served_)},
+      // Of those: initiator side, the ipc_frames naming at least one export
+      // as a descriptor (memory of cuMemCreate); owner side, the
+      // ipc_bytes_served from or into such imported memory, and its
+      // allocations imported and mapped here now (each unmapped and
+      // released when the link is reaped).
+      {"fd_frames", get(fd_frames_)},
+      {"fd_bytes_served", get(fd_bytes_served_)},
+      {"fd_imports", imports},
+      // UCX. Initiator side: frames sent naming this end's memory for the
+      // peer to move with UCX, and those sent again inline because the
+      // peer's memory was a device's. Owner side: bytes this end moved with
+      // UCX. ucx_device: 1 where this end's UCX moves device memory (built
+      // with CUDA, driver found), so device caches go by UCX too.
+      {"ucx_frames", get(ucx_frames_)},
+      {"ucx_fallbacks", get(ucx_fallbacks_)},
+      {"ucx_bytes_served", get(ucx_bytes_served_)},
+      {"ucx_device", ucx_ && ucx_->worker()->reaches_device() ? 1u : 0u},
+  };
 }
 
 }  // namespace datadist

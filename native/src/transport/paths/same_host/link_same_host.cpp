@@ -31,19 +31,12 @@ void Link::serve_peer_copy(Connection &conn, const FrameHeader &header, const wi
   // The peer's own ranges, checked before any byte moves: a write reads
   // them, a read writes them.
   if (st == LLM_SUCCESS && !peer_memory_->mapped(req.segments, !write)) {
-    target.why = std::string("the initiator's ") + (write ? "source" : "destination") +
-                 " memory is not mapped " + (write ? "readable" : "writable") + " in its process";
-    log_warning("link to cluster " + std::to_string(peer_id_) + ": refused a same-host operation: " + target.why);
-    st = llm_datadist::LLM_PARAM_INVALID;
-    refuse_group(req.target.group);
+    st = refuse_served(req.target.group, llm_datadist::LLM_PARAM_INVALID, target.why,
+                       std::string("the initiator's ") + (write ? "source" : "destination") + " memory is not mapped " +
+                           (write ? "readable" : "writable") + " in its process",
+                       "refused a same-host operation: ");
   }
-  // An initiator that gave up (its timeout or its cancel closed the link)
-  // gets no byte afterwards, however long this process was held up before
-  // it came to the request: its closed connection is seen before the copy.
-  if (st == LLM_SUCCESS && net::peer_closed(conn.fd)) {
-    fail(LLM_LINK_FAILED, "the peer closed the link before its same-host operation was served");
-    return;
-  }
+  if (st == LLM_SUCCESS && initiator_gone(conn)) return;
   if (st == LLM_SUCCESS) {
     std::string why;
     if (target.device) staged_bytes_served_.fetch_add(req.total_bytes, std::memory_order_relaxed);
@@ -51,20 +44,16 @@ void Link::serve_peer_copy(Connection &conn, const FrameHeader &header, const wi
                           ? peer_copy_staged(*target.device, target.iov, req.segments, write, why)
                           : same_host::copy_pairs(*peer_memory_, host_->copy_pool(), target.iov, req.segments, write);
     if (error == -1) {
-      target.why = std::string("copying ") + (write ? "into" : "out of") + " device memory on the peer failed: " + why;
-      log_warning("link to cluster " + std::to_string(peer_id_) + ": " + target.why);
-      st = llm_datadist::LLM_FAILED;
-      refuse_group(req.target.group);
+      st = refuse_served(req.target.group, llm_datadist::LLM_FAILED, target.why,
+                         std::string("copying ") + (write ? "into" : "out of") + " device memory on the peer failed: " + why);
     } else if (error == ESRCH) {
       fail(LLM_LINK_FAILED, "the peer process is gone");
       return;
     }
     if (error > 0) {
       // The peer's memory changed under the copy: its own operation fails.
-      target.why = std::string("the same-host copy failed: ") + std::strerror(error);
-      log_warning("link to cluster " + std::to_string(peer_id_) + ": " + target.why);
-      st = llm_datadist::LLM_PARAM_INVALID;
-      refuse_group(req.target.group);
+      st = refuse_served(req.target.group, llm_datadist::LLM_PARAM_INVALID, target.why,
+                         std::string("the same-host copy failed: ") + std::strerror(error));
     }
   }
   if (st == LLM_SUCCESS && !write) note_read(req);

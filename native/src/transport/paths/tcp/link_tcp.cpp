@@ -30,10 +30,8 @@ void Link::serve_write(Connection &conn, const FrameHeader &header, const wire::
       std::string why;
       Status status = LLM_SUCCESS;
       if (!receive_staged(c->in, *target->device, target->iov, bytes, ok, why) && ok) {
-        status = llm_datadist::LLM_FAILED;
-        target->why = "copying into device memory on the peer failed: " + why;
-        log_warning("link to cluster " + std::to_string(peer_id_) + ": " + target->why);
-        refuse_group(group);
+        status = refuse_served(group, llm_datadist::LLM_FAILED, target->why,
+                               "copying into device memory on the peer failed: " + why);
       }
       if (!ok) {
         fail(LLM_LINK_FAILED, "connection closed by the peer");

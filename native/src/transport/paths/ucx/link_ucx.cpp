@@ -90,11 +90,10 @@ void Link::serve_ucx(Connection &conn, const FrameHeader &header, const wire::Re
     Status result = LLM_SUCCESS;
     std::string words;
     if (served->status != 0) {
-      words = std::string("UCX could not ") + (served->write ? "read the initiator's memory: " : "write the initiator's memory: ") +
-              (served->why.empty() ? link.ucx_->worker()->describe(served->status) : served->why);
-      log_warning("link to cluster " + std::to_string(link.peer_id_) + ": " + words);
-      result = llm_datadist::LLM_FAILED;
-      link.refuse_group(served->req.target.group);
+      result = link.refuse_served(
+          served->req.target.group, llm_datadist::LLM_FAILED, words,
+          std::string("UCX could not ") + (served->write ? "read the initiator's memory: " : "write the initiator's memory: ") +
+              (served->why.empty() ? link.ucx_->worker()->describe(served->status) : served->why));
     } else {
       link.ucx_bytes_served_.fetch_add(served->req.total_bytes, std::memory_order_relaxed);
       if (!served->write) link.note_read(served->req);

@@ -96,6 +96,16 @@ Mapping::~Mapping() {
 
 namespace {
 
+// A cache's tensors mapped for UCX peers, each on its first use; attached
+// to the cache (CacheEntry::attachment), so unmapped before its memory goes.
+struct TensorMaps : CacheAttachment {
+  std::mutex mu;
+  std::vector<std::shared_ptr<Mapping>> maps;
+};
+
+// The tag of UCX's attachment.
+constexpr char kTensorMapsTag = 0;
+
 // Tensor `t` of `entry` mapped with `worker`: made on its first use and kept
 // in the entry until the cache goes. Device memory is mapped with its
 // context current on the calling thread, where the worker's UCX reaches it.
@@ -105,8 +115,9 @@ std::shared_ptr<Mapping> map_tensor(const std::shared_ptr<Worker> &worker, Cache
     why = "cache " + std::to_string(entry.id) + " is device memory, which this end's UCX does not reach";
     return nullptr;
   }
-  std::lock_guard<std::mutex> lock(entry.ucx_mu);
-  auto &slots = entry.ucx_maps;
+  const auto attached = entry.attachment<TensorMaps>(&kTensorMapsTag, [] { return std::make_shared<TensorMaps>(); });
+  std::lock_guard<std::mutex> lock(attached->mu);
+  auto &slots = attached->maps;
   if (slots.size() != entry.addrs.size()) slots.resize(entry.addrs.size());
   if (slots[t] && slots[t]->worker() == worker.get()) return slots[t];
   if (entry.device) {

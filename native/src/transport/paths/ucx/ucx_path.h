@@ -100,7 +100,7 @@ class Mapping {
 
 // The keys a frame's local memory needs: for each iovec, the tensor of a
 // registered cache that holds it, mapped with `worker` on its first use
-// (CacheEntry::ucx_maps keeps the mapping until the cache goes). False with
+// (attached to the cache, which keeps the mapping until it goes). False with
 // `why` when some memory is not inside one registered tensor, or is device
 // memory that this UCX does not reach.
 bool keys_for(const std::shared_ptr<Worker> &worker, Registry &registry, const std::vector<iovec> &local,

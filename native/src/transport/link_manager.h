@@ -1,18 +1,24 @@
-// TcpTransport: listens for peers, establishes and tears down links, and
-// watches open operations for their deadlines.
+// LinkManager: the links of one engine to its peers, over every path. It
+// listens for peers and runs both ends of the handshake (the acceptor's
+// admit(), the initiator's link()), whose one negotiate() step settles each
+// link's ordered list of paths from what the peer offered: the same-host
+// path (its memory probed), UCX (the transport's worker, set up by
+// start_ucx(), and an endpoint per link), inline TCP. It makes, finds and
+// unlinks links, fails those whose operations overran their deadline, and
+// reaps those that went down.
 //
 // Threads: a Listener thread while listening (handshakes, see listener.h;
-// it also answers the links it completes), the I/O loop's threads that
-// write every link's frames (a fixed number, io_loop.h), a reader per
-// connection, and one housekeeping thread that
-// reaps links that went down and fails links whose operations overran
-// sync_kv_timeout. Public methods may be called from any thread; shutdown()
+// it also answers the links it completes), the I/O loop's threads
+// (io_loop.h: a fixed number for every link's frames, which also run the
+// timer that fails links whose operations overran their deadline and reads
+// answers nobody came for), and one housekeeping thread that reaps links
+// that went down. Public methods may be called from any thread; shutdown()
 // must be the last call.
 //
 // Bounds: at most kMaxLinks links (either end starting them); a listener
 // grants each link at most its own connections_per_peer connections.
-#ifndef DATADIST_TRANSPORT_TCP_TRANSPORT_H_
-#define DATADIST_TRANSPORT_TCP_TRANSPORT_H_
+#ifndef DATADIST_TRANSPORT_LINK_MANAGER_H_
+#define DATADIST_TRANSPORT_LINK_MANAGER_H_
 
 #include <condition_variable>
 #include <cstdint>
@@ -26,6 +32,7 @@
 #include <vector>
 
 #include "registry.h"
+#include "transport/deadline_timer.h"
 #include "transport/link.h"
 #include "transport/listener.h"
 #include "transport/paths/ucx/ucx_path.h"
@@ -59,12 +66,12 @@ struct TransportOptions {
 // LLM_CLUSTER_NUM_EXCEED_LIMIT.
 inline constexpr size_t kMaxLinks = 512;
 
-class TcpTransport : public LinkHost {
+class LinkManager : public LinkHost {
  public:
-  TcpTransport(uint64_t cluster_id, uint32_t role, Registry &registry, TransportOptions options);
-  ~TcpTransport() override;
-  TcpTransport(const TcpTransport &) = delete;
-  TcpTransport &operator=(const TcpTransport &) = delete;
+  LinkManager(uint64_t cluster_id, uint32_t role, Registry &registry, TransportOptions options);
+  ~LinkManager() override;
+  LinkManager(const LinkManager &) = delete;
+  LinkManager &operator=(const LinkManager &) = delete;
 
   // Starts listening; the bound port is listen_port().
   // With options.ucx: makes the UCX worker; LLM_FEATURE_NOT_ENABLED with
@@ -100,14 +107,12 @@ class TcpTransport : public LinkHost {
     size_t refused_groups = 0;
     size_t local_sockets = 0;  // connections on Unix sockets
     bool answer_socket = false;
-    DevicePathStats device;
+    std::map<std::string, uint64_t> paths;  // Link::path_counters()
   };
   bool link_stats(uint64_t peer_id, LinkStats &stats) const;
   ListenerStats listener_stats() const;
   void set_role(uint32_t role) { role_ = role; }
 
-  // Tells the housekeeping thread that operations with deadlines are open.
-  void operations_started();
   // Fails every link with `reason`, settles every operation, stops threads.
   void shutdown(Status reason);
 
@@ -117,6 +122,8 @@ class TcpTransport : public LinkHost {
   same_host::CopyPool &copy_pool() override { return copy_pool_; }
   AnswerHub *answer_hub() override { return options_.answers; }
   IoLoop &io_loop() override { return io_loop_; }
+  // The timer fires by then.
+  void deadline_at(Clock::time_point when) override { timer_->at(when); }
 
  private:
   // Answers a link whose connections all came (listener thread): refuses
@@ -132,6 +139,24 @@ class TcpTransport : public LinkHost {
   // gets what the acceptor's proof will cover. `granted` is set when the
   // acceptor answered that it keeps only that many connections (this one
   // past them).
+  // What the other end of a handshake offered: its hello (at the acceptor)
+  // or its ack (at the initiator).
+  struct PeerOffer {
+    bool same_host = false;  // kOffersSameHost
+    wire::SameHostInfo info{};
+    bool copies_for_me = false;  // kCopiesForYou (an ack): the acceptor reached this end's memory
+    bool opens_device = false;  // kDeviceHandles
+    bool takes_fds = false;  // kDeviceFds
+    std::string ucx_address;  // kOffersUcx: the peer's worker
+  };
+  // The one step of both handshakes that settles a link's paths from what
+  // the peer offered: the same-host path (its memory probed), UCX (its
+  // endpoint made) and their order. Not LLM_SUCCESS (with `why`) when the
+  // link cannot be made with them.
+  Status negotiate(uint64_t peer_id, bool acceptor, const PeerOffer &peer, LinkPaths &paths, std::string &why);
+  // Starts the timer (and the answer sweep's watch) unless it runs; false
+  // when the kernel refuses them (mu_ held).
+  bool start_timer_locked();
   // Counts a link made with `peer_id` (mu_ held).
   void count_made(uint64_t peer_id);
   // `local_socket` and `answer_socket` (or -1) are this end's descriptors
@@ -150,6 +175,10 @@ class TcpTransport : public LinkHost {
   // The initiator's answer socket, taken; -1 when it named none or it cannot be taken.
   int take_answer_socket(const FormedLink &formed);
   void housekeeping_loop();
+  // The timer fired (an I/O thread): reads the answers left unread, fails
+  // the links whose operations overran their deadline, and sets the timer
+  // for the next deadline of the others (none open: it stays disarmed).
+  void on_timer();
   void reap_down_links();
   void reap(const std::vector<std::shared_ptr<Link>> &links);
 
@@ -159,6 +188,11 @@ class TcpTransport : public LinkHost {
   const TransportOptions options_;
   same_host::CopyPool copy_pool_;
   IoLoop io_loop_;  // outlives every link: shutdown() reaps them all
+  // Deadlines and the answer sweep, in io_loop_ from the first link until
+  // shutdown(); set once (mu_), before any link exists.
+  std::shared_ptr<DeadlineTimer> timer_;
+  class AnswerWatch;
+  std::shared_ptr<AnswerWatch> answer_watch_;
   // The UCX worker (options.ucx), progressed by io_loop_ until shutdown().
   std::shared_ptr<ucx::Worker> ucx_;
   std::atomic<bool> refusal_logged_{false};  // the kernel refused same-host copies
@@ -178,7 +212,6 @@ class TcpTransport : public LinkHost {
   uint64_t generation_ = 0;
   std::function<void(uint64_t)> loss_observer_;
   bool stopping_ = false;
-  bool housekeeper_idle_ = false;  // waiting with no deadline to watch
 
   std::unique_ptr<Listener> listener_;
   uint16_t listen_port_ = 0;
@@ -188,4 +221,4 @@ class TcpTransport : public LinkHost {
 
 }  // namespace datadist
 
-#endif  // DATADIST_TRANSPORT_TCP_TRANSPORT_H_
+#endif  // DATADIST_TRANSPORT_LINK_MANAGER_H_

@@ -1,6 +1,7 @@
-#include "transport/tcp_transport.h"
+#include "transport/link_manager.h"
 
 #include <dirent.h>
+#include <sys/epoll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -13,6 +14,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <system_error>
 #include <type_traits>
 
 #include "error_detail.h"
@@ -35,7 +37,6 @@ using wire::FrameType;
 
 namespace {
 
-constexpr auto kDeadlinePoll = std::chrono::milliseconds(20);
 constexpr size_t kMaxMadeCounts = 8 * kMaxLinks;
 
 uint64_t new_nonce() {
@@ -79,7 +80,57 @@ void send_to_all(const std::vector<int> &fds, const std::string &bytes) {
 
 }  // namespace
 
-TcpTransport::TcpTransport(uint64_t cluster_id, uint32_t role, Registry &registry, TransportOptions options)
+// Watches the answer hub's fd (readable while an answer waits unread):
+// once it fires, the timer comes back sweep_after later and reads what
+// nobody read meanwhile; only then is the fd watched again.
+class LinkManager::AnswerWatch : public IoHandler {
+ public:
+  AnswerWatch(AnswerHub &hub, DeadlineTimer &timer) : hub_(hub), timer_(timer) {}
+  bool start(IoLoop &loop, const std::shared_ptr<AnswerWatch> &self) {
+    loop_ = &loop;
+    id_ = loop.add(hub_.fd(), std::weak_ptr<IoHandler>(self), 0);
+    return id_ != 0 && loop.arm(id_, EPOLLIN);
+  }
+  void stop() {
+    if (id_ != 0) loop_->remove(id_);
+  }
+  void on_ready(uint64_t, uint32_t) override {
+    const auto after = hub_.sweep_after();
+    if (after.count() == 0) return;  // the sweep is off: not watched again
+    const Clock::time_point due = Clock::now() + after;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      pending_ = true;
+      due_ = due;
+      seen_ = hub_.drives();
+    }
+    timer_.at(due);
+  }
+  // From the timer: sweeps when due, then watches the fd again.
+  void on_timer(Clock::time_point now) {
+    uint64_t seen;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!pending_ || now < due_) return;
+      pending_ = false;
+      seen = seen_;
+    }
+    hub_.sweep(seen);
+    loop_->arm(id_, EPOLLIN);
+  }
+
+ private:
+  AnswerHub &hub_;
+  DeadlineTimer &timer_;
+  IoLoop *loop_ = nullptr;
+  uint64_t id_ = 0;
+  std::mutex mu_;
+  bool pending_ = false;  // the fd fired; the sweep is due at due_ (mu_)
+  Clock::time_point due_{};
+  uint64_t seen_ = 0;  // the hub's drives() then
+};
+
+LinkManager::LinkManager(uint64_t cluster_id, uint32_t role, Registry &registry, TransportOptions options)
     : cluster_id_(cluster_id), role_(role), registry_(registry), options_(options), io_loop_(options.io_threads) {
   housekeeping_ = std::thread([this] {
     name_this_thread("dd-keeper");
@@ -87,7 +138,7 @@ TcpTransport::TcpTransport(uint64_t cluster_id, uint32_t role, Registry &registr
   });
 }
 
-TcpTransport::~TcpTransport() { shutdown(llm_datadist::LLM_LINK_FAILED); }
+LinkManager::~LinkManager() { shutdown(llm_datadist::LLM_LINK_FAILED); }
 
 namespace {
 
@@ -104,7 +155,7 @@ bool rdma_device_here() {
 
 }  // namespace
 
-Status TcpTransport::start_ucx() {
+Status LinkManager::start_ucx() {
   if ((!options_.ucx && !options_.ucx_auto) || ucx_) return LLM_SUCCESS;
   std::string why;
   if (options_.ucx) {
@@ -129,7 +180,7 @@ Status TcpTransport::start_ucx() {
   return LLM_SUCCESS;
 }
 
-Status TcpTransport::listen(const std::string &ip, uint16_t port) {
+Status LinkManager::listen(const std::string &ip, uint16_t port) {
   std::lock_guard<std::mutex> lock(mu_);
   if (stopping_) return llm_datadist::LLM_FAILED;
   if (listener_) return LLM_SUCCESS;
@@ -151,7 +202,7 @@ Status TcpTransport::listen(const std::string &ip, uint16_t port) {
   return LLM_SUCCESS;
 }
 
-void TcpTransport::stop_listening() {
+void LinkManager::stop_listening() {
   std::unique_ptr<Listener> listener;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -162,30 +213,30 @@ void TcpTransport::stop_listening() {
   if (listener) listener->stop();
 }
 
-uint16_t TcpTransport::listen_port() const {
+uint16_t LinkManager::listen_port() const {
   std::lock_guard<std::mutex> lock(mu_);
   return listen_port_;
 }
 
-ListenerStats TcpTransport::listener_stats() const {
+ListenerStats LinkManager::listener_stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   return listener_ ? listener_->stats() : ListenerStats{};
 }
 
-bool TcpTransport::may_replace(const std::shared_ptr<Link> &existing, const FormedLink &formed) {
+bool LinkManager::may_replace(const std::shared_ptr<Link> &existing, const FormedLink &formed) {
   // A link whose peer has closed it (a forced unlink, an exit) is gone,
   // whether or not this end's readers have seen it yet.
   if (formed.authenticated || existing->is_down() || existing->peer_closed()) return true;
   // A stranger may claim any id without a secret. The link stays while it
   // answers; a probe with a deadline finds out whether it still does (the
-  // housekeeping thread fails it at the deadline otherwise).
-  if (existing->probe(Clock::now() + std::chrono::milliseconds(options_.user_timeout_ms))) operations_started();
+  // timer fails it at the deadline otherwise).
+  existing->probe(Clock::now() + std::chrono::milliseconds(options_.user_timeout_ms));
   log_warning("refused a link from " + std::to_string(formed.peer_id) +
               ": a link with that cluster is up and this end has no secret to tell them apart");
   return false;
 }
 
-void TcpTransport::admit(FormedLink &formed) {
+void LinkManager::admit(FormedLink &formed) {
   const uint64_t peer_id = formed.peer_id;
   std::shared_ptr<Link> existing;
   Status st = LLM_SUCCESS;
@@ -197,6 +248,8 @@ void TcpTransport::admit(FormedLink &formed) {
       st = LLM_ALREADY_LINK;
     } else if (!existing && links_.size() + linking_.size() >= kMaxLinks) {
       st = llm_datadist::LLM_CLUSTER_NUM_EXCEED_LIMIT;
+    } else if (!start_timer_locked()) {
+      st = LLM_LINK_FAILED;
     }
   }
   if (st == LLM_SUCCESS && existing && !may_replace(existing, formed)) st = LLM_ALREADY_LINK;
@@ -207,53 +260,37 @@ void TcpTransport::admit(FormedLink &formed) {
     close_all(formed.fds);
     return;
   }
-  // A UCX end links only with a peer that offers UCX too.
-  std::shared_ptr<ucx::Peer> ucx_peer;
-  if (options_.ucx) {
-    std::string why = formed.ucx_address.empty() ? "it does not move bytes with UCX (its transport is not \"ucx\")"
-                                                 : std::string();
-    if (why.empty()) ucx_peer = ucx::Peer::connect(ucx_, formed.ucx_address, why);
-    if (!ucx_peer) {
-      log_warning("refused a link from " + std::to_string(peer_id) + ": " + why);
-      send_to_all(formed.fds, handshake::frame(FrameType::kHelloAck, ack.bytes(), LLM_LINK_FAILED));
-      close_all(formed.fds);
-      return;
-    }
+  PeerOffer offer;
+  offer.same_host = formed.offers_same_host;
+  offer.info = formed.same_host;
+  offer.opens_device = formed.opens_device;
+  offer.takes_fds = formed.takes_fds;
+  offer.ucx_address = formed.ucx_address;
+  LinkPaths paths;
+  std::string why;
+  if (negotiate(peer_id, true, offer, paths, why) != LLM_SUCCESS) {
+    log_warning("refused a link from " + std::to_string(peer_id) + ": " + why);
+    send_to_all(formed.fds, handshake::frame(FrameType::kHelloAck, ack.bytes(), LLM_LINK_FAILED));
+    close_all(formed.fds);
+    return;
+  }
+  // What this end says back: the paths it took.
+  if (paths.ucx) {
     ack.fixed.flags |= wire::kOffersUcx;
     ack.ucx_address = ucx_->address();
+  }
+  if (paths.offered) {
+    ack.fixed.flags |= wire::kOffersSameHost | (paths.peer_memory ? uint32_t{wire::kCopiesForYou} : 0u);
+    // Said back only to a peer that said it: one that did not may not know the flag.
+    if (paths.peer_opens_device) ack.fixed.flags |= wire::kDeviceHandles;
+    if (paths.peer_takes_fds) ack.fixed.flags |= wire::kDeviceFds;
+    ack.same_host = same_host::local_info();
   }
   // The peer linked again: its old link is gone.
   if (existing) existing->fail(LLM_LINK_FAILED, "replaced by a new link from the same cluster");
   if (formed.fds.size() < formed.asked) {
     ack.fixed.flags |= wire::kGrantsConnections;
     ack.granted = static_cast<uint32_t>(formed.fds.size());
-  }
-  // Both ends want the same-host path: this end offers its own memory and
-  // says whether it reached the initiator's.
-  LinkPaths paths;
-  paths.ucx = std::move(ucx_peer);
-  paths.offered = options_.same_host && formed.offers_same_host;
-  if (paths.offered) {
-    paths.peer_memory = reach(peer_id, formed.same_host);
-    ack.fixed.flags |= wire::kOffersSameHost | (paths.peer_memory ? uint32_t{wire::kCopiesForYou} : 0u);
-    // Said back only to a peer that said it: one that did not may not know the flag.
-    paths.peer_opens_device = formed.opens_device;
-    if (formed.opens_device) ack.fixed.flags |= wire::kDeviceHandles;
-    paths.peer_takes_fds = formed.opens_device && formed.takes_fds;
-    if (paths.peer_takes_fds) ack.fixed.flags |= wire::kDeviceFds;
-    ack.same_host = same_host::local_info();
-  }
-  // Transport "auto": UCX for a peer that offers it where the same-host
-  // path does not serve (another host, or memory out of reach).
-  if (!options_.ucx && ucx_ && !formed.ucx_address.empty() && !(paths.offered && paths.peer_memory)) {
-    std::string why;
-    paths.ucx = ucx::Peer::connect(ucx_, formed.ucx_address, why);
-    if (paths.ucx) {
-      ack.fixed.flags |= wire::kOffersUcx;
-      ack.ucx_address = ucx_->address();
-    } else {
-      log_warning("link from cluster " + std::to_string(peer_id) + " goes without UCX: " + why);
-    }
   }
   if (!options_.auth_key.empty()) ack.fixed.flags |= wire::kAuthenticated;
   // The link runs on the initiator's local sockets when this end could take
@@ -311,14 +348,76 @@ void TcpTransport::admit(FormedLink &formed) {
   if (!sent) link->fail(LLM_LINK_FAILED, "the initiator went away during the handshake");
 }
 
-void TcpTransport::count_made(uint64_t peer_id) {
+Status LinkManager::negotiate(uint64_t peer_id, bool acceptor, const PeerOffer &peer, LinkPaths &paths,
+                               std::string &why) {
+  // Transport "ucx": only with a peer that moves bytes with UCX too.
+  if (options_.ucx) {
+    if (peer.ucx_address.empty()) {
+      why = "it does not move bytes with UCX (its transport is not \"ucx\")";
+      return LLM_LINK_FAILED;
+    }
+    paths.ucx = ucx::Peer::connect(ucx_, peer.ucx_address, why);
+    if (!paths.ucx) return LLM_LINK_FAILED;
+  }
+  // Same host: where both ends want it. This end serves the peer's
+  // same-host frames where it reaches the peer's memory; the initiator
+  // copies for the acceptor once the acceptor said it reached its memory,
+  // the acceptor once the link's first frame says so.
+  paths.offered = options_.same_host && peer.same_host;
+  if (paths.offered) {
+    paths.peer_memory = reach(peer_id, peer.info);
+    paths.peer_copies = !acceptor && peer.copies_for_me;
+    paths.announce = !acceptor;
+    paths.peer_opens_device = peer.opens_device;
+    paths.peer_takes_fds = peer.opens_device && peer.takes_fds;
+  }
+  // Transport "auto": UCX for a peer that offers it where the same-host
+  // path does not serve (another host, or memory out of reach). The
+  // acceptor chooses, and goes on without UCX where it refuses the peer's
+  // address; the initiator follows.
+  if (!options_.ucx && ucx_ && !peer.ucx_address.empty() && !(acceptor && paths.offered && paths.peer_memory)) {
+    paths.ucx = ucx::Peer::connect(ucx_, peer.ucx_address, why);
+    if (!paths.ucx && !acceptor) {
+      why = "the peer chose UCX, which refused its address here: " + why;
+      return LLM_LINK_FAILED;
+    }
+    if (!paths.ucx) log_warning("link from cluster " + std::to_string(peer_id) + " goes without UCX: " + why);
+    why.clear();
+  }
+  // The order in which operations started here try them; inline TCP takes
+  // what the others cannot.
+  paths.order.clear();
+  if (paths.ucx) paths.order.push_back(PathKind::kUcx);
+  if (paths.offered) paths.order.push_back(PathKind::kSameHost);
+  paths.order.push_back(PathKind::kTcp);
+  return LLM_SUCCESS;
+}
+
+bool LinkManager::start_timer_locked() {
+  if (timer_) return true;
+  // With the first link, as the I/O loop's threads.
+  std::shared_ptr<DeadlineTimer> timer = DeadlineTimer::create(io_loop_, [this] { on_timer(); });
+  if (!timer) return false;
+  if (options_.answers != nullptr) {
+    auto watch = std::make_shared<AnswerWatch>(*options_.answers, *timer);
+    if (!watch->start(io_loop_, watch)) {
+      timer->stop();
+      return false;
+    }
+    answer_watch_ = std::move(watch);
+  }
+  timer_ = std::move(timer);
+  return true;
+}
+
+void LinkManager::count_made(uint64_t peer_id) {
   ++made_count_[peer_id];
   for (auto it = made_count_.begin(); made_count_.size() > kMaxMadeCounts && it != made_count_.end();) {
     it = links_.count(it->first) == 0 ? made_count_.erase(it) : std::next(it);
   }
 }
 
-Status TcpTransport::greet(int fd, uint64_t peer_id, uint64_t nonce, uint32_t index, uint32_t count,
+Status LinkManager::greet(int fd, uint64_t peer_id, uint64_t nonce, uint32_t index, uint32_t count,
                            int local_socket, int answer_socket, std::string &transcript, uint32_t &granted) {
   handshake::Hello hello;
   hello.fixed = {cluster_id_, peer_id, nonce, role_.load(), index, count, 0};
@@ -369,13 +468,14 @@ Status TcpTransport::greet(int fd, uint64_t peer_id, uint64_t nonce, uint32_t in
   return send_body(fd, FrameType::kProof, sent) ? LLM_SUCCESS : LLM_LINK_FAILED;
 }
 
-Status TcpTransport::link(uint64_t peer_id, const std::string &ip, uint16_t port, const std::string &local_ip,
+Status LinkManager::link(uint64_t peer_id, const std::string &ip, uint16_t port, const std::string &local_ip,
                           int timeout_ms) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return llm_datadist::LLM_FAILED;
     if (links_.count(peer_id) != 0 || linking_.count(peer_id) != 0) return LLM_ALREADY_LINK;
     if (links_.size() + linking_.size() >= kMaxLinks) return llm_datadist::LLM_CLUSTER_NUM_EXCEED_LIMIT;
+    if (!start_timer_locked()) return LLM_LINK_FAILED;
     linking_.insert(peer_id);
   }
   const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
@@ -462,34 +562,22 @@ Status TcpTransport::link(uint64_t peer_id, const std::string &ip, uint16_t port
     }
     peer_role = ack.fixed.role;
   }
-  // The peer offered its memory in return: probe it, and tell it (first
-  // frame of the link) when reached.
+  // The paths, from what the acceptor took: the same-host path (the peer's
+  // memory probed, and the peer told by the link's first frame when it was
+  // reached) and UCX.
   LinkPaths paths;
-  if (st == LLM_SUCCESS && options_.same_host && ack.offers_same_host()) {
-    paths.offered = true;
-    paths.peer_copies = (ack.fixed.flags & wire::kCopiesForYou) != 0;
-    paths.peer_opens_device = (ack.fixed.flags & wire::kDeviceHandles) != 0;
-    paths.peer_takes_fds = (ack.fixed.flags & wire::kDeviceFds) != 0;
-    paths.peer_memory = reach(peer_id, ack.same_host);
-    paths.announce = true;
-  }
-  // A UCX end links only with a peer that answers with its UCX worker.
-  if (st == LLM_SUCCESS && options_.ucx) {
-    std::string why = ack.offers_ucx() ? std::string() : "it does not move bytes with UCX (its transport is not \"ucx\")";
-    if (why.empty()) paths.ucx = ucx::Peer::connect(ucx_, ack.ucx_address, why);
-    if (!paths.ucx) {
-      log_warning("link to cluster " + std::to_string(peer_id) + " at " + ip + ":" + std::to_string(port) + ": " + why);
-      st = LLM_LINK_FAILED;
-    }
-  }
-  // Transport "auto": the acceptor chose UCX, so this end moves with it too.
-  if (st == LLM_SUCCESS && !options_.ucx && ucx_ && ack.offers_ucx()) {
+  if (st == LLM_SUCCESS) {
+    PeerOffer offer;
+    offer.same_host = ack.offers_same_host();
+    offer.info = ack.same_host;
+    offer.copies_for_me = (ack.fixed.flags & wire::kCopiesForYou) != 0;
+    offer.opens_device = (ack.fixed.flags & wire::kDeviceHandles) != 0;
+    offer.takes_fds = (ack.fixed.flags & wire::kDeviceFds) != 0;
+    if (ack.offers_ucx()) offer.ucx_address = ack.ucx_address;
     std::string why;
-    paths.ucx = ucx::Peer::connect(ucx_, ack.ucx_address, why);
-    if (!paths.ucx) {
-      log_warning("link to cluster " + std::to_string(peer_id) + " at " + ip + ":" + std::to_string(port) +
-                  ": the peer chose UCX, which refused its address here: " + why);
-      st = LLM_LINK_FAILED;
+    st = negotiate(peer_id, false, offer, paths, why);
+    if (st != LLM_SUCCESS) {
+      log_warning("link to cluster " + std::to_string(peer_id) + " at " + ip + ":" + std::to_string(port) + ": " + why);
     }
   }
   // The acceptor took the local sockets: the link runs on this end's halves.
@@ -551,7 +639,7 @@ Status TcpTransport::link(uint64_t peer_id, const std::string &ip, uint16_t port
   return LLM_SUCCESS;
 }
 
-Status TcpTransport::unlink(uint64_t peer_id, bool force, int timeout_ms) {
+Status LinkManager::unlink(uint64_t peer_id, bool force, int timeout_ms) {
   std::shared_ptr<Link> link;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -566,13 +654,13 @@ Status TcpTransport::unlink(uint64_t peer_id, bool force, int timeout_ms) {
   return st == LLM_SUCCESS ? LLM_SUCCESS : llm_datadist::LLM_UNLINK_FAILED;
 }
 
-void TcpTransport::detach(const std::shared_ptr<Link> &link) {
+void LinkManager::detach(const std::shared_ptr<Link> &link) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = links_.find(link->peer_id());
   if (it != links_.end() && it->second == link) links_.erase(it);
 }
 
-std::shared_ptr<same_host::PeerMemory> TcpTransport::reach(uint64_t peer_id, const wire::SameHostInfo &info) {
+std::shared_ptr<same_host::PeerMemory> LinkManager::reach(uint64_t peer_id, const wire::SameHostInfo &info) {
   std::string why;
   switch (same_host::probe(info, why)) {
     case same_host::Probe::kReachable:
@@ -590,12 +678,12 @@ std::shared_ptr<same_host::PeerMemory> TcpTransport::reach(uint64_t peer_id, con
   }
 }
 
-int TcpTransport::take_from_initiator(const FormedLink &formed, int64_t number, int type, std::string &why) {
+int LinkManager::take_from_initiator(const FormedLink &formed, int64_t number, int type, std::string &why) {
   if (number < 0 || number > INT32_MAX) return -1;
   return same_host::take_socket(static_cast<pid_t>(formed.same_host.pid), static_cast<uint32_t>(number), why, type);
 }
 
-std::vector<int> TcpTransport::take_local_sockets(const FormedLink &formed) {
+std::vector<int> LinkManager::take_local_sockets(const FormedLink &formed) {
   std::vector<int> taken;
   std::string why;
   for (int64_t number : formed.local_sockets) {
@@ -613,7 +701,7 @@ std::vector<int> TcpTransport::take_local_sockets(const FormedLink &formed) {
   return taken;
 }
 
-int TcpTransport::take_answer_socket(const FormedLink &formed) {
+int LinkManager::take_answer_socket(const FormedLink &formed) {
   if (options_.answers == nullptr || formed.answer_socket < 0) return -1;
   std::string why;
   const int fd = take_from_initiator(formed, formed.answer_socket, SOCK_SEQPACKET, why);
@@ -624,40 +712,40 @@ int TcpTransport::take_answer_socket(const FormedLink &formed) {
   return fd;
 }
 
-const char *TcpTransport::link_transport(uint64_t peer_id) const {
+const char *LinkManager::link_transport(uint64_t peer_id) const {
   std::shared_ptr<Link> link = find(peer_id);
   return link ? link->transport() : nullptr;
 }
 
-uint64_t TcpTransport::links_made(uint64_t peer_id) const {
+uint64_t LinkManager::links_made(uint64_t peer_id) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = made_count_.find(peer_id);
   return it == made_count_.end() ? 0 : it->second;
 }
 
-std::shared_ptr<Link> TcpTransport::find(uint64_t peer_id) const {
+std::shared_ptr<Link> LinkManager::find(uint64_t peer_id) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = links_.find(peer_id);
   return it == links_.end() ? nullptr : it->second;
 }
 
-size_t TcpTransport::link_count() const {
+size_t LinkManager::link_count() const {
   std::lock_guard<std::mutex> lock(mu_);
   return links_.size();
 }
 
-bool TcpTransport::link_stats(uint64_t peer_id, LinkStats &stats) const {
+bool LinkManager::link_stats(uint64_t peer_id, LinkStats &stats) const {
   std::shared_ptr<Link> link = find(peer_id);
   if (!link) return false;
   stats.connections = link->connection_count();
   stats.refused_groups = link->refused_group_count();
   stats.local_sockets = link->local_socket_count();
   stats.answer_socket = link->has_answer_socket();
-  stats.device = link->device_path_stats();
+  stats.paths = link->path_counters();
   return true;
 }
 
-void TcpTransport::link_down(const std::shared_ptr<Link> &link) {
+void LinkManager::link_down(const std::shared_ptr<Link> &link) {
   bool lost = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -673,26 +761,13 @@ void TcpTransport::link_down(const std::shared_ptr<Link> &link) {
   if (lost && loss_observer_) loss_observer_(link->peer_id());
 }
 
-void TcpTransport::operations_started() {
-  bool wake;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    ++generation_;
-    // Already polling deadlines, the housekeeper sees the new operations at
-    // its next round; only an idle one needs waking (a wake-up per operation
-    // costs the latency of small transfers).
-    wake = housekeeper_idle_;
-  }
-  if (wake) cv_.notify_all();
-}
-
-void TcpTransport::reap(const std::vector<std::shared_ptr<Link>> &links) {
+void LinkManager::reap(const std::vector<std::shared_ptr<Link>> &links) {
   for (auto &link : links) link->reap();
   std::lock_guard<std::mutex> lock(mu_);
   for (auto &link : links) made_.erase(std::remove(made_.begin(), made_.end(), link), made_.end());
 }
 
-void TcpTransport::reap_down_links() {
+void LinkManager::reap_down_links() {
   std::vector<std::shared_ptr<Link>> down;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -701,43 +776,44 @@ void TcpTransport::reap_down_links() {
   reap(down);
 }
 
-void TcpTransport::housekeeping_loop() {
+void LinkManager::housekeeping_loop() {
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
-    bool open = false;
-    for (auto &entry : links_) open = open || entry.second->open_operations() != 0;
-    const uint64_t seen = generation_;
-    auto woken = [&] { return stopping_ || !down_.empty() || generation_ != seen; };
-    if (open) {
-      cv_.wait_for(lock, kDeadlinePoll, woken);
-    } else {
-      housekeeper_idle_ = true;
-      cv_.wait(lock, woken);
-      housekeeper_idle_ = false;
-    }
+    cv_.wait(lock, [&] { return stopping_ || !down_.empty(); });
     if (stopping_) return;
     lock.unlock();
-    // Answers that no event loop came for since the last round are read
-    // here, so their operations settle and none is taken for overdue.
-    if (options_.answers != nullptr) options_.answers->sweep();
-    lock.lock();
-    const Clock::time_point now = Clock::now();
-    std::vector<std::shared_ptr<Link>> overdue;
-    for (auto &entry : links_) {
-      if (entry.second->overdue(now)) overdue.push_back(entry.second);
-    }
-    lock.unlock();
-    for (auto &link : overdue) {
-      // An answer that came after the sweep still counts.
-      link->read_answers(AnswerHub::Reader::kLink);
-      if (link->overdue(now)) link->fail(LLM_TIMEOUT, "an operation exceeded sync_kv_timeout; closing the link");
-    }
     reap_down_links();
     lock.lock();
   }
 }
 
-void TcpTransport::shutdown(Status reason) {
+void LinkManager::on_timer() {
+  const Clock::time_point now = Clock::now();
+  // Answers that no event loop came for are read first, so their
+  // operations settle and none is taken for overdue.
+  if (answer_watch_) answer_watch_->on_timer(now);
+  std::vector<std::shared_ptr<Link>> links;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return;
+    for (auto &entry : links_) links.push_back(entry.second);
+  }
+  Clock::time_point next = Clock::time_point::max();
+  for (auto &link : links) {
+    if (link->overdue(now)) {
+      // An answer that came after the sweep still counts.
+      link->read_answers(AnswerHub::Reader::kLink);
+      if (link->overdue(now)) {
+        link->fail(LLM_TIMEOUT, "an operation exceeded sync_kv_timeout; closing the link");
+        continue;
+      }
+    }
+    next = std::min(next, link->next_deadline());
+  }
+  if (next != Clock::time_point::max()) timer_->at(next);
+}
+
+void LinkManager::shutdown(Status reason) {
   stop_listening();
   std::thread housekeeping;
   {
@@ -748,6 +824,9 @@ void TcpTransport::shutdown(Status reason) {
   }
   cv_.notify_all();
   if (housekeeping.joinable()) housekeeping.join();
+  // No link starts any more (stopping_): the timer stays as it is.
+  if (answer_watch_) answer_watch_->stop();
+  if (timer_) timer_->stop();
   // Every link made, including one whose threads are still telling us it
   // went down: reaping joins those threads.
   std::vector<std::shared_ptr<Link>> links;

@@ -1,0 +1,26 @@
+// PlannedFrame: one frame of an operation as the initiator planned it (the
+// planner, remote_plan.h, makes them; a link sends them).
+#ifndef DATADIST_TRANSPORT_PLANNED_FRAME_H_
+#define DATADIST_TRANSPORT_PLANNED_FRAME_H_
+
+#include <sys/uio.h>
+
+#include <vector>
+
+#include "transport/wire.h"
+
+namespace datadist {
+
+struct PlannedFrame {
+  wire::Target target{};
+  std::vector<wire::Range> ranges;
+  // Source (write) or destination (read): one per range, or, with strides,
+  // one per range each stands for, in order.
+  std::vector<iovec> local;
+  std::vector<wire::Range> bounds;  // the whole operation's outermost ranges
+  std::vector<wire::Stride> strides;  // none, or one per range (segment_stride: the local stride)
+};
+
+}  // namespace datadist
+
+#endif  // DATADIST_TRANSPORT_PLANNED_FRAME_H_
