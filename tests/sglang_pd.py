@@ -25,7 +25,8 @@ from typing import Any, Optional
 from vllm_pd import free_port_run, model_dir
 
 HERE = Path(__file__).resolve().parent
-__all__ = ["Router", "Server", "free_port_run", "generate", "model_dir", "pd_generate"]
+__all__ = ["Router", "Server", "finish_message", "free_port_run", "generate", "generate_outcome", "model_dir",
+           "pd_generate"]
 
 # What SGLang's CPU path needs on a machine without SGLang's CPU kernels.
 CPU_ENV = {
@@ -113,7 +114,7 @@ class Server(_Process):
             "--port", str(port), "--device", "cpu", "--attention-backend", "torch_native",
             "--disable-overlap-schedule", "--skip-tokenizer-init", "--dtype", "float32",
             "--max-total-tokens", "8192", "--page-size", str(page_size), "--tp-size", str(tp_size),
-            "--mem-fraction-static", "0.05", "--log-level", "info",
+            "--mem-fraction-static", "0.6", "--log-level", "info",
         ]
         if mode != "null":
             argv += ["--disaggregation-mode", mode, "--disaggregation-transfer-backend", backend]
@@ -122,7 +123,10 @@ class Server(_Process):
         if mode == "decode":
             argv += ["--disaggregation-decode-retraction-backup", "none"]
         argv += extra or []
-        super().__init__(argv, log_dir / f"sglang-{mode}-{port}.log", {**CPU_ENV, **(env or {})})
+        merged = {**CPU_ENV, **(env or {})}
+        if env and "PYTHONPATH" in env:  # in front of the CPU stand-ins, not instead
+            merged["PYTHONPATH"] = env["PYTHONPATH"] + os.pathsep + CPU_ENV["PYTHONPATH"]
+        super().__init__(argv, log_dir / f"sglang-{mode}-{port}.log", merged)
 
     def ready(self, deadline: float) -> "Server":
         self.wait_healthy(f"{self.url}/health", deadline)
@@ -155,6 +159,25 @@ def generate(url: str, input_ids: list[int], max_new_tokens: int, timeout: float
     """One greedy request to ``url`` (a server or the router); the answer as JSON."""
     body = {"input_ids": input_ids, "sampling_params": _sampling(max_new_tokens), **fields}
     return _post(f"{url}/generate", body, timeout)
+
+
+def generate_outcome(url: str, input_ids: list[int], max_new_tokens: int, timeout: float = 120.0,
+                     **fields: Any) -> tuple[int, dict[str, Any]]:
+    """As ``generate``, but an HTTP error is an answer too: (status, body as JSON or {"text": ...})."""
+    try:
+        return 200, generate(url, input_ids, max_new_tokens, timeout, **fields)
+    except urllib.error.HTTPError as error:
+        text = error.read().decode("utf-8", "replace")
+        try:
+            return error.code, json.loads(text)
+        except ValueError:
+            return error.code, {"text": text}
+
+
+def finish_message(body: dict[str, Any]) -> str:
+    """Why a request ended: its abort message, or its error's, as text."""
+    finish = (body.get("meta_info") or {}).get("finish_reason") or {}
+    return json.dumps(finish if finish.get("type") == "abort" else body)
 
 
 def pd_generate(prefill: Server, decode: Server, prefill_ids: list[int], decode_ids: list[int], room: int,

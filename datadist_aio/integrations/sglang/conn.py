@@ -421,6 +421,8 @@ class DatadistAioKVManager(CommonKVManager):
         src_aux = int(msg[10].decode("ascii")) if msg[10] else None
         dst_aux = int(msg[11].decode("ascii")) if msg[11] else None
         if room not in self.request_status or self.request_status[room] == KVPoll.Failed:
+            # Aborted or failed here already: the prefill may free the request's pages now.
+            self._send_done((host, control_port), room, KVPoll.Failed, "the decode no longer waits for this request")
             return
         with self._rooms_lock:
             stale, self._stale = self._stale, set()
@@ -483,14 +485,18 @@ class DatadistAioKVManager(CommonKVManager):
         with self._rooms_lock:
             pulls = self._rooms.get(room)
             targets = list(pulls.prefills.values()) if pulls is not None else []
+        for target in targets:
+            self._send_done(target, room, status, reason)
+
+    def _send_done(self, target: Tuple[str, int], room: int, status: int, reason: str = "") -> None:
+        """Tells a prefill worker's control socket how a request ended here (it frees its pages)."""
         frames = [DONE_TAG, str(room).encode("ascii"), str(int(status)).encode("ascii"),
                   reason[:512].encode("utf-8"), self._session().encode("ascii")]
-        for host, port in targets:
-            na = NetworkAddress(host, port)
-            try:
-                self._send_multipart_locked(na.to_tcp(), frames, is_ipv6=na.is_ipv6)
-            except Exception as exc:
-                log.debug("datadist_aio: could not tell %s:%d about request %s: %s", host, port, room, exc)
+        na = NetworkAddress(*target)
+        try:
+            self._send_multipart_locked(na.to_tcp(), frames, is_ipv6=na.is_ipv6)
+        except Exception as exc:
+            log.debug("datadist_aio: could not tell %s:%d about request %s: %s", target[0], target[1], room, exc)
 
     def check_status(self, bootstrap_room: int) -> KVPoll:
         status = self.request_status[bootstrap_room]
