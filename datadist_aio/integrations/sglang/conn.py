@@ -130,7 +130,6 @@ class _RoomPulls:
     tasks: List[Tuple[dd.CacheTask, str, int]] = field(default_factory=list)  # task, what, prefill cluster
     last_from: set = field(default_factory=set)  # prefill ranks whose last chunk arrived
     prefills: Dict[int, Tuple[str, int]] = field(default_factory=dict)  # rank -> control endpoint
-    first: float = 0.0
     nbytes: int = 0
     error: str = ""
 
@@ -179,7 +178,6 @@ class DatadistAioKVManager(CommonKVManager):
         self._stale: set = set()  # prefill clusters whose pulls failed: unlinked by the control thread
         self._last_sent: Dict[int, float] = {}
         self._confirmed: Dict[int, set] = {}
-        self.transfer_seconds: Dict[int, float] = {}
         self._datadist = self._start_engine(args, server_args)
         if self.disaggregation_mode == DisaggregationMode.PREFILL:
             self._start_thread(self._prefill_loop, "datadist-aio-prefill")
@@ -429,7 +427,7 @@ class DatadistAioKVManager(CommonKVManager):
         for dropped in stale:
             self._forget(dropped)
         with self._rooms_lock:
-            pulls = self._rooms.setdefault(room, _RoomPulls(first=time.perf_counter()))
+            pulls = self._rooms.setdefault(room, _RoomPulls())
             pulls.prefills[prefill_rank] = (host, control_port)
         where = f"the prefill at {host}:{port}"
         try:
@@ -532,9 +530,6 @@ class DatadistAioKVManager(CommonKVManager):
         if complete < required:
             self.update_status(bootstrap_room, KVPoll.Transferring)
             return KVPoll.Transferring
-        self.transfer_seconds[bootstrap_room] = time.perf_counter() - pulls.first
-        while len(self.transfer_seconds) > 4096:
-            self.transfer_seconds.pop(next(iter(self.transfer_seconds)))
         self.update_status(bootstrap_room, KVPoll.Success)
         self._tell_prefills(bootstrap_room, KVPoll.Success)
         with self._rooms_lock:
