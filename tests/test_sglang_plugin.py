@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -10,10 +11,11 @@ import pytest
 
 from sglang_pd import CPU_ENV
 
+if importlib.util.find_spec("sglang") is None:
+    pytest.skip("could not import 'sglang': SGLang's environment only", allow_module_level=True)
 for _name, _value in CPU_ENV.items():  # SGLang's CPU path, as the servers run it
     os.environ.setdefault(_name, _value)
 sys.path.insert(0, CPU_ENV["PYTHONPATH"])
-pytest.importorskip("sglang")
 
 from sglang.srt.disaggregation.utils import KVClassType, TransferBackend  # noqa: E402
 from sglang.srt.plugins.hook_registry import HookRegistry  # noqa: E402

@@ -536,6 +536,11 @@ class DatadistAioKVManager(CommonKVManager):
             self._rooms.pop(bootstrap_room, None)
         return KVPoll.Success
 
+    def forget_room(self, room: int) -> None:
+        """Drops what the prefill side kept of a request SGLang has cleared."""
+        self._last_sent.pop(room, None)
+        self._confirmed.pop(room, None)
+
     def settle_room(self, room: int) -> None:
         """Cancels a request's pulls and waits until none can write any more (decode side)."""
         with self._rooms_lock:
@@ -557,6 +562,10 @@ class DatadistAioKVManager(CommonKVManager):
 
 class DatadistAioKVSender(CommonKVSender):
     """SGLang's prefill-side handle of one request; ``send`` goes to ``add_transfer_request``."""
+
+    def clear(self) -> None:
+        super().clear()
+        self.kv_mgr.forget_room(self.bootstrap_room)
 
 
 class DatadistAioKVReceiver(CommonKVReceiver):
