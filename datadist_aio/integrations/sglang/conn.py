@@ -67,7 +67,7 @@ __all__ = [
     "DatadistAioKVSender",
 ]
 
-log = logging.getLogger(__name__)
+log: logging.Logger = logging.getLogger(__name__)
 
 PULL_TAG = b"DDA_PULL"
 DONE_TAG = b"DDA_DONE"
@@ -166,12 +166,12 @@ class DatadistAioKVManager(CommonKVManager):
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         self._stopped = False
         self._worker_threads: List[threading.Thread] = []
-        self.timeout_s = _env_seconds(TIMEOUT_ENV, 30.0)
-        self.confirm_timeout_s = _env_seconds(CONFIRM_TIMEOUT_ENV, 300.0)
+        self.timeout_s: float = _env_seconds(TIMEOUT_ENV, 30.0)
+        self.confirm_timeout_s: float = _env_seconds(CONFIRM_TIMEOUT_ENV, 300.0)
         groups = group_buffers("kv", args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens)
         groups += group_buffers("aux", args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens)
-        self.layout = BufferLayout(int(args.page_size), int(self.attn_tp_size), int(args.engine_rank), tuple(groups))
-        self.cluster_id = int.from_bytes(os.urandom(8), "little") >> 1
+        self.layout: BufferLayout = BufferLayout(int(args.page_size), int(self.attn_tp_size), int(args.engine_rank), tuple(groups))
+        self.cluster_id: int = int.from_bytes(os.urandom(8), "little") >> 1
         self._rooms: Dict[int, _RoomPulls] = {}
         self._rooms_lock = threading.Lock()
         self._peers: Dict[int, _Peer] = {}
