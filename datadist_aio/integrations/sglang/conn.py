@@ -170,7 +170,8 @@ class DatadistAioKVManager(CommonKVManager):
         self.confirm_timeout_s: float = _env_seconds(CONFIRM_TIMEOUT_ENV, 300.0)
         groups = group_buffers("kv", args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens)
         groups += group_buffers("aux", args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens)
-        self.layout: BufferLayout = BufferLayout(int(args.page_size), int(self.attn_tp_size), int(args.engine_rank), tuple(groups))
+        self.layout: BufferLayout = BufferLayout(int(args.page_size), int(self.attn_tp_size), int(args.engine_rank),
+                                                 tuple(groups))
         self.cluster_id: int = int.from_bytes(os.urandom(8), "little") >> 1
         self._rooms: Dict[int, _RoomPulls] = {}
         self._rooms_lock = threading.Lock()
