@@ -118,7 +118,8 @@ class BufferLayout:
             if not isinstance(group, dict) or group.get("kind") not in KINDS:
                 raise ValueError(f"a buffer group must be an object with kind in {KINDS}")
             item_len, items, members = group.get("item_len"), group.get("items"), group.get("members")
-            if type(item_len) is not int or type(items) is not int or not 0 < item_len < 1 << 40 or not 0 < items < 1 << 40:
+            if (type(item_len) is not int or type(items) is not int
+                    or not 0 < item_len < 1 << 40 or not 0 < items < 1 << 40):
                 raise ValueError("a buffer group's item_len and items must be positive ints")
             if (not isinstance(members, list) or not 0 < len(members) <= 1 << 16
                     or not all(type(m) is int and 0 <= m < 1 << 20 for m in members)):
