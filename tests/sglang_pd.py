@@ -1,0 +1,205 @@
+"""SGLang servers in child processes, for the end-to-end tests and the benchmark.
+
+Each ``Server`` is one ``python -m sglang.launch_server`` (CPU build, the
+tiny test model, token ids in and out: no tokenizer) in its own process
+group, so stopping it reaches the schedulers it spawned. ``Router`` is
+sglang-router in ``--pd-disaggregation`` mode in front of a prefill and a
+decode server. Every wait has a deadline; ``stop`` ends the group with
+SIGTERM, then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Optional
+
+from vllm_pd import free_port_run, model_dir
+
+HERE = Path(__file__).resolve().parent
+__all__ = ["Router", "Server", "finish_message", "free_port_run", "generate", "generate_outcome", "model_dir",
+           "pd_generate"]
+
+# What SGLang's CPU path needs on a machine without SGLang's CPU kernels.
+CPU_ENV = {
+    "SGLANG_USE_CPU_ENGINE": "1",
+    "SGLANG_HOST_IP": "127.0.0.1",
+    "PYTHONPATH": str(HERE / "sglang_cpu"),
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "OMP_NUM_THREADS": "1",
+}
+START_TIMEOUT_S = float(os.environ.get("DATADIST_SGLANG_START_TIMEOUT_S", "420"))
+
+
+def _post(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as answer:
+        return json.loads(answer.read())
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as answer:
+            return answer.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+class _Process:
+    def __init__(self, argv: list[str], log: Path, env: dict[str, str]) -> None:
+        self.log_path = log
+        self._log = open(log, "wb")
+        full_env = {**os.environ, **env}
+        if "PYTHONPATH" in env and os.environ.get("PYTHONPATH"):
+            full_env["PYTHONPATH"] = env["PYTHONPATH"] + os.pathsep + os.environ["PYTHONPATH"]
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
+                                     start_new_session=True, stdin=subprocess.DEVNULL)
+
+    def tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_bytes()[-chars:].decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    def wait_healthy(self, url: str, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.log_path.name} exited with {self.proc.returncode}:\n{self.tail()}")
+            if _healthy(url):
+                return
+            time.sleep(1.0)
+        raise TimeoutError(f"{self.log_path.name} not healthy at {url} in time:\n{self.tail()}")
+
+    def signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.signal(signal.SIGCONT)
+            self.signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                pass
+        self.signal(signal.SIGKILL)  # the group: schedulers the server spawned
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        self._log.close()
+
+
+class Server(_Process):
+    """One SGLang server: ``mode`` is "null" (no disaggregation), "prefill" or "decode"."""
+
+    def __init__(self, model: Path, mode: str, port: int, log_dir: Path, *, backend: str = "datadist_aio",
+                 bootstrap_port: int = 0, page_size: int = 1, tp_size: int = 1, extra: Optional[list[str]] = None,
+                 env: Optional[dict[str, str]] = None) -> None:
+        self.port, self.mode, self.bootstrap_port = port, mode, bootstrap_port
+        self.url = f"http://127.0.0.1:{port}"
+        argv = [
+            sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--host", "127.0.0.1",
+            "--port", str(port), "--device", "cpu", "--attention-backend", "torch_native",
+            "--disable-overlap-schedule", "--skip-tokenizer-init", "--dtype", "float32",
+            "--max-total-tokens", "8192", "--page-size", str(page_size), "--tp-size", str(tp_size),
+            "--mem-fraction-static", "0.6", "--log-level", "info",
+        ]
+        if mode != "null":
+            argv += ["--disaggregation-mode", mode, "--disaggregation-transfer-backend", backend]
+        if mode == "prefill":
+            argv += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
+        if mode == "decode":
+            argv += ["--disaggregation-decode-retraction-backup", "none"]
+        argv += extra or []
+        merged = {**CPU_ENV, **(env or {})}
+        if env and "PYTHONPATH" in env:  # in front of the CPU stand-ins, not instead
+            merged["PYTHONPATH"] = env["PYTHONPATH"] + os.pathsep + CPU_ENV["PYTHONPATH"]
+        super().__init__(argv, log_dir / f"sglang-{mode}-{port}.log", merged)
+
+    def ready(self, deadline: float) -> "Server":
+        self.wait_healthy(f"{self.url}/health", deadline)
+        return self
+
+
+class Router(_Process):
+    """sglang-router in PD mode in front of one prefill and one decode server."""
+
+    def __init__(self, prefill: Server, decode: Server, port: int, log_dir: Path) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        argv = [
+            sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+            "--prefill", prefill.url, str(prefill.bootstrap_port), "--decode", decode.url,
+            "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
+        ]
+        super().__init__(argv, log_dir / f"sglang-router-{port}.log", {})
+
+    def ready(self, deadline: float) -> "Router":
+        self.wait_healthy(f"{self.url}/health", deadline)
+        return self
+
+
+def _sampling(max_new_tokens: int) -> dict[str, Any]:
+    return {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
+
+
+def generate(url: str, input_ids: list[int], max_new_tokens: int, timeout: float = 120.0,
+             **fields: Any) -> dict[str, Any]:
+    """One greedy request to ``url`` (a server or the router); the answer as JSON."""
+    body = {"input_ids": input_ids, "sampling_params": _sampling(max_new_tokens), **fields}
+    return _post(f"{url}/generate", body, timeout)
+
+
+def generate_outcome(url: str, input_ids: list[int], max_new_tokens: int, timeout: float = 120.0,
+                     **fields: Any) -> tuple[int, dict[str, Any]]:
+    """As ``generate``, but an HTTP error is an answer too: (status, body as JSON or {"text": ...})."""
+    try:
+        return 200, generate(url, input_ids, max_new_tokens, timeout, **fields)
+    except urllib.error.HTTPError as error:
+        text = error.read().decode("utf-8", "replace")
+        try:
+            return error.code, json.loads(text)
+        except ValueError:
+            return error.code, {"text": text}
+
+
+def finish_message(body: dict[str, Any]) -> str:
+    """Why a request ended: its abort message, or its error's, as text."""
+    finish = (body.get("meta_info") or {}).get("finish_reason") or {}
+    return json.dumps(finish if finish.get("type") == "abort" else body)
+
+
+def pd_generate(prefill: Server, decode: Server, prefill_ids: list[int], decode_ids: list[int], room: int,
+                max_new_tokens: int, timeout: float = 120.0) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What the router does, by hand: the same bootstrap room to a prefill and a decode server,
+    each with its own prompt (the control hands the decode another prompt's KV)."""
+    boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": prefill.bootstrap_port, "bootstrap_room": room}
+    answers: dict[str, Any] = {}
+
+    def run(name: str, server: Server, ids: list[int]) -> None:
+        try:
+            answers[name] = generate(server.url, ids, max_new_tokens, timeout, **boot)
+        except Exception as exc:  # reported below
+            answers[name] = exc
+
+    threads = [threading.Thread(target=run, args=("prefill", prefill, prefill_ids)),
+               threading.Thread(target=run, args=("decode", decode, decode_ids))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout + 10)
+    for name in ("prefill", "decode"):
+        if isinstance(answers.get(name), Exception) or name not in answers:
+            raise RuntimeError(f"{name} request failed: {answers.get(name)!r}")
+    return answers["prefill"], answers["decode"]

@@ -1,0 +1,86 @@
+"""The SGLang backend's pieces that need no SGLang: buffer groups, layouts, the Enum member."""
+
+from __future__ import annotations
+
+import enum
+import pickle
+
+import pytest
+
+from datadist_aio.integrations.sglang.buffers import BufferLayout, LayoutMismatch, group_buffers
+from datadist_aio.integrations.sglang.plugin import add_backend_member
+
+
+def _layout(item_len: int = 4096, kv_items: int = 100, page_size: int = 1, tp: tuple[int, int] = (1, 0),
+            layers: int = 2) -> BufferLayout:
+    kv = group_buffers("kv", [0x1000 * (i + 1) for i in range(2 * layers)], [item_len * kv_items] * 2 * layers,
+                       [item_len] * 2 * layers)
+    aux = group_buffers("aux", [0x100000, 0x200000, 0x300000], [64 * 8, 64 * 8, 256 * 8], [8, 8, 256])
+    return BufferLayout(page_size, tp[0], tp[1], tuple(kv + aux))
+
+
+def test_groups_by_item_length_and_count_in_order() -> None:
+    groups = group_buffers("aux", [10, 20, 30, 40], [80, 4096, 160, 80], [8, 16, 16, 8])
+    assert [(g.item_len, g.items, g.members) for g in groups] == [(8, 10, (0, 3)), (16, 256, (1,)), (16, 10, (2,))]
+
+
+@pytest.mark.parametrize(("addresses", "lengths", "item_lens", "message"), [
+    ([1, 2], [8], [8, 8], "2 addresses, 1 lengths"),
+    ([1], [12], [8], "not a whole number"),
+    ([1], [8], [0], "positive int"),
+    ([0], [8], [8], "address must be"),
+])
+def test_bad_buffers_are_refused_with_the_reason(addresses: list[int], lengths: list[int], item_lens: list[int],
+                                                 message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        group_buffers("kv", addresses, lengths, item_lens)
+
+
+def test_layout_round_trips_and_pairs_with_another_pool_size() -> None:
+    prefill, decode = _layout(kv_items=100), _layout(kv_items=300)
+    assert BufferLayout.from_wire(prefill.to_wire()) == prefill
+    decode.check_pairs_with(prefill)  # only the item counts differ
+
+
+@pytest.mark.parametrize(("theirs", "message"), [
+    (_layout(page_size=16), "page sizes 16 and 1"),
+    (_layout(tp=(2, 1), item_len=2048), "TP sizes 2 and 1"),
+    (_layout(item_len=2048), "of 2048 B items"),
+    (_layout(layers=3), "kv buffers"),
+])
+def test_layouts_that_do_not_pair_name_both(theirs: BufferLayout, message: str) -> None:
+    with pytest.raises(LayoutMismatch, match=message) as caught:
+        _layout().check_pairs_with(theirs)
+    assert "the prefill's buffers (TP" in str(caught.value) and "this decode worker's (TP" in str(caught.value)
+
+
+@pytest.mark.parametrize("wire", [
+    None, [], {"page_size": 1, "tp_size": 1, "tp_rank": 1, "groups": []},
+    {"page_size": 1, "tp_size": 1, "tp_rank": 0, "groups": [{"kind": "x", "item_len": 1, "items": 1, "members": [0]}]},
+    {"page_size": 1, "tp_size": 1, "tp_rank": 0, "groups": [{"kind": "kv", "item_len": -1, "items": 1, "members": [0]}]},
+    {"page_size": "1", "tp_size": 1, "tp_rank": 0, "groups": []},
+])
+def test_malformed_layouts_are_refused(wire: object) -> None:
+    with pytest.raises(ValueError):
+        BufferLayout.from_wire(wire)
+
+
+class _Backend(enum.Enum):
+    ONE = "one"
+    TWO = "two"
+
+
+def test_backend_member_answers_every_lookup_and_only_those() -> None:
+    member = add_backend_member(_Backend, "EXTRA", "extra")
+    assert _Backend("extra") is member and _Backend["EXTRA"] is member and _Backend.EXTRA is member  # type: ignore[attr-defined]
+    assert member.name == "EXTRA" and member.value == "extra" and isinstance(member, _Backend)
+    assert member != _Backend.ONE and member == _Backend("extra")
+    assert pickle.loads(pickle.dumps(member)) is member
+    assert add_backend_member(_Backend, "EXTRA", "extra") is member  # idempotent
+    assert list(_Backend) == [_Backend.ONE, _Backend.TWO]
+    with pytest.raises(ValueError, match="already has 'one'"):
+        add_backend_member(_Backend, "ANOTHER", "one")
+    with pytest.raises(ValueError, match="named TWO"):
+        add_backend_member(_Backend, "TWO", "three")
+    with pytest.raises(TypeError):
+        add_backend_member(dict)

@@ -1,0 +1,217 @@
+"""Real SGLang servers with the datadist_aio transfer backend (``pytest -m sglang``).
+
+One module-wide set of servers on loopback, started together: a server with
+no disaggregation (the reference), a prefill server and a decode server
+with ``--disaggregation-transfer-backend datadist_aio``, and sglang-router
+in ``--pd-disaggregation`` mode in front of the pair. The tiny random Llama
+of the vLLM tests, token ids in and out, greedy. The pair uses pages of 16
+tokens and prefill chunks of 64 (a request's KV moves in several pulls);
+the reference, pages of one token.
+
+The tests run in file order: the failure tests last, since they freeze,
+kill and restart the prefill server.
+
+Needs SGLang's CPU environment (``.ci/run`` builds it in build/venv-sglang).
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+pytest.importorskip("sglang")
+pytest.importorskip("sglang_router")
+
+from sglang_pd import (  # noqa: E402
+    Router,
+    Server,
+    finish_message,
+    free_port_run,
+    generate,
+    generate_outcome,
+    model_dir,
+    pd_generate,
+)
+
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]
+
+NEW_TOKENS = 12
+LENGTHS = [3, 17, 64, 65, 200, 511]
+PAGE_SIZE = 16
+# The decode's deadlines, short for the failure tests: the engine's per-pull
+# timeout, and SGLang's heartbeat to the prefill (interval, misses).
+DECODE_ENV = {
+    "DATADIST_AIO_SGLANG_TIMEOUT_S": "5",
+    "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2",
+    "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2",
+}
+FAILED_WITHIN_S = 30.0
+
+
+def _prompt(rng: random.Random, length: int) -> list[int]:
+    return [rng.randrange(3, 1024) for _ in range(length)]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    root = tmp_path_factory.mktemp("sglang")
+    model = model_dir(root)
+    base = free_port_run(8)
+    started: list[Any] = []
+    try:
+        reference = Server(model, "null", base, root)
+        started.append(reference)
+        prefill = _prefill(model, base, root)
+        started.append(prefill)
+        decode = Server(model, "decode", base + 3, root, page_size=PAGE_SIZE, env=DECODE_ENV)
+        started.append(decode)
+        deadline = time.monotonic() + 600
+        for server in (prefill, decode, reference):
+            server.ready(deadline)
+        router = Router(prefill, decode, base + 4, root)
+        started.append(router)
+        router.ready(time.monotonic() + 120)
+        yield {"reference": reference, "prefill": prefill, "decode": decode, "router": router, "root": root,
+               "model": model, "base": base, "started": started}
+    finally:
+        for process in reversed(started):
+            process.stop()
+
+
+def _prefill(model: Path, base: int, root: Path) -> Server:
+    return Server(model, "prefill", base + 1, root, bootstrap_port=base + 2, page_size=PAGE_SIZE,
+                  extra=["--chunked-prefill-size", "64"])
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    rng = random.Random(33)
+    return [_prompt(rng, n) for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def references(servers: dict[str, Any], prompts: list[list[int]]) -> list[list[int]]:
+    return [generate(servers["reference"].url, p, NEW_TOKENS)["output_ids"] for p in prompts]
+
+
+def test_router_outputs_token_exact(servers: dict[str, Any], prompts: list[list[int]],
+                                    references: list[list[int]]) -> None:
+    """Every prompt through the router and the disaggregated pair: the single server's tokens."""
+    outputs = [generate(servers["router"].url, p, NEW_TOKENS)["output_ids"] for p in prompts]
+    for length, got, want in zip(LENGTHS, outputs, references):
+        assert len(want) == NEW_TOKENS
+        assert got == want, f"prompt of {length} tokens: {got} != {want}"
+    # The decode server's transfers went through this backend and linked to the prefill.
+    log = Path(servers["decode"].log_path).read_text(errors="replace")
+    assert "datadist_aio: linked to the prefill" in log
+
+
+def test_concurrent_requests_token_exact(servers: dict[str, Any], prompts: list[list[int]],
+                                         references: list[list[int]]) -> None:
+    """The same prompts all at once: batches on both servers, pulls in flight together."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        outputs = list(pool.map(lambda p: generate(servers["router"].url, p, NEW_TOKENS)["output_ids"], prompts))
+    assert outputs == references
+
+
+def test_control_decode_follows_the_kv_it_was_handed(servers: dict[str, Any]) -> None:
+    """A decode handed another prompt's KV continues that prompt, not its own: the bytes moved."""
+    rng = random.Random(7)
+    mine, theirs = _prompt(rng, 48), _prompt(rng, 48)
+    want_mine = generate(servers["reference"].url, mine, NEW_TOKENS)["output_ids"]
+    want_theirs = generate(servers["reference"].url, theirs, NEW_TOKENS)["output_ids"]
+    assert want_mine != want_theirs
+    _, decoded = pd_generate(servers["prefill"], servers["decode"], theirs, mine, rng.randrange(1 << 62),
+                             NEW_TOKENS)
+    assert decoded["output_ids"] == want_theirs
+
+
+def _long_request_then(servers: dict[str, Any], action: Any, seed: int) -> tuple[int, dict[str, Any], float]:
+    """A long prompt (many prefill chunks, each pulled as it is computed) sent to the pair by
+    hand; ``action`` runs on the prefill while it computes. The decode's answer and its time."""
+    import threading
+
+    rng = random.Random(seed)
+    prompt = _prompt(rng, 3000)
+    boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": servers["prefill"].bootstrap_port,
+            "bootstrap_room": rng.randrange(1 << 62)}
+
+    def prefill_side() -> None:
+        try:  # its answer does not matter: the prefill is frozen or killed under it
+            generate_outcome(servers["prefill"].url, prompt, NEW_TOKENS, 60.0, **boot)
+        except OSError:
+            pass
+
+    threading.Thread(target=prefill_side, daemon=True).start()
+    start = time.monotonic()
+    timer = threading.Timer(0.4, action)
+    timer.start()
+    try:
+        status, body = generate_outcome(servers["decode"].url, prompt, NEW_TOKENS, FAILED_WITHIN_S + 30, **boot)
+    finally:
+        timer.cancel()
+    return status, body, time.monotonic() - start
+
+
+def _no_leak_reported(server: Server) -> None:
+    log = Path(server.log_path).read_text(errors="replace")
+    assert "memory leak detected" not in log
+
+
+def test_frozen_prefill_fails_the_request_in_time_and_frees_its_pages(servers: dict[str, Any],
+                                                                      references: list[list[int]],
+                                                                      prompts: list[list[int]]) -> None:
+    """SIGSTOP on the prefill mid-request: the decode reports the request failed, with the reason,
+    within the deadlines; once the prefill runs again both sides have freed it and serve exactly."""
+    prefill = servers["prefill"]
+    try:
+        status, body, took = _long_request_then(servers, lambda: prefill.signal(signal.SIGSTOP), 99)
+    finally:
+        prefill.signal(signal.SIGCONT)
+    message = finish_message(body)
+    print(f"frozen prefill: HTTP {status} after {took:.1f} s: {message[:300]}")
+    assert took < FAILED_WITHIN_S
+    assert "Lost connection with prefill" in message or "LLM_TIMEOUT" in message, message
+    time.sleep(8)  # the prefill catches up: its late chunks are refused, its pages freed
+    outputs = [generate(servers["router"].url, p, NEW_TOKENS)["output_ids"] for p in prompts[:3]]
+    assert outputs == references[:3]
+    _no_leak_reported(servers["decode"])
+    _no_leak_reported(prefill)
+
+
+def test_killed_prefill_fails_the_request_then_a_restarted_one_relinks(servers: dict[str, Any],
+                                                                       references: list[list[int]],
+                                                                       prompts: list[list[int]]) -> None:
+    """SIGKILL on the prefill mid-request: failed in time with the reason; a new prefill server on
+    the same ports serves the same decode (a new link) token-exact."""
+    old = servers["prefill"]
+    status, body, took = _long_request_then(servers, lambda: old.signal(signal.SIGKILL), 100)
+    message = finish_message(body)
+    print(f"killed prefill: HTTP {status} after {took:.1f} s: {message[:300]}")
+    assert took < FAILED_WITHIN_S
+    assert "Lost connection with prefill" in message or "LLM_LINK_FAILED" in message or "LLM_TIMEOUT" in message, \
+        message
+    old.stop()
+    new = _prefill(servers["model"], servers["base"], servers["root"])
+    servers["started"].append(new)
+    servers["prefill"] = new
+    new.ready(time.monotonic() + 400)
+    decode_log = Path(servers["decode"].log_path)
+    links = decode_log.read_text(errors="replace").count("datadist_aio: linked to the prefill")
+    deadline = time.monotonic() + 120
+    while True:  # the router finds the prefill back once its health check passes
+        status, body = generate_outcome(servers["router"].url, prompts[4], NEW_TOKENS)
+        if status == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert status == 200, body
+    assert body["output_ids"] == references[4]
+    assert decode_log.read_text(errors="replace").count("datadist_aio: linked to the prefill") == links + 1
+    _no_leak_reported(servers["decode"])
