@@ -61,6 +61,9 @@ __all__ = [
 ]
 
 LOOPBACK = "127.0.0.1"
+# A link or unlink that succeeds does so in milliseconds; its deadline is
+# generous for a loaded machine (a test that means a timeout names its own).
+LINK_TIMEOUT_MS = 20000
 MiB = 1 << 20
 HAVE_UVLOOP = importlib.util.find_spec("uvloop") is not None
 # Whether links can take transport "ucx" here (the UCX plugin and UCX load).
@@ -756,12 +759,14 @@ class Peer:
         """The base address of each tensor of the cache, in the child's memory."""
         return self._call("tensor_addrs", ref)
 
-    def link(self, target: "Peer | int", port: Optional[int] = None, timeout: int = 3000) -> Any:
+    def link(self, target: "Peer | int", port: Optional[int] = None, timeout: int = LINK_TIMEOUT_MS) -> Any:
         """``link_clusters`` to a peer (its cluster id and port) or to ``target`` id at ``port``."""
         cluster_id, port, host = _address(target, port)
         return self._call("link", cluster_id, port, timeout, host)
 
-    def unlink(self, target: "Peer | int", port: Optional[int] = None, timeout: int = 3000, force: bool = False) -> Any:
+    def unlink(
+        self, target: "Peer | int", port: Optional[int] = None, timeout: int = LINK_TIMEOUT_MS, force: bool = False
+    ) -> Any:
         """``unlink_clusters``; a dead peer's last port is not needed with ``force``."""
         cluster_id, port, host = _address(target, port, needed=not force)
         return self._call("unlink", cluster_id, port, timeout, force, host)
