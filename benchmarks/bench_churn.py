@@ -389,20 +389,20 @@ class _Leg:
         self.children[index] = (process, parent)
         self.incarnation_of[index] = self.incarnations
 
-    def drain(self) -> None:
-        """Takes the counts the decode and the prefills sent since the last call."""
+    def take_counts(self, conn: Any, key: tuple[Any, int]) -> None:
+        """The latest of the counts waiting on `conn` (an end that died may have left none)."""
         try:
-            while self.decode_conn is not None and self.decode_conn.poll(0):
-                self.latest[("decode", self.decodes)] = self.decode_conn.recv()
+            while conn.poll(0):
+                self.latest[key] = conn.recv()
         except (EOFError, OSError):
             pass
-        for index, (process, conn) in list(self.children.items()):
-            key = (index, self.incarnation_of[index])
-            try:
-                while conn.poll(0):
-                    self.latest[key] = conn.recv()
-            except (EOFError, OSError):
-                pass
+
+    def drain(self) -> None:
+        """Takes the counts the decode and the prefills sent since the last call."""
+        if self.decode_conn is not None:
+            self.take_counts(self.decode_conn, ("decode", self.decodes))
+        for index, (_, conn) in list(self.children.items()):
+            self.take_counts(conn, (index, self.incarnation_of[index]))
 
     def end_prefill(self, index: int) -> None:
         process, conn = self.children.pop(index)
@@ -410,12 +410,7 @@ class _Leg:
             os.kill(process.pid, signal.SIGCONT)
             process.kill()
         process.join(10)
-        key = (index, self.incarnation_of[index])
-        try:
-            while conn.poll(0):
-                self.latest[key] = conn.recv()
-        except (EOFError, OSError):
-            pass
+        self.take_counts(conn, (index, self.incarnation_of[index]))
         conn.close()
 
     # chaos
@@ -439,7 +434,13 @@ class _Leg:
                 self.sleep(self.timeout_ms / 1000 * 1.5 + 0.5)
                 _signal(process.pid, signal.SIGCONT)
         elif kind == "relink":
-            process, _ = self.children[index]
+            # SIGUSR1 before the prefill has set its handler (it does before
+            # it links) would end it: a prefill not linked yet is left alone.
+            linked = [i for i in self.children if self.latest.get((i, self.incarnation_of[i]), {}).get("linked")]
+            if not linked:
+                self.events[kind] -= 1
+                return
+            process, _ = self.children[self.rng.choice(linked)]
             _signal(process.pid, signal.SIGUSR1)
         elif kind == "decode":
             self.stop_decode(kill=True)
