@@ -5,6 +5,19 @@ data-moving call also has an ``_async`` form returning an awaitable
 ``CacheTask``.
 """
 
+import importlib.util as _importlib_util
+import os as _os
+
+if _importlib_util.find_spec(__name__ + "._native") is None:
+    # A source tree's datadist_aio/ on sys.path (its root as the current
+    # directory) shadows the installed package and holds no built engine.
+    raise ImportError(
+        f"datadist_aio's native extension (_native) is not built in {_os.path.dirname(__file__)}: this is a source "
+        "tree without its build, imported in place of an installed datadist_aio. Install it editable from that "
+        "tree (pip install -e .), or run from another directory so that the installed package is imported.",
+        name=__name__ + "._native",
+    )
+
 from .cache import Cache
 from .cache_desc import CacheDesc
 from .cache_key import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex

@@ -32,11 +32,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     demo.add_argument("--blocks", type=_at_least(2), default=256, help="blocks per tensor")
     demo.add_argument("--block-kib", type=_at_least(1), default=64, help="block size in KiB")
     demo.add_argument("--seed", type=_at_least(0), default=0)
+    demo.add_argument("--transport", choices=("auto", "tcp", "ucx"), default="auto",
+                      help="LLMConfig.transport of both processes (ucx: UCX must be installed)")
     args = parser.parse_args(argv)
     from .demo import DemoError, run_demo
 
     try:
-        return run_demo(layers=args.layers, blocks=args.blocks, block_bytes=args.block_kib * 1024, seed=args.seed)
+        return run_demo(layers=args.layers, blocks=args.blocks, block_bytes=args.block_kib * 1024, seed=args.seed,
+                        transport=args.transport)
     except DemoError as exc:
         print(f"python -m datadist_aio demo: {exc}", file=sys.stderr)
         return 2

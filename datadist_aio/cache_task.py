@@ -60,6 +60,17 @@ class CacheTask:
         """True once every part has settled, whatever its outcome."""
         return bool(self._request.done())
 
+    @property
+    def completed_at(self) -> Optional[float]:
+        """When the engine completed the task, in seconds of the clock of
+        ``time.perf_counter()`` and ``time.monotonic()`` (CLOCK_MONOTONIC);
+        None until it is done.
+
+        The engine takes it when the last part settles, so it does not include
+        the time until an awaiting caller or a done-callback sees the task.
+        """
+        return self._request.completed_at()
+
     def add_done_callback(self, fn: Callable[["CacheTask"], object]) -> None:
         """Calls ``fn(task)`` once the task is done, whatever its outcome.
 

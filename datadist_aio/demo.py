@@ -84,8 +84,9 @@ def check_arguments(layers: int, blocks: int, block_bytes: int) -> None:
         )
 
 
-def _options(pool_bytes: int, listen: bool, secret: str) -> dict[str, str]:
+def _options(pool_bytes: int, listen: bool, secret: str, transport: str) -> dict[str, str]:
     config = LLMConfig()
+    config.transport = transport
     config.auth_key = secret  # a fresh secret of this run: the two processes prove it to each other
     config.enable_cache_manager = True
     config.enable_remote_cache_accessible = True
@@ -107,10 +108,10 @@ def _digest(cache: Cache, blocks: list[int]) -> str:
     return h.hexdigest()
 
 
-def _decode_main(conn: Connection, layers: int, blocks: int, block_bytes: int, secret: str) -> None:
+def _decode_main(conn: Connection, layers: int, blocks: int, block_bytes: int, secret: str, transport: str) -> None:
     """The decode process: reports its failure to the parent instead of dying silently."""
     try:
-        _decode(conn, layers, blocks, block_bytes, secret)
+        _decode(conn, layers, blocks, block_bytes, secret, transport)
     except BaseException as exc:
         try:
             conn.send(("error", "".join(traceback.format_exception_only(type(exc), exc)).strip()))
@@ -119,11 +120,11 @@ def _decode_main(conn: Connection, layers: int, blocks: int, block_bytes: int, s
         raise
 
 
-def _decode(conn: Connection, layers: int, blocks: int, block_bytes: int, secret: str) -> None:
+def _decode(conn: Connection, layers: int, blocks: int, block_bytes: int, secret: str, transport: str) -> None:
     """The decode process: listen, register the KV cache, check what arrives."""
     desc = _desc(layers, blocks, block_bytes)
     with LLMDataDist(LLMRole.DECODER, DECODE_ID) as datadist:
-        datadist.init(_options(desc.num_tensors * desc.size + _POOL_SLACK, listen=True, secret=secret))
+        datadist.init(_options(desc.num_tensors * desc.size + _POOL_SLACK, listen=True, secret=secret, transport=transport))
         cache = datadist.cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(DECODE_ID, 0))
         for t in range(desc.num_tensors):
             cache.as_numpy(t)[:] = 0
@@ -136,11 +137,11 @@ def _decode(conn: Connection, layers: int, blocks: int, block_bytes: int, secret
 
 
 async def _prefill(
-    port: int, layers: int, blocks: int, block_bytes: int, seed: int, secret: str
+    port: int, layers: int, blocks: int, block_bytes: int, seed: int, secret: str, transport: str
 ) -> tuple[float, list[int], str, str]:
     desc = _desc(layers, blocks, block_bytes)
     with LLMDataDist(LLMRole.PROMPT, PREFILL_ID) as datadist:
-        datadist.init(_options(desc.num_tensors * desc.size + _POOL_SLACK, listen=False, secret=secret))
+        datadist.init(_options(desc.num_tensors * desc.size + _POOL_SLACK, listen=False, secret=secret, transport=transport))
         cache_manager = datadist.cache_manager
         cache = cache_manager.allocate_blocks_cache(desc)
         rng = np.random.default_rng(seed)
@@ -184,20 +185,28 @@ def _recv(conn: Connection, decode: Any, expected: str) -> Any:
     return value
 
 
-_PATHS = {"same_host": "same host: one kernel copy by the decode side", "tcp": "TCP on loopback"}
+_PATHS = {
+    "same_host": "same host: one kernel copy by the decode side",
+    "tcp": "TCP on loopback",
+    "ucx": "UCX on loopback",
+}
 
 
-def run_demo(layers: int, blocks: int, block_bytes: int, seed: int) -> int:
-    """Runs the demo; raises DemoError when it cannot run as asked."""
+def run_demo(layers: int, blocks: int, block_bytes: int, seed: int, transport: str = "auto") -> int:
+    """Runs the demo on `transport` (LLMConfig.transport: "auto", "tcp" or
+    "ucx"); raises DemoError when it cannot run as asked."""
     check_arguments(layers, blocks, block_bytes)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     secret = secrets.token_hex(16)
-    decode = ctx.Process(target=_decode_main, args=(child, layers, blocks, block_bytes, secret), name="decode")
+    decode = ctx.Process(target=_decode_main, args=(child, layers, blocks, block_bytes, secret, transport),
+                        name="decode")
     decode.start()
     try:
         port = _recv(parent, decode, "listen port")
-        seconds, block_table, sent, path = asyncio.run(_prefill(port, layers, blocks, block_bytes, seed, secret))
+        seconds, block_table, sent, path = asyncio.run(
+            _prefill(port, layers, blocks, block_bytes, seed, secret, transport)
+        )
         parent.send(block_table)
         received, untouched = _recv(parent, decode, "check of the received bytes")
         parent.send(None)

@@ -55,9 +55,15 @@ __all__ = [
     "pool_cfg",
     "raises_status",
     "seeded_tensors",
+    "main_thread_sleeps",
+    "unread_socket_bytes",
+    "wait_until",
 ]
 
 LOOPBACK = "127.0.0.1"
+# A link or unlink that succeeds does so in milliseconds; its deadline is
+# generous for a loaded machine (a test that means a timeout names its own).
+LINK_TIMEOUT_MS = 20000
 MiB = 1 << 20
 HAVE_UVLOOP = importlib.util.find_spec("uvloop") is not None
 # Whether links can take transport "ucx" here (the UCX plugin and UCX load).
@@ -753,12 +759,14 @@ class Peer:
         """The base address of each tensor of the cache, in the child's memory."""
         return self._call("tensor_addrs", ref)
 
-    def link(self, target: "Peer | int", port: Optional[int] = None, timeout: int = 3000) -> Any:
+    def link(self, target: "Peer | int", port: Optional[int] = None, timeout: int = LINK_TIMEOUT_MS) -> Any:
         """``link_clusters`` to a peer (its cluster id and port) or to ``target`` id at ``port``."""
         cluster_id, port, host = _address(target, port)
         return self._call("link", cluster_id, port, timeout, host)
 
-    def unlink(self, target: "Peer | int", port: Optional[int] = None, timeout: int = 3000, force: bool = False) -> Any:
+    def unlink(
+        self, target: "Peer | int", port: Optional[int] = None, timeout: int = LINK_TIMEOUT_MS, force: bool = False
+    ) -> Any:
         """``unlink_clusters``; a dead peer's last port is not needed with ``force``."""
         cluster_id, port, host = _address(target, port, needed=not force)
         return self._call("unlink", cluster_id, port, timeout, force, host)
@@ -826,6 +834,62 @@ def _address(target: "Peer | int", port: Optional[int], needed: bool = True) -> 
 def _process_state(pid: int) -> str:
     with open(f"/proc/{pid}/stat") as stat:
         return stat.read().rsplit(")", 1)[1].split()[0]
+
+
+def wait_until(condition: Callable[[], Any], what: str, seconds: float = 30.0) -> None:
+    """Returns once ``condition()`` is true; fails the test, naming `what`,
+    after `seconds` (generous: a loaded machine is slow, never wrong)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {seconds:g} s"
+        time.sleep(0.005)
+
+
+def _socket_inodes(pid: int) -> set[int]:
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[8:-1]))
+    return inodes
+
+
+def unread_socket_bytes(pid: int) -> int:
+    """Bytes waiting unread in the receive queues of process `pid`'s TCP and
+    Unix sockets (``ss``): a frozen owner's queued request, an answer nobody
+    has read yet (a same-host link's connections and answer socket are Unix
+    socket pairs)."""
+    import subprocess
+
+    inodes = _socket_inodes(pid)
+    total = 0
+    # Unix: "u_str ESTAB <recv-q> <send-q> <path> <inode> <peer path> <peer inode>".
+    unix = subprocess.run(["ss", "-H", "-n", "-a", "-x"], capture_output=True, text=True, check=True, timeout=30)
+    for row in unix.stdout.splitlines():
+        fields = row.split()
+        if len(fields) >= 8 and fields[-3].isdigit() and int(fields[-3]) in inodes:
+            total += int(fields[2])
+    # TCP: "<state> <recv-q> <send-q> <local> <peer> ... ino:<inode> ...".
+    tcp = subprocess.run(["ss", "-H", "-n", "-a", "-t", "-e"], capture_output=True, text=True, check=True, timeout=30)
+    for row in tcp.stdout.splitlines():
+        fields = row.split()
+        inode = next((int(f[4:]) for f in fields if f.startswith("ino:") and f[4:].isdigit()), None)
+        if inode in inodes:
+            total += int(fields[1])
+    return total
+
+
+def main_thread_sleeps(pid: int, samples: int = 5) -> bool:
+    """True when process `pid`'s main thread is asleep (state S) at each of
+    `samples` looks 10 ms apart: blocked in a wait, not running toward it."""
+    for _ in range(samples):
+        if _process_state(pid) != "S":
+            return False
+        time.sleep(0.01)
+    return True
 
 
 class PeerGroup:

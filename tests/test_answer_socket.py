@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import datadist_aio as dd
-from peer import WAIT_STYLES, CacheRef, Peer, PeerGroup
+from peer import WAIT_STYLES, CacheRef, Peer, PeerGroup, main_thread_sleeps, unread_socket_bytes, wait_until
 from test_same_host import blocks_desc
 from test_transfer import wait_for_path
 
@@ -79,21 +79,19 @@ def assert_block_moved(a: Peer, b: Peer, local, remote, sent: list[np.ndarray], 
         )
 
 
-HOLD_S = 0.3
-
-
-def with_owner_held(owner: Peer, call: Any) -> Any:
+def with_owner_held(initiator: Peer, owner: Peer, call: Any) -> Any:
     """``call()`` (a command to the initiator) run while ``owner`` is frozen
-    (SIGSTOP) for HOLD_S: the operation it starts cannot be answered before
-    the owner runs again, so its waiter is already waiting when the answer
-    comes, however loaded the machine (an unloaded one answers a 4 KiB push
-    before the waiter would get there)."""
+    (SIGSTOP) until the operation's request waits in the owner's socket and
+    the initiator's main thread sleeps in its wait: the answer comes after the
+    waiter waits, however loaded the machine (an unloaded one answers a 4 KiB
+    push before the waiter would get there)."""
     result: list[Any] = []
     owner.stop()
     caller = threading.Thread(target=lambda: result.append(call()))
     try:
         caller.start()
-        time.sleep(HOLD_S)
+        wait_until(lambda: unread_socket_bytes(owner.pid) > 0, "the request reaches the frozen owner")
+        wait_until(lambda: main_thread_sleeps(initiator.pid), "the initiator waits for the answer")
     finally:
         owner.cont()
     caller.join(60)
@@ -143,7 +141,7 @@ def test_every_way_of_waiting_reads_its_own_answers(group, style, loop):
 
         # The first operation's answer comes after its waiter waits: a
         # callback is then registered on a task that is not done yet.
-        result, where = with_owner_held(b, waited) if i == 0 else waited()
+        result, where = with_owner_held(a, b, waited) if i == 0 else waited()
         assert result == [SUCCESS]
         threads.add(where)
     read = read_since(a, before)
@@ -168,7 +166,7 @@ def test_a_blocking_wait_has_the_answer_thread_read(group):
             return a.cm("push_blocks", remote.blocks_key(), local, [i % 16], [15 - i % 16])
 
         # The first answer comes while the caller sleeps in its wait.
-        assert (with_owner_held(b, push) if i == 0 else push()) is None
+        assert (with_owner_held(a, b, push) if i == 0 else push()) is None
     read = read_since(a, before)
     assert read["thread"] + read["look"] == OPS and read["thread"] > 0, read
     for i in range(OPS - 16, OPS):
@@ -188,7 +186,7 @@ def test_an_answer_nobody_waits_for_is_read_by_the_sweep(group):
     before = counts(a)
     # Started, never awaited nor looked at, no thread blocking on it.
     handle = a.start_task("push_blocks", remote.blocks_key(), local, [2, 3], [4, 5])
-    in_flight_settles(a, 2.0)
+    in_flight_settles(a, 30.0)
     read = read_since(a, before)
     assert read == {"drain": 0, "look": 0, "thread": 0, "sweep": 1, "link": 0}, read
     assert a.wait_task(handle) == [SUCCESS]
@@ -200,7 +198,7 @@ def test_without_the_sweep_an_answer_waits_for_its_first_look(group):
     a, b, local, remote, sent = prepared(group, 10, options=NO_SWEEP)
     before = counts(a)
     handle = a.start_task("push_blocks", remote.blocks_key(), local, [2], [9])
-    time.sleep(0.3)  # the owner has long answered; nobody reads it
+    wait_until(lambda: unread_socket_bytes(a.pid) > 0, "the owner's answer waits in the answer socket")
     assert a.engine("requests_in_flight") == 1
     assert sum(read_since(a, before).values()) == 0
     assert a.task_done(handle) is True  # the look reads it
@@ -217,7 +215,8 @@ def test_an_answer_that_came_before_the_link_went_down_counts(group):
     handle = a.start_task("push_blocks", remote.blocks_key(), local, [1], [6])
     a.stop()
     try:
-        time.sleep(0.2)  # the owner copies from the stopped process and answers
+        # The owner copies from the stopped process and answers.
+        wait_until(lambda: unread_socket_bytes(a.pid) > 0, "the owner's answer waits in the answer socket")
         landed = b.read(remote)
         b.kill()
     finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -155,6 +156,38 @@ async def test_synchronize_timeout_does_not_cancel(big_datadist):
     assert await task == [SUCCESS]
     for t in range(2):
         assert (slot_bytes(cache, t, 1) == 0xAB).all()
+
+
+async def test_completed_at_is_when_the_engine_completed_the_task(big_datadist):
+    cache_manager = big_datadist.cache_manager
+    cache = big_slots(cache_manager, 64 * MiB)
+    submitted = time.perf_counter()
+    task = cache_manager.copy_cache_async(cache, cache, 1, 0)
+    early = task.completed_at  # None unless the copy has already completed
+    called: list[tuple[float, float | None]] = []
+    task.add_done_callback(lambda t: called.append((time.perf_counter(), t.completed_at)))
+    assert await task == [SUCCESS]
+    seen = time.perf_counter()
+    at = task.completed_at
+    assert at is not None and submitted <= at <= seen, (submitted, at, seen)
+    assert early is None or early == at
+    assert task.completed_at == at  # taken once
+    async with asyncio.timeout(30):  # the callback runs on this loop, maybe after the await resumed
+        while not called:
+            await asyncio.sleep(0.01)
+    assert called[0][1] == at and at <= called[0][0]
+
+
+async def test_completed_at_of_a_cancelled_task(big_datadist):
+    cache_manager = big_datadist.cache_manager
+    cache = big_slots(cache_manager, 64 * MiB)
+    submitted = time.perf_counter()
+    task = cache_manager.copy_cache_async(cache, cache, 1, 0)
+    if task.cancel():  # else the copy had already completed
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    at = task.completed_at
+    assert at is not None and submitted <= at <= time.perf_counter()
 
 
 def test_blocking_use_without_event_loop(cache_manager):

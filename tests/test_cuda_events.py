@@ -230,9 +230,10 @@ def initiator_sends_as_events_complete(conn: Any, transport: str) -> None:
         np.testing.assert_array_equal(got[t][:SLOT], new[t][:SLOT], err_msg=f"tensor {t}: slot 0 (sent)")
         np.testing.assert_array_equal(got[t][SLOT:], theirs[t][SLOT:], err_msg=f"tensor {t}: slot 1 (untouched)")
     assert len(arrived_at) == LAYERS and all(a >= o for a, o in zip(arrived_at, model.opened)), (arrived_at, model.opened)
-    # The gates opened over >= 0.4 s: a loop that never blocked ticked all along.
+    # The gates opened over >= 0.4 s: a loop that never blocked ticked along
+    # (a blocked one ticks once or twice; a loaded machine ticks less often).
     elapsed = time.monotonic() - started
-    assert elapsed >= 0.4 and ticks >= min(20, elapsed / 0.01 / 4), (ticks, elapsed)
+    assert elapsed >= 0.4 and ticks >= 5, (ticks, elapsed)
     assert datadist._engine.requests_in_flight() == 0
 
     # Layer 1's event never completes (its gate stays shut): the config fails with LLM_TIMEOUT.
@@ -305,7 +306,7 @@ def alone_watches(conn: Any) -> None:
         await asyncio.sleep(0.5)
         loop_cpu.append(time.process_time() - cpu)
         assert time.monotonic() - wall >= 0.5
-        assert loop_cpu[0] < 0.05, f"{loop_cpu[0]:.3f} s of CPU over 0.5 s idle"
+        assert loop_cpu[0] < 0.15, f"{loop_cpu[0]:.3f} s of CPU over 0.5 s idle"  # a spinning thread: 0.5
         assert not waiting.done()
         model.open(0)
         assert await asyncio.wait_for(waiting, 5) is True

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import datadist_aio as dd
-from peer import MiB, Peer, PeerGroup, pool_cfg, raises_status
+from peer import MiB, Peer, PeerGroup, pool_cfg, raises_status, unread_socket_bytes, wait_until
 from test_transfer import wait_for_path
 
 SUCCESS = dd.LLMStatusCode.LLM_SUCCESS
@@ -89,7 +89,7 @@ def accepted_connections(port: int) -> int:
     return sum(1 for row in rows if int(row[1].split(":")[1], 16) == port and row[3] == "01")
 
 
-def established_on(port: int, expected: int, settle_s: float = 2.0) -> int:
+def established_on(port: int, expected: int, settle_s: float = 30.0) -> int:
     """``accepted_connections(port)``: `expected` as soon as the count is
     that, else the count after `settle_s` (connections that carried a
     handshake only close just after it)."""
@@ -108,9 +108,9 @@ def test_a_kernel_refusal_falls_back_to_tcp_for_that_direction(group):
     a = group.start("a", dd.LLMRole.PROMPT, A)
     b = group.start("b", dd.LLMRole.DECODER, B, prepare="deny_memory_access")
     assert a.link(b) == LINKED
-    time.sleep(0.2)  # the acceptor's path is settled by the link's first frame
-    paths = {a.datadist("link_transport", B), b.datadist("link_transport", A)}
-    assert paths == {"tcp", "same_host"}
+    # The acceptor's path is settled by the link's first frame.
+    wait_until(lambda: {a.datadist("link_transport", B), b.datadist("link_transport", A)} == {"tcp", "same_host"},
+               "one direction on TCP, the other by kernel copy")
     assert_both_ways(a, b, (20, 21), seed=2)
 
 
@@ -154,7 +154,9 @@ def test_an_owner_held_up_past_the_timeout_writes_nothing_afterwards(group):
             initiator.wait_task(handle)
     finally:
         owner.cont()
-    time.sleep(0.5)  # the owner's receive thread meets the queued request, then the closed link
+    # The owner's receive thread meets the queued request, then the closed link.
+    wait_until(lambda: unread_socket_bytes(owner.pid) == 0 and not owner.engine("has_link", A),
+               "the owner reads the queued request and drops the closed link")
     got = initiator.read(local)
     for t in range(4):
         np.testing.assert_array_equal(got[t], before[t])

@@ -66,7 +66,7 @@ def pairs() -> Iterator[dict[str, tuple[Peer, Peer]]]:
         yield made
 
 
-def wait_for_path(peer: Peer, other: int, path: str, seconds: float = 5.0) -> bool:
+def wait_for_path(peer: Peer, other: int, path: str, seconds: float = 30.0) -> bool:
     """True once ``peer`` reports ``path`` toward ``other``: the accepting end
     learns that it may use the same-host path from the link's first frame."""
     deadline = time.monotonic() + seconds

@@ -35,6 +35,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from .arguments import byte_size, listed, positive
+
 OWNER, INITIATOR = 2, 1
 TENSORS = 2  # one layer, K and V
 GOALS = {"d2d_vs_copy": 0.8, "tcp_device_vs_host": 0.9}
@@ -43,8 +45,6 @@ ANSWER_S = 300.0  # the longest one request to the target may take
 
 
 def parser() -> argparse.ArgumentParser:
-    from .__main__ import byte_size, listed, positive
-
     p = argparse.ArgumentParser(
         prog="python -m datadist_aio.bench --device",
         description="Device-memory transfers between two processes on one GPU: push over CUDA IPC against a "

@@ -1,5 +1,7 @@
 #include <pybind11/stl.h>
 
+#include <optional>
+
 #include "bindings.h"
 #include "request.h"
 
@@ -13,6 +15,11 @@ void bind_request(py::module_ &m) {
       .def_property_readonly("num_results", &Request::num_results)
       .def("done", &Request::done)
       .def("outcome", &Request::outcome)
+      .def("completed_at",
+           [](const Request &r) -> std::optional<double> {
+             double at = r.completed_at();
+             return at < 0 ? std::nullopt : std::optional<double>(at);
+           })
       .def("wait", &Request::wait, py::arg("timeout_ms"), py::call_guard<py::gil_scoped_release>())
       .def("cancel", [](Request &r) { return r.cancel(kCancelledStatus); })
       .def("cancelled", &Request::cancelled)

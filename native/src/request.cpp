@@ -1,5 +1,7 @@
 #include "request.h"
 
+#include <time.h>
+
 #include <chrono>
 
 #include "error_detail.h"
@@ -38,13 +40,25 @@ void Request::release(size_t result_index, Status status, bool skipped, std::str
   if (--holds_ == 0) complete_locked(lock);
 }
 
+namespace {
+
+double monotonic_seconds() {
+  timespec now{};
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  return static_cast<double>(now.tv_sec) + static_cast<double>(now.tv_nsec) * 1e-9;
+}
+
+}  // namespace
+
 void Request::complete_locked(std::unique_lock<std::mutex> &lock) {
+  const double completed_at = monotonic_seconds();
   // Leave the tracker first: whoever sees the request done also sees it no
   // longer in flight.
   lock.unlock();
   if (auto tracker = tracker_.lock()) tracker->forget(id_);
   lock.lock();
   done_ = true;
+  completed_at_ = completed_at;
   const bool notify = watched_;
   Status first = LLM_SUCCESS;
   for (Status s : results_) {
@@ -88,6 +102,12 @@ bool Request::done() const {
   completions_->answers().drive(AnswerHub::Reader::kLook);
   std::lock_guard<std::mutex> lock(mu_);
   return done_;
+}
+
+double Request::completed_at() const {
+  if (!done()) return -1.0;
+  std::lock_guard<std::mutex> lock(mu_);
+  return completed_at_;
 }
 
 int64_t Request::outcome() const {

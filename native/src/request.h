@@ -66,6 +66,11 @@ class Request {
   // Waits for completion; timeout_ms < 0 waits forever, 0 only looks. True
   // if done.
   bool wait(int64_t timeout_ms) const;
+  // When the request completed (its last hold released), in seconds of
+  // CLOCK_MONOTONIC (std::chrono::steady_clock on Linux, the clock of
+  // Python's time.perf_counter and time.monotonic); negative while it has
+  // not. A look, like done().
+  double completed_at() const;
   std::vector<Status> results() const;
   // One message per result: the reason given with its first failure, or
   // empty where none was given (or the result is a success).
@@ -88,6 +93,7 @@ class Request {
   std::vector<std::string> messages_;  // beside results_
   size_t holds_ = 1;
   bool done_ = false;
+  double completed_at_ = -1.0;  // set with done_
   bool watched_ = false;
   bool skipped_ = false;
   Status cancel_reason_ = llm_datadist::LLM_SUCCESS;

@@ -50,7 +50,7 @@ class LinkTest : public LinkedPairTest {
 // that the initiator reaches the acceptor's memory) has been read.
 std::string SettledTransport(const LlmDataDist &from, uint64_t peer, const std::string &want) {
   std::string path;
-  for (int i = 0; i < 500; ++i) {
+  for (int i = 0; i < 12000; ++i) {  // a minute at most
     if (from.GetLinkTransport(peer, path) == LLM_SUCCESS && path == want) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }

@@ -233,7 +233,7 @@ TEST(Staging, APoolOfTwoMakesTheNextTransferWait) {
     EXPECT_EQ(got, ranges.stream);
     second_done = true;
   });
-  for (int i = 0; i < 2000 && pool.waiters() == 0; ++i) std::this_thread::sleep_for(1ms);
+  for (int i = 0; i < 60000 && pool.waiters() == 0; ++i) std::this_thread::sleep_for(1ms);
   EXPECT_EQ(pool.waiters(), 1u);  // waits for a buffer: none is made beyond the two
   std::this_thread::sleep_for(50ms);
   EXPECT_FALSE(second_sunk);

@@ -83,7 +83,8 @@ Loaded load() {
   if (p.path.empty()) p.path = own + "/" + kPluginFile;
   if (!exists(p.path)) {
     out.why = "UCX not found: there is no UCX plugin at " + p.path +
-              " (datadist_aio builds it only where UCX's headers are found: install libucx-dev and build again)";
+              " (datadist_aio builds it only where UCX's headers are found: build again with pip, which brings the "
+              "libucx-cu12 wheel's, or install libucx-dev first)";
     return out;
   }
   out.why = load_ucx(own, p.ucx_from);

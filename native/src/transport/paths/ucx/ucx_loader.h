@@ -3,8 +3,9 @@
 // (or the file named by $DATADIST_AIO_UCX_PLUGIN) with dlopen, after UCX
 // itself: the folder named by $DATADIST_AIO_UCX_LIB_DIR where it is set,
 // else a system libucp.so.0 on the loader's paths, then the libucx-cu12
-// wheel's libraries (site-packages/libucx/lib beside the engine's package). Neither building nor installing the
-// engine needs UCX; without it the reason says what is missing.
+// wheel's libraries (site-packages/libucx/lib beside the engine's package).
+// The plugin is built against the system's UCX headers, else the wheel's
+// (pip builds bring it); without UCX the reason says what is missing.
 #ifndef DATADIST_TRANSPORT_PATHS_UCX_UCX_LOADER_H_
 #define DATADIST_TRANSPORT_PATHS_UCX_UCX_LOADER_H_
 

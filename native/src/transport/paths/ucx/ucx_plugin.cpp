@@ -246,6 +246,11 @@ void worker_destroy(datadist_ucx_worker *w) {
 // default. Those two are set from UCX 1.16 on: 1.13 warns that they are
 // invalid at every worker (and emulates both anyway); the versions between
 // were not tried.
+// The oldest UCP API this plugin is written for: UCX 1.13 (Debian 12's) is
+// the oldest it is tested with.
+constexpr unsigned kApiMajor = 1;
+constexpr unsigned kApiMinor = 13;
+
 void apply_defaults(ucp_config_t *config) {
   struct Default {
     const char *name;
@@ -282,7 +287,10 @@ int worker_create(datadist_ucx_worker **out) {
     ucp_config_release(config);
     return UCS_ERR_NO_MEMORY;
   }
-  s = ucp_init(&params, config, &w->context);
+  // The API version this plugin needs, not that of the headers it was built
+  // with (ucp_init's): built against the libucx-cu12 wheel's newer headers,
+  // it runs on an older system UCX too, which would warn of the headers'.
+  s = ucp_init_version(kApiMajor, kApiMinor, &params, config, &w->context);
   ucp_config_release(config);
   if (s != UCS_OK) {
     delete w;
