@@ -49,11 +49,6 @@ class ClaimChannel:
         self._waiting: deque[list[tuple[str, Settle]]] = deque()
         self._broken = ""
 
-    @property
-    def broken(self) -> str:
-        """Why the channel no longer works ("" while it does)."""
-        return self._broken
-
     def send(self, message: dict[str, Any], items: list[tuple[str, Settle]]) -> None:
         """Sends one claim message; ``items``: (request id, settle) of what it claims."""
         frame = encode_frame(message)

@@ -60,7 +60,6 @@ class Leases:
         self._gone: OrderedDict[str, None] = OrderedDict()
         # Claims granted before their lease came: request to (hold until, token).
         self._early: OrderedDict[str, tuple[float, str]] = OrderedDict()
-        self.early_claims = 0  # claims granted before their lease came, ever
 
     # -- vLLM's worker thread ---------------------------------------------------
 
@@ -101,10 +100,6 @@ class Leases:
                 self._gone.popitem(last=False)
         return freed
 
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._deadlines)
-
     # -- the loop thread -----------------------------------------------------------
 
     def done(self, req_ids: list[str], readers: int) -> None:
@@ -140,7 +135,6 @@ class Leases:
                     held, _ = self._early.get(req_id, (0.0, token))
                     self._early[req_id] = (max(held, until), token)
                     self._early.move_to_end(req_id)
-                    self.early_claims += 1
                     granted.append(req_id)
                 elif self._tokens.get(req_id, "") != token:
                     refused.append(req_id)

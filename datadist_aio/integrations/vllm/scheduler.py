@@ -84,11 +84,6 @@ def _params(request: Any) -> dict[str, Any]:
     return params if isinstance(params, dict) else {}
 
 
-def _flat_blocks(block_ids: Any) -> list[int]:
-    """Block ids as a flat list; of the first group where vLLM gives one list per group."""
-    return _group_blocks(block_ids)[0]
-
-
 def _group_blocks(block_ids: Any) -> list[list[int]]:
     """Block ids as one list per KV cache group: a flat list is one group's."""
     block_ids = list(block_ids or ())

@@ -600,7 +600,7 @@ class WorkerSide:
     def hybrid(self) -> bool:
         """Whether the tensors serve several vLLM KV cache groups: vLLM then takes
         a failed load by request (``failed_recving``), not by block."""
-        return any(group.kv_groups != (0,) for group in self.groups)
+        return self.layout is not None and self.layout.hybrid
 
     def load_errors(self) -> set[int]:
         with self._lock:
