@@ -387,10 +387,18 @@ def _check_paths(before: Any, after: Any, transport: str, mine: str, theirs: str
     if transport != "tcp" and mine == "device":
         assert delta["ipc_frames"] > 0 and delta["staged_frames"] == 0, what
         assert delta["owner_ipc_bytes_served"] == moved and delta["owner_staged_bytes_served"] == 0, what
+        # Served from the stream: every frame whose copies were queued (those
+        # refused before are not) answered by its callback, no owner thread waiting.
+        assert 0 < delta["owner_device_frames_served"] <= delta["ipc_frames"], what
+        assert delta["owner_device_answers_from_stream"] == delta["owner_device_frames_served"], what
+        assert delta["owner_device_stream_waits"] == 0, what
     else:
         assert delta["ipc_frames"] == 0 and delta["owner_ipc_bytes_served"] == 0, what
         assert (delta["staged_frames"] > 0) == (mine == "device"), what
         assert (delta["owner_staged_bytes_served"] > 0) == (theirs == "device"), what
+        # Staged by the owner: its threads wait for the staging copies, chunk by chunk.
+        assert (delta["owner_device_stream_waits"] > 0) == (theirs == "device"), what
+        assert delta["owner_device_frames_served"] == 0, what
     assert delta["ipc_fallbacks"] == 0, what
 
 

@@ -555,6 +555,16 @@ void add_block_runs(FramePlanner &planner, const CacheEntry &local, const LayerS
   });
 }
 
+// The frames of an operation on `local`'s memory: those that name device
+// exports carry no bytes, so they go up to the wire's limit (fewer frames,
+// each a longer run of copies at the owner).
+FramePlanner frames_for(const Link &link, const CacheEntry &local, const wire::Target &target) {
+  if (local.device && link.device_frames_by_reference()) {
+    return FramePlanner(target, wire::kMaxFrameData, wire::kMaxRanges);
+  }
+  return FramePlanner(target);
+}
+
 // A pull through a key releases it on the owner once every tensor was read.
 uint8_t release_flag(const RemoteName &src) { return src.kind == wire::kByKey ? wire::kReleaseKey : 0; }
 
@@ -630,7 +640,7 @@ Status Engine::push_cache(int64_t src_id, uint64_t src_slot, uint64_t peer, int6
   wire::Target target = name_target(name);
   target.flags = wire::kWithinSlot;
   target.expected_slot_size = slot;
-  FramePlanner planner(target);
+  FramePlanner planner = frames_for(*link, *src, target);
   for_each_tensor(span, [&](uint32_t local, uint32_t remote) {
     planner.add(src->addrs[local] + src_slot * slot, remote, dst_slot, 0, slot);
   });
@@ -651,7 +661,7 @@ Status Engine::push_blocks(int64_t src_id, uint64_t peer, const RemoteName &dst,
   if (st != LLM_SUCCESS) return st;
   wire::Target target = name_target(dst);
   target.expected_slot_size = src->geometry.slot_size;
-  FramePlanner planner(target);
+  FramePlanner planner = frames_for(*link, *src, target);
   add_block_runs(planner, *src, span, pairs, true);
   return start_remote(link, true, planner, src, out);
 }
@@ -676,7 +686,7 @@ Status Engine::pull_cache(int64_t dst_id, uint64_t dst_slot, uint64_t peer, cons
   wire::Target target = name_target(src_name);
   target.flags = wire::kWithinSlot | release_flag(src_name);
   target.expected_slot_size = size < 0 ? slot : 0;
-  FramePlanner planner(target);
+  FramePlanner planner = frames_for(*link, *dst, target);
   for_each_tensor(span, [&](uint32_t local, uint32_t remote) {
     planner.add(dst->addrs[local] + dst_slot * slot, remote, src_name.slot, 0, length);
   });
@@ -701,7 +711,7 @@ Status Engine::pull_blocks(int64_t dst_id, uint64_t peer, const RemoteName &src_
     st = pair_blocks(src_blocks, dst_blocks, false, dst->geometry.num_slots, pairs);
     if (st != LLM_SUCCESS) return st;
     target.expected_slot_size = block;
-    FramePlanner planner(target);
+    FramePlanner planner = frames_for(*link, *dst, target);
     add_block_runs(planner, *dst, span, pairs, false);
     return start_remote(link, false, planner, dst, out);
   }
@@ -722,7 +732,7 @@ Status Engine::pull_blocks(int64_t dst_id, uint64_t peer, const RemoteName &src_
                                            " bytes, which fills only ", chunks, " blocks of ", block, " bytes"));
   }
   target.flags = wire::kWithinSlot | release_flag(src_name);
-  FramePlanner planner(target);
+  FramePlanner planner = frames_for(*link, *dst, target);
   for_each_tensor(span, [&](uint32_t local, uint32_t remote_tensor) {
     for (size_t j = 0; j < dst_blocks.size(); ++j) {
       const uint64_t offset = j * block;
@@ -798,7 +808,7 @@ Status Engine::pull_ranges(int64_t dst_id, uint64_t peer, const RemoteName &src_
   }
   wire::Target target = name_target(src_name);
   target.flags = wire::kWithinSlot;
-  FramePlanner planner(target);
+  FramePlanner planner = frames_for(*link, *dst, target);
   for_each_tensor(span, [&](uint32_t local, uint32_t remote) {
     for (const BlockRange &r : ranges) {
       planner.add_strided(dst->addrs[local] + r.dst_block * block + r.dst_offset, r.dst_stride, remote, r.src_block,

@@ -70,6 +70,17 @@ struct Passed<const ::CUmemAccessDesc *> {
   using type = const AccessDesc *;
 };
 
+// A stream callback: a pointer on both sides (its own signature is checked below).
+struct StreamCallback;
+template <>
+struct Passed<ours::CUstreamCallback> {
+  using type = StreamCallback *;
+};
+template <>
+struct Passed<::CUstreamCallback> {
+  using type = StreamCallback *;
+};
+
 template <typename F>
 struct Signature;
 template <typename R, typename... A>
@@ -107,6 +118,7 @@ CHECK_ENTRY(PFN_cuStreamCreate, cuStreamCreate);
 CHECK_ENTRY(PFN_cuStreamDestroy, cuStreamDestroy_v2);
 CHECK_ENTRY(PFN_cuStreamSynchronize, cuStreamSynchronize);
 CHECK_ENTRY(PFN_cuLaunchHostFunc, cuLaunchHostFunc);
+CHECK_ENTRY(PFN_cuStreamAddCallback, cuStreamAddCallback);
 CHECK_ENTRY(PFN_cuIpcGetMemHandle, cuIpcGetMemHandle);
 CHECK_ENTRY(PFN_cuIpcOpenMemHandle, cuIpcOpenMemHandle_v2);
 CHECK_ENTRY(PFN_cuIpcCloseMemHandle, cuIpcCloseMemHandle);
@@ -128,6 +140,7 @@ static_assert(std::is_same_v<ours::CUcontext, ::CUcontext>, "CUcontext");
 static_assert(std::is_same_v<ours::CUstream, ::CUstream>, "CUstream");
 static_assert(std::is_same_v<ours::CUevent, ::CUevent>, "CUevent");
 static_assert(std::is_same_v<ours::CUhostFn, ::CUhostFn>, "CUhostFn");
+static_assert(same_call<ours::CUstreamCallback, ::CUstreamCallback>, "CUstreamCallback");
 static_assert(sizeof(ours::CUresult) == sizeof(::CUresult), "CUresult size");
 static_assert(sizeof(ours::CUpointer_attribute) == sizeof(::CUpointer_attribute), "CUpointer_attribute size");
 static_assert(sizeof(ours::CUipcMemHandle) == sizeof(::CUipcMemHandle) && CU_IPC_HANDLE_SIZE == 64 &&

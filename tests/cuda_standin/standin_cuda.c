@@ -780,7 +780,7 @@ STANDIN_API CUresult CUDAAPI cuPointerGetAttributes(unsigned int numAttributes, 
 /* Operations: copies, memset, host functions, event records and waits */
 /* ------------------------------------------------------------------ */
 
-enum op_kind { OP_HTOD, OP_DTOH, OP_DTOD, OP_MEMSET, OP_HOST_FN, OP_RECORD, OP_WAIT };
+enum op_kind { OP_HTOD, OP_DTOH, OP_DTOD, OP_MEMSET, OP_HOST_FN, OP_CALLBACK, OP_RECORD, OP_WAIT };
 
 struct op {
   struct op *next;
@@ -792,6 +792,9 @@ struct op {
   size_t n;
   unsigned char value;
   CUhostFn fn;
+  CUstreamCallback callback;
+  CUstream stream; /* the stream a callback is given */
+  CUresult status; /* what a callback is given: the stream's error when it runs */
   void *user_data;
   struct CUevent_st *event;
   uint64_t seq;
@@ -973,7 +976,11 @@ static void fail_stream(struct CUstream_st *s, CUresult r) {
 
 static void run_host_fn(const struct op *op) {
   t_in_host_fn = 1;
-  op->fn(op->user_data);
+  if (op->kind == OP_CALLBACK) {
+    op->callback(op->stream, op->status, op->user_data);
+  } else {
+    op->fn(op->user_data);
+  }
   t_in_host_fn = 0;
 }
 
@@ -986,6 +993,7 @@ static CUresult run_op(const struct op *op) {
     case OP_MEMSET:
       return run_copy(op) == CUDA_SUCCESS ? CUDA_SUCCESS : CUDA_ERROR_ILLEGAL_ADDRESS;
     case OP_HOST_FN:
+    case OP_CALLBACK:
       run_host_fn(op);
       return CUDA_SUCCESS;
     case OP_RECORD:
@@ -1015,6 +1023,11 @@ static void *stream_worker(void *arg) {
     }
     s->head = op->next;
     if (s->head == NULL) s->tail = NULL;
+    /* A callback is told the error the stream met before it, or the
+     * context's (a fault on another stream leaves it unusable too). */
+    if (op->kind == OP_CALLBACK) {
+      op->status = s->error != CUDA_SUCCESS ? s->error : (CUresult)atomic_load(&s->ctx->sticky);
+    }
     pthread_mutex_unlock(&s->lock);
 
     CUresult r = run_op(op);
@@ -1090,6 +1103,13 @@ static CUresult legacy_sync(struct CUctx_st *ctx) {
 static CUresult submit(struct CUctx_st *ctx, CUstream hStream, struct op *op) {
   if (hStream == NULL) {
     CUresult r = legacy_sync(ctx);
+    if (op->kind == OP_CALLBACK) {
+      /* A callback always runs, told what the stream met. */
+      op->status = r;
+      run_op(op);
+      free_op(op);
+      return CUDA_SUCCESS;
+    }
     /* A record always runs: an event must not wait for a point never reached. */
     if (r == CUDA_SUCCESS || op->kind == OP_RECORD) {
       CUresult ran = run_op(op);
@@ -1232,6 +1252,23 @@ STANDIN_API CUresult CUDAAPI cuLaunchHostFunc(CUstream hStream, CUhostFn fn, voi
   if (op == NULL) return CUDA_ERROR_OUT_OF_MEMORY;
   op->kind = OP_HOST_FN;
   op->fn = fn;
+  op->user_data = userData;
+  return submit(ctx, hStream, op);
+}
+
+/* As the driver's: runs after everything queued before it, even after a
+ * fault, with the error met (CUDA_SUCCESS if none); may not call the driver. */
+STANDIN_API CUresult CUDAAPI cuStreamAddCallback(CUstream hStream, CUstreamCallback callback, void *userData,
+                                                 unsigned int flags) {
+  struct CUctx_st *ctx = NULL;
+  CUresult r = enter_ctx(&ctx);
+  if (r != CUDA_SUCCESS) return r;
+  if (callback == NULL || flags != 0) return CUDA_ERROR_INVALID_VALUE;
+  struct op *op = calloc(1, sizeof *op);
+  if (op == NULL) return CUDA_ERROR_OUT_OF_MEMORY;
+  op->kind = OP_CALLBACK;
+  op->callback = callback;
+  op->stream = hStream;
   op->user_data = userData;
   return submit(ctx, hStream, op);
 }
@@ -2072,6 +2109,7 @@ static const struct proc_entry k_procs[] = {
     PROC("cuStreamQuery", cuStreamQuery),
     PROC("cuStreamWaitEvent", cuStreamWaitEvent),
     PROC("cuLaunchHostFunc", cuLaunchHostFunc),
+    PROC("cuStreamAddCallback", cuStreamAddCallback),
     PROC("cuEventCreate", cuEventCreate),
     PROC("cuEventRecord", cuEventRecord),
     PROC("cuEventQuery", cuEventQuery),

@@ -25,6 +25,7 @@ using CUcontext = CUctx_st *;
 using CUstream = CUstream_st *;
 using CUevent = CUevent_st *;
 using CUhostFn = void (*)(void *user_data);
+using CUstreamCallback = void (*)(CUstream stream, CUresult status, void *user_data);
 using CUpointer_attribute = int;
 
 struct CUipcMemHandle {
@@ -120,6 +121,8 @@ using PFN_cuStreamCreate = CUresult (*)(CUstream *stream, unsigned int flags);
 using PFN_cuStreamDestroy = CUresult (*)(CUstream stream);
 using PFN_cuStreamSynchronize = CUresult (*)(CUstream stream);
 using PFN_cuLaunchHostFunc = CUresult (*)(CUstream stream, CUhostFn fn, void *user_data);
+using PFN_cuStreamAddCallback = CUresult (*)(CUstream stream, CUstreamCallback callback, void *user_data,
+                                              unsigned int flags);
 using PFN_cuStreamWaitEvent = CUresult (*)(CUstream stream, CUevent event, unsigned int flags);
 using PFN_cuIpcGetMemHandle = CUresult (*)(CUipcMemHandle *handle, CUdeviceptr ptr);
 using PFN_cuIpcOpenMemHandle = CUresult (*)(CUdeviceptr *ptr, CUipcMemHandle handle, unsigned int flags);

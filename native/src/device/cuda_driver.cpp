@@ -68,6 +68,7 @@ Loaded load() {
   resolve(library, "cuStreamDestroy_v2", d.cuStreamDestroy, missing);
   resolve(library, "cuStreamSynchronize", d.cuStreamSynchronize, missing);
   resolve(library, "cuLaunchHostFunc", d.cuLaunchHostFunc, missing);
+  resolve(library, "cuStreamAddCallback", d.cuStreamAddCallback, missing);
   resolve(library, "cuStreamWaitEvent", d.cuStreamWaitEvent, missing);
   resolve(library, "cuIpcGetMemHandle", d.cuIpcGetMemHandle, missing);
   resolve(library, "cuIpcOpenMemHandle_v2", d.cuIpcOpenMemHandle, missing);
@@ -325,6 +326,7 @@ bool StreamCopier::to_device(size_t lane, uint8_t *device, const uint8_t *host, 
 
 bool StreamCopier::wait(size_t lane, std::string &why) {
   if (lane >= streams_.size() || streams_[lane] == nullptr) return true;  // nothing was queued on it
+  ++waits_;
   const CUresult r = device_.driver().cuStreamSynchronize(streams_[lane]);
   if (r == CUDA_SUCCESS) return true;
   why = "cuStreamSynchronize: " + device_.describe(r);
@@ -529,10 +531,25 @@ bool Device::export_at(uint64_t addr, bool fds, Export &out, std::string &why) c
   return true;
 }
 
-bool Device::copy(const std::vector<Copy> &copies, std::string &why) const {
-  CUstream stream = take_stream(why);
-  if (stream == nullptr) return false;
-  bool ok = true;
+namespace {
+
+// What a callback of copy_async owns: it runs once and deletes it.
+struct AfterCopies {
+  const Device *device;
+  std::function<void(CUresult)> done;
+};
+
+void run_after_copies(CUstream stream, CUresult status, void *data) {
+  std::unique_ptr<AfterCopies> after(static_cast<AfterCopies *>(data));
+  // A stream that met an error stays out of use; `done` may let go of the
+  // device, so the stream goes back first (this callback is its last work).
+  if (status == CUDA_SUCCESS) after->device->give_stream(stream);
+  after->done(status);
+}
+
+}  // namespace
+
+bool Device::queue_copies(CUstream stream, const std::vector<Copy> &copies, std::string &why) const {
   for (const Copy &c : copies) {
     CUresult r;
     const char *name;
@@ -548,10 +565,33 @@ bool Device::copy(const std::vector<Copy> &copies, std::string &why) const {
     }
     if (r != CUDA_SUCCESS) {
       why = std::string(name) + ": " + describe(r);
-      ok = false;
-      break;
+      return false;
     }
   }
+  return true;
+}
+
+bool Device::copy_async(const std::vector<Copy> &copies, std::function<void(CUresult)> done, std::string &why) const {
+  CUstream stream = take_stream(why);
+  if (stream == nullptr) return false;
+  if (queue_copies(stream, copies, why)) {
+    auto after = std::make_unique<AfterCopies>(AfterCopies{this, std::move(done)});
+    const CUresult r = driver_->cuStreamAddCallback(stream, &run_after_copies, after.get(), 0);
+    if (r == CUDA_SUCCESS) {
+      after.release();  // the callback's now
+      return true;
+    }
+    why = "cuStreamAddCallback: " + describe(r);
+  }
+  // What was queued runs before the stream goes back, or its memory is let go.
+  if (driver_->cuStreamSynchronize(stream) == CUDA_SUCCESS) give_stream(stream);
+  return false;
+}
+
+bool Device::copy(const std::vector<Copy> &copies, std::string &why) const {
+  CUstream stream = take_stream(why);
+  if (stream == nullptr) return false;
+  const bool ok = queue_copies(stream, copies, why);
   // Whatever was queued has run before the stream goes back, or the copy's
   // memory is given back.
   const CUresult s = driver_->cuStreamSynchronize(stream);

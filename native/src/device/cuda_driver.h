@@ -50,6 +50,7 @@ struct Driver {
   PFN_cuStreamDestroy cuStreamDestroy = nullptr;
   PFN_cuStreamSynchronize cuStreamSynchronize = nullptr;
   PFN_cuLaunchHostFunc cuLaunchHostFunc = nullptr;
+  PFN_cuStreamAddCallback cuStreamAddCallback = nullptr;
   PFN_cuStreamWaitEvent cuStreamWaitEvent = nullptr;
   PFN_cuIpcGetMemHandle cuIpcGetMemHandle = nullptr;
   PFN_cuIpcOpenMemHandle cuIpcOpenMemHandle = nullptr;
@@ -170,6 +171,17 @@ class Device {
   // false with `why` (the driver's words) when one is refused or fails.
   bool copy(const std::vector<Copy> &copies, std::string &why) const;
 
+  // Queues `copies` in order on a stream of the engine's and returns at
+  // once; `done` runs once they have all run, told CUDA_SUCCESS or the
+  // error the stream met (describe() it elsewhere), on the driver's thread:
+  // it may not call the driver, nor let go of anything whose release does
+  // (hand such work to a thread of one's own). The stream goes back once
+  // `done` has run well. False with `why` (the driver's words) when a copy
+  // or the callback is refused: what was queued has then run, and `done`
+  // is never called. The caller keeps this Device alive until `done` has
+  // run (`done` may hold it). Any thread.
+  bool copy_async(const std::vector<Copy> &copies, std::function<void(CUresult)> done, std::string &why) const;
+
   // `count` allocations of `size` bytes each (all or none);
   // LLM_DEVICE_OUT_OF_MEMORY or LLM_FAILED with the reason otherwise.
   Status allocate(size_t count, uint64_t size, std::vector<uint8_t *> &out) const;
@@ -210,6 +222,8 @@ class Device {
   mutable std::unique_ptr<staging::Pool> staging_[2];  // out, in
   mutable std::mutex exports_mu_;
   mutable std::unordered_map<unsigned long long, Export> exports_;  // by the driver's buffer id
+  // Queues `copies` on `stream`; false with `why` at the first one refused.
+  bool queue_copies(CUstream stream, const std::vector<Copy> &copies, std::string &why) const;
   // Closes the descriptors of exports whose memory is no longer mapped where
   // it was (freed, or unmapped and remade); `all`: every one. Lock held.
   void drop_fd_exports(bool all) const;
@@ -235,6 +249,8 @@ class StreamCopier : public staging::Copier {
   bool to_host(size_t lane, uint8_t *host, const uint8_t *device, size_t n, std::string &why) override;
   bool to_device(size_t lane, uint8_t *device, const uint8_t *host, size_t n, std::string &why) override;
   bool wait(size_t lane, std::string &why) override;
+  // The waits for a stream so far (a thread of the caller's blocked in each).
+  size_t waits() const { return waits_; }
 
  private:
   CUstream stream(size_t lane, std::string &why);
@@ -243,6 +259,7 @@ class StreamCopier : public staging::Copier {
   bool current_ = false;
   std::string not_current_;
   std::vector<CUstream> streams_;
+  size_t waits_ = 0;
 };
 
 }  // namespace datadist::cuda

@@ -959,7 +959,7 @@ bool Link::take_answer(const FrameHeader &header, std::vector<uint8_t> &body, Co
     hand_off(*conn, [this, c, device, recv, bytes, op_id, settle_read] {
       bool io_ok = true;
       std::string why;
-      if (!receive_staged(c->in, *device, recv, bytes, io_ok, why) && io_ok) {
+      if (!receive_staged(c->in, *device, recv, bytes, false, io_ok, why) && io_ok) {
         fail_here(op_id, llm_datadist::LLM_FAILED, "copying the data read into device memory failed: " + why);
       }
       if (!io_ok) {

@@ -156,6 +156,10 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader, pub
               size_t result_index, Clock::time_point deadline, std::shared_ptr<const void> pin,
               std::shared_ptr<cuda::Device> device = nullptr);
 
+  // Whether operations on this end's device memory go as frames naming its
+  // exports (CUDA IPC), which carry no bytes, as far as the link knows now.
+  bool device_frames_by_reference() const;
+
   // Asks the peer for the geometry of a cache; blocks up to timeout_ms.
   Status lookup(const wire::Target &target, wire::LookupReply &reply, int timeout_ms);
   // Asks the peer a question that names nothing and does not wait: if no
@@ -279,8 +283,18 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader, pub
                          std::vector<wire::DeviceExport> &exports);
   // Serves a same-host frame naming the peer's device exports: checks this
   // end's ranges, opens the exports, checks every segment against what was
-  // opened, then copies with the driver.
+  // opened, then queues the copies on a stream and returns; the answer goes
+  // once they have landed (answer_device_copies), so the connection's next
+  // frame is read, and its copies queued, meanwhile.
   void serve_device_copy(Connection &conn, const wire::FrameHeader &header, const wire::Request &req, bool write);
+  // A frame whose device copies are queued: what it holds until they land.
+  struct DeviceCopies;
+  // Called by the driver's thread once a frame's copies have run: hands the
+  // frame to a thread of the blocking pool (the driver may not be called
+  // from its own thread, and letting go of memory may call it).
+  void device_copies_done(std::shared_ptr<DeviceCopies> copies);
+  // The blocking pool's part: answers every frame whose copies have landed.
+  void answer_device_copies();
   // The peer's exports opened in `device`'s context (null: this end's
   // memory is host memory; the export's device is used), cached per link;
   // false with `why` when one cannot be opened here.
@@ -334,8 +348,9 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader, pub
   // Reads `bytes` of the stream from `in` into the device ranges `to`;
   // false (and `why`) when the copy failed, the rest of the bytes then read
   // and dropped. `io_ok` is false when the connection failed.
+  // `serving`: for an operation of the peer's (its waits for the stream are counted).
   bool receive_staged(net::Reader &in, const cuda::Device &device, const std::vector<iovec> &to, uint64_t bytes,
-                      bool &io_ok, std::string &why);
+                      bool serving, bool &io_ok, std::string &why);
   // A same-host copy between device memory of this end (`device`) and the
   // peer's segments, staged; returns 0, an errno of the kernel copy, or -1
   // with `why` when the device copy failed.
@@ -435,6 +450,16 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader, pub
   std::atomic<uint64_t> ipc_frames_{0}, ipc_fallbacks_{0}, staged_frames_{0};
   std::atomic<uint64_t> ipc_bytes_served_{0}, staged_bytes_served_{0};
   std::atomic<uint64_t> fd_frames_{0}, fd_bytes_served_{0};
+  // Owner side: device frames served by CUDA IPC, those answered once their
+  // copies landed (from the stream's callback), frames whose copies were
+  // queued and not yet landed (now, and the most at once), and the times a
+  // thread of this end's blocked on a stream serving the peer's device
+  // operations (staged ones wait per chunk).
+  std::atomic<uint64_t> device_frames_served_{0}, device_answers_from_stream_{0};
+  std::atomic<uint64_t> device_in_flight_{0}, device_in_flight_max_{0}, device_stream_waits_{0};
+  std::mutex device_done_mu_;
+  std::vector<std::shared_ptr<DeviceCopies>> device_done_;  // landed, to be answered (device_done_mu_)
+  bool device_answering_ = false;  // a job of the blocking pool answers them (device_done_mu_)
   // The UCX path (null: the link has none).
   const std::shared_ptr<ucx::Peer> ucx_;
   std::atomic<uint64_t> ucx_frames_{0}, ucx_fallbacks_{0}, ucx_bytes_served_{0};

@@ -68,6 +68,20 @@ bool Link::export_all(const cuda::Device &device, const PlannedFrame &planned, b
   return true;
 }
 
+bool Link::device_frames_by_reference() const {
+  for (PathKind path : order_) {
+    if (path == PathKind::kUcx) {
+      if (ucx_ && ucx_->worker()->reaches_device()) return false;  // UCX moves them
+    } else if (path == PathKind::kSameHost) {
+      return peer_copies_.load(std::memory_order_acquire) && peer_opens_device_ &&
+             !exports_refused_.load(std::memory_order_acquire);
+    } else {
+      return false;
+    }
+  }
+  return false;
+}
+
 void Link::write_staged(Connection &conn, OutFrame frame) {
   const bool go_on = finish_staged(conn, frame);
   {
@@ -105,6 +119,7 @@ bool Link::finish_staged(Connection &conn, OutFrame &frame) {
   {
     cuda::StreamCopier copier(*device);
     result = staging::stage_out(device->staging_pool(false), copier, frame.data, staging::kDepth, sink);
+    if (frame.op_id == 0) device_stream_waits_.fetch_add(copier.waits(), std::memory_order_relaxed);  // a read's data
   }
   if (result.outcome == staging::Outcome::kDone) return after_send(frame, true);
   if (result.outcome == staging::Outcome::kIoFailed) return after_send(frame, false);
@@ -139,12 +154,13 @@ bool Link::finish_staged(Connection &conn, OutFrame &frame) {
 }
 
 bool Link::receive_staged(net::Reader &in, const cuda::Device &device, const std::vector<iovec> &to, uint64_t bytes,
-                          bool &io_ok, std::string &why) {
+                          bool serving, bool &io_ok, std::string &why) {
   staging::Result result;
   {
     cuda::StreamCopier copier(device);
     result = staging::stage_in(device.staging_pool(true), copier, to, staging::kDepth,
                                [&](uint8_t *buffer, size_t n) { return in.read(buffer, n); });
+    if (serving) device_stream_waits_.fetch_add(copier.waits(), std::memory_order_relaxed);
   }
   io_ok = result.outcome != staging::Outcome::kIoFailed;
   if (result.outcome != staging::Outcome::kCopyFailed) return true;
@@ -191,6 +207,7 @@ int Link::peer_copy_staged(const cuda::Device &device, const std::vector<iovec> 
       result = staging::stage_out(device.staging_pool(false), copier, mine, staging::kDepth,
                                   [&](const uint8_t *bytes, size_t n) { return copy(const_cast<uint8_t *>(bytes), n); });
     }
+    device_stream_waits_.fetch_add(copier.waits(), std::memory_order_relaxed);
   }
   if (result.outcome == staging::Outcome::kIoFailed) return error;
   if (result.outcome == staging::Outcome::kCopyFailed) {
@@ -254,6 +271,23 @@ bool Link::open_exports(const std::vector<wire::DeviceExport> &exports, const st
   return true;
 }
 
+struct Link::DeviceCopies {
+  std::shared_ptr<Link> link;
+  Connection *conn = nullptr;
+  uint64_t op_id = 0;
+  bool write = false;
+  bool on_device = false;  // this end's memory is device memory
+  wire::Request req;
+  // Alive until the copies have run: this end's memory, the peer's opened
+  // allocations and the device.
+  ResolvedTarget target;
+  std::vector<std::shared_ptr<cuda::PeerAllocation>> opened;
+  std::shared_ptr<cuda::Device> device;
+  uint64_t fd_bytes = 0;
+  cuda::CUresult status = cuda::CUDA_SUCCESS;  // what the stream met; -1: refused as queued (`why`)
+  std::string why;
+};
+
 void Link::serve_device_copy(Connection &conn, const FrameHeader &header, const wire::Request &req, bool write) {
   ResolvedTarget target;
   Status st = resolve_in_group(req, target);
@@ -312,19 +346,95 @@ void Link::serve_device_copy(Connection &conn, const FrameHeader &header, const 
   }
   if (st == LLM_SUCCESS && initiator_gone(conn)) return;
   if (st == LLM_SUCCESS) {
-    std::string why;
-    const cuda::Device &device = target.device ? *target.device : *opened.front()->device();
-    if (!device.copy(copies, why)) {
-      st = refuse_served(req.target.group, llm_datadist::LLM_FAILED, target.why,
-                         std::string("copying ") + (write ? "into" : "out of") + (target.device ? " device" : " host") +
-                             " memory on the peer failed (through CUDA IPC): " + why);
-    } else {
-      ipc_bytes_served_.fetch_add(req.total_bytes, std::memory_order_relaxed);
-      fd_bytes_served_.fetch_add(fd_bytes, std::memory_order_relaxed);
+    // The copies counted as work of the link's until answered: a reap waits
+    // for them, so no byte lands after the link's operations are settled.
+    if (!begin_work()) return;  // being reaped: the peer's operation ends with the link
+    auto held = std::make_shared<DeviceCopies>();
+    held->link = shared_from_this();
+    held->conn = &conn;
+    held->op_id = header.op_id;
+    held->write = write;
+    held->req = req;
+    held->device = target.device ? target.device : opened.front()->device();
+    held->opened = std::move(opened);
+    held->fd_bytes = fd_bytes;
+    held->on_device = target.device != nullptr;
+    held->target = std::move(target);
+    const uint64_t now = device_in_flight_.fetch_add(1, std::memory_order_relaxed) + 1;
+    for (uint64_t most = device_in_flight_max_.load(std::memory_order_relaxed);
+         now > most && !device_in_flight_max_.compare_exchange_weak(most, now, std::memory_order_relaxed);) {
     }
+    device_frames_served_.fetch_add(1, std::memory_order_relaxed);
+    const std::shared_ptr<cuda::Device> device = held->device;
+    std::string why;
+    if (device->copy_async(
+            copies, [held](cuda::CUresult status) mutable {
+              held->status = status;
+              Link &link = *held->link;
+              link.device_copies_done(std::move(held));  // the callback keeps nothing
+            },
+            why)) {
+      return;
+    }
+    // Refused as queued: whatever was queued has run; answered here.
+    held->status = -1;
+    held->why = std::move(why);
+    device_copies_done(std::move(held));
+    return;
   }
-  if (st == LLM_SUCCESS && !write) note_read(req);
   send_answer(conn, answer(write ? FrameType::kWriteAck : FrameType::kReadData, header.op_id, st, target.why));
+}
+
+
+void Link::device_copies_done(std::shared_ptr<DeviceCopies> copies) {
+  bool post;
+  {
+    std::lock_guard<std::mutex> lock(device_done_mu_);
+    device_done_.push_back(std::move(copies));
+    post = !device_answering_;
+    device_answering_ = true;
+  }
+  if (!post) return;  // the job out answers this one too
+  // The job holds only this pointer: the frames queued hold the link.
+  if (host_->io_loop().run_blocking([this] { answer_device_copies(); })) return;
+  // The loop is stopping: answered here (letting go of memory may then fail in the driver).
+  answer_device_copies();
+}
+
+void Link::answer_device_copies() {
+  std::shared_ptr<Link> self;  // the link, until this returns
+  for (;;) {
+    std::vector<std::shared_ptr<DeviceCopies>> landed;
+    {
+      std::lock_guard<std::mutex> lock(device_done_mu_);
+      if (device_done_.empty()) {
+        device_answering_ = false;
+        break;
+      }
+      landed.swap(device_done_);
+    }
+    if (!self) self = landed.front()->link;
+    for (const std::shared_ptr<DeviceCopies> &done : landed) {
+      DeviceCopies &c = *done;
+      Status st = LLM_SUCCESS;
+      std::string words = c.target.why;
+      if (c.status != cuda::CUDA_SUCCESS) {
+        const std::string why = c.status == -1 ? c.why : "the stream: " + c.device->describe(c.status);
+        st = refuse_served(c.req.target.group, llm_datadist::LLM_FAILED, words,
+                           std::string("copying ") + (c.write ? "into" : "out of") + (c.on_device ? " device" : " host") +
+                               " memory on the peer failed (through CUDA IPC): " + why);
+      } else {
+        ipc_bytes_served_.fetch_add(c.req.total_bytes, std::memory_order_relaxed);
+        fd_bytes_served_.fetch_add(c.fd_bytes, std::memory_order_relaxed);
+        if (!c.write) note_read(c.req);
+      }
+      if (c.status != -1) device_answers_from_stream_.fetch_add(1, std::memory_order_relaxed);
+      device_in_flight_.fetch_sub(1, std::memory_order_relaxed);
+      send_answer(*c.conn, answer(c.write ? FrameType::kWriteAck : FrameType::kReadData, c.op_id, st, words));
+      end_work();
+    }
+    // `landed` lets go of the memory here, on this thread.
+  }
 }
 
 std::map<std::string, uint64_t> Link::path_counters() const {
@@ -354,6 +464,15 @@ std::map<std::string, uint64_t> Link::path_counters() const {
       {"fd_frames", get(fd_frames_)},
       {"fd_bytes_served", get(fd_bytes_served_)},
       {"fd_imports", imports},
+      // Owner side, how device frames are served: frames served by CUDA
+      // IPC, those answered once their copies landed (no thread waits for
+      // them), the most whose copies were in flight at once, and the waits
+      // for a stream that blocked a thread of this end's while serving the
+      // peer's device operations (CUDA IPC: none; staged: one per chunk).
+      {"device_frames_served", get(device_frames_served_)},
+      {"device_answers_from_stream", get(device_answers_from_stream_)},
+      {"device_frames_in_flight_max", get(device_in_flight_max_)},
+      {"device_stream_waits", get(device_stream_waits_)},
       // UCX. Initiator side: frames sent naming this end's memory for the
       // peer to move with UCX, and those sent again inline because the
       // peer's memory was a device's. Owner side: bytes this end moved with

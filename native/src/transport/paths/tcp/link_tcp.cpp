@@ -29,7 +29,7 @@ void Link::serve_write(Connection &conn, const FrameHeader &header, const wire::
       bool ok = true;
       std::string why;
       Status status = LLM_SUCCESS;
-      if (!receive_staged(c->in, *target->device, target->iov, bytes, ok, why) && ok) {
+      if (!receive_staged(c->in, *target->device, target->iov, bytes, true, ok, why) && ok) {
         status = refuse_served(group, llm_datadist::LLM_FAILED, target->why,
                                "copying into device memory on the peer failed: " + why);
       }
