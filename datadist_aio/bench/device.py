@@ -370,6 +370,56 @@ def copy_baseline(driver: Driver, nbytes: int, iterations: int, device_id: int) 
             "verified": verified}
 
 
+def driver_copy(driver: Driver, nbytes: int, iterations: int, streams: int) -> dict[str, Any]:
+    """The copies a push's owner makes, without the link: the same bytes
+    between two device buffers of one process with cuMemcpyDtoDAsync, in
+    pieces of the wire's 64 MiB frame spread over ``streams`` streams, then
+    every stream synchronised. Tells the driver's copy apart from what the
+    link adds."""
+    lib = driver.lib
+    lib.cuMemcpyDtoDAsync_v2.argtypes = [ctypes.c_ulonglong, ctypes.c_ulonglong, ctypes.c_size_t, ctypes.c_void_p]
+    lib.cuStreamCreate.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+    lib.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
+    lib.cuStreamDestroy_v2.argtypes = [ctypes.c_void_p]
+    per, piece = nbytes // TENSORS, 64 << 20
+    data = patterns(9, nbytes)[0]
+    src = [driver.alloc(per) for _ in range(TENSORS)]
+    dst = [driver.alloc(per) for _ in range(TENSORS)]
+    handles = []
+    seconds: list[float] = []
+    try:
+        for _ in range(streams):
+            stream = ctypes.c_void_p()
+            driver.check(lib.cuStreamCreate(ctypes.byref(stream), 1), "cuStreamCreate")
+            handles.append(stream)
+        for s, d in zip(src, data):
+            driver.write(s, d)
+        pieces = [(d + off, s + off, min(piece, per - off)) for d, s in zip(dst, src) for off in range(0, per, piece)]
+        for batch in range(iterations + 1):
+            driver.sync()
+            started = time.perf_counter()
+            for i, (d, s, n) in enumerate(pieces):
+                driver.check(lib.cuMemcpyDtoDAsync_v2(d, s, n, handles[i % streams]), "cuMemcpyDtoDAsync")
+            for stream in handles:
+                driver.check(lib.cuStreamSynchronize(stream), "cuStreamSynchronize")
+            if batch:
+                seconds.append(time.perf_counter() - started)
+        out = np.empty(per, np.uint8)
+        verified = True
+        for d_addr, d in zip(dst, data):
+            driver.read(d_addr, out)
+            verified = verified and bool(np.array_equal(out, d))
+    finally:
+        for stream in handles:
+            lib.cuStreamDestroy_v2(stream)
+        for addr in src + dst:
+            driver.free(addr)
+    best = min(seconds)
+    return {"kind": f"cuMemcpyDtoDAsync in 64 MiB pieces on {streams} stream{'s' if streams > 1 else ''}",
+            "streams": streams, "bytes": nbytes, "seconds": seconds, "best_s": best, "gbps": nbytes / best / 1e9,
+            "verified": verified}
+
+
 def _gbps(row: dict[str, Any], nbytes: int) -> dict[str, Any]:
     row["gbps"] = nbytes / row["best_s"] / 1e9
     return row
@@ -410,6 +460,8 @@ def measure(args: argparse.Namespace, driver_path: str, argv: list[str]) -> dict
     _note(f"driver: {report['driver']['what']} ({driver_path}, version {driver.version}, {driver.name})")
     _note("baseline: a copy of the same bytes inside one process")
     report["baseline"] = copy_baseline(driver, cache_bytes, iterations, args.device_id)
+    _note("the driver's own copies of those bytes, as a push's owner makes them (no link)")
+    report["driver_copies"] = [driver_copy(driver, cache_bytes, iterations, n) for n in (1, 16)]
     rows: dict[int, dict[str, Any]] = {size: {"block_size": size} for size in sizes}
     for transport in ("auto", "tcp"):
         _note(f"transport {transport}: starting the target")
@@ -472,7 +524,9 @@ def _size(n: int) -> str:
 
 def verified(report: dict[str, Any]) -> bool:
     rows = [r.get(k) for r in report["results"] for k in ("d2d", "tcp_device", "tcp_host")]
-    return report.get("baseline", {}).get("verified", False) and all(r is not None and r["verified"] for r in rows)
+    copies = report.get("driver_copies", [])
+    return (report.get("baseline", {}).get("verified", False) and all(c["verified"] for c in copies)
+            and all(r is not None and r["verified"] for r in rows))
 
 
 def table(report: dict[str, Any]) -> str:
@@ -482,6 +536,9 @@ def table(report: dict[str, Any]) -> str:
              "batches, every batch checked"]
     if base:
         lines.append(f"copy inside one process ({base['kind']}): {base['gbps']:.2f} GB/s")
+    for copies in report.get("driver_copies", []):
+        lines.append(f"  the owner's copies without the link ({copies['kind']}): {copies['gbps']:.2f} GB/s"
+                     f"{'' if copies['verified'] else ' NOT VERIFIED'}")
     lines += ["", f"{'block':>8}  {'d2d push GB/s':>13} {'/copy':>6} {'path':>9}   "
               f"{'tcp device GB/s':>15} {'tcp host GB/s':>13} {'dev/host':>8} {'path':>7}  verified"]
 

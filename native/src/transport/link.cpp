@@ -874,7 +874,9 @@ bool Link::take_answer(const FrameHeader &header, std::vector<uint8_t> &body, Co
     std::lock_guard<std::mutex> lock(mu_);
     auto it = open_.find(header.op_id);
     if (it == open_.end()) {
-      unknown = "no such operation open";
+      // Settled already (a second answer), or never opened here.
+      unknown = header.op_id != 0 && header.op_id < next_op_ ? "no such operation open: it was settled already"
+                                                              : "no such operation open: none was opened by that id";
     } else if (it->second.answered) {
       unknown = "its operation was answered already";
     } else if (it->second.answer_type != type) {
