@@ -197,11 +197,22 @@ void Link::on_ready(uint64_t tag, uint32_t events) {
   if (tag >= conns_.size() || !begin_work()) return;
   Connection &conn = *conns_[tag];
   bool input;
+  bool taken;
   {
     std::lock_guard<std::mutex> lock(conn.mu);
     conn.armed = 0;  // it fired: disarmed
+    // Another I/O thread may still run the handler: this event was armed by
+    // a thread off the loop (a blocking receive's end, a frame queued)
+    // before that one had let the connection go. Two threads must never
+    // read one connection's frames at once: the running one arms it again
+    // at its end (armed is 0 now), and what this event saw fires again then.
+    taken = conn.running;
     conn.running = true;
     input = !conn.away;
+  }
+  if (taken) {
+    end_work();
+    return;
   }
   if (input && (events & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR)) != 0) read_input(conn);
   write_queued(conn);
