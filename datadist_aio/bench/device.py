@@ -316,6 +316,16 @@ def push_figures(datadist: Any, target: Target, caches: Caches, pats: list[np.nd
     return {"seconds": seconds, "best_s": min(seconds), "path": path, "link_stats": delta, "verified": verified}
 
 
+def _holds(driver: Driver, addrs: list[int], data: Any) -> bool:
+    """Whether device buffers ``addrs`` hold the rows of ``data``, read back."""
+    out = np.empty(data.shape[1], np.uint8)
+    verified = True
+    for addr, row in zip(addrs, data):
+        driver.read(addr, out)
+        verified = verified and bool(np.array_equal(out, row))
+    return verified
+
+
 def copy_baseline(driver: Driver, nbytes: int, iterations: int, device_id: int) -> dict[str, Any]:
     """The same bytes copied between two device buffers of one process: torch
     ``copy_`` on the real driver when torch is there, else ``cuMemcpyDtoD``."""
@@ -356,11 +366,7 @@ def copy_baseline(driver: Driver, nbytes: int, iterations: int, device_id: int) 
                 driver.sync()
                 if batch:
                     seconds.append(time.perf_counter() - started)
-            out = np.empty(per, np.uint8)
-            verified = True
-            for d_addr, d in zip(dst, data):
-                driver.read(d_addr, out)
-                verified = verified and bool(np.array_equal(out, d))
+            verified = _holds(driver, dst, data)
         finally:
             for addr in src + dst:
                 driver.free(addr)
@@ -404,11 +410,7 @@ def driver_copy(driver: Driver, nbytes: int, iterations: int, streams: int) -> d
                 driver.check(lib.cuStreamSynchronize(stream), "cuStreamSynchronize")
             if batch:
                 seconds.append(time.perf_counter() - started)
-        out = np.empty(per, np.uint8)
-        verified = True
-        for d_addr, d in zip(dst, data):
-            driver.read(d_addr, out)
-            verified = verified and bool(np.array_equal(out, d))
+        verified = _holds(driver, dst, data)
     finally:
         for stream in handles:
             lib.cuStreamDestroy_v2(stream)
