@@ -293,7 +293,11 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader, pub
   // frame to a thread of the blocking pool (the driver may not be called
   // from its own thread, and letting go of memory may call it).
   void device_copies_done(std::shared_ptr<DeviceCopies> copies);
-  // The blocking pool's part: answers every frame whose copies have landed.
+  // Answers a frame whose copies landed well, where nothing in that calls
+  // the driver (so from the driver's thread too); false where it cannot.
+  bool answer_landed(DeviceCopies &copies);
+  // The blocking pool's part: answers every frame whose copies have landed
+  // (not answered yet), then lets go of their memory.
   void answer_device_copies();
   // The peer's exports opened in `device`'s context (null: this end's
   // memory is host memory; the export's device is used), cached per link;

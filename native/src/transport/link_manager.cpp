@@ -746,19 +746,28 @@ bool LinkManager::link_stats(uint64_t peer_id, LinkStats &stats) const {
 }
 
 void LinkManager::link_down(const std::shared_ptr<Link> &link) {
-  bool lost = false;
+  const auto held = [&] {
+    auto it = links_.find(link->peer_id());
+    return it != links_.end() && it->second == link ? it : links_.end();
+  };
+  bool lost;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = links_.find(link->peer_id());
-    if (it != links_.end() && it->second == link) {
-      links_.erase(it);
-      lost = !stopping_;  // an unlink from either end has removed it already
-    }
+    lost = held() != links_.end() && !stopping_;  // an unlink from either end has removed it already
+  }
+  // The observer (a comm that links the peer again) hears of it while the
+  // link can still be found, and before the reap settles its operations:
+  // otherwise an operation toward the peer in between would be refused as
+  // never linked (LLM_NOT_YET_LINK) instead of as being linked again.
+  if (lost && loss_observer_) loss_observer_(link->peer_id());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = held();
+    if (it != links_.end()) links_.erase(it);
     down_.push_back(link);
     ++generation_;
   }
   cv_.notify_all();
-  if (lost && loss_observer_) loss_observer_(link->peer_id());
 }
 
 void LinkManager::reap(const std::vector<std::shared_ptr<Link>> &links) {

@@ -286,6 +286,7 @@ struct Link::DeviceCopies {
   uint64_t fd_bytes = 0;
   cuda::CUresult status = cuda::CUDA_SUCCESS;  // what the stream met; -1: refused as queued (`why`)
   std::string why;
+  bool answered = false;  // by answer_landed()
 };
 
 void Link::serve_device_copy(Connection &conn, const FrameHeader &header, const wire::Request &req, bool write) {
@@ -371,6 +372,7 @@ void Link::serve_device_copy(Connection &conn, const FrameHeader &header, const 
             copies, [held](cuda::CUresult status) mutable {
               held->status = status;
               Link &link = *held->link;
+              link.answer_landed(*held);  // at once where nothing in it calls the driver
               link.device_copies_done(std::move(held));  // the callback keeps nothing
             },
             why)) {
@@ -401,6 +403,19 @@ void Link::device_copies_done(std::shared_ptr<DeviceCopies> copies) {
   answer_device_copies();
 }
 
+bool Link::answer_landed(DeviceCopies &c) {
+  // A failure is described by the driver, and a read that releases a key
+  // may let go of memory: those are answered by the blocking pool.
+  if (c.status != cuda::CUDA_SUCCESS || (!c.write && (c.req.target.flags & wire::kReleaseKey) != 0)) return false;
+  ipc_bytes_served_.fetch_add(c.req.total_bytes, std::memory_order_relaxed);
+  fd_bytes_served_.fetch_add(c.fd_bytes, std::memory_order_relaxed);
+  device_answers_from_stream_.fetch_add(1, std::memory_order_relaxed);
+  device_in_flight_.fetch_sub(1, std::memory_order_relaxed);
+  send_answer(*c.conn, answer(c.write ? FrameType::kWriteAck : FrameType::kReadData, c.op_id, LLM_SUCCESS, {}));
+  c.answered = true;
+  return true;
+}
+
 void Link::answer_device_copies() {
   std::shared_ptr<Link> self;  // the link, until this returns
   for (;;) {
@@ -416,6 +431,10 @@ void Link::answer_device_copies() {
     if (!self) self = landed.front()->link;
     for (const std::shared_ptr<DeviceCopies> &done : landed) {
       DeviceCopies &c = *done;
+      if (c.answered || answer_landed(c)) {
+        end_work();
+        continue;
+      }
       Status st = LLM_SUCCESS;
       std::string words = c.target.why;
       if (c.status != cuda::CUDA_SUCCESS) {
