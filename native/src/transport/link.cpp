@@ -983,6 +983,9 @@ void Link::fail(Status reason, const std::string &why) {
   }
   if (!why.empty()) log_warning("link to cluster " + std::to_string(peer_id_) + ": " + why);
   for (auto &conn : conns_) ::shutdown(conn->fd, SHUT_RDWR);
+  // UCX's gets and puts of the link end now, before a new link from the
+  // peer may move bytes into the same memory; none lands later.
+  if (ucx_) ucx_->close();
   host_->link_down(shared_from_this());
 }
 
@@ -999,6 +1002,14 @@ void Link::reap() {
     // No I/O thread or blocking job touches the link's frames from here.
     std::unique_lock<std::mutex> lock(mu_);
     work_done_cv_.wait(lock, [this] { return working_ == 0; });
+  }
+  // Every UCX get or put of the link has ended (failed by the close) before
+  // its operations settle.
+  if (ucx_) {
+    ucx_->close();
+    if (!ucx_->wait_idle(std::chrono::seconds(5))) {
+      log_warning("link to cluster " + std::to_string(peer_id_) + ": UCX operations still pending after the close");
+    }
   }
   // Answers that came before the end settle their operations as answered.
   {

@@ -17,6 +17,8 @@
 
 #include <sys/uio.h>
 
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -139,11 +141,26 @@ class Peer {
   // `done` once every operation posted so far completed at the peer.
   bool flush(Done done, std::string &why);
 
+  // Closes the endpoint at once (UCX's forced close): what is posted on it
+  // fails (its `done` runs with an error, from the worker's progress), no
+  // byte of it lands afterwards, and nothing more is posted. Once is enough.
+  void close();
+  // Progresses the worker from the calling thread until every `done` of this
+  // peer has run; false when some had not by `limit`.
+  bool wait_idle(std::chrono::milliseconds limit);
+
  private:
   explicit Peer(std::shared_ptr<Worker> worker) : worker_(std::move(worker)) {}
   datadist_ucx_rkey *rkey_locked(const std::string &packed, std::string &why);
   bool post(bool get, const std::string &packed, const std::vector<datadist_ucx_range> &ranges, Done done,
             std::string &why);
+
+  // The operations posted whose `done` has not run yet.
+  struct InFlight {
+    std::mutex mu;
+    std::condition_variable cv;
+    size_t count = 0;
+  };
 
   struct ErrorState {
     std::mutex mu;
@@ -154,8 +171,9 @@ class Peer {
 
   std::shared_ptr<Worker> worker_;
   std::mutex mu_;
-  datadist_ucx_ep *ep_ = nullptr;
+  datadist_ucx_ep *ep_ = nullptr;  // null once closed
   std::map<std::string, datadist_ucx_rkey *> rkeys_;
+  std::shared_ptr<InFlight> in_flight_ = std::make_shared<InFlight>();
   std::shared_ptr<ErrorState> error_ = std::make_shared<ErrorState>();
   std::shared_ptr<ErrorState> *error_arg_ = nullptr;  // what the plugin calls back with
 };
