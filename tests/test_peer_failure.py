@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import datadist_aio as dd
-from peer import HAVE_UCX, UCX_PEER_DEATH, UCX_WHY, MiB, Peer, PeerError, PeerGroup, PeerTimeout, pool_cfg, raises_status
+from peer import HAVE_UCX, UCX_WHY, MiB, Peer, PeerError, PeerGroup, PeerTimeout, pool_cfg, raises_status
 
 SUCCESS = dd.LLMStatusCode.LLM_SUCCESS
 LINKED = (SUCCESS, [SUCCESS])
@@ -48,8 +48,11 @@ def assert_blocks_push(src: Peer, dst: Peer, model_id: int, seed: int) -> None:
 # -- a peer killed mid-transfer ------------------------------------------------------
 
 
+UCX = pytest.param("ucx", marks=pytest.mark.skipif(not HAVE_UCX, reason=f"no UCX: {UCX_WHY}"))
+
+
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("transport", ["auto", "tcp", pytest.param("ucx", marks=UCX_PEER_DEATH)])
+@pytest.mark.parametrize("transport", ["auto", "tcp", UCX])
 @pytest.mark.parametrize("direction", ["push", "pull"])
 def test_peer_killed_mid_transfer(group, direction, transport):
     timeout_ms = 3000
@@ -96,9 +99,7 @@ def test_peer_killed_mid_transfer(group, direction, transport):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize(
-    "transport", ["auto", pytest.param("ucx", marks=pytest.mark.skipif(not HAVE_UCX, reason=f"no UCX: {UCX_WHY}"))]
-)
+@pytest.mark.parametrize("transport", ["auto", UCX])
 @pytest.mark.parametrize("via", ["sync", "async"])
 def test_stopped_peer_times_out(group, via, transport):
     timeout_ms = 1000
