@@ -239,10 +239,9 @@ void Peer::close() {
     if (ep_ == nullptr) return;
     for (auto &entry : rkeys_) worker_->api().rkey_destroy(entry.second);
     rkeys_.clear();
-    worker_->api().ep_close(ep_, 1);
+    worker_->api().ep_close(ep_, 1);  // wakes the worker: its thread runs the failed operations' done
     ep_ = nullptr;
   }
-  worker_->poke();
 }
 
 bool Peer::wait_idle(std::chrono::milliseconds limit) {
