@@ -111,7 +111,8 @@ def test_peer_killed_amid_many_small_ranges(group, transport):
     of its own that the survivor's end answers): the survivor's operations
     complete or fail, and it lives on to link again and move checked bytes."""
     desc = dd.CacheDesc(2, [2048, 4096], dd.DataType.DT_UINT8, dd.Placement.HOST)
-    options = {"sync_kv_timeout": 3000, "transport": transport, "host_mem_pool_cfg": pool_cfg(64 * MiB)}
+    # Timeouts are not what this is about: a kill ends the operations at once.
+    options = {"sync_kv_timeout": 30000, "transport": transport, "host_mem_pool_cfg": pool_cfg(64 * MiB)}
     theirs = {"transport": "ucx"} if transport == "ucx" else {}
     survivor = group.start("survivor", dd.LLMRole.PROMPT, 1, options=options)
     mine = [survivor.allocate(desc, blocks=True) for _ in range(2)]
@@ -163,11 +164,16 @@ def test_peer_frozen_mid_operation_then_resumed(group, transport):
     victim.fill(remote, 9)
     backwards, forwards = list(range(2047, -1, -1)), list(range(2048))
     tasks = []
+    failed = 0
     for i in range(16):
         method = ("push_blocks", "pull_blocks")[i % 2]
-        tasks.append(survivor.start_task(method, remote.blocks_key(), mine[i % 2], backwards, forwards))
+        try:
+            tasks.append(survivor.start_task(method, remote.blocks_key(), mine[i % 2], backwards, forwards))
+        except dd.LLMException as exc:
+            # On a loaded machine the first may time out before the last starts.
+            assert exc.status_code is dd.LLMStatusCode.LLM_NOT_YET_LINK, exc
+            failed += 1
     victim.stop()
-    failed = 0
     for task in tasks:
         try:
             assert survivor.wait_task(task) == [SUCCESS]

@@ -65,6 +65,9 @@ struct datadist_ucx_worker {
   // set where none of the context's transports reads or writes a peer's
   // memory by itself (no RDMA), see "Host memory as active messages".
   bool am_rma = false;
+  // The datatype the active messages' bytes go as (copied into UCX's
+  // buffers, never zero copy: see am_send).
+  ucp_datatype_t am_bytes = 0;
 
   std::mutex mutex;  // guards all below
   std::vector<std::function<void()>> due;  // callbacks for the next progress
@@ -104,6 +107,9 @@ struct datadist_ucx_ep {
   datadist_ucx_worker *worker = nullptr;
   ucp_ep_h ep = nullptr;
   std::shared_ptr<ErrorSink> sink;
+  // Host-to-host ranges go as UCX's own gets and puts: the endpoint has an
+  // RDMA transport. Otherwise as active messages.
+  bool native_host_rma = false;
 };
 
 struct datadist_ucx_rkey {
@@ -234,6 +240,37 @@ void am_sent(void *request, ucs_status_t status, void *user_data) {
   if (request != nullptr) ucp_request_free(request);
 }
 
+// The bytes of an active message, as a generic datatype: UCX copies them
+// into its own buffers as it sends (bcopy) and never sends them with zero
+// copy. UCX's TCP transport (1.13.1 and 1.22.0 alike) completes a zero-copy
+// send twice when the connection fails under it, which trips its assertion
+// "comp->count > 0" in the survivor's progress (an abort, met once in 8
+// runs of the peer-failure cases over UCX before this).
+struct PackState {
+  const uint8_t *bytes;
+  size_t length;
+};
+
+void *bytes_start_pack(void *, const void *buffer, size_t count) {
+  return new (std::nothrow) PackState{static_cast<const uint8_t *>(buffer), count};
+}
+void *bytes_start_unpack(void *, void *, size_t) { return nullptr; }  // never received as such
+// A state that could not be had packs nothing: the peer finds the message
+// short and fails its range.
+size_t bytes_packed_size(void *state) { return state != nullptr ? static_cast<PackState *>(state)->length : 0; }
+size_t bytes_pack(void *state, size_t offset, void *dest, size_t max_length) {
+  const auto *s = static_cast<PackState *>(state);
+  if (s == nullptr) return 0;
+  const size_t n = offset < s->length ? std::min(max_length, s->length - offset) : 0;
+  std::memcpy(dest, s->bytes + offset, n);
+  return n;
+}
+ucs_status_t bytes_unpack(void *, size_t, const void *, size_t) { return UCS_ERR_UNSUPPORTED; }
+void bytes_finish(void *state) { delete static_cast<PackState *>(state); }
+
+const ucp_generic_dt_ops_t kBytesOps = {bytes_start_pack, bytes_start_unpack, bytes_packed_size,
+                                         bytes_pack,       bytes_unpack,       bytes_finish};
+
 // Sends one active message; never under the worker's mutex (a send that
 // fails at once ends its range here).
 void am_send(datadist_ucx_worker *w, ucp_ep_h ep, unsigned id, const AmHeader &header, const void *data,
@@ -251,6 +288,10 @@ void am_send(datadist_ucx_worker *w, ucp_ep_h ep, unsigned id, const AmHeader &h
   param.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
   param.cb.send = am_sent;
   param.user_data = send;
+  if (length > 0) {
+    param.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
+    param.datatype = w->am_bytes;
+  }
   ucs_status_ptr_t request = ucp_am_send_nbx(ep, id, &send->header, sizeof(send->header), data, length, &param);
   if (UCS_PTR_IS_PTR(request)) return;
   am_sent(nullptr, UCS_PTR_STATUS(request), send);
@@ -507,6 +548,7 @@ void worker_destroy(datadist_ucx_worker *w) {
   for (auto *mem : mems) mem_unmap(mem);
   ucp_worker_release_address(w->worker, w->address);
   ucp_worker_destroy(w->worker);
+  if (w->am_bytes != 0) ucp_dt_destroy(w->am_bytes);
   ucp_cleanup(w->context);
   for (auto *ep : w->closing) delete ep;
   delete w;
@@ -586,10 +628,12 @@ int worker_create(datadist_ucx_worker **out) {
   attr.field_mask = UCP_WORKER_ATTR_FIELD_THREAD_MODE;
   s = ucp_worker_query(w->worker, &attr);
   if (s == UCS_OK && attr.thread_mode != UCS_THREAD_MODE_MULTI) s = UCS_ERR_UNSUPPORTED;  // UCX built single-threaded
+  if (s == UCS_OK) s = ucp_dt_create_generic(&kBytesOps, nullptr, &w->am_bytes);
   if (s == UCS_OK) s = set_am_handlers(w);
   if (s == UCS_OK) s = ucp_worker_get_address(w->worker, &w->address, &w->address_length);
   if (s != UCS_OK) {
     ucp_worker_destroy(w->worker);
+    if (w->am_bytes != 0) ucp_dt_destroy(w->am_bytes);
     ucp_cleanup(w->context);
     delete w;
     return s;
@@ -688,6 +732,48 @@ int mem_map(datadist_ucx_worker *w, void *address, size_t length, int memory_typ
   return UCS_OK;
 }
 
+// Whether the endpoint has an RDMA transport (rc, dc, srd), whose gets and
+// puts run in the NIC and need nothing of the peer's process; asked of UCX
+// from 1.14 on (the endpoint's transports), false where it cannot say (a
+// worker with RDMA then takes every endpoint for one). Not cma (one host,
+// UCX 1.22): its reads and writes need nothing of the peer either, but they
+// are the peer's own system calls into this process's memory, which go on
+// after this end has closed the endpoint (a peer frozen mid-operation that
+// resumes after this end's operations timed out); the active messages of a
+// closed endpoint are dropped instead.
+bool one_sided_endpoint(ucp_ep_h ep) {
+#if UCP_API_MAJOR > 1 || (UCP_API_MAJOR == 1 && UCP_API_MINOR >= 14)
+  unsigned major = 0, minor = 0, release = 0;
+  ucp_get_version(&major, &minor, &release);
+  if (major == 1 && minor < 14) return false;  // built with newer headers than the UCX loaded
+  ucp_transport_entry_t entries[32]{};
+  ucp_ep_attr_t attr{};
+  attr.field_mask = UCP_EP_ATTR_FIELD_TRANSPORTS;
+  attr.transports.entries = entries;
+  attr.transports.num_entries = 32;
+  attr.transports.entry_size = sizeof(ucp_transport_entry_t);
+  if (ucp_ep_query(ep, &attr) != UCS_OK) return false;
+  for (unsigned i = 0; i < attr.transports.num_entries && i < 32; ++i) {
+    const std::string tl = entries[i].transport_name != nullptr ? entries[i].transport_name : "";
+    if (tl.rfind("rc", 0) == 0 || tl.rfind("dc", 0) == 0 || tl == "srd") return true;
+  }
+#else
+  (void)ep;
+#endif
+  return false;
+}
+
+// Whether one_sided_endpoint() can tell (UCX 1.14 on, and headers that know it).
+bool endpoint_query_works() {
+#if UCP_API_MAJOR > 1 || (UCP_API_MAJOR == 1 && UCP_API_MINOR >= 14)
+  unsigned major = 0, minor = 0, release = 0;
+  ucp_get_version(&major, &minor, &release);
+  return major > 1 || minor >= 14;
+#else
+  return false;
+#endif
+}
+
 int ep_create(datadist_ucx_worker *w, const void *address, size_t length, datadist_ucx_ep_error_fn on_error,
               void *error_arg, datadist_ucx_ep **out) {
   if (w == nullptr || address == nullptr || length == 0 || out == nullptr) return UCS_ERR_INVALID_PARAM;
@@ -710,6 +796,7 @@ int ep_create(datadist_ucx_worker *w, const void *address, size_t length, datadi
     delete ep;
     return s;
   }
+  ep->native_host_rma = !w->am_rma && (one_sided_endpoint(ep->ep) || !endpoint_query_works());
   {
     std::lock_guard<std::mutex> lock(w->mutex);
     w->eps.insert(ep);
@@ -778,7 +865,7 @@ int transfer(bool is_put, datadist_ucx_ep *ep, datadist_ucx_rkey *rkey, const da
   for (; i < count; ++i) {
     const datadist_ucx_range &r = ranges[i];
     const bool local_host = r.local_mem == nullptr || r.local_mem->memory_type == DATADIST_UCX_HOST;
-    if (ep->worker->am_rma && local_host && rkey->memory_type == DATADIST_UCX_HOST) {
+    if (!ep->native_host_rma && local_host && rkey->memory_type == DATADIST_UCX_HOST) {
       am_transfer(is_put, ep, batch, r);
       continue;
     }
