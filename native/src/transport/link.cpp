@@ -983,9 +983,6 @@ void Link::fail(Status reason, const std::string &why) {
   }
   if (!why.empty()) log_warning("link to cluster " + std::to_string(peer_id_) + ": " + why);
   for (auto &conn : conns_) ::shutdown(conn->fd, SHUT_RDWR);
-  // UCX's gets and puts of the link end now, before a new link from the
-  // peer may move bytes into the same memory; none lands later.
-  if (ucx_) ucx_->close();
   host_->link_down(shared_from_this());
 }
 
@@ -1004,7 +1001,10 @@ void Link::reap() {
     work_done_cv_.wait(lock, [this] { return working_ == 0; });
   }
   // Every UCX get or put of the link has ended (failed by the close) before
-  // its operations settle.
+  // its operations settle, and before a new link to the peer moves bytes
+  // (LinkManager reaps a peer's links that went down before it links again).
+  // Closed here, not when the link fails: a forced close then, with the peer
+  // frozen, left a relink's first get stalled (UCX 1.13.1, 1 run in 7).
   if (ucx_) {
     ucx_->close();
     if (!ucx_->wait_idle(std::chrono::seconds(5))) {

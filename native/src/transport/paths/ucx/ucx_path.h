@@ -5,8 +5,8 @@
 // initiator names its own memory only: each frame carries, beside its
 // segments, the packed remote key of every mapped tensor they lie in.
 // Without RDMA, host-to-host ranges move as the plugin's active messages
-// (ucx_plugin.h). A link that fails closes its Peer at once, and its reap
-// waits until every get and put on it has ended.
+// (ucx_plugin.h). A failed link's reap closes its Peer and waits until
+// every get and put on it has ended.
 //
 // One worker per transport, progressed by the transport's I/O loop: its
 // event fd is watched there like a socket, and the thread the loop wakes
