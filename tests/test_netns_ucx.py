@@ -19,7 +19,7 @@ import pytest
 
 import datadist_aio as dd
 from netns import NetnsGroup, NetnsPeer, Subnet, unavailable
-from peer import HAVE_UCX, UCX_PEER_DEATH, UCX_WHY, Peer, raises_status
+from peer import HAVE_UCX, UCX_WHY, Peer, raises_status
 from test_layerwise import Prefill, each_kind, prefill_side
 from test_netns import peer_killed_mid_transfer
 from test_layerwise import KINDS
@@ -127,7 +127,6 @@ async def test_each_kind_over_ucx(ucx_prefill, kind):
 
 
 @pytest.mark.timeout(90)
-@UCX_PEER_DEATH
 @pytest.mark.parametrize("direction", ["push", "pull"])
 def test_peer_killed_mid_transfer(direction):
     peer_killed_mid_transfer(direction, UCX, UCX, "ucx")

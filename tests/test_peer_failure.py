@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import datadist_aio as dd
-from peer import HAVE_UCX, UCX_PEER_DEATH, UCX_WHY, MiB, Peer, PeerError, PeerGroup, PeerTimeout, pool_cfg, raises_status
+from peer import HAVE_UCX, UCX_WHY, MiB, Peer, PeerError, PeerGroup, PeerTimeout, pool_cfg, raises_status
 
 SUCCESS = dd.LLMStatusCode.LLM_SUCCESS
 LINKED = (SUCCESS, [SUCCESS])
@@ -48,8 +48,11 @@ def assert_blocks_push(src: Peer, dst: Peer, model_id: int, seed: int) -> None:
 # -- a peer killed mid-transfer ------------------------------------------------------
 
 
+UCX = pytest.param("ucx", marks=pytest.mark.skipif(not HAVE_UCX, reason=f"no UCX: {UCX_WHY}"))
+
+
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("transport", ["auto", "tcp", pytest.param("ucx", marks=UCX_PEER_DEATH)])
+@pytest.mark.parametrize("transport", ["auto", "tcp", UCX])
 @pytest.mark.parametrize("direction", ["push", "pull"])
 def test_peer_killed_mid_transfer(group, direction, transport):
     timeout_ms = 3000
@@ -95,10 +98,107 @@ def test_peer_killed_mid_transfer(group, direction, transport):
     assert_blocks_push(again, survivor, 8, 4)
 
 
+# Peers killed in a row by test_peer_killed_amid_many_small_ranges (each
+# kill a chance for the survivor's end to meet a request of the dead peer).
+KILLS = int(os.environ.get("DATADIST_AIO_TEST_KILLS", "20"))
+
+
+@pytest.mark.timeout(60 + 20 * KILLS)
+@pytest.mark.parametrize("transport", ["tcp", UCX])
+def test_peer_killed_amid_many_small_ranges(group, transport):
+    """Peers killed one after the other while each reads and writes many
+    small ranges of the survivor's memory (over UCX each range is a request
+    of its own that the survivor's end answers): the survivor's operations
+    complete or fail, and it lives on to link again and move checked bytes."""
+    desc = dd.CacheDesc(2, [2048, 4096], dd.DataType.DT_UINT8, dd.Placement.HOST)
+    # Timeouts are not what this is about: a kill ends the operations at once.
+    options = {"sync_kv_timeout": 30000, "transport": transport, "host_mem_pool_cfg": pool_cfg(64 * MiB)}
+    theirs = {"transport": "ucx"} if transport == "ucx" else {}
+    survivor = group.start("survivor", dd.LLMRole.PROMPT, 1, options=options)
+    mine = [survivor.allocate(desc, blocks=True) for _ in range(2)]
+    # Blocks in reverse order: no two ranges merge, 4,096 of them an operation.
+    backwards, forwards = list(range(2047, -1, -1)), list(range(2048))
+    for kill in range(KILLS):
+        victim = group.start(f"victim-{kill}", dd.LLMRole.DECODER, 2,
+                             options={"host_mem_pool_cfg": pool_cfg(64 * MiB)} | theirs)
+        assert survivor.link(victim) == LINKED, f"kill {kill}"
+        assert survivor.datadist("link_transport", 2) == transport
+        remote = victim.allocate(desc, blocks=True, model_id=5)
+        tasks = [
+            survivor.start_task(("push_blocks", "pull_blocks")[i % 2], remote.blocks_key(), mine[i % 2], backwards,
+                                forwards)
+            for i in range(16)
+        ]
+        assert not survivor.task_done(tasks[-1]), "the operations ended before the peer was killed; make them more"
+        victim.kill()
+        for task in tasks:
+            try:
+                assert survivor.wait_task(task) == [SUCCESS]
+            except dd.LLMException as exc:
+                assert exc.status_code in LINK_LOST, exc
+    # The survivor links to the cluster again and moves checked bytes both ways.
+    again = group.start("victim-again", dd.LLMRole.DECODER, 2, options=theirs)
+    assert survivor.link(again) == LINKED
+    assert_blocks_push(survivor, again, 7, 3)
+    assert_blocks_push(again, survivor, 8, 4)
+    assert survivor.close() == 0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["tcp", UCX])
+def test_peer_frozen_mid_operation_then_resumed(group, transport):
+    """The owner freezes while it reads and writes many small ranges of the
+    survivor's memory; the survivor's operations time out and its link goes
+    down. Then the owner resumes, its reads and writes still queued toward
+    the survivor, which closed its end: they are dropped, the survivor lives
+    on and links again, and no late byte lands in its memory."""
+    timeout_ms = 1000
+    desc = dd.CacheDesc(2, [2048, 4096], dd.DataType.DT_UINT8, dd.Placement.HOST)
+    options = {"sync_kv_timeout": timeout_ms, "transport": transport, "host_mem_pool_cfg": pool_cfg(64 * MiB)}
+    theirs = {"transport": "ucx"} if transport == "ucx" else {}
+    survivor = group.start("survivor", dd.LLMRole.PROMPT, 1, options=options)
+    victim = group.start("victim", dd.LLMRole.DECODER, 2, options={"host_mem_pool_cfg": pool_cfg(64 * MiB)} | theirs)
+    assert survivor.link(victim) == LINKED
+    mine = [survivor.allocate(desc, blocks=True) for _ in range(2)]
+    remote = victim.allocate(desc, blocks=True, model_id=5)
+    victim.fill(remote, 9)
+    backwards, forwards = list(range(2047, -1, -1)), list(range(2048))
+    tasks = []
+    failed = 0
+    for i in range(16):
+        method = ("push_blocks", "pull_blocks")[i % 2]
+        try:
+            tasks.append(survivor.start_task(method, remote.blocks_key(), mine[i % 2], backwards, forwards))
+        except dd.LLMException as exc:
+            # On a loaded machine the first may time out before the last starts.
+            assert exc.status_code is dd.LLMStatusCode.LLM_NOT_YET_LINK, exc
+            failed += 1
+    victim.stop()
+    for task in tasks:
+        try:
+            assert survivor.wait_task(task) == [SUCCESS]
+        except dd.LLMException as exc:
+            assert exc.status_code in LINK_LOST, exc
+            failed += 1
+    assert failed > 0, "every operation ended before the peer froze; make them more"
+    # New bytes in the memory the peer was writing, once its operations
+    # ended: nothing the resumed peer still had queued may change them.
+    pulled = mine[1]
+    survivor.fill(pulled, 11)
+    before = survivor.read(pulled)
+    victim.cont()
+    # The peer's end learns that the link is gone (its connections closed).
+    victim.unlink(survivor, force=True)
+    assert survivor.link(victim) == LINKED
+    assert_blocks_push(survivor, victim, 7, 3)
+    assert_blocks_push(victim, survivor, 8, 4)
+    for got, held in zip(survivor.read(pulled), before):
+        np.testing.assert_array_equal(got, held)
+    assert survivor.close() == 0
+
+
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize(
-    "transport", ["auto", pytest.param("ucx", marks=pytest.mark.skipif(not HAVE_UCX, reason=f"no UCX: {UCX_WHY}"))]
-)
+@pytest.mark.parametrize("transport", ["auto", UCX])
 @pytest.mark.parametrize("via", ["sync", "async"])
 def test_stopped_peer_times_out(group, via, transport):
     timeout_ms = 1000

@@ -339,6 +339,31 @@ TEST_P(UcxPlugin, OwnerGetsAndPutsRangesOfTheInitiatorsMemory) {
   EXPECT_EQ(peer_error_.calls, 0);
 }
 
+// The initiator's end reads and writes only inside the memory it mapped: a
+// range that runs past its end fails, get or put, and the initiator's
+// memory is unchanged (UCX's own emulation over TCP checks nothing).
+TEST_P(UcxPlugin, ARangePastThePeersMappedMemoryFailsAndWritesNothing) {
+  ASSERT_NO_FATAL_FAILURE(Connect());
+  if (IsSkipped()) return;
+  const std::vector<datadist_ucx_range> past = {Range(0, kRemoteSize - 4 * kKiB, 8 * kKiB)};
+  Done got;
+  ASSERT_EQ(api_->get(ep_, rkey_, past.data(), past.size(), Done::fn, &got), 0);
+  Wait(got, 30000);
+  ASSERT_TRUE(got.called) << "the get did not complete in 30 s";
+  EXPECT_NE(got.status, 0) << "a get past the peer's memory succeeded";
+  for (size_t i = 0; i < local_.size(); ++i) local_[i] = owner_byte(i);
+  Done put;
+  ASSERT_EQ(api_->put(ep_, rkey_, past.data(), past.size(), Done::fn, &put), 0);
+  Wait(put, 30000);
+  ASSERT_TRUE(put.called) << "the put did not complete in 30 s";
+  EXPECT_NE(put.status, 0) << "a put past the peer's memory succeeded";
+  ASSERT_TRUE(write_all(sock_, "D", 1));
+  std::vector<uint8_t> remote;
+  ASSERT_TRUE(recv_blob(sock_, remote)) << "the initiator did not send its memory";
+  ASSERT_EQ(remote.size(), kRemoteSize);
+  for (size_t i = 0; i < remote.size(); ++i) ASSERT_EQ(remote[i], initiator_byte(i)) << "initiator byte " << i;
+}
+
 // The worker is MULTI-threaded: two threads post gets while this one
 // sleeps on the event fd and progresses; every completion runs here.
 TEST_P(UcxPlugin, TwoThreadsPostWhileAThirdProgresses) {

@@ -1013,6 +1013,17 @@ void Link::reap() {
     std::unique_lock<std::mutex> lock(mu_);
     work_done_cv_.wait(lock, [this] { return working_ == 0; });
   }
+  // Every UCX get or put of the link has ended (failed by the close) before
+  // its operations settle, and before a new link to the peer moves bytes
+  // (LinkManager reaps a peer's links that went down before it links again).
+  // Closed here, not when the link fails: a forced close then, with the peer
+  // frozen, left a relink's first get stalled (UCX 1.13.1, 1 run in 7).
+  if (ucx_) {
+    ucx_->close();
+    if (!ucx_->wait_idle(std::chrono::seconds(5))) {
+      log_warning("link to cluster " + std::to_string(peer_id_) + ": UCX operations still pending after the close");
+    }
+  }
   // Answers that came before the end settle their operations as answered.
   {
     std::lock_guard<std::mutex> lock(answer_mu_);

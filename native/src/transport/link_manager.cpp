@@ -286,8 +286,10 @@ void LinkManager::admit(FormedLink &formed) {
     if (paths.peer_takes_fds) ack.fixed.flags |= wire::kDeviceFds;
     ack.same_host = same_host::local_info();
   }
-  // The peer linked again: its old link is gone.
+  // The peer linked again: its old link is gone, reaped before the new one
+  // moves bytes (none of its UCX gets or puts lands after).
   if (existing) existing->fail(LLM_LINK_FAILED, "replaced by a new link from the same cluster");
+  reap_down_links_of(peer_id);
   if (formed.fds.size() < formed.asked) {
     ack.fixed.flags |= wire::kGrantsConnections;
     ack.granted = static_cast<uint32_t>(formed.fds.size());
@@ -478,6 +480,9 @@ Status LinkManager::link(uint64_t peer_id, const std::string &ip, uint16_t port,
     if (!start_timer_locked()) return LLM_LINK_FAILED;
     linking_.insert(peer_id);
   }
+  // A link to the peer that went down is reaped first (none of its UCX gets
+  // or puts lands after the new link's operations).
+  reap_down_links_of(peer_id);
   const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
   auto remaining = [&] {
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
@@ -783,6 +788,22 @@ void LinkManager::reap_down_links() {
     down.swap(down_);
   }
   reap(down);
+}
+
+void LinkManager::reap_down_links_of(uint64_t peer_id) {
+  std::vector<std::shared_ptr<Link>> gone;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = down_.begin(); it != down_.end();) {
+      if ((*it)->peer_id() == peer_id) {
+        gone.push_back(std::move(*it));
+        it = down_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  reap(gone);
 }
 
 void LinkManager::housekeeping_loop() {

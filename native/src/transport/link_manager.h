@@ -180,6 +180,9 @@ class LinkManager : public LinkHost {
   // for the next deadline of the others (none open: it stays disarmed).
   void on_timer();
   void reap_down_links();
+  // Reaps the links to `peer_id` that went down (their UCX operations ended)
+  // before a new link to that peer moves bytes.
+  void reap_down_links_of(uint64_t peer_id);
   void reap(const std::vector<std::shared_ptr<Link>> &links);
 
   const uint64_t cluster_id_;

@@ -228,12 +228,31 @@ std::shared_ptr<Peer> Peer::connect(const std::shared_ptr<Worker> &worker, const
 }
 
 Peer::~Peer() {
-  std::lock_guard<std::mutex> lock(mu_);
-  for (auto &entry : rkeys_) worker_->api().rkey_destroy(entry.second);
-  rkeys_.clear();
-  if (ep_ != nullptr) worker_->api().ep_close(ep_, 1);
+  close();
   // No callback after the close: the error state may go.
   delete error_arg_;
+}
+
+void Peer::close() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (ep_ == nullptr) return;
+    for (auto &entry : rkeys_) worker_->api().rkey_destroy(entry.second);
+    rkeys_.clear();
+    worker_->api().ep_close(ep_, 1);  // wakes the worker: its thread runs the failed operations' done
+    ep_ = nullptr;
+  }
+}
+
+bool Peer::wait_idle(std::chrono::milliseconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  for (;;) {
+    worker_->poke();
+    std::unique_lock<std::mutex> lock(in_flight_->mu);
+    if (in_flight_->count == 0) return true;
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    in_flight_->cv.wait_for(lock, std::chrono::milliseconds(1));
+  }
 }
 
 void Peer::on_error(std::function<void(const std::string &)> fn) {
@@ -268,23 +287,40 @@ namespace {
 
 struct Pending {
   Peer::Done done;
+  std::function<void()> settled;  // after done: the peer's count of operations in flight
 };
 
 void finished(void *arg, int status) {
   std::unique_ptr<Pending> pending(static_cast<Pending *>(arg));
   pending->done(status, {});
+  pending->settled();
+}
+
+// The `settled` of an operation counted in `in_flight`, counted now.
+template <typename InFlight>
+std::function<void()> count_in(const std::shared_ptr<InFlight> &in_flight) {
+  {
+    std::lock_guard<std::mutex> lock(in_flight->mu);
+    ++in_flight->count;
+  }
+  return [in_flight] {
+    std::lock_guard<std::mutex> lock(in_flight->mu);
+    if (--in_flight->count == 0) in_flight->cv.notify_all();
+  };
 }
 
 }  // namespace
 
 bool Peer::post(bool get, const std::string &packed, const std::vector<datadist_ucx_range> &ranges, Done done,
                 std::string &why) {
-  auto *pending = new Pending{std::move(done)};
+  auto *pending = new Pending{std::move(done), count_in(in_flight_)};
   int st;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    datadist_ucx_rkey *rkey = rkey_locked(packed, why);
+    datadist_ucx_rkey *rkey = ep_ != nullptr ? rkey_locked(packed, why) : nullptr;
+    if (ep_ == nullptr) why = "the link's UCX endpoint is closed";
     if (rkey == nullptr) {
+      pending->settled();
       delete pending;
       return false;
     }
@@ -292,6 +328,7 @@ bool Peer::post(bool get, const std::string &packed, const std::vector<datadist_
              : worker_->api().put(ep_, rkey, ranges.data(), ranges.size(), finished, pending);
   }
   if (st != DATADIST_UCX_OK) {
+    pending->settled();
     delete pending;
     why = std::string("UCX refused a ") + (get ? "get" : "put") + ": " + worker_->describe(st);
     return false;
@@ -311,15 +348,18 @@ bool Peer::put(const std::string &packed, const std::vector<datadist_ucx_range> 
 }
 
 bool Peer::flush(Done done, std::string &why) {
-  auto *pending = new Pending{std::move(done)};
-  int st;
+  auto *pending = new Pending{std::move(done), count_in(in_flight_)};
+  int st = DATADIST_UCX_OK;
+  bool closed;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    st = worker_->api().ep_flush(ep_, finished, pending);
+    closed = ep_ == nullptr;
+    if (!closed) st = worker_->api().ep_flush(ep_, finished, pending);
   }
-  if (st != DATADIST_UCX_OK) {
+  if (closed || st != DATADIST_UCX_OK) {
+    pending->settled();
     delete pending;
-    why = "UCX refused a flush: " + worker_->describe(st);
+    why = closed ? "the link's UCX endpoint is closed" : "UCX refused a flush: " + worker_->describe(st);
     return false;
   }
   worker_->poke();

@@ -4,6 +4,9 @@
 // then a flush), after checking its own ranges as on every path. The
 // initiator names its own memory only: each frame carries, beside its
 // segments, the packed remote key of every mapped tensor they lie in.
+// Without RDMA, host-to-host ranges move as the plugin's active messages
+// (ucx_plugin.h). A failed link's reap closes its Peer and waits until
+// every get and put on it has ended.
 //
 // One worker per transport, progressed by the transport's I/O loop: its
 // event fd is watched there like a socket, and the thread the loop wakes
@@ -17,6 +20,8 @@
 
 #include <sys/uio.h>
 
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -139,11 +144,26 @@ class Peer {
   // `done` once every operation posted so far completed at the peer.
   bool flush(Done done, std::string &why);
 
+  // Closes the endpoint at once (UCX's forced close): what is posted on it
+  // fails (its `done` runs with an error, from the worker's progress), no
+  // byte of it lands afterwards, and nothing more is posted. Once is enough.
+  void close();
+  // Progresses the worker from the calling thread until every `done` of this
+  // peer has run; false when some had not by `limit`.
+  bool wait_idle(std::chrono::milliseconds limit);
+
  private:
   explicit Peer(std::shared_ptr<Worker> worker) : worker_(std::move(worker)) {}
   datadist_ucx_rkey *rkey_locked(const std::string &packed, std::string &why);
   bool post(bool get, const std::string &packed, const std::vector<datadist_ucx_range> &ranges, Done done,
             std::string &why);
+
+  // The operations posted whose `done` has not run yet.
+  struct InFlight {
+    std::mutex mu;
+    std::condition_variable cv;
+    size_t count = 0;
+  };
 
   struct ErrorState {
     std::mutex mu;
@@ -154,8 +174,9 @@ class Peer {
 
   std::shared_ptr<Worker> worker_;
   std::mutex mu_;
-  datadist_ucx_ep *ep_ = nullptr;
+  datadist_ucx_ep *ep_ = nullptr;  // null once closed
   std::map<std::string, datadist_ucx_rkey *> rkeys_;
+  std::shared_ptr<InFlight> in_flight_ = std::make_shared<InFlight>();
   std::shared_ptr<ErrorState> error_ = std::make_shared<ErrorState>();
   std::shared_ptr<ErrorState> *error_arg_ = nullptr;  // what the plugin calls back with
 };

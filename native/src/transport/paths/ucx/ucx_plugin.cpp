@@ -4,14 +4,17 @@
 
 #include <ucp/api/ucp.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <new>
 #include <set>
+#include <unordered_map>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -29,6 +32,27 @@ struct ErrorSink {
   bool closed = false;  // under the worker's mutex
 };
 
+struct Batch;
+
+// The head of the keys mem_map packs for peers, before UCX's own: the
+// memory's type, so that the peer knows which of its ranges move as active
+// messages (host to host, where it does that).
+struct KeyHead {
+  uint32_t memory_type;
+  uint32_t zero;
+};
+
+// One range of a get or put moving as active messages (see "Host memory as
+// active messages" below), known by a token the messages carry.
+struct AmRange {
+  datadist_ucx_ep *ep;
+  Batch *batch;
+  bool put;
+  uint64_t local;   // get: where the bytes go
+  uint64_t length;
+  uint64_t moved = 0;  // bytes landed (get) or acknowledged (put)
+};
+
 }  // namespace
 
 struct datadist_ucx_worker {
@@ -37,11 +61,21 @@ struct datadist_ucx_worker {
   ucp_address_t *address = nullptr;
   size_t address_length = 0;
 
+  // Host-to-host ranges move as active messages, not as UCX's gets and puts:
+  // set where none of the context's transports reads or writes a peer's
+  // memory by itself (no RDMA), see "Host memory as active messages".
+  bool am_rma = false;
+  // The datatype the active messages' bytes go as (copied into UCX's
+  // buffers, never zero copy: see am_send).
+  ucp_datatype_t am_bytes = 0;
+
   std::mutex mutex;  // guards all below
   std::vector<std::function<void()>> due;  // callbacks for the next progress
   std::set<datadist_ucx_ep *> eps;
   std::set<datadist_ucx_mem *> mems;
   std::set<datadist_ucx_ep *> closing;  // closed by the caller, UCX not done yet
+  std::unordered_map<uint64_t, AmRange> am_ranges;  // by token
+  uint64_t next_token = 1;
 
   // Queues `fn` for progress. Called outside progress, the caller wakes the
   // worker after (wake() below), so that a thread asleep on the event fd
@@ -62,18 +96,25 @@ struct datadist_ucx_worker {
 struct datadist_ucx_mem {
   datadist_ucx_worker *worker = nullptr;
   ucp_mem_h memh = nullptr;
-  void *rkey = nullptr;
-  size_t rkey_length = 0;
+  void *ucx_rkey = nullptr;  // UCX's packed key
+  std::vector<uint8_t> rkey;  // what peers get: a KeyHead, then UCX's packed key
+  uint64_t base = 0;
+  uint64_t length = 0;
+  int memory_type = DATADIST_UCX_HOST;
 };
 
 struct datadist_ucx_ep {
   datadist_ucx_worker *worker = nullptr;
   ucp_ep_h ep = nullptr;
   std::shared_ptr<ErrorSink> sink;
+  // Host-to-host ranges go as UCX's own gets and puts: the endpoint has an
+  // RDMA transport. Otherwise as active messages.
+  bool native_host_rma = false;
 };
 
 struct datadist_ucx_rkey {
   ucp_rkey_h rkey = nullptr;
+  int memory_type = DATADIST_UCX_HOST;  // of the peer's memory it covers
 };
 
 namespace {
@@ -91,16 +132,24 @@ struct Batch {
   // or the posting thread's: the worker's mutex orders them.
   bool finish(ucs_status_t result) {
     std::lock_guard<std::mutex> lock(worker->mutex);
+    return finish_locked(result);
+  }
+  bool finish_locked(ucs_status_t result) {
     if (result != UCS_OK && status == UCS_OK) status = result;
     return --remaining == 0;
   }
   void complete() {
+    datadist_ucx_worker *w = worker;
+    std::lock_guard<std::mutex> lock(w->mutex);
+    complete_locked();
+  }
+  // Queues done for the next progress and goes; under the worker's mutex.
+  void complete_locked() {
     datadist_ucx_done_fn fn = done;
     void *a = arg;
     int s = status;
-    datadist_ucx_worker *w = worker;
+    worker->due.push_back([fn, a, s] { fn(a, s); });
     delete this;
-    w->defer([fn, a, s] { fn(a, s); });
   }
 };
 
@@ -115,6 +164,267 @@ void on_request_done(void *request, ucs_status_t status, void *user_data) {
 void account(Batch *batch, ucs_status_ptr_t request) {
   if (UCS_PTR_IS_PTR(request)) return;
   if (batch->finish(UCS_PTR_STATUS(request))) batch->complete();
+}
+
+// Host memory as active messages. Where no transport of the context reads
+// or writes a peer's memory by itself (tcp, shared memory), UCX emulates a
+// get or a put with messages of its own and answers them from inside its
+// progress: the process whose memory is read sends the bytes back, the one
+// written acknowledges. When the peer has died meanwhile, that answer's send
+// fails and UCX aborts the process ("unexpected error" in
+// ucp_request_try_send, under ucp_get_req_handler or ucp_put_handler; seen
+// with 1.13.1 and 1.22.0), which is the survivor. So the plugin moves
+// host-to-host ranges itself, as active messages whose sends are ordinary
+// requests (a failed one completes with its error, as any send):
+// - get: kAmGetReq {token, address, length} to the peer, which answers with
+//   kAmGetData {token, offset, length, status} chunks of the bytes, each
+//   copied to the range's local memory;
+// - put: kAmPutData {token, address, offset, length} chunks, each answered
+//   with kAmPutAck {token, offset, length, status} once copied.
+// A peer reads and writes only inside host memory it mapped (a range
+// outside gets an error status back). A range is known by its token until
+// it is done or its endpoint closes: a close fails the endpoint's ranges at
+// once, and bytes that come for a token no longer known are dropped, so
+// nothing lands in this process's memory after a range's completion.
+// Messages go with UCX's reply flag: UCX drops those for an endpoint this
+// end has closed.
+constexpr unsigned kAmGetReq = 1;
+constexpr unsigned kAmGetData = 2;
+constexpr unsigned kAmPutData = 3;
+constexpr unsigned kAmPutAck = 4;
+constexpr uint64_t kAmChunk = 256 * 1024;
+
+struct AmHeader {
+  uint64_t token;
+  uint64_t address;
+  uint64_t offset;
+  uint64_t length;
+  int64_t status;
+};
+
+// A send in flight, with the header UCX reads until it is done.
+struct AmSend {
+  datadist_ucx_worker *worker;
+  AmHeader header;
+  bool fails_range;  // this end's own range's message: its failure fails the range
+};
+
+// Ends range `token` with `status` where it is still known; under the
+// worker's mutex.
+void am_range_failed_locked(datadist_ucx_worker *w, uint64_t token, ucs_status_t status) {
+  auto it = w->am_ranges.find(token);
+  if (it == w->am_ranges.end()) return;
+  Batch *batch = it->second.batch;
+  w->am_ranges.erase(it);
+  if (batch->finish_locked(status)) batch->complete_locked();
+}
+
+// Bytes of range `token` landed or acknowledged; under the worker's mutex.
+void am_range_moved_locked(datadist_ucx_worker *w, std::unordered_map<uint64_t, AmRange>::iterator it,
+                           uint64_t bytes) {
+  AmRange &range = it->second;
+  range.moved += bytes;
+  if (range.moved < range.length) return;
+  Batch *batch = range.batch;
+  w->am_ranges.erase(it);
+  if (batch->finish_locked(UCS_OK)) batch->complete_locked();
+}
+
+void am_sent(void *request, ucs_status_t status, void *user_data) {
+  auto *send = static_cast<AmSend *>(user_data);
+  if (status != UCS_OK && send->fails_range) {
+    std::lock_guard<std::mutex> lock(send->worker->mutex);
+    am_range_failed_locked(send->worker, send->header.token, status);
+  }
+  delete send;
+  if (request != nullptr) ucp_request_free(request);
+}
+
+// The bytes of an active message, as a generic datatype: UCX copies them
+// into its own buffers as it sends (bcopy) and never sends them with zero
+// copy. UCX's TCP transport (1.13.1 and 1.22.0 alike) completes a zero-copy
+// send twice when the connection fails under it, which trips its assertion
+// "comp->count > 0" in the survivor's progress (an abort, met once in 8
+// runs of the peer-failure cases over UCX before this).
+struct PackState {
+  const uint8_t *bytes;
+  size_t length;
+};
+
+void *bytes_start_pack(void *, const void *buffer, size_t count) {
+  return new (std::nothrow) PackState{static_cast<const uint8_t *>(buffer), count};
+}
+void *bytes_start_unpack(void *, void *, size_t) { return nullptr; }  // never received as such
+// A state that could not be had packs nothing: the peer finds the message
+// short and fails its range.
+size_t bytes_packed_size(void *state) { return state != nullptr ? static_cast<PackState *>(state)->length : 0; }
+size_t bytes_pack(void *state, size_t offset, void *dest, size_t max_length) {
+  const auto *s = static_cast<PackState *>(state);
+  if (s == nullptr) return 0;
+  const size_t n = offset < s->length ? std::min(max_length, s->length - offset) : 0;
+  std::memcpy(dest, s->bytes + offset, n);
+  return n;
+}
+ucs_status_t bytes_unpack(void *, size_t, const void *, size_t) { return UCS_ERR_UNSUPPORTED; }
+void bytes_finish(void *state) { delete static_cast<PackState *>(state); }
+
+const ucp_generic_dt_ops_t kBytesOps = {bytes_start_pack, bytes_start_unpack, bytes_packed_size,
+                                         bytes_pack,       bytes_unpack,       bytes_finish};
+
+// Sends one active message; never under the worker's mutex (a send that
+// fails at once ends its range here).
+void am_send(datadist_ucx_worker *w, ucp_ep_h ep, unsigned id, const AmHeader &header, const void *data,
+             size_t length, bool fails_range) {
+  auto *send = new (std::nothrow) AmSend{w, header, fails_range};
+  if (send == nullptr) {
+    if (fails_range) {
+      std::lock_guard<std::mutex> lock(w->mutex);
+      am_range_failed_locked(w, header.token, UCS_ERR_NO_MEMORY);
+    }
+    return;
+  }
+  ucp_request_param_t param{};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  param.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+  param.cb.send = am_sent;
+  param.user_data = send;
+  if (length > 0) {
+    param.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
+    param.datatype = w->am_bytes;
+  }
+  ucs_status_ptr_t request = ucp_am_send_nbx(ep, id, &send->header, sizeof(send->header), data, length, &param);
+  if (UCS_PTR_IS_PTR(request)) return;
+  am_sent(nullptr, UCS_PTR_STATUS(request), send);
+}
+
+// Whether [address, address + length) lies inside host memory this worker
+// mapped; under the worker's mutex.
+bool mapped_host_locked(datadist_ucx_worker *w, uint64_t address, uint64_t length) {
+  for (const datadist_ucx_mem *mem : w->mems) {
+    if (mem->memory_type == DATADIST_UCX_HOST && address >= mem->base && length <= mem->length &&
+        address - mem->base <= mem->length - length) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// A message's header, and whether it came whole (not announced for a
+// rendezvous, which this engine never asks for) with an endpoint to answer.
+bool am_parse(const void *header, size_t header_length, size_t length, const ucp_am_recv_param_t *param,
+              AmHeader &out) {
+  if (header_length != sizeof(AmHeader) || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 ||
+      (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) == 0) {
+    return false;
+  }
+  std::memcpy(&out, header, sizeof(out));
+  return length == 0 || length == out.length;
+}
+
+ucs_status_t am_status(int64_t status) { return status < 0 ? static_cast<ucs_status_t>(status) : UCS_ERR_IO_ERROR; }
+
+// The peer asks for the bytes of one of its gets.
+ucs_status_t on_am_get_req(void *arg, const void *header, size_t header_length, void *, size_t length,
+                           const ucp_am_recv_param_t *param) {
+  auto *w = static_cast<datadist_ucx_worker *>(arg);
+  AmHeader h{};
+  if (!am_parse(header, header_length, 0, param, h) || length != 0) return UCS_OK;
+  bool ok;
+  {
+    std::lock_guard<std::mutex> lock(w->mutex);
+    ok = h.length > 0 && mapped_host_locked(w, h.address, h.length);
+  }
+  if (!ok) {
+    am_send(w, param->reply_ep, kAmGetData, AmHeader{h.token, 0, 0, 0, UCS_ERR_INVALID_ADDR}, nullptr, 0, false);
+    return UCS_OK;
+  }
+  for (uint64_t offset = 0; offset < h.length; offset += kAmChunk) {
+    const uint64_t n = std::min(kAmChunk, h.length - offset);
+    am_send(w, param->reply_ep, kAmGetData, AmHeader{h.token, 0, offset, n, 0},
+            reinterpret_cast<const void *>(static_cast<uintptr_t>(h.address + offset)), n, false);
+  }
+  return UCS_OK;
+}
+
+// Bytes of one of this end's gets.
+ucs_status_t on_am_get_data(void *arg, const void *header, size_t header_length, void *data, size_t length,
+                            const ucp_am_recv_param_t *param) {
+  auto *w = static_cast<datadist_ucx_worker *>(arg);
+  AmHeader h{};
+  const bool whole = am_parse(header, header_length, length, param, h);
+  if (header_length != sizeof(AmHeader)) return UCS_OK;
+  std::memcpy(&h, header, sizeof(h));
+  std::lock_guard<std::mutex> lock(w->mutex);
+  auto it = w->am_ranges.find(h.token);
+  if (it == w->am_ranges.end() || it->second.put) return UCS_OK;  // ended: dropped
+  AmRange &range = it->second;
+  if (h.status != 0 || !whole || h.length == 0 || h.offset > range.length || h.length > range.length - h.offset) {
+    am_range_failed_locked(w, h.token, h.status != 0 ? am_status(h.status) : UCS_ERR_MESSAGE_TRUNCATED);
+    return UCS_OK;
+  }
+  std::memcpy(reinterpret_cast<void *>(static_cast<uintptr_t>(range.local + h.offset)), data, length);
+  am_range_moved_locked(w, it, length);
+  return UCS_OK;
+}
+
+// Bytes of one of the peer's puts, into this end's memory.
+ucs_status_t on_am_put_data(void *arg, const void *header, size_t header_length, void *data, size_t length,
+                            const ucp_am_recv_param_t *param) {
+  auto *w = static_cast<datadist_ucx_worker *>(arg);
+  AmHeader h{};
+  if (header_length != sizeof(AmHeader) || (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) == 0) return UCS_OK;
+  int64_t status = UCS_OK;
+  if (!am_parse(header, header_length, length, param, h) || length == 0) {
+    std::memcpy(&h, header, sizeof(h));
+    status = UCS_ERR_MESSAGE_TRUNCATED;
+  } else {
+    std::lock_guard<std::mutex> lock(w->mutex);
+    if (mapped_host_locked(w, h.address, h.length)) {
+      std::memcpy(reinterpret_cast<void *>(static_cast<uintptr_t>(h.address)), data, length);
+    } else {
+      status = UCS_ERR_INVALID_ADDR;
+    }
+  }
+  am_send(w, param->reply_ep, kAmPutAck, AmHeader{h.token, 0, h.offset, h.length, status}, nullptr, 0, false);
+  return UCS_OK;
+}
+
+// The peer copied a chunk of one of this end's puts.
+ucs_status_t on_am_put_ack(void *arg, const void *header, size_t header_length, void *, size_t,
+                           const ucp_am_recv_param_t *) {
+  auto *w = static_cast<datadist_ucx_worker *>(arg);
+  AmHeader h{};
+  if (header_length != sizeof(AmHeader)) return UCS_OK;
+  std::memcpy(&h, header, sizeof(h));
+  std::lock_guard<std::mutex> lock(w->mutex);
+  auto it = w->am_ranges.find(h.token);
+  if (it == w->am_ranges.end() || !it->second.put) return UCS_OK;
+  if (h.status != 0) {
+    am_range_failed_locked(w, h.token, am_status(h.status));
+    return UCS_OK;
+  }
+  am_range_moved_locked(w, it, h.length);
+  return UCS_OK;
+}
+
+ucs_status_t set_am_handlers(datadist_ucx_worker *w) {
+  const struct {
+    unsigned id;
+    ucp_am_recv_callback_t cb;
+  } handlers[] = {{kAmGetReq, on_am_get_req}, {kAmGetData, on_am_get_data}, {kAmPutData, on_am_put_data},
+                  {kAmPutAck, on_am_put_ack}};
+  for (const auto &h : handlers) {
+    ucp_am_handler_param_t param{};
+    param.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
+                       UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    param.id = h.id;
+    param.flags = UCP_AM_FLAG_WHOLE_MSG;
+    param.cb = h.cb;
+    param.arg = w;
+    const ucs_status_t s = ucp_worker_set_am_recv_handler(w->worker, &param);
+    if (s != UCS_OK) return s;
+  }
+  return UCS_OK;
 }
 
 void on_ep_error(void *arg, ucp_ep_h, ucs_status_t status) {
@@ -179,6 +489,12 @@ void ep_close(datadist_ucx_ep *ep, int force) {
     ep->sink->closed = true;
     w->eps.erase(ep);
     w->closing.insert(ep);
+    // Its ranges moving as active messages end now; what comes for them later is dropped.
+    std::vector<uint64_t> tokens;
+    for (const auto &entry : w->am_ranges) {
+      if (entry.second.ep == ep) tokens.push_back(entry.first);
+    }
+    for (uint64_t token : tokens) am_range_failed_locked(w, token, UCS_ERR_CANCELED);
   }
   ucp_request_param_t param{};
   param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
@@ -203,7 +519,7 @@ int mem_unmap(datadist_ucx_mem *mem) {
     std::lock_guard<std::mutex> lock(w->mutex);
     w->mems.erase(mem);
   }
-  ucp_rkey_buffer_release(mem->rkey);
+  ucp_rkey_buffer_release(mem->ucx_rkey);
   ucs_status_t s = ucp_mem_unmap(w->context, mem->memh);
   delete mem;
   return s;
@@ -232,6 +548,7 @@ void worker_destroy(datadist_ucx_worker *w) {
   for (auto *mem : mems) mem_unmap(mem);
   ucp_worker_release_address(w->worker, w->address);
   ucp_worker_destroy(w->worker);
+  if (w->am_bytes != 0) ucp_dt_destroy(w->am_bytes);
   ucp_cleanup(w->context);
   for (auto *ep : w->closing) delete ep;
   delete w;
@@ -250,6 +567,8 @@ void worker_destroy(datadist_ucx_worker *w) {
 // the oldest it is tested with.
 constexpr unsigned kApiMajor = 1;
 constexpr unsigned kApiMinor = 13;
+
+int one_sided_network(datadist_ucx_worker *w);
 
 void apply_defaults(ucp_config_t *config) {
   struct Default {
@@ -280,7 +599,7 @@ int worker_create(datadist_ucx_worker **out) {
   apply_defaults(config);
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
-  params.features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
+  params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
   params.mt_workers_shared = 0;  // one worker per context
   auto *w = new (std::nothrow) datadist_ucx_worker();
   if (w == nullptr) {
@@ -309,13 +628,17 @@ int worker_create(datadist_ucx_worker **out) {
   attr.field_mask = UCP_WORKER_ATTR_FIELD_THREAD_MODE;
   s = ucp_worker_query(w->worker, &attr);
   if (s == UCS_OK && attr.thread_mode != UCS_THREAD_MODE_MULTI) s = UCS_ERR_UNSUPPORTED;  // UCX built single-threaded
+  if (s == UCS_OK) s = ucp_dt_create_generic(&kBytesOps, nullptr, &w->am_bytes);
+  if (s == UCS_OK) s = set_am_handlers(w);
   if (s == UCS_OK) s = ucp_worker_get_address(w->worker, &w->address, &w->address_length);
   if (s != UCS_OK) {
     ucp_worker_destroy(w->worker);
+    if (w->am_bytes != 0) ucp_dt_destroy(w->am_bytes);
     ucp_cleanup(w->context);
     delete w;
     return s;
   }
+  w->am_rma = one_sided_network(w) == 0;
   *out = w;
   return UCS_OK;
 }
@@ -385,20 +708,70 @@ int mem_map(datadist_ucx_worker *w, void *address, size_t length, int memory_typ
     delete mem;
     return s;
   }
-  s = ucp_rkey_pack(w->context, mem->memh, &mem->rkey, &mem->rkey_length);
+  size_t ucx_length = 0;
+  s = ucp_rkey_pack(w->context, mem->memh, &mem->ucx_rkey, &ucx_length);
   if (s != UCS_OK) {
     ucp_mem_unmap(w->context, mem->memh);
     delete mem;
     return s;
   }
+  mem->base = reinterpret_cast<uintptr_t>(address);
+  mem->length = length;
+  mem->memory_type = memory_type;
+  const KeyHead head{static_cast<uint32_t>(memory_type), 0};
+  mem->rkey.resize(sizeof(head) + ucx_length);
+  std::memcpy(mem->rkey.data(), &head, sizeof(head));
+  std::memcpy(mem->rkey.data() + sizeof(head), mem->ucx_rkey, ucx_length);
   {
     std::lock_guard<std::mutex> lock(w->mutex);
     w->mems.insert(mem);
   }
   *out = mem;
-  *rkey = mem->rkey;
-  *rkey_length = mem->rkey_length;
+  *rkey = mem->rkey.data();
+  *rkey_length = mem->rkey.size();
   return UCS_OK;
+}
+
+// Whether the endpoint has an RDMA transport (rc, dc, srd), whose gets and
+// puts run in the NIC and need nothing of the peer's process; asked of UCX
+// from 1.14 on (the endpoint's transports), false where it cannot say (a
+// worker with RDMA then takes every endpoint for one). Not cma (one host,
+// UCX 1.22): its reads and writes need nothing of the peer either, but they
+// are the peer's own system calls into this process's memory, which go on
+// after this end has closed the endpoint (a peer frozen mid-operation that
+// resumes after this end's operations timed out); the active messages of a
+// closed endpoint are dropped instead.
+bool one_sided_endpoint(ucp_ep_h ep) {
+#if UCP_API_MAJOR > 1 || (UCP_API_MAJOR == 1 && UCP_API_MINOR >= 14)
+  unsigned major = 0, minor = 0, release = 0;
+  ucp_get_version(&major, &minor, &release);
+  if (major == 1 && minor < 14) return false;  // built with newer headers than the UCX loaded
+  ucp_transport_entry_t entries[32]{};
+  ucp_ep_attr_t attr{};
+  attr.field_mask = UCP_EP_ATTR_FIELD_TRANSPORTS;
+  attr.transports.entries = entries;
+  attr.transports.num_entries = 32;
+  attr.transports.entry_size = sizeof(ucp_transport_entry_t);
+  if (ucp_ep_query(ep, &attr) != UCS_OK) return false;
+  for (unsigned i = 0; i < attr.transports.num_entries && i < 32; ++i) {
+    const std::string tl = entries[i].transport_name != nullptr ? entries[i].transport_name : "";
+    if (tl.rfind("rc", 0) == 0 || tl.rfind("dc", 0) == 0 || tl == "srd") return true;
+  }
+#else
+  (void)ep;
+#endif
+  return false;
+}
+
+// Whether one_sided_endpoint() can tell (UCX 1.14 on, and headers that know it).
+bool endpoint_query_works() {
+#if UCP_API_MAJOR > 1 || (UCP_API_MAJOR == 1 && UCP_API_MINOR >= 14)
+  unsigned major = 0, minor = 0, release = 0;
+  ucp_get_version(&major, &minor, &release);
+  return major > 1 || minor >= 14;
+#else
+  return false;
+#endif
 }
 
 int ep_create(datadist_ucx_worker *w, const void *address, size_t length, datadist_ucx_ep_error_fn on_error,
@@ -423,6 +796,7 @@ int ep_create(datadist_ucx_worker *w, const void *address, size_t length, datadi
     delete ep;
     return s;
   }
+  ep->native_host_rma = !w->am_rma && (one_sided_endpoint(ep->ep) || !endpoint_query_works());
   {
     std::lock_guard<std::mutex> lock(w->mutex);
     w->eps.insert(ep);
@@ -432,11 +806,17 @@ int ep_create(datadist_ucx_worker *w, const void *address, size_t length, datadi
 }
 
 int rkey_unpack(datadist_ucx_ep *ep, const void *buffer, size_t length, datadist_ucx_rkey **out) {
-  if (ep == nullptr || buffer == nullptr || length == 0 || out == nullptr) return UCS_ERR_INVALID_PARAM;
+  if (ep == nullptr || buffer == nullptr || length <= sizeof(KeyHead) || out == nullptr) return UCS_ERR_INVALID_PARAM;
   *out = nullptr;
+  KeyHead head{};
+  std::memcpy(&head, buffer, sizeof(head));
+  if ((head.memory_type != DATADIST_UCX_HOST && head.memory_type != DATADIST_UCX_CUDA) || head.zero != 0) {
+    return UCS_ERR_INVALID_PARAM;
+  }
   auto *rkey = new (std::nothrow) datadist_ucx_rkey();
   if (rkey == nullptr) return UCS_ERR_NO_MEMORY;
-  ucs_status_t s = ucp_ep_rkey_unpack(ep->ep, buffer, &rkey->rkey);
+  rkey->memory_type = static_cast<int>(head.memory_type);
+  ucs_status_t s = ucp_ep_rkey_unpack(ep->ep, static_cast<const uint8_t *>(buffer) + sizeof(head), &rkey->rkey);
   if (s != UCS_OK) {
     delete rkey;
     return s;
@@ -449,6 +829,26 @@ void rkey_destroy(datadist_ucx_rkey *rkey) {
   if (rkey == nullptr) return;
   ucp_rkey_destroy(rkey->rkey);
   delete rkey;
+}
+
+// One range of a get or put as active messages.
+void am_transfer(bool is_put, datadist_ucx_ep *ep, Batch *batch, const datadist_ucx_range &r) {
+  datadist_ucx_worker *w = ep->worker;
+  uint64_t token;
+  {
+    std::lock_guard<std::mutex> lock(w->mutex);
+    token = w->next_token++;
+    w->am_ranges.emplace(token, AmRange{ep, batch, is_put, r.local, r.length});
+  }
+  if (!is_put) {
+    am_send(w, ep->ep, kAmGetReq, AmHeader{token, r.remote, 0, r.length, 0}, nullptr, 0, true);
+    return;
+  }
+  for (uint64_t offset = 0; offset < r.length; offset += kAmChunk) {
+    const uint64_t n = std::min(kAmChunk, r.length - offset);
+    am_send(w, ep->ep, kAmPutData, AmHeader{token, r.remote + offset, offset, n, 0},
+            reinterpret_cast<const void *>(static_cast<uintptr_t>(r.local + offset)), n, true);
+  }
 }
 
 int transfer(bool is_put, datadist_ucx_ep *ep, datadist_ucx_rkey *rkey, const datadist_ucx_range *ranges,
@@ -464,6 +864,11 @@ int transfer(bool is_put, datadist_ucx_ep *ep, datadist_ucx_rkey *rkey, const da
   size_t i = 0;
   for (; i < count; ++i) {
     const datadist_ucx_range &r = ranges[i];
+    const bool local_host = r.local_mem == nullptr || r.local_mem->memory_type == DATADIST_UCX_HOST;
+    if (!ep->native_host_rma && local_host && rkey->memory_type == DATADIST_UCX_HOST) {
+      am_transfer(is_put, ep, batch, r);
+      continue;
+    }
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     param.cb.send = on_request_done;

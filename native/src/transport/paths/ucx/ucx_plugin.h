@@ -11,6 +11,13 @@
  * within `progress`, on the thread that called it, outside UCX's locks, so a
  * callback may post new operations.
  *
+ * Host-to-host ranges move as the plugin's own active messages where no
+ * transport of the context reads or writes a peer's memory by itself (no
+ * RDMA): UCX's emulated get and put answer the peer from inside progress and
+ * abort the process when that answer's send fails (a peer that died). The
+ * peer's end of such a range reads or writes only inside host memory it
+ * mapped.
+ *
  * Statuses: 0 is success, DATADIST_UCX_BUSY is `arm`'s "progress first", and
  * anything else is a negative ucs_status_t that status_string() describes. */
 #ifndef DATADIST_TRANSPORT_PATHS_UCX_UCX_PLUGIN_H_
@@ -90,7 +97,8 @@ typedef struct datadist_ucx_plugin_v1 {
   /* Maps [address, address + length) of memory of `memory_type`
    * (DATADIST_UCX_HOST or, where reaches_cuda, DATADIST_UCX_CUDA, with the
    * device's context current on the calling thread) for peers' access; the
-   * packed rkey is for the peer, valid until unmap. */
+   * packed rkey is for the peer (the memory's type, then UCX's key), valid
+   * until unmap. */
   int (*mem_map)(datadist_ucx_worker *worker, void *address, size_t length, int memory_type,
                  datadist_ucx_mem **out, const void **rkey, size_t *rkey_length);
   int (*mem_unmap)(datadist_ucx_mem *mem);
@@ -105,7 +113,9 @@ typedef struct datadist_ucx_plugin_v1 {
 
   /* Reads the peer's ranges into local memory (get) or writes local memory
    * into the peer's (put). 0: posted, and done runs once from progress;
-   * otherwise nothing was posted and done never runs. */
+   * otherwise nothing was posted and done never runs. A host range outside
+   * the host memory the peer mapped fails (where ranges move as active
+   * messages). */
   int (*get)(datadist_ucx_ep *ep, datadist_ucx_rkey *rkey, const datadist_ucx_range *ranges, size_t count,
              datadist_ucx_done_fn done, void *arg);
   int (*put)(datadist_ucx_ep *ep, datadist_ucx_rkey *rkey, const datadist_ucx_range *ranges, size_t count,
@@ -115,8 +125,9 @@ typedef struct datadist_ucx_plugin_v1 {
   int (*ep_flush)(datadist_ucx_ep *ep, datadist_ucx_done_fn done, void *arg);
   /* Closes ep (force: at once, without flushing; required after an error).
    * The handle is gone on return; the close finishes in progress. Pending
-   * operations fail with UCS_ERR_CANCELED. Its rkeys are to be destroyed
-   * first. */
+   * operations fail with UCS_ERR_CANCELED; a range moving as active messages
+   * fails on return, and bytes that come for it later are dropped. Its
+   * rkeys are to be destroyed first. */
   void (*ep_close)(datadist_ucx_ep *ep, int force);
 } datadist_ucx_plugin_v1;
 
