@@ -98,11 +98,12 @@ class _Warnings(logging.Handler):
 
 
 def _decode(conn: Any, port: int, specs: list[tuple[Any, ...]], timeout_s: float,
-            shape: tuple[int, ...] = SHAPE, engine: str = "prefill") -> None:
+            shape: tuple[int, ...] = SHAPE, engine: str = "prefill", first_contact_ms: Optional[float] = None) -> None:
     warnings = _Warnings()
     logging.getLogger("datadist_aio.integrations.vllm.worker").addHandler(warnings)
     arrays = {name: np.zeros(shape, np.float32) for name in layer_arrays(0)}
-    side = WorkerSide(WorkerSettings(engine_id="decode", is_producer=False, load_timeout_s=timeout_s))
+    extra = {} if first_contact_ms is None else {"first_contact_ms": first_contact_ms}
+    side = WorkerSide(WorkerSettings(engine_id="decode", is_producer=False, load_timeout_s=timeout_s, **extra))
     side.register({name: FakeTensor(a) for name, a in arrays.items()})
     # (request, local blocks, remote blocks[, lease token])
     loads = {
@@ -111,6 +112,11 @@ def _decode(conn: Any, port: int, specs: list[tuple[Any, ...]], timeout_s: float
     }
     start = time.monotonic()
     side.start_loads(StepPlan(loads=loads))
+    start_s = time.monotonic() - start
+    # Whether the route to the prefill was made by start_loads itself (its
+    # first contact on this thread), not left to the loop thread.
+    assert side._router is not None
+    routed_in_start = bool(side._router.routes)
     done: set[str] = set()
     failed: set[str] = set()
     errors: set[int] = set()
@@ -132,6 +138,8 @@ def _decode(conn: Any, port: int, specs: list[tuple[Any, ...]], timeout_s: float
             "failed": sorted(failed),
             "errors": sorted(errors),
             "elapsed": elapsed,
+            "start_s": start_s,
+            "routed_in_start": routed_in_start,
             "records": [(r.nbytes, r.blocks, r.ok) for r in records],
             "answers": answers,
             "arrays": {name: a for name, a in arrays.items()},
@@ -155,9 +163,11 @@ def _start_prefill(ctx: Any, lease_s: float = 60.0) -> tuple[Any, Any, int]:
 
 
 def _run_decode(ctx: Any, port: int, specs: list[Any], timeout_s: float = 5.0,
-                shape: tuple[int, ...] = SHAPE, engine: str = "prefill") -> dict[str, Any]:
+                shape: tuple[int, ...] = SHAPE, engine: str = "prefill",
+                first_contact_ms: Optional[float] = None) -> dict[str, Any]:
     parent, child = ctx.Pipe()
-    process = ctx.Process(target=_decode, args=(child, port, specs, timeout_s, shape, engine), daemon=True)
+    process = ctx.Process(target=_decode, args=(child, port, specs, timeout_s, shape, engine, first_contact_ms),
+                          daemon=True)
     process.start()
     child.close()
     try:
@@ -233,6 +243,27 @@ def test_decode_reads_exact_blocks_and_releases_the_prefill(ctx: Any) -> None:
         _stop(prefill, conn)
 
 
+@pytest.mark.parametrize("first_contact_ms", [60_000.0, 0.0, 1e-6])
+def test_first_contact_on_the_loading_thread_or_the_loop_thread(ctx: Any, first_contact_ms: float) -> None:
+    """With a budget it can keep, the thread that starts the load makes the
+    first contact itself and the pulls start before start_loads returns;
+    with none (0), or one spent before the first hello (1e-6 ms), the loop
+    thread makes it; the bytes are the same."""
+    prefill, conn, port = _start_prefill(ctx)
+    try:
+        conn.send(("lease", ["p-a"]))
+        assert conn.poll(10) and conn.recv() == "ok"
+        result = _run_decode(ctx, port, [("a", [5, 6, 7], [0, 1, 2])], first_contact_ms=first_contact_ms)
+        assert result["done"] == ["a"] and result["failed"] == [] and result["errors"] == []
+        assert result["routed_in_start"] is (first_contact_ms > 1)
+        source = layer_arrays(1)
+        for name, array in result["arrays"].items():
+            np.testing.assert_array_equal(array[[5, 6, 7]], source[name][[0, 1, 2]])
+        assert _freed(conn, {"p-a"}) == {"p-a"}, "the decode side's confirmation did not free the blocks"
+    finally:
+        _stop(prefill, conn)
+
+
 def test_lease_frees_blocks_nobody_reads(ctx: Any) -> None:
     prefill, conn, _port = _start_prefill(ctx, lease_s=0.5)
     try:
@@ -267,12 +298,16 @@ def test_frozen_prefill_fails_within_the_timeout(ctx: Any, linked_before: bool) 
             assert result["failed"] == []
         os.kill(prefill.pid, signal.SIGSTOP)
         try:
-            result = _run_decode(ctx, port, [("a", [1, 2, 3], [4, 5, 6])], timeout_s=2.0)
+            result = _run_decode(ctx, port, [("a", [1, 2, 3], [4, 5, 6])], timeout_s=2.0, first_contact_ms=200)
         finally:
             os.kill(prefill.pid, signal.SIGCONT)
         assert result["done"] == ["a"] and result["failed"] == ["a"]
         assert result["errors"] == [1, 2, 3]
         assert result["elapsed"] < 2.0 + 3, f"the load took {result['elapsed']:.1f} s to fail"
+        # The first contact on vLLM's thread gave up at its budget: the step
+        # was not held for the load's timeout.
+        assert not result["routed_in_start"]
+        assert result["start_s"] < 2.0, f"start_loads took {result['start_s']:.1f} s"
     finally:
         _stop(prefill, conn)
 

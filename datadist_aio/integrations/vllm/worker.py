@@ -112,6 +112,10 @@ class WorkerSettings:
     side_channel_port: int = 0
     load_timeout_s: float = 10.0
     link_timeout_ms: int = 3000
+    # How long vLLM's worker thread may spend on the first contact with a
+    # prefill instance itself (hello, link, claim channel) before it leaves
+    # the rest to the loop thread (0: always the loop thread).
+    first_contact_ms: float = 50.0
     notify_timeout_s: float = 2.0
     # Loads that one step started reach vLLM together: a finished one waits
     # at most this long for the rest of its step (0: each as it finishes).
@@ -441,7 +445,7 @@ class WorkerSide:
             if state == CLAIMED:
                 self._loop.call_soon_threadsafe(self._spawn_wait_commit, spec, start)
                 continue
-            load = self._begin_pull(spec, start, self._step)
+            load = self._begin_pull(spec, start, self._step, contact=True)
             if load is not None and load.route is not None:
                 begun.append(load)
         if begun:
@@ -449,11 +453,16 @@ class WorkerSide:
             # message per prefill rank for the step.
             self._send_claims(begun)
 
-    def _begin_pull(self, spec: LoadSpec, start: float, step: int = -1) -> Optional["Load"]:
+    def _begin_pull(self, spec: LoadSpec, start: float, step: int = -1, contact: bool = False) -> Optional["Load"]:
         """Pulls one load from its prefill, linking first where needed (either
-        thread); the load if it began here, None if it waits for a link."""
+        thread); the load if it began here, None if it waits for a link.
+        ``contact`` (vLLM's worker thread): a first contact with the prefill
+        instance is tried here first, within ``first_contact_ms``."""
         assert self._loop is not None and self._router is not None
-        route = self._router.routes.get(_instance(spec))
+        key = _instance(spec)
+        route = self._router.routes.get(key)
+        if route is None and contact and self.settings.first_contact_ms > 0:
+            route = self._router.contact_now(key, self.settings.first_contact_ms / 1000.0)
         if route is not None:
             return self._begin(spec, route, start, step=step)
         self._loop.call_soon_threadsafe(self._spawn_link, spec, start)
