@@ -30,7 +30,9 @@ failed loads failing their requests; ``--passes 1 --no-control`` leaves out
 the second pass and the control. Each run then also prints its p99 and
 largest transfer against its median (a run whose largest is
 ``--stall-ratio`` times its median or more, or with a failed load, is
-named) and the machine's load average over the run. The check of TP 1
+named), the machine's load average over the run, and how long a probe
+thread of the benchmark waited for a core during the slowest request (a
+transfer about as slow as that wait was held by the machine). The check of TP 1
 into 2 and 2 into 1, 10 runs of 16 requests each:
 
     python benchmarks/bench_vllm_shapes.py --connectors datadist --shapes tp1_into_tp2,tp2_into_tp1 \
@@ -43,6 +45,7 @@ import argparse
 import json
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -108,6 +111,40 @@ def load_average() -> float:
         return float(f.read().split()[0])
 
 
+class StallProbe:
+    """A thread that sleeps 1 ms at a time and keeps how late it woke: what a
+    thread of this machine that wants a core waits for one. A transfer as
+    slow as the probe's worst wait beside it says the machine held it."""
+
+    def __init__(self) -> None:
+        self._late: list[tuple[float, float]] = []  # (woke at, ms late)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stall-probe", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            before = time.monotonic()
+            time.sleep(0.001)
+            now = time.monotonic()
+            late = (now - before - 0.001) * 1e3
+            if late >= 1.0:
+                self._late.append((now, late))
+                if len(self._late) > 100_000:
+                    del self._late[:50_000]
+
+    def worst(self, since: float, until: float) -> float:
+        """The longest late wake-up (ms) of the probe between two ``time.monotonic()`` readings."""
+        return max((late for at, late in list(self._late) if since <= at <= until + 0.001), default=0.0)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+PROBE: Optional[StallProbe] = None
+
+
 def verdict(tokens: list[int], reference: dict[str, Any]) -> str:
     """``exact``, ``near_tie`` or ``wrong`` against the reference's tokens and logprobs."""
     parted = parting(tokens, reference)
@@ -124,7 +161,9 @@ def one_pass(prefill: Engine, decode: Engine, prompts: list[list[int]], max_toke
         load = load_average()
         before = decode.metrics()
         params = prefill.generate([prompt], 1, [{"do_remote_decode": True}])["results"][0]["kv_transfer_params"]
+        since = time.monotonic()
         (result,) = decode.generate([prompt], max_tokens, [params])["results"]
+        until = time.monotonic()
         after = decode.metrics()
         rows.append({
             "prompt_tokens": len(prompt),
@@ -135,6 +174,7 @@ def one_pass(prefill: Engine, decode: Engine, prompts: list[list[int]], max_toke
             "bytes": delta(after, before, bytes_metric + "_sum"),
             "failed": delta(after, before, FAILED[kind]) if FAILED[kind] in after else 0.0,
             "load_average": load,
+            "machine_stall_ms": PROBE.worst(since, until) if PROBE is not None else None,
         })
     return {"rows": rows}
 
@@ -184,6 +224,9 @@ def run_one(kind: str, shape: str, model: Path, prompts: list[list[int]], max_to
         "first_p99_xfer_ms": _p99(ms),
         "max_over_median": max(ms) / median_ms if ms and median_ms else None,
         "slowest_request": ms.index(max(ms)) if ms else None,
+        # The probe's longest wait for a core during the slowest request's decode.
+        "slowest_machine_stall_ms": rows[ms.index(max(ms))].get("machine_stall_ms") if ms and len(ms) == len(rows)
+        else None,
         "load_average": [min(loads), statistics.mean(loads), max(loads)] if loads else None,
         "max_xfer_ms": max(all_ms) if all_ms else None,
         "p99_xfer_ms": _p99(all_ms),
@@ -246,6 +289,9 @@ def main() -> None:
     args = parser.parse_args()
     import tempfile
 
+    global PROBE
+    PROBE = StallProbe()
+
     model = model_dir(Path(tempfile.mkdtemp(prefix="bench-shapes-")))
     lengths = [int(n) for n in args.lengths.split(",")]
     count = args.requests or len(lengths)
@@ -274,6 +320,8 @@ def main() -> None:
                           f" transfer median {_fmt(result['median_xfer_ms'])} p99 {_fmt(result['first_p99_xfer_ms'])}"
                           f" max {_fmt(result['first_max_xfer_ms'])} ms (request {result['slowest_request']}),"
                           f" max/median {_fmt(ratio)}x{'  <-- OVER' if over else ''};"
+                          f" the machine held a thread up to {_fmt(result['slowest_machine_stall_ms'], 1)} ms"
+                          " during that request;"
                           f" load average {_fmt(loads[0], 1)}-{_fmt(loads[2], 1)} (mean {_fmt(loads[1], 1)})",
                           flush=True)
                 results.append({"round": round_index + 1, **result})
@@ -311,7 +359,8 @@ def main() -> None:
                 loads = r["load_average"]
                 print(f"    run {r['round']:2d}: failed {r['failed_loads']:.0f}  {_fmt(r['median_xfer_ms'])} / "
                       f"{_fmt(r['first_p99_xfer_ms'])} / {_fmt(r['first_max_xfer_ms'])}  "
-                      f"{_fmt(r['max_over_median'])}x  load {_fmt(loads[0], 1)}-{_fmt(loads[2], 1)}")
+                      f"{_fmt(r['max_over_median'])}x  load {_fmt(loads[0], 1)}-{_fmt(loads[2], 1)}  "
+                      f"machine stall beside the slowest {_fmt(r['slowest_machine_stall_ms'], 1)} ms")
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps({"command": sys.argv, "results": results}, indent=1))
     print(f"\nwrote {args.output}")
