@@ -227,6 +227,8 @@ def run_one(kind: str, shape: str, model: Path, prompts: list[list[int]], max_to
         # The probe's longest wait for a core during the slowest request's decode.
         "slowest_machine_stall_ms": rows[ms.index(max(ms))].get("machine_stall_ms") if ms and len(ms) == len(rows)
         else None,
+        # And its TTFT: far above the run's median, the whole instance stalled, not one read.
+        "slowest_ttft_ms": (rows[ms.index(max(ms))]["ttft_s"] or 0) * 1e3 if ms and len(ms) == len(rows) else None,
         "load_average": [min(loads), statistics.mean(loads), max(loads)] if loads else None,
         "max_xfer_ms": max(all_ms) if all_ms else None,
         "p99_xfer_ms": _p99(all_ms),
@@ -320,8 +322,9 @@ def main() -> None:
                           f" transfer median {_fmt(result['median_xfer_ms'])} p99 {_fmt(result['first_p99_xfer_ms'])}"
                           f" max {_fmt(result['first_max_xfer_ms'])} ms (request {result['slowest_request']}),"
                           f" max/median {_fmt(ratio)}x{'  <-- OVER' if over else ''};"
-                          f" the machine held a thread up to {_fmt(result['slowest_machine_stall_ms'], 1)} ms"
-                          " during that request;"
+                          f" that request's TTFT {_fmt(result['slowest_ttft_ms'], 1)} ms (median"
+                          f" {_fmt(result['median_ttft_ms'], 1)}), the machine held a thread up to"
+                          f" {_fmt(result['slowest_machine_stall_ms'], 1)} ms during it;"
                           f" load average {_fmt(loads[0], 1)}-{_fmt(loads[2], 1)} (mean {_fmt(loads[1], 1)})",
                           flush=True)
                 results.append({"round": round_index + 1, **result})
@@ -360,7 +363,8 @@ def main() -> None:
                 print(f"    run {r['round']:2d}: failed {r['failed_loads']:.0f}  {_fmt(r['median_xfer_ms'])} / "
                       f"{_fmt(r['first_p99_xfer_ms'])} / {_fmt(r['first_max_xfer_ms'])}  "
                       f"{_fmt(r['max_over_median'])}x  load {_fmt(loads[0], 1)}-{_fmt(loads[2], 1)}  "
-                      f"machine stall beside the slowest {_fmt(r['slowest_machine_stall_ms'], 1)} ms")
+                      f"slowest: TTFT {_fmt(r.get('slowest_ttft_ms'), 1)} ms, machine stall beside it "
+                      f"{_fmt(r['slowest_machine_stall_ms'], 1)} ms")
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps({"command": sys.argv, "results": results}, indent=1))
     print(f"\nwrote {args.output}")

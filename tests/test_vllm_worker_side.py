@@ -130,8 +130,7 @@ def _decode(conn: Any, port: int, specs: list[tuple[Any, ...]], timeout_s: float
     elapsed = time.monotonic() - start
     records = side.take_records()
     answers = side.take_answer_counts()
-    time.sleep(0.3)  # lets the release notices go out
-    side.shutdown()
+    side.shutdown()  # after the release notices already sent went out
     conn.send(
         {
             "done": sorted(done),

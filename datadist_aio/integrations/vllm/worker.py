@@ -174,6 +174,8 @@ class WorkerSide:
         # Decode side: the prefill ranks and routes (made on the loop thread).
         self._router: Optional[Router] = None
         self._linking: set[asyncio.Task[None]] = set()
+        # Release notices on their way to prefills (loop thread).
+        self._notices: set[asyncio.Task[None]] = set()
         # Prefill side: the requests whose blocks wait for decode sides.
         self.leases = Leases()
         # Shared between the loop thread and vLLM's worker thread.
@@ -394,6 +396,11 @@ class WorkerSide:
             task.cancel()
         if self._linking:
             await asyncio.wait(list(self._linking), timeout=self.settings.load_timeout_s + 5)
+        if self._notices:
+            # The releases already sent go out: a prefill is not left to hold
+            # the blocks until their lease runs out (each is bounded by
+            # notify_timeout_s).
+            await asyncio.wait(list(self._notices), timeout=self.settings.notify_timeout_s + 1)
         with self._lock:
             loads, self._inflight = self._inflight, []
         for load in loads:
@@ -663,7 +670,9 @@ class WorkerSide:
             self._begin_pull(spec, start)
 
     def _spawn_notify(self, spec: LoadSpec) -> None:
-        asyncio.get_running_loop().create_task(self._notify(spec))
+        task = asyncio.get_running_loop().create_task(self._notify(spec))
+        self._notices.add(task)
+        task.add_done_callback(self._notices.discard)
 
     def _spawn_after_settle(self, released: list[LoadSpec], forget: list[Load]) -> None:
         """After loads settled (loop thread): drops the links failed reads used, tells the prefills."""
