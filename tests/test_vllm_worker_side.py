@@ -336,13 +336,13 @@ def test_a_read_after_the_lease_ran_out_fails_and_names_why(ctx: Any) -> None:
         conn.send(("lease", [("p-new", "t-new", 60.0)]))
         assert conn.poll(10) and conn.recv() == "ok"
         specs = [("old", [1, 2], [3, 4], "t-old"), ("new", [5], [6], "t-new")]
-        result = _run_decode(ctx, port, specs, timeout_s=5.0)
+        # A load timeout longer than the test waits: the refusal, not the timeout, settles the load.
+        result = _run_decode(ctx, port, specs, timeout_s=60.0)
         assert result["done"] == ["new", "old"]
         assert result["failed"] == ["old"] and result["errors"] == [1, 2]
         (warning,) = [w for w in result["warnings"] if "load of old" in w]
         assert "no longer holds the blocks of request p-old" in warning, warning
         assert sorted(result["records"]) == [(0, 2, False), (LAYERS * HEADS * BLOCK_SIZE * 2 * HEAD_DIM * 4, 1, True)]
-        assert result["elapsed"] < 5.0, "a refused claim waited for the load timeout"
         source = layer_arrays(1)
         for name, array in result["arrays"].items():
             np.testing.assert_array_equal(array[5], source[name][6])
@@ -534,11 +534,12 @@ def test_a_layout_that_cannot_map_fails_the_load_at_once_and_names_both(ctx: Any
         conn.send(("lease", ["p-a"]))
         assert conn.poll(10) and conn.recv() == "ok"
         odd = (BLOCKS, HEADS, 48, 2 * HEAD_DIM)  # 48-token blocks: 32 does not divide them
-        result = _run_decode(ctx, port, [("a", [1, 2], [3, 4])], timeout_s=30.0, shape=odd)
+        # A load timeout longer than the test waits: the refusal, not the timeout, settles the load.
+        result = _run_decode(ctx, port, [("a", [1, 2], [3, 4])], timeout_s=60.0, shape=odd)
         assert result["done"] == ["a"] and result["failed"] == ["a"] and result["errors"] == [1, 2]
         assert result["records"] == [(0, 2, False)]
-        assert result["elapsed"] < 5.0, "the refusal waited for the load timeout"
         (warning,) = [w for w in result["warnings"] if "load of a" in w]
+        assert "no answer within" not in warning, warning
         assert "127.0.0.1:%d" % port in warning
         assert "block size 32" in warning and "block size 48" in warning and "neither divides" in warning
         assert not any(a.any() for a in result["arrays"].values())
