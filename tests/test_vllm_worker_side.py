@@ -101,6 +101,12 @@ def _decode(conn: Any, port: int, specs: list[tuple[Any, ...]], timeout_s: float
             shape: tuple[int, ...] = SHAPE, engine: str = "prefill", first_contact_ms: Optional[float] = None) -> None:
     warnings = _Warnings()
     logging.getLogger("datadist_aio.integrations.vllm.worker").addHandler(warnings)
+    # The first contacts vLLM's thread gave up on (logged at debug).
+    given_up = _Warnings()
+    given_up.setLevel(logging.DEBUG)
+    routes_log = logging.getLogger("datadist_aio.integrations.vllm.routes")
+    routes_log.setLevel(logging.DEBUG)
+    routes_log.addHandler(given_up)
     arrays = {name: np.zeros(shape, np.float32) for name in layer_arrays(0)}
     extra = {} if first_contact_ms is None else {"first_contact_ms": first_contact_ms}
     side = WorkerSide(WorkerSettings(engine_id="decode", is_producer=False, load_timeout_s=timeout_s, **extra))
@@ -143,6 +149,7 @@ def _decode(conn: Any, port: int, specs: list[tuple[Any, ...]], timeout_s: float
             "answers": answers,
             "arrays": {name: a for name, a in arrays.items()},
             "warnings": warnings.messages,
+            "contacts_given_up": len([m for m in given_up.messages if "left to the loop thread" in m]),
         }
     )
 
@@ -297,15 +304,17 @@ def test_frozen_prefill_fails_within_the_timeout(ctx: Any, linked_before: bool) 
             assert result["failed"] == []
         os.kill(prefill.pid, signal.SIGSTOP)
         try:
-            result = _run_decode(ctx, port, [("a", [1, 2, 3], [4, 5, 6])], timeout_s=2.0, first_contact_ms=200)
+            specs = [("a", [1, 2, 3], [4, 5, 6]), ("b", [7], [8])]
+            result = _run_decode(ctx, port, specs, timeout_s=2.0, first_contact_ms=200)
         finally:
             os.kill(prefill.pid, signal.SIGCONT)
-        assert result["done"] == ["a"] and result["failed"] == ["a"]
-        assert result["errors"] == [1, 2, 3]
+        assert result["done"] == ["a", "b"] and result["failed"] == ["a", "b"]
+        assert result["errors"] == [1, 2, 3, 7]
         assert result["elapsed"] < 2.0 + 3, f"the load took {result['elapsed']:.1f} s to fail"
-        # The first contact on vLLM's thread gave up at its budget: the step
-        # was not held for the load's timeout.
+        # The first contact on vLLM's thread gave up at its budget, once for
+        # the step's two loads: the step was not held for the load's timeout.
         assert not result["routed_in_start"]
+        assert result["contacts_given_up"] == 1
         assert result["start_s"] < 2.0, f"start_loads took {result['start_s']:.1f} s"
     finally:
         _stop(prefill, conn)

@@ -97,6 +97,10 @@ class Router:
         # (how many route() calls), and the one contact_now is making.
         self._guard = threading.Lock()
         self._contacting: dict[Instance, int] = {}
+        # The instances contact_now gave up on, until the loop thread's
+        # route() for them ends: the other loads of the step wait for that
+        # one, none spends its own budget again.
+        self._given_up: set[Instance] = set()
 
     async def route(self, key: Instance) -> Route:
         """How to read the prefill instance ``key``: hello to one of its ranks,
@@ -114,6 +118,7 @@ class Router:
                 self._contacting[key] -= 1
                 if not self._contacting[key]:
                     del self._contacting[key]
+                self._given_up.discard(key)
 
     async def _route(self, key: Instance) -> Route:
         host, base, ranks = key
@@ -140,12 +145,14 @@ class Router:
         (hellos, links, claim channels), where nothing of that instance is
         known yet and the loop thread is not contacting it; None otherwise,
         past the budget, or on any failure (what it made is undone: the loop
-        thread's ``route`` then contacts the instance and reports why)."""
+        thread's ``route`` then contacts the instance and reports why; until
+        it has, this returns None at once for that instance)."""
         host, base, ranks = key
         ports = [base + rank for rank in range(ranks)]
         with self._guard:
             route = self.routes.get(key)
-            if route is not None or key in self._contacting or any((host, port) in self.peers for port in ports):
+            if (route is not None or key in self._contacting or key in self._given_up
+                    or any((host, port) in self.peers for port in ports)):
                 return route
             self._contacting[key] = 1
         deadline = time.monotonic() + budget_s
@@ -216,6 +223,7 @@ class Router:
                     log.debug("unlink after a first contact: %s", unlink_exc)
             with self._guard:
                 del self._contacting[key]
+                self._given_up.add(key)
             return None
         with self._guard:
             for rank, peer in peers.items():
