@@ -378,7 +378,11 @@ def prefill_worker(conn: Any, backend: str, placements: tuple[str, str], mode: s
     memory = _memory(backend, device)
     kv = {name: memory.tensor(placement, _old(layer)) for layer, name in enumerate(NAMES)}
     decode_port = _recv(conn)
-    side = WorkerSide(WorkerSettings(engine_id="prefill", is_consumer=False, transfer_mode=mode, load_timeout_s=10.0,
+    # A refused event must fail the push at once: with a push timeout longer
+    # than the test may run, only that lets finish_step return.
+    timeout_s = 10.0 if event == "recorded" else 600.0
+    side = WorkerSide(WorkerSettings(engine_id="prefill", is_consumer=False, transfer_mode=mode,
+                                     load_timeout_s=timeout_s,
                                      kv_heads=HEADS, block_size=BLOCK_SIZE, push_port=decode_port,
                                      kv_buffer_device="cuda",
                                      record_event=memory.record_event if event == "recorded" else lambda: 0xDEAD0))
@@ -401,15 +405,12 @@ def prefill_worker(conn: Any, backend: str, placements: tuple[str, str], mode: s
                 time.sleep(0.3)
                 assert side.take_records() == [], "pushed before the model's stream wrote the layers"
             memory.open_gates()
-            start = time.monotonic()
             side.finish_step()
-            elapsed = time.monotonic() - start
             records = [(r.nbytes, r.blocks, r.ok) for r in side.take_records()]
             if event == "recorded":
                 assert records == [(2 * LAYERS * len(REMOTE) * BLOCK_BYTES, len(REMOTE), True)], records
             else:
                 assert records == [(0, len(REMOTE), False)], records
-                assert elapsed < 3.0, f"a refused event failed the push after {elapsed:.1f} s, not at once"
             memory.synchronize()
         conn.send(side.side_channel_port)
         assert _recv(conn) == "loaded"

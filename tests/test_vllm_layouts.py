@@ -152,18 +152,19 @@ def test_a_layout_that_cannot_map_fails_every_load_at_once(model: Path) -> None:
     with contextlib.ExitStack() as stack:
         prefill = Engine(model, connector_config("datadist", "kv_producer", port), block_size=64)
         stack.callback(prefill.close)
-        decode = Engine(model, connector_config("datadist", "kv_consumer", 0, load_timeout_s=30.0),
+        # A load timeout far past the decode's own bound (120 s): only a load
+        # that fails at the hello lets the decode answer at all.
+        decode = Engine(model, connector_config("datadist", "kv_consumer", 0, load_timeout_s=600.0),
                         policy="recompute", block_size=96)
         stack.callback(decode.close)
         prompts = prompts_of_lengths([100, 300, 700], seed=8)
         reference = prefill.generate(prompts, MAX_TOKENS, logprobs=5)["results"]
         params = [r["kv_transfer_params"] for r in prefill.generate(prompts, 1, [{"do_remote_decode": True}] * 3)["results"]]
         before = decode.metrics()
-        run = decode.generate(prompts, MAX_TOKENS, params)
+        run = decode.generate(prompts, MAX_TOKENS, params, timeout=120.0)
         after = decode.metrics()
         # Refused at the hello, recomputed by the decode: right tokens, every
-        # load counted failed, and no wait for the 30 s load timeout.
+        # load counted failed, and no wait for the load timeout.
         check_outputs([r["tokens"] for r in run["results"]], reference)
         assert delta(after, before, FAILED) == len(prompts)
         assert delta(after, before, XFERS) == 0
-        assert run["wall"] < 10.0

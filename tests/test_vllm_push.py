@@ -192,9 +192,13 @@ def _prefill(conn: Any, decode_port: int, shape: tuple[int, ...]) -> None:
                     side.save_layer(name)
                 side.finish_step()
                 conn.send([(r.blocks, r.ok) for r in side.take_records()])
-            elif command == "begin":  # a step that stops before its layers are saved
+            elif command == "begin":  # a step that stops before its layers are saved, once its claims are granted
                 side.start_loads(StepPlan(saves={s.req_id: s for s in value}))
-                conn.send("ok")
+                assert side.pusher is not None
+                deadline = time.monotonic() + 10
+                while not {s.req_id for s in value} <= side.pusher._pushing and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                conn.send("ok" if {s.req_id for s in value} <= side.pusher._pushing else "not granted")
             elif command == "freed":
                 deadline = time.monotonic() + 10
                 freed: set[str] = set()
@@ -289,7 +293,6 @@ def test_prefill_frozen_mid_push_fails_the_load_within_the_timeout(pair: Any) ->
     prefill, pconn = pair["prefill"]
     # The claim goes out, then the prefill stops before its layers are saved.
     assert _ask(pconn, "begin", [SaveSpec("p-a", [3, 4], 0, 2, True)]) == "ok"
-    time.sleep(0.5)
     os.kill(prefill.pid, signal.SIGSTOP)
     try:
         result = _load(pair, [("a", [1, 2], [3, 4])])

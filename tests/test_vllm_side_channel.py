@@ -13,6 +13,7 @@ from datadist_aio.integrations.vllm.side_channel import (
     ProtocolError,
     SideChannelClient,
     SideChannelServer,
+    ask,
     encode_frame,
 )
 
@@ -116,3 +117,36 @@ async def test_silent_peer_times_out() -> None:
         await ended.wait()
         server.close()
         await server.wait_closed()
+
+
+async def test_ask_in_a_thread_answers_refuses_and_times_out() -> None:
+    """``ask``, the blocking request for a thread that must not wait for the loop."""
+    server = SideChannelServer(_echo)
+    port = await server.start("127.0.0.1", 0)
+    try:
+        assert await asyncio.to_thread(ask, "127.0.0.1", port, {"op": "hello"}, 5.0) == {
+            "ok": True, "seen": {"op": "hello"}}
+        with pytest.raises(ProtocolError, match="bad request"):
+            await asyncio.to_thread(ask, "127.0.0.1", port, {"op": "boom"}, 5.0)
+    finally:
+        await server.close()
+    with pytest.raises(ConnectionRefusedError):
+        await asyncio.to_thread(ask, "127.0.0.1", port, {"op": "hello"}, 5.0)
+
+    release = asyncio.Event()
+    ended = asyncio.Event()
+
+    async def silent(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await release.wait()
+        writer.close()
+        ended.set()
+
+    quiet = await asyncio.start_server(silent, "127.0.0.1", 0)
+    try:
+        with pytest.raises(TimeoutError):
+            await asyncio.to_thread(ask, "127.0.0.1", quiet.sockets[0].getsockname()[1], {"op": "hello"}, 0.3)
+    finally:
+        release.set()
+        await ended.wait()
+        quiet.close()
+        await quiet.wait_closed()

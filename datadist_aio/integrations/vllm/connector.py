@@ -14,7 +14,9 @@ its rank; with ``kv_both`` on one host give each instance its own: a port
 already taken fails ``register_kv_caches`` with ``SideChannelPortError``),
 ``load_timeout_s`` (10), ``load_batch_wait_ms`` (5: how long a finished load
 waits for the others its step started, so vLLM gets them together),
-``lease_timeout_s`` (120), ``link_timeout_ms`` (3000),
+``lease_timeout_s`` (120), ``link_timeout_ms`` (3000), ``first_contact_ms``
+(50: how long vLLM's worker thread may spend on the first contact with a
+prefill instance before the connector's own thread takes it over),
 ``transfer_mode`` (``"pull"``, the default, or ``"push_layerwise"``). With
 ``push_layerwise`` a decode instance lends ``inbox_blocks`` (512) staging
 blocks, at most ``inbox_share_blocks`` (256) to each prefill, and listens on
@@ -310,6 +312,7 @@ class DatadistAioConnector(KVConnectorBase_V1, SupportsHMA):
                     load_timeout_s=float(extra.get("load_timeout_s", 10.0)),
                     load_batch_wait_ms=float(extra.get("load_batch_wait_ms", 5.0)),
                     link_timeout_ms=int(extra.get("link_timeout_ms", 3000)),
+                    first_contact_ms=float(extra.get("first_contact_ms", 50.0)),
                     transfer_mode=mode,
                     inbox_blocks=int(extra.get("inbox_blocks", 512)),
                     inbox_share_blocks=int(extra.get("inbox_share_blocks", 256)),

@@ -20,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import threading
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -27,7 +29,7 @@ import datadist_aio as dd
 
 from .claims import ClaimChannel
 from .layout import HeadMap, LayoutError, WorkerLayout, map_heads
-from .side_channel import SideChannelClient
+from .side_channel import SideChannelClient, ask
 
 __all__ = ["Peer", "Route", "Router", "Source", "instance_of"]
 
@@ -79,7 +81,8 @@ class Router:
     """The prefill ranks a decode worker knows, and the routes to their instances.
 
     ``routes`` is read from vLLM's worker thread (a dict lookup) and written
-    on the loop thread.
+    on the loop thread, or by ``contact_now`` on the worker thread for an
+    instance the loop thread is not contacting.
     """
 
     def __init__(self, datadist: dd.LLMDataDist, mine: WorkerLayout, *, hello_timeout_s: float,
@@ -90,6 +93,14 @@ class Router:
         self._link_timeout_ms = link_timeout_ms
         self.peers: dict[tuple[str, int], Peer] = {}
         self.routes: dict[Instance, Route] = {}
+        # The instances whose first contact is under way on the loop thread
+        # (how many route() calls), and the one contact_now is making.
+        self._guard = threading.Lock()
+        self._contacting: dict[Instance, int] = {}
+        # The instances contact_now gave up on, until the loop thread's
+        # route() for them ends: the other loads of the step wait for that
+        # one, none spends its own budget again.
+        self._given_up: set[Instance] = set()
 
     async def route(self, key: Instance) -> Route:
         """How to read the prefill instance ``key``: hello to one of its ranks,
@@ -98,6 +109,18 @@ class Router:
         route = self.routes.get(key)
         if route is not None:
             return route
+        with self._guard:
+            self._contacting[key] = self._contacting.get(key, 0) + 1
+        try:
+            return await self._route(key)
+        finally:
+            with self._guard:
+                self._contacting[key] -= 1
+                if not self._contacting[key]:
+                    del self._contacting[key]
+                self._given_up.discard(key)
+
+    async def _route(self, key: Instance) -> Route:
         host, base, ranks = key
         mine = self._mine
         first = await self.peer(host, base + mine.tp_rank % ranks, link=False)
@@ -115,6 +138,98 @@ class Router:
                                   f"differs from its rank {first.layout.tp_rank} ({first.layout.describe()})")
             sources.append(Source(base + rank, peer.cluster_id, head_map, peer.layout, peer))
         route = self.routes[key] = Route(tuple(sources), mine)
+        return route
+
+    def contact_now(self, key: Instance, budget_s: float) -> Optional[Route]:
+        """The route to ``key`` made in the calling thread within ``budget_s``
+        (hellos, links, claim channels), where nothing of that instance is
+        known yet and the loop thread is not contacting it; None otherwise,
+        past the budget, or on any failure (what it made is undone: the loop
+        thread's ``route`` then contacts the instance and reports why; until
+        it has, this returns None at once for that instance)."""
+        host, base, ranks = key
+        ports = [base + rank for rank in range(ranks)]
+        with self._guard:
+            route = self.routes.get(key)
+            if (route is not None or key in self._contacting or key in self._given_up
+                    or any((host, port) in self.peers for port in ports)):
+                return route
+            self._contacting[key] = 1
+        deadline = time.monotonic() + budget_s
+        peers: dict[int, Peer] = {}
+        linked: list[dd.LLMClusterInfo] = []
+        try:
+            mine = self._mine
+
+            def left() -> float:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"first contact over its budget of {budget_s * 1e3:g} ms")
+                return remaining
+
+            def hello(rank: int) -> Peer:
+                answer = ask(host, base + rank, {"op": "hello"}, left())
+                cluster_id, listen_port = answer.get("cluster_id"), answer.get("port")
+                if not isinstance(cluster_id, int) or not isinstance(listen_port, int):
+                    raise ValueError(f"{host}:{base + rank} answered hello with {answer!r:.200}")
+                peer = Peer(SideChannelClient(host, base + rank), asyncio.Lock(), cluster_id, listen_port,
+                            WorkerLayout.from_wire(answer.get("layout")))
+                peers[rank] = peer
+                return peer
+
+            first_rank = mine.tp_rank % ranks
+            first = hello(first_rank)
+            assert first.layout is not None
+            if first.layout.tp_size != ranks:
+                raise LayoutError(f"{host}:{base} announced TP size {ranks} but its rank {first.layout.tp_rank} "
+                                  f"says {first.layout.tp_size}")
+            maps = map_heads(mine, first.layout)
+            for rank in maps:
+                peer = peers.get(rank) or hello(rank)
+                if peer.layout != dataclasses.replace(first.layout, tp_rank=rank):
+                    raise LayoutError(f"rank {rank} of the prefill at {host}:{base} differs from its rank "
+                                      f"{first.layout.tp_rank}")
+            clusters = []
+            for rank in maps:
+                cluster = dd.LLMClusterInfo()
+                cluster.remote_cluster_id = peers[rank].cluster_id
+                cluster.append_local_ip_info("0.0.0.0", 0)
+                cluster.append_remote_ip_info(host, peers[rank].listen_port)
+                clusters.append(cluster)
+            # Every rank at once (the engine links them side by side).
+            _status, codes = self._datadist.link_clusters(clusters, max(1, int(left() * 1000)))
+            linked = [cluster for cluster, code in zip(clusters, codes) if code == dd.LLMStatusCode.LLM_SUCCESS]
+            if len(linked) != len(clusters):
+                raise dd.LLMException(f"link to {host}:{base} failed", status_code=next(
+                    code for code in codes if code != dd.LLMStatusCode.LLM_SUCCESS))
+            sources = []
+            for (rank, head_map), cluster in zip(maps.items(), clusters):
+                peer = peers[rank]
+                peer.cluster, peer.linked = cluster, True
+                peer.claims = ClaimChannel(host, base + rank, left())
+                assert peer.layout is not None
+                sources.append(Source(base + rank, peer.cluster_id, head_map, peer.layout, peer))
+            route = Route(tuple(sources), mine)
+        except Exception as exc:  # TimeoutError, OSError, ProtocolError, LayoutError, LLMException, ...
+            log.debug("datadist_aio connector: first contact with %s:%d left to the loop thread: %s: %s",
+                      host, base, type(exc).__name__, exc)
+            for peer in peers.values():
+                if peer.claims is not None:
+                    peer.claims.close()
+            if linked:
+                try:
+                    self._datadist.unlink_clusters(linked, timeout=100, force=True)
+                except Exception as unlink_exc:  # the link may already be gone
+                    log.debug("unlink after a first contact: %s", unlink_exc)
+            with self._guard:
+                del self._contacting[key]
+                self._given_up.add(key)
+            return None
+        with self._guard:
+            for rank, peer in peers.items():
+                self.peers[(host, base + rank)] = peer
+            self.routes[key] = route
+            del self._contacting[key]
         return route
 
     def client(self, host: str, port: int) -> SideChannelClient:

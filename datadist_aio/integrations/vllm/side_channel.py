@@ -10,7 +10,8 @@ Frames are a 4-byte big-endian length and a UTF-8 JSON object, at most
 unpickled or evaluated. The server caps its connections and every read waits
 at most ``idle_timeout`` seconds.
 
-All coroutines run on the connector's one event loop.
+All coroutines run on the connector's one event loop; ``ask`` is the
+blocking form of one request, for a thread that must not wait for that loop.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 import struct
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Optional
 
-__all__ = ["MAX_FRAME", "ProtocolError", "SideChannelClient", "SideChannelPortError", "SideChannelServer"]
+__all__ = ["MAX_FRAME", "ProtocolError", "SideChannelClient", "SideChannelPortError", "SideChannelServer", "ask"]
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +50,10 @@ async def read_frame(reader: asyncio.StreamReader) -> dict[str, Any]:
     (length,) = _LENGTH.unpack(header)
     if length == 0 or length > MAX_FRAME:
         raise ProtocolError(f"frame of {length} bytes (limit {MAX_FRAME})")
-    body = await reader.readexactly(length)
+    return decode_body(await reader.readexactly(length))
+
+
+def decode_body(body: bytes) -> dict[str, Any]:
     try:
         message = json.loads(body.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
@@ -55,6 +61,45 @@ async def read_frame(reader: asyncio.StreamReader) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise ProtocolError("frame is not a JSON object")
     return message
+
+
+def ask(host: str, port: int, message: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """One request on a connection of its own, in the calling thread, all of
+    it within ``timeout`` s: the answer; ``TimeoutError`` past it, ``OSError``
+    where the peer cannot be reached, ``ProtocolError`` for a bad or refusing
+    answer."""
+    deadline = time.monotonic() + timeout
+
+    def left() -> float:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"no answer from {host}:{port} within {timeout:g} s")
+        return remaining
+
+    def read(sock: socket.socket, count: int) -> bytes:
+        data = bytearray()
+        while len(data) < count:
+            sock.settimeout(left())
+            chunk = sock.recv(count - len(data))
+            if not chunk:
+                raise ProtocolError(f"{host}:{port} closed the connection")
+            data += chunk
+        return bytes(data)
+
+    try:
+        with socket.create_connection((host, port), timeout=left()) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(left())
+            sock.sendall(encode_frame(message))
+            (length,) = _LENGTH.unpack(read(sock, _LENGTH.size))
+            if length == 0 or length > MAX_FRAME:
+                raise ProtocolError(f"frame of {length} bytes (limit {MAX_FRAME})")
+            answer = decode_body(read(sock, length))
+    except socket.timeout:
+        raise TimeoutError(f"no answer from {host}:{port} within {timeout:g} s") from None
+    if not answer.get("ok", False):
+        raise ProtocolError(f"{host}:{port} refused {message.get('op')!r}: {answer.get('error')}")
+    return answer
 
 
 def encode_frame(message: dict[str, Any]) -> bytes:

@@ -112,6 +112,10 @@ class WorkerSettings:
     side_channel_port: int = 0
     load_timeout_s: float = 10.0
     link_timeout_ms: int = 3000
+    # How long vLLM's worker thread may spend on the first contact with a
+    # prefill instance itself (hello, link, claim channel) before it leaves
+    # the rest to the loop thread (0: always the loop thread).
+    first_contact_ms: float = 50.0
     notify_timeout_s: float = 2.0
     # Loads that one step started reach vLLM together: a finished one waits
     # at most this long for the rest of its step (0: each as it finishes).
@@ -170,6 +174,8 @@ class WorkerSide:
         # Decode side: the prefill ranks and routes (made on the loop thread).
         self._router: Optional[Router] = None
         self._linking: set[asyncio.Task[None]] = set()
+        # Release notices on their way to prefills (loop thread).
+        self._notices: set[asyncio.Task[None]] = set()
         # Prefill side: the requests whose blocks wait for decode sides.
         self.leases = Leases()
         # Shared between the loop thread and vLLM's worker thread.
@@ -390,6 +396,11 @@ class WorkerSide:
             task.cancel()
         if self._linking:
             await asyncio.wait(list(self._linking), timeout=self.settings.load_timeout_s + 5)
+        if self._notices:
+            # The releases already sent go out: a prefill is not left to hold
+            # the blocks until their lease runs out (each is bounded by
+            # notify_timeout_s).
+            await asyncio.wait(list(self._notices), timeout=self.settings.notify_timeout_s + 1)
         with self._lock:
             loads, self._inflight = self._inflight, []
         for load in loads:
@@ -441,7 +452,7 @@ class WorkerSide:
             if state == CLAIMED:
                 self._loop.call_soon_threadsafe(self._spawn_wait_commit, spec, start)
                 continue
-            load = self._begin_pull(spec, start, self._step)
+            load = self._begin_pull(spec, start, self._step, contact=True)
             if load is not None and load.route is not None:
                 begun.append(load)
         if begun:
@@ -449,11 +460,16 @@ class WorkerSide:
             # message per prefill rank for the step.
             self._send_claims(begun)
 
-    def _begin_pull(self, spec: LoadSpec, start: float, step: int = -1) -> Optional["Load"]:
+    def _begin_pull(self, spec: LoadSpec, start: float, step: int = -1, contact: bool = False) -> Optional["Load"]:
         """Pulls one load from its prefill, linking first where needed (either
-        thread); the load if it began here, None if it waits for a link."""
+        thread); the load if it began here, None if it waits for a link.
+        ``contact`` (vLLM's worker thread): a first contact with the prefill
+        instance is tried here first, within ``first_contact_ms``."""
         assert self._loop is not None and self._router is not None
-        route = self._router.routes.get(_instance(spec))
+        key = _instance(spec)
+        route = self._router.routes.get(key)
+        if route is None and contact and self.settings.first_contact_ms > 0:
+            route = self._router.contact_now(key, self.settings.first_contact_ms / 1000.0)
         if route is not None:
             return self._begin(spec, route, start, step=step)
         self._loop.call_soon_threadsafe(self._spawn_link, spec, start)
@@ -654,7 +670,9 @@ class WorkerSide:
             self._begin_pull(spec, start)
 
     def _spawn_notify(self, spec: LoadSpec) -> None:
-        asyncio.get_running_loop().create_task(self._notify(spec))
+        task = asyncio.get_running_loop().create_task(self._notify(spec))
+        self._notices.add(task)
+        task.add_done_callback(self._notices.discard)
 
     def _spawn_after_settle(self, released: list[LoadSpec], forget: list[Load]) -> None:
         """After loads settled (loop thread): drops the links failed reads used, tells the prefills."""
