@@ -146,6 +146,12 @@ def _engine(role: Any, cluster_id: int, transport: str, listen: bool, rca: bool 
     return datadist
 
 
+def frames_sent(datadist: Any) -> bool:
+    """Whether the initiator has sent a device frame to OWNER, over CUDA IPC or staged."""
+    stats = datadist._engine.link_stats(OWNER)
+    return stats["ipc_frames"] + stats["staged_frames"] > 0
+
+
 def _desc(placement: str, blocks: bool) -> Any:
     import datadist_aio as dd
 
@@ -491,7 +497,9 @@ def initiator_outlives(conn: Any, transport: str) -> None:
         while time.monotonic() - started < 30:
             tasks = [cm.push_blocks_async(key, cache, every, every), cm.pull_blocks_async(key, cache, every, every)]
             if not killed:
-                await asyncio.sleep(0.02)  # bytes are moving both ways
+                async with asyncio.timeout(30):  # bytes are moving both ways
+                    while not frames_sent(datadist):
+                        await asyncio.sleep(0.005)
                 if transport == "auto":  # device to device through CUDA IPC
                     assert datadist._engine.link_stats(OWNER)["ipc_frames"] > 0
                 os.kill(pid, signal.SIGKILL)
@@ -595,7 +603,10 @@ def initiator_dies(conn: Any, transport: str) -> None:
     key = dd.BlocksCacheKey(OWNER, MODEL["device"])
     every = list(range(16))
     tasks = [cm.push_blocks_async(key, cache, every, every), cm.pull_blocks_async(key, cache, every, every)]
-    time.sleep(0.02)  # bytes are moving both ways
+    deadline = time.monotonic() + 30
+    while not frames_sent(datadist):  # bytes are moving both ways
+        assert time.monotonic() < deadline, "no device frame was sent"
+        time.sleep(0.005)
     if transport == "auto":  # device to device through CUDA IPC
         assert datadist._engine.link_stats(OWNER)["ipc_frames"] > 0
     conn.send("dying")

@@ -45,7 +45,7 @@ def thread_names(pid: int) -> Counter[str]:
     return names
 
 
-def settled_names(pid: int, io_threads: int, seconds: float = 5.0) -> Counter[str]:
+def settled_names(pid: int, io_threads: int, seconds: float = 30.0) -> Counter[str]:
     """The thread names once the I/O threads have named themselves (a thread
     just started still has its process's name for a moment)."""
     deadline = time.monotonic() + seconds

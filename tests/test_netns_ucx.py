@@ -152,7 +152,7 @@ def test_a_peer_killed_between_operations_fails_the_next_and_links_again():
         # The link failed, or is already gone once its connections told.
         with raises_status(*LINK_LOST, dd.LLMStatusCode.LLM_NOT_YET_LINK):
             survivor.cm_async("push_blocks", remote.blocks_key(), local, [0], [1])
-        assert time.monotonic() - started < 4.0
+        assert time.monotonic() - started < 3 + 10  # sync_kv_timeout, and slack for a loaded host
         assert_blocks_push(survivor, third, 7, 2)
         again = group.start_in(subnet, "victim-again", dd.LLMRole.DECODER, 2, options=UCX)
         assert survivor.link(again) == LINKED

@@ -175,7 +175,7 @@ def test_harness_reports_dead_and_hung_peers():
         started = time.monotonic()
         with pytest.raises(PeerTimeout, match="killed"):
             hung.free_all()
-        assert time.monotonic() - started < 5
+        assert time.monotonic() - started < hung.command_timeout + 10
         with pytest.raises(PeerError):
             hung.free_all()
     with Peer("stopped") as stopped:
