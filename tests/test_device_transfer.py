@@ -33,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from cuda_standin.build import build  # noqa: E402
-from test_device_memory import Cuda  # noqa: E402
+from datadist_aio.bench.cuda_driver import CudaDriver  # noqa: E402
 
 TIMEOUT_S = 60
 multiprocessing.resource_tracker.ensure_running()
@@ -131,7 +131,7 @@ def _recv(conn: Any) -> Any:
 
 def _engine(role: Any, cluster_id: int, transport: str, listen: bool, rca: bool = True) -> Any:
     import datadist_aio as dd
-    from peer import pool_cfg
+    from support.peer import pool_cfg
 
     config = dd.LLMConfig()
     config.enable_cache_manager = True
@@ -206,7 +206,7 @@ def owner_serves(conn: Any, transport: str) -> None:
     """Holds caches in host and device memory; fills and reads them when asked."""
     import datadist_aio as dd
 
-    cuda = Cuda()
+    cuda = CudaDriver()
     datadist = _engine(dd.LLMRole.PROMPT, OWNER, transport, listen=True)
     caches = Caches(datadist.cache_manager, cuda, bind_blocks=True)
     conn.send((
@@ -265,14 +265,14 @@ def _slots(data: np.ndarray) -> np.ndarray:
 
 def initiator_moves_everything(conn: Any, transport: str) -> None:
     import datadist_aio as dd
-    from peer import cluster_info
+    from support.peer import cluster_info
 
     class Released(dd.LayerSynchronizer):
         def synchronize_layer(self, layer_index: int, timeout_in_millis: Any) -> bool:
             return True
 
     code = dd.LLMStatusCode
-    cuda = Cuda()
+    cuda = CudaDriver()
     port, ids, _ = _recv(conn)
     datadist = _engine(dd.LLMRole.DECODER, INITIATOR, transport, listen=False)
     cm = datadist.cache_manager
@@ -409,14 +409,14 @@ def initiator_sends_layers_to_addresses(conn: Any, transport: str) -> None:
     """transfer_cache_async with TransferConfig: the owner's raw tensor
     addresses, device or host, which it accepts only inside its own tensors."""
     import datadist_aio as dd
-    from peer import cluster_info
+    from support.peer import cluster_info
 
     class Released(dd.LayerSynchronizer):
         async def synchronize_layer(self, layer_index: int, timeout_in_millis: Any) -> bool:
             return True
 
     code = dd.LLMStatusCode
-    cuda = Cuda()
+    cuda = CudaDriver()
     port, _, addrs = _recv(conn)
     datadist = _engine(dd.LLMRole.DECODER, INITIATOR, transport, listen=False, rca=False)
     cm = datadist.cache_manager
@@ -478,7 +478,7 @@ def owner_dies(conn: Any, transport: str) -> None:
 
 def initiator_outlives(conn: Any, transport: str) -> None:
     import datadist_aio as dd
-    from peer import cluster_info
+    from support.peer import cluster_info
 
     code = dd.LLMStatusCode
     port, pid, _ = _recv(conn)
@@ -533,7 +533,7 @@ def owner_outlives(conn: Any, transport: str) -> None:
     serves a new peer (another engine of this process, host memory only)."""
     import datadist_aio as dd
 
-    cuda = Cuda()
+    cuda = CudaDriver()
     datadist = _engine(dd.LLMRole.PROMPT, OWNER, transport, listen=True)
     big = dd.CacheDesc(TENSORS, [16, 1 << 20], dd.DataType.DT_UINT8, dd.Placement.DEVICE)
     cache = datadist.cache_manager.allocate_blocks_cache(big, dd.BlocksCacheKey(OWNER, MODEL["device"]))
@@ -574,7 +574,7 @@ def owner_outlives(conn: Any, transport: str) -> None:
 
 def late_peer(port: int, transport: str) -> None:
     import datadist_aio as dd
-    from peer import cluster_info
+    from support.peer import cluster_info
 
     datadist = _engine(dd.LLMRole.DECODER, 9, transport, listen=False)
     status, _ = datadist.link_clusters([cluster_info(OWNER, port)], 10000)
@@ -591,7 +591,7 @@ def late_peer(port: int, transport: str) -> None:
 
 def initiator_dies(conn: Any, transport: str) -> None:
     import datadist_aio as dd
-    from peer import cluster_info
+    from support.peer import cluster_info
 
     port = _recv(conn)
     datadist = _engine(dd.LLMRole.DECODER, INITIATOR, transport, listen=False)
@@ -634,7 +634,7 @@ def _broken_cache(cm: Any, cuda: Any, key: Any = None) -> tuple[Any, list[int]]:
 def owner_breaks(conn: Any, transport: str) -> None:
     import datadist_aio as dd
 
-    cuda = Cuda()
+    cuda = CudaDriver()
     datadist = _engine(dd.LLMRole.PROMPT, OWNER, transport, listen=True)
     cm = datadist.cache_manager
     good = cm.allocate_blocks_cache(_desc("device", True), dd.BlocksCacheKey(OWNER, MODEL["device"]))
@@ -653,10 +653,10 @@ def owner_breaks(conn: Any, transport: str) -> None:
 
 def initiator_meets_driver_failures(conn: Any, transport: str) -> None:
     import datadist_aio as dd
-    from peer import cluster_info
+    from support.peer import cluster_info
 
     code = dd.LLMStatusCode
-    cuda = Cuda()
+    cuda = CudaDriver()
     port = _recv(conn)
     datadist = _engine(dd.LLMRole.DECODER, INITIATOR, transport, listen=False)
     cm = datadist.cache_manager

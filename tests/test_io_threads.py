@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import datadist_aio as dd
-from peer import Peer, PeerGroup, raises_status
+from support.peer import Peer, PeerGroup, raises_status
 
 SUCCESS = dd.LLMStatusCode.LLM_SUCCESS
 BLOCK = 1 << 20  # past a direct send and a socket buffer: the I/O loop writes each frame in turns

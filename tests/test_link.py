@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import datadist_aio as dd
-from peer import LOOPBACK, Peer, PeerGroup, cluster_info, free_port, raises_status
+from support.peer import LOOPBACK, Peer, PeerGroup, cluster_info, free_port, raises_status
 
 SUCCESS = dd.LLMStatusCode.LLM_SUCCESS
 LINKED = (SUCCESS, [SUCCESS])

@@ -20,11 +20,11 @@ from typing import Any
 import pytest
 
 import datadist_aio as dd
-from conftest import make_options
-from peer import Peer, PeerGroup, raises_status
-from test_same_host import accepted_connections, assert_both_ways
-from test_wire_protocol import BLOCK, BLOCKS, FORGER_ID, SERVER_ID, linked
-from wire_frames import (
+from support.options import make_options
+from support.peer import Peer, PeerGroup, raises_status
+from support.links import accepted_connections, assert_both_ways
+from support.raw_client import BLOCK, BLOCKS, FORGER_ID, SERVER_ID, linked
+from support.wire_frames import (
     AUTHENTICATED,
     CHALLENGE_T,
     GRANTS_CONNECTIONS,
@@ -392,7 +392,7 @@ def test_a_crowd_of_idle_and_trickling_clients(group):
     """2,000 idle and 200 trickling clients while a peer links and pushes 256 MiB."""
     import resource
 
-    from peer import MiB, pool_cfg
+    from support.peer import MiB, pool_cfg
 
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     if hard < 4096:

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import datadist_aio as dd
-from peer import HAVE_UCX, UCX_PEER_DEATH, UCX_WHY, MiB, Peer, PeerError, PeerGroup, PeerTimeout, pool_cfg, raises_status
+from support.links import assert_blocks_push, big_desc, small_desc
+from support.peer import HAVE_UCX, UCX_PEER_DEATH, UCX_WHY, MiB, Peer, PeerError, PeerGroup, PeerTimeout, pool_cfg, raises_status
 
 SUCCESS = dd.LLMStatusCode.LLM_SUCCESS
 LINKED = (SUCCESS, [SUCCESS])
@@ -23,26 +24,6 @@ LINK_LOST = (dd.LLMStatusCode.LLM_LINK_FAILED, dd.LLMStatusCode.LLM_TIMEOUT)
 def group() -> Iterator[PeerGroup]:
     with PeerGroup() as peers:
         yield peers
-
-
-def big_desc() -> dd.CacheDesc:
-    """256 MiB in one layer: two tensors of one 128 MiB slot."""
-    return dd.CacheDesc(2, [1, 128 * MiB], dd.DataType.DT_UINT8, dd.Placement.HOST)
-
-
-def small_desc() -> dd.CacheDesc:
-    return dd.CacheDesc(2, [16, 256], dd.DataType.DT_UINT8, dd.Placement.HOST)
-
-
-def assert_blocks_push(src: Peer, dst: Peer, model_id: int, seed: int) -> None:
-    local = src.allocate(small_desc(), blocks=True)
-    remote = dst.allocate(small_desc(), blocks=True, model_id=model_id)
-    sent = src.fill(local, seed)
-    src.cm_async("push_blocks", remote.blocks_key(), local, [1, 2, 7], [15, 0, 3])
-    got = dst.read(remote)
-    for t in range(2):
-        for s, d in [(1, 15), (2, 0), (7, 3)]:
-            np.testing.assert_array_equal(got[t][d * 256 : (d + 1) * 256], sent[t][s * 256 : (s + 1) * 256])
 
 
 # -- a peer killed mid-transfer ------------------------------------------------------

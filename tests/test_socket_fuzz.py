@@ -31,8 +31,8 @@ import numpy as np
 import pytest
 
 import datadist_aio as dd
-from peer import LOOPBACK, CacheRef, Peer, PeerGroup
-from wire_frames import (
+from support.peer import LOOPBACK, CacheRef, Peer, PeerGroup
+from support.wire_frames import (
     AUTHENTICATED,
     BLOCKS_OF_MODEL,
     BY_ID,
