@@ -26,7 +26,7 @@ sys.path.insert(0, str(HERE))
 
 from cuda_standin.build import build  # noqa: E402
 from datadist_aio.bench.cuda_driver import HOST_FN, CudaDriver  # noqa: E402
-from test_device_transfer import _recv, run_pair  # noqa: E402
+from support.device import _recv, run_pair  # noqa: E402
 
 OWNER, INITIATOR = 7, 5
 LAYERS, PER_LAYER = 4, 2

@@ -24,7 +24,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from test_device_transfer import (  # noqa: E402
+from support.device import (  # noqa: E402
     BLOCK,
     INITIATOR,
     MODEL,

@@ -12,14 +12,10 @@ part of what a scenario sets up.
 
 from __future__ import annotations
 
-import multiprocessing
-import multiprocessing.resource_tracker
-import os
 import sys
 import time
-import traceback
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -27,61 +23,10 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from cuda_standin.build import build  # noqa: E402
-
 from datadist_aio.bench.cuda_driver import CudaDriver  # noqa: E402
+from support.device import in_child, standin  # noqa: E402,F401  (standin: the fixture)
 
 Cuda = CudaDriver  # the name tests/test_vllm_device.py imports from here
-
-TIMEOUT_S = 90
-# Spawning starts the resource tracker once per process, with a descriptor
-# it keeps: start it before any test counts descriptors.
-multiprocessing.resource_tracker.ensure_running()
-
-
-@pytest.fixture(scope="module")
-def standin(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build(tmp_path_factory.mktemp("cuda-standin"))
-
-
-def in_child(scenario: Callable[..., None], driver: Optional[Path], devices: int = 1, *args: Any) -> None:
-    """Runs ``scenario(*args)`` in a spawned process whose engine loads
-    ``driver`` (a path that may not exist) with ``devices`` devices; fails
-    with the child's traceback, or if it dies or outlives TIMEOUT_S."""
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
-    env = {"DATADIST_AIO_CUDA_DRIVER": str(driver) if driver else "", "STANDIN_CUDA_DEVICES": str(devices)}
-    process = ctx.Process(target=_child, args=(child, env, scenario, args))
-    process.start()
-    child.close()
-    try:
-        if not parent.poll(TIMEOUT_S):
-            pytest.fail(f"{scenario.__name__} did not finish within {TIMEOUT_S} s")
-        try:
-            outcome = parent.recv()
-        except EOFError:
-            process.join(10)
-            pytest.fail(f"{scenario.__name__}: the process died (exit code {process.exitcode})")
-        if outcome != "ok":
-            pytest.fail(f"{scenario.__name__} failed in its process:\n{outcome}")
-    finally:
-        process.join(10)
-        if process.is_alive():
-            process.kill()
-            process.join(10)
-        process.close()
-        parent.close()
-
-
-def _child(conn: Any, env: dict[str, str], scenario: Callable[..., None], args: tuple[Any, ...]) -> None:
-    os.environ.update(env)
-    try:
-        scenario(*args)
-        conn.send("ok")
-    except BaseException:  # noqa: BLE001 - reported to the test
-        conn.send(traceback.format_exc())
-    finally:
-        conn.close()
 
 
 def _datadist(device_id: int = 0, pool: bool = True) -> Any:

@@ -26,7 +26,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from datadist_aio.bench.cuda_driver import CudaDriver  # noqa: E402
-from test_device_transfer import (  # noqa: E402
+from support.device import (  # noqa: E402
     BLOCK,
     BLOCKS,
     INITIATOR,

@@ -36,7 +36,7 @@ sys.path.insert(0, str(HERE))
 
 from cuda_standin.build import build  # noqa: E402
 from support.peer import HAVE_UCX, UCX_WHY  # noqa: E402
-from test_device_transfer import _child, _pattern, _recv, run_pair  # noqa: E402
+from support.device import _child, _pattern, _recv, run_pair  # noqa: E402
 
 OWNER, INITIATOR = 7, 5
 MODEL = {"host": 1, "device": 2}  # the owner's blocks caches, by placement
@@ -681,7 +681,7 @@ def registrations_are_checked(conn: Any, memory_kind: str, transport: str) -> No
 
 @pytest.mark.parametrize("memory", [TORCH, STANDIN])
 def test_bad_device_registrations_are_refused(standin: Path, memory: str) -> None:
-    from test_device_memory import in_child
+    from support.device import in_child
 
     if memory == "standin":
         in_child(registrations_are_checked, standin, 2, None, memory, "tcp")

@@ -137,8 +137,9 @@ class CudaError(RuntimeError):
 
 
 class CudaDriver:
-    """A driver library, initialised, with a device's primary context current
-    on the calling thread. The engine loads the same library (so the same
+    """A driver library (``path``, else $DATADIST_AIO_CUDA_DRIVER, else
+    libcuda.so.1), initialised, with ``device``'s primary context current on
+    the calling thread. The engine loads the same library (so the same
     primary context) where ``path`` is its $DATADIST_AIO_CUDA_DRIVER.
 
     Raises:
@@ -148,7 +149,7 @@ class CudaDriver:
 
     GRANULARITY = 2 << 20  # the stand-in's, for vmm_alloc
 
-    def __init__(self, path: Optional[str] = None, device: int = 0) -> None:
+    def __init__(self, device: int = 0, path: Optional[str] = None) -> None:
         self.path = path or os.environ.get(DRIVER_ENV) or "libcuda.so.1"
         self.lib = load(self.path)
         self.check(self.lib.cuInit(0), "cuInit")

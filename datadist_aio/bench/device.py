@@ -134,7 +134,7 @@ def target_main(conn: Any, env: dict[str, str], transport: str, device_id: int, 
     """The decode side: caches the initiator pushes into, checked when asked."""
     os.environ.update(env)
     try:
-        driver = CudaDriver(env[DRIVER_ENV], device_id)
+        driver = CudaDriver(device_id, env[DRIVER_ENV])
         datadist = _engine(_role("PROMPT"), OWNER, transport, device_id, pool_bytes, listen=True)
         conn.send(("ok", datadist.listen_port))
         caches: Optional[Caches] = None
@@ -324,7 +324,7 @@ def measure(args: argparse.Namespace, driver_path: str, argv: list[str]) -> dict
     cache_bytes, sizes, iterations = workload(args)
     env = {DRIVER_ENV: driver_path}
     os.environ.update(env)
-    driver = CudaDriver(driver_path, args.device_id)
+    driver = CudaDriver(args.device_id, driver_path)
     pool = cache_bytes + (64 << 20)
     report: dict[str, Any] = {
         "command": ["python", "-m", "datadist_aio.bench", *argv],

@@ -9,9 +9,10 @@ import time
 import numpy as np
 
 import datadist_aio as dd
-from support.peer import MiB, Peer
+from support.peer import MiB, Peer, raises_status
 
 SUCCESS = dd.LLMStatusCode.LLM_SUCCESS
+LINK_LOST = (dd.LLMStatusCode.LLM_LINK_FAILED, dd.LLMStatusCode.LLM_TIMEOUT)
 
 
 def blocks_desc(blocks: int = 16, block: int = 4096) -> dd.CacheDesc:
@@ -75,3 +76,30 @@ def assert_blocks_push(src: Peer, dst: Peer, model_id: int, seed: int) -> None:
         for s, d in [(1, 15), (2, 0), (7, 3)]:
             np.testing.assert_array_equal(got[t][d * 256 : (d + 1) * 256], sent[t][s * 256 : (s + 1) * 256])
 
+
+def kill_mid_transfer(survivor: Peer, victim: Peer, third: Peer, direction: str, timeout_ms: int) -> None:
+    """``survivor`` pushes or pulls (``direction``) a big_desc cache to or
+    from ``victim``, killed meanwhile, while it pushes blocks to ``third``:
+    the transfer fails (link lost, or timed out) within ``timeout_ms`` and
+    10 s, the bystander's push lands, and ``third`` takes another after."""
+    local, remote = survivor.allocate(big_desc()), victim.allocate(big_desc())
+    side = survivor.allocate(small_desc(), blocks=True)
+    side_remote = third.allocate(small_desc(), blocks=True, model_id=5)
+    side_sent = survivor.fill(side, 1)
+
+    doomed = survivor.start_task(f"{direction}_cache", remote.key(), local)
+    # Another peer's transfer in flight at the same time is not affected.
+    bystander = survivor.start_task("push_blocks", side_remote.blocks_key(), side, [0, 1], [8, 9])
+    assert not survivor.task_done(doomed), "the transfer ended before the peer was killed; make it bigger"
+    killed_at = time.monotonic()
+    victim.kill()
+    with raises_status(*LINK_LOST):
+        survivor.wait_task(doomed)
+    elapsed = time.monotonic() - killed_at
+    assert elapsed < timeout_ms / 1000 + 10, f"the transfer failed {elapsed:.2f} s after the kill"
+
+    assert survivor.wait_task(bystander) == [SUCCESS]
+    got = third.read(side_remote)
+    for t in range(2):
+        np.testing.assert_array_equal(got[t][8 * 256 : 10 * 256], side_sent[t][: 2 * 256])
+    assert_blocks_push(survivor, third, 6, 2)

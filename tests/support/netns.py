@@ -31,11 +31,9 @@ import sys
 import time
 from typing import Any, Optional
 
-import numpy as np
-
 import datadist_aio as dd
-from support.links import assert_blocks_push, big_desc, small_desc
-from support.peer import MiB, Peer, PeerGroup, pool_cfg, raises_status
+from support.links import assert_blocks_push, kill_mid_transfer
+from support.peer import MiB, Peer, PeerGroup, pool_cfg
 
 __all__ = ["NetnsGroup", "NetnsPeer", "Subnet", "peer_killed_mid_transfer", "spawn_in", "unavailable"]
 
@@ -306,7 +304,6 @@ def child(fd: int) -> None:
 
 SUCCESS = dd.LLMStatusCode.LLM_SUCCESS
 LINKED = (SUCCESS, [SUCCESS])
-LINK_LOST = (dd.LLMStatusCode.LLM_LINK_FAILED, dd.LLMStatusCode.LLM_TIMEOUT)
 
 
 def peer_killed_mid_transfer(direction: str, survivor_options: dict, peer_options: dict, path: str) -> None:
@@ -324,26 +321,7 @@ def peer_killed_mid_transfer(direction: str, survivor_options: dict, peer_option
         assert survivor.link(third) == LINKED
         assert survivor.datadist("link_transport", 2) == path
         assert survivor.datadist("link_transport", 3) == path
-        local, remote = survivor.allocate(big_desc()), victim.allocate(big_desc())
-        side = survivor.allocate(small_desc(), blocks=True)
-        side_remote = third.allocate(small_desc(), blocks=True, model_id=5)
-        side_sent = survivor.fill(side, 1)
-
-        doomed = survivor.start_task(f"{direction}_cache", remote.key(), local)
-        bystander = survivor.start_task("push_blocks", side_remote.blocks_key(), side, [0, 1], [8, 9])
-        assert not survivor.task_done(doomed), "the transfer ended before the peer was killed; make it bigger"
-        killed_at = time.monotonic()
-        victim.kill()
-        with raises_status(*LINK_LOST):
-            survivor.wait_task(doomed)
-        elapsed = time.monotonic() - killed_at
-        assert elapsed < timeout_ms / 1000 + 10, f"the transfer failed {elapsed:.2f} s after the kill"
-
-        assert survivor.wait_task(bystander) == [SUCCESS]
-        got = third.read(side_remote)
-        for t in range(2):
-            np.testing.assert_array_equal(got[t][8 * 256 : 10 * 256], side_sent[t][: 2 * 256])
-        assert_blocks_push(survivor, third, 6, 2)
+        kill_mid_transfer(survivor, victim, third, direction, timeout_ms)
 
         # The same cluster comes back in the namespace on another port and is linked again.
         again = group.start_in(subnet, "victim-again", dd.LLMRole.DECODER, 2, options=peer_options)
