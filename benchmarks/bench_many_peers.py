@@ -16,7 +16,7 @@ bytes each round, the decode checking every byte after each round.
 Paths: ``same_host`` (every process on this host, transport "auto": kernel
 copies on Unix sockets) and ``tcp`` (the prefills in one network namespace,
 each in a PID namespace of its own, the decode on this side of a veth pair:
-tests/netns.py; the same-host proof fails and the links run over TCP as
+tests/support/netns.py; the same-host proof fails and the links run over TCP as
 between hosts; needs root, ``ip`` and ``unshare``). Both ends' paths are
 checked.
 
@@ -266,7 +266,7 @@ class Fleet:
         for cluster in clusters:
             try:
                 if self.path == "tcp":
-                    from netns import spawn_in
+                    from support.netns import spawn_in
 
                     process, conn = spawn_in(self.subnet, [here, "prefill"])
                 else:
@@ -481,7 +481,7 @@ def main() -> None:
         subnet = None
         if path == "tcp":
             sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-            from netns import Subnet, unavailable
+            from support.netns import Subnet, unavailable
 
             why = unavailable()
             if why is not None:

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 import datadist_aio as dd
+from support.options import MiB, make_options
 
 try:
     import uvloop
@@ -68,18 +69,6 @@ def no_leaks() -> Iterator[None]:
     leaked = {fd for fd in leaked if os.path.exists(f"/proc/self/fd/{fd}")}
     assert not leaked, f"file descriptors left open: {sorted(leaked)}"
     assert not _loop_errors, f"event loop exception handler called: {_loop_errors}"
-
-
-MiB = 1 << 20
-
-
-def make_options(pool_bytes: int = 64 * MiB, **extra: Any) -> dict[str, str]:
-    config = dd.LLMConfig()
-    config.enable_cache_manager = True
-    config.host_mem_pool_cfg = f'{{"memory_size": {pool_bytes}, "page_shift": 16}}'
-    for name, value in extra.items():
-        setattr(config, name, value)
-    return config.generate_options()
 
 
 @pytest.fixture

@@ -20,9 +20,8 @@ import numpy as np
 import pytest
 
 import datadist_aio as dd
-from peer import WAIT_STYLES, CacheRef, Peer, PeerGroup, main_thread_sleeps, unread_socket_bytes, wait_until
-from test_same_host import blocks_desc
-from test_transfer import wait_for_path
+from support.peer import WAIT_STYLES, CacheRef, Peer, PeerGroup, main_thread_sleeps, unread_socket_bytes, wait_until
+from support.links import blocks_desc, wait_for_path
 
 SUCCESS = dd.LLMStatusCode.LLM_SUCCESS
 LINKED = (SUCCESS, [SUCCESS])

@@ -18,11 +18,11 @@ import socket
 import pytest
 
 import datadist_aio as dd
-from conftest import make_options
-from peer import PeerGroup, raises_status
-from test_same_host import assert_both_ways
-from test_wire_protocol import BLOCK, FORGER_ID, SERVER_ID, request, untouched
-from wire_frames import (
+from support.options import make_options
+from support.peer import PeerGroup, raises_status
+from support.links import assert_both_ways
+from support.raw_client import BLOCK, FORGER_ID, SERVER_ID, request, untouched
+from support.wire_frames import (
     ACCEPTOR,
     AUTHENTICATED,
     CHALLENGE_T,
@@ -36,8 +36,8 @@ from wire_frames import (
     frame,
     recv_frame,
 )
-from wire_frames import hello as hello_body
-from wire_frames import proof as hmac_proof
+from support.wire_frames import hello as hello_body
+from support.wire_frames import proof as hmac_proof
 
 SUCCESS = dd.LLMStatusCode.LLM_SUCCESS
 AUTH_FAILED = dd.LLMStatusCode.LLM_AUTH_FAILED

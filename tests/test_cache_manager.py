@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import datadist_aio as dd
-from cache_bytes import fill_random, slot_bytes, snapshot, tensor_bytes
-from conftest import MiB, make_options
+from support.cache_bytes import fill_random, slot_bytes, snapshot, tensor_bytes
+from support.options import MiB, make_options
 
 PARAM_INVALID = dd.LLMStatusCode.LLM_PARAM_INVALID
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import datadist_aio as dd
-from cache_bytes import fill_random, slot_bytes, tensor_bytes
-from conftest import MiB
+from support.cache_bytes import fill_random, slot_bytes, tensor_bytes
+from support.options import MiB
 
 SUCCESS = dd.LLMStatusCode.LLM_SUCCESS
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from client_sequences import mindie_worker, omni_infer_worker, run_all, vllm_ascend_worker
-from peer import free_port
+from support.client_sequences import mindie_worker, omni_infer_worker, run_all, vllm_ascend_worker
+from support.peer import free_port
 
 pytestmark = pytest.mark.timeout(120)
 

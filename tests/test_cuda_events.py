@@ -25,8 +25,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from cuda_standin.build import build  # noqa: E402
-from test_device_memory import Cuda  # noqa: E402
-from test_device_transfer import _recv, run_pair  # noqa: E402
+from datadist_aio.bench.cuda_driver import HOST_FN, CudaDriver  # noqa: E402
+from support.device import _recv, run_pair  # noqa: E402
 
 OWNER, INITIATOR = 7, 5
 LAYERS, PER_LAYER = 4, 2
@@ -37,7 +37,6 @@ GATE_S = 10.0  # the longest a gate's host function waits
 
 pytestmark = pytest.mark.timeout(90)
 
-HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
 
 @pytest.fixture(scope="module")
@@ -48,18 +47,11 @@ def standin(tmp_path_factory: pytest.TempPathFactory) -> Path:
 class Model:
     """A model's stream on the stand-in: gated copies into device memory, then event records."""
 
-    def __init__(self, cuda: Cuda) -> None:
+    def __init__(self, cuda: CudaDriver) -> None:
         lib = cuda.lib
         self.lib = lib
-        lib.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        lib.cuLaunchHostFunc.argtypes = [ctypes.c_void_p, HOST_FN, ctypes.c_void_p]
-        lib.cuEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-        lib.cuEventQuery.argtypes = [ctypes.c_void_p]
-        lib.cuEventDestroy_v2.argtypes = [ctypes.c_void_p]
-        lib.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
-        lib.cuStreamDestroy_v2.argtypes = [ctypes.c_void_p]
         stream = ctypes.c_void_p()
-        Cuda.check(lib.cuStreamCreate(ctypes.byref(stream), 1), "cuStreamCreate")
+        CudaDriver.check(lib.cuStreamCreate(ctypes.byref(stream), 1), "cuStreamCreate")
         self.stream = stream
         self.events: list[int] = []
         self.gates: list[threading.Event] = []
@@ -74,13 +66,13 @@ class Model:
         """Queues a gated layer: the gate's wait, ``copies`` (device address, bytes), the record of a new event."""
         index = len(self.gates)
         self.gates.append(threading.Event())
-        Cuda.check(self.lib.cuLaunchHostFunc(self.stream, self.host_fn, ctypes.c_void_p(index)), "cuLaunchHostFunc")
+        CudaDriver.check(self.lib.cuLaunchHostFunc(self.stream, self.host_fn, ctypes.c_void_p(index)), "cuLaunchHostFunc")
         for addr, data in copies:
             self.keep.append(data)
-            Cuda.check(self.lib.cuMemcpyHtoDAsync_v2(addr, data.ctypes.data, data.nbytes, self.stream), "HtoDAsync")
+            CudaDriver.check(self.lib.cuMemcpyHtoDAsync_v2(addr, data.ctypes.data, data.nbytes, self.stream), "HtoDAsync")
         event = ctypes.c_void_p()
-        Cuda.check(self.lib.cuEventCreate(ctypes.byref(event), 0), "cuEventCreate")
-        Cuda.check(self.lib.cuEventRecord(event, self.stream), "cuEventRecord")
+        CudaDriver.check(self.lib.cuEventCreate(ctypes.byref(event), 0), "cuEventCreate")
+        CudaDriver.check(self.lib.cuEventRecord(event, self.stream), "cuEventRecord")
         self.events.append(int(event.value or 0))
         return self.events[-1]
 
@@ -94,7 +86,7 @@ class Model:
     def close(self) -> None:
         for gate in self.gates:
             gate.set()
-        Cuda.check(self.lib.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+        CudaDriver.check(self.lib.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
         for event in self.events:
             self.lib.cuEventDestroy_v2(ctypes.c_void_p(event))
         self.lib.cuStreamDestroy_v2(self.stream)
@@ -102,7 +94,7 @@ class Model:
 
 def _engine(role: Any, cluster_id: int, listen: bool, transport: str = "tcp") -> Any:
     import datadist_aio as dd
-    from peer import pool_cfg
+    from support.peer import pool_cfg
 
     config = dd.LLMConfig()
     config.enable_cache_manager = True
@@ -132,7 +124,7 @@ def owner_receives(conn: Any, transport: str) -> None:
     """The decode side: a device cache the initiator writes into; read back when asked."""
     import datadist_aio as dd
 
-    cuda = Cuda()
+    cuda = CudaDriver()
     datadist = _engine(dd.LLMRole.DECODER, OWNER, listen=True, transport=transport)
     cache = datadist.cache_manager.allocate_cache(_desc())
     conn.send((datadist.listen_port, cache.cache_id))
@@ -153,10 +145,10 @@ def owner_receives(conn: Any, transport: str) -> None:
 def initiator_sends_as_events_complete(conn: Any, transport: str) -> None:
     """The prefill side: layer k leaves once event k has completed, then a layer whose event never does times out."""
     import datadist_aio as dd
-    from peer import cluster_info
+    from support.peer import cluster_info
 
     code = dd.LLMStatusCode
-    cuda = Cuda()
+    cuda = CudaDriver()
     port, owner_cache = _recv(conn)
     datadist = _engine(dd.LLMRole.PROMPT, INITIATOR, listen=False, transport=transport)
     cm = datadist.cache_manager
@@ -189,25 +181,28 @@ def initiator_sends_as_events_complete(conn: Any, transport: str) -> None:
             assert model.complete(layer_index), f"layer {layer_index} released before its event completed"
             return ready
 
+    ticks = [0]  # the event loop's ticks while the transfer runs
+
     def forward() -> None:
         cuda.use(0)
         for layer in range(1, LAYERS):
             sync.record(layer, model.layer(copies(layer)))
         for layer in range(LAYERS):
-            time.sleep(0.1)
+            # The loop ticks twice while this layer waits, unless it is blocked.
+            seen, deadline = ticks[0], time.monotonic() + GATE_S / 2
+            while ticks[0] < seen + 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
             model.open(layer)
 
     key = dd.CacheKeyByIdAndIndex(OWNER, owner_cache, 0)
     config = dd.TransferWithCacheKeyConfig(key, range(0, LAYERS), range(0, LAYERS), 0)
 
-    async def transfer() -> tuple[Any, int]:
-        ticks = 0
+    async def transfer() -> Any:
         stop = asyncio.Event()
 
         async def ticker() -> None:
-            nonlocal ticks
             while not stop.is_set():
-                ticks += 1
+                ticks[0] += 1
                 await asyncio.sleep(0.01)
 
         ticking = asyncio.create_task(ticker())
@@ -215,14 +210,13 @@ def initiator_sends_as_events_complete(conn: Any, transport: str) -> None:
         model_thread = threading.Thread(target=forward)
         model_thread.start()
         try:
-            return await asyncio.wait_for(task, 20), ticks
+            return await asyncio.wait_for(task, 20)
         finally:
             stop.set()
             await ticking
             model_thread.join(GATE_S)
 
-    started = time.monotonic()
-    results, ticks = asyncio.run(transfer())
+    results = asyncio.run(transfer())
     assert results == [code.LLM_SUCCESS], results
     conn.send(("read",))
     got = _recv(conn)
@@ -230,10 +224,9 @@ def initiator_sends_as_events_complete(conn: Any, transport: str) -> None:
         np.testing.assert_array_equal(got[t][:SLOT], new[t][:SLOT], err_msg=f"tensor {t}: slot 0 (sent)")
         np.testing.assert_array_equal(got[t][SLOT:], theirs[t][SLOT:], err_msg=f"tensor {t}: slot 1 (untouched)")
     assert len(arrived_at) == LAYERS and all(a >= o for a, o in zip(arrived_at, model.opened)), (arrived_at, model.opened)
-    # The gates opened over >= 0.4 s: a loop that never blocked ticked along
-    # (a blocked one ticks once or twice; a loaded machine ticks less often).
-    elapsed = time.monotonic() - started
-    assert elapsed >= 0.4 and ticks >= 5, (ticks, elapsed)
+    # Each gate opened once the loop had ticked twice more: a loop blocked
+    # while the layers waited would not have.
+    assert ticks[0] >= 2 * LAYERS, ticks
     assert datadist._engine.requests_in_flight() == 0
 
     # Layer 1's event never completes (its gate stays shut): the config fails with LLM_TIMEOUT.
@@ -270,7 +263,7 @@ def alone_watches(conn: Any) -> None:
 
     conn.close()
     code = dd.LLMStatusCode
-    cuda = Cuda()
+    cuda = CudaDriver()
     datadist = _engine(dd.LLMRole.PROMPT, INITIATOR, listen=False)
     engine = datadist._engine
     model = Model(cuda)

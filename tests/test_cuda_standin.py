@@ -28,6 +28,9 @@ from typing import Any, Optional
 
 import pytest
 
+from datadist_aio.bench import cuda_driver
+from datadist_aio.bench.cuda_driver import HOST_FN, SIGNATURES, AccessDesc, AllocationProp, IpcHandle, MemLocation
+
 pytestmark = pytest.mark.timeout(60)
 
 HERE = Path(__file__).resolve().parent
@@ -107,26 +110,6 @@ ENV_MEMORY = "STANDIN_CUDA_MEMORY_MB"
 ENV_IPC = "STANDIN_CUDA_IPC"
 
 
-class IpcHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * 64)]
-
-
-HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-
-
-class MemLocation(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-class AllocationProp(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", MemLocation),
-                ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", ctypes.c_ubyte * 8)]
-
-
-class AccessDesc(ctypes.Structure):
-    _fields_ = [("location", MemLocation), ("flags", ctypes.c_int)]
-
-
 # Virtual memory management values.
 GRANULARITY = 2 * MiB  # the stand-in's
 HANDLE_NONE, HANDLE_POSIX_FD, HANDLE_WIN32 = 0, 1, 2
@@ -134,85 +117,16 @@ ALLOCATION_PINNED = 1
 LOCATION_DEVICE = 1
 ACCESS_NONE, ACCESS_READWRITE = 0, 3
 
-_u = ctypes.c_uint
 _i = ctypes.c_int
 _ull = ctypes.c_ulonglong
 _sz = ctypes.c_size_t
 _vp = ctypes.c_void_p
 _P = ctypes.POINTER
 
-SIGNATURES: dict[str, list[Any]] = {
-    "cuInit": [_u],
-    "cuDriverGetVersion": [_P(_i)],
-    "cuDeviceGetCount": [_P(_i)],
-    "cuDeviceGet": [_P(_i), _i],
-    "cuDevicePrimaryCtxRetain": [_P(_vp), _i],
-    "cuDevicePrimaryCtxRelease_v2": [_i],
-    "cuCtxSetCurrent": [_vp],
-    "cuCtxGetCurrent": [_P(_vp)],
-    "cuGetErrorString": [_i, _P(ctypes.c_char_p)],
-    "cuGetErrorName": [_i, _P(ctypes.c_char_p)],
-    "cuPointerGetAttributes": [_u, _P(_i), _P(_vp), _ull],
-    "cuMemGetAddressRange_v2": [_P(_ull), _P(_sz), _ull],
-    "cuMemAlloc_v2": [_P(_ull), _sz],
-    "cuMemFree_v2": [_ull],
-    "cuMemAllocHost_v2": [_P(_vp), _sz],
-    "cuMemFreeHost": [_vp],
-    "cuMemHostRegister_v2": [_vp, _sz, _u],
-    "cuMemHostUnregister": [_vp],
-    "cuMemsetD8_v2": [_ull, ctypes.c_ubyte, _sz],
-    "cuMemcpyHtoD_v2": [_ull, _vp, _sz],
-    "cuMemcpyDtoH_v2": [_vp, _ull, _sz],
-    "cuMemcpyDtoD_v2": [_ull, _ull, _sz],
-    "cuMemcpyHtoDAsync_v2": [_ull, _vp, _sz, _vp],
-    "cuMemcpyDtoHAsync_v2": [_vp, _ull, _sz, _vp],
-    "cuMemcpyDtoDAsync_v2": [_ull, _ull, _sz, _vp],
-    "cuStreamCreate": [_P(_vp), _u],
-    "cuStreamDestroy_v2": [_vp],
-    "cuStreamSynchronize": [_vp],
-    "cuStreamQuery": [_vp],
-    "cuStreamWaitEvent": [_vp, _vp, _u],
-    "cuLaunchHostFunc": [_vp, HOST_FN, _vp],
-    "cuEventCreate": [_P(_vp), _u],
-    "cuEventRecord": [_vp, _vp],
-    "cuEventQuery": [_vp],
-    "cuEventSynchronize": [_vp],
-    "cuEventDestroy_v2": [_vp],
-    "cuIpcGetMemHandle": [_P(IpcHandle), _ull],
-    "cuIpcOpenMemHandle_v2": [_P(_ull), IpcHandle, _u],
-    "cuIpcCloseMemHandle": [_ull],
-    "cuGetProcAddress_v2": [ctypes.c_char_p, _P(_vp), _i, ctypes.c_uint64, _P(_i)],
-    "cuMemGetAllocationGranularity": [_P(_sz), _P(AllocationProp), _i],
-    "cuMemCreate": [_P(_ull), _sz, _P(AllocationProp), _ull],
-    "cuMemRelease": [_ull],
-    "cuMemAddressReserve": [_P(_ull), _sz, _sz, _ull, _ull],
-    "cuMemAddressFree": [_ull, _sz],
-    "cuMemMap": [_ull, _sz, _sz, _ull, _ull],
-    "cuMemUnmap": [_ull, _sz],
-    "cuMemSetAccess": [_ull, _sz, _P(AccessDesc), _sz],
-    "cuMemRetainAllocationHandle": [_P(_ull), _vp],
-    "cuMemExportToShareableHandle": [_vp, _ull, _i, _ull],
-    "cuMemImportFromShareableHandle": [_P(_ull), _vp, _i],
-}
-HOOKS: dict[str, Any] = {
-    "standin_cuda_live_allocations": ctypes.c_int,
-    "standin_cuda_bytes_copied": ctypes.c_ulonglong,
-    "standin_cuda_live_vmm_allocations": ctypes.c_int,
-}
-
 
 def load(path: str) -> ctypes.CDLL:
     """The stand-in, with every entry point's argument and result types."""
-    lib = ctypes.CDLL(path)
-    for name, argtypes in SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes = argtypes
-        fn.restype = ctypes.c_int
-    for name, restype in HOOKS.items():
-        fn = getattr(lib, name)
-        fn.argtypes = []
-        fn.restype = restype
-    return lib
+    return cuda_driver.load(path, complete=True)
 
 
 def name_of(result: int) -> str:

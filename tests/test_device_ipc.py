@@ -24,7 +24,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from test_device_transfer import (  # noqa: E402
+from support.device import (  # noqa: E402
     BLOCK,
     INITIATOR,
     MODEL,
@@ -42,7 +42,7 @@ from test_device_transfer import (  # noqa: E402
     run_pair,
     standin,  # noqa: F401  (the fixture)
 )
-from test_device_memory import Cuda  # noqa: E402
+from datadist_aio.bench.cuda_driver import CudaDriver, IpcHandle  # noqa: E402
 
 SRC, DST = [0, 1, 2, 3, 9, 10, 23], [5, 6, 7, 8, 0, 22, 11]
 
@@ -73,7 +73,7 @@ def initiator_cannot_export(conn: Any, transport: str) -> None:
     """Its driver exports nothing (as memory of cuMemCreate): device memory
     goes inline, staged, on the same-host link."""
     import datadist_aio as dd
-    from peer import cluster_info
+    from support.peer import cluster_info
 
     port, ids, _ = _recv(conn)
     datadist = _engine(dd.LLMRole.DECODER, INITIATOR, transport, listen=False)
@@ -81,7 +81,7 @@ def initiator_cannot_export(conn: Any, transport: str) -> None:
     status, _ = datadist.link_clusters([cluster_info(OWNER, port)], 10000)
     assert status == dd.LLMStatusCode.LLM_SUCCESS
     assert datadist.link_transport(OWNER) == "same_host"
-    local = Caches(cm, Cuda(), bind_blocks=False)
+    local = Caches(cm, CudaDriver(), bind_blocks=False)
     remote = Remote(conn, ids)
     for theirs in ("device", "host"):
         _push_and_pull(cm, local, remote, theirs, f"no IPC export, owner {theirs}")
@@ -128,14 +128,14 @@ def initiator_meets_an_owner_without_driver(conn: Any, transport: str) -> None:
     """The owner answers that it cannot open the exports: the frame goes
     again inline, and every later one on the link goes inline at once."""
     import datadist_aio as dd
-    from peer import cluster_info
+    from support.peer import cluster_info
 
     port, ids, _ = _recv(conn)
     datadist = _engine(dd.LLMRole.DECODER, INITIATOR, transport, listen=False)
     cm = datadist.cache_manager
     status, _ = datadist.link_clusters([cluster_info(OWNER, port)], 10000)
     assert status == dd.LLMStatusCode.LLM_SUCCESS
-    local = Caches(cm, Cuda(), bind_blocks=False)
+    local = Caches(cm, CudaDriver(), bind_blocks=False)
     remote = Remote(conn, ids)
     key = dd.BlocksCacheKey(OWNER, MODEL["host"])
     sent = local.fill("blocks-device", 21)
@@ -170,7 +170,7 @@ def hostile_initiator(conn: Any, transport: str) -> None:
     """Links by hand, offering the same-host path and device handles, and
     names its own exported allocation with segments that run past it."""
     import datadist_aio as dd
-    from wire_frames import (
+    from support.wire_frames import (
         COPIES_FOR_YOU,
         DEVICE_EXPORT,
         DEVICE_HANDLES,
@@ -193,14 +193,13 @@ def hostile_initiator(conn: Any, transport: str) -> None:
     invalid = dd.LLMStatusCode.LLM_PARAM_INVALID.value
     port, ids, _ = _recv(conn)
     remote = Remote(conn, ids)
-    cuda = Cuda()
-    cuda.lib.cuIpcGetMemHandle.argtypes = [ctypes.c_void_p, ctypes.c_ulonglong]
+    cuda = CudaDriver()
     size = 2 * BLOCK
     base = cuda.alloc(size)
     mine = np.full(size, 0xA5, np.uint8)
     cuda.write(base, mine)
-    handle = ctypes.create_string_buffer(64)
-    cuda.check(cuda.lib.cuIpcGetMemHandle(handle, base), "cuIpcGetMemHandle")
+    handle = IpcHandle()
+    cuda.check(cuda.lib.cuIpcGetMemHandle(ctypes.byref(handle), base), "cuIpcGetMemHandle")
 
     with open("/proc/sys/kernel/random/boot_id") as f:
         boot = bytes.fromhex(f.read().strip().replace("-", ""))
@@ -215,7 +214,7 @@ def hostile_initiator(conn: Any, transport: str) -> None:
 
     def device_frame(kind: int, block: int, addr: int, op_id: int, export_base: int = base) -> bytes:
         body = request([(0, block, 0, BLOCK)], model_id=MODEL["device"], flags=DEVICE_SEGMENTS, segments=[(addr, BLOCK)])
-        body += struct.pack("<II", 1, 0) + DEVICE_EXPORT.pack(handle.raw, export_base, 0, 0)
+        body += struct.pack("<II", 1, 0) + DEVICE_EXPORT.pack(bytes(handle), export_base, 0, 0)
         return frame(kind, body, op_id=op_id)
 
     with sock:

@@ -12,15 +12,10 @@ part of what a scenario sets up.
 
 from __future__ import annotations
 
-import ctypes
-import multiprocessing
-import multiprocessing.resource_tracker
-import os
 import sys
 import time
-import traceback
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -28,165 +23,15 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from cuda_standin.build import build  # noqa: E402
+from datadist_aio.bench.cuda_driver import CudaDriver  # noqa: E402
+from support.device import in_child, standin  # noqa: E402,F401  (standin: the fixture)
 
-TIMEOUT_S = 90
-# Spawning starts the resource tracker once per process, with a descriptor
-# it keeps: start it before any test counts descriptors.
-multiprocessing.resource_tracker.ensure_running()
-
-
-@pytest.fixture(scope="module")
-def standin(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build(tmp_path_factory.mktemp("cuda-standin"))
-
-
-def in_child(scenario: Callable[..., None], driver: Optional[Path], devices: int = 1, *args: Any) -> None:
-    """Runs ``scenario(*args)`` in a spawned process whose engine loads
-    ``driver`` (a path that may not exist) with ``devices`` devices; fails
-    with the child's traceback, or if it dies or outlives TIMEOUT_S."""
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
-    env = {"DATADIST_AIO_CUDA_DRIVER": str(driver) if driver else "", "STANDIN_CUDA_DEVICES": str(devices)}
-    process = ctx.Process(target=_child, args=(child, env, scenario, args))
-    process.start()
-    child.close()
-    try:
-        if not parent.poll(TIMEOUT_S):
-            pytest.fail(f"{scenario.__name__} did not finish within {TIMEOUT_S} s")
-        try:
-            outcome = parent.recv()
-        except EOFError:
-            process.join(10)
-            pytest.fail(f"{scenario.__name__}: the process died (exit code {process.exitcode})")
-        if outcome != "ok":
-            pytest.fail(f"{scenario.__name__} failed in its process:\n{outcome}")
-    finally:
-        process.join(10)
-        if process.is_alive():
-            process.kill()
-            process.join(10)
-        process.close()
-        parent.close()
-
-
-def _child(conn: Any, env: dict[str, str], scenario: Callable[..., None], args: tuple[Any, ...]) -> None:
-    os.environ.update(env)
-    try:
-        scenario(*args)
-        conn.send("ok")
-    except BaseException:  # noqa: BLE001 - reported to the test
-        conn.send(traceback.format_exc())
-    finally:
-        conn.close()
-
-
-# -- in the child: the driver through ctypes, as a framework's tensors would use it --------------
-
-
-class MemLocation(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-class AllocationProp(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", MemLocation),
-                ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", ctypes.c_ubyte * 8)]
-
-
-class AccessDesc(ctypes.Structure):
-    _fields_ = [("location", MemLocation), ("flags", ctypes.c_int)]
-
-
-class Cuda:
-    """The stand-in's entry points for the test's own device memory."""
-
-    def __init__(self, device: int = 0) -> None:
-        self.lib = ctypes.CDLL(os.environ["DATADIST_AIO_CUDA_DRIVER"])
-        self.lib.cuMemcpyHtoD_v2.argtypes = [ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_size_t]
-        self.lib.cuMemcpyDtoH_v2.argtypes = [ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_size_t]
-        self.lib.cuMemFree_v2.argtypes = [ctypes.c_ulonglong]
-        self.check(self.lib.cuInit(0), "cuInit")
-        self.contexts: dict[int, ctypes.c_void_p] = {}
-        self.use(device)
-
-    @staticmethod
-    def check(result: int, what: str) -> None:
-        assert result == 0, f"{what}: CUresult {result}"
-
-    def use(self, device: int) -> None:
-        """Makes ``device``'s primary context current on this thread."""
-        if device not in self.contexts:
-            context = ctypes.c_void_p()
-            self.check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), device), "retain")
-            self.contexts[device] = context
-        self.check(self.lib.cuCtxSetCurrent(self.contexts[device]), "cuCtxSetCurrent")
-
-    def alloc(self, size: int) -> int:
-        ptr = ctypes.c_ulonglong()
-        self.check(self.lib.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(size)), "cuMemAlloc")
-        return ptr.value
-
-    def free(self, ptr: int) -> None:
-        self.check(self.lib.cuMemFree_v2(ptr), "cuMemFree")
-
-    def write(self, ptr: int, data: np.ndarray) -> None:
-        data = np.ascontiguousarray(data)
-        self.check(self.lib.cuMemcpyHtoD_v2(ptr, data.ctypes.data, data.nbytes), "cuMemcpyHtoD")
-        # NVIDIA's driver may return before a copy from pageable memory has
-        # landed; the stand-in (which has no cuCtxSynchronize) copies at once.
-        if hasattr(self.lib, "cuCtxSynchronize"):
-            self.check(self.lib.cuCtxSynchronize(), "cuCtxSynchronize")
-
-    def read(self, ptr: int, nbytes: int) -> np.ndarray:
-        out = np.empty(nbytes, np.uint8)
-        self.check(self.lib.cuMemcpyDtoH_v2(out.ctypes.data, ptr, nbytes), "cuMemcpyDtoH")
-        return out
-
-    def live(self) -> int:
-        return int(self.lib.standin_cuda_live_allocations())
-
-    # Memory of the driver's virtual memory management, as torch's expandable
-    # segments make it: one reserved range backed by physical allocations
-    # (cuMemCreate) mapped side by side.
-
-    GRANULARITY = 2 << 20  # the stand-in's
-
-    def vmm_alloc(self, pieces: int, posix_fd: bool = True, device: int = 0) -> int:
-        """A range of ``pieces`` physical allocations of GRANULARITY bytes,
-        each made with the POSIX-fd handle type when ``posix_fd``, mapped in
-        order and read-write on ``device``; its base."""
-        size = pieces * self.GRANULARITY
-        base = ctypes.c_ulonglong()
-        self.check(self.lib.cuMemAddressReserve(ctypes.byref(base), ctypes.c_size_t(size), ctypes.c_size_t(0),
-                                                ctypes.c_ulonglong(0), ctypes.c_ulonglong(0)), "cuMemAddressReserve")
-        prop = AllocationProp(type=1, requestedHandleTypes=1 if posix_fd else 0, location=MemLocation(1, device))
-        for i in range(pieces):
-            handle = ctypes.c_ulonglong()
-            self.check(self.lib.cuMemCreate(ctypes.byref(handle), ctypes.c_size_t(self.GRANULARITY),
-                                            ctypes.byref(prop), ctypes.c_ulonglong(0)), "cuMemCreate")
-            self.check(self.lib.cuMemMap(ctypes.c_ulonglong(base.value + i * self.GRANULARITY),
-                                         ctypes.c_size_t(self.GRANULARITY), ctypes.c_size_t(0), handle,
-                                         ctypes.c_ulonglong(0)), "cuMemMap")
-            # The mapping holds the memory from here.
-            self.check(self.lib.cuMemRelease(handle), "cuMemRelease")
-        access = AccessDesc(MemLocation(1, device), 3)
-        self.check(self.lib.cuMemSetAccess(ctypes.c_ulonglong(base.value), ctypes.c_size_t(size), ctypes.byref(access),
-                                           ctypes.c_size_t(1)), "cuMemSetAccess")
-        return base.value
-
-    def vmm_free(self, base: int, pieces: int) -> None:
-        size = ctypes.c_size_t(pieces * self.GRANULARITY)
-        self.check(self.lib.cuMemUnmap(ctypes.c_ulonglong(base), size), "cuMemUnmap")
-        self.check(self.lib.cuMemAddressFree(ctypes.c_ulonglong(base), size), "cuMemAddressFree")
-
-    def live_vmm(self) -> int:
-        """Physical allocations of cuMemCreate or imported, alive in this process."""
-        return int(self.lib.standin_cuda_live_vmm_allocations())
+Cuda = CudaDriver  # the name tests/test_vllm_device.py imports from here
 
 
 def _datadist(device_id: int = 0, pool: bool = True) -> Any:
     import datadist_aio as dd
-    from peer import pool_cfg
+    from support.peer import pool_cfg
 
     config = dd.LLMConfig()
     config.device_id = device_id
@@ -224,7 +69,7 @@ def scenario_registration_checks_every_address() -> None:
     import datadist_aio as dd
 
     code = dd.LLMStatusCode
-    cuda = Cuda(device=1)
+    cuda = CudaDriver(device=1)
     mine = [cuda.alloc(BLOCKS * BLOCK) for _ in range(2)]
     small = cuda.alloc(BLOCKS * BLOCK - 1)
     cuda.use(0)
@@ -264,7 +109,7 @@ def scenario_registration_checks_every_address() -> None:
 def scenario_copies_between_host_and_device() -> None:
     import datadist_aio as dd
 
-    cuda = Cuda()
+    cuda = CudaDriver()
     baseline = cuda.live()
     datadist = _datadist()
     cm = datadist.cache_manager
@@ -308,11 +153,11 @@ def scenario_a_raw_peer_reads_and_writes_a_device_cache() -> None:
     import socket
 
     import datadist_aio as dd
-    from wire_frames import (BY_ID, HELLO, HELLO_T, RAW_ADDRESS, READ_DATA_T, READ_T, WRITE_ACK_T, WRITE_T, frame,
+    from support.wire_frames import (BY_ID, HELLO, HELLO_T, RAW_ADDRESS, READ_DATA_T, READ_T, WRITE_ACK_T, WRITE_T, frame,
                              recv_frame, request)
 
     code = dd.LLMStatusCode
-    cuda = Cuda()
+    cuda = CudaDriver()
     datadist = _datadist()
     cm = datadist.cache_manager
     device = cm.allocate_blocks_cache(_desc(dd.Placement.DEVICE), dd.BlocksCacheKey(5, 3))

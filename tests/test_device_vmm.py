@@ -25,8 +25,8 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from test_device_memory import Cuda  # noqa: E402
-from test_device_transfer import (  # noqa: E402
+from datadist_aio.bench.cuda_driver import CudaDriver  # noqa: E402
+from support.device import (  # noqa: E402
     BLOCK,
     BLOCKS,
     INITIATOR,
@@ -48,7 +48,7 @@ from test_device_transfer import (  # noqa: E402
     standin,  # noqa: F401  (the fixture)
 )
 
-PIECE = Cuda.GRANULARITY
+PIECE = CudaDriver.GRANULARITY
 BLOCKS_BYTES, SLOTS_BYTES = BLOCKS * BLOCK, SLOTS * SLOT
 
 
@@ -61,7 +61,7 @@ class VmmCaches:
     by side in one reserved range of 2 MiB pieces, so that tensors (and
     blocks) straddle the pieces."""
 
-    def __init__(self, cm: Any, cuda: Cuda, posix_fd: bool) -> None:
+    def __init__(self, cm: Any, cuda: CudaDriver, posix_fd: bool) -> None:
         self.cm, self.cuda = cm, cuda
         self.ranges: list[tuple[int, int]] = []
         self.caches: dict[str, Any] = {}
@@ -98,7 +98,7 @@ def owner_serves_and_counts(conn: Any, transport: str) -> None:
     for them to go once the initiator has unlinked."""
     import datadist_aio as dd
 
-    cuda = Cuda()
+    cuda = CudaDriver()
     datadist = _engine(dd.LLMRole.PROMPT, OWNER, transport, listen=True)
     caches = Caches(datadist.cache_manager, cuda, bind_blocks=True)
     conn.send((
@@ -131,7 +131,7 @@ def owner_serves_and_counts(conn: Any, transport: str) -> None:
 
 def _link(conn: Any, transport: str) -> tuple[Any, Any, dict[str, int]]:
     import datadist_aio as dd
-    from peer import cluster_info
+    from support.peer import cluster_info
 
     port, ids, _ = _recv(conn)
     datadist = _engine(dd.LLMRole.DECODER, INITIATOR, transport, listen=False)
@@ -181,10 +181,10 @@ def _move_everything(cm: Any, local: VmmCaches, remote: Remote, ids: dict[str, i
 
 def initiator_with_vmm_memory(conn: Any, transport: str) -> None:
     import datadist_aio as dd
-    from peer import cluster_info
+    from support.peer import cluster_info
 
     datadist, port, ids = _link(conn, transport)
-    cuda = Cuda()
+    cuda = CudaDriver()
     local = VmmCaches(datadist.cache_manager, cuda, posix_fd=True)
     # The layout straddles pieces: tensor 0's block 21, for one.
     block_21 = local.addrs["blocks-vmm"][0] + 21 * BLOCK
@@ -230,7 +230,7 @@ def initiator_without_the_posix_handle_type(conn: Any, transport: str) -> None:
     """Its allocations cannot be exported as descriptors: their bytes are
     staged over the link, without an error."""
     datadist, _, ids = _link(conn, transport)
-    local = VmmCaches(datadist.cache_manager, Cuda(), posix_fd=False)
+    local = VmmCaches(datadist.cache_manager, CudaDriver(), posix_fd=False)
     remote = Remote(conn, ids)
     _move_everything(datadist.cache_manager, local, remote, ids, "device", 70)
     mine = datadist._engine.link_stats(OWNER)
@@ -255,7 +255,7 @@ def initiator_meets_an_owner_that_cannot_import(conn: Any, transport: str) -> No
     import datadist_aio as dd
 
     datadist, _, ids = _link(conn, transport)
-    local = VmmCaches(datadist.cache_manager, Cuda(), posix_fd=True)
+    local = VmmCaches(datadist.cache_manager, CudaDriver(), posix_fd=True)
     remote = Remote(conn, ids)
     key = dd.BlocksCacheKey(OWNER, MODEL["host"])
     sent = local.fill("blocks-vmm", 81)
@@ -290,7 +290,7 @@ def hostile_fd_initiator(conn: Any, transport: str) -> None:
     its own cuMemCreate memory with segments inside them, across them, and
     past them."""
     import datadist_aio as dd
-    from wire_frames import (
+    from support.wire_frames import (
         COPIES_FOR_YOU,
         DEVICE_EXPORT,
         DEVICE_FD,
@@ -316,7 +316,7 @@ def hostile_fd_initiator(conn: Any, transport: str) -> None:
     code = dd.LLMStatusCode
     port, ids, _ = _recv(conn)
     remote = Remote(conn, ids)
-    cuda = Cuda()
+    cuda = CudaDriver()
     base = cuda.vmm_alloc(2)
     mine = np.random.default_rng(5).integers(0, 256, 2 * PIECE, dtype=np.uint8)
     cuda.write(base, mine)

@@ -20,7 +20,7 @@ import pytest
 import datadist_aio as dd
 from datadist_aio import _native
 from datadist_aio.cache_task import CacheTask
-from peer import MiB, Peer, PeerGroup, cluster_info, pool_cfg, raises_status
+from support.peer import MiB, Peer, PeerGroup, cluster_info, pool_cfg, raises_status
 
 SUCCESS = dd.LLMStatusCode.LLM_SUCCESS
 PARAM_INVALID = dd.LLMStatusCode.LLM_PARAM_INVALID

@@ -35,8 +35,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from cuda_standin.build import build  # noqa: E402
-from peer import HAVE_UCX, UCX_WHY  # noqa: E402
-from test_device_transfer import _child, _pattern, _recv, run_pair  # noqa: E402
+from support.peer import HAVE_UCX, UCX_WHY  # noqa: E402
+from support.device import _child, _pattern, _recv, run_pair  # noqa: E402
 
 OWNER, INITIATOR = 7, 5
 MODEL = {"host": 1, "device": 2}  # the owner's blocks caches, by placement
@@ -101,9 +101,9 @@ class Memory:
         self.keep: list[Any] = []  # what queued stand-in work still reads
         if kind == "standin":
             from test_cuda_events import Model
-            from test_device_memory import Cuda
+            from datadist_aio.bench.cuda_driver import CudaDriver
 
-            self.cuda = Cuda()
+            self.cuda = CudaDriver()
             self.model = Model(self.cuda)
         else:
             import torch
@@ -201,7 +201,7 @@ class _Timer:
 
 def _engine(role: Any, cluster_id: int, transport: str, listen: bool, device_id: int = 0) -> Any:
     import datadist_aio as dd
-    from peer import pool_cfg
+    from support.peer import pool_cfg
 
     config = dd.LLMConfig()
     config.device_id = device_id
@@ -368,7 +368,7 @@ def _check_paths(before: Any, after: Any, transport: str, mine: str, theirs: str
 
 def initiator_moves_everything(conn: Any, memory_kind: str, transport: str) -> None:
     import datadist_aio as dd
-    from peer import cluster_info
+    from support.peer import cluster_info
 
     class Released(dd.LayerSynchronizer):
         async def synchronize_layer(self, layer_index: int, timeout_in_millis: Any) -> bool:
@@ -456,7 +456,7 @@ def initiator_waits_for_events(conn: Any, memory_kind: str, transport: str) -> N
     with a CudaEventSynchronizer. A layer sent before its event would bring
     the old bytes; none may be seen at the owner before the event completed."""
     import datadist_aio as dd
-    from peer import cluster_info
+    from support.peer import cluster_info
 
     code = dd.LLMStatusCode
     memory = Memory(memory_kind)
@@ -530,7 +530,7 @@ def initiator_outlives_its_owner(conn: Any, memory_kind: str, transport: str) ->
     fails with LLM_LINK_FAILED or LLM_TIMEOUT in bounded time, and this engine
     then links to a new owner and moves bytes to it."""
     import datadist_aio as dd
-    from peer import cluster_info
+    from support.peer import cluster_info
 
     code = dd.LLMStatusCode
     memory = Memory(memory_kind)
@@ -681,7 +681,7 @@ def registrations_are_checked(conn: Any, memory_kind: str, transport: str) -> No
 
 @pytest.mark.parametrize("memory", [TORCH, STANDIN])
 def test_bad_device_registrations_are_refused(standin: Path, memory: str) -> None:
-    from test_device_memory import in_child
+    from support.device import in_child
 
     if memory == "standin":
         in_child(registrations_are_checked, standin, 2, None, memory, "tcp")

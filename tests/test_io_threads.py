@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import datadist_aio as dd
-from peer import Peer, PeerGroup, raises_status
+from support.peer import Peer, PeerGroup, raises_status
 
 SUCCESS = dd.LLMStatusCode.LLM_SUCCESS
 BLOCK = 1 << 20  # past a direct send and a socket buffer: the I/O loop writes each frame in turns
@@ -45,7 +45,7 @@ def thread_names(pid: int) -> Counter[str]:
     return names
 
 
-def settled_names(pid: int, io_threads: int, seconds: float = 5.0) -> Counter[str]:
+def settled_names(pid: int, io_threads: int, seconds: float = 30.0) -> Counter[str]:
     """The thread names once the I/O threads have named themselves (a thread
     just started still has its process's name for a moment)."""
     deadline = time.monotonic() + seconds

@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 
 import datadist_aio as dd
-from cache_bytes import fill_random, snapshot
-from peer import HAVE_UCX, LOOPBACK, UCX_WHY, MiB, CacheRef, Peer, PeerGroup, cluster_info, pool_cfg, raises_status
+from support.cache_bytes import fill_random, snapshot
+from support.peer import HAVE_UCX, LOOPBACK, UCX_WHY, MiB, CacheRef, Peer, PeerGroup, cluster_info, pool_cfg, raises_status
 
 SUCCESS = dd.LLMStatusCode.LLM_SUCCESS
 FAILED = dd.LLMStatusCode.LLM_FAILED

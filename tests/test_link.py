@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import datadist_aio as dd
-from peer import LOOPBACK, Peer, PeerGroup, cluster_info, free_port, raises_status
+from support.peer import LOOPBACK, Peer, PeerGroup, cluster_info, free_port, raises_status
 
 SUCCESS = dd.LLMStatusCode.LLM_SUCCESS
 LINKED = (SUCCESS, [SUCCESS])
@@ -142,7 +142,7 @@ def test_unlink_then_not_yet_link_then_relink(a, b):
     assert a.unlink(b) == LINKED
     assert_not_linked(a, b)
     # The peer dropped its end as well; it may learn of it just after unlink returns.
-    deadline = time.monotonic() + 2
+    deadline = time.monotonic() + 30
     while True:
         try:
             assert_not_linked(b, a)

@@ -20,11 +20,11 @@ from typing import Any
 import pytest
 
 import datadist_aio as dd
-from conftest import make_options
-from peer import Peer, PeerGroup, raises_status
-from test_same_host import accepted_connections, assert_both_ways
-from test_wire_protocol import BLOCK, BLOCKS, FORGER_ID, SERVER_ID, linked
-from wire_frames import (
+from support.options import make_options
+from support.peer import Peer, PeerGroup, raises_status
+from support.links import accepted_connections, assert_both_ways
+from support.raw_client import BLOCK, BLOCKS, FORGER_ID, SERVER_ID, linked
+from support.wire_frames import (
     AUTHENTICATED,
     CHALLENGE_T,
     GRANTS_CONNECTIONS,
@@ -93,7 +93,7 @@ def closed_within(sock: socket.socket, seconds: float) -> bool:
     return False
 
 
-def wait_until(predicate: Callable[[], Any], seconds: float = 5.0) -> Any:
+def wait_until(predicate: Callable[[], Any], seconds: float = 30.0) -> Any:
     end = time.monotonic() + seconds
     while not (value := predicate()):
         assert time.monotonic() < end, "timed out waiting"
@@ -134,13 +134,14 @@ def test_idle_and_dripping_clients_do_not_delay_a_link(group, sockets):
     started = time.monotonic()
     body = hello(FORGER_ID, B, 5)
     dripper.sendall(body[:1])
-    # Before, each idle socket held the only accepting thread for 2 s.
-    busy = timed_link(c, b)
-    assert busy < quiet + 0.5, (quiet, busy)
+    # Before, each idle socket held the only accepting thread to its
+    # deadline: 16 of them would add 24 s.
+    busy = timed_link(c, b, timeout=60000)
+    assert busy < quiet + 10, (quiet, busy)
     assert_both_ways(c, b, (40, 41), seed=1)
     # The dripper never finishes its hello: it is cut at its deadline.
     sent, closed_at = 1, None
-    while time.monotonic() - started < 6:
+    while time.monotonic() - started < 1.5 + 10:
         if closed_within(dripper, 0.1):
             closed_at = time.monotonic() - started
             break
@@ -150,9 +151,9 @@ def test_idle_and_dripping_clients_do_not_delay_a_link(group, sockets):
             closed_at = time.monotonic() - started
             break
         sent += 1
-    assert closed_at is not None and 1.3 <= closed_at <= 3.5, closed_at
+    assert closed_at is not None and 1.3 <= closed_at < 1.5 + 10, closed_at
     assert sent < len(body)
-    assert all(closed_within(sock, 1.0) for sock in idle)
+    assert all(closed_within(sock, 30.0) for sock in idle)
 
 
 def test_a_link_missing_connections_is_dropped_at_its_deadline(server, sockets):
@@ -161,21 +162,21 @@ def test_a_link_missing_connections_is_dropped_at_its_deadline(server, sockets):
     started = time.monotonic()
     sock.sendall(hello(FORGER_ID, SERVER_ID, 7, index=0, count=2))
     wait_until(lambda: server._engine.listener_stats()["forming"] == 1)
-    assert closed_within(sock, 3.0)
-    assert 0.8 <= time.monotonic() - started <= 2.5
-    wait_until(lambda: server._engine.listener_stats()["forming"] == 0, seconds=1.0)
+    assert closed_within(sock, 30.0)
+    assert 0.8 <= time.monotonic() - started < 1 + 10
+    wait_until(lambda: server._engine.listener_stats()["forming"] == 0)
 
 
 def test_the_oldest_waiting_connection_makes_room(sockets):
     datadist = dd.LLMDataDist(dd.LLMRole.DECODER, SERVER_ID)
-    datadist.init(make_options(listen_ip_info="127.0.0.1:0", handshake_timeout_ms=30000))
+    datadist.init(make_options(listen_ip_info="127.0.0.1:0", handshake_timeout_ms=120000))
     try:
         port = datadist.listen_port
         flood = [connect(port, sockets) for _ in range(260)]
         wait_until(lambda: datadist._engine.listener_stats()["accepted"] == 260)
         stats = datadist._engine.listener_stats()
         assert (stats["waiting"], stats["evicted"]) == (256, 4)
-        assert all(closed_within(sock, 2.0) for sock in flood[:4])
+        assert all(closed_within(sock, 30.0) for sock in flood[:4])
         assert not any(closed_within(sock, 0.0) for sock in flood[4:])
     finally:
         datadist.finalize()
@@ -219,7 +220,7 @@ def test_a_connection_past_the_grant_is_told_the_count(server, sockets):
     assert (kind, status) == (HELLO_ACK_T, 0)
     assert HELLO_ACK.unpack(body[: HELLO_ACK.size]) == (0, 0, GRANTS_CONNECTIONS)  # names nothing else
     assert int.from_bytes(body[HELLO_ACK.size :], "little") == 2
-    assert closed_within(sock, 1.0)
+    assert closed_within(sock, 30.0)
 
 
 def test_a_thread_that_cannot_start_fails_the_link_not_the_process(group):
@@ -299,7 +300,9 @@ def test_the_link_count_is_capped(server, sockets):
 @pytest.mark.parametrize("secret", [None, SECRET], ids=["plain", "secret"])
 def test_a_stranger_claiming_a_linked_peer_does_not_replace_it(group, sockets, secret):
     keyed = {"auth_key": secret} if secret else {}
-    b = group.start("b", dd.LLMRole.DECODER, B, options=keyed)
+    # A handshake deadline far past the wait for the close below: the close
+    # comes from the refusal.
+    b = group.start("b", dd.LLMRole.DECODER, B, options={**keyed, "handshake_timeout_ms": 120000})
     a = group.start("a", dd.LLMRole.PROMPT, A, options=keyed)
     assert a.link(b) == LINKED
     sock = connect(b.listen_port, sockets)
@@ -316,7 +319,7 @@ def test_a_stranger_claiming_a_linked_peer_does_not_replace_it(group, sockets, s
         expected = Code.LLM_ALREADY_LINK
     kind, status, _, _, _ = recv_frame(sock)
     assert (kind, status) == (HELLO_ACK_T, expected.value)
-    assert closed_within(sock, 1.0)
+    assert closed_within(sock, 30.0)
     assert b.engine("link_stats", A)["connections"] == 2  # the real peer's link
     assert_both_ways(a, b, (40, 41), seed=5)
 
@@ -389,7 +392,7 @@ def test_a_crowd_of_idle_and_trickling_clients(group):
     """2,000 idle and 200 trickling clients while a peer links and pushes 256 MiB."""
     import resource
 
-    from peer import MiB, pool_cfg
+    from support.peer import MiB, pool_cfg
 
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     if hard < 4096:

@@ -1,4 +1,4 @@
-"""Links between "hosts": peers in network and PID namespaces of their own (tests/netns.py).
+"""Links between "hosts": peers in network and PID namespaces of their own (tests/support/netns.py).
 
 A peer in another PID namespace fails the same-host proof, so every link
 here runs over TCP through a veth pair even with ``transport`` left at
@@ -15,17 +15,16 @@ import subprocess
 import time
 from collections.abc import Iterator
 
-import numpy as np
 import pytest
 
 import datadist_aio as dd
-from netns import NetnsGroup, NetnsPeer, Subnet, unavailable
-from peer import MiB, Peer, PeerError, pool_cfg, raises_status
+from support.links import wait_for_path
+from support.netns import NetnsGroup, NetnsPeer, Subnet, peer_killed_mid_transfer, unavailable
+from support.peer import Peer, PeerError
 from test_layerwise import Prefill, prefill_side
 from test_layerwise import test_each_kind as test_each_kind  # noqa: F401
 from test_layerwise import test_fan_out_to_two_decode_processes as test_fan_out_to_two_decode_processes  # noqa: F401
-from test_peer_failure import assert_blocks_push, big_desc, small_desc
-from test_transfer import A, B, Pair, wait_for_path
+from test_transfer import A, B, Pair
 from test_transfer import test_many_concurrent_transfers_on_one_link as test_many_concurrent_transfers_on_one_link  # noqa: F401
 from test_transfer import test_pull_blocks as test_pull_blocks  # noqa: F401
 from test_transfer import test_pull_cache as test_pull_cache  # noqa: F401
@@ -158,45 +157,3 @@ def test_peer_killed_mid_transfer(direction):
     peer_killed_mid_transfer(direction, {"transport": "auto"}, {}, "tcp")
 
 
-def peer_killed_mid_transfer(direction: str, survivor_options: dict, peer_options: dict, path: str) -> None:
-    """A push or pull from this side of the veth killed by its peer's death:
-    it fails within the timeout, a bystander's link carries on, and the
-    cluster links again once back (each link on ``path``)."""
-    timeout_ms = 3000
-    big = {"host_mem_pool_cfg": pool_cfg(288 * MiB)}
-    with Subnet() as subnet, NetnsGroup() as group:
-        options = big | survivor_options | {"sync_kv_timeout": timeout_ms}
-        survivor = group.start("survivor", dd.LLMRole.PROMPT, 1, host=subnet.host_ip, options=options)
-        victim = group.start_in(subnet, "victim", dd.LLMRole.DECODER, 2, options=big | peer_options)
-        third = group.start_in(subnet, "third", dd.LLMRole.DECODER, 3, options=peer_options)
-        assert survivor.link(victim) == LINKED
-        assert survivor.link(third) == LINKED
-        assert survivor.datadist("link_transport", 2) == path
-        assert survivor.datadist("link_transport", 3) == path
-        local, remote = survivor.allocate(big_desc()), victim.allocate(big_desc())
-        side = survivor.allocate(small_desc(), blocks=True)
-        side_remote = third.allocate(small_desc(), blocks=True, model_id=5)
-        side_sent = survivor.fill(side, 1)
-
-        doomed = survivor.start_task(f"{direction}_cache", remote.key(), local)
-        bystander = survivor.start_task("push_blocks", side_remote.blocks_key(), side, [0, 1], [8, 9])
-        assert not survivor.task_done(doomed), "the transfer ended before the peer was killed; make it bigger"
-        killed_at = time.monotonic()
-        victim.kill()
-        with raises_status(*LINK_LOST):
-            survivor.wait_task(doomed)
-        elapsed = time.monotonic() - killed_at
-        assert elapsed < timeout_ms / 1000 + 10, f"the transfer failed {elapsed:.2f} s after the kill"
-
-        assert survivor.wait_task(bystander) == [SUCCESS]
-        got = third.read(side_remote)
-        for t in range(2):
-            np.testing.assert_array_equal(got[t][8 * 256 : 10 * 256], side_sent[t][: 2 * 256])
-        assert_blocks_push(survivor, third, 6, 2)
-
-        # The same cluster comes back in the namespace on another port and is linked again.
-        again = group.start_in(subnet, "victim-again", dd.LLMRole.DECODER, 2, options=peer_options)
-        assert survivor.link(again) == LINKED
-        assert survivor.datadist("link_transport", 2) == path
-        assert_blocks_push(survivor, again, 7, 3)
-        assert_blocks_push(again, survivor, 8, 4)

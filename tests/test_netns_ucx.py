@@ -1,5 +1,5 @@
 """UCX links between "hosts": peers in network and PID namespaces of their own
-(tests/netns.py), every end with ``transport`` "ucx".
+(tests/support/netns.py), every end with ``transport`` "ucx".
 
 The transfer and layer-wise cases of test_transfer.py and test_layerwise.py
 run again on such links (collected here with this module's fixtures): the
@@ -18,13 +18,12 @@ from collections.abc import Iterator
 import pytest
 
 import datadist_aio as dd
-from netns import NetnsGroup, NetnsPeer, Subnet, unavailable
-from peer import HAVE_UCX, UCX_WHY, Peer, raises_status
+from support.links import assert_blocks_push, small_desc, wait_for_path
+from support.netns import NetnsGroup, NetnsPeer, Subnet, peer_killed_mid_transfer, unavailable
+from support.peer import HAVE_UCX, UCX_WHY, Peer, raises_status
 from test_layerwise import Prefill, each_kind, prefill_side
-from test_netns import peer_killed_mid_transfer
 from test_layerwise import KINDS
-from test_peer_failure import assert_blocks_push, small_desc
-from test_transfer import A, B, Pair, wait_for_path
+from test_transfer import A, B, Pair
 from test_transfer import test_many_concurrent_transfers_on_one_link as test_many_concurrent_transfers_on_one_link  # noqa: F401
 from test_transfer import test_pull_blocks as test_pull_blocks  # noqa: F401
 from test_transfer import test_pull_cache as test_pull_cache  # noqa: F401
@@ -151,7 +150,7 @@ def test_a_peer_killed_between_operations_fails_the_next_and_links_again():
         # The link failed, or is already gone once its connections told.
         with raises_status(*LINK_LOST, dd.LLMStatusCode.LLM_NOT_YET_LINK):
             survivor.cm_async("push_blocks", remote.blocks_key(), local, [0], [1])
-        assert time.monotonic() - started < 4.0
+        assert time.monotonic() - started < 3 + 10  # sync_kv_timeout, and slack for a loaded host
         assert_blocks_push(survivor, third, 7, 2)
         again = group.start_in(subnet, "victim-again", dd.LLMRole.DECODER, 2, options=UCX)
         assert survivor.link(again) == LINKED

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import datadist_aio as dd
-from peer import HAVE_UCX, UCX_WHY, MiB, Peer, PeerError, PeerGroup, PeerTimeout, pool_cfg, raises_status
+from support.links import assert_blocks_push, kill_mid_transfer
+from support.peer import HAVE_UCX, UCX_WHY, MiB, Peer, PeerError, PeerGroup, PeerTimeout, pool_cfg, raises_status
 
 SUCCESS = dd.LLMStatusCode.LLM_SUCCESS
 LINKED = (SUCCESS, [SUCCESS])
@@ -23,26 +24,6 @@ LINK_LOST = (dd.LLMStatusCode.LLM_LINK_FAILED, dd.LLMStatusCode.LLM_TIMEOUT)
 def group() -> Iterator[PeerGroup]:
     with PeerGroup() as peers:
         yield peers
-
-
-def big_desc() -> dd.CacheDesc:
-    """256 MiB in one layer: two tensors of one 128 MiB slot."""
-    return dd.CacheDesc(2, [1, 128 * MiB], dd.DataType.DT_UINT8, dd.Placement.HOST)
-
-
-def small_desc() -> dd.CacheDesc:
-    return dd.CacheDesc(2, [16, 256], dd.DataType.DT_UINT8, dd.Placement.HOST)
-
-
-def assert_blocks_push(src: Peer, dst: Peer, model_id: int, seed: int) -> None:
-    local = src.allocate(small_desc(), blocks=True)
-    remote = dst.allocate(small_desc(), blocks=True, model_id=model_id)
-    sent = src.fill(local, seed)
-    src.cm_async("push_blocks", remote.blocks_key(), local, [1, 2, 7], [15, 0, 3])
-    got = dst.read(remote)
-    for t in range(2):
-        for s, d in [(1, 15), (2, 0), (7, 3)]:
-            np.testing.assert_array_equal(got[t][d * 256 : (d + 1) * 256], sent[t][s * 256 : (s + 1) * 256])
 
 
 # -- a peer killed mid-transfer ------------------------------------------------------
@@ -66,30 +47,7 @@ def test_peer_killed_mid_transfer(group, direction, transport):
     assert survivor.link(victim) == LINKED
     assert survivor.datadist("link_transport", 2) == {"auto": "same_host"}.get(transport, transport)
     assert survivor.link(third) == LINKED
-    local, remote = survivor.allocate(big_desc()), victim.allocate(big_desc())
-    side = survivor.allocate(small_desc(), blocks=True)
-    side_remote = third.allocate(small_desc(), blocks=True, model_id=5)
-    side_sent = survivor.fill(side, 1)
-
-    if direction == "push":
-        doomed = survivor.start_task("push_cache", remote.key(), local)
-    else:
-        doomed = survivor.start_task("pull_cache", remote.key(), local)
-    # Another peer's transfer in flight at the same time is not affected.
-    bystander = survivor.start_task("push_blocks", side_remote.blocks_key(), side, [0, 1], [8, 9])
-    assert not survivor.task_done(doomed), "the transfer ended before the peer was killed; make it bigger"
-    killed_at = time.monotonic()
-    victim.kill()
-    with raises_status(*LINK_LOST):
-        survivor.wait_task(doomed)
-    elapsed = time.monotonic() - killed_at
-    assert elapsed < timeout_ms / 1000 + 10, f"the transfer failed {elapsed:.2f} s after the kill"
-
-    assert survivor.wait_task(bystander) == [SUCCESS]
-    got = third.read(side_remote)
-    for t in range(2):
-        np.testing.assert_array_equal(got[t][8 * 256 : 10 * 256], side_sent[t][: 2 * 256])
-    assert_blocks_push(survivor, third, 6, 2)
+    kill_mid_transfer(survivor, victim, third, direction, timeout_ms)
 
     # The same cluster comes back on another port and is linked again.
     again = group.start("victim-again", dd.LLMRole.DECODER, 2, options=theirs)
@@ -275,7 +233,7 @@ def test_harness_reports_dead_and_hung_peers():
         started = time.monotonic()
         with pytest.raises(PeerTimeout, match="killed"):
             hung.free_all()
-        assert time.monotonic() - started < 5
+        assert time.monotonic() - started < hung.command_timeout + 10
         with pytest.raises(PeerError):
             hung.free_all()
     with Peer("stopped") as stopped:

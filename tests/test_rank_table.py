@@ -13,7 +13,7 @@ import pytest
 
 import datadist_aio as dd
 from datadist_aio.rank_table import parse_rank_table
-from peer import LOOPBACK, Peer, PeerGroup, free_port, raises_status
+from support.peer import LOOPBACK, Peer, PeerGroup, free_port, raises_status
 
 OK = dd.RegisterMemStatus.OK
 PREPARING = dd.RegisterMemStatus.PREPARING

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import datadist_aio as dd
-from peer import MiB, Peer, PeerGroup, pool_cfg, raises_status, unread_socket_bytes, wait_until
-from test_transfer import wait_for_path
+from support.peer import MiB, PeerGroup, pool_cfg, raises_status, unread_socket_bytes, wait_until
+from support.links import accepted_connections, assert_both_ways, blocks_desc, wait_for_path
 
 SUCCESS = dd.LLMStatusCode.LLM_SUCCESS
 LINKED = (SUCCESS, [SUCCESS])
@@ -29,28 +29,6 @@ pytestmark = pytest.mark.timeout(90)
 def group() -> Iterator[PeerGroup]:
     with PeerGroup() as peers:
         yield peers
-
-
-def blocks_desc(blocks: int = 16, block: int = 4096) -> dd.CacheDesc:
-    return dd.CacheDesc(4, [blocks, block], dd.DataType.DT_UINT8, dd.Placement.HOST)
-
-
-def assert_both_ways(x: Peer, y: Peer, model_ids: tuple[int, int], seed: int) -> None:
-    """x pushes and pulls blocks of y's cache, then y of x's: bytes checked."""
-    for src, dst, model_id in ((x, y, model_ids[0]), (y, x, model_ids[1])):
-        local = src.allocate(blocks_desc(), blocks=True)
-        remote = dst.allocate(blocks_desc(), blocks=True, model_id=model_id)
-        sent = src.fill(local, seed)
-        assert src.cm_async("push_blocks", remote.blocks_key(), local, [0, 3, 4, 5], [9, 1, 2, 3]) == [SUCCESS]
-        got = dst.read(remote)
-        for t in range(4):
-            for s, d in [(0, 9), (3, 1), (4, 2), (5, 3)]:
-                np.testing.assert_array_equal(got[t][d * 4096 : (d + 1) * 4096], sent[t][s * 4096 : (s + 1) * 4096])
-        back = src.allocate(blocks_desc(), blocks=True)
-        assert src.cm_async("pull_blocks", remote.blocks_key(), back, [1, 2, 3], [10, 11, 12]) == [SUCCESS]
-        pulled = src.read(back)
-        for t in range(4):
-            np.testing.assert_array_equal(pulled[t][10 * 4096 : 13 * 4096], sent[t][3 * 4096 : 6 * 4096])
 
 
 @pytest.mark.parametrize(
@@ -80,13 +58,6 @@ def test_the_link_reports_its_path_and_both_directions_move_bytes(group, initiat
     assert_both_ways(a, b, (10, 11), seed=1)
     with raises_status(dd.LLMStatusCode.LLM_NOT_YET_LINK):
         a.datadist("link_transport", 77)
-
-
-def accepted_connections(port: int) -> int:
-    """Established connections on loopback whose local end is `port` (the listener's side)."""
-    with open("/proc/net/tcp") as table:
-        rows = [line.split() for line in table.readlines()[1:]]
-    return sum(1 for row in rows if int(row[1].split(":")[1], 16) == port and row[3] == "01")
 
 
 def established_on(port: int, expected: int, settle_s: float = 30.0) -> int:

@@ -28,7 +28,7 @@ import pytest
 
 import datadist_aio as dd
 from datadist_aio import _logging
-from test_wire_protocol import (
+from support.raw_client import (
     BLOCK,
     BLOCKS,
     FORGER_ID,
@@ -37,7 +37,7 @@ from test_wire_protocol import (
     server,  # noqa: F401  (the fixture)
     untouched,
 )
-from wire_frames import (
+from support.wire_frames import (
     ANSWER_SOCKET,
     COPIES_FOR_YOU,
     HEADER,

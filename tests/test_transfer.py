@@ -13,7 +13,6 @@ import itertools
 import os
 import signal
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple, Optional
 
@@ -21,7 +20,8 @@ import numpy as np
 import pytest
 
 import datadist_aio as dd
-from peer import HAVE_UCX, HAVE_UVLOOP, UCX_WHY, CacheRef, Peer, PeerGroup, raises_status
+from support.links import wait_for_path
+from support.peer import HAVE_UCX, HAVE_UVLOOP, UCX_WHY, CacheRef, Peer, PeerGroup, raises_status
 
 SUCCESS = dd.LLMStatusCode.LLM_SUCCESS
 PARAM_INVALID = dd.LLMStatusCode.LLM_PARAM_INVALID
@@ -64,17 +64,6 @@ def pairs() -> Iterator[dict[str, tuple[Peer, Peer]]]:
             assert wait_for_path(b, A, path)
             made[name] = (a, b)
         yield made
-
-
-def wait_for_path(peer: Peer, other: int, path: str, seconds: float = 30.0) -> bool:
-    """True once ``peer`` reports ``path`` toward ``other``: the accepting end
-    learns that it may use the same-host path from the link's first frame."""
-    deadline = time.monotonic() + seconds
-    while peer.datadist("link_transport", other) != path:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def _pair(pairs: dict[str, tuple[Peer, Peer]], loop: str, via: str) -> Iterator[Pair]:

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 import datadist_aio as dd
-from peer import HAVE_UCX, UCX_WHY, PeerGroup, raises_status
-from test_peer_failure import small_desc
+from support.peer import HAVE_UCX, UCX_WHY, PeerGroup, raises_status
+from support.links import small_desc
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))

@@ -31,16 +31,16 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 
 from .arguments import byte_size, listed, positive
+from .cuda_driver import DRIVER_ENV, CudaDriver
 
 OWNER, INITIATOR = 2, 1
 TENSORS = 2  # one layer, K and V
 GOALS = {"d2d_vs_copy": 0.8, "tcp_device_vs_host": 0.9}
-DRIVER_ENV = "DATADIST_AIO_CUDA_DRIVER"
 ANSWER_S = 300.0  # the longest one request to the target may take
 
 
@@ -63,74 +63,6 @@ def parser() -> argparse.ArgumentParser:
                    help=f"the CUDA driver library to load (default: ${DRIVER_ENV}, else libcuda.so.1); "
                    "the test stand-in (tests/cuda_standin) runs the whole benchmark without a GPU")
     return p
-
-
-# -- the driver, through ctypes ----------------------------------------------------------------------
-
-
-class Driver:
-    """The CUDA driver the engine loads (the same library, so the same
-    primary context), for filling and reading device memory and the copy
-    baseline without torch."""
-
-    def __init__(self, path: str, device: int) -> None:
-        self.path = path
-        self.lib = ctypes.CDLL(path)
-        lib = self.lib
-        lib.cuMemcpyHtoD_v2.argtypes = [ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_size_t]
-        lib.cuMemcpyDtoH_v2.argtypes = [ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_size_t]
-        lib.cuMemcpyDtoD_v2.argtypes = [ctypes.c_ulonglong, ctypes.c_ulonglong, ctypes.c_size_t]
-        lib.cuMemAlloc_v2.argtypes = [ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_size_t]
-        lib.cuMemFree_v2.argtypes = [ctypes.c_ulonglong]
-        self.check(lib.cuInit(0), "cuInit")
-        handle = ctypes.c_int()
-        self.check(lib.cuDeviceGet(ctypes.byref(handle), device), f"cuDeviceGet({device})")
-        self.context = ctypes.c_void_p()
-        self.check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(self.context), handle), "cuDevicePrimaryCtxRetain")
-        self.current()
-        self.standin = hasattr(lib, "standin_cuda_live_allocations")
-        version = ctypes.c_int()
-        self.check(lib.cuDriverGetVersion(ctypes.byref(version)), "cuDriverGetVersion")
-        self.version = version.value
-        self.name = "stand-in device"
-        if hasattr(lib, "cuDeviceGetName"):
-            name = ctypes.create_string_buffer(256)
-            if lib.cuDeviceGetName(name, 256, handle) == 0:
-                self.name = name.value.decode(errors="replace")
-        self._sync: Optional[Callable[[], int]] = getattr(lib, "cuCtxSynchronize", None)
-
-    def check(self, result: int, what: str) -> None:
-        if result != 0:
-            raise RuntimeError(f"{what} failed: CUresult {result}")
-
-    def current(self) -> None:
-        """Makes the device's primary context current on this thread."""
-        self.check(self.lib.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
-
-    def sync(self) -> None:
-        """Waits for the context's work (the stand-in runs synchronous copies in the caller)."""
-        if self._sync is not None:
-            self.check(self._sync(), "cuCtxSynchronize")
-
-    def write(self, addr: int, data: np.ndarray) -> None:
-        self.check(self.lib.cuMemcpyHtoD_v2(addr, data.ctypes.data, data.nbytes), "cuMemcpyHtoD")
-        self.sync()
-
-    def read(self, addr: int, out: np.ndarray) -> None:
-        self.check(self.lib.cuMemcpyDtoH_v2(out.ctypes.data, addr, out.nbytes), "cuMemcpyDtoH")
-
-    def alloc(self, size: int) -> int:
-        ptr = ctypes.c_ulonglong()
-        self.check(self.lib.cuMemAlloc_v2(ctypes.byref(ptr), size), "cuMemAlloc")
-        return ptr.value
-
-    def free(self, addr: int) -> None:
-        self.check(self.lib.cuMemFree_v2(addr), "cuMemFree")
-
-    def describe(self) -> dict[str, Any]:
-        return {"library": self.path, "standin": self.standin, "version": self.version, "device": self.name,
-                "what": "the CUDA driver stand-in (tests/cuda_standin): host memory, no GPU" if self.standin
-                else "NVIDIA's CUDA driver"}
 
 
 # -- both sides ----------------------------------------------------------------------------------------
@@ -162,7 +94,7 @@ def patterns(seed: int, nbytes: int) -> list[np.ndarray]:
 class Caches:
     """One process's blocks caches of one layout, by placement, with their bytes written and read back."""
 
-    def __init__(self, datadist: Any, driver: Driver, block: int, blocks: int, bind: bool) -> None:
+    def __init__(self, datadist: Any, driver: CudaDriver, block: int, blocks: int, bind: bool) -> None:
         import datadist_aio as dd
 
         self.cm, self.driver = datadist.cache_manager, driver
@@ -185,7 +117,7 @@ class Caches:
         cache = self.caches[placement]
         for t in range(TENSORS):
             if placement == "device":
-                self.driver.read(cache.tensor_addrs[t], self.scratch)
+                self.driver.read_into(cache.tensor_addrs[t], self.scratch)
                 got = self.scratch
             else:
                 got = cache.as_numpy(t).reshape(-1)
@@ -202,7 +134,7 @@ def target_main(conn: Any, env: dict[str, str], transport: str, device_id: int, 
     """The decode side: caches the initiator pushes into, checked when asked."""
     os.environ.update(env)
     try:
-        driver = Driver(env[DRIVER_ENV], device_id)
+        driver = CudaDriver(device_id, env[DRIVER_ENV])
         datadist = _engine(_role("PROMPT"), OWNER, transport, device_id, pool_bytes, listen=True)
         conn.send(("ok", datadist.listen_port))
         caches: Optional[Caches] = None
@@ -316,17 +248,17 @@ def push_figures(datadist: Any, target: Target, caches: Caches, pats: list[np.nd
     return {"seconds": seconds, "best_s": min(seconds), "path": path, "link_stats": delta, "verified": verified}
 
 
-def _holds(driver: Driver, addrs: list[int], data: Any) -> bool:
+def _holds(driver: CudaDriver, addrs: list[int], data: Any) -> bool:
     """Whether device buffers ``addrs`` hold the rows of ``data``, read back."""
     out = np.empty(data.shape[1], np.uint8)
     verified = True
     for addr, row in zip(addrs, data):
-        driver.read(addr, out)
+        driver.read_into(addr, out)
         verified = verified and bool(np.array_equal(out, row))
     return verified
 
 
-def copy_baseline(driver: Driver, nbytes: int, iterations: int, device_id: int) -> dict[str, Any]:
+def copy_baseline(driver: CudaDriver, nbytes: int, iterations: int, device_id: int) -> dict[str, Any]:
     """The same bytes copied between two device buffers of one process: torch
     ``copy_`` on the real driver when torch is there, else ``cuMemcpyDtoD``."""
     per = nbytes // TENSORS
@@ -376,17 +308,13 @@ def copy_baseline(driver: Driver, nbytes: int, iterations: int, device_id: int) 
             "verified": verified}
 
 
-def driver_copy(driver: Driver, nbytes: int, iterations: int, streams: int) -> dict[str, Any]:
+def driver_copy(driver: CudaDriver, nbytes: int, iterations: int, streams: int) -> dict[str, Any]:
     """The copies a push's owner makes, without the link: the same bytes
     between two device buffers of one process with cuMemcpyDtoDAsync, in
     pieces of the wire's 64 MiB frame spread over ``streams`` streams, then
     every stream synchronised. Tells the driver's copy apart from what the
     link adds."""
     lib = driver.lib
-    lib.cuMemcpyDtoDAsync_v2.argtypes = [ctypes.c_ulonglong, ctypes.c_ulonglong, ctypes.c_size_t, ctypes.c_void_p]
-    lib.cuStreamCreate.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
-    lib.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
-    lib.cuStreamDestroy_v2.argtypes = [ctypes.c_void_p]
     per, piece = nbytes // TENSORS, 64 << 20
     data = patterns(9, nbytes)[0]
     src = [driver.alloc(per) for _ in range(TENSORS)]
@@ -444,7 +372,7 @@ def measure(args: argparse.Namespace, driver_path: str, argv: list[str]) -> dict
     cache_bytes, sizes, iterations = workload(args)
     env = {DRIVER_ENV: driver_path}
     os.environ.update(env)
-    driver = Driver(driver_path, args.device_id)
+    driver = CudaDriver(args.device_id, driver_path)
     pool = cache_bytes + (64 << 20)
     report: dict[str, Any] = {
         "command": ["python", "-m", "datadist_aio.bench", *argv],
@@ -459,7 +387,8 @@ def measure(args: argparse.Namespace, driver_path: str, argv: list[str]) -> dict
         "errors": [],
         "results": [],
     }
-    _note(f"driver: {report['driver']['what']} ({driver_path}, version {driver.version}, {driver.name})")
+    described = report["driver"]
+    _note(f"driver: {described['what']} ({driver_path}, version {described['version']}, {described['device']})")
     _note("baseline: a copy of the same bytes inside one process")
     report["baseline"] = copy_baseline(driver, cache_bytes, iterations, args.device_id)
     _note("the driver's own copies of those bytes, as a push's owner makes them (no link)")

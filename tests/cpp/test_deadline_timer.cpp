@@ -31,7 +31,7 @@ struct Fired {
   }
   bool wait(size_t n) {
     std::unique_lock<std::mutex> lock(mu);
-    return cv.wait_for(lock, 5s, [&] { return at.size() >= n; });
+    return cv.wait_for(lock, 60s, [&] { return at.size() >= n; });
   }
 };
 
@@ -55,22 +55,31 @@ TEST(DeadlineTimer, FiresWithinAMillisecondOfItsTime) {
   Fired fired;
   auto timer = DeadlineTimer::create(loop, [&] { fired.note(); });
   ASSERT_TRUE(timer);
-  std::vector<Clock::duration> late;
+  // Each firing against a thread that sleeps until the same time: a busy
+  // host holds both up alike, so what is left is the timer's own delay. A
+  // timer that polled (every 20 ms, say) would come about 10 ms after the
+  // sleeper in most rounds.
+  std::vector<Clock::duration> behind;
   for (size_t i = 0; i < 20; ++i) {
     const Clock::time_point when = Clock::now() + 20ms;
+    Clock::time_point woke;
+    std::thread sleeper([&] {
+      std::this_thread::sleep_until(when);
+      woke = Clock::now();
+    });
     timer->at(when);
-    ASSERT_TRUE(fired.wait(i + 1));
+    const bool fired_in_time = fired.wait(i + 1);
+    sleeper.join();
+    ASSERT_TRUE(fired_in_time);
     std::lock_guard<std::mutex> lock(fired.mu);
     ASSERT_GE(fired.at[i], when) << "fired early";
-    late.push_back(fired.at[i] - when);
+    behind.push_back(fired.at[i] - woke);
   }
   timer->stop();
-  // The lower quartile, so that rounds the scheduler held up on a busy
-  // host do not count; a timer that polled (every 20 ms, say) would come
-  // later than a millisecond in most rounds.
-  std::sort(late.begin(), late.end());
-  const auto quartile_us = std::chrono::duration_cast<std::chrono::microseconds>(late[late.size() / 4]).count();
-  EXPECT_LT(quartile_us, 1000) << "a quarter of the firings came " << quartile_us << " us late or later";
+  std::sort(behind.begin(), behind.end());
+  const auto median_us = std::chrono::duration_cast<std::chrono::microseconds>(behind[behind.size() / 2]).count();
+  EXPECT_LT(median_us, 1000) << "the median firing came " << median_us
+                             << " us after a thread sleeping until the same time";
 }
 
 TEST(DeadlineTimer, TheEarliestTimeAskedWins) {
@@ -79,14 +88,14 @@ TEST(DeadlineTimer, TheEarliestTimeAskedWins) {
   auto timer = DeadlineTimer::create(loop, [&] { fired.note(); });
   ASSERT_TRUE(timer);
   const Clock::time_point start = Clock::now();
-  timer->at(start + 2s);
+  timer->at(start + 20s);
   timer->at(start + 20ms);
-  timer->at(start + 1s);  // later than the time set: kept at 20 ms
+  timer->at(start + 10s);  // later than the time set: kept at 20 ms
   ASSERT_TRUE(fired.wait(1));
   {
     std::lock_guard<std::mutex> lock(fired.mu);
     EXPECT_GE(fired.at[0], start + 20ms);
-    EXPECT_LT(fired.at[0], start + 500ms);
+    EXPECT_LT(fired.at[0], start + 10s) << "fired at a later time asked, not at the earliest";
   }
   // A time that has passed fires at once.
   timer->at(Clock::now() - 1s);

@@ -112,7 +112,7 @@ TEST(LinkUnlink, APeerThatNeverAnswersIsATimeout) {
   Linked l;
   const auto start = std::chrono::steady_clock::now();
   EXPECT_EQ(l.link->request_unlink(200), LLM_TIMEOUT);
-  EXPECT_LT(std::chrono::steady_clock::now() - start, 3s);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 200ms + 10s);  // the timeout, and slack for a loaded host
 }
 
 }  // namespace

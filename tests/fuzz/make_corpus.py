@@ -15,7 +15,7 @@ import sys
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from wire_frames import (  # noqa: E402
+from support.wire_frames import (  # noqa: E402
     ANSWER_SOCKET,
     AUTHENTICATED,
     BLOCKS_OF_MODEL,

@@ -37,7 +37,7 @@ _SPAWN = multiprocessing.get_context("spawn")
 
 
 def _body(target: Callable[..., Any], ctl: Any, chan: Any, kwargs: dict[str, Any]) -> None:
-    from peer import _die_with_parent  # noqa: PLC0415 (the child's own import)
+    from support.peer import _die_with_parent  # noqa: PLC0415 (the child's own import)
 
     _die_with_parent()
     import faulthandler  # noqa: PLC0415

@@ -8,7 +8,7 @@ side fail the same-host proof (the process id it announces names no process
 here) and run over TCP through the veth pair, as between two machines.
 
 The child is ``ip netns exec NS unshare --pid --kill-child --mount-proc
-python netns.py child FD``, the same ``peer._child_main`` over a socket pair;
+python -c ...`` running ``netns.child(FD)``, the same ``peer._child_main`` over a socket pair;
 it is SIGKILLed when the test process dies (``setpriv --pdeathsig``, then
 ``unshare --kill-child``). ``Subnet.close`` kills whatever still runs in the
 namespace and deletes it, which deletes the veth pair; namespaces left by a
@@ -32,9 +32,10 @@ import time
 from typing import Any, Optional
 
 import datadist_aio as dd
-from peer import Peer, PeerGroup
+from support.links import assert_blocks_push, kill_mid_transfer
+from support.peer import MiB, Peer, PeerGroup, pool_cfg
 
-__all__ = ["NetnsGroup", "NetnsPeer", "Subnet", "spawn_in", "unavailable"]
+__all__ = ["NetnsGroup", "NetnsPeer", "Subnet", "peer_killed_mid_transfer", "spawn_in", "unavailable"]
 
 # 10.213.N.0/24, N from 1 to 254: one subnet per namespace.
 _PREFIX = "10.213"
@@ -275,7 +276,9 @@ class NetnsPeer(Peer):
         return self
 
     def _spawn(self, args: tuple[Any, ...]) -> tuple[Any, multiprocessing.connection.Connection]:
-        launched, conn = spawn_in(self.subnet, [os.path.abspath(__file__), "child"])
+        tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        code = f"import sys; sys.path.insert(0, {tests!r}); from support import netns; netns.child(int(sys.argv[1]))"
+        launched, conn = spawn_in(self.subnet, ["-c", code])
         conn.send(args)
         return launched, conn
 
@@ -289,15 +292,41 @@ class NetnsGroup(PeerGroup):
         return peer.start(role, cluster_id, **kwargs)
 
 
-def _child(fd: int) -> None:
-    import peer
+def child(fd: int) -> None:
+    """A NetnsPeer's process: serves the peer's commands on descriptor ``fd``."""
+    from support import peer
 
     conn = multiprocessing.connection.Connection(fd)
     peer._child_main(conn, *conn.recv())
 
 
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["child"] and len(sys.argv) == 3:
-        _child(int(sys.argv[2]))
-    else:
-        sys.exit(f"usage: {sys.argv[0]} child FD (started by NetnsPeer)")
+# -- a scenario both namespace suites run --------------------------------------------------
+
+SUCCESS = dd.LLMStatusCode.LLM_SUCCESS
+LINKED = (SUCCESS, [SUCCESS])
+
+
+def peer_killed_mid_transfer(direction: str, survivor_options: dict, peer_options: dict, path: str) -> None:
+    """A push or pull from this side of the veth killed by its peer's death:
+    it fails within the timeout, a bystander's link carries on, and the
+    cluster links again once back (each link on ``path``)."""
+    timeout_ms = 3000
+    big = {"host_mem_pool_cfg": pool_cfg(288 * MiB)}
+    with Subnet() as subnet, NetnsGroup() as group:
+        options = big | survivor_options | {"sync_kv_timeout": timeout_ms}
+        survivor = group.start("survivor", dd.LLMRole.PROMPT, 1, host=subnet.host_ip, options=options)
+        victim = group.start_in(subnet, "victim", dd.LLMRole.DECODER, 2, options=big | peer_options)
+        third = group.start_in(subnet, "third", dd.LLMRole.DECODER, 3, options=peer_options)
+        assert survivor.link(victim) == LINKED
+        assert survivor.link(third) == LINKED
+        assert survivor.datadist("link_transport", 2) == path
+        assert survivor.datadist("link_transport", 3) == path
+        kill_mid_transfer(survivor, victim, third, direction, timeout_ms)
+
+        # The same cluster comes back in the namespace on another port and is linked again.
+        again = group.start_in(subnet, "victim-again", dd.LLMRole.DECODER, 2, options=peer_options)
+        assert survivor.link(again) == LINKED
+        assert survivor.datadist("link_transport", 2) == path
+        assert_blocks_push(survivor, again, 7, 3)
+        assert_blocks_push(again, survivor, 8, 4)
+

@@ -39,7 +39,7 @@ import numpy as np
 import pytest
 
 import datadist_aio as dd
-from cache_bytes import tensor_bytes
+from support.cache_bytes import tensor_bytes
 
 __all__ = [
     "HAVE_UVLOOP",
