@@ -21,19 +21,18 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from test_device_transfer import (  # noqa: E402
+from support.device import (  # noqa: E402
     INITIATOR,
     OWNER,
     _recv,
     run_pair,
     standin,  # noqa: F401  (the fixture)
 )
-from test_device_memory import Cuda  # noqa: E402
+from datadist_aio.bench.cuda_driver import CudaDriver  # noqa: E402
 
 TENSORS = 2
 BLOCK = 4 << 20
@@ -78,7 +77,7 @@ def _desc(placement: str) -> Any:
 class Cache:
     """One blocks cache of this process, filled and checked whole."""
 
-    def __init__(self, cm: Any, cuda: Cuda, placement: str, key: Any = None) -> None:
+    def __init__(self, cm: Any, cuda: CudaDriver, placement: str, key: Any = None) -> None:
         self.cm, self.cuda, self.placement = cm, cuda, placement
         self.cache = cm.allocate_blocks_cache(_desc(placement), key)
 
@@ -110,7 +109,7 @@ def owner_holds_device_and_host(conn: Any) -> None:
     """A device and a host blocks cache of 1 GiB each; fills, checks and counts when asked."""
     import datadist_aio as dd
 
-    cuda = Cuda()
+    cuda = CudaDriver()
     datadist = _engine(dd.LLMRole.PROMPT, OWNER, listen=True)
     cm = datadist.cache_manager
     caches = {p: Cache(cm, cuda, p, dd.BlocksCacheKey(OWNER, MODEL + i)) for i, p in enumerate(("device", "host"))}
@@ -138,7 +137,7 @@ def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
 def initiator_pushes_and_pulls_a_gib(conn: Any) -> None:
     import datadist_aio as dd
 
-    cuda = Cuda()
+    cuda = CudaDriver()
     port = _recv(conn)
     datadist = _engine(dd.LLMRole.DECODER, INITIATOR, listen=False)
     cluster = dd.LLMClusterInfo()
