@@ -61,12 +61,12 @@ def standin(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def run_pair(driver: Path, owner: Callable[..., None], initiator: Callable[..., None], *args: Any,
              killed: Optional[Callable[..., None]] = None, owner_env: Optional[dict[str, str]] = None,
-             initiator_env: Optional[dict[str, str]] = None) -> None:
+             initiator_env: Optional[dict[str, str]] = None, timeout_s: float = TIMEOUT_S) -> None:
     """Runs ``owner(conn, *args)`` and ``initiator(conn, *args)`` in two spawned
     processes joined by a Pipe (each with the stand-in's environment, updated
     by its own); fails with a child's traceback, or if either dies (but
-    ``killed``, which must end by SIGKILL) or outlives TIMEOUT_S. Both are
-    gone when this returns."""
+    ``killed``, which must end by SIGKILL) or outlives ``timeout_s``. Both
+    are gone when this returns."""
     ctx = multiprocessing.get_context("spawn")
     mine, theirs = ctx.Pipe()
     env = {"DATADIST_AIO_CUDA_DRIVER": str(driver), "STANDIN_CUDA_DEVICES": "1"}
@@ -82,11 +82,11 @@ def run_pair(driver: Path, owner: Callable[..., None], initiator: Callable[..., 
     try:
         # Every child's outcome is gathered before failing: the first to fail
         # is often the one that only saw the other end go away.
-        deadline = time.monotonic() + TIMEOUT_S
+        deadline = time.monotonic() + timeout_s
         problems = []
         for name, process, report in reversed(children):
             if not report.poll(max(0.0, deadline - time.monotonic())):
-                problems.append(f"{name} did not finish within {TIMEOUT_S} s")
+                problems.append(f"{name} did not finish within {timeout_s} s")
                 continue
             try:
                 outcome = report.recv()
