@@ -5,7 +5,7 @@ ranks over the side channel (who it is, its KV layout), maps that layout
 onto its own (``layout.map_heads``: another TP size, another block size),
 and links to each rank it reads from. The result, a ``Route``, is the same
 for every later load from that instance. Everything here runs on the
-connector's loop thread.
+connector's loop thread, but ``contact_now`` (below) and ``poll_claims``.
 
 Several loads may need the same prefill rank at once (a step's loads, or
 two steps' loads while the first link is still being made): each rank's

@@ -4,8 +4,10 @@ One ``LLMDataDist`` per worker process. vLLM's worker thread starts each
 read itself (``pull_blocks_async`` returns at once) and looks at the tasks
 when vLLM asks for finished transfers, once per step: no thread per request,
 no polling of its own, and no hop through another thread on the hot path.
-One event loop, run by one thread, does the rest: the side channel, the
-first link to a peer, release notices.
+One event loop, run by one thread, does the rest: the side channel, release
+notices, and the first contact with a prefill instance where vLLM's worker
+thread did not make it itself within ``first_contact_ms`` (it holds the GIL
+that the loop thread would wait for at every step of it).
 
 - Registration (``groups.py``): each distinct KV tensor vLLM allocated is
   registered in place (``register_blocks_cache`` on its address, no copy).
