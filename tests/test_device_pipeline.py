@@ -54,7 +54,7 @@ def _pattern(seed: int, tensor: int) -> np.ndarray:
 
 def _engine(role: Any, cluster_id: int, listen: bool) -> Any:
     import datadist_aio as dd
-    from peer import pool_cfg
+    from support.peer import pool_cfg
 
     config = dd.LLMConfig()
     config.enable_cache_manager = True
