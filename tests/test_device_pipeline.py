@@ -29,6 +29,7 @@ sys.path.insert(0, str(HERE))
 from support.device import (  # noqa: E402
     INITIATOR,
     OWNER,
+    _engine as _shared_engine,
     _recv,
     run_pair,
     standin,  # noqa: F401  (the fixture)
@@ -53,19 +54,9 @@ def _pattern(seed: int, tensor: int) -> np.ndarray:
 
 
 def _engine(role: Any, cluster_id: int, listen: bool) -> Any:
-    import datadist_aio as dd
-    from support.peer import pool_cfg
-
-    config = dd.LLMConfig()
-    config.enable_cache_manager = True
-    config.enable_remote_cache_accessible = True
-    config.host_mem_pool_cfg = pool_cfg(TENSORS * BLOCKS * BLOCK + (64 << 20))
-    config.sync_kv_timeout = 20000
-    if listen:
-        config.listen_ip_info = "127.0.0.1:0"
-    datadist = dd.LLMDataDist(role, cluster_id)
-    datadist.init(config.generate_options())
-    return datadist
+    """An engine with a host pool for a 1 GiB cache, over "auto"."""
+    return _shared_engine(role, cluster_id, "auto", listen, pool_bytes=TENSORS * BLOCKS * BLOCK + (64 << 20),
+                          timeout_ms=20000)
 
 
 def _desc(placement: str) -> Any:

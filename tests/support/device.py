@@ -163,16 +163,17 @@ def _recv(conn: Any) -> Any:
 # -- both sides ----------------------------------------------------------------------------------
 
 
-def _engine(role: Any, cluster_id: int, transport: str, listen: bool, rca: bool = True) -> Any:
+def _engine(role: Any, cluster_id: int, transport: str, listen: bool, rca: bool = True, pool_bytes: int = 64 << 20,
+            timeout_ms: int = 10000) -> Any:
     import datadist_aio as dd
     from support.peer import pool_cfg
 
     config = dd.LLMConfig()
     config.enable_cache_manager = True
     config.enable_remote_cache_accessible = rca
-    config.host_mem_pool_cfg = pool_cfg(64 << 20)
+    config.host_mem_pool_cfg = pool_cfg(pool_bytes)
     config.transport = transport
-    config.sync_kv_timeout = 10000
+    config.sync_kv_timeout = timeout_ms
     if listen:
         config.listen_ip_info = "127.0.0.1:0"
     datadist = dd.LLMDataDist(role, cluster_id)

@@ -293,9 +293,10 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader, pub
   // frame to a thread of the blocking pool (the driver may not be called
   // from its own thread, and letting go of memory may call it).
   void device_copies_done(std::shared_ptr<DeviceCopies> copies);
-  // Answers a frame whose copies landed well, where nothing in that calls
-  // the driver (so from the driver's thread too); false where it cannot.
-  bool answer_landed(DeviceCopies &copies);
+  // Answers a frame whose copies landed well; false where they failed, or
+  // on the driver's thread (`driver_thread`) where answering may call the
+  // driver (a read that releases a key may let go of memory).
+  bool answer_landed(DeviceCopies &copies, bool driver_thread);
   // The blocking pool's part: answers every frame whose copies have landed
   // (not answered yet), then lets go of their memory.
   void answer_device_copies();

@@ -372,7 +372,7 @@ void Link::serve_device_copy(Connection &conn, const FrameHeader &header, const 
             copies, [held](cuda::CUresult status) mutable {
               held->status = status;
               Link &link = *held->link;
-              link.answer_landed(*held);  // at once where nothing in it calls the driver
+              link.answer_landed(*held, true);  // at once where nothing in it calls the driver
               link.device_copies_done(std::move(held));  // the callback keeps nothing
             },
             why)) {
@@ -403,12 +403,14 @@ void Link::device_copies_done(std::shared_ptr<DeviceCopies> copies) {
   answer_device_copies();
 }
 
-bool Link::answer_landed(DeviceCopies &c) {
-  // A failure is described by the driver, and a read that releases a key
-  // may let go of memory: those are answered by the blocking pool.
-  if (c.status != cuda::CUDA_SUCCESS || (!c.write && (c.req.target.flags & wire::kReleaseKey) != 0)) return false;
+bool Link::answer_landed(DeviceCopies &c, bool driver_thread) {
+  if (c.status != cuda::CUDA_SUCCESS) return false;  // a failure is described by the driver
+  // A read that releases a key may let go of memory: not on the driver's thread.
+  const bool releases = !c.write && (c.req.target.flags & wire::kReleaseKey) != 0;
+  if (releases && driver_thread) return false;
   ipc_bytes_served_.fetch_add(c.req.total_bytes, std::memory_order_relaxed);
   fd_bytes_served_.fetch_add(c.fd_bytes, std::memory_order_relaxed);
+  if (releases) note_read(c.req);
   device_answers_from_stream_.fetch_add(1, std::memory_order_relaxed);
   device_in_flight_.fetch_sub(1, std::memory_order_relaxed);
   send_answer(*c.conn, answer(c.write ? FrameType::kWriteAck : FrameType::kReadData, c.op_id, LLM_SUCCESS, {}));
@@ -431,25 +433,18 @@ void Link::answer_device_copies() {
     if (!self) self = landed.front()->link;
     for (const std::shared_ptr<DeviceCopies> &done : landed) {
       DeviceCopies &c = *done;
-      if (c.answered || answer_landed(c)) {
-        end_work();
-        continue;
-      }
-      Status st = LLM_SUCCESS;
-      std::string words = c.target.why;
-      if (c.status != cuda::CUDA_SUCCESS) {
+      if (!c.answered && !answer_landed(c, false)) {
+        // The copies failed, as queued (-1) or on the stream.
+        std::string words = c.target.why;
         const std::string why = c.status == -1 ? c.why : "the stream: " + c.device->describe(c.status);
-        st = refuse_served(c.req.target.group, llm_datadist::LLM_FAILED, words,
-                           std::string("copying ") + (c.write ? "into" : "out of") + (c.on_device ? " device" : " host") +
-                               " memory on the peer failed (through CUDA IPC): " + why);
-      } else {
-        ipc_bytes_served_.fetch_add(c.req.total_bytes, std::memory_order_relaxed);
-        fd_bytes_served_.fetch_add(c.fd_bytes, std::memory_order_relaxed);
-        if (!c.write) note_read(c.req);
+        const Status st =
+            refuse_served(c.req.target.group, llm_datadist::LLM_FAILED, words,
+                          std::string("copying ") + (c.write ? "into" : "out of") + (c.on_device ? " device" : " host") +
+                              " memory on the peer failed (through CUDA IPC): " + why);
+        if (c.status != -1) device_answers_from_stream_.fetch_add(1, std::memory_order_relaxed);
+        device_in_flight_.fetch_sub(1, std::memory_order_relaxed);
+        send_answer(*c.conn, answer(c.write ? FrameType::kWriteAck : FrameType::kReadData, c.op_id, st, words));
       }
-      if (c.status != -1) device_answers_from_stream_.fetch_add(1, std::memory_order_relaxed);
-      device_in_flight_.fetch_sub(1, std::memory_order_relaxed);
-      send_answer(*c.conn, answer(c.write ? FrameType::kWriteAck : FrameType::kReadData, c.op_id, st, words));
       end_work();
     }
     // `landed` lets go of the memory here, on this thread.
