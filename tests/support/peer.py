@@ -27,6 +27,7 @@ import pickle
 import resource
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -510,6 +511,24 @@ def _answer_error(conn: multiprocessing.connection.Connection, exc: BaseExceptio
     conn.send(("error", exc, text))
 
 
+def _ucx_on_the_device_of(host: str) -> None:
+    """Names the interface that holds ``host`` in ``UCX_NET_DEVICES`` (unless
+    set already), as an operator does on a host with several networks: Debian
+    12's UCX (1.13) does not check that a peer's TCP address is reachable from
+    a device (the libucx-cu12 wheel's 1.22 does), so with a second namespace's
+    veth on this side it may pick that one and fail the link with "Network is
+    unreachable".
+    Loopback peers are left to UCX's own choice."""
+    if host == LOOPBACK or "UCX_NET_DEVICES" in os.environ:
+        return
+    shown = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True, check=False).stdout
+    for line in shown.splitlines():
+        fields = line.split()
+        if len(fields) > 3 and fields[2] == "inet" and fields[3].split("/")[0] == host:
+            os.environ["UCX_NET_DEVICES"] = fields[1].split("@")[0]
+            return
+
+
 def _child_main(
     conn: multiprocessing.connection.Connection,
     role: dd.LLMRole,
@@ -522,6 +541,7 @@ def _child_main(
 ) -> None:
     _die_with_parent()
     try:
+        _ucx_on_the_device_of(host)
         if prepare is not None:
             _PREPARE[prepare]()
         endpoint = _Endpoint(role, cluster_id, listen, options, loop, host)
