@@ -337,8 +337,7 @@ void LinkManager::admit(FormedLink &formed) {
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
-    links_[peer_id] = link;
-    count_made(peer_id);
+    if (!publish(peer_id, link)) return;  // the initiator is gone: its link fails there
   }
   bool sent = true;
   for (size_t i = 0; i < formed.fds.size(); ++i) {
@@ -412,11 +411,16 @@ bool LinkManager::start_timer_locked() {
   return true;
 }
 
-void LinkManager::count_made(uint64_t peer_id) {
+bool LinkManager::publish(uint64_t peer_id, const std::shared_ptr<Link> &link) {
+  // Link::fail marks the link down before it calls link_down(), which takes
+  // mu_: seen up here, a later loss finds it in links_.
+  if (link->is_down()) return false;
+  links_[peer_id] = link;
   ++made_count_[peer_id];
   for (auto it = made_count_.begin(); made_count_.size() > kMaxMadeCounts && it != made_count_.end();) {
     it = links_.count(it->first) == 0 ? made_count_.erase(it) : std::next(it);
   }
+  return true;
 }
 
 Status LinkManager::greet(int fd, uint64_t peer_id, uint64_t nonce, uint32_t index, uint32_t count,
@@ -639,8 +643,9 @@ Status LinkManager::link(uint64_t peer_id, const std::string &ip, uint16_t port,
   }
   std::lock_guard<std::mutex> lock(mu_);
   linking_.erase(peer_id);
-  links_[peer_id] = link;
-  count_made(peer_id);
+  if (!publish(peer_id, link)) {
+    return refuse(LLM_LINK_FAILED, words("the link to cluster ", peer_id, " was closed by the peer as it started"));
+  }
   return LLM_SUCCESS;
 }
 

@@ -157,8 +157,12 @@ class LinkManager : public LinkHost {
   // Starts the timer (and the answer sweep's watch) unless it runs; false
   // when the kernel refuses them (mu_ held).
   bool start_timer_locked();
-  // Counts a link made with `peer_id` (mu_ held).
-  void count_made(uint64_t peer_id);
+  // Makes a started link findable and counts it (mu_ held); false, leaving
+  // it out, when it went down already (its peer closed it while it started):
+  // link_down() found it in no table then, so no comm heard of the loss, and
+  // a dead link kept in the table would refuse every operation toward the
+  // peer for good.
+  bool publish(uint64_t peer_id, const std::shared_ptr<Link> &link);
   // `local_socket` and `answer_socket` (or -1) are this end's descriptors
   // the acceptor may take.
   Status greet(int fd, uint64_t peer_id, uint64_t nonce, uint32_t index, uint32_t count, int local_socket,
