@@ -245,7 +245,20 @@ def push_figures(datadist: Any, target: Target, caches: Caches, pats: list[np.nd
         if batch:
             seconds.append(took)
     path, delta = _path(before, (datadist._engine.link_stats(OWNER), target.call("stats")))
-    return {"seconds": seconds, "best_s": min(seconds), "path": path, "link_stats": delta, "verified": verified}
+    return {"seconds": seconds, "best_s": min(seconds), "path": path, "link_stats": delta, "verified": verified,
+            "owner_frame_us": _owner_frame_us(delta)}
+
+
+def _owner_frame_us(delta: dict[str, int]) -> Optional[dict[str, float]]:
+    """Where the owner's time per device frame went (µs, the mean over the
+    batches): serving up to its copies, the driver's calls queueing them,
+    and from those to the stream's callback; None where no frame went by
+    CUDA IPC."""
+    frames = delta.get("target_device_frames_served", 0)
+    if not frames:
+        return None
+    return {"frames": frames} | {part: delta.get(f"target_device_{part}_ns", 0) / frames / 1e3
+                                 for part in ("serve", "enqueue", "land")}
 
 
 def _holds(driver: CudaDriver, addrs: list[int], data: Any) -> bool:
@@ -483,6 +496,12 @@ def table(report: dict[str, Any]) -> str:
             f"{_size(r['block_size']):>8}  {cell(d2d, 13)} {r.get('ratio_d2d_copy', float('nan')):>5.2f}x "
             f"{(d2d or {}).get('path', '-'):>9}   {cell(dev, 15)} {cell(host, 13)} "
             f"{r.get('ratio_tcp_device_host', float('nan')):>7.2f}x {(dev or {}).get('path', '-'):>7}  {'yes' if ok else 'NO'}")
+    for r in report["results"]:
+        frame = (r.get("d2d") or {}).get("owner_frame_us")
+        if frame:
+            lines.append(f"{_size(r['block_size']):>8}  d2d owner per frame: {frame['serve']:.1f} us serving, "
+                         f"{frame['enqueue']:.1f} us queueing copies, {frame['land']:.1f} us until the callback "
+                         f"({frame['frames']} frames)")
     lines.append(f"goals: d2d push >= {GOALS['d2d_vs_copy']}x the copy; TCP device >= {GOALS['tcp_device_vs_host']}x "
                  "TCP host")
     return "\n".join(lines)

@@ -146,7 +146,10 @@ CommState CommLinks::establish(Comm &comm, const std::vector<uint64_t> &peers, s
     lock.unlock();
     for (auto it = pending.begin(); it != pending.end();) {
       const CommMember &peer = **it;
-      bool up = transport_.find(peer.cluster_id) != nullptr ||
+      // A link going down is found until its loss was told (the observer
+      // hears of it first): it is not up, or the comm would settle on it.
+      const std::shared_ptr<Link> link = transport_.find(peer.cluster_id);
+      bool up = (link != nullptr && !link->is_down()) ||
                 transport_.links_made(peer.cluster_id) > made_before[peer.cluster_id];
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
       if (!up && peer.rank < self_rank && left > 0) {

@@ -580,7 +580,9 @@ Status Engine::prepare_remote(int64_t local_id, uint64_t peer, const LayerSpan &
     return refuse(LLM_PARAM_INVALID, words("cluster ", peer, " is this instance itself, not a peer"));
   }
   link = transport_->find(peer);
-  if (!link && comms_->relinking(peer)) {
+  // A link going down is found until it is taken out; its comm hears of the
+  // loss first, so an operation meanwhile is told to retry.
+  if ((!link || link->is_down()) && comms_->relinking(peer)) {
     return refuse(LLM_PROCESSING_LINK, words("the link to cluster ", peer,
                                              " was lost and its comm is linking it again; retry"));
   }

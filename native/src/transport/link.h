@@ -462,6 +462,7 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader, pub
   // operations (staged ones wait per chunk).
   std::atomic<uint64_t> device_frames_served_{0}, device_answers_from_stream_{0};
   std::atomic<uint64_t> device_in_flight_{0}, device_in_flight_max_{0}, device_stream_waits_{0};
+  std::atomic<uint64_t> device_serve_ns_{0}, device_enqueue_ns_{0}, device_land_ns_{0};
   std::mutex device_done_mu_;
   std::vector<std::shared_ptr<DeviceCopies>> device_done_;  // landed, to be answered (device_done_mu_)
   bool device_answering_ = false;  // a job of the blocking pool answers them (device_done_mu_)

@@ -100,6 +100,7 @@ class LinkManager : public LinkHost {
   // link is lost: it went down while in use, not removed by an unlink from
   // either end. Set before links exist.
   void set_loss_observer(std::function<void(uint64_t peer_id)> observer) { loss_observer_ = std::move(observer); }
+  const std::function<void(uint64_t peer_id)> &loss_observer() const { return loss_observer_; }
   // What the link to `peer_id` runs on, and the ordered transfers its owner
   // side refuses; false without a link. For tests and diagnostics.
   struct LinkStats {

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
@@ -271,6 +272,14 @@ bool Link::open_exports(const std::vector<wire::DeviceExport> &exports, const st
   return true;
 }
 
+namespace {
+
+uint64_t ns_between(std::chrono::steady_clock::time_point from, std::chrono::steady_clock::time_point to) {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(to - from).count());
+}
+
+}  // namespace
+
 struct Link::DeviceCopies {
   std::shared_ptr<Link> link;
   Connection *conn = nullptr;
@@ -287,9 +296,11 @@ struct Link::DeviceCopies {
   cuda::CUresult status = cuda::CUDA_SUCCESS;  // what the stream met; -1: refused as queued (`why`)
   std::string why;
   bool answered = false;  // by answer_landed()
+  std::chrono::steady_clock::time_point queued;  // when copy_async was called
 };
 
 void Link::serve_device_copy(Connection &conn, const FrameHeader &header, const wire::Request &req, bool write) {
+  const auto began = std::chrono::steady_clock::now();
   ResolvedTarget target;
   Status st = resolve_in_group(req, target);
   std::vector<std::shared_ptr<cuda::PeerAllocation>> opened;
@@ -368,16 +379,21 @@ void Link::serve_device_copy(Connection &conn, const FrameHeader &header, const 
     device_frames_served_.fetch_add(1, std::memory_order_relaxed);
     const std::shared_ptr<cuda::Device> device = held->device;
     std::string why;
-    if (device->copy_async(
+    held->queued = std::chrono::steady_clock::now();
+    device_serve_ns_.fetch_add(ns_between(began, held->queued), std::memory_order_relaxed);
+    const auto queued = held->queued;
+    const bool ok = device->copy_async(
             copies, [held](cuda::CUresult status) mutable {
               held->status = status;
               Link &link = *held->link;
+              link.device_land_ns_.fetch_add(ns_between(held->queued, std::chrono::steady_clock::now()),
+                                             std::memory_order_relaxed);
               link.answer_landed(*held, true);  // at once where nothing in it calls the driver
               link.device_copies_done(std::move(held));  // the callback keeps nothing
             },
-            why)) {
-      return;
-    }
+            why);
+    device_enqueue_ns_.fetch_add(ns_between(queued, std::chrono::steady_clock::now()), std::memory_order_relaxed);
+    if (ok) return;
     // Refused as queued: whatever was queued has run; answered here.
     held->status = -1;
     held->why = std::move(why);
@@ -487,6 +503,14 @@ std::map<std::string, uint64_t> Link::path_counters() const {
       {"device_answers_from_stream", get(device_answers_from_stream_)},
       {"device_frames_in_flight_max", get(device_in_flight_max_)},
       {"device_stream_waits", get(device_stream_waits_)},
+      // And where a device frame's time goes, summed over frames (ns): from
+      // its request to its copies being queued (resolving, checking,
+      // opening), the driver's calls that queue them, and from those calls
+      // to the stream's callback (the copies, and the driver's wait before
+      // it calls back).
+      {"device_serve_ns", get(device_serve_ns_)},
+      {"device_enqueue_ns", get(device_enqueue_ns_)},
+      {"device_land_ns", get(device_land_ns_)},
       // UCX. Initiator side: frames sent naming this end's memory for the
       // peer to move with UCX, and those sent again inline because the
       // peer's memory was a device's. Owner side: bytes this end moved with
