@@ -4,7 +4,7 @@ the frames naming the initiator's exported device memory without a thread
 waiting for the copies. Each frame's copies are queued on a stream and
 answered from the stream's callback once they land, so the next frames'
 copies are queued meanwhile; frames of device memory carry no bytes and go
-up to the wire's 64 MiB.
+up to 256 MiB (inline frames: 64 MiB).
 
 What is asserted, from both ends' link counters: how many frames went by
 CUDA IPC, that at least two had copies in flight at the owner at once, that
@@ -12,6 +12,9 @@ every one was answered from the stream and that no owner thread waited for
 a stream; and every byte, checked where it landed. The stand-in's streams
 run their copies on threads of their own, so copies really are in flight
 while the owner reads the next frame.
+
+An owner that cannot open the exports has such a frame sent again inline:
+as frames the wire carries inline, each staged, every byte checked.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ from datadist_aio.bench.cuda_driver import CudaDriver  # noqa: E402
 TENSORS = 2
 BLOCK = 4 << 20
 BLOCKS = 128  # 2 tensors x 128 blocks x 4 MiB: 1 GiB a cache
-FRAME = 64 << 20  # the wire's limit
+FRAME = 256 << 20  # the most a frame of device exports names
+INLINE_FRAME = 64 << 20  # the most a frame carries
 MODEL = 3
 # The stand-in's device memory per process: a 1 GiB cache and room to spare.
 MEMORY = {"STANDIN_CUDA_MEMORY_MB": "1536"}
@@ -152,8 +156,8 @@ def initiator_pushes_and_pulls_a_gib(conn: Any) -> None:
         after = stats()
         ours, owner = _delta(before[0], after[0]), _delta(before[1], after[1])
         seen = f"{what}: this end {ours}, the owner {owner}"
-        # Every frame went by CUDA IPC, none staged, each of the wire's
-        # largest size (the owner copied device memory of the initiator's).
+        # Every frame went by CUDA IPC, none staged, each of the largest
+        # size (the owner copied device memory of the initiator's).
         assert ours["ipc_frames"] == frames and ours["staged_frames"] == 0, seen
         assert ours["ipc_fallbacks"] == 0, seen
         assert owner["ipc_bytes_served"] == TENSORS * BLOCKS * BLOCK, seen
@@ -198,3 +202,87 @@ def test_a_gib_device_to_device_is_served_from_the_stream(standin: Path) -> None
     # Three GiB moved and read back on the stand-in's host copies: minutes on a loaded 2-core machine.
     run_pair(standin, owner_holds_device_and_host, initiator_pushes_and_pulls_a_gib,
              owner_env=MEMORY, initiator_env=MEMORY, timeout_s=400)
+
+
+# -- an owner that cannot open the exports ---------------------------------------------------------------
+
+SPLIT_BLOCKS = 32  # 2 tensors x 32 blocks x 4 MiB: 256 MiB, one frame of device exports
+
+
+def _split_desc(placement: str) -> Any:
+    import datadist_aio as dd
+
+    where = dd.Placement.DEVICE if placement == "device" else dd.Placement.HOST
+    return dd.CacheDesc(TENSORS, [SPLIT_BLOCKS, BLOCK], dd.DataType.DT_UINT8, where)
+
+
+def owner_without_a_driver(conn: Any) -> None:
+    """A host blocks cache of 256 MiB, and no CUDA driver to open the initiator's exports with."""
+    import datadist_aio as dd
+
+    datadist = _engine(dd.LLMRole.PROMPT, OWNER, listen=True)
+    cm = datadist.cache_manager
+    cache = cm.allocate_blocks_cache(_split_desc("host"), dd.BlocksCacheKey(OWNER, MODEL))
+    conn.send(datadist.listen_port)
+    while True:
+        command, *args = _recv(conn)
+        if command == "fill":
+            for t in range(TENSORS):
+                cache.as_numpy(t).reshape(-1)[:] = _pattern(args[0], t)[: SPLIT_BLOCKS * BLOCK]
+            conn.send("filled")
+        elif command == "check":
+            differ = [int(np.count_nonzero(cache.as_numpy(t).reshape(-1) != _pattern(args[0], t)[: SPLIT_BLOCKS * BLOCK]))
+                      for t in range(TENSORS)]
+            conn.send(differ)
+        elif command == "stats":
+            conn.send(datadist._engine.link_stats(INITIATOR))
+        else:
+            break
+    cm.deallocate_blocks_cache(cache)
+    datadist.finalize()
+
+
+def initiator_has_a_big_frame_sent_again_inline(conn: Any) -> None:
+    import datadist_aio as dd
+    from support.peer import cluster_info
+
+    cuda = CudaDriver()
+    port = _recv(conn)
+    datadist = _engine(dd.LLMRole.DECODER, INITIATOR, listen=False)
+    status, _ = datadist.link_clusters([cluster_info(OWNER, port)], 10000)
+    assert status == dd.LLMStatusCode.LLM_SUCCESS
+    cm = datadist.cache_manager
+    mine = cm.allocate_blocks_cache(_split_desc("device"))
+    every = list(range(SPLIT_BLOCKS))
+    size = SPLIT_BLOCKS * BLOCK
+    for t, addr in enumerate(mine.tensor_addrs):
+        cuda.write(addr, _pattern(21, t)[:size])
+    key = dd.BlocksCacheKey(OWNER, MODEL)
+    # One frame of 256 MiB naming this end's exports, refused by the owner,
+    # then sent again inline as four frames of 64 MiB, staged.
+    cm.push_blocks(key, mine, every, every)
+    conn.send(("check", 21))
+    assert _recv(conn) == [0] * TENSORS, "the push sent again inline"
+    stats = datadist._engine.link_stats(OWNER)
+    assert stats["ipc_frames"] == 1 and stats["ipc_fallbacks"] == 1, stats
+    assert stats["staged_frames"] == TENSORS * size // INLINE_FRAME, stats
+    # Later operations on the link go inline at once, in the usual frames.
+    conn.send(("fill", 22))
+    assert _recv(conn) == "filled"
+    cm.pull_blocks(key, mine, every, every)
+    for t, addr in enumerate(mine.tensor_addrs):
+        got = cuda.read(addr, size)
+        assert np.array_equal(got, _pattern(22, t)[:size]), f"tensor {t} of the pull after the fallback"
+    later = datadist._engine.link_stats(OWNER)
+    assert later["ipc_frames"] == 1 and later["staged_frames"] > stats["staged_frames"], later
+    conn.send(("stats",))
+    assert _recv(conn)["ipc_bytes_served"] == 0
+    conn.send(("quit",))
+    cm.deallocate_blocks_cache(mine)
+    datadist.finalize()
+
+
+@pytest.mark.timeout(300)
+def test_a_frame_of_exports_the_owner_cannot_open_goes_again_in_frames_the_wire_carries(standin: Path) -> None:  # noqa: F811
+    run_pair(standin, owner_without_a_driver, initiator_has_a_big_frame_sent_again_inline,
+             owner_env={"DATADIST_AIO_CUDA_DRIVER": "/nonexistent/libcuda.so.1"}, initiator_env=MEMORY, timeout_s=240)

@@ -556,11 +556,11 @@ void add_block_runs(FramePlanner &planner, const CacheEntry &local, const LayerS
 }
 
 // The frames of an operation on `local`'s memory: those that name device
-// exports carry no bytes, so they go up to the wire's limit (fewer frames,
-// each a longer run of copies at the owner).
+// exports carry no bytes, so they go up to the most the peer reads (fewer
+// frames, each a longer run of copies at the owner).
 FramePlanner frames_for(const Link &link, const CacheEntry &local, const wire::Target &target) {
   if (local.device && link.device_frames_by_reference()) {
-    return FramePlanner(target, wire::kMaxFrameData, wire::kMaxRanges);
+    return FramePlanner(target, link.device_frame_bytes(), wire::kMaxRanges);
   }
   return FramePlanner(target);
 }

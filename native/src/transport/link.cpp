@@ -12,6 +12,7 @@
 
 #include "log.h"
 #include "thread_name.h"
+#include "transport/frame_planner.h"
 #include "transport/socket_util.h"
 
 namespace datadist {
@@ -36,6 +37,7 @@ Link::Link(uint64_t peer_id, uint32_t peer_role, bool initiated_here, std::vecto
       answer_fd_(paths.answers),
       peer_opens_device_(paths.peer_opens_device),
       peer_takes_fds_(paths.peer_opens_device && paths.peer_takes_fds),
+      peer_big_device_frames_(paths.peer_opens_device && paths.peer_big_device_frames),
       ucx_(std::move(paths.ucx)) {
   for (int fd : fds) conns_.push_back(std::make_unique<Connection>(fd));
 }
@@ -535,6 +537,15 @@ void Link::send_planned(bool write, PlannedFrame &planned, const std::shared_ptr
       if (same_host) break;
     }
     if (path == PathKind::kTcp) break;
+  }
+  // A device frame planned to name exports, which may name more than a
+  // frame carries, goes inline after all: as pieces the wire carries, each
+  // an operation's frame of its own with its own hold on the request.
+  if (!same_host && data_len > wire::kMaxFrameData) {
+    std::vector<PlannedFrame> pieces = FramePlanner::split(planned, wire::kMaxFrameData);
+    request->hold(pieces.size() - 1);
+    for (PlannedFrame &piece : pieces) send_planned(write, piece, request, result_index, deadline, pin, device, false);
+    return;
   }
   std::shared_ptr<PlannedFrame> resend;
   if (ucx) {

@@ -106,6 +106,9 @@ struct LinkPaths {
   // The peer also takes exports of cuMemCreate memory as descriptors of
   // this end's process (wire::kDeviceFds).
   bool peer_takes_fds = false;
+  // The peer reads frames naming device exports of up to
+  // wire::kMaxDeviceFrameData bytes (wire::kBigDeviceFrames).
+  bool peer_big_device_frames = false;
   // Both ends move bytes with UCX: the endpoint to the peer's worker.
   // Operations started here on host memory go as frames naming it with
   // its keys (wire::kUcxSegments); the peer reads or writes it with UCX.
@@ -159,6 +162,10 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader, pub
   // Whether operations on this end's device memory go as frames naming its
   // exports (CUDA IPC), which carry no bytes, as far as the link knows now.
   bool device_frames_by_reference() const;
+  // The most bytes one such frame may name for the peer.
+  uint64_t device_frame_bytes() const {
+    return peer_big_device_frames_ ? wire::kMaxDeviceFrameData : wire::kMaxFrameData;
+  }
 
   // Asks the peer for the geometry of a cache; blocks up to timeout_ms.
   Status lookup(const wire::Target &target, wire::LookupReply &reply, int timeout_ms);
@@ -451,6 +458,7 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader, pub
   // Device paths.
   const bool peer_opens_device_;
   const bool peer_takes_fds_;
+  const bool peer_big_device_frames_;
   std::atomic<bool> exports_refused_{false};  // the peer could not open this end's exports once
   std::atomic<uint64_t> ipc_frames_{0}, ipc_fallbacks_{0}, staged_frames_{0};
   std::atomic<uint64_t> ipc_bytes_served_{0}, staged_bytes_served_{0};

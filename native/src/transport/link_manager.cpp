@@ -265,6 +265,7 @@ void LinkManager::admit(FormedLink &formed) {
   offer.info = formed.same_host;
   offer.opens_device = formed.opens_device;
   offer.takes_fds = formed.takes_fds;
+  offer.big_device_frames = formed.big_device_frames;
   offer.ucx_address = formed.ucx_address;
   LinkPaths paths;
   std::string why;
@@ -284,6 +285,7 @@ void LinkManager::admit(FormedLink &formed) {
     // Said back only to a peer that said it: one that did not may not know the flag.
     if (paths.peer_opens_device) ack.fixed.flags |= wire::kDeviceHandles;
     if (paths.peer_takes_fds) ack.fixed.flags |= wire::kDeviceFds;
+    if (paths.peer_big_device_frames) ack.fixed.flags |= wire::kBigDeviceFrames;
     ack.same_host = same_host::local_info();
   }
   // The peer linked again: its old link is gone, reaped before the new one
@@ -371,6 +373,7 @@ Status LinkManager::negotiate(uint64_t peer_id, bool acceptor, const PeerOffer &
     paths.announce = !acceptor;
     paths.peer_opens_device = peer.opens_device;
     paths.peer_takes_fds = peer.opens_device && peer.takes_fds;
+    paths.peer_big_device_frames = peer.opens_device && peer.big_device_frames;
   }
   // Transport "auto": UCX for a peer that offers it where the same-host
   // path does not serve (another host, or memory out of reach). The
@@ -428,7 +431,7 @@ Status LinkManager::greet(int fd, uint64_t peer_id, uint64_t nonce, uint32_t ind
   handshake::Hello hello;
   hello.fixed = {cluster_id_, peer_id, nonce, role_.load(), index, count, 0};
   if (options_.same_host) {
-    hello.fixed.flags |= wire::kOffersSameHost | wire::kDeviceHandles | wire::kDeviceFds;
+    hello.fixed.flags |= wire::kOffersSameHost | wire::kDeviceHandles | wire::kDeviceFds | wire::kBigDeviceFrames;
     hello.same_host = same_host::local_info();
     if (local_socket >= 0) {
       hello.fixed.flags |= wire::kLocalSocket;
@@ -582,6 +585,7 @@ Status LinkManager::link(uint64_t peer_id, const std::string &ip, uint16_t port,
     offer.copies_for_me = (ack.fixed.flags & wire::kCopiesForYou) != 0;
     offer.opens_device = (ack.fixed.flags & wire::kDeviceHandles) != 0;
     offer.takes_fds = (ack.fixed.flags & wire::kDeviceFds) != 0;
+    offer.big_device_frames = (ack.fixed.flags & wire::kBigDeviceFrames) != 0;
     if (ack.offers_ucx()) offer.ucx_address = ack.ucx_address;
     std::string why;
     st = negotiate(peer_id, false, offer, paths, why);

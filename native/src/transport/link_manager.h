@@ -148,6 +148,7 @@ class LinkManager : public LinkHost {
     bool copies_for_me = false;  // kCopiesForYou (an ack): the acceptor reached this end's memory
     bool opens_device = false;  // kDeviceHandles
     bool takes_fds = false;  // kDeviceFds
+    bool big_device_frames = false;  // kBigDeviceFrames
     std::string ucx_address;  // kOffersUcx: the peer's worker
   };
   // The one step of both handshakes that settles a link's paths from what

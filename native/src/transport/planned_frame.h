@@ -1,5 +1,5 @@
 // PlannedFrame: one frame of an operation as the initiator planned it (the
-// planner, remote_plan.h, makes them; a link sends them).
+// planner, frame_planner.h, makes them; a link sends them).
 #ifndef DATADIST_TRANSPORT_PLANNED_FRAME_H_
 #define DATADIST_TRANSPORT_PLANNED_FRAME_H_
 

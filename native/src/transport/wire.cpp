@@ -195,8 +195,9 @@ std::string decode_request(const std::vector<uint8_t> &body, Request &out, bool 
   for (size_t i = 0; i < segments; ++i) {
     if (out.segments[i].length != out.ranges[i].length) return "segment length differs from its range";
   }
+  const uint64_t most = device_segments ? kMaxDeviceFrameData : kMaxFrameData;
   for (const Range &r : out.ranges) {
-    if (r.length == 0 || r.length > kMaxFrameData) return "bad range length";
+    if (r.length == 0 || r.length > most) return "bad range length";
   }
   if (strides != 0) {
     std::string problem = unroll(stride_table, out);
@@ -205,7 +206,7 @@ std::string decode_request(const std::vector<uint8_t> &body, Request &out, bool 
   out.total_bytes = 0;
   for (const Range &r : out.ranges) {
     out.total_bytes += r.length;
-    if (out.total_bytes > kMaxFrameData) return "ranges exceed the frame limit";
+    if (out.total_bytes > most) return "ranges exceed the frame limit";
   }
   for (const Segment &s : out.segments) {
     if (s.addr + s.length < s.addr) return "segment wraps around the address space";

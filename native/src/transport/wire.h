@@ -26,6 +26,11 @@ constexpr uint32_t kMagic = 0x4F414444;  // "DDAO"
 constexpr uint16_t kVersion = 1;
 constexpr uint32_t kMaxBodyBytes = 1u << 20;
 constexpr uint64_t kMaxFrameData = 64ull << 20;
+// A same-host frame naming device exports (kDeviceSegments) carries no
+// bytes: it may name this many, to a peer that said kBigDeviceFrames. The
+// owner queues a frame's copies at once, so fewer, longer frames keep its
+// device busy where its time per frame would leave it idle.
+constexpr uint64_t kMaxDeviceFrameData = 256ull << 20;
 constexpr uint32_t kMaxBounds = 2;
 constexpr uint32_t kMaxRanges = (kMaxBodyBytes - 64) / 32 - kMaxBounds;
 // The ranges of one request once its strided ranges are unrolled.
@@ -118,6 +123,11 @@ enum HelloFlags : uint32_t {
   // that many bytes follow the other parts, before the authentication
   // bytes. A link is a UCX link when both said so.
   kOffersUcx = 256,
+  // Same-host links only, beside kDeviceHandles. Hello or ack: the sender
+  // reads frames naming device exports of up to kMaxDeviceFrameData bytes
+  // (else kMaxFrameData). An end sends such frames only to a peer that
+  // said so.
+  kBigDeviceFrames = 512,
 };
 // The longest UCX worker address a hello or ack may carry.
 constexpr uint32_t kMaxUcxAddress = 8192;

@@ -1,4 +1,4 @@
-#include "remote_plan.h"
+#include "transport/frame_planner.h"
 
 #include <algorithm>
 #include <tuple>
@@ -89,6 +89,28 @@ std::vector<PlannedFrame> FramePlanner::take() {
   tracking_ = false;
   if (out.size() > 1 && target_.kind != wire::kRawAddress) {
     for (PlannedFrame &frame : out) frame.bounds = {highest_tensor_, farthest_};
+  }
+  return out;
+}
+
+std::vector<PlannedFrame> FramePlanner::split(const PlannedFrame &frame, uint64_t frame_bytes) {
+  FramePlanner planner(frame.target, frame_bytes, wire::kMaxRanges);
+  size_t element = 0;
+  for (size_t i = 0; i < frame.ranges.size(); ++i) {
+    const wire::Range &r = frame.ranges[i];
+    auto *local = static_cast<uint8_t *>(frame.local[element].iov_base);
+    const wire::Stride *s = frame.strides.empty() ? nullptr : &frame.strides[i];
+    if (s == nullptr || s->count <= 1) {
+      planner.add(local, r.tensor, r.slot, r.offset, r.length);
+      ++element;
+    } else {
+      planner.add_strided(local, s->segment_stride, r.tensor, r.slot, r.offset, s->stride, s->count, r.length);
+      element += s->count;
+    }
+  }
+  std::vector<PlannedFrame> out = planner.take();
+  if (!frame.bounds.empty()) {
+    for (PlannedFrame &piece : out) piece.bounds = frame.bounds;
   }
   return out;
 }
