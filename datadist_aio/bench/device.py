@@ -36,7 +36,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .arguments import byte_size, listed, positive
-from .cuda_driver import DRIVER_ENV, CudaDriver
+from .cuda_driver import DRIVER_ENV, CudaDriver, IpcHandle
 
 OWNER, INITIATOR = 2, 1
 TENSORS = 2  # one layer, K and V
@@ -157,6 +157,9 @@ def target_main(conn: Any, env: dict[str, str], transport: str, device_id: int, 
                 conn.send(("ok", caches.holds(placement, expected[which])))
             elif command == "stats":
                 conn.send(("ok", datadist._engine.link_stats(INITIATOR)))
+            elif command == "ipc_copies":
+                driver.current()
+                conn.send(("ok", ipc_copies_main(driver, *args)))
             else:
                 break
         if caches is not None:
@@ -321,17 +324,12 @@ def copy_baseline(driver: CudaDriver, nbytes: int, iterations: int, device_id: i
             "verified": verified}
 
 
-def driver_copy(driver: CudaDriver, nbytes: int, iterations: int, streams: int) -> dict[str, Any]:
-    """The copies a push's owner makes, without the link: the same bytes
-    between two device buffers of one process with cuMemcpyDtoDAsync, in
-    pieces of the wire's 64 MiB frame spread over ``streams`` streams, then
-    every stream synchronised. Tells the driver's copy apart from what the
-    link adds."""
-    lib = driver.lib
-    per, piece = nbytes // TENSORS, 64 << 20
-    data = patterns(9, nbytes)[0]
-    src = [driver.alloc(per) for _ in range(TENSORS)]
-    dst = [driver.alloc(per) for _ in range(TENSORS)]
+def _timed_copies(driver: CudaDriver, dst: list[int], src: list[int], per: int, iterations: int,
+                  streams: int) -> list[float]:
+    """Seconds of each timed batch (one untimed first): ``src[i]`` copied to
+    ``dst[i]`` with cuMemcpyDtoDAsync in pieces of the wire's 64 MiB frame
+    spread over ``streams`` streams, then every stream synchronised."""
+    lib, piece = driver.lib, 64 << 20
     handles = []
     seconds: list[float] = []
     try:
@@ -339,8 +337,6 @@ def driver_copy(driver: CudaDriver, nbytes: int, iterations: int, streams: int) 
             stream = ctypes.c_void_p()
             driver.check(lib.cuStreamCreate(ctypes.byref(stream), 1), "cuStreamCreate")
             handles.append(stream)
-        for s, d in zip(src, data):
-            driver.write(s, d)
         pieces = [(d + off, s + off, min(piece, per - off)) for d, s in zip(dst, src) for off in range(0, per, piece)]
         for batch in range(iterations + 1):
             driver.sync()
@@ -351,16 +347,86 @@ def driver_copy(driver: CudaDriver, nbytes: int, iterations: int, streams: int) 
                 driver.check(lib.cuStreamSynchronize(stream), "cuStreamSynchronize")
             if batch:
                 seconds.append(time.perf_counter() - started)
-        verified = _holds(driver, dst, data)
     finally:
         for stream in handles:
             lib.cuStreamDestroy_v2(stream)
+    return seconds
+
+
+def _copy_row(kind: str, streams: int, nbytes: int, seconds: list[float], verified: bool) -> dict[str, Any]:
+    best = min(seconds)
+    return {"kind": f"{kind} on {streams} stream{'s' if streams > 1 else ''}", "streams": streams, "bytes": nbytes,
+            "seconds": seconds, "best_s": best, "gbps": nbytes / best / 1e9, "verified": verified}
+
+
+def driver_copy(driver: CudaDriver, nbytes: int, iterations: int, streams: int) -> dict[str, Any]:
+    """The copies a push's owner makes, without the link: the same bytes
+    between two device buffers of one process. Tells the driver's copy
+    apart from what the link adds."""
+    per = nbytes // TENSORS
+    data = patterns(9, nbytes)[0]
+    src = [driver.alloc(per) for _ in range(TENSORS)]
+    dst = [driver.alloc(per) for _ in range(TENSORS)]
+    try:
+        for s, d in zip(src, data):
+            driver.write(s, d)
+        seconds = _timed_copies(driver, dst, src, per, iterations, streams)
+        verified = _holds(driver, dst, data)
+    finally:
         for addr in src + dst:
             driver.free(addr)
-    best = min(seconds)
-    return {"kind": f"cuMemcpyDtoDAsync in 64 MiB pieces on {streams} stream{'s' if streams > 1 else ''}",
-            "streams": streams, "bytes": nbytes, "seconds": seconds, "best_s": best, "gbps": nbytes / best / 1e9,
-            "verified": verified}
+    return _copy_row("cuMemcpyDtoDAsync in 64 MiB pieces", streams, nbytes, seconds, verified)
+
+
+def ipc_copies_main(driver: CudaDriver, handles: list[bytes], nbytes: int, iterations: int,
+                    streams: list[int]) -> list[dict[str, Any]]:
+    """The target's side of ``ipc_copy``: opens the other process's buffers
+    by their CUDA IPC handles, as a push's owner does, and copies them into
+    its own memory; each row checked."""
+    lib, per = driver.lib, nbytes // TENSORS
+    data = patterns(9, nbytes)[0]
+    opened: list[int] = []
+    dst = [driver.alloc(per) for _ in range(TENSORS)]
+    rows = []
+    try:
+        for raw in handles:
+            handle, ptr = IpcHandle(), ctypes.c_ulonglong()
+            ctypes.memmove(ctypes.addressof(handle), raw, ctypes.sizeof(handle))
+            driver.check(lib.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), handle, 1), "cuIpcOpenMemHandle")
+            opened.append(ptr.value)
+        for n in streams:
+            for d in dst:  # so that what is checked after was copied by this row
+                driver.check(lib.cuMemsetD8_v2(d, 0, per), "cuMemsetD8")
+            seconds = _timed_copies(driver, dst, opened, per, iterations, n)
+            rows.append(_copy_row("cuMemcpyDtoDAsync from memory opened by CUDA IPC, in 64 MiB pieces", n, nbytes,
+                                  seconds, _holds(driver, dst, data)))
+    finally:
+        for base in opened:
+            lib.cuIpcCloseMemHandle(base)
+        for addr in dst:
+            driver.free(addr)
+    return rows
+
+
+def ipc_copy(driver: CudaDriver, target: "Target", nbytes: int, iterations: int, streams: list[int]) -> list[dict[str, Any]]:
+    """The owner's copies as a push makes them, still without the link: the
+    target copies this process's buffers, opened by CUDA IPC, into its own
+    memory. Set beside driver_copy, it tells whether memory of another
+    process copies slower than one's own."""
+    lib, per = driver.lib, nbytes // TENSORS
+    data = patterns(9, nbytes)[0]
+    src = [driver.alloc(per) for _ in range(TENSORS)]
+    try:
+        handles = []
+        for s, d in zip(src, data):
+            driver.write(s, d)
+            handle = IpcHandle()
+            driver.check(lib.cuIpcGetMemHandle(ctypes.byref(handle), s), "cuIpcGetMemHandle")
+            handles.append(ctypes.string_at(ctypes.addressof(handle), ctypes.sizeof(handle)))
+        return target.call("ipc_copies", handles, nbytes, iterations, streams)
+    finally:
+        for addr in src:
+            driver.free(addr)
 
 
 def _gbps(row: dict[str, Any], nbytes: int) -> dict[str, Any]:
@@ -416,6 +482,10 @@ def measure(args: argparse.Namespace, driver_path: str, argv: list[str]) -> dict
             if status != dd.LLMStatusCode.LLM_SUCCESS:
                 raise RuntimeError(f"link to the target failed: {status} {statuses}")
             link = datadist.link_transport(OWNER)
+            if transport == "auto":
+                _note("the owner's copies from memory opened by CUDA IPC (no link)")
+                driver.current()
+                report["driver_copies"] += ipc_copy(driver, target, cache_bytes, iterations, [1, 16])
             for seed, size in enumerate(sizes, 1):
                 blocks = cache_bytes // (TENSORS * size)
                 driver.current()
