@@ -31,6 +31,7 @@
 #include "registry.h"
 #include "request.h"
 #include "transport/link.h"
+#include "transport/paths/paths.h"
 #include "transport/paths/same_host/same_host.h"
 
 namespace {
@@ -138,15 +139,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   add_caches(registry);
   FuzzHost host(registry);
 
-  LinkPaths paths;
+  Negotiated paths;
   paths.offered = (mode & kOffered) != 0;
   paths.peer_copies = (mode & kPeerCopies) != 0;
   if ((mode & kReaches) != 0) paths.peer_memory = peer_memory;
   paths.announce = (mode & kAnnounce) != 0;
-  if (paths.offered) paths.order = {PathKind::kSameHost, PathKind::kTcp};  // as the handshake lists them
   int fds[2];
   require(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) == 0, "socketpair failed");
-  auto link = std::make_shared<Link>(kPeerId, 1, (mode & kInitiated) != 0, std::vector<int>{fds[0]}, &host, paths);
+  // As the handshake lists them.
+  auto link = std::make_shared<Link>(kPeerId, 1, (mode & kInitiated) != 0, std::vector<int>{fds[0]}, &host,
+                                     make_paths(paths));
   link->start();
   std::shared_ptr<Request> request;
   if ((mode & kSubmit) != 0) request = submit_both(*link);

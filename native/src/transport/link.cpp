@@ -24,21 +24,13 @@ using wire::FrameHeader;
 using wire::FrameType;
 
 Link::Link(uint64_t peer_id, uint32_t peer_role, bool initiated_here, std::vector<int> fds, LinkHost *host,
-           LinkPaths paths)
+           std::vector<std::shared_ptr<DataPath>> paths, int answers)
     : peer_id_(peer_id),
       peer_role_(peer_role),
-      order_(std::move(paths.order)),
       initiated_here_(initiated_here),
       host_(host),
-      offered_same_host_(paths.offered),
-      announce_copies_(paths.announce && paths.peer_memory != nullptr),
-      peer_copies_(paths.offered && paths.peer_copies),
-      peer_memory_(std::move(paths.peer_memory)),
-      answer_fd_(paths.answers),
-      peer_opens_device_(paths.peer_opens_device),
-      peer_takes_fds_(paths.peer_opens_device && paths.peer_takes_fds),
-      peer_big_device_frames_(paths.peer_opens_device && paths.peer_big_device_frames),
-      ucx_(std::move(paths.ucx)) {
+      paths_(std::move(paths)),
+      answer_fd_(answers) {
   for (int fd : fds) conns_.push_back(std::make_unique<Connection>(fd));
 }
 
@@ -50,12 +42,26 @@ Link::~Link() {
 }
 
 const char *Link::transport() const {
-  for (PathKind path : order_) {
-    if (path == PathKind::kUcx && ucx_) return "ucx";
-    if (path == PathKind::kSameHost && peer_copies_.load(std::memory_order_acquire)) return "same_host";
-    if (path == PathKind::kTcp) break;
+  for (const auto &path : paths_) {
+    if (path->active()) return path->name();
   }
   return "tcp";
+}
+
+bool Link::device_frames_by_reference() const {
+  for (const auto &path : paths_) {
+    const int says = path->device_by_reference();
+    if (says >= 0) return says == 1;
+  }
+  return false;
+}
+
+uint64_t Link::device_frame_bytes() const {
+  for (const auto &path : paths_) {
+    const int says = path->device_by_reference();
+    if (says >= 0) return says == 1 ? path->device_frame_bytes() : wire::kMaxFrameData;
+  }
+  return wire::kMaxFrameData;
 }
 
 bool Link::peer_closed() const {
@@ -93,17 +99,18 @@ bool Link::start() {
     // Unwatched: the peer's sends fail from now on, and it answers on the connections.
     if (answer_id_ == 0) ::shutdown(answer_fd_, SHUT_RDWR);
   }
-  if (announce_copies_) {
-    // Before any thread runs, so it is the first frame the peer reads.
-    OutFrame hello;
-    hello.header = wire::make_header(FrameType::kPeerCopies, 0, 0, 0);
-    conns_[0]->queue.push_back(std::move(hello));
-  }
-  if (ucx_) {
-    std::weak_ptr<Link> weak = self;
-    ucx_->on_error([weak](const std::string &why) {
+  std::weak_ptr<Link> weak = self;
+  for (const auto &path : paths_) {
+    path->start(*this, [weak](const std::string &why) {
       if (auto link = weak.lock()) link->fail(llm_datadist::LLM_LINK_FAILED, why);
     });
+    FrameType type;
+    if (path->first_frame(type)) {
+      // Before any thread runs, so it is the first frame the peer reads.
+      OutFrame first;
+      first.header = wire::make_header(type, 0, 0, 0);
+      conns_[0]->queue.push_back(std::move(first));
+    }
   }
   IoLoop &loop = host_->io_loop();
   for (size_t i = 0; i < conns_.size(); ++i) {
@@ -501,43 +508,21 @@ void Link::send_planned(bool write, PlannedFrame &planned, const std::shared_ptr
   OutFrame out;
   uint64_t data_len = 0;
   for (const iovec &v : planned.local) data_len += v.iov_len;
-  // The link's paths in order (LinkPaths::order); the first that can
-  // carry the frame takes it, inline TCP what none can.
-  // - UCX: memory it reaches goes as a frame naming it, with the keys of
-  //   the tensors it lies in; where its keys cannot be had, inline.
-  // - Same host: the peer copies the bytes, so the frame names this end's
-  //   memory instead of carrying it; device memory of this end only as
-  //   exports the peer can open.
-  // A frame whose segment table would not fit a body goes inline.
+  // The link's paths in order; the first that carries the frame takes it,
+  // inline on the connections what none carries. A frame whose segment
+  // table would not fit a body goes inline.
   size_t body_bytes = sizeof(wire::Target) + planned.ranges.size() * (sizeof(wire::Range) + sizeof(wire::Segment)) +
                       planned.strides.size() * sizeof(wire::Stride) + planned.bounds.size() * sizeof(wire::Range);
-  bool ucx = false;
-  bool same_host = false;  // the frame names this end's memory (by UCX too)
-  std::vector<wire::DeviceExport> exports;
-  std::vector<std::shared_ptr<ucx::Mapping>> keys;
-  for (PathKind path : order_) {
-    if (path == PathKind::kUcx && ucx_ && (!device || ucx_->worker()->reaches_device()) && exports_ok) {
-      std::string why;
-      if (ucx::keys_for(ucx_->worker(), host_->registry(), planned.local, keys, why)) {
-        ucx = body_bytes + ucx::key_table_bytes(keys) <= wire::kMaxBodyBytes;
-      } else if (!ucx_unmapped_logged_.exchange(true)) {
-        log_warning("link to cluster " + std::to_string(peer_id_) + ": an operation goes inline, not by UCX: " + why);
-      }
-      if (!ucx) keys.clear();
-      same_host = ucx;
-      break;
-    }
-    if (path == PathKind::kSameHost && peer_copies_.load(std::memory_order_acquire) &&
-        body_bytes <= wire::kMaxBodyBytes) {
-      same_host = !device ||
-                  (exports_ok && peer_opens_device_ && !exports_refused_.load(std::memory_order_acquire) &&
-                   export_all(*device, planned, peer_takes_fds_, exports) &&
-                   body_bytes + 2 * sizeof(uint32_t) + exports.size() * sizeof(wire::DeviceExport) <=
-                       wire::kMaxBodyBytes);
-      if (same_host) break;
-    }
-    if (path == PathKind::kTcp) break;
+  Carried carried;
+  DataPath *by = nullptr;
+  for (const auto &path : paths_) {
+    const Carry carry = path->carry(planned, device.get(), exports_ok, body_bytes, carried);
+    if (carry == Carry::kCarries) by = path.get();
+    if (carry != Carry::kNext) break;
+    carried = Carried{};
   }
+  if (by == nullptr) carried = Carried{};
+  const bool same_host = by != nullptr;  // the frame names this end's memory
   // A device frame planned to name exports, which may name more than a
   // frame carries, goes inline after all: as pieces the wire carries, each
   // an operation's frame of its own with its own hold on the request.
@@ -547,20 +532,10 @@ void Link::send_planned(bool write, PlannedFrame &planned, const std::shared_ptr
     for (PlannedFrame &piece : pieces) send_planned(write, piece, request, result_index, deadline, pin, device, false);
     return;
   }
+  if (device && !same_host) staged_frames_.fetch_add(1, std::memory_order_relaxed);
   std::shared_ptr<PlannedFrame> resend;
-  if (ucx) {
-    ucx_frames_.fetch_add(1, std::memory_order_relaxed);
-    resend = std::make_shared<PlannedFrame>(planned);  // for a peer whose memory is a device's
-    planned.target.flags |= wire::kUcxSegments;
-  }
-  if (device && !ucx) {
-    (same_host ? ipc_frames_ : staged_frames_).fetch_add(1, std::memory_order_relaxed);
-    if (same_host && std::any_of(exports.begin(), exports.end(),
-                                 [](const wire::DeviceExport &e) { return e.kind == wire::kExportFd; })) {
-      fd_frames_.fetch_add(1, std::memory_order_relaxed);
-    }
-    if (same_host) resend = std::make_shared<PlannedFrame>(planned);
-  }
+  if (carried.may_resend) resend = std::make_shared<PlannedFrame>(planned);
+  planned.target.flags |= carried.flags;
   std::vector<wire::Segment> segments;
   if (same_host) {
     // One segment per range: where its first byte goes (or comes from).
@@ -572,11 +547,11 @@ void Link::send_planned(bool write, PlannedFrame &planned, const std::shared_ptr
       element += planned.strides.empty() ? 1 : planned.strides[i].count;
     }
   } else {
-    exports.clear();
     for (wire::Stride &s : planned.strides) s.segment_stride = 0;
   }
-  out.body = wire::encode_request(planned.target, planned.ranges, planned.bounds, segments, planned.strides, exports);
-  if (ucx) ucx::encode_keys(keys, out.body);
+  out.body =
+      wire::encode_request(planned.target, planned.ranges, planned.bounds, segments, planned.strides, carried.exports);
+  out.body.insert(out.body.end(), carried.trailer.begin(), carried.trailer.end());
   const FrameType type = same_host ? (write ? FrameType::kWriteFrom : FrameType::kReadInto)
                                    : (write ? FrameType::kWrite : FrameType::kRead);
   out.header = wire::make_header(type, 0, static_cast<uint32_t>(out.body.size()), write && !same_host ? data_len : 0);
@@ -596,8 +571,10 @@ void Link::send_planned(bool write, PlannedFrame &planned, const std::shared_ptr
     op.pin = pin;
     op.write = write;
     op.resend = std::move(resend);
-    if (op.resend) op.device = device;
-    op.ucx = ucx;
+    if (op.resend) {
+      op.device = device;
+      op.path = by;
+    }
     if (!write && !same_host) {
       op.recv = std::move(planned.local);
       op.recv_bytes = data_len;
@@ -783,25 +760,31 @@ bool Link::handle_frame(Connection &conn, const FrameHeader &header, std::vector
     case FrameType::kReadInto: {
       wire::Request req;
       std::string problem = wire::decode_request(body, req, true);
-      const bool by_ucx = (req.target.flags & wire::kUcxSegments) != 0;
-      if (problem.empty() && by_ucx && !ucx_) problem = "UCX frame on a link without UCX";
-      if (problem.empty() && !by_ucx && !peer_memory_) {
-        problem = "same-host frame, but this end cannot reach the peer's memory";
+      std::shared_ptr<DataPath> path;
+      if (problem.empty()) path = path_serving(req);
+      if (problem.empty() && !path) {
+        problem = (req.target.flags & wire::kUcxSegments) != 0
+                      ? "UCX frame on a link without UCX"
+                      : "same-host frame, but this end cannot reach the peer's memory";
       }
       if (!problem.empty()) {
         fail(LLM_LINK_FAILED, "malformed request from the peer (" + problem + "); closing the link");
         return false;
       }
-      serve_peer_copy(conn, header, req, type == FrameType::kWriteFrom);
+      serve_by_path(conn, header, req, type == FrameType::kWriteFrom, path);
       return !is_down();
     }
-    case FrameType::kPeerCopies:
-      if (!offered_same_host_ || !body.empty()) {
+    case FrameType::kPeerCopies: {
+      bool ok = false;
+      for (const auto &path : paths_) {
+        if (path->takes(type, body, ok)) break;
+      }
+      if (!ok) {
         fail(LLM_LINK_FAILED, "unexpected same-host announcement from the peer; closing the link");
         return false;
       }
-      peer_copies_.store(true, std::memory_order_release);
       return true;
+    }
     case FrameType::kWriteAck:
     case FrameType::kReadData:
     case FrameType::kLookupReply:
@@ -863,6 +846,70 @@ bool Link::initiator_gone(const Connection &conn) {
 size_t Link::refused_group_count() const {
   std::lock_guard<std::mutex> lock(mu_);
   return refused_groups_.size();
+}
+
+std::shared_ptr<DataPath> Link::path_serving(const wire::Request &req) const {
+  for (const auto &path : paths_) {
+    if (path->serves(req)) return path;
+  }
+  return nullptr;
+}
+
+void Link::serve_by_path(Connection &conn, const FrameHeader &header, const wire::Request &req, bool write,
+                         const std::shared_ptr<DataPath> &path) {
+  auto frame = std::make_shared<ServedFrame>();
+  frame->req = req;
+  frame->write = write;
+  const Status st = resolve_in_group(req, frame->target);
+  if (st != LLM_SUCCESS) {
+    send_answer(conn, answer(write ? FrameType::kWriteAck : FrameType::kReadData, header.op_id, st, frame->target.why));
+    return;
+  }
+  if (path->checks_initiator_first() && initiator_gone(conn)) return;
+  // A path whose bytes always land (a kernel or device copy) counts as the
+  // link's work until answered, so a reap waits for it and no byte lands
+  // after the link's operations are settled. UCX's gets and puts end when
+  // its reap closes the endpoint: they are counted only while answering.
+  const bool counted = path->checks_initiator_first();
+  if (counted && !begin_work()) return;  // being reaped: the peer's operation ends with the link
+  std::shared_ptr<Link> self = shared_from_this();
+  frame->keep = self;
+  const uint64_t op_id = header.op_id;
+  Connection *c = &conn;
+  ServedFrame *served = frame.get();
+  frame->done = [self, c, op_id, served, counted](Moved moved) {
+    if (!counted && !self->begin_work()) return;  // reaped meanwhile: no answer
+    self->end_served(*c, op_id, *served, std::move(moved));
+    self->end_work();
+  };
+  path->serve(std::move(frame));
+}
+
+void Link::end_served(Connection &conn, uint64_t op_id, const ServedFrame &frame, Moved moved) {
+  if (moved.peer_gone) {
+    fail(LLM_LINK_FAILED, "the peer process is gone");
+    return;
+  }
+  Status st = moved.status;
+  std::string words;
+  if (st != LLM_SUCCESS && moved.again_inline) {
+    words = std::move(moved.why);  // not a refusal of the transfer
+  } else if (st != LLM_SUCCESS) {
+    st = refuse_served(frame.req.target.group, st, words, std::move(moved.why), moved.context);
+  } else if (!frame.write) {
+    note_read(frame.req);
+  }
+  send_answer(conn, answer(frame.write ? FrameType::kWriteAck : FrameType::kReadData, op_id, st, words));
+}
+
+void Link::path_counters(std::map<std::string, uint64_t> &out) const {
+  const auto get = [](const std::atomic<uint64_t> &n) { return n.load(std::memory_order_relaxed); };
+  // Inline frames on device memory: initiator side, those sent (staged);
+  // owner side, the bytes staged and the waits for a stream.
+  out["staged_frames"] += get(staged_frames_);
+  out["staged_bytes_served"] += get(staged_bytes_served_);
+  out["device_stream_waits"] += get(device_stream_waits_);
+  for (const auto &path : paths_) path->counters(out);
 }
 
 void Link::serve_lookup(Connection &conn, const FrameHeader &header, const wire::Request &req) {
@@ -942,19 +989,12 @@ bool Link::take_answer(const FrameHeader &header, std::vector<uint8_t> &body, Co
                               std::to_string(header.op_id) + ": " + unknown + "); closing the link");
     return false;
   }
-  if (resend.resend && resend.ucx) {
-    // The peer's memory is a device's, which UCX does not reach there.
-    ucx_fallbacks_.fetch_add(1, std::memory_order_relaxed);
-    send_planned(resend.write, *resend.resend, resend.request, resend.result_index, resend.deadline, resend.pin,
-                 resend.device, false);
-    return true;
-  }
   if (resend.resend) {
-    exports_refused_.store(true, std::memory_order_release);
-    ipc_fallbacks_.fetch_add(1, std::memory_order_relaxed);
-    const std::string why(body.begin(), body.begin() + static_cast<std::ptrdiff_t>(std::min<size_t>(body.size(), wire::kMaxReasonBytes)));
-    log_warning("link to cluster " + std::to_string(peer_id_) + ": device memory goes staged: " + why);
-    // The operation's hold on its request passes to the frame sent again.
+    // The owner cannot serve the frame as its path carried it: the path
+    // hears why, and the frame goes again inline. The operation's hold on
+    // its request passes to the frame sent again.
+    resend.path->refused(std::string(
+        body.begin(), body.begin() + static_cast<std::ptrdiff_t>(std::min<size_t>(body.size(), wire::kMaxReasonBytes))));
     send_planned(resend.write, *resend.resend, resend.request, resend.result_index, resend.deadline, resend.pin,
                  resend.device, false);
     return true;
@@ -1024,28 +1064,14 @@ void Link::reap() {
     std::unique_lock<std::mutex> lock(mu_);
     work_done_cv_.wait(lock, [this] { return working_ == 0; });
   }
-  // Every UCX get or put of the link has ended (failed by the close) before
-  // its operations settle, and before a new link to the peer moves bytes
-  // (LinkManager reaps a peer's links that went down before it links again).
-  // Closed here, not when the link fails: a forced close then, with the peer
-  // frozen, left a relink's first get stalled (UCX 1.13.1, 1 run in 7).
-  if (ucx_) {
-    ucx_->close();
-    if (!ucx_->wait_idle(std::chrono::seconds(5))) {
-      log_warning("link to cluster " + std::to_string(peer_id_) + ": UCX operations still pending after the close");
-    }
-  }
+  // Each path lets go of what it holds of the peer (UCX: its gets and puts
+  // have ended) before the link's operations settle.
+  for (const auto &path : paths_) path->reap();
   // Answers that came before the end settle their operations as answered.
   {
     std::lock_guard<std::mutex> lock(answer_mu_);
     read_answers_locked(AnswerHub::Reader::kLink);
     close_answers_locked();
-  }
-  {
-    // The peer's opened allocations close once no copy uses them.
-    std::lock_guard<std::mutex> lock(opened_mu_);
-    opened_.clear();
-    host_side_device_.reset();
   }
   for (auto &conn : conns_) {
     std::deque<OutFrame> dropped;

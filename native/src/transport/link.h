@@ -37,10 +37,9 @@
 #include "device/cuda_driver.h"
 #include "registry.h"
 #include "request.h"
+#include "transport/data_path.h"
 #include "transport/io_loop.h"
 #include "transport/planned_frame.h"
-#include "transport/paths/same_host/same_host.h"
-#include "transport/paths/ucx/ucx_path.h"
 #include "transport/socket_util.h"
 #include "transport/target_resolver.h"
 #include "transport/wire.h"
@@ -76,54 +75,24 @@ class LinkHost {
   virtual void deadline_at(Clock::time_point) {}
 };
 
-// The paths an operation started here may take.
-enum class PathKind { kSameHost, kUcx, kTcp };
-
-// How a link's bytes move, as its handshake settled it.
-struct LinkPaths {
-  // The paths operations started here try, in order (the handshake's
-  // negotiate step lists them); inline TCP, last, takes what the others
-  // cannot carry.
-  std::vector<PathKind> order{PathKind::kTcp};
-  // This end offered the same-host path (the peer may reach its memory).
-  bool offered = false;
-  // The peer reaches this end's memory: operations started here go as
-  // same-host frames, the peer copying their bytes (all but those whose
-  // local memory is on a device, which no kernel copy reaches: they go as
-  // same-host frames naming CUDA IPC exports where both ends can, else
-  // inline on the connections).
-  bool peer_copies = false;
-  // Set when this end reaches the peer's memory: it serves the peer's
-  // same-host frames with kernel copies. `announce`: the peer does not know
-  // yet, and is told by the link's first frame.
-  std::shared_ptr<same_host::PeerMemory> peer_memory;
-  bool announce = false;
-  // The link's answer socket (a Unix seqpacket socket; the link owns it), or -1.
-  int answers = -1;
-  // The peer reads same-host frames naming exported device memory
-  // (wire::kDeviceHandles in its hello or ack).
-  bool peer_opens_device = false;
-  // The peer also takes exports of cuMemCreate memory as descriptors of
-  // this end's process (wire::kDeviceFds).
-  bool peer_takes_fds = false;
-  // The peer reads frames naming device exports of up to
-  // wire::kMaxDeviceFrameData bytes (wire::kBigDeviceFrames).
-  bool peer_big_device_frames = false;
-  // Both ends move bytes with UCX: the endpoint to the peer's worker.
-  // Operations started here on host memory go as frames naming it with
-  // its keys (wire::kUcxSegments); the peer reads or writes it with UCX.
-  std::shared_ptr<ucx::Peer> ucx;
-};
-
 // A same-host link may have an answer socket beside its connections: each
 // end sends its answers without data there, and the other end's hub (see
 // answer_hub.h) reads them on the thread that waits for them. An answer the
 // socket cannot take at once goes on the connection as before, so either
 // end reads answers from both.
-class Link : public std::enable_shared_from_this<Link>, public AnswerReader, public IoHandler {
+//
+// The link is the control plane: framing and ordering, the open operations
+// and their deadlines, and one sequence per side for every data path
+// (data_path.h); `paths` are the link's in the order operations started
+// here try them (empty: every frame goes inline). `answers` is the link's
+// answer socket (a Unix seqpacket socket; the link owns it), or -1.
+class Link : public std::enable_shared_from_this<Link>,
+             public AnswerReader,
+             public IoHandler,
+             private PathHost {
  public:
   Link(uint64_t peer_id, uint32_t peer_role, bool initiated_here, std::vector<int> fds, LinkHost *host,
-       LinkPaths paths = {});
+       std::vector<std::shared_ptr<DataPath>> paths = {}, int answers = -1);
   ~Link();
   Link(const Link &) = delete;
   Link &operator=(const Link &) = delete;
@@ -131,41 +100,32 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader, pub
   // Puts the connections in the I/O loop; false (the link is then to be
   // failed) when the loop cannot take one.
   bool start();
-  uint64_t peer_id() const { return peer_id_; }
+  uint64_t peer_id() const override { return peer_id_; }
   uint32_t peer_role() const { return peer_role_; }
   bool initiated_here() const { return initiated_here_; }
   bool is_down() const { return down_.load(std::memory_order_acquire); }
-  // How operations started here move their bytes: "same_host" (the peer
-  // copies them with one kernel call; an operation on device memory of
-  // this end goes as a same-host frame naming its exported allocations
-  // where both ends can, else inline, staged) or "tcp".
-  // "ucx": both ends move bytes with UCX (the peer reads or writes this
-  // end's host memory; device memory goes inline).
+  // How operations started here move their bytes: the name of the first
+  // of its paths that they take now ("ucx", "same_host"), else "tcp".
   const char *transport() const;
 
   // Sends the frames of one operation; each settles `result_index` of
   // `request` (one hold per frame is taken here). `pin` stays alive until
   // every frame has settled. `device`: the frames' local memory is that
-  // device's; no kernel copy reaches it. On a same-host link whose peer
-  // opens device memory, a frame whose allocations this end can export
-  // (CUDA IPC) goes as a same-host frame naming them, and the peer copies
-  // device to device; otherwise (or when the peer answers that it cannot
-  // open them, the frame then sent again inline) the bytes go on the
-  // connections, staged through pinned host buffers by the I/O loop's
-  // blocking pool.
+  // device's. Each frame goes by the first of the link's paths that carries
+  // it, else inline on the connections (device memory staged through
+  // pinned host buffers by the I/O loop's blocking pool); one whose owner
+  // answers that it cannot serve it that way goes again inline.
   // Frames of a group (their target's `group` is not 0) all take the same
   // connection, so the peer sees them in order.
   void submit(bool write, std::vector<PlannedFrame> frames, const std::shared_ptr<Request> &request,
               size_t result_index, Clock::time_point deadline, std::shared_ptr<const void> pin,
               std::shared_ptr<cuda::Device> device = nullptr);
 
-  // Whether operations on this end's device memory go as frames naming its
-  // exports (CUDA IPC), which carry no bytes, as far as the link knows now.
+  // Whether operations on this end's device memory go as frames naming it
+  // (no bytes on the connections), as far as the link knows now, and the
+  // most bytes one such frame may name.
   bool device_frames_by_reference() const;
-  // The most bytes one such frame may name for the peer.
-  uint64_t device_frame_bytes() const {
-    return peer_big_device_frames_ ? wire::kMaxDeviceFrameData : wire::kMaxFrameData;
-  }
+  uint64_t device_frame_bytes() const;
 
   // Asks the peer for the geometry of a cache; blocks up to timeout_ms.
   Status lookup(const wire::Target &target, wire::LookupReply &reply, int timeout_ms);
@@ -202,9 +162,10 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader, pub
   // A connection's socket became readable or writable (IoHandler; `tag` is its index).
   void on_ready(uint64_t tag, uint32_t events) override;
   size_t refused_group_count() const;
-  // The counters of the link's paths, by name (what each counts: see
-  // paths/device/link_device.cpp), counted since the link formed.
-  std::map<std::string, uint64_t> path_counters() const;
+  // Adds the counters of the link's own staging and of its paths to `out`,
+  // by name, counted since the link formed (paths.h's zero_counters names
+  // those of paths the link does not have).
+  void path_counters(std::map<std::string, uint64_t> &out) const;
 
  private:
   struct OutFrame {
@@ -271,11 +232,11 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader, pub
     std::string reason;  // the peer's words for a refusal
     std::string failed_here;  // why this end failed it (a device copy)
     std::shared_ptr<LookupState> lookup;  // set for lookups
-    // A same-host frame naming exported device memory: the frame as
-    // planned, sent again inline if the owner cannot open the exports.
+    // A frame a path carried that its owner may not serve that way: the
+    // frame as planned, sent again inline if so, and the path, told first.
     std::shared_ptr<PlannedFrame> resend;
+    DataPath *path = nullptr;
     bool write = false;
-    bool ucx = false;  // a UCX frame: a resend is for the peer's device memory
   };
 
   // Registers and sends one planned frame (its hold on `request` taken);
@@ -283,35 +244,6 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader, pub
   void send_planned(bool write, PlannedFrame &planned, const std::shared_ptr<Request> &request, size_t result_index,
                     Clock::time_point deadline, const std::shared_ptr<const void> &pin,
                     const std::shared_ptr<cuda::Device> &device, bool exports_ok);
-  // The exports of the allocations holding the frame's device memory;
-  // false where one cannot be exported or there are too many.
-  // `fds`: memory of cuMemCreate may go as descriptors.
-  static bool export_all(const cuda::Device &device, const PlannedFrame &planned, bool fds,
-                         std::vector<wire::DeviceExport> &exports);
-  // Serves a same-host frame naming the peer's device exports: checks this
-  // end's ranges, opens the exports, checks every segment against what was
-  // opened, then queues the copies on a stream and returns; the answer goes
-  // once they have landed (answer_device_copies), so the connection's next
-  // frame is read, and its copies queued, meanwhile.
-  void serve_device_copy(Connection &conn, const wire::FrameHeader &header, const wire::Request &req, bool write);
-  // A frame whose device copies are queued: what it holds until they land.
-  struct DeviceCopies;
-  // Called by the driver's thread once a frame's copies have run: hands the
-  // frame to a thread of the blocking pool (the driver may not be called
-  // from its own thread, and letting go of memory may call it).
-  void device_copies_done(std::shared_ptr<DeviceCopies> copies);
-  // Answers a frame whose copies landed well; false where they failed, or
-  // on the driver's thread (`driver_thread`) where answering may call the
-  // driver (a read that releases a key may let go of memory).
-  bool answer_landed(DeviceCopies &copies, bool driver_thread);
-  // The blocking pool's part: answers every frame whose copies have landed
-  // (not answered yet), then lets go of their memory.
-  void answer_device_copies();
-  // The peer's exports opened in `device`'s context (null: this end's
-  // memory is host memory; the export's device is used), cached per link;
-  // false with `why` when one cannot be opened here.
-  bool open_exports(const std::vector<wire::DeviceExport> &exports, const std::shared_ptr<cuda::Device> &device,
-                    std::vector<std::shared_ptr<cuda::PeerAllocation>> &out, std::string &why);
   // Queues a frame on the connection, in order, for the I/O loop to write.
   // A frame of at most kDirectBytes (not the last before closing) is sent
   // by the calling thread instead when the connection is idle (nothing
@@ -363,11 +295,6 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader, pub
   // `serving`: for an operation of the peer's (its waits for the stream are counted).
   bool receive_staged(net::Reader &in, const cuda::Device &device, const std::vector<iovec> &to, uint64_t bytes,
                       bool serving, bool &io_ok, std::string &why);
-  // A same-host copy between device memory of this end (`device`) and the
-  // peer's segments, staged; returns 0, an errno of the kernel copy, or -1
-  // with `why` when the device copy failed.
-  int peer_copy_staged(const cuda::Device &device, const std::vector<iovec> &mine,
-                       const std::vector<wire::Segment> &theirs, bool from_peer, std::string &why);
   // The peer closed a connection after this end asked it to unlink: it
   // closes only once it has dropped its end (and acked on the connection
   // the question took, which another connection's close may overtake), so
@@ -386,12 +313,21 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader, pub
   void serve_lookup(Connection &conn, const wire::FrameHeader &header, const wire::Request &req);
   // A read through a key was served: the owner releases the key once every tensor was read.
   void note_read(const wire::Request &req);
-  // A same-host write (copy from the peer) or read (copy into the peer).
-  void serve_peer_copy(Connection &conn, const wire::FrameHeader &header, const wire::Request &req, bool write);
-  // A UCX frame: checks this end's ranges, then gets the peer's memory
-  // into them (write) or puts them into it and flushes (read); answers
-  // once UCX is done, from the thread that progresses the worker.
-  void serve_ucx(Connection &conn, const wire::FrameHeader &header, const wire::Request &req, bool write);
+  // A frame naming the peer's memory, the owner's one sequence for every
+  // path: resolves this end's ranges, has `path` check and move the bytes,
+  // then answers (end_served).
+  void serve_by_path(Connection &conn, const wire::FrameHeader &header, const wire::Request &req, bool write,
+                     const std::shared_ptr<DataPath> &path);
+  // The answer to a frame a path served: a refusal logged and counted
+  // against its ordered transfer (unless the frame goes again inline), a
+  // read through a key noted, the link failed where the peer is gone.
+  void end_served(Connection &conn, uint64_t op_id, const ServedFrame &frame, Moved moved);
+  // The path that serves a frame naming the peer's memory so; null if none.
+  std::shared_ptr<DataPath> path_serving(const wire::Request &req) const;
+  // PathHost.
+  Registry &registry() override { return host_->registry(); }
+  IoLoop &io_loop() override { return host_->io_loop(); }
+  same_host::CopyPool &copy_pool() override { return host_->copy_pool(); }
   // An answer from a connection (its data to be read from it) or from the
   // answer socket (`conn` is null).
   bool take_answer(const wire::FrameHeader &header, std::vector<uint8_t> &body, Connection *conn);
@@ -430,13 +366,9 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader, pub
 
   const uint64_t peer_id_;
   const uint32_t peer_role_;
-  const std::vector<PathKind> order_;
   const bool initiated_here_;
   LinkHost *host_;
-  const bool offered_same_host_;
-  const bool announce_copies_;
-  std::atomic<bool> peer_copies_;
-  const std::shared_ptr<same_host::PeerMemory> peer_memory_;
+  const std::vector<std::shared_ptr<DataPath>> paths_;
   std::vector<std::unique_ptr<Connection>> conns_;
   const int answer_fd_;
   mutable std::mutex answer_mu_;  // one reader of the answer socket at a time
@@ -455,34 +387,10 @@ class Link : public std::enable_shared_from_this<Link>, public AnswerReader, pub
   std::unordered_set<uint64_t> refused_groups_;
   std::deque<uint64_t> refused_order_;
   std::shared_ptr<LookupState> probe_;  // the probe out, if any
-  // Device paths.
-  const bool peer_opens_device_;
-  const bool peer_takes_fds_;
-  const bool peer_big_device_frames_;
-  std::atomic<bool> exports_refused_{false};  // the peer could not open this end's exports once
-  std::atomic<uint64_t> ipc_frames_{0}, ipc_fallbacks_{0}, staged_frames_{0};
-  std::atomic<uint64_t> ipc_bytes_served_{0}, staged_bytes_served_{0};
-  std::atomic<uint64_t> fd_frames_{0}, fd_bytes_served_{0};
-  // Owner side: device frames served by CUDA IPC, those answered once their
-  // copies landed (from the stream's callback), frames whose copies were
-  // queued and not yet landed (now, and the most at once), and the times a
-  // thread of this end's blocked on a stream serving the peer's device
-  // operations (staged ones wait per chunk).
-  std::atomic<uint64_t> device_frames_served_{0}, device_answers_from_stream_{0};
-  std::atomic<uint64_t> device_in_flight_{0}, device_in_flight_max_{0}, device_stream_waits_{0};
-  std::atomic<uint64_t> device_serve_ns_{0}, device_enqueue_ns_{0}, device_land_ns_{0};
-  std::mutex device_done_mu_;
-  std::vector<std::shared_ptr<DeviceCopies>> device_done_;  // landed, to be answered (device_done_mu_)
-  bool device_answering_ = false;  // a job of the blocking pool answers them (device_done_mu_)
-  // The UCX path (null: the link has none).
-  const std::shared_ptr<ucx::Peer> ucx_;
-  std::atomic<uint64_t> ucx_frames_{0}, ucx_fallbacks_{0}, ucx_bytes_served_{0};
-  std::atomic<bool> ucx_unmapped_logged_{false};  // said once that some memory goes inline
-  // Owner side: the peer's allocations opened here, by handle and device;
-  // closed when the link is reaped (or dropped past kMaxOpened).
-  mutable std::mutex opened_mu_;
-  std::unordered_map<std::string, std::shared_ptr<cuda::PeerAllocation>> opened_;
-  std::shared_ptr<cuda::Device> host_side_device_;  // opens exports for host memory of this end
+  // Inline frames on device memory: those sent, bytes served, and the
+  // waits for a stream that blocked a thread of this end's while serving
+  // the peer's (staged ones wait per chunk).
+  std::atomic<uint64_t> staged_frames_{0}, staged_bytes_served_{0}, device_stream_waits_{0};
   bool reaping_ = false;  // no thread may start any more
   size_t working_ = 0;  // I/O threads and blocking jobs working for the link (mu_)
   std::condition_variable work_done_cv_;

@@ -267,7 +267,8 @@ void LinkManager::admit(FormedLink &formed) {
   offer.takes_fds = formed.takes_fds;
   offer.big_device_frames = formed.big_device_frames;
   offer.ucx_address = formed.ucx_address;
-  LinkPaths paths;
+  Negotiated paths;
+  int answers = -1;  // the link's answer socket, where it has one
   std::string why;
   if (negotiate(peer_id, true, offer, paths, why) != LLM_SUCCESS) {
     log_warning("refused a link from " + std::to_string(peer_id) + ": " + why);
@@ -310,17 +311,17 @@ void LinkManager::admit(FormedLink &formed) {
       ack.fixed.flags |= wire::kLocalSocket;
       tcp_after.fds = formed.fds;
       link_fds = std::move(taken);
-      paths.answers = take_answer_socket(formed);
-      if (paths.answers >= 0) ack.fixed.flags |= wire::kAnswerSocket;
+      answers = take_answer_socket(formed);
+      if (answers >= 0) ack.fixed.flags |= wire::kAnswerSocket;
     }
   }
   std::shared_ptr<Link> link;
   try {
-    link = std::make_shared<Link>(peer_id, formed.role, false, link_fds, this, paths);
+    link = std::make_shared<Link>(peer_id, formed.role, false, link_fds, this, make_paths(paths), answers);
   } catch (const std::bad_alloc &) {
     send_to_all(formed.fds, handshake::refusal(LLM_LINK_FAILED));
     close_all(link_fds);
-    if (paths.answers >= 0) ::close(paths.answers);
+    if (answers >= 0) ::close(answers);
     return;
   }
   {
@@ -351,7 +352,7 @@ void LinkManager::admit(FormedLink &formed) {
   if (!sent) link->fail(LLM_LINK_FAILED, "the initiator went away during the handshake");
 }
 
-Status LinkManager::negotiate(uint64_t peer_id, bool acceptor, const PeerOffer &peer, LinkPaths &paths,
+Status LinkManager::negotiate(uint64_t peer_id, bool acceptor, const PeerOffer &peer, Negotiated &paths,
                                std::string &why) {
   // Transport "ucx": only with a peer that moves bytes with UCX too.
   if (options_.ucx) {
@@ -388,12 +389,6 @@ Status LinkManager::negotiate(uint64_t peer_id, bool acceptor, const PeerOffer &
     if (!paths.ucx) log_warning("link from cluster " + std::to_string(peer_id) + " goes without UCX: " + why);
     why.clear();
   }
-  // The order in which operations started here try them; inline TCP takes
-  // what the others cannot.
-  paths.order.clear();
-  if (paths.ucx) paths.order.push_back(PathKind::kUcx);
-  if (paths.offered) paths.order.push_back(PathKind::kSameHost);
-  paths.order.push_back(PathKind::kTcp);
   return LLM_SUCCESS;
 }
 
@@ -577,7 +572,8 @@ Status LinkManager::link(uint64_t peer_id, const std::string &ip, uint16_t port,
   // The paths, from what the acceptor took: the same-host path (the peer's
   // memory probed, and the peer told by the link's first frame when it was
   // reached) and UCX.
-  LinkPaths paths;
+  Negotiated paths;
+  int answers = -1;  // the link's answer socket, where it has one
   if (st == LLM_SUCCESS) {
     PeerOffer offer;
     offer.same_host = ack.offers_same_host();
@@ -610,7 +606,7 @@ Status LinkManager::link(uint64_t peer_id, const std::string &ip, uint16_t port,
     if ((ack.fixed.flags & wire::kLocalSocket) == 0 || pairs.answers.mine < 0) {
       st = LLM_LINK_FAILED;
     } else {
-      paths.answers = pairs.answers.mine;
+      answers = pairs.answers.mine;
       pairs.answers.mine = -1;
     }
   }
@@ -618,11 +614,11 @@ Status LinkManager::link(uint64_t peer_id, const std::string &ip, uint16_t port,
   if (st == LLM_SUCCESS) {
     for (int fd : fds) net::set_receive_timeout(fd, 0);
     try {
-      link = std::make_shared<Link>(peer_id, peer_role, true, fds, this, paths);
+      link = std::make_shared<Link>(peer_id, peer_role, true, fds, this, make_paths(paths), answers);
       fds.clear();  // the link's now
     } catch (const std::bad_alloc &) {
       st = LLM_LINK_FAILED;
-      if (paths.answers >= 0) ::close(paths.answers);
+      if (answers >= 0) ::close(answers);
     }
   }
   {
@@ -755,7 +751,9 @@ bool LinkManager::link_stats(uint64_t peer_id, LinkStats &stats) const {
   stats.refused_groups = link->refused_group_count();
   stats.local_sockets = link->local_socket_count();
   stats.answer_socket = link->has_answer_socket();
-  stats.paths = link->path_counters();
+  stats.paths.clear();
+  zero_counters(stats.paths);
+  link->path_counters(stats.paths);
   return true;
 }
 

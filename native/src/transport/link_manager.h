@@ -35,6 +35,8 @@
 #include "transport/deadline_timer.h"
 #include "transport/link.h"
 #include "transport/listener.h"
+#include "transport/paths/paths.h"
+#include "transport/paths/same_host/same_host.h"
 #include "transport/paths/ucx/ucx_path.h"
 
 namespace datadist {
@@ -155,7 +157,7 @@ class LinkManager : public LinkHost {
   // the peer offered: the same-host path (its memory probed), UCX (its
   // endpoint made) and their order. Not LLM_SUCCESS (with `why`) when the
   // link cannot be made with them.
-  Status negotiate(uint64_t peer_id, bool acceptor, const PeerOffer &peer, LinkPaths &paths, std::string &why);
+  Status negotiate(uint64_t peer_id, bool acceptor, const PeerOffer &peer, Negotiated &paths, std::string &why);
   // Starts the timer (and the answer sweep's watch) unless it runs; false
   // when the kernel refuses them (mu_ held).
   bool start_timer_locked();

@@ -1,6 +1,6 @@
-// Inline TCP, the owner's side: a kWrite frame's bytes come after its
+// Inline frames, the owner's side: a kWrite frame's bytes come after its
 // header, a kRead's answer carries them (staged where the cache is device
-// memory).
+// memory, link_staged.cpp).
 #include <cstdint>
 #include <memory>
 #include <string>

@@ -1,0 +1,173 @@
+// DataPath: a way an operation's bytes move other than on the link's
+// connections: the peer copies them with one kernel call (same host),
+// copies device memory it opened (CUDA IPC), or gets and puts them (UCX).
+// The frame names the initiator's memory instead of carrying it.
+//
+// The link (link.h) keeps the control plane and runs one sequence on each
+// side for every path:
+//  - initiator: a frame goes by the first path of the link's list that
+//    carries it (carry()), else inline on the connections. An owner that
+//    answers that it cannot serve a frame its path carried
+//    (LLM_FEATURE_NOT_ENABLED, no data) has it sent again inline, the path
+//    told first (refused()).
+//  - owner: a frame naming the initiator's memory goes to the path that
+//    serves it (serves()). The link resolves this end's own ranges first;
+//    the path checks what the peer named against what the peer proved
+//    (its mappings, exports or keys) and moves the bytes; the link answers.
+//    Refusals are logged, counted against their ordered transfer and
+//    answered by the link, once for every path.
+// A path owns its state and counters, and lets go of what it holds of the
+// peer when the link is reaped. The list of paths a link has is settled by
+// the handshake (LinkManager::negotiate, paths/paths.h).
+#ifndef DATADIST_TRANSPORT_DATA_PATH_H_
+#define DATADIST_TRANSPORT_DATA_PATH_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "transport/planned_frame.h"
+#include "transport/target_resolver.h"
+#include "transport/wire.h"
+
+namespace datadist {
+
+class IoLoop;
+class Registry;
+namespace cuda {
+class Device;
+}
+namespace same_host {
+class CopyPool;
+}
+
+// What a path may ask of the link it serves.
+class PathHost {
+ public:
+  virtual ~PathHost() = default;
+  virtual uint64_t peer_id() const = 0;
+  virtual Registry &registry() = 0;
+  virtual IoLoop &io_loop() = 0;
+  virtual same_host::CopyPool &copy_pool() = 0;
+};
+
+// Fails the link with `why`, from any thread, while the link is there (a
+// path's own transport lost the peer); nothing once it is gone.
+using LinkFailer = std::function<void(const std::string &why)>;
+
+// How a path carries one frame at the initiator.
+struct Carried {
+  uint8_t flags = 0;  // target flags it adds (wire::kUcxSegments)
+  std::vector<wire::DeviceExport> exports;  // named by the frame (wire::kDeviceSegments)
+  std::vector<uint8_t> trailer;  // body bytes after the request's (UCX keys)
+  // The owner may answer that it cannot serve the frame this way: it is
+  // then sent again inline.
+  bool may_resend = false;
+};
+
+// How a path ended a frame it served.
+struct Moved {
+  Status status = llm_datadist::LLM_SUCCESS;
+  // The words the initiator is told when `status` is not LLM_SUCCESS.
+  std::string why;
+  // Logged before `why` with a refusal of the transfer.
+  const char *context = "";
+  // Not a refusal of the transfer: the initiator sends the frame again
+  // inline (LLM_FEATURE_NOT_ENABLED; nothing moved, nothing logged, its
+  // ordered transfer goes on).
+  bool again_inline = false;
+  // The peer's process is gone: the link fails, nothing is answered.
+  bool peer_gone = false;
+};
+
+// One frame a path serves: the peer's request, this end's ranges as the
+// link resolved them (its pins keep the memory while bytes move), and the
+// call that ends it.
+struct ServedFrame {
+  wire::Request req;
+  bool write = false;  // the peer's write: this end's memory is the destination
+  ResolvedTarget target;
+  // Answers the frame; called once, from any thread but one that may not
+  // let go of memory (the CUDA driver's): a read that releases a key may.
+  // The frame's memory is let go when the last pointer to it goes.
+  std::function<void(Moved)> done;
+  // The link, alive while the frame is.
+  std::shared_ptr<void> keep;
+};
+
+enum class Carry {
+  kCarries,  // this path takes the frame
+  kNext,     // not this path's: the next one in the list may
+  kInline,   // this path should, and cannot: inline, no other path
+};
+
+class DataPath {
+ public:
+  virtual ~DataPath() = default;
+  // What Link::transport() says when the link's operations take this path.
+  virtual const char *name() const = 0;
+  // Called once by the link's start, before any frame.
+  virtual void start(PathHost &host, LinkFailer fail) {
+    (void)fail;
+    host_ = &host;
+  }
+
+  // -- initiator ---------------------------------------------------------
+  // Whether operations started here take this path now (the first active
+  // path of the list names the link's transport).
+  virtual bool active() const = 0;
+  // Whether frames of this end's device memory go as frames naming it (no
+  // bytes): 1 yes, 0 no, -1 not this path's to say (the next one's).
+  virtual int device_by_reference() const { return -1; }
+  // The most bytes one frame naming this end's device memory may name.
+  virtual uint64_t device_frame_bytes() const { return wire::kMaxFrameData; }
+  // Whether and how this path carries `planned`, whose memory is `device`'s
+  // (or host memory); `exports_ok` is false for a frame sent again inline;
+  // `body_bytes` is the request's body without the path's part.
+  virtual Carry carry(const PlannedFrame &planned, const cuda::Device *device, bool exports_ok, size_t body_bytes,
+                      Carried &out) = 0;
+  // The owner answered that it cannot serve a frame this path carried
+  // (`why`, its words); the frame goes again inline.
+  virtual void refused(const std::string &why) { (void)why; }
+
+  // -- owner ---------------------------------------------------------------
+  // Whether this path serves a frame naming the peer's memory so.
+  virtual bool serves(const wire::Request &req) const = 0;
+  // Whether the link checks that the initiator is still there before the
+  // path moves any byte (a kernel or device copy, which moves them at once).
+  virtual bool checks_initiator_first() const { return false; }
+  // Checks and moves the frame's bytes; may return before they have moved.
+  virtual void serve(std::shared_ptr<ServedFrame> frame) = 0;
+
+  // -- both ----------------------------------------------------------------
+  // A frame this path sends first on the link, before any other (true, its
+  // type in `type`): the same-host path tells the peer it reaches its memory.
+  virtual bool first_frame(wire::FrameType &type) const {
+    (void)type;
+    return false;
+  }
+  // A frame of the path's own from the peer: whether this path takes it
+  // (`ok` false: it was malformed, and the link fails).
+  virtual bool takes(wire::FrameType type, const std::vector<uint8_t> &body, bool &ok) {
+    (void)type;
+    (void)body;
+    (void)ok;
+    return false;
+  }
+
+  // Adds this path's counters to `out` (+=, so paths may share a name).
+  virtual void counters(std::map<std::string, uint64_t> &out) const = 0;
+  // Called once, when the link is reaped: no thread of the link's works
+  // any more; what the path holds of the peer goes.
+  virtual void reap() {}
+
+ protected:
+  PathHost *host_ = nullptr;
+};
+
+}  // namespace datadist
+
+#endif  // DATADIST_TRANSPORT_DATA_PATH_H_
