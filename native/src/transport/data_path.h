@@ -81,6 +81,21 @@ struct Moved {
   bool again_inline = false;
   // The peer's process is gone: the link fails, nothing is answered.
   bool peer_gone = false;
+
+  // A refusal of the operation (and the rest of its ordered transfer).
+  static Moved refusal(Status status, std::string why, const char *context = "") {
+    Moved m;
+    m.status = status;
+    m.why = std::move(why);
+    m.context = context;
+    return m;
+  }
+  // This end cannot serve the frame this way: sent again inline.
+  static Moved inline_instead(std::string why) {
+    Moved m = refusal(llm_datadist::LLM_FEATURE_NOT_ENABLED, std::move(why));
+    m.again_inline = true;
+    return m;
+  }
 };
 
 // One frame a path serves: the peer's request, this end's ranges as the

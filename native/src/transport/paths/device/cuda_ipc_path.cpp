@@ -183,11 +183,7 @@ void CudaIpcPath::serve(std::shared_ptr<ServedFrame> frame) {
   {
     std::string why;
     if (!open_exports(req.exports, target.device, opened, why)) {
-      Moved moved;
-      moved.status = llm_datadist::LLM_FEATURE_NOT_ENABLED;
-      moved.why = "cannot open the initiator's device memory here: " + why;
-      moved.again_inline = true;
-      frame->done(std::move(moved));
+      frame->done(Moved::inline_instead("cannot open the initiator's device memory here: " + why));
       return;
     }
   }
@@ -215,13 +211,11 @@ void CudaIpcPath::serve(std::shared_ptr<ServedFrame> frame) {
                                ? following(req.exports[e].base + peer.size())
                                : -1;
       if (offset >= peer.size() || (left > peer.size() - offset && next < 0)) {
-        Moved moved;
-        moved.status = llm_datadist::LLM_PARAM_INVALID;
-        moved.why = "device segment " + std::to_string(i) + " [" + std::to_string(seg.addr) + ", +" +
-                    std::to_string(seg.length) + ") runs outside its exported allocation of " +
-                    std::to_string(peer.size()) + " bytes at " + std::to_string(req.exports[e].base);
-        moved.context = "refused a device operation: ";
-        frame->done(std::move(moved));
+        frame->done(Moved::refusal(llm_datadist::LLM_PARAM_INVALID,
+                                   "device segment " + std::to_string(i) + " [" + std::to_string(seg.addr) + ", +" +
+                                       std::to_string(seg.length) + ") runs outside its exported allocation of " +
+                                       std::to_string(peer.size()) + " bytes at " + std::to_string(req.exports[e].base),
+                                   "refused a device operation: "));
         return;
       }
       const uint64_t n = std::min(left, peer.size() - offset);
@@ -317,14 +311,13 @@ void CudaIpcPath::answer_landed_frames() {
       if (c.answered || answer_landed(c, false)) continue;
       // The copies failed, as queued (-1) or on the stream.
       const bool write = c.frame->write;
-      Moved moved;
-      moved.status = llm_datadist::LLM_FAILED;
-      moved.why = std::string("copying ") + (write ? "into" : "out of") + (c.on_device ? " device" : " host") +
-                  " memory on the peer failed (through CUDA IPC): " +
-                  (c.status == -1 ? c.why : "the stream: " + c.device->describe(c.status));
       if (c.status != -1) answers_from_stream_.fetch_add(1, std::memory_order_relaxed);
       in_flight_.fetch_sub(1, std::memory_order_relaxed);
-      c.frame->done(std::move(moved));
+      c.frame->done(Moved::refusal(llm_datadist::LLM_FAILED,
+                                   std::string("copying ") + (write ? "into" : "out of") +
+                                       (c.on_device ? " device" : " host") +
+                                       " memory on the peer failed (through CUDA IPC): " +
+                                       (c.status == -1 ? c.why : "the stream: " + c.device->describe(c.status))));
     }
     // `landed` lets go of the memory here, on this thread.
   }

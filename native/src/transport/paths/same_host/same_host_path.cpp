@@ -37,17 +37,16 @@ void SameHostPath::serve(std::shared_ptr<ServedFrame> frame) {
   const wire::Request &req = frame->req;
   const bool write = frame->write;
   ResolvedTarget &target = frame->target;
-  Moved moved;
   // The peer's own ranges, checked before any byte moves: a write reads
   // them, a read writes them.
   if (!peer_memory_->mapped(req.segments, !write)) {
-    moved.status = llm_datadist::LLM_PARAM_INVALID;
-    moved.why = std::string("the initiator's ") + (write ? "source" : "destination") + " memory is not mapped " +
-                (write ? "readable" : "writable") + " in its process";
-    moved.context = "refused a same-host operation: ";
-    frame->done(std::move(moved));
+    frame->done(Moved::refusal(llm_datadist::LLM_PARAM_INVALID,
+                               std::string("the initiator's ") + (write ? "source" : "destination") +
+                                   " memory is not mapped " + (write ? "readable" : "writable") + " in its process",
+                               "refused a same-host operation: "));
     return;
   }
+  Moved moved;
   std::string why;
   if (target.device) staged_bytes_served_.fetch_add(req.total_bytes, std::memory_order_relaxed);
   const int error = target.device ? copy_staged(*target.device, target.iov, req.segments, write, why)
@@ -56,12 +55,12 @@ void SameHostPath::serve(std::shared_ptr<ServedFrame> frame) {
   if (error == ESRCH) {
     moved.peer_gone = true;
   } else if (error == -1) {
-    moved.status = llm_datadist::LLM_FAILED;
-    moved.why = std::string("copying ") + (write ? "into" : "out of") + " device memory on the peer failed: " + why;
+    moved = Moved::refusal(llm_datadist::LLM_FAILED, std::string("copying ") + (write ? "into" : "out of") +
+                                                         " device memory on the peer failed: " + why);
   } else if (error > 0) {
     // The peer's memory changed under the copy: its own operation fails.
-    moved.status = llm_datadist::LLM_PARAM_INVALID;
-    moved.why = std::string("the same-host copy failed: ") + std::strerror(error);
+    moved = Moved::refusal(llm_datadist::LLM_PARAM_INVALID, std::string("the same-host copy failed: ") +
+                                                                std::strerror(error));
   }
   frame->done(std::move(moved));
 }

@@ -67,11 +67,7 @@ void UcxDataPath::serve(std::shared_ptr<ServedFrame> frame) {
   // The CUDA transports copy on this thread too.
   if (mapped && target.device) mapped = target.device->make_current(unmapped);
   if (!mapped) {
-    Moved moved;
-    moved.status = llm_datadist::LLM_FEATURE_NOT_ENABLED;
-    moved.why = "this end's UCX cannot move its memory: " + unmapped;
-    moved.again_inline = true;
-    frame->done(std::move(moved));
+    frame->done(Moved::inline_instead("this end's UCX cannot move its memory: " + unmapped));
     return;
   }
   // One get or put per key: this end's ranges (checked by the link)
@@ -103,16 +99,15 @@ void UcxDataPath::serve(std::shared_ptr<ServedFrame> frame) {
       if (--posted->left != 0) return;
     }
     const ServedFrame &f = *posted->frame;
-    Moved moved;
     if (posted->status != 0) {
-      moved.status = llm_datadist::LLM_FAILED;
-      moved.why = std::string("UCX could not ") +
-                  (f.write ? "read the initiator's memory: " : "write the initiator's memory: ") +
-                  (posted->why.empty() ? peer_->worker()->describe(posted->status) : posted->why);
-    } else {
-      bytes_served_.fetch_add(f.req.total_bytes, std::memory_order_relaxed);
+      f.done(Moved::refusal(llm_datadist::LLM_FAILED,
+                            std::string("UCX could not ") +
+                                (f.write ? "read the initiator's memory: " : "write the initiator's memory: ") +
+                                (posted->why.empty() ? peer_->worker()->describe(posted->status) : posted->why)));
+      return;
     }
-    f.done(std::move(moved));
+    bytes_served_.fetch_add(f.req.total_bytes, std::memory_order_relaxed);
+    f.done(Moved{});
   };
   size_t posts = 0;
   for (const auto &ranges : by_key) posts += ranges.empty() ? 0 : 1;
