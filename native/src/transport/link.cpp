@@ -771,7 +771,7 @@ bool Link::handle_frame(Connection &conn, const FrameHeader &header, std::vector
         fail(LLM_LINK_FAILED, "malformed request from the peer (" + problem + "); closing the link");
         return false;
       }
-      serve_by_path(conn, header, req, type == FrameType::kWriteFrom, path);
+      serve_by_path(conn, header, std::move(req), type == FrameType::kWriteFrom, path);
       return !is_down();
     }
     case FrameType::kPeerCopies: {
@@ -855,12 +855,12 @@ std::shared_ptr<DataPath> Link::path_serving(const wire::Request &req) const {
   return nullptr;
 }
 
-void Link::serve_by_path(Connection &conn, const FrameHeader &header, const wire::Request &req, bool write,
+void Link::serve_by_path(Connection &conn, const FrameHeader &header, wire::Request req, bool write,
                          const std::shared_ptr<DataPath> &path) {
   auto frame = std::make_shared<ServedFrame>();
-  frame->req = req;
+  frame->req = std::move(req);
   frame->write = write;
-  const Status st = resolve_in_group(req, frame->target);
+  const Status st = resolve_in_group(frame->req, frame->target);
   if (st != LLM_SUCCESS) {
     send_answer(conn, answer(write ? FrameType::kWriteAck : FrameType::kReadData, header.op_id, st, frame->target.why));
     return;

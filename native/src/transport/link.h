@@ -316,7 +316,7 @@ class Link : public std::enable_shared_from_this<Link>,
   // A frame naming the peer's memory, the owner's one sequence for every
   // path: resolves this end's ranges, has `path` check and move the bytes,
   // then answers (end_served).
-  void serve_by_path(Connection &conn, const wire::FrameHeader &header, const wire::Request &req, bool write,
+  void serve_by_path(Connection &conn, const wire::FrameHeader &header, wire::Request req, bool write,
                      const std::shared_ptr<DataPath> &path);
   // The answer to a frame a path served: a refusal logged and counted
   // against its ordered transfer (unless the frame goes again inline), a
