@@ -109,10 +109,20 @@ def netns_decoders() -> Iterator[tuple[Subnet, NetnsPeer, NetnsPeer]]:
 
 @pytest.fixture(params=["key", "raw"])
 def ucx_prefill(request: pytest.FixtureRequest, netns_decoders) -> Iterator[Prefill]:
-    """This process as the prefill side, linked to B and C over UCX."""
+    """This process as the prefill side, linked to B and C over UCX, its UCX
+    on this side's veth (as every peer of support/peer.py pins its own: a
+    UCX before the wheel's may pick another namespace's address otherwise)."""
     subnet, b, c = netns_decoders
-    with prefill_side(request.param + "-ucx", [b, c], local=subnet.host_ip) as side:
-        yield side
+    saved = os.environ.get("UCX_NET_DEVICES")
+    os.environ["UCX_NET_DEVICES"] = subnet.host_link
+    try:
+        with prefill_side(request.param + "-ucx", [b, c], local=subnet.host_ip) as side:
+            yield side
+    finally:
+        if saved is None:
+            del os.environ["UCX_NET_DEVICES"]
+        else:
+            os.environ["UCX_NET_DEVICES"] = saved
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
