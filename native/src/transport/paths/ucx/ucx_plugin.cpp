@@ -203,10 +203,17 @@ struct AmHeader {
 };
 
 // A send in flight, with the header UCX reads until it is done.
+// The bytes of an active message as UCX packs them (see kBytesOps).
+struct PackState {
+  const uint8_t *bytes;
+  size_t length;
+};
+
 struct AmSend {
   datadist_ucx_worker *worker;
   AmHeader header;
   bool fails_range;  // this end's own range's message: its failure fails the range
+  PackState pack;    // handed to UCX as the message's one element
 };
 
 // Ends range `token` with `status` where it is still known; under the
@@ -246,27 +253,23 @@ void am_sent(void *request, ucs_status_t status, void *user_data) {
 // send twice when the connection fails under it, which trips its assertion
 // "comp->count > 0" in the survivor's progress (an abort, met once in 8
 // runs of the peer-failure cases over UCX before this).
-struct PackState {
-  const uint8_t *bytes;
-  size_t length;
-};
-
-void *bytes_start_pack(void *, const void *buffer, size_t count) {
-  return new (std::nothrow) PackState{static_cast<const uint8_t *>(buffer), count};
-}
+//
+// The message's one element is the AmSend's own PackState, so packing
+// allocates nothing: UCX 1.13 drops a send purged by a failed endpoint
+// without calling `finish`, and a state allocated in `start_pack` leaked
+// there. The AmSend outlives every pack, as UCX packs before it completes
+// the send.
+void *bytes_start_pack(void *, const void *buffer, size_t) { return const_cast<void *>(buffer); }
 void *bytes_start_unpack(void *, void *, size_t) { return nullptr; }  // never received as such
-// A state that could not be had packs nothing: the peer finds the message
-// short and fails its range.
-size_t bytes_packed_size(void *state) { return state != nullptr ? static_cast<PackState *>(state)->length : 0; }
+size_t bytes_packed_size(void *state) { return static_cast<PackState *>(state)->length; }
 size_t bytes_pack(void *state, size_t offset, void *dest, size_t max_length) {
   const auto *s = static_cast<PackState *>(state);
-  if (s == nullptr) return 0;
   const size_t n = offset < s->length ? std::min(max_length, s->length - offset) : 0;
   std::memcpy(dest, s->bytes + offset, n);
   return n;
 }
 ucs_status_t bytes_unpack(void *, size_t, const void *, size_t) { return UCS_ERR_UNSUPPORTED; }
-void bytes_finish(void *state) { delete static_cast<PackState *>(state); }
+void bytes_finish(void *) {}
 
 const ucp_generic_dt_ops_t kBytesOps = {bytes_start_pack, bytes_start_unpack, bytes_packed_size,
                                          bytes_pack,       bytes_unpack,       bytes_finish};
@@ -275,7 +278,7 @@ const ucp_generic_dt_ops_t kBytesOps = {bytes_start_pack, bytes_start_unpack, by
 // fails at once ends its range here).
 void am_send(datadist_ucx_worker *w, ucp_ep_h ep, unsigned id, const AmHeader &header, const void *data,
              size_t length, bool fails_range) {
-  auto *send = new (std::nothrow) AmSend{w, header, fails_range};
+  auto *send = new (std::nothrow) AmSend{w, header, fails_range, {static_cast<const uint8_t *>(data), length}};
   if (send == nullptr) {
     if (fails_range) {
       std::lock_guard<std::mutex> lock(w->mutex);
@@ -292,7 +295,9 @@ void am_send(datadist_ucx_worker *w, ucp_ep_h ep, unsigned id, const AmHeader &h
     param.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
     param.datatype = w->am_bytes;
   }
-  ucs_status_ptr_t request = ucp_am_send_nbx(ep, id, &send->header, sizeof(send->header), data, length, &param);
+  const void *payload = length > 0 ? static_cast<const void *>(&send->pack) : nullptr;
+  ucs_status_ptr_t request =
+      ucp_am_send_nbx(ep, id, &send->header, sizeof(send->header), payload, length > 0 ? 1 : 0, &param);
   if (UCS_PTR_IS_PTR(request)) return;
   am_sent(nullptr, UCS_PTR_STATUS(request), send);
 }
