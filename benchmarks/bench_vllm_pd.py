@@ -23,9 +23,9 @@ warm-up batch (links and handshakes happen there):
 Prompts are ``--lengths`` tokens long, cycled (50 to 1500 by default); the
 two phases use different prompts, so neither finds the other's blocks in a
 prefix cache. Per request: the connector's own transfer time (the delta of
-its ``*_xfer_time_seconds`` histogram on the decode side: ours from the
-start of the read to the settled task, NIXL's from posting to completion; a
-batch gives its sum over its requests, divided by their count), the decode
+its ``*_xfer_time_seconds`` histogram on the decode side: both from posting
+the reads to their completion; a batch gives its sum over its requests,
+divided by their count), the decode
 side's time to first token (vLLM's request metrics: arrival to first token,
 which holds the load) and the wall time of prefill plus decode (a batch's
 divided by its size). Every decode output is checked against a single
@@ -39,7 +39,10 @@ copy out of the inbox, and the pushes' answers are the prefill side's.
 
 Medians per run, the 99th percentile and maximum of the transfer and TTFT,
 the loads each connector counted failed, the first request of each pair of
-instances (the first warm-up: its link and handshake), then the median and range over the
+instances (the first warm-up: its link and handshake; for ours also its
+``setup``, from the load's start until its reads were posted, which holds
+the first contact: NIXL's handshake has no histogram and shows only in its
+TTFT), then the median and range over the
 runs of each (layout, phase, connector), and the ratios ours/NIXL of the
 medians, go to stdout and to ``--output`` (JSON). ``--model sliding`` runs
 the hybrid variant of the tiny Llama (sliding-window layers beside full
@@ -89,6 +92,7 @@ METRICS["push"] = METRICS["datadist"]
 FAILED = {"datadist": "vllm:datadist_aio_num_failed_transfers", "push": "vllm:datadist_aio_num_failed_transfers",
           "nixl": "vllm:nixl_num_failed_transfers"}
 ANSWERS, ANSWERS_BY_SWEEP = "vllm:datadist_aio_answers_read", "vllm:datadist_aio_answers_read_by_sweep"
+SETUP = "vllm:datadist_aio_load_setup_seconds_sum"  # ours: from a load's start until its reads were posted
 LAYOUTS = {"kv_both": ("kv_both", "kv_both"), "producer_consumer": ("kv_producer", "kv_consumer")}
 PHASES = ("sequential", "batched")
 OURS = ("datadist", "push")
@@ -163,6 +167,7 @@ def one_batch(prefill: Engine, decode: Engine, prompts: list[list[int]], max_tok
         "ttft_s": [result["ttft"] for result in results],
         "transfers": delta(after, before, time_metric),
         "xfer_s": delta(after, before, time_metric + "_sum"),
+        "setup_s": delta(after, before, SETUP) if SETUP in after else None,
         "failed": delta(after, before, FAILED[kind]) if FAILED[kind] in after else 0.0,
         "bytes": delta(after, before, bytes_metric + "_sum"),
         "push_s": delta(pushed_after, pushed_before, time_metric + "_sum"),
@@ -252,6 +257,7 @@ def run_pair(kind: str, layout: str, model: Path, phases: dict[str, tuple[list[l
         for result in results:
             result["first_xfer_ms"] = first["xfer_s"] * 1e3 if first and first["transfers"] else None
             result["first_ttft_ms"] = first["ttft_s"][0] * 1e3 if first and first["ttft_s"][0] is not None else None
+            result["first_setup_ms"] = first["setup_s"] * 1e3 if first and first["setup_s"] is not None else None
         return results
     finally:
         decode.close()
@@ -369,7 +375,8 @@ def main() -> None:
                             f" failed={result['failed_loads']:.0f}"
                             f" first request: xfer={_fmt(result['first_xfer_ms'], 2)} ms"
                             f" ttft={_fmt(result['first_ttft_ms'], 1)} ms"
-                            f" prefill={_fmt(result['median_prefill_ms'], 1)} ms/req"
+                            + (f" setup={_fmt(result['first_setup_ms'], 2)} ms" if kind in OURS else "")
+                            + f" prefill={_fmt(result['median_prefill_ms'], 1)} ms/req"
                             f" wall={_fmt(result['median_wall_ms'], 1)} ms/req"
                             f" kv={_fmt(kv / 2**20 if kv is not None else None, 2)} MiB" + answers,
                             flush=True,
@@ -402,6 +409,7 @@ def main() -> None:
                     "failed_loads": sum(r["failed_loads"] for r in mine),
                     "first_xfer_ms": _agg([r.get("first_xfer_ms") for r in mine]),
                     "first_ttft_ms": _agg([r.get("first_ttft_ms") for r in mine]),
+                    "first_setup_ms": _agg([r.get("first_setup_ms") for r in mine]) if kind in OURS else None,
                     "prefill_ms": _agg([r["median_prefill_ms"] for r in mine]),
                     "wall_ms": _agg([r["median_wall_ms"] for r in mine]),
                     "bytes": _agg([r["median_bytes"] for r in mine]),

@@ -297,7 +297,7 @@ def test_connector_stats_and_prometheus_metrics() -> None:
     from datadist_aio.integrations.vllm import DatadistAioConnector
 
     data = stats.empty()
-    stats.record(data, stats.TransferRecord(0.003, 1 << 20, 8, True, seen_seconds=0.021))
+    stats.record(data, stats.TransferRecord(0.003, 1 << 20, 8, True, seen_seconds=0.021, setup_seconds=0.007))
     stats.record(data, stats.TransferRecord(2.0, 0, 8, False, seen_seconds=2.0))
     stats.add_answers(data, 6, 1)
     built = DatadistAioConnector.build_kv_connector_stats(data)
@@ -329,6 +329,9 @@ def test_connector_stats_and_prometheus_metrics() -> None:
     # The time until vLLM saw each load is a histogram of its own (successes only, as the transfer's).
     assert sample("vllm:datadist_aio_load_seen_seconds_count", {"engine": "0"}) == 2
     assert sample("vllm:datadist_aio_load_seen_seconds_sum", {"engine": "0"}) == pytest.approx(0.042)
+    # So is the time before the reads were posted (a first contact).
+    assert sample("vllm:datadist_aio_load_setup_seconds_count", {"engine": "0"}) == 2
+    assert sample("vllm:datadist_aio_load_setup_seconds_sum", {"engine": "0"}) == pytest.approx(0.014)
     assert sample("vllm:datadist_aio_bytes_transferred_sum", {"engine": "0"}) == 2 * (1 << 20)
     assert sample("vllm:datadist_aio_num_transfers_total", {"engine": "0"}) == 2
     assert sample("vllm:datadist_aio_num_failed_transfers_total", {"engine": "0"}) == 2

@@ -488,7 +488,8 @@ def test_a_held_load_goes_when_the_wait_is_over() -> None:
         a, _b = _in_flight(side, "a", 1, start=start), _in_flight(side, "b", 1)
         _in_flight(side, "f", 1, error="link: refused")
         a.finished = True
-        a.completed_at = start + 0.25  # ...and completed by the engine 0.25 s after
+        side._inflight[0].posted = start + 0.1  # its reads posted 0.1 s after it began (a first contact)...
+        a.completed_at = start + 0.25  # ...and completed by the engine 0.15 s after that
         # A failed load is never held; a finished one only up to the wait.
         first_look = time.perf_counter()
         assert side.get_finished()[1:] == ({"f"}, {"f"})
@@ -496,10 +497,12 @@ def test_a_held_load_goes_when_the_wait_is_over() -> None:
         assert side.get_finished()[1] == set()
         time.sleep(0.06)
         assert side.get_finished()[1] == {"a"}
-        # Its transfer ended when the engine completed it; vLLM first saw it
-        # done at the first look, not when the hold let it go.
+        # Its transfer ran from posting its reads until the engine completed
+        # them (NIXL's span), the contact before it is its setup; vLLM first
+        # saw it done at the first look, not when the hold let it go.
         (record,) = [r for r in side.take_records() if r.ok]
-        assert record.seconds == pytest.approx(0.25, abs=1e-9), record
+        assert record.seconds == pytest.approx(0.15, abs=1e-9), record
+        assert record.setup_seconds == pytest.approx(0.1, abs=1e-9), record
         assert first_look - start <= record.seen_seconds <= looked - start, record
     finally:
         loop.close()

@@ -102,8 +102,8 @@ class DatadistAioPromMetrics(KVConnectorPromMetrics):
         histogram, counter = self._histogram_cls, self._counter_cls
         self._xfer_time = self._per_engine(histogram(
             name="vllm:datadist_aio_xfer_time_seconds",
-            documentation="Time of each request's KV load through datadist_aio, from its start until the engine "
-            "completed it.",
+            documentation="Time of each request's KV load through datadist_aio, from posting its reads until "
+            "the engine completed them.",
             buckets=time_buckets,
             labelnames=labelnames,
         ))
@@ -111,6 +111,13 @@ class DatadistAioPromMetrics(KVConnectorPromMetrics):
             name="vllm:datadist_aio_load_seen_seconds",
             documentation="Time from each request's KV load start until vLLM's step found it done (the transfer "
             "and the wait for that step).",
+            buckets=time_buckets,
+            labelnames=labelnames,
+        ))
+        self._setup_time = self._per_engine(histogram(
+            name="vllm:datadist_aio_load_setup_seconds",
+            documentation="Time from each request's KV load start until its reads were posted (the first "
+            "contact with a prefill instance: hello, authenticated link, claims' channel).",
             buckets=time_buckets,
             labelnames=labelnames,
         ))
@@ -150,6 +157,8 @@ class DatadistAioPromMetrics(KVConnectorPromMetrics):
             self._xfer_time[engine_idx].observe(seconds)
         for seconds in transfer_stats_data.get("seen_duration", ()):
             self._seen_time[engine_idx].observe(seconds)
+        for seconds in transfer_stats_data.get("setup_duration", ()):
+            self._setup_time[engine_idx].observe(seconds)
         for nbytes in transfer_stats_data.get("bytes_transferred", ()):
             self._bytes[engine_idx].observe(nbytes)
         if transfer_stats_data.get("num_successful_transfers"):

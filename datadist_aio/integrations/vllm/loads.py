@@ -20,7 +20,7 @@ from .layout import plan_ranges
 from .metadata import LoadSpec
 from .routes import Route
 
-__all__ = ["Load", "completed_at", "start_pulls"]
+__all__ = ["Load", "completed_at", "posted_at", "start_pulls"]
 
 
 @dataclass
@@ -39,6 +39,9 @@ class Load:
     # When get_finished first found it done: the end of its transfer, also
     # while it is held for the rest of its step.
     seen_done: float = 0.0
+    # When its reads were posted (0.0: never): after the route to the
+    # prefill instance was known, so a first contact is before it.
+    posted: float = 0.0
     # Pulls: the route read, and the prefill ranks whose claim on the
     # request's lease has not been answered yet (guarded by the side's lock);
     # stale: a claim was refused (the prefill freed the blocks), which says
@@ -61,6 +64,11 @@ def completed_at(load: Load) -> float:
     if not stamps:
         return load.seen_done
     return max(min(max(stamps), load.seen_done), load.start)
+
+
+def posted_at(load: Load) -> float:
+    """When the load's reads were posted (its start where it never posted any)."""
+    return load.posted or load.start
 
 
 def start_pulls(load: Load, route: Route, manager: dd.CacheManager, caches: list[dd.Cache],

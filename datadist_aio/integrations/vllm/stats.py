@@ -29,24 +29,28 @@ __all__ = [
     "reduce",
 ]
 
-LIST_KEYS = ("transfer_duration", "bytes_transferred", "num_blocks", "seen_duration")
+LIST_KEYS = ("transfer_duration", "bytes_transferred", "num_blocks", "seen_duration", "setup_duration")
 COUNTER_KEYS = ("num_successful_transfers", "num_failed_transfers", "answers_read", "answers_read_by_sweep")
 SWEEP = "sweep"  # the reader kind of answer_counts() that is the engine's timer sweep
 
 
 @dataclass(frozen=True)
 class TransferRecord:
-    """One request's load: seconds from its start until the engine completed
-    its last operation (the span NixlConnector's histogram measures), bytes
-    moved, blocks, outcome, and seconds until vLLM's step first found it
-    done (``seen_seconds``: the transfer plus the wait for that step; a load
-    held for the rest of its step does not count the hold)."""
+    """One request's load: seconds from posting its reads until the engine
+    completed the last of them (the span NixlConnector's histogram measures,
+    from posting a transfer to its completion), bytes moved, blocks, outcome;
+    seconds from its start until vLLM's step first found it done
+    (``seen_seconds``: the whole load and the wait for that step; a load held
+    for the rest of its step does not count the hold); and seconds from its
+    start until its reads were posted (``setup_seconds``: a first contact
+    with the prefill instance where there was one)."""
 
     seconds: float
     nbytes: int
     blocks: int
     ok: bool
     seen_seconds: float = 0.0
+    setup_seconds: float = 0.0
 
 
 def empty() -> dict[str, Any]:
@@ -62,6 +66,7 @@ def record(data: dict[str, Any], item: TransferRecord) -> None:
         data["bytes_transferred"].append(item.nbytes)
         data["num_blocks"].append(item.blocks)
         data["seen_duration"].append(item.seen_seconds)
+        data["setup_duration"].append(item.setup_seconds)
         data["num_successful_transfers"] += 1
     else:
         data["num_failed_transfers"] += 1

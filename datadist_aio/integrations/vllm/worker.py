@@ -65,7 +65,7 @@ from .host_buffer import HostBuffer, kv_placement
 from .inbox import CLAIMED, COMMITTED, Inbox
 from .layout import LayoutError, WorkerLayout
 from .leases import Leases
-from .loads import Load, completed_at, start_pulls
+from .loads import Load, completed_at, posted_at, start_pulls
 from .metadata import LoadSpec, StepPlan
 from .push import INBOX_MODEL_ID, Pusher, PushSettings
 from .routes import Route, Router, instance_of
@@ -524,6 +524,7 @@ class WorkerSide:
         if route is not None and not error:
             load.route = route
             load.holds_pending = len(route.sources)
+            load.posted = time.perf_counter()
             try:
                 self._start_pulls(load, route)
             except Exception as exc:  # refused before any byte moved (a dropped link, ...)
@@ -610,8 +611,10 @@ class WorkerSide:
                 self._failed_recving.add(spec.req_id)
             self._finished_recving.add(spec.req_id)
             seen = load.seen_done - load.start
-            self._records.append(TransferRecord(completed_at(load) - load.start if ok else seen,
-                                                load.nbytes if ok else 0, len(blocks), ok, seen))
+            posted = posted_at(load)
+            self._records.append(TransferRecord(completed_at(load) - posted if ok else seen,
+                                                load.nbytes if ok else 0, len(blocks), ok, seen,
+                                                posted - load.start))
         return ok
 
     @property
