@@ -335,6 +335,10 @@ def test_the_device_benchmark_runs_on_the_driver_standin(tmp_path):
     assert report["driver"]["standin"] and report["driver"]["library"] == str(driver)
     assert report["baseline"]["verified"] and report["baseline"]["kind"].startswith("cuMemcpyDtoD")
     assert [r["block_size"] for r in report["results"]] == [256 * KiB, MiB]
+    # The driver's own copies, in one process and from memory opened by CUDA IPC in another, each checked.
+    copies = report["driver_copies"]
+    assert [(r["streams"], "IPC" in r["kind"]) for r in copies] == [(1, False), (16, False), (1, True), (16, True)]
+    assert all(r["verified"] and r["bytes"] == 2 * MiB for r in copies), copies
     for row in report["results"]:
         d2d, dev, host = row["d2d"], row["tcp_device"], row["tcp_host"]
         assert all(r["verified"] and len(r["seconds"]) == 2 and r["gbps"] > 0 for r in (d2d, dev, host)), row

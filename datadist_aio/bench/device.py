@@ -19,6 +19,7 @@ bytes of each measurement.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import datetime
 import importlib
@@ -31,7 +32,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 
@@ -359,22 +360,35 @@ def _copy_row(kind: str, streams: int, nbytes: int, seconds: list[float], verifi
             "seconds": seconds, "best_s": best, "gbps": nbytes / best / 1e9, "verified": verified}
 
 
+@contextlib.contextmanager
+def _patterned(driver: CudaDriver, nbytes: int) -> Iterator[tuple[list[int], list[np.ndarray]]]:
+    """One device buffer per tensor holding its share of ``patterns(9,
+    nbytes)``: (addresses, their bytes); freed after."""
+    per = nbytes // TENSORS
+    data = patterns(9, nbytes)[0]
+    src = [driver.alloc(per) for _ in range(TENSORS)]
+    try:
+        for s, d in zip(src, data):
+            driver.write(s, d)
+        yield src, data
+    finally:
+        for addr in src:
+            driver.free(addr)
+
+
 def driver_copy(driver: CudaDriver, nbytes: int, iterations: int, streams: int) -> dict[str, Any]:
     """The copies a push's owner makes, without the link: the same bytes
     between two device buffers of one process. Tells the driver's copy
     apart from what the link adds."""
     per = nbytes // TENSORS
-    data = patterns(9, nbytes)[0]
-    src = [driver.alloc(per) for _ in range(TENSORS)]
-    dst = [driver.alloc(per) for _ in range(TENSORS)]
-    try:
-        for s, d in zip(src, data):
-            driver.write(s, d)
-        seconds = _timed_copies(driver, dst, src, per, iterations, streams)
-        verified = _holds(driver, dst, data)
-    finally:
-        for addr in src + dst:
-            driver.free(addr)
+    with _patterned(driver, nbytes) as (src, data):
+        dst = [driver.alloc(per) for _ in range(TENSORS)]
+        try:
+            seconds = _timed_copies(driver, dst, src, per, iterations, streams)
+            verified = _holds(driver, dst, data)
+        finally:
+            for addr in dst:
+                driver.free(addr)
     return _copy_row("cuMemcpyDtoDAsync in 64 MiB pieces", streams, nbytes, seconds, verified)
 
 
@@ -413,20 +427,14 @@ def ipc_copy(driver: CudaDriver, target: "Target", nbytes: int, iterations: int,
     target copies this process's buffers, opened by CUDA IPC, into its own
     memory. Set beside driver_copy, it tells whether memory of another
     process copies slower than one's own."""
-    lib, per = driver.lib, nbytes // TENSORS
-    data = patterns(9, nbytes)[0]
-    src = [driver.alloc(per) for _ in range(TENSORS)]
-    try:
+    lib = driver.lib
+    with _patterned(driver, nbytes) as (src, _data):
         handles = []
-        for s, d in zip(src, data):
-            driver.write(s, d)
+        for s in src:
             handle = IpcHandle()
             driver.check(lib.cuIpcGetMemHandle(ctypes.byref(handle), s), "cuIpcGetMemHandle")
             handles.append(ctypes.string_at(ctypes.addressof(handle), ctypes.sizeof(handle)))
         return target.call("ipc_copies", handles, nbytes, iterations, streams)
-    finally:
-        for addr in src:
-            driver.free(addr)
 
 
 def _gbps(row: dict[str, Any], nbytes: int) -> dict[str, Any]:

@@ -154,6 +154,13 @@ class DataPath {
   // Whether the link checks that the initiator is still there before the
   // path moves any byte (a kernel or device copy, which moves them at once).
   virtual bool checks_initiator_first() const { return false; }
+  // Whether a frame this path serves is the link's work until answered: its
+  // bytes land whatever becomes of the link once the path started them (a
+  // kernel or device copy), so the link's reap waits for it and no byte
+  // lands after the link's operations settled. False: the path's own reap
+  // ends what it started (UCX closes the endpoint), and the frame is the
+  // link's work only while it is answered.
+  virtual bool reap_waits() const { return false; }
   // Checks and moves the frame's bytes; may return before they have moved.
   virtual void serve(std::shared_ptr<ServedFrame> frame) = 0;
 

@@ -866,11 +866,7 @@ void Link::serve_by_path(Connection &conn, const FrameHeader &header, wire::Requ
     return;
   }
   if (path->checks_initiator_first() && initiator_gone(conn)) return;
-  // A path whose bytes always land (a kernel or device copy) counts as the
-  // link's work until answered, so a reap waits for it and no byte lands
-  // after the link's operations are settled. UCX's gets and puts end when
-  // its reap closes the endpoint: they are counted only while answering.
-  const bool counted = path->checks_initiator_first();
+  const bool counted = path->reap_waits();  // else: counted only while answered
   if (counted && !begin_work()) return;  // being reaped: the peer's operation ends with the link
   std::shared_ptr<Link> self = shared_from_this();
   frame->keep = self;

@@ -46,6 +46,7 @@ class CudaIpcPath : public DataPath {
   void refused(const std::string &why) override;
   bool serves(const wire::Request &req) const override;
   bool checks_initiator_first() const override { return true; }
+  bool reap_waits() const override { return true; }
   void serve(std::shared_ptr<ServedFrame> frame) override;
   void counters(std::map<std::string, uint64_t> &out) const override;
   // Its counters' names, at 0 (paths.h).

@@ -36,6 +36,7 @@ class SameHostPath : public DataPath {
               Carried &out) override;
   bool serves(const wire::Request &req) const override;
   bool checks_initiator_first() const override { return true; }
+  bool reap_waits() const override { return true; }
   void serve(std::shared_ptr<ServedFrame> frame) override;
   bool first_frame(wire::FrameType &type) const override;
   bool takes(wire::FrameType type, const std::vector<uint8_t> &body, bool &ok) override;
