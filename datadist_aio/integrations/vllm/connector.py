@@ -100,27 +100,23 @@ class DatadistAioPromMetrics(KVConnectorPromMetrics):
         time_buckets = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
         byte_buckets = [2 ** (10 + i) for i in range(0, 25, 2)]
         histogram, counter = self._histogram_cls, self._counter_cls
-        self._xfer_time = self._per_engine(histogram(
-            name="vllm:datadist_aio_xfer_time_seconds",
-            documentation="Time of each request's KV load through datadist_aio, from posting its reads until "
-            "the engine completed them.",
-            buckets=time_buckets,
-            labelnames=labelnames,
-        ))
-        self._seen_time = self._per_engine(histogram(
-            name="vllm:datadist_aio_load_seen_seconds",
-            documentation="Time from each request's KV load start until vLLM's step found it done (the transfer "
-            "and the wait for that step).",
-            buckets=time_buckets,
-            labelnames=labelnames,
-        ))
-        self._setup_time = self._per_engine(histogram(
-            name="vllm:datadist_aio_load_setup_seconds",
-            documentation="Time from each request's KV load start until its reads were posted (the first "
-            "contact with a prefill instance: hello, authenticated link, claims' channel).",
-            buckets=time_buckets,
-            labelnames=labelnames,
-        ))
+
+        def seconds(name: str, documentation: str) -> dict[int, Any]:
+            return self._per_engine(histogram(name=name, documentation=documentation, buckets=time_buckets,
+                                              labelnames=labelnames))
+
+        self._xfer_time = seconds(
+            "vllm:datadist_aio_xfer_time_seconds",
+            "Time of each request's KV load through datadist_aio, from posting its reads until the engine "
+            "completed them.")
+        self._seen_time = seconds(
+            "vllm:datadist_aio_load_seen_seconds",
+            "Time from each request's KV load start until vLLM's step found it done (the transfer and the wait "
+            "for that step).")
+        self._setup_time = seconds(
+            "vllm:datadist_aio_load_setup_seconds",
+            "Time from each request's KV load start until its reads were posted (the first contact with a "
+            "prefill instance: hello, authenticated link, claims' channel).")
         self._bytes = self._per_engine(histogram(
             name="vllm:datadist_aio_bytes_transferred",
             documentation="Bytes of KV cache each request's load moved through datadist_aio.",
