@@ -361,9 +361,9 @@ def _copy_row(kind: str, streams: int, nbytes: int, seconds: list[float], verifi
 
 
 @contextlib.contextmanager
-def _patterned(driver: CudaDriver, nbytes: int) -> Iterator[tuple[list[int], list[np.ndarray]]]:
+def _patterned(driver: CudaDriver, nbytes: int) -> Iterator[tuple[list[int], np.ndarray]]:
     """One device buffer per tensor holding its share of ``patterns(9,
-    nbytes)``: (addresses, their bytes); freed after."""
+    nbytes)``: (addresses, their bytes, one row per tensor); freed after."""
     per = nbytes // TENSORS
     data = patterns(9, nbytes)[0]
     src = [driver.alloc(per) for _ in range(TENSORS)]
