@@ -69,19 +69,6 @@ MiB = 1 << 20
 HAVE_UVLOOP = importlib.util.find_spec("uvloop") is not None
 # Whether links can take transport "ucx" here (the UCX plugin and UCX load).
 HAVE_UCX, UCX_WHY = dd._native.ucx_available()
-# Where UCX has only its TCP transport (no RDMA device here; its shared
-# memory handles no peer failure), it emulates one-sided operations in
-# software, and a peer that dies with a get or put in flight can make UCX
-# abort the process that served it: its own fatal "unexpected error:
-# Endpoint timeout" (seen with UCX 1.13.1 and 1.22.0). Cases that kill a peer
-# mid-operation over UCX run only where DATADIST_AIO_TEST_UCX_PEER_DEATH=1
-# says its transports are one-sided (RDMA).
-UCX_PEER_DEATH = pytest.mark.skipif(
-    not HAVE_UCX or os.environ.get("DATADIST_AIO_TEST_UCX_PEER_DEATH") != "1",
-    reason="UCX over TCP can abort a process whose peer dies mid-operation (set DATADIST_AIO_TEST_UCX_PEER_DEATH=1 "
-    f"where UCX has RDMA); {UCX_WHY}",
-)
-
 _SPAWN = multiprocessing.get_context("spawn")
 # Spawning starts multiprocessing's resource tracker once per process and keeps
 # a descriptor to it; starting it now keeps it out of the per-test fd check.
