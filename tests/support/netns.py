@@ -41,7 +41,7 @@ __all__ = ["NetnsGroup", "NetnsPeer", "Subnet", "peer_killed_mid_transfer", "spa
 _PREFIX = "10.213"
 _NAME = re.compile(r"^ddaio-(\d+)-(\d+)$")
 _counter = itertools.count()
-_TOOL_TIMEOUT = 10.0
+_TOOL_TIMEOUT = 60.0  # generous: `ip` once took over 10 s at a load of 20 on 2 cores
 _unavailable: Optional[str] = None
 _probed = False
 
