@@ -203,9 +203,9 @@ class DatadistAioKVManager(CommonKVManager):
         self._confirmed: Dict[int, set] = {}
         self._datadist = self._start_engine(args, server_args)
         if self.disaggregation_mode == DisaggregationMode.PREFILL:
-            self._start_thread(self._prefill_loop, "datadist-aio-prefill")
+            self._start_thread(self._control_loop, "datadist-aio-prefill", self._on_prefill_message)
         elif self.disaggregation_mode == DisaggregationMode.DECODE:
-            self._start_thread(self._decode_loop, "datadist-aio-decode")
+            self._start_thread(self._control_loop, "datadist-aio-decode", self._on_decode_message)
             self._worker_threads.append(self._start_heartbeat_checker_thread())
 
     # -- set-up ---------------------------------------------------------------------
@@ -240,10 +240,22 @@ class DatadistAioKVManager(CommonKVManager):
                  "prefill" if prefill else "decode", self.layout.describe(), self.cluster_id, datadist.listen_port)
         return datadist
 
-    def _start_thread(self, target: Any, name: str) -> None:
-        thread = threading.Thread(target=target, name=name, daemon=True)
+    def _start_thread(self, target: Any, name: str, *args: Any) -> None:
+        thread = threading.Thread(target=target, name=name, args=args, daemon=True)
         thread.start()
         self._worker_threads.append(thread)
+
+    def _control_loop(self, handle: Any) -> None:
+        """The control thread: each message of the control socket to ``handle``."""
+        recv = self._make_worker_recv(self.server_socket)
+        while not self._stopped:
+            msg = recv()
+            if msg is None:
+                continue
+            try:
+                handle(msg)
+            except Exception:  # a malformed message must not end the control thread
+                log.exception("datadist_aio: dropping a control message of %d frames", len(msg))
 
     def _session(self) -> str:
         return f"{self.local_ip}:{self.rank_port}"
@@ -281,17 +293,6 @@ class DatadistAioKVManager(CommonKVManager):
         ]
 
     # -- prefill side -----------------------------------------------------------------
-
-    def _prefill_loop(self) -> None:
-        recv = self._make_worker_recv(self.server_socket)
-        while not self._stopped:
-            msg = recv()
-            if msg is None:
-                continue
-            try:
-                self._on_prefill_message(msg)
-            except Exception:  # a malformed message must not end the control thread
-                log.exception("datadist_aio: dropping a control message of %d frames", len(msg))
 
     def _on_prefill_message(self, msg: List[bytes]) -> None:
         if msg[0] == ABORT_TAG:
@@ -387,23 +388,15 @@ class DatadistAioKVManager(CommonKVManager):
 
     # -- decode side --------------------------------------------------------------------
 
-    def _decode_loop(self) -> None:
-        recv = self._make_worker_recv(self.server_socket)
-        while not self._stopped:
-            msg = recv()
-            if msg is None:
-                continue
-            try:
-                if msg[0] == PULL_TAG:
-                    self._on_pull(msg)
-                    continue
-                parsed = self.parse_kv_status_message(msg)
-                if parsed is not None:
-                    room, status, prefill_rank, reason = parsed
-                    self.apply_prefill_status(bootstrap_room=room, status=status, prefill_rank=prefill_rank,
-                                              failure_reason=reason)
-            except Exception:
-                log.exception("datadist_aio: dropping a control message of %d frames", len(msg))
+    def _on_decode_message(self, msg: List[bytes]) -> None:
+        if msg[0] == PULL_TAG:
+            self._on_pull(msg)
+            return
+        parsed = self.parse_kv_status_message(msg)
+        if parsed is not None:
+            room, status, prefill_rank, reason = parsed
+            self.apply_prefill_status(bootstrap_room=room, status=status, prefill_rank=prefill_rank,
+                                      failure_reason=reason)
 
     def _peer(self, cluster_id: int, host: str, port: int, layout_json: bytes) -> _Peer:
         """The prefill worker ``cluster_id``: its layout paired with this worker's, linked on first
