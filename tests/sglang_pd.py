@@ -37,6 +37,27 @@ CPU_ENV = {
     "TRANSFORMERS_OFFLINE": "1",
     "OMP_NUM_THREADS": "1",
 }
+# What a server of TP above 1 needs besides on the CPU: its ranks' cores
+# (SGLang binds each rank's threads to one group of SGLANG_CPU_OMP_THREADS_BIND,
+# by default one NUMA node a rank), and no NCCL: torch's CUDA build brings
+# libnccl, and where it loads SGLang opens a NCCL communicator for every TP
+# group, which fails on the CPU device ("Expected a cuda device, but got:
+# cpu"); pointed at no library, SGLang goes without, as with a CPU build of
+# torch.
+NO_NCCL = str(HERE / "sglang_cpu" / "no-nccl")
+
+
+def tp_env(tp_size: int) -> dict[str, str]:
+    """The environment of a CPU server of ``tp_size`` ranks: this process's cores shared out among them."""
+    if tp_size == 1:
+        return {}
+    cores = sorted(os.sched_getaffinity(0))
+    share = max(1, len(cores) // tp_size)
+    groups = [cores[rank * share % len(cores):][:share] for rank in range(tp_size)]
+    return {"SGLANG_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, group)) for group in groups),
+            "SGLANG_NCCL_SO_PATH": NO_NCCL}
+
+
 START_TIMEOUT_S = float(os.environ.get("DATADIST_SGLANG_START_TIMEOUT_S", "420"))
 
 
@@ -123,7 +144,7 @@ class Server(_Process):
         if mode == "decode":
             argv += ["--disaggregation-decode-retraction-backup", "none"]
         argv += extra or []
-        merged = {**CPU_ENV, **(env or {})}
+        merged = {**CPU_ENV, **tp_env(tp_size), **(env or {})}
         if env and "PYTHONPATH" in env:  # in front of the CPU stand-ins, not instead
             merged["PYTHONPATH"] = env["PYTHONPATH"] + os.pathsep + CPU_ENV["PYTHONPATH"]
         super().__init__(argv, log_dir / f"sglang-{mode}-{port}.log", merged)
@@ -136,13 +157,16 @@ class Server(_Process):
 class Router(_Process):
     """sglang-router in PD mode in front of one prefill and one decode server."""
 
-    def __init__(self, prefill: Server, decode: Server, port: int, log_dir: Path) -> None:
+    def __init__(self, prefill: Server, decode: Server, port: int, log_dir: Path,
+                 metrics_port: Optional[int] = None) -> None:
         self.url = f"http://127.0.0.1:{port}"
         argv = [
             sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
             "--prefill", prefill.url, str(prefill.bootstrap_port), "--decode", decode.url,
             "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
         ]
+        if metrics_port is not None:  # several routers: each its own (the default is one fixed port)
+            argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
         super().__init__(argv, log_dir / f"sglang-router-{port}.log", {})
 
     def ready(self, deadline: float) -> "Router":

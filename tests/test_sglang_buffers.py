@@ -16,7 +16,7 @@ def _layout(item_len: int = 4096, kv_items: int = 100, page_size: int = 1, tp: t
     kv = group_buffers("kv", [0x1000 * (i + 1) for i in range(2 * layers)], [item_len * kv_items] * 2 * layers,
                        [item_len] * 2 * layers)
     aux = group_buffers("aux", [0x100000, 0x200000, 0x300000], [64 * 8, 64 * 8, 256 * 8], [8, 8, 256])
-    return BufferLayout(page_size, tp[0], tp[1], tuple(kv + aux))
+    return BufferLayout(page_size, tp[0], tp[1], 2, tuple(kv + aux))
 
 
 def test_groups_by_item_length_and_count_in_order() -> None:
@@ -39,18 +39,19 @@ def test_bad_buffers_are_refused_with_the_reason(addresses: list[int], lengths: 
 def test_layout_round_trips_and_pairs_with_another_pool_size() -> None:
     prefill, decode = _layout(kv_items=100), _layout(kv_items=300)
     assert BufferLayout.from_wire(prefill.to_wire()) == prefill
-    decode.check_pairs_with(prefill)  # only the item counts differ
+    pairing = decode.pair_with(prefill)  # only the item counts differ
+    assert pairing.sources == {0} and all(pull.rows is None for pull in pairing.pulls([1, 2], [3, 4], (0, 1)))
 
 
 @pytest.mark.parametrize(("theirs", "message"), [
     (_layout(page_size=16), "page sizes 16 and 1"),
-    (_layout(tp=(2, 1), item_len=2048), "TP sizes 2 and 1"),
+    (_layout(tp=(3, 1), item_len=2048), "2 KV heads do not share out over TP 3"),
     (_layout(item_len=2048), "of 2048 B items"),
     (_layout(layers=3), "kv buffers"),
 ])
 def test_layouts_that_do_not_pair_name_both(theirs: BufferLayout, message: str) -> None:
     with pytest.raises(LayoutMismatch, match=message) as caught:
-        _layout().check_pairs_with(theirs)
+        _layout().pair_with(theirs)
     assert "the prefill's buffers (TP" in str(caught.value) and "this decode worker's (TP" in str(caught.value)
 
 
@@ -59,6 +60,8 @@ def test_layouts_that_do_not_pair_name_both(theirs: BufferLayout, message: str) 
     {"page_size": 1, "tp_size": 1, "tp_rank": 0, "groups": [{"kind": "x", "item_len": 1, "items": 1, "members": [0]}]},
     {"page_size": 1, "tp_size": 1, "tp_rank": 0, "groups": [{"kind": "kv", "item_len": -1, "items": 1, "members": [0]}]},
     {"page_size": "1", "tp_size": 1, "tp_rank": 0, "groups": []},
+    {**_layout().to_wire(), "kv_heads": 0},
+    {**_layout().to_wire(), "latent": 1},
 ])
 def test_malformed_layouts_are_refused(wire: object) -> None:
     with pytest.raises(ValueError):

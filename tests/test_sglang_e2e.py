@@ -3,10 +3,14 @@
 One module-wide set of servers on loopback, started together: a server with
 no disaggregation (the reference), a prefill server and a decode server
 with ``--disaggregation-transfer-backend datadist_aio``, and sglang-router
-in ``--pd-disaggregation`` mode in front of the pair. The tiny random Llama
-of the vLLM tests, token ids in and out, greedy. The pair uses pages of 16
-tokens and prefill chunks of 64 (a request's KV moves in several pulls);
-the reference, pages of one token.
+in ``--pd-disaggregation`` mode in front of the pair; and for differing
+attention TP sizes a prefill and a decode server of TP 2, each paired by a
+router of its own with the TP 1 server of the other role (prefill TP 2 into
+decode TP 1, prefill TP 1 into decode TP 2). The tiny random Llama of the
+vLLM tests (2 KV heads: one per rank at TP 2), token ids in and out,
+greedy. The pairs use pages of 16 tokens and prefill chunks of 64 (a
+request's KV moves in several pulls); the reference, TP 1 and pages of one
+token.
 
 The tests run in file order: the failure tests last, since they freeze,
 kill and restart the prefill server.
@@ -51,6 +55,10 @@ DECODE_ENV = {
     "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2",
 }
 FAILED_WITHIN_S = 30.0
+# An idle scheduler of TP 2 on the CPU spins (its ranks exchange every loop
+# through gloo: about 1.4 cores a server); it sleeps on its socket instead,
+# up to a second a step while it waits for a transfer.
+TP2_EXTRA = ["--sleep-on-idle"]
 
 
 def _prompt(rng: random.Random, length: int) -> list[int]:
@@ -61,7 +69,7 @@ def _prompt(rng: random.Random, length: int) -> list[int]:
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     root = tmp_path_factory.mktemp("sglang")
     model = model_dir(root)
-    base = free_port_run(8)
+    base = free_port_run(14)
     started: list[Any] = []
     try:
         reference = Server(model, "null", base, root)
@@ -70,22 +78,30 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         started.append(prefill)
         decode = Server(model, "decode", base + 3, root, page_size=PAGE_SIZE, env=DECODE_ENV)
         started.append(decode)
+        prefill_tp2 = _prefill(model, base + 4, root, tp_size=2)
+        started.append(prefill_tp2)
+        decode_tp2 = Server(model, "decode", base + 7, root, page_size=PAGE_SIZE, tp_size=2, env=DECODE_ENV,
+                            extra=TP2_EXTRA)
+        started.append(decode_tp2)
         deadline = time.monotonic() + 600
-        for server in (prefill, decode, reference):
+        for server in (prefill, decode, reference, prefill_tp2, decode_tp2):
             server.ready(deadline)
-        router = Router(prefill, decode, base + 4, root)
-        started.append(router)
-        router.ready(time.monotonic() + 120)
-        yield {"reference": reference, "prefill": prefill, "decode": decode, "router": router, "root": root,
-               "model": model, "base": base, "started": started}
+        routers = {"router": Router(prefill, decode, base + 8, root, base + 11),
+                   "tp2-into-tp1": Router(prefill_tp2, decode, base + 9, root, base + 12),
+                   "tp1-into-tp2": Router(prefill, decode_tp2, base + 10, root, base + 13)}
+        started += routers.values()
+        for router in routers.values():
+            router.ready(time.monotonic() + 300)
+        yield {"reference": reference, "prefill": prefill, "decode": decode, "prefill_tp2": prefill_tp2,
+               "decode_tp2": decode_tp2, **routers, "root": root, "model": model, "base": base, "started": started}
     finally:
         for process in reversed(started):
             process.stop()
 
 
-def _prefill(model: Path, base: int, root: Path) -> Server:
-    return Server(model, "prefill", base + 1, root, bootstrap_port=base + 2, page_size=PAGE_SIZE,
-                  extra=["--chunked-prefill-size", "64"])
+def _prefill(model: Path, base: int, root: Path, tp_size: int = 1) -> Server:
+    return Server(model, "prefill", base + 1, root, bootstrap_port=base + 2, page_size=PAGE_SIZE, tp_size=tp_size,
+                  extra=["--chunked-prefill-size", "64"] + (TP2_EXTRA if tp_size > 1 else []))
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +147,51 @@ def test_control_decode_follows_the_kv_it_was_handed(servers: dict[str, Any]) ->
     _, decoded = pd_generate(servers["prefill"], servers["decode"], theirs, mine, rng.randrange(1 << 62),
                              NEW_TOKENS)
     assert decoded["output_ids"] == want_theirs
+
+
+# Differing attention TP sizes: the router of each pair, its prefill and decode server.
+TP_PAIRS = {"tp2-into-tp1": ("prefill_tp2", "decode"), "tp1-into-tp2": ("prefill", "decode_tp2")}
+
+
+@pytest.mark.parametrize("pair", list(TP_PAIRS))
+def test_differing_tp_sizes_token_exact(servers: dict[str, Any], prompts: list[list[int]],
+                                        references: list[list[int]], pair: str) -> None:
+    """Prefill TP 2 into decode TP 1 (each prefill rank gives its head of every token) and TP 1
+    into TP 2 (each decode rank reads its head): every prompt through the pair's router, one at a
+    time, the single server's tokens."""
+    outputs = [generate(servers[pair].url, p, NEW_TOKENS)["output_ids"] for p in prompts]
+    for length, got, want in zip(LENGTHS, outputs, references):
+        assert got == want, f"{pair}, prompt of {length} tokens: {got} != {want}"
+    log = Path(servers[TP_PAIRS[pair][1]].log_path).read_text(errors="replace")
+    linked = [line for line in log.splitlines() if "datadist_aio: linked to the prefill" in line]
+    wanted = ["(TP 0/2,", "(TP 1/2,"] if pair == "tp2-into-tp1" else ["(TP 0/1,"]
+    assert all(any(rank in line for line in linked) for rank in wanted), linked
+
+
+def test_differing_tp_sizes_concurrent_token_exact(servers: dict[str, Any], prompts: list[list[int]],
+                                                   references: list[list[int]]) -> None:
+    """Every prompt through both pairs' routers at once: the TP 1 decode pulls from the TP 2
+    prefill while the TP 1 prefill serves the TP 2 decode."""
+    import concurrent.futures
+
+    jobs = [(pair, p) for pair in TP_PAIRS for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        outputs = list(pool.map(lambda job: generate(servers[job[0]].url, job[1], NEW_TOKENS)["output_ids"], jobs))
+    assert outputs == references * len(TP_PAIRS)
+
+
+@pytest.mark.parametrize("pair", list(TP_PAIRS))
+def test_differing_tp_sizes_control(servers: dict[str, Any], pair: str) -> None:
+    """A decode handed another prompt's KV across differing TP sizes continues that prompt."""
+    rng = random.Random(11)
+    mine, theirs = _prompt(rng, 48), _prompt(rng, 48)
+    want_theirs = generate(servers["reference"].url, theirs, NEW_TOKENS)["output_ids"]
+    assert generate(servers["reference"].url, mine, NEW_TOKENS)["output_ids"] != want_theirs
+    prefill, decode = (servers[name] for name in TP_PAIRS[pair])
+    _, decoded = pd_generate(prefill, decode, theirs, mine, rng.randrange(1 << 62), NEW_TOKENS)
+    assert decoded["output_ids"] == want_theirs
+    for name in TP_PAIRS[pair]:
+        _no_leak_reported(servers[name])
 
 
 def _long_request_then(servers: dict[str, Any], action: Any, seed: int) -> tuple[int, dict[str, Any], float]:

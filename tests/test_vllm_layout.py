@@ -22,6 +22,7 @@ from datadist_aio.integrations.vllm.layout import (
     map_heads,
     plan_ranges,
 )
+from support.block_ranges import apply_rows
 
 CHANNELS = 8  # K and V side by side, 4 each
 DTYPE = "torch.float32"
@@ -66,23 +67,6 @@ def blocks_of(kv: np.ndarray, table: list[int], num_blocks: int, block: int, hea
     return out
 
 
-def apply(rows: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:
-    """What the engine does with the rows, for one tensor: each of a row's
-    ``count`` pieces inside one block on both sides, no byte written twice."""
-    s = src.reshape(src.shape[0], -1).view(np.uint8)
-    d = dst.reshape(dst.shape[0], -1).view(np.uint8)
-    written = np.zeros(d.shape, dtype=bool)
-    assert rows.shape[1] == 8
-    for sb, so, db, do, n, count, ss, ds in rows.tolist():
-        assert count >= 1 and (count == 1 or (ss >= n and ds >= n)), "pieces of a row overlap"
-        for j in range(count):
-            a, b = so + j * ss, do + j * ds
-            assert a + n <= s.shape[1] and b + n <= d.shape[1], "a range leaves its block"
-            assert not written[db, b:b + n].any(), "a byte written twice"
-            written[db, b:b + n] = True
-            d[db, b:b + n] = s[sb, a:a + n]
-
-
 def transfer(tp_p: int, tp_d: int, heads: int, n_p: int, n_d: int, tokens: int, first_token: int = 0,
              interior: str = "HNC") -> None:
     rng = np.random.default_rng(tp_p * 1000 + tp_d * 100 + n_p + n_d + tokens)
@@ -105,7 +89,7 @@ def transfer(tp_p: int, tp_d: int, heads: int, n_p: int, n_d: int, tokens: int, 
             src = blocks_of(kv, src_table, nb_p + 5, n_p, heads_of(q, tp_p, heads), interior)
             rows = plan_ranges(head_map, 0, mine, theirs, src_table, dst_table, first_token)
             assert rows is not None and rows.dtype == np.uint64
-            apply(rows, src, got)
+            apply_rows(rows, src, got)
             for _s, d, count in head_map.runs[0]:
                 read_heads += range(d, d + count)
         assert sorted(read_heads) == list(range(1 if latent else len(mine_heads))), "each head read exactly once"
@@ -220,3 +204,14 @@ def test_heads_are_shared_out_as_vllm_shares_them() -> None:
     assert [list(heads_of(r, 4, 2)) for r in range(4)] == [[0], [0], [1], [1]]
     assert [list(heads_of(r, 8, 2)) for r in range(8)] == [[0]] * 4 + [[1]] * 4
     assert [list(heads_of(r, 2, 8)) for r in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_ranks_restrict_which_holder_is_read() -> None:
+    # One KV head on both prefill ranks: by default decode rank 1 of 4 reads it from
+    # prefill rank 1; restricted to rank 0 (a peer's own rank mapping), from rank 0.
+    mine, theirs = layout(4, 1, 1, 16, "NHC"), layout(2, 0, 1, 16, "NHC")
+    assert list(map_heads(mine, theirs)) == [1]
+    assert list(map_heads(mine, theirs, ranks=[0])) == [0]
+    assert list(map_heads(layout(1, 0, 1, 16, "NC"), layout(2, 0, 1, 16, "NC"), ranks=[1])) == [1]
+    with pytest.raises(LayoutError, match="none of the prefill ranks"):
+        map_heads(layout(2, 1, 2, 16, "NHC"), layout(2, 0, 2, 16, "NHC"), ranks=[0])

@@ -10,11 +10,18 @@ the same item length and item count form one blocks cache, so a request's
 pages move with one pull per cache, every layer at once, and page ``p`` of
 every tensor of a cache is block ``p``.
 
-Both sides describe their groups (``BufferLayout``); the decode side
-checks the prefill's against its own before its first pull: the same
-groups in the same order, the same item lengths and tensor counts (the
-item counts may differ: each side sized its own pool). A layout that does
-not match raises ``LayoutMismatch`` naming both.
+Both sides describe their groups (``BufferLayout``); the decode side pairs
+the prefill's with its own before its first pull (``pair_with``): the same
+page size, groups in the same order, the same buffers and aux item lengths
+(the item counts may differ: each side sized its own pool). A KV page of
+one layer is ``[page_size, heads, head_dim]`` (the ``NHC`` interior of the
+vLLM connector's head mapping, ``integrations/vllm/layout.py``), the
+rank's share of the model's KV heads; MLA's is ``[page_size, latent]``,
+the same on every rank. Where the attention TP sizes differ, one divides
+the other and the decode worker reads from each prefill rank SGLang pairs
+it with the heads it needs: a piece of every token of a page, one strided
+range per page (``Pairing.pulls``). A layout that does not pair raises
+``LayoutMismatch`` naming both.
 
 This module imports nothing from SGLang or the engine.
 """
@@ -23,9 +30,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
-__all__ = ["BufferGroup", "BufferLayout", "LayoutMismatch", "group_buffers"]
+import numpy as np
+
+from ..vllm.layout import GroupShape, HeadMap, LayoutError, WorkerLayout, heads_of, map_heads, plan_ranges
+
+__all__ = ["BufferGroup", "BufferLayout", "LayoutMismatch", "Pairing", "Pull", "group_buffers", "paired_ranks"]
 
 KINDS = ("kv", "aux")
 
@@ -80,14 +91,28 @@ def group_buffers(kind: str, addresses: Sequence[int], lengths: Sequence[int],
     return [BufferGroup(kind, item_len, items, tuple(members[(item_len, items)])) for item_len, items in order]
 
 
+def paired_ranks(decode_tp: int, decode_rank: int, prefill_tp: int) -> range:
+    """The prefill attention-TP ranks SGLang's common receiver pairs a decode rank with
+    (``CommonKVManager._resolve_rank_mapping``): one where the decode's TP is at
+    least the prefill's, else a run of ``prefill_tp // decode_tp``."""
+    if decode_tp >= prefill_tp:
+        q = decode_rank // (decode_tp // prefill_tp)
+        return range(q, q + 1)
+    share = prefill_tp // decode_tp
+    return range(decode_rank * share, (decode_rank + 1) * share)
+
+
 @dataclass(frozen=True)
 class BufferLayout:
-    """What a worker tells its peer about its buffers: page size, TP, and its groups."""
+    """What a worker tells its peer about its buffers: page size, attention TP, the model's
+    KV heads (all ranks together; ``latent``: MLA, one latent buffer per layer), its groups."""
 
     page_size: int
     tp_size: int
     tp_rank: int
+    kv_heads: int
     groups: tuple[BufferGroup, ...]
+    latent: bool = False
 
     def of_kind(self, kind: str) -> list[tuple[int, BufferGroup]]:
         """(index among all groups, group) of one kind."""
@@ -95,6 +120,7 @@ class BufferLayout:
 
     def to_wire(self) -> dict[str, Any]:
         return {"page_size": self.page_size, "tp_size": self.tp_size, "tp_rank": self.tp_rank,
+                "kv_heads": self.kv_heads, "latent": self.latent,
                 "groups": [group.to_wire() for group in self.groups]}
 
     @classmethod
@@ -103,13 +129,17 @@ class BufferLayout:
         if not isinstance(value, dict):
             raise ValueError(f"a buffer layout must be an object, got {type(value).__name__}")
         numbers = {}
-        for name in ("page_size", "tp_size", "tp_rank"):
+        for name in ("page_size", "tp_size", "tp_rank", "kv_heads"):
             number = value.get(name)
             if type(number) is not int or not 0 <= number < 1 << 31:
                 raise ValueError(f"buffer layout field {name} must be a non-negative int, got {number!r:.40}")
             numbers[name] = number
-        if numbers["page_size"] < 1 or numbers["tp_size"] < 1 or numbers["tp_rank"] >= numbers["tp_size"]:
+        if (numbers["page_size"] < 1 or numbers["tp_size"] < 1 or numbers["kv_heads"] < 1
+                or numbers["tp_rank"] >= numbers["tp_size"]):
             raise ValueError(f"buffer layout {value!r:.200} is inconsistent")
+        latent = value.get("latent")
+        if type(latent) is not bool:
+            raise ValueError(f"buffer layout field latent must be a bool, got {latent!r:.40}")
         groups = value.get("groups")
         if not isinstance(groups, list) or not 0 < len(groups) <= 4096:
             raise ValueError("buffer layout field groups must be a list of 1 to 4096 groups")
@@ -125,29 +155,111 @@ class BufferLayout:
                     or not all(type(m) is int and 0 <= m < 1 << 20 for m in members)):
                 raise ValueError("a buffer group's members must be a list of buffer positions")
             parsed.append(BufferGroup(group["kind"], item_len, items, tuple(members)))
-        return cls(groups=tuple(parsed), **numbers)
+        return cls(groups=tuple(parsed), latent=latent, **numbers)
 
     def describe(self) -> str:
         """One line for messages."""
         groups = "; ".join(f"{g.kind} {len(g.members)}x{g.item_len} B" for g in self.groups)
-        return f"TP {self.tp_rank}/{self.tp_size}, page size {self.page_size} [{groups}]"
+        heads = "MLA latent" if self.latent else f"{self.kv_heads} KV heads"
+        return f"TP {self.tp_rank}/{self.tp_size}, page size {self.page_size}, {heads} [{groups}]"
 
-    def check_pairs_with(self, prefill: "BufferLayout") -> None:
-        """Raises ``LayoutMismatch`` unless this (decode) worker can read ``prefill``'s pages as its own.
+    def head_layout(self) -> WorkerLayout:
+        """The KV groups as the head mapping sees them: a page of one buffer is ``[page_size,
+        heads, bytes of a head]`` (``NHC``, this rank's share of the heads) or, MLA, ``[page_size,
+        bytes of a token]`` (``NC``). ValueError where an item is not cut so."""
+        local = 1 if self.latent else len(heads_of(self.tp_rank, self.tp_size, self.kv_heads))
+        shapes = []
+        for _, group in self.of_kind("kv"):
+            token, rest = divmod(group.item_len, self.page_size)
+            head, rest_of_token = divmod(token, local)
+            if rest or rest_of_token:
+                raise ValueError(f"kv items of {group.item_len} B are not {self.page_size} tokens of {local} heads")
+            shape = (self.page_size, token) if self.latent else (self.page_size, local, head)
+            shapes.append(GroupShape("torch.uint8", shape, 1, len(group.members), "NC" if self.latent else "NHC"))
+        return WorkerLayout(self.tp_size, self.tp_rank, 1 if self.latent else self.kv_heads, self.page_size,
+                            tuple(shapes))
 
-        Differing TP sizes are not mapped yet: their KV items differ in length.
-        """
+    def pair_with(self, prefill: "BufferLayout") -> "Pairing":
+        """What this (decode) worker reads from the prefill rank whose layout is ``prefill``;
+        ``LayoutMismatch`` naming both layouts where they do not pair."""
         def mismatch(why: str) -> LayoutMismatch:
             return LayoutMismatch(f"cannot pair the prefill's buffers ({prefill.describe()}) with this decode "
                                   f"worker's ({self.describe()}): {why}")
 
         if prefill.page_size != self.page_size:
             raise mismatch(f"page sizes {prefill.page_size} and {self.page_size} differ")
-        if prefill.tp_size != self.tp_size:
-            raise mismatch(f"TP sizes {prefill.tp_size} and {self.tp_size} differ (not supported yet)")
+        if max(prefill.tp_size, self.tp_size) % min(prefill.tp_size, self.tp_size):
+            raise mismatch(f"TP sizes {prefill.tp_size} and {self.tp_size}: neither divides the other")
+        if prefill.latent != self.latent:
+            raise mismatch("one is MLA, the other not")
+        for side in (prefill, self):
+            if not side.latent and side.kv_heads % side.tp_size and side.tp_size % side.kv_heads:
+                raise mismatch(f"{side.kv_heads} KV heads do not share out over TP {side.tp_size}")
         if len(prefill.groups) != len(self.groups):
             raise mismatch(f"{len(prefill.groups)} buffer groups against {len(self.groups)}")
+        same_tp = prefill.tp_size == self.tp_size
         for theirs, ours in zip(prefill.groups, self.groups):
-            if (theirs.kind, theirs.item_len, theirs.members) != (ours.kind, ours.item_len, ours.members):
+            item_lens_pair = theirs.item_len == ours.item_len or (ours.kind == "kv" and not same_tp)
+            if (theirs.kind, theirs.members) != (ours.kind, ours.members) or not item_lens_pair:
                 raise mismatch(f"{theirs.kind} buffers {list(theirs.members)[:8]} of {theirs.item_len} B items "
                                f"against {ours.kind} buffers {list(ours.members)[:8]} of {ours.item_len} B")
+        try:
+            mine, theirs_heads = self.head_layout(), prefill.head_layout()
+            maps = map_heads(mine, theirs_heads, paired_ranks(self.tp_size, self.tp_rank, prefill.tp_size))
+        except (LayoutError, ValueError) as exc:
+            raise mismatch(str(exc)) from None
+        return Pairing(self, prefill, mine, theirs_heads, maps.get(prefill.tp_rank), frozenset(maps))
+
+
+@dataclass(frozen=True)
+class Pull:
+    """One pull of a chunk into the blocks cache of group ``group``: whole pages
+    ``src_blocks`` into ``dst_blocks`` (``rows`` None), or byte ranges inside pages (``rows``,
+    as ``CacheManager.pull_block_ranges_async`` takes them); ``nbytes`` over all its buffers."""
+
+    group: int
+    src_blocks: tuple[int, ...]
+    dst_blocks: tuple[int, ...]
+    rows: Optional[np.ndarray]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Pairing:
+    """What a decode worker (``mine``) reads from one prefill rank (``theirs``).
+
+    ``head_map``: the heads it reads from that rank, None where it reads no
+    KV from it (another rank holds its heads); ``sources``: every prefill
+    rank it reads KV from, for the request to count as arrived.
+    """
+
+    mine: BufferLayout
+    theirs: BufferLayout
+    mine_heads: WorkerLayout
+    theirs_heads: WorkerLayout
+    head_map: Optional[HeadMap]
+    sources: frozenset[int]
+
+    def pulls(self, src_pages: Sequence[int], dst_pages: Sequence[int],
+              aux: Optional[tuple[int, int]] = None) -> list[Pull]:
+        """The pulls of one chunk: the prefill's pages ``src_pages`` into the decode's
+        ``dst_pages`` (the same count), and the aux row ``(src, dst)`` where given."""
+        if len(src_pages) != len(dst_pages):
+            raise ValueError(f"{len(src_pages)} prefill pages against {len(dst_pages)} decode pages")
+        src, dst = tuple(int(p) for p in src_pages), tuple(int(p) for p in dst_pages)
+        out = []
+        head_map = self.head_map if src else None
+        for position, (index, group) in enumerate(self.mine.of_kind("kv")):
+            if head_map is None or not head_map.runs[position]:
+                continue
+            if head_map.whole[position]:
+                out.append(Pull(index, src, dst, None, len(src) * group.item_len * len(group.members)))
+                continue
+            rows = plan_ranges(head_map, position, self.mine_heads, self.theirs_heads, list(src), list(dst), 0)
+            if rows is not None:
+                nbytes = int((rows[:, 4] * rows[:, 5]).sum()) * len(group.members)
+                out.append(Pull(index, src, dst, rows, nbytes))
+        if aux is not None:
+            for index, group in self.mine.of_kind("aux"):
+                out.append(Pull(index, (aux[0],), (aux[1],), None, group.item_len * len(group.members)))
+        return out

@@ -8,8 +8,11 @@ The decode side pulls. SGLang's decode allocates a request's pages before
 the prefill computes it and sends their indices (``send_metadata``); each
 ``send`` of the prefill (one per prefill chunk) then tells the decode
 worker which of its own pages hold that chunk, and the decode worker
-starts one ``pull_blocks_async`` per blocks cache at once, every layer
-together, while the prefill computes its next chunk. The last chunk adds
+starts one pull per blocks cache at once, every layer together, while
+the prefill computes its next chunk: ``pull_blocks_async`` where both
+sides hold the same heads, ``pull_block_ranges_async`` with the heads it
+needs where their attention TP sizes differ (``buffers.Pairing``). The
+last chunk adds
 the aux row (the first output token and its metadata). When every pull
 has landed, the decode worker's ``poll`` reports Success and tells the
 prefill, whose ``poll`` then reports Success and frees its pages.
@@ -58,7 +61,7 @@ from sglang.srt.utils.network import NetworkAddress
 
 import datadist_aio as dd
 
-from .buffers import BufferLayout, LayoutMismatch, group_buffers
+from .buffers import BufferLayout, LayoutMismatch, Pairing, group_buffers
 
 __all__ = [
     "DatadistAioKVBootstrapServer",
@@ -78,6 +81,20 @@ _REGISTER = b"None"  # SGLang's common receiver sends its registration under thi
 TIMEOUT_ENV = "DATADIST_AIO_SGLANG_TIMEOUT_S"
 CONFIRM_TIMEOUT_ENV = "DATADIST_AIO_SGLANG_CONFIRM_TIMEOUT_S"
 _LINK_TIMEOUT_MS = 5000
+
+
+def _total_kv_heads(args: KVArgs, server_args: ServerArgs, latent: bool) -> int:
+    """The model's KV heads, all ranks together (1 for MLA). SGLang's prefill sets
+    ``KVArgs.total_kv_head_num``; its decode does only for staging buffers: read from
+    the model's config there."""
+    if latent:
+        return 1
+    total = int(getattr(args, "total_kv_head_num", 0) or 0)
+    if total > 0:
+        return total
+    from sglang.srt.configs.model_config import ModelConfig
+
+    return int(ModelConfig.from_server_args(server_args).get_total_num_kv_heads())
 
 
 def _env_seconds(name: str, default: float) -> float:
@@ -130,6 +147,10 @@ class _RoomPulls:
     tasks: List[Tuple[dd.CacheTask, str, int]] = field(default_factory=list)  # task, what, prefill cluster
     last_from: set = field(default_factory=set)  # prefill ranks whose last chunk arrived
     prefills: Dict[int, Tuple[str, int]] = field(default_factory=dict)  # rank -> control endpoint
+    # The prefill attention-TP ranks whose KV this worker reads, and those whose last chunk arrived.
+    sources: set = field(default_factory=set)
+    sources_done: set = field(default_factory=set)
+    aux_pulled: bool = False  # the aux row comes from one prefill rank
     nbytes: int = 0
     error: str = ""
 
@@ -139,7 +160,7 @@ class _Peer:
     cluster_id: int
     host: str
     port: int
-    layout: BufferLayout
+    pairing: Pairing
     cluster: Any = None
 
 
@@ -170,8 +191,9 @@ class DatadistAioKVManager(CommonKVManager):
         self.confirm_timeout_s: float = _env_seconds(CONFIRM_TIMEOUT_ENV, 300.0)
         groups = group_buffers("kv", args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens)
         groups += group_buffers("aux", args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens)
-        self.layout: BufferLayout = BufferLayout(int(args.page_size), int(self.attn_tp_size), int(args.engine_rank),
-                                                 tuple(groups))
+        latent = bool(is_mla_backend)
+        self.layout: BufferLayout = BufferLayout(int(args.page_size), int(self.attn_tp_size), int(self.attn_tp_rank),
+                                                 _total_kv_heads(args, server_args, latent), tuple(groups), latent)
         self.cluster_id: int = int.from_bytes(os.urandom(8), "little") >> 1
         self._rooms: Dict[int, _RoomPulls] = {}
         self._rooms_lock = threading.Lock()
@@ -181,9 +203,9 @@ class DatadistAioKVManager(CommonKVManager):
         self._confirmed: Dict[int, set] = {}
         self._datadist = self._start_engine(args, server_args)
         if self.disaggregation_mode == DisaggregationMode.PREFILL:
-            self._start_thread(self._prefill_loop, "datadist-aio-prefill")
+            self._start_thread(self._control_loop, "datadist-aio-prefill", self._on_prefill_message)
         elif self.disaggregation_mode == DisaggregationMode.DECODE:
-            self._start_thread(self._decode_loop, "datadist-aio-decode")
+            self._start_thread(self._control_loop, "datadist-aio-decode", self._on_decode_message)
             self._worker_threads.append(self._start_heartbeat_checker_thread())
 
     # -- set-up ---------------------------------------------------------------------
@@ -218,10 +240,22 @@ class DatadistAioKVManager(CommonKVManager):
                  "prefill" if prefill else "decode", self.layout.describe(), self.cluster_id, datadist.listen_port)
         return datadist
 
-    def _start_thread(self, target: Any, name: str) -> None:
-        thread = threading.Thread(target=target, name=name, daemon=True)
+    def _start_thread(self, target: Any, name: str, *args: Any) -> None:
+        thread = threading.Thread(target=target, name=name, args=args, daemon=True)
         thread.start()
         self._worker_threads.append(thread)
+
+    def _control_loop(self, handle: Any) -> None:
+        """The control thread: each message of the control socket to ``handle``."""
+        recv = self._make_worker_recv(self.server_socket)
+        while not self._stopped:
+            msg = recv()
+            if msg is None:
+                continue
+            try:
+                handle(msg)
+            except Exception:  # a malformed message must not end the control thread
+                log.exception("datadist_aio: dropping a control message of %d frames", len(msg))
 
     def _session(self) -> str:
         return f"{self.local_ip}:{self.rank_port}"
@@ -259,17 +293,6 @@ class DatadistAioKVManager(CommonKVManager):
         ]
 
     # -- prefill side -----------------------------------------------------------------
-
-    def _prefill_loop(self) -> None:
-        recv = self._make_worker_recv(self.server_socket)
-        while not self._stopped:
-            msg = recv()
-            if msg is None:
-                continue
-            try:
-                self._on_prefill_message(msg)
-            except Exception:  # a malformed message must not end the control thread
-                log.exception("datadist_aio: dropping a control message of %d frames", len(msg))
 
     def _on_prefill_message(self, msg: List[bytes]) -> None:
         if msg[0] == ABORT_TAG:
@@ -365,31 +388,24 @@ class DatadistAioKVManager(CommonKVManager):
 
     # -- decode side --------------------------------------------------------------------
 
-    def _decode_loop(self) -> None:
-        recv = self._make_worker_recv(self.server_socket)
-        while not self._stopped:
-            msg = recv()
-            if msg is None:
-                continue
-            try:
-                if msg[0] == PULL_TAG:
-                    self._on_pull(msg)
-                    continue
-                parsed = self.parse_kv_status_message(msg)
-                if parsed is not None:
-                    room, status, prefill_rank, reason = parsed
-                    self.apply_prefill_status(bootstrap_room=room, status=status, prefill_rank=prefill_rank,
-                                              failure_reason=reason)
-            except Exception:
-                log.exception("datadist_aio: dropping a control message of %d frames", len(msg))
+    def _on_decode_message(self, msg: List[bytes]) -> None:
+        if msg[0] == PULL_TAG:
+            self._on_pull(msg)
+            return
+        parsed = self.parse_kv_status_message(msg)
+        if parsed is not None:
+            room, status, prefill_rank, reason = parsed
+            self.apply_prefill_status(bootstrap_room=room, status=status, prefill_rank=prefill_rank,
+                                      failure_reason=reason)
 
     def _peer(self, cluster_id: int, host: str, port: int, layout_json: bytes) -> _Peer:
-        """The prefill worker ``cluster_id``: its layout checked, linked on first use (control thread)."""
+        """The prefill worker ``cluster_id``: its layout paired with this worker's, linked on first
+        use (control thread)."""
         peer = self._peers.get(cluster_id)
         if peer is not None:
             return peer
         layout = BufferLayout.from_wire(json.loads(layout_json.decode("utf-8")))
-        self.layout.check_pairs_with(layout)
+        pairing = self.layout.pair_with(layout)
         cluster = dd.LLMClusterInfo()
         cluster.remote_cluster_id = cluster_id
         cluster.append_local_ip_info("0.0.0.0", 0)
@@ -397,7 +413,7 @@ class DatadistAioKVManager(CommonKVManager):
         _, per_cluster = self._datadist.link_clusters([cluster], _LINK_TIMEOUT_MS)
         if per_cluster[0] not in (dd.LLMStatusCode.LLM_SUCCESS, dd.LLMStatusCode.LLM_ALREADY_LINK):
             raise dd.LLMException(f"link to the prefill at {host}:{port} failed", status_code=per_cluster[0])
-        peer = self._peers[cluster_id] = _Peer(cluster_id, host, port, layout, cluster)
+        peer = self._peers[cluster_id] = _Peer(cluster_id, host, port, pairing, cluster)
         log.info("datadist_aio: linked to the prefill at %s:%d (%s)", host, port, layout.describe())
         return peer
 
@@ -440,23 +456,24 @@ class DatadistAioKVManager(CommonKVManager):
             self._forget(cluster_id)
             self._fail_room(room, f"cannot link to {where}: {type(exc).__name__}: {exc}")
             return
+        pairing = peer.pairing
+        with self._rooms_lock:
+            aux = (src_aux, dst_aux) if is_last and src_aux is not None and dst_aux is not None \
+                and not pulls.aux_pulled else None
+            pulls.aux_pulled = pulls.aux_pulled or aux is not None
+            pulls.sources |= pairing.sources
         manager = self._datadist.cache_manager
         tasks: List[Tuple[dd.CacheTask, str, int]] = []
         nbytes = 0
         try:
-            for index, group in enumerate(self.layout.groups):
-                if group.kind == "kv":
-                    if not len(src):
-                        continue
-                    src_blocks, dst_blocks = src.tolist(), dst.tolist()
+            for pull in pairing.pulls(src.tolist(), dst.tolist(), aux):
+                key, cache = dd.BlocksCacheKey(peer.cluster_id, pull.group), self._caches[pull.group]
+                if pull.rows is None:
+                    task = manager.pull_blocks_async(key, cache, list(pull.src_blocks), list(pull.dst_blocks))
                 else:
-                    if not is_last or src_aux is None or dst_aux is None:
-                        continue
-                    src_blocks, dst_blocks = [src_aux], [dst_aux]
-                key = dd.BlocksCacheKey(peer.cluster_id, index)
-                tasks.append((manager.pull_blocks_async(key, self._caches[index], src_blocks, dst_blocks),
-                              f"{group.kind} pages from {where}", cluster_id))
-                nbytes += len(src_blocks) * group.item_len * len(group.members)
+                    task = manager.pull_block_ranges_async(key, cache, pull.rows)
+                tasks.append((task, f"{self.layout.groups[pull.group].kind} pages from {where}", cluster_id))
+                nbytes += pull.nbytes
         except Exception as exc:  # refused before any byte moved (a dropped link, ...)
             self._forget(cluster_id)
             error = f"pull from {where} refused: {type(exc).__name__}: {exc}"
@@ -467,6 +484,7 @@ class DatadistAioKVManager(CommonKVManager):
             pulls.nbytes += nbytes
             if is_last:
                 pulls.last_from.add(prefill_rank)
+                pulls.sources_done.add(pairing.theirs.tp_rank)
         if error:
             self._fail_room(room, error)
 
@@ -515,6 +533,7 @@ class DatadistAioKVManager(CommonKVManager):
             if pulls is None:
                 return status
             tasks, complete = list(pulls.tasks), len(pulls.last_from)
+            missing = sorted(pulls.sources - pulls.sources_done)
         error = ""
         for task, what, cluster_id in tasks:
             if not task.done():
@@ -531,6 +550,10 @@ class DatadistAioKVManager(CommonKVManager):
         if complete < required:
             self.update_status(bootstrap_room, KVPoll.Transferring)
             return KVPoll.Transferring
+        if missing:  # SGLang's rank mapping and this worker's head mapping disagree: never a wrong token
+            self._fail_room(bootstrap_room, f"no KV came from the prefill ranks {missing}, which hold heads of this "
+                                            f"decode worker ({self.layout.describe()})")
+            return KVPoll.Failed
         self.update_status(bootstrap_room, KVPoll.Success)
         self._tell_prefills(bootstrap_room, KVPoll.Success)
         with self._rooms_lock:

@@ -30,12 +30,16 @@ src_stride, dst_stride)``, as ``CacheManager.pull_block_ranges`` takes them:
 ``count`` pieces of ``length`` bytes, each ``src_stride`` and ``dst_stride``
 bytes after the one before.
 
+The SGLang transfer backend maps its pages with the same functions
+(``integrations/sglang/buffers.py``: its page of one layer is ``NHC``).
+
 This module imports nothing from vLLM or the engine.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import numpy as np
@@ -182,12 +186,17 @@ def _mismatch(mine: WorkerLayout, theirs: WorkerLayout, why: str) -> LayoutError
                        f"({mine.describe()}): {why}")
 
 
-def map_heads(mine: WorkerLayout, theirs: WorkerLayout) -> dict[int, HeadMap]:
+def map_heads(mine: WorkerLayout, theirs: WorkerLayout,
+              ranks: Optional[Sequence[int]] = None) -> dict[int, HeadMap]:
     """The prefill ranks this decode worker reads from, and what it reads from each.
 
     ``theirs`` is any one rank's layout of the prefill instance (the others
-    differ only in ``tp_rank``). Raises ``LayoutError`` naming both layouts
-    where no mapping exists.
+    differ only in ``tp_rank``). Where several prefill ranks hold a head
+    (replicated heads, MLA's latent), the choice is spread over this
+    worker's rank; ``ranks`` restricts it to those prefill ranks (a peer
+    whose own rank mapping pairs this worker with some ranks only, as
+    SGLang's). Raises ``LayoutError`` naming both layouts where no mapping
+    exists.
     """
     if mine.kv_heads != theirs.kv_heads:
         raise _mismatch(mine, theirs, f"{theirs.kv_heads} KV heads against {mine.kv_heads}: not the same model")
@@ -215,7 +224,7 @@ def map_heads(mine: WorkerLayout, theirs: WorkerLayout) -> dict[int, HeadMap]:
             if ours.block_shape[1:] != peer.block_shape[1:]:
                 raise _mismatch(mine, theirs, "latent widths differ")
             # One latent tensor, the same on every rank: read from one rank.
-            sources = {mine.tp_rank % theirs.tp_size: [(0, 0, 1)]}
+            sources = {mine.tp_rank % theirs.tp_size if ranks is None else min(ranks): [(0, 0, 1)]}
         elif ours.interior in _HEADS_AXIS and peer.interior == ours.interior:
             axis = _HEADS_AXIS[ours.interior]
             if len(ours.block_shape) != 3 or len(peer.block_shape) != 3 or ours.block_shape[2] != peer.block_shape[2]:
@@ -225,7 +234,11 @@ def map_heads(mine: WorkerLayout, theirs: WorkerLayout) -> dict[int, HeadMap]:
                                               f"its share is {len(mine_heads)}")
             sources = {}
             for dst, head in enumerate(mine_heads):
-                holders = [q for q in range(theirs.tp_size) if head in heads_of(q, theirs.tp_size, kv_heads)]
+                holders = [q for q in (range(theirs.tp_size) if ranks is None else ranks)
+                           if head in heads_of(q, theirs.tp_size, kv_heads)]
+                if not holders:
+                    raise _mismatch(mine, theirs, f"KV head {head} is held by none of the prefill ranks "
+                                                  f"{list(ranks or ())} paired with this worker")
                 q = holders[mine.tp_rank % len(holders)]
                 src = head - heads_of(q, theirs.tp_size, kv_heads).start
                 if peer.block_shape[axis] != len(heads_of(q, theirs.tp_size, kv_heads)):
