@@ -332,11 +332,13 @@ def _check_paths(before: Any, after: Any, transport: str, mine: str, theirs: str
     what = f"{transport}, initiator {mine}, owner {theirs}: {delta}"
     if transport == "ucx":
         # UCX moves host memory, and device memory where both ends' UCX
-        # reach it (built with CUDA, NVIDIA's driver found). Elsewhere a
-        # device end's bytes go inline, staged: the initiator's from the
-        # start, the owner's once it has turned the UCX frame down.
+        # reach it (built with CUDA, NVIDIA's driver found, an RDMA
+        # transport: over UCX's tcp it would emulate the device's gets and
+        # puts, which a dying peer turns into an abort). Elsewhere a device
+        # end's bytes go inline, staged: the initiator's from the start, the
+        # owner's once it has turned the UCX frame down.
         assert delta["ipc_frames"] == 0 and delta["owner_ipc_bytes_served"] == 0, what
-        if os.environ.get("DATADIST_AIO_TEST_UCX_DEVICE") == "1":  # a UCX built with CUDA, on a GPU
+        if os.environ.get("DATADIST_AIO_TEST_UCX_DEVICE") == "1":  # a UCX built with CUDA, on a GPU with RDMA
             assert mine1["ucx_device"] and theirs1["ucx_device"], f"UCX does not reach device memory here: {what}"
         if mine1["ucx_device"] and theirs1["ucx_device"]:
             assert delta["ucx_frames"] > 0 and delta["owner_ucx_bytes_served"] > 0, what

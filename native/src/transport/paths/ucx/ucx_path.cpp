@@ -35,7 +35,13 @@ std::shared_ptr<Worker> Worker::create(IoLoop &loop, std::string &why) {
     return nullptr;
   }
   w->address_.assign(static_cast<const char *>(address), length);
-  w->reaches_device_ = w->api().reaches_cuda(w->worker_) != 0;
+  // Device memory goes by UCX only where a one-sided network transport
+  // (RDMA) moves it. Over UCX's tcp, UCX emulates a get or put of device
+  // memory through host memory with its own software RMA, which aborts the
+  // survivor when the peer dies mid-operation (the fault that active
+  // messages took host memory away from); there device memory goes the
+  // link's own ways (CUDA IPC on one host under "auto", else staged).
+  w->reaches_device_ = w->api().reaches_cuda(w->worker_) != 0 && w->one_sided_network();
   w->loop_ = &loop;
   w->io_id_ = loop.add(fd, w, 0);
   if (w->io_id_ == 0) {

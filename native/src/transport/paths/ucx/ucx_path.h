@@ -55,7 +55,8 @@ class Worker : public IoHandler, public std::enable_shared_from_this<Worker> {
   const std::string &version() const { return plugin_->version; }
   // Whether this UCX has a one-sided network transport (RDMA) here.
   bool one_sided_network() const { return api().one_sided_network(worker_) != 0; }
-  // Whether this UCX moves CUDA device memory (built with CUDA, driver found).
+  // Whether this UCX moves CUDA device memory: built with CUDA, NVIDIA's
+  // driver found, and a one-sided network transport here (ucx_path.cpp).
   bool reaches_device() const { return reaches_device_; }
   // The device whose context the progressing thread makes current (the
   // first one mapped; UCX's CUDA transports copy on that thread).
