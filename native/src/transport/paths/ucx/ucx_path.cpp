@@ -41,7 +41,8 @@ std::shared_ptr<Worker> Worker::create(IoLoop &loop, std::string &why) {
   // survivor when the peer dies mid-operation (the fault that active
   // messages took host memory away from); there device memory goes the
   // link's own ways (CUDA IPC on one host under "auto", else staged).
-  w->reaches_device_ = w->api().reaches_cuda(w->worker_) != 0 && w->one_sided_network();
+  w->one_sided_network_ = w->api().one_sided_network(w->worker_) != 0;
+  w->reaches_device_ = w->api().reaches_cuda(w->worker_) != 0 && w->one_sided_network_;
   w->loop_ = &loop;
   w->io_id_ = loop.add(fd, w, 0);
   if (w->io_id_ == 0) {

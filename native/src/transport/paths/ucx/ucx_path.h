@@ -54,7 +54,7 @@ class Worker : public IoHandler, public std::enable_shared_from_this<Worker> {
   std::string describe(int status) const { return plugin_->describe(status); }
   const std::string &version() const { return plugin_->version; }
   // Whether this UCX has a one-sided network transport (RDMA) here.
-  bool one_sided_network() const { return api().one_sided_network(worker_) != 0; }
+  bool one_sided_network() const { return one_sided_network_; }
   // Whether this UCX moves CUDA device memory: built with CUDA, NVIDIA's
   // driver found, and a one-sided network transport here (ucx_path.cpp).
   bool reaches_device() const { return reaches_device_; }
@@ -74,6 +74,7 @@ class Worker : public IoHandler, public std::enable_shared_from_this<Worker> {
   const Plugin *plugin_ = nullptr;
   datadist_ucx_worker *worker_ = nullptr;
   std::string address_;
+  bool one_sided_network_ = false;  // asked of UCX once, at create
   bool reaches_device_ = false;
   std::mutex device_mu_;
   std::shared_ptr<cuda::Device> device_;  // under device_mu_
