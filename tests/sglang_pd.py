@@ -19,14 +19,15 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from vllm_pd import free_port_run, model_dir
 
 HERE = Path(__file__).resolve().parent
-__all__ = ["Router", "Server", "finish_message", "free_port_run", "generate", "generate_outcome", "model_dir",
-           "pd_generate"]
+__all__ = ["PAIRS", "Router", "Server", "assert_decode_follows_handed_kv", "finish_message", "free_port_run",
+           "generate", "generate_outcome", "model_dir", "pd_generate", "two_prefills_into_one_decode"]
 
 # What SGLang's CPU path needs on a machine without SGLang's CPU kernels.
 CPU_ENV = {
@@ -227,3 +228,58 @@ def pd_generate(prefill: Server, decode: Server, prefill_ids: list[int], decode_
         if isinstance(answers.get(name), Exception) or name not in answers:
             raise RuntimeError(f"{name} request failed: {answers.get(name)!r}")
     return answers["prefill"], answers["decode"]
+
+
+def assert_decode_follows_handed_kv(reference: Server, prefill: Server, decode: Server, seed: int,
+                                    max_new_tokens: int, length: int = 48) -> None:
+    """The control: the decode, handed the KV of another prompt than its own, continues that
+    prompt (the reference server's tokens for it), not its own. The bytes moved."""
+    import random
+
+    rng = random.Random(seed)
+    mine, theirs = ([rng.randrange(3, 1000) for _ in range(length)] for _ in range(2))
+    want_theirs = generate(reference.url, theirs, max_new_tokens)["output_ids"]
+    assert generate(reference.url, mine, max_new_tokens)["output_ids"] != want_theirs
+    _, decoded = pd_generate(prefill, decode, theirs, mine, rng.randrange(1 << 62), max_new_tokens)
+    assert decoded["output_ids"] == want_theirs
+    for server in (prefill, decode):
+        log = Path(server.log_path).read_text(errors="replace")
+        assert "memory leak detected" not in log
+
+
+# The routers of ``two_prefills_into_one_decode``, each with its prefill server's name.
+PAIRS = {"router": "prefill", "tp2-into-tp1": "prefill_tp2"}
+
+
+@contextmanager
+def two_prefills_into_one_decode(model: Path, root: Path, page_size: int) -> Iterator[dict[str, Any]]:
+    """A reference server (no disaggregation), a prefill server of TP 1 and one of TP 2 (prefill
+    chunks of 64 tokens), one decode server, all with pages of ``page_size`` tokens, and a router
+    in front of each prefill and the decode (``PAIRS``); every process stopped on the way out."""
+    tp2_extra = ["--sleep-on-idle"]  # idle, a TP 2 scheduler spins on the CPU (test_sglang_e2e.py)
+    chunks = ["--chunked-prefill-size", "64"]
+    base = free_port_run(10)
+    started: list[Any] = []
+    try:
+        reference = Server(model, "null", base, root)
+        started.append(reference)
+        prefill = Server(model, "prefill", base + 1, root, bootstrap_port=base + 2, page_size=page_size,
+                         extra=chunks)
+        started.append(prefill)
+        decode = Server(model, "decode", base + 3, root, page_size=page_size)
+        started.append(decode)
+        prefill_tp2 = Server(model, "prefill", base + 4, root, bootstrap_port=base + 5, page_size=page_size,
+                             tp_size=2, extra=chunks + tp2_extra)
+        started.append(prefill_tp2)
+        deadline = time.monotonic() + 600
+        for server in (prefill, decode, reference, prefill_tp2):
+            server.ready(deadline)
+        routers = {"router": Router(prefill, decode, base + 6, root, base + 8),
+                   "tp2-into-tp1": Router(prefill_tp2, decode, base + 7, root, base + 9)}
+        started += routers.values()
+        for router in routers.values():
+            router.ready(time.monotonic() + 300)
+        yield {"reference": reference, "prefill": prefill, "decode": decode, "prefill_tp2": prefill_tp2, **routers}
+    finally:
+        for process in reversed(started):
+            process.stop()

@@ -87,3 +87,52 @@ def test_backend_member_answers_every_lookup_and_only_those() -> None:
         add_backend_member(_Backend, "TWO", "three")
     with pytest.raises(TypeError):
         add_backend_member(dict)
+
+
+def _hybrid(tp: tuple[int, int] = (1, 0), swa_items: int = 50, heads_share: int = 1) -> BufferLayout:
+    """A hybrid SWA model's worker: 2 full layers' K and V (kv), the aux rows, 2 sliding-window
+    layers' K and V (swa, a pool of their own); pages of 4 tokens of 2 KV heads of 16 B,
+    ``heads_share`` of them on this rank."""
+    item = 4 * 16 * heads_share
+    kv = group_buffers("kv", [0x1000 * (i + 1) for i in range(4)], [item * 100] * 4, [item] * 4)
+    aux = group_buffers("aux", [0x100000], [64 * 8], [8])
+    swa = group_buffers("swa", [0x900000 + 0x1000 * i for i in range(4)], [item * swa_items] * 4, [item] * 4)
+    return BufferLayout(4, tp[0], tp[1], 2, tuple(kv + aux + swa))
+
+
+def test_sliding_window_pages_move_with_their_own_indices() -> None:
+    decode, prefill = _hybrid(swa_items=80), _hybrid()
+    assert BufferLayout.from_wire(prefill.to_wire()) == prefill
+    pulls = decode.pair_with(prefill).pulls([1, 2, 3], [7, 8, 9], (0, 5), swa=([40, 41], [3, 4]))
+    by_kind = {decode.groups[p.group].kind: p for p in pulls}
+    assert (by_kind["kv"].src_blocks, by_kind["kv"].dst_blocks) == ((1, 2, 3), (7, 8, 9))
+    assert (by_kind["swa"].src_blocks, by_kind["swa"].dst_blocks) == ((40, 41), (3, 4))
+    assert by_kind["swa"].nbytes == 2 * 64 * 4 and by_kind["swa"].rows is None
+    assert (by_kind["aux"].src_blocks, by_kind["aux"].dst_blocks) == ((0,), (5,))
+    # Chunks before the last carry no window: no sliding-window pull.
+    assert [decode.groups[p.group].kind for p in decode.pair_with(prefill).pulls([1], [7])] == ["kv"]
+    with pytest.raises(ValueError, match="2 prefill sliding-window pages against 1 decode"):
+        decode.pair_with(prefill).pulls([1], [7], swa=([40, 41], [3]))
+
+
+def test_sliding_window_layers_must_pair_too() -> None:
+    hybrid = _hybrid()
+    full_only = BufferLayout(4, 1, 0, 2, tuple(g for g in hybrid.groups if g.kind != "swa"))
+    with pytest.raises(LayoutMismatch, match="3 buffer groups against 2"):
+        full_only.pair_with(hybrid)
+
+
+def test_sliding_window_pages_follow_the_head_mapping_across_tp_sizes() -> None:
+    """A decode of TP 1 (both heads) reads its window pages from two prefill ranks of TP 2, each
+    giving its head of every token, as for the full layers' pages."""
+    decode = _hybrid(heads_share=2)
+    for rank in (0, 1):
+        prefill = _hybrid(tp=(2, rank))
+        pulls = decode.pair_with(prefill).pulls([1], [7], swa=([40], [3]))
+        swa = [p for p in pulls if decode.groups[p.group].kind == "swa"]
+        assert len(swa) == 1 and swa[0].rows is not None
+        rows = swa[0].rows
+        # Every token of the page: 16 B of the rank's head into its place among the decode's two.
+        assert set(rows[:, 0]) == {40} and set(rows[:, 2]) == {3}
+        assert int((rows[:, 4] * rows[:, 5]).sum()) == 4 * 16
+        assert set(rows[:, 3] % 32) == {16 * rank}

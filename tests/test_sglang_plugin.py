@@ -70,3 +70,27 @@ def test_entry_point_makes_the_flag_parse_in_a_fresh_process() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "datadist_aio"
+
+
+def test_state_buffers_of_a_hybrid_swa_model_are_taken_and_others_refused_by_name() -> None:
+    """The manager's reading of ``KVArgs``' state buffers: a hybrid SWA model's window pool is
+    taken (its addresses, lengths and item lengths), none is none, any other state type is
+    refused with its name before anything is registered."""
+    from types import SimpleNamespace
+
+    from sglang.srt.disaggregation.base.conn import StateType
+
+    from datadist_aio.integrations.sglang.conn import _swa_indices, _swa_state
+
+    def args(types: list, pointers: list) -> SimpleNamespace:
+        return SimpleNamespace(state_types=types, state_data_ptrs=pointers,
+                               state_data_lens=[[4096] * len(p) for p in pointers],
+                               state_item_lens=[[256] * len(p) for p in pointers])
+
+    assert _swa_state(args([], [])) is None
+    assert _swa_state(args([StateType.SWA], [[0x1000, 0x2000]])) == ([0x1000, 0x2000], [4096, 4096], [256, 256])
+    for refused in (StateType.MAMBA, StateType.DSA):
+        with pytest.raises(NotImplementedError, match=refused.value):
+            _swa_state(args([StateType.SWA, refused], [[0x1000], [0x3000]]))
+    assert _swa_indices(None) is None and _swa_indices([None]) is None
+    assert _swa_indices([[3, 4]]).tolist() == [3, 4]

@@ -24,7 +24,9 @@ BLOCK_SIZE = 32
 
 
 def model_dir(root: Path, variant: str = "llama") -> Path:
-    """The tiny test model (``llama``, or ``mla``: DeepSeek-V2 attention) under
+    """The tiny test model (``llama``; ``mla``: DeepSeek-V2 attention;
+    ``minicpm3``: the same latent attention, for SGLang's CPU build;
+    ``mellum``: sliding-window and full attention layers) under
     ``root`` (weights made once, from a fixed seed)."""
     import sys
 

@@ -1,6 +1,9 @@
 """Writes the weights of the tiny Llama in ``config.json`` (or of the tiny
 DeepSeek-V2 in ``mla/config.json``: multi-head latent attention, every layer
-dense) as safetensors.
+dense; or of the tiny MiniCPM3 in ``minicpm3/config.json``: the same latent
+attention, which SGLang's CPU build runs; or of the tiny Mellum in
+``mellum/config.json``: sliding-window and full attention layers, every MLP
+dense, a hybrid SWA model to SGLang) as safetensors.
 
 Every matrix is drawn from a normal distribution with variance 1/fan_in
 (fixed seed), so activations keep their scale through the layers and the
@@ -24,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 
 def make(out_dir: Path, seed: int = 1234, variant: str = "llama") -> Path:
     """Creates ``out_dir`` holding config.json and model.safetensors; returns it."""
-    source = HERE / (variant if variant in ("mla", "sliding") else ".") / "config.json"
+    source = HERE / (variant if variant in ("mla", "sliding", "minicpm3", "mellum") else ".") / "config.json"
     config = json.loads(source.read_text())
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     heads = config["num_attention_heads"]
@@ -56,12 +59,16 @@ def _attention(config: dict, prefix: str, normal: Callable[[int, int], torch.Ten
     attn = f"{prefix}.self_attn"
     if "kv_lora_rank" not in config:
         kv_heads, head_dim = config["num_key_value_heads"], config["head_dim"]
-        return {
+        tensors = {
             f"{attn}.q_proj.weight": normal(heads * head_dim, hidden),
             f"{attn}.k_proj.weight": normal(kv_heads * head_dim, hidden),
             f"{attn}.v_proj.weight": normal(kv_heads * head_dim, hidden),
             f"{attn}.o_proj.weight": normal(hidden, heads * head_dim),
         }
+        if config["model_type"] == "mellum":  # Qwen3's per-head norms of q and k
+            tensors[f"{attn}.q_norm.weight"] = torch.ones(head_dim)
+            tensors[f"{attn}.k_norm.weight"] = torch.ones(head_dim)
+        return tensors
     q_rank, kv_rank = config["q_lora_rank"], config["kv_lora_rank"]
     nope, rope, v_dim = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
     return {

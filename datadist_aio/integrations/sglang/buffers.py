@@ -2,9 +2,11 @@
 
 SGLang hands a transfer backend flat lists of buffers: one address, byte
 length and item length per buffer (``KVArgs.kv_data_ptrs`` / ``_lens`` /
-``_item_lens``, and the same for the aux buffers). An item is one KV page
-of one layer (K or V, or MLA's one latent buffer), or one row of an aux
-buffer (a request's first token and its metadata). Each buffer is
+``_item_lens``, and the same for the aux buffers and, for hybrid
+sliding-window models, the window layers' buffers as state). An item is one
+KV page of one layer (K or V, or MLA's one latent buffer; kinds ``kv`` and,
+the sliding-window layers', ``swa``), or one row of an aux buffer (a
+request's first token and its metadata). Each buffer is
 registered in place as a tensor of ``[items, item_len]`` bytes; buffers of
 the same item length and item count form one blocks cache, so a request's
 pages move with one pull per cache, every layer at once, and page ``p`` of
@@ -38,7 +40,9 @@ from ..vllm.layout import GroupShape, HeadMap, LayoutError, WorkerLayout, heads_
 
 __all__ = ["BufferGroup", "BufferLayout", "LayoutMismatch", "Pairing", "Pull", "group_buffers", "paired_ranks"]
 
-KINDS = ("kv", "aux")
+KINDS = ("kv", "aux", "swa")
+# Kinds whose pages hold the rank's share of the KV heads: the head mapping applies to them.
+HEAD_KINDS = ("kv", "swa")
 
 
 class LayoutMismatch(ValueError):
@@ -118,6 +122,11 @@ class BufferLayout:
         """(index among all groups, group) of one kind."""
         return [(index, group) for index, group in enumerate(self.groups) if group.kind == kind]
 
+    def head_groups(self) -> list[tuple[int, BufferGroup]]:
+        """(index among all groups, group) of the kinds that hold heads: the KV groups, then the
+        sliding-window ones (hybrid SWA models), the order of the head mapping's positions."""
+        return [entry for kind in HEAD_KINDS for entry in self.of_kind(kind)]
+
     def to_wire(self) -> dict[str, Any]:
         return {"page_size": self.page_size, "tp_size": self.tp_size, "tp_rank": self.tp_rank,
                 "kv_heads": self.kv_heads, "latent": self.latent,
@@ -169,11 +178,12 @@ class BufferLayout:
         bytes of a token]`` (``NC``). ValueError where an item is not cut so."""
         local = 1 if self.latent else len(heads_of(self.tp_rank, self.tp_size, self.kv_heads))
         shapes = []
-        for _, group in self.of_kind("kv"):
+        for _, group in self.head_groups():
             token, rest = divmod(group.item_len, self.page_size)
             head, rest_of_token = divmod(token, local)
             if rest or rest_of_token:
-                raise ValueError(f"kv items of {group.item_len} B are not {self.page_size} tokens of {local} heads")
+                raise ValueError(f"{group.kind} items of {group.item_len} B are not {self.page_size} tokens of "
+                                 f"{local} heads")
             shape = (self.page_size, token) if self.latent else (self.page_size, local, head)
             shapes.append(GroupShape("torch.uint8", shape, 1, len(group.members), "NC" if self.latent else "NHC"))
         return WorkerLayout(self.tp_size, self.tp_rank, 1 if self.latent else self.kv_heads, self.page_size,
@@ -199,7 +209,7 @@ class BufferLayout:
             raise mismatch(f"{len(prefill.groups)} buffer groups against {len(self.groups)}")
         same_tp = prefill.tp_size == self.tp_size
         for theirs, ours in zip(prefill.groups, self.groups):
-            item_lens_pair = theirs.item_len == ours.item_len or (ours.kind == "kv" and not same_tp)
+            item_lens_pair = theirs.item_len == ours.item_len or (ours.kind in HEAD_KINDS and not same_tp)
             if (theirs.kind, theirs.members) != (ours.kind, ours.members) or not item_lens_pair:
                 raise mismatch(f"{theirs.kind} buffers {list(theirs.members)[:8]} of {theirs.item_len} B items "
                                f"against {ours.kind} buffers {list(ours.members)[:8]} of {ours.item_len} B")
@@ -209,6 +219,12 @@ class BufferLayout:
         except (LayoutError, ValueError) as exc:
             raise mismatch(str(exc)) from None
         return Pairing(self, prefill, mine, theirs_heads, maps.get(prefill.tp_rank), frozenset(maps))
+
+
+def _page_pair(what: str, src_pages: Sequence[int], dst_pages: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    if len(src_pages) != len(dst_pages):
+        raise ValueError(f"{len(src_pages)} prefill {what}pages against {len(dst_pages)} decode {what}pages")
+    return tuple(int(p) for p in src_pages), tuple(int(p) for p in dst_pages)
 
 
 @dataclass(frozen=True)
@@ -241,15 +257,17 @@ class Pairing:
     sources: frozenset[int]
 
     def pulls(self, src_pages: Sequence[int], dst_pages: Sequence[int],
-              aux: Optional[tuple[int, int]] = None) -> list[Pull]:
+              aux: Optional[tuple[int, int]] = None,
+              swa: Optional[tuple[Sequence[int], Sequence[int]]] = None) -> list[Pull]:
         """The pulls of one chunk: the prefill's pages ``src_pages`` into the decode's
-        ``dst_pages`` (the same count), and the aux row ``(src, dst)`` where given."""
-        if len(src_pages) != len(dst_pages):
-            raise ValueError(f"{len(src_pages)} prefill pages against {len(dst_pages)} decode pages")
-        src, dst = tuple(int(p) for p in src_pages), tuple(int(p) for p in dst_pages)
+        ``dst_pages`` (the same count), the aux row ``(src, dst)`` where given, and the
+        sliding-window pages ``(src, dst)`` (hybrid SWA models' last chunk: the window's pages
+        of each side's SWA pool, the same count) where given."""
+        pages = {"kv": _page_pair("", src_pages, dst_pages), "swa": _page_pair("sliding-window ", *(swa or ((), ())))}
         out = []
-        head_map = self.head_map if src else None
-        for position, (index, group) in enumerate(self.mine.of_kind("kv")):
+        for position, (index, group) in enumerate(self.mine.head_groups()):
+            src, dst = pages[group.kind]
+            head_map = self.head_map if src else None
             if head_map is None or not head_map.runs[position]:
                 continue
             if head_map.whole[position]:

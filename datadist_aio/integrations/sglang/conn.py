@@ -110,6 +110,34 @@ def _env_seconds(name: str, default: float) -> float:
     return seconds
 
 
+def _swa_state(args: KVArgs) -> Optional[Tuple[List[int], List[int], List[int]]]:
+    """The sliding-window layers' buffers of a hybrid SWA model (``StateType.SWA``: pages like
+    the KV's, of a pool of their own), as (addresses, lengths, item lengths), or None. Every other
+    kind of state buffer is refused, named."""
+    types = [getattr(t, "value", t) for t in (getattr(args, "state_types", None) or [])]
+    pointers = list(getattr(args, "state_data_ptrs", None) or [])
+    present = [(kind, index) for index, kind in enumerate(types) if index < len(pointers) and pointers[index]]
+    others = [kind for kind, _ in present if kind != "swa"]
+    if others or len(pointers) > len(types) or len(present) > 1:
+        raise NotImplementedError(
+            "the datadist_aio transfer backend moves the sliding-window state of hybrid SWA models only, "
+            f"not state types {others or types}")
+    if not present:
+        return None
+    index = present[0][1]
+    return ([int(a) for a in pointers[index]], [int(n) for n in args.state_data_lens[index]],
+            [int(n) for n in args.state_item_lens[index]])
+
+
+def _swa_indices(state_indices: Optional[List[Any]]) -> Optional[npt.NDArray[np.int32]]:
+    """This side's sliding-window pages in SGLang's ``state_indices`` (one entry per state
+    type, this backend's one being SWA), or None."""
+    for component in state_indices or []:
+        if component is not None:
+            return np.asarray(component, dtype=np.int32).reshape(-1)
+    return None
+
+
 @dataclass
 class _TransferInfo:
     """One decode worker's destination for one request (prefill side)."""
@@ -123,6 +151,7 @@ class _TransferInfo:
     required_dst_info_num: int
     is_dummy: bool
     decode_prefix_len: int = 0
+    dst_swa_indices: Optional[npt.NDArray[np.int32]] = None  # the decode's sliding-window pages
 
     @classmethod
     def from_zmq(cls, msg: List[bytes]) -> "_TransferInfo":
@@ -137,6 +166,7 @@ class _TransferInfo:
             required_dst_info_num=int(msg[7].decode("ascii")),
             is_dummy=is_dummy,
             decode_prefix_len=int(msg[8].decode("ascii")) if len(msg) > 8 and msg[8] else 0,
+            dst_swa_indices=np.frombuffer(msg[6], dtype=np.int32) if msg[6] else None,
         )
 
 
@@ -147,6 +177,8 @@ class _RoomPulls:
     tasks: List[Tuple[dd.CacheTask, str, int]] = field(default_factory=list)  # task, what, prefill cluster
     last_from: set = field(default_factory=set)  # prefill ranks whose last chunk arrived
     prefills: Dict[int, Tuple[str, int]] = field(default_factory=dict)  # rank -> control endpoint
+    # rank -> the prefill engine's cluster id and where it listens, for the link's liveness
+    engines: Dict[int, Tuple[int, str]] = field(default_factory=dict)
     # The prefill attention-TP ranks whose KV this worker reads, and those whose last chunk arrived.
     sources: set = field(default_factory=set)
     sources_done: set = field(default_factory=set)
@@ -178,12 +210,7 @@ class DatadistAioKVManager(CommonKVManager):
         server_args: ServerArgs,
         is_mla_backend: Optional[bool] = False,
     ):
-        state_ptrs = [p for component in (getattr(args, "state_data_ptrs", None) or []) for p in component]
-        if state_ptrs:
-            raise NotImplementedError(
-                "the datadist_aio transfer backend does not move state buffers yet (hybrid models: "
-                f"state types {list(getattr(args, 'state_types', []))}); use a full-attention model"
-            )
+        swa = _swa_state(args)
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         self._stopped = False
         self._worker_threads: List[threading.Thread] = []
@@ -191,6 +218,8 @@ class DatadistAioKVManager(CommonKVManager):
         self.confirm_timeout_s: float = _env_seconds(CONFIRM_TIMEOUT_ENV, 300.0)
         groups = group_buffers("kv", args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens)
         groups += group_buffers("aux", args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens)
+        if swa is not None:
+            groups += group_buffers("swa", *swa)
         latent = bool(is_mla_backend)
         self.layout: BufferLayout = BufferLayout(int(args.page_size), int(self.attn_tp_size), int(self.attn_tp_rank),
                                                  _total_kv_heads(args, server_args, latent), tuple(groups), latent)
@@ -199,6 +228,7 @@ class DatadistAioKVManager(CommonKVManager):
         self._rooms_lock = threading.Lock()
         self._peers: Dict[int, _Peer] = {}
         self._stale: set = set()  # prefill clusters whose pulls failed: unlinked by the control thread
+        self._unlinked: set = set()  # prefill clusters this worker unlinked itself (until linked again)
         self._last_sent: Dict[int, float] = {}
         self._confirmed: Dict[int, set] = {}
         self._datadist = self._start_engine(args, server_args)
@@ -226,8 +256,10 @@ class DatadistAioKVManager(CommonKVManager):
         placement = dd.Placement.HOST if on_host else dd.Placement.DEVICE
         self._caches: List[dd.Cache] = []
         try:
+            swa = _swa_state(args)
+            buffers = {"kv": args.kv_data_ptrs, "aux": args.aux_data_ptrs, "swa": swa[0] if swa else []}
             for index, group in enumerate(self.layout.groups):
-                pointers = args.kv_data_ptrs if group.kind == "kv" else args.aux_data_ptrs
+                pointers = buffers[group.kind]
                 desc = dd.CacheDesc(num_tensors=len(group.members), shape=[group.items, group.item_len],
                                     data_type=dd.DataType.DT_UINT8, placement=placement)
                 key = dd.BlocksCacheKey(self.cluster_id, index)
@@ -278,8 +310,7 @@ class DatadistAioKVManager(CommonKVManager):
         is_dummy: bool,
         device_kv_indices: Optional[npt.NDArray[np.int32]] = None,
     ) -> List[bytes]:
-        if state_indices and any(component is not None and len(component) for component in state_indices):
-            raise NotImplementedError("the datadist_aio transfer backend does not move state buffers yet")
+        swa_pages = _swa_indices(state_indices) if not is_dummy else None
         return [
             str(bootstrap_room).encode("ascii"),
             self.local_ip.encode("ascii"),
@@ -287,7 +318,7 @@ class DatadistAioKVManager(CommonKVManager):
             self._session().encode("ascii"),
             np.asarray(kv_indices, dtype=np.int32).tobytes() if not is_dummy else b"",
             str(aux_index).encode("ascii") if not is_dummy else b"",
-            b"",
+            swa_pages.tobytes() if swa_pages is not None else b"",
             str(required_dst_info_num).encode("ascii"),
             str(decode_prefix_len or 0).encode("ascii"),
         ]
@@ -350,18 +381,20 @@ class DatadistAioKVManager(CommonKVManager):
         room = bootstrap_room
         if room not in self.request_status or self.check_status(room) == KVPoll.Failed:
             return
-        if state_indices and any(component is not None and len(component) for component in state_indices):
-            self.conclude_failure(bootstrap_room=room,
-                                  failure_reason="the datadist_aio transfer backend does not move state buffers yet")
-            return
+        src_swa = _swa_indices(state_indices) if is_last_chunk else None
         infos = [info for info in self.transfer_infos.get(room, {}).values() if not info.is_dummy]
         src = np.asarray(kv_indices, dtype=np.int32)
         for info in infos:
             dst = info.dst_kv_indices[index_slice]
+            why = ""
             if len(dst) != len(src):
-                self.conclude_failure(bootstrap_room=room, failure_reason=(
-                    f"chunk of {len(src)} pages at {index_slice.start} but the decode {info.session} "
-                    f"gave {len(dst)} pages there"))
+                why = f"chunk of {len(src)} pages at {index_slice.start} but the decode {info.session} gave " \
+                      f"{len(dst)} pages there"
+            elif src_swa is not None and (info.dst_swa_indices is None or len(info.dst_swa_indices) != len(src_swa)):
+                theirs = "none" if info.dst_swa_indices is None else len(info.dst_swa_indices)
+                why = f"{len(src_swa)} sliding-window pages but the decode {info.session} gave {theirs}"
+            if why:
+                self.conclude_failure(bootstrap_room=room, failure_reason=why)
                 return
             frames = [
                 PULL_TAG, str(room).encode("ascii"), str(self._prefill_unique_rank()).encode("ascii"),
@@ -371,6 +404,8 @@ class DatadistAioKVManager(CommonKVManager):
                 str(aux_index).encode("ascii") if is_last_chunk and aux_index is not None else b"",
                 str(info.dst_aux_index).encode("ascii") if is_last_chunk and info.dst_aux_index is not None else b"",
                 json.dumps(self.layout.to_wire()).encode("utf-8"),
+                src_swa.tobytes() if src_swa is not None else b"",
+                info.dst_swa_indices.tobytes() if src_swa is not None and info.dst_swa_indices is not None else b"",
             ]
             na = NetworkAddress(info.endpoint, info.dst_port)
             try:
@@ -414,6 +449,8 @@ class DatadistAioKVManager(CommonKVManager):
         if per_cluster[0] not in (dd.LLMStatusCode.LLM_SUCCESS, dd.LLMStatusCode.LLM_ALREADY_LINK):
             raise dd.LLMException(f"link to the prefill at {host}:{port} failed", status_code=per_cluster[0])
         peer = self._peers[cluster_id] = _Peer(cluster_id, host, port, pairing, cluster)
+        with self._rooms_lock:
+            self._unlinked.discard(cluster_id)
         log.info("datadist_aio: linked to the prefill at %s:%d (%s)", host, port, layout.describe())
         return peer
 
@@ -421,6 +458,8 @@ class DatadistAioKVManager(CommonKVManager):
         """Drops a prefill worker after a failure; a restarted one comes back under a new cluster id."""
         peer = self._peers.pop(cluster_id, None)
         if peer is not None and peer.cluster is not None:
+            with self._rooms_lock:  # not a dropped link for the requests still waiting on it
+                self._unlinked.add(cluster_id)
             try:
                 self._datadist.unlink_clusters([peer.cluster], timeout=100, force=True)
             except Exception as exc:
@@ -435,6 +474,8 @@ class DatadistAioKVManager(CommonKVManager):
         is_last = msg[9] == b"1"
         src_aux = int(msg[10].decode("ascii")) if msg[10] else None
         dst_aux = int(msg[11].decode("ascii")) if msg[11] else None
+        swa = (np.frombuffer(msg[13], dtype=np.int32).tolist(), np.frombuffer(msg[14], dtype=np.int32).tolist()) \
+            if len(msg) > 14 and msg[13] else None
         if room not in self.request_status or self.request_status[room] == KVPoll.Failed:
             # Aborted or failed here already: the prefill may free the request's pages now.
             self._send_done((host, control_port), room, KVPoll.Failed, "the decode no longer waits for this request")
@@ -443,10 +484,10 @@ class DatadistAioKVManager(CommonKVManager):
             stale, self._stale = self._stale, set()
         for dropped in stale:
             self._forget(dropped)
+        where = f"the prefill at {host}:{port}"
         with self._rooms_lock:
             pulls = self._rooms.setdefault(room, _RoomPulls())
             pulls.prefills[prefill_rank] = (host, control_port)
-        where = f"the prefill at {host}:{port}"
         try:
             peer = self._peer(cluster_id, host, port, msg[12])
         except LayoutMismatch as exc:
@@ -462,11 +503,12 @@ class DatadistAioKVManager(CommonKVManager):
                 and not pulls.aux_pulled else None
             pulls.aux_pulled = pulls.aux_pulled or aux is not None
             pulls.sources |= pairing.sources
+            pulls.engines[prefill_rank] = (cluster_id, where)  # linked: its link is watched from now on
         manager = self._datadist.cache_manager
         tasks: List[Tuple[dd.CacheTask, str, int]] = []
         nbytes = 0
         try:
-            for pull in pairing.pulls(src.tolist(), dst.tolist(), aux):
+            for pull in pairing.pulls(src.tolist(), dst.tolist(), aux, swa):
                 key, cache = dd.BlocksCacheKey(peer.cluster_id, pull.group), self._caches[pull.group]
                 if pull.rows is None:
                     task = manager.pull_blocks_async(key, cache, list(pull.src_blocks), list(pull.dst_blocks))
@@ -534,6 +576,7 @@ class DatadistAioKVManager(CommonKVManager):
                 return status
             tasks, complete = list(pulls.tasks), len(pulls.last_from)
             missing = sorted(pulls.sources - pulls.sources_done)
+            awaited = [engine for rank, engine in pulls.engines.items() if rank not in pulls.last_from]
         error = ""
         for task, what, cluster_id in tasks:
             if not task.done():
@@ -548,6 +591,10 @@ class DatadistAioKVManager(CommonKVManager):
             return KVPoll.Failed
         required = self.required_prefill_response_num_table.get(bootstrap_room, 1)
         if complete < required:
+            dropped = self._dropped(awaited)
+            if dropped:
+                self._fail_room(bootstrap_room, dropped)
+                return KVPoll.Failed
             self.update_status(bootstrap_room, KVPoll.Transferring)
             return KVPoll.Transferring
         if missing:  # SGLang's rank mapping and this worker's head mapping disagree: never a wrong token
@@ -559,6 +606,25 @@ class DatadistAioKVManager(CommonKVManager):
         with self._rooms_lock:
             self._rooms.pop(bootstrap_room, None)
         return KVPoll.Success
+
+    def _dropped(self, engines: List[Tuple[int, str]]) -> str:
+        """Why a request waiting on more chunks from these prefill engines cannot get them: the
+        link to one is gone (its process died: the engine drops a link whose connection closes),
+        or "" (decode side). Found at the next poll, before SGLang's heartbeat would; a frozen
+        prefill keeps its link, and the heartbeat or the pull's deadline finds it."""
+        for cluster_id, where in engines:
+            with self._rooms_lock:
+                if cluster_id in self._unlinked:
+                    continue  # unlinked here after a failed pull, linked again at its next chunk
+            try:
+                self._datadist.link_transport(cluster_id)
+            except dd.LLMException as exc:
+                if exc.status_code is not dd.LLMStatusCode.LLM_NOT_YET_LINK:
+                    continue  # not an answer about the link (the engine is stopping): the deadlines stand
+                with self._rooms_lock:
+                    self._stale.add(cluster_id)
+                return f"the link to {where} dropped before its last chunk came (LLM_LINK_FAILED)"
+        return ""
 
     def forget_room(self, room: int) -> None:
         """Drops what the prefill side kept of a request SGLang has cleared."""
