@@ -35,6 +35,7 @@ from sglang_pd import (  # noqa: E402
     Router,
     Server,
     assert_decode_follows_handed_kv,
+    assert_no_leak_reported,
     finish_message,
     free_port_run,
     generate,
@@ -230,11 +231,6 @@ def _prefill_batches(log: Path) -> int:
     return log.read_text(errors="replace").count("Prefill batch")
 
 
-def _no_leak_reported(server: Server) -> None:
-    log = Path(server.log_path).read_text(errors="replace")
-    assert "memory leak detected" not in log
-
-
 def test_frozen_prefill_fails_the_request_in_time_and_frees_its_pages(servers: dict[str, Any],
                                                                       references: list[list[int]],
                                                                       prompts: list[list[int]]) -> None:
@@ -252,8 +248,8 @@ def test_frozen_prefill_fails_the_request_in_time_and_frees_its_pages(servers: d
     time.sleep(8)  # the prefill catches up: its late chunks are refused, its pages freed
     outputs = [generate(servers["router"].url, p, NEW_TOKENS)["output_ids"] for p in prompts[:3]]
     assert outputs == references[:3]
-    _no_leak_reported(servers["decode"])
-    _no_leak_reported(prefill)
+    assert_no_leak_reported(servers["decode"])
+    assert_no_leak_reported(prefill)
 
 
 def test_killed_prefill_fails_the_request_then_a_restarted_one_relinks(servers: dict[str, Any],
@@ -285,4 +281,4 @@ def test_killed_prefill_fails_the_request_then_a_restarted_one_relinks(servers: 
     assert status == 200, body
     assert body["output_ids"] == references[4]
     assert decode_log.read_text(errors="replace").count("datadist_aio: linked to the prefill") == links + 1
-    _no_leak_reported(servers["decode"])
+    assert_no_leak_reported(servers["decode"])

@@ -231,7 +231,7 @@ class DatadistAioKVManager(CommonKVManager):
         self._unlinked: set = set()  # prefill clusters this worker unlinked itself (until linked again)
         self._last_sent: Dict[int, float] = {}
         self._confirmed: Dict[int, set] = {}
-        self._datadist = self._start_engine(args, server_args)
+        self._datadist = self._start_engine(args, server_args, swa[0] if swa else [])
         if self.disaggregation_mode == DisaggregationMode.PREFILL:
             self._start_thread(self._control_loop, "datadist-aio-prefill", self._on_prefill_message)
         elif self.disaggregation_mode == DisaggregationMode.DECODE:
@@ -240,7 +240,7 @@ class DatadistAioKVManager(CommonKVManager):
 
     # -- set-up ---------------------------------------------------------------------
 
-    def _start_engine(self, args: KVArgs, server_args: ServerArgs) -> dd.LLMDataDist:
+    def _start_engine(self, args: KVArgs, server_args: ServerArgs, swa_ptrs: List[int]) -> dd.LLMDataDist:
         """The engine, every buffer group registered in place as one blocks cache."""
         on_host = str(getattr(server_args, "device", "cpu") or "cpu").startswith("cpu")
         config = dd.LLMConfig()
@@ -256,8 +256,7 @@ class DatadistAioKVManager(CommonKVManager):
         placement = dd.Placement.HOST if on_host else dd.Placement.DEVICE
         self._caches: List[dd.Cache] = []
         try:
-            swa = _swa_state(args)
-            buffers = {"kv": args.kv_data_ptrs, "aux": args.aux_data_ptrs, "swa": swa[0] if swa else []}
+            buffers = {"kv": args.kv_data_ptrs, "aux": args.aux_data_ptrs, "swa": swa_ptrs}
             for index, group in enumerate(self.layout.groups):
                 pointers = buffers[group.kind]
                 desc = dd.CacheDesc(num_tensors=len(group.members), shape=[group.items, group.item_len],
