@@ -397,10 +397,12 @@ def prefill_worker(conn: Any, backend: str, placements: tuple[str, str], mode: s
         else:
             # One step: each layer written on the model's stream, then saved
             # (save_kv_layer returns before the stream has run the writes).
-            side.start_loads(StepPlan(leases=leases, saves={"p-a": SaveSpec("p-a", REMOTE, 0, len(REMOTE), True)}))
+            plan = StepPlan(leases=leases, saves={"p-a": SaveSpec("p-a", REMOTE, 0, len(REMOTE), True)})
+            side.begin_step(plan)
             for layer, name in enumerate(NAMES):
                 memory.write_blocks(kv[name], REMOTE, _new(layer), on_stream=True)
                 side.save_layer(name)
+            side.start_loads(plan)
             if isinstance(memory, StandinMemory) and placement == "device" and event == "recorded":
                 time.sleep(0.3)
                 assert side.take_records() == [], "pushed before the model's stream wrote the layers"

@@ -221,6 +221,16 @@ def push_engines(model: Path, inbox_blocks: int, share_blocks: int, **prefill_ex
     )
 
 
+def assert_push_overlapped(before: dict[str, float], after: dict[str, float]) -> None:
+    """The prefill's own counters: at least 90 % of its steps that pushed
+    handed their first layer to the engine before the forward saved its last
+    layer, and none was aborted."""
+    steps = delta(after, before, "vllm:datadist_aio_push_steps")
+    overlapped = delta(after, before, "vllm:datadist_aio_push_steps_overlapped")
+    assert steps >= 1 and delta(after, before, "vllm:datadist_aio_push_steps_aborted") == 0
+    assert overlapped >= 0.9 * steps, f"{overlapped:g} of {steps:g} pushed steps overlapped their forward"
+
+
 @pytest.fixture(scope="module")
 def push_pair(model: Path) -> Iterator[dict[str, Any]]:
     yield from push_engines(model, 2 * SHARE_BLOCKS, SHARE_BLOCKS, load_timeout_s=LOAD_TIMEOUT_S)
@@ -241,6 +251,7 @@ def test_push_layerwise_output_equals_single_instance(push_pair: dict[str, Any])
     assert delta(after_p, before_p, FAILED) == 0 and delta(after_p, before_p, XFERS) >= 1
     pushed = delta(after_p, before_p, "vllm:datadist_aio_bytes_transferred_sum")
     assert pushed >= sum(-(-len(p) // 32) for p in prompts) * BLOCK_BYTES
+    assert_push_overlapped(before_p, after_p)
 
     # Swap control: prompt A's ids with prompt B's pushed KV give B's output.
     a, b = prompts_of_lengths([300, 300], seed=12)

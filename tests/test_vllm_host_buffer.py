@@ -140,9 +140,11 @@ def _prefill(conn: Any, mode: str, decode_port: int) -> None:
     conn.send(side.side_channel_port)
     try:
         _, saves = conn.recv()
-        side.start_loads(StepPlan(saves={spec.req_id: spec for spec in saves}))
+        plan = StepPlan(saves={spec.req_id: spec for spec in saves})
+        side.begin_step(plan)
         for name in NAMES:
             side.save_layer(name)
+        side.start_loads(plan)
         side.finish_step()
         conn.send(recorder.calls)
         conn.recv()

@@ -117,12 +117,31 @@ async def test_layer_release_waits_for_every_model_layer_of_a_transfer_layer() -
     second = asyncio.ensure_future(fused.synchronize_layer(1, None))
     fused.saved(2)
     await asyncio.sleep(0.01)
-    assert not second.done()
-    fused.saved_all()
-    assert await asyncio.wait_for(second, 1)
+    assert not second.done() and not fused.complete
+    fused.saved(3)
+    assert await asyncio.wait_for(second, 1) and fused.complete
+    assert fused.first_handed is not None and fused.first_handed < fused.last_saved, "layer 0 went before the last save"
     split = LayerRelease(loop, 2, 2)  # K and V apart: a transfer layer is a model layer
     split.saved(0)
     assert await asyncio.wait_for(split.synchronize_layer(0, None), 1)
+
+
+async def test_an_aborted_release_refuses_the_layers_it_had_not_released() -> None:
+    loop = asyncio.get_running_loop()
+    release = LayerRelease(loop, 4, 2)  # K and V apart: four transfer layers
+    release.saved(0)
+    release.saved(1)
+    release.abort()
+    assert release.aborted and not release.complete
+    release.saved(2)  # a save after the abort releases nothing
+    results = [await asyncio.wait_for(release.synchronize_layer(layer, None), 1) for layer in range(4)]
+    assert results == [True, True, False, False]
+    whole = LayerRelease(loop, 2, 2)
+    whole.saved(0)
+    whole.saved(1)
+    whole.abort()  # every layer had gone: nothing to refuse, but the push is still aborted
+    assert whole.aborted and whole.complete
+    assert await asyncio.wait_for(whole.synchronize_layer(1, None), 1)
 
 
 # -- two processes ------------------------------------------------------------------
@@ -152,6 +171,8 @@ def _decode(conn: Any, share_blocks: int, timeout_s: float, shape: tuple[int, ..
         for _command, value in _commands(conn):
             loads = {req: LoadSpec(req, local, remote, "prefill", "127.0.0.1", value["port"], "p-" + req)
                      for req, local, remote in value["specs"]}
+            assert side._inbox is not None
+            states = {req: side._inbox.state("prefill", "p-" + req) for req in loads}
             start = time.monotonic()
             side.start_loads(StepPlan(loads=loads))
             done: set[str] = set()
@@ -169,6 +190,7 @@ def _decode(conn: Any, share_blocks: int, timeout_s: float, shape: tuple[int, ..
                 "elapsed": time.monotonic() - start,
                 "records": [(r.blocks, r.ok) for r in side.take_records()],
                 "inbox_held": side._inbox.held(),
+                "states": states,
                 "arrays": {name: a.copy() for name, a in arrays.items()},
             })
     finally:
@@ -187,13 +209,32 @@ def _prefill(conn: Any, decode_port: int, shape: tuple[int, ...]) -> None:
                 side.start_loads(StepPlan(leases={req: time.monotonic() + 60 for req in value}))
                 conn.send("ok")
             elif command == "step":  # one forward: saves, each layer saved in turn, then wait_for_save
-                side.start_loads(StepPlan(saves={s.req_id: s for s in value}))
+                side.begin_step(StepPlan(saves={s.req_id: s for s in value}))
                 for name in NAMES:
                     side.save_layer(name)
                 side.finish_step()
                 conn.send([(r.blocks, r.ok) for r in side.take_records()])
+            elif command == "forward":  # as vLLM orders a step; each layer takes `layer_s` to compute
+                plan = StepPlan(saves={s.req_id: s for s in value["saves"]})
+                side.begin_step(plan)  # bind_connector_metadata, before the forward
+                for name in NAMES[:value["layers"]]:
+                    time.sleep(value["layer_s"])
+                    side.save_layer(name)
+                if value["raise"]:
+                    try:
+                        try:
+                            raise RuntimeError("the forward failed")
+                        finally:  # vLLM's runner calls wait_for_save from a finally
+                            side.start_loads(plan)
+                            side.finish_step(forward_failed=True)
+                    except RuntimeError:
+                        pass
+                else:
+                    side.start_loads(plan)  # start_load_kv, after the forward since vLLM 0.32
+                    side.finish_step()
+                conn.send(([(r.blocks, r.ok) for r in side.take_records()], side.take_push_steps()))
             elif command == "begin":  # a step that stops before its layers are saved, once its claims are granted
-                side.start_loads(StepPlan(saves={s.req_id: s for s in value}))
+                side.begin_step(StepPlan(saves={s.req_id: s for s in value}))
                 assert side.pusher is not None
                 deadline = time.monotonic() + 10
                 while not {s.req_id for s in value} <= side.pusher._pushing and time.monotonic() < deadline:
@@ -270,6 +311,49 @@ def test_pushed_request_is_copied_from_the_inbox_exactly(pair: Any) -> None:
     assert freed == ["p-a", "p-b"] and available == 8, "the decode side's release freed the prefill's share"
 
 
+def test_the_push_leaves_while_the_forward_computes(pair: Any) -> None:
+    """vLLM's order: the step's metadata bound, the forward saving its layers
+    one by one, start_load_kv after the forward, then wait_for_save. The
+    push starts at the bind, so its first layer is on its way before the
+    forward has saved its last; the commit comes once all have landed."""
+    pconn = pair["prefill"][1]
+    saves = [SaveSpec("p-a", [3, 9, 4], 0, 3, True)]
+    records, steps = _ask(pconn, "forward", {"saves": saves, "layers": LAYERS, "layer_s": 0.1, "raise": False})
+    assert records == [(3, True)]
+    assert len(steps) == 1 and steps[0].overlapped and not steps[0].aborted, steps
+    assert 0 <= steps[0].tail_seconds < 5
+    assert _ask(pconn, "lease", ["p-a"]) == "ok"
+    specs = [("a", [1, 2, 5], [3, 9, 4])]
+    result = _load(pair, specs)
+    assert result["states"] == {"a": COMMITTED}, "the push was committed"
+    assert result["done"] == ["a"] and result["failed"] == []
+    source = prefill_arrays()
+    for name, array in result["arrays"].items():
+        np.testing.assert_array_equal(array[[1, 2, 5]], source[name][[3, 9, 4]])
+
+
+@pytest.mark.parametrize("forward", ["raised", "saved half"])
+def test_a_forward_that_fails_never_commits_its_push(pair: Any, forward: str) -> None:
+    """A forward that raises (vLLM still calls wait_for_save, from its
+    finally), or that ends without saving every layer: the layers not yet
+    sent are refused, nothing is committed, and the decode side pulls the
+    request whole from the prefill's blocks."""
+    pconn = pair["prefill"][1]
+    saves = [SaveSpec("p-a", [3, 9, 4], 0, 3, True)]
+    layers = LAYERS if forward == "raised" else LAYERS // 2
+    records, steps = _ask(pconn, "forward", {"saves": saves, "layers": layers, "layer_s": 0.05,
+                                             "raise": forward == "raised"})
+    assert records == [(3, False)], records
+    assert len(steps) == 1 and steps[0].aborted, steps
+    assert _ask(pconn, "lease", ["p-a"]) == "ok"
+    result = _load(pair, [("a", [1, 2, 5], [3, 9, 4])])
+    assert result["states"] == {"a": None}, "the aborted claim is gone from the inbox"
+    assert result["done"] == ["a"] and result["failed"] == [] and result["inbox_held"] == 0
+    source = prefill_arrays()
+    for name, array in result["arrays"].items():
+        np.testing.assert_array_equal(array[[1, 2, 5]], source[name][[3, 9, 4]])
+
+
 @pytest.mark.parametrize("pair", [(8, 3.0, SHAPE), (8, 3.0, MLA_SHAPE)], indirect=True, ids=["kv", "mla-latent"])
 def test_request_the_share_cannot_hold_is_pulled(pair: Any) -> None:
     pconn = pair["prefill"][1]
@@ -325,7 +409,7 @@ def test_a_silent_decode_side_bounds_the_step_then_steps_go_unpushed_at_once() -
         logging.getLogger("datadist_aio.integrations.vllm.push").addHandler(handler)
         try:
             for index in range(3):
-                side.start_loads(StepPlan(saves={f"r{index}": SaveSpec(f"r{index}", [index], 0, 1, True)}))
+                side.begin_step(StepPlan(saves={f"r{index}": SaveSpec(f"r{index}", [index], 0, 1, True)}))
                 for name in NAMES:
                     side.save_layer(name)
                 side.finish_step()

@@ -272,6 +272,14 @@ def test_stats_record_merge_reduce() -> None:
     only_answers = stats.empty()
     stats.add_answers(only_answers, 4, 0)
     assert not stats.is_empty(only_answers), "answers read are reported even without a load"
+    pushes = stats.empty()
+    stats.record_push(pushes, stats.PushStep(overlapped=True, aborted=False, tail_seconds=0.004))
+    stats.record_push(pushes, stats.PushStep(overlapped=False, aborted=True, tail_seconds=0.001))
+    assert not stats.is_empty(pushes), "pushed steps are reported even without a load"
+    pushes = stats.merge(pushes, merged)
+    assert (pushes["push_steps"], pushes["push_steps_overlapped"], pushes["push_steps_aborted"]) == (2, 1, 1)
+    assert pushes["push_tail_duration"] == [0.004, 0.001]
+    assert stats.reduce(pushes)["push_steps_overlapped"] == 1
 
 
 def test_answer_counter_reports_increases() -> None:
@@ -300,6 +308,8 @@ def test_connector_stats_and_prometheus_metrics() -> None:
     stats.record(data, stats.TransferRecord(0.003, 1 << 20, 8, True, seen_seconds=0.021, setup_seconds=0.007))
     stats.record(data, stats.TransferRecord(2.0, 0, 8, False, seen_seconds=2.0))
     stats.add_answers(data, 6, 1)
+    stats.record_push(data, stats.PushStep(overlapped=True, aborted=False, tail_seconds=0.002))
+    stats.record_push(data, stats.PushStep(overlapped=False, aborted=True, tail_seconds=0.001))
     built = DatadistAioConnector.build_kv_connector_stats(data)
     assert built is not None and not built.is_empty()
     assert built.reduce()["num_failed_transfers"] == 1
@@ -337,6 +347,10 @@ def test_connector_stats_and_prometheus_metrics() -> None:
     assert sample("vllm:datadist_aio_num_failed_transfers_total", {"engine": "0"}) == 2
     assert sample("vllm:datadist_aio_answers_read_total", {"engine": "0"}) == 12
     assert sample("vllm:datadist_aio_answers_read_by_sweep_total", {"engine": "0"}) == 2
+    assert sample("vllm:datadist_aio_push_steps_total", {"engine": "0"}) == 4
+    assert sample("vllm:datadist_aio_push_steps_overlapped_total", {"engine": "0"}) == 2
+    assert sample("vllm:datadist_aio_push_steps_aborted_total", {"engine": "0"}) == 2
+    assert sample("vllm:datadist_aio_push_tail_seconds_sum", {"engine": "0"}) == pytest.approx(0.006)
 
 
 @dataclass
@@ -429,3 +443,38 @@ def test_decode_learns_the_prefill_tp_size_from_its_params(given: Any, taken: in
     params = remote_params() if given is None else remote_params(tp_size=given)
     side.update_state_after_alloc(Request("d", list(range(70)), params), [11, 12, 13], 70)
     assert side.build_plan().loads["d"].remote_tp_size == taken
+
+
+@needs_vllm
+def test_sleep_mode_is_refused_naming_the_connector() -> None:
+    """vLLM 0.33 asks ``supports_sleep_mode`` when it checks its config and
+    refuses ``--enable-sleep-mode``; vLLM 0.32 does not ask, so the
+    connector's constructor refuses it, naming itself."""
+    from types import SimpleNamespace
+
+    from vllm.config import KVTransferConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+
+    from datadist_aio.integrations.vllm import DatadistAioConnector
+
+    transfer = KVTransferConfig(kv_connector="DatadistAioConnector",
+                                kv_connector_module_path="datadist_aio.integrations.vllm", kv_role="kv_producer")
+    assert DatadistAioConnector.supports_sleep_mode(transfer) is False
+    sleeping = SimpleNamespace(kv_transfer_config=transfer, model_config=SimpleNamespace(enable_sleep_mode=True),
+                               parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ValueError, match="DatadistAioConnector does not support sleep mode"):
+            DatadistAioConnector(sleeping, role, None)  # type: ignore[arg-type]
+    if hasattr(KVConnectorBase_V1, "supports_sleep_mode"):  # vLLM 0.33 and later: its own check names us
+        with pytest.raises(ValueError, match="DatadistAioConnector does not support sleep mode"):
+            VllmConfig._verify_kv_transfer_compat(sleeping)  # type: ignore[arg-type]
+
+
+@needs_vllm
+def test_the_push_asks_vllm_for_piecewise_cuda_graphs() -> None:
+    """A full CUDA graph's replay skips save_kv_layer, which paces the push."""
+    from datadist_aio.integrations.vllm import DatadistAioConnector
+
+    assert DatadistAioConnector.requires_piecewise_for_cudagraph({"transfer_mode": "push_layerwise"})
+    assert not DatadistAioConnector.requires_piecewise_for_cudagraph({"transfer_mode": "pull"})
+    assert not DatadistAioConnector.requires_piecewise_for_cudagraph({})

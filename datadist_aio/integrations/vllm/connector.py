@@ -31,6 +31,7 @@ buffer.
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -61,6 +62,12 @@ if TYPE_CHECKING:
 __all__ = ["DatadistAioConnector", "DatadistAioConnectorMetadata", "DatadistAioStats", "DatadistAioPromMetrics"]
 
 log = logging.getLogger(__name__)
+
+_NO_SLEEP_MODE = (
+    "DatadistAioConnector does not support sleep mode (--enable-sleep-mode): the engine holds the KV "
+    "tensors' registrations, and peers hold leases and inbox blocks on them, which a sleep would free; "
+    "start vLLM without --enable-sleep-mode"
+)
 
 
 @dataclass
@@ -138,6 +145,27 @@ class DatadistAioPromMetrics(KVConnectorPromMetrics):
             documentation="Answers of datadist_aio's same-host links read, by any reader.",
             labelnames=labelnames,
         ))
+        self._push_tail = seconds(
+            "vllm:datadist_aio_push_tail_seconds",
+            "Layer-wise push, each prefill step: time from the forward's last saved layer until the step's push "
+            "was committed (the push's part that the forward did not hide).")
+        self._push_steps = self._per_engine(counter(
+            name="vllm:datadist_aio_push_steps",
+            documentation="Prefill steps whose blocks were pushed layer by layer through datadist_aio.",
+            labelnames=labelnames,
+        ))
+        self._push_overlapped = self._per_engine(counter(
+            name="vllm:datadist_aio_push_steps_overlapped",
+            documentation="Pushed prefill steps whose first layer went to the engine before the forward saved its "
+            "last layer (the push overlapped the forward).",
+            labelnames=labelnames,
+        ))
+        self._push_aborted = self._per_engine(counter(
+            name="vllm:datadist_aio_push_steps_aborted",
+            documentation="Pushed prefill steps whose forward failed or saved fewer than all its layers: their push "
+            "was stopped and never committed.",
+            labelnames=labelnames,
+        ))
         self._answers_by_sweep = self._per_engine(counter(
             name="vllm:datadist_aio_answers_read_by_sweep",
             documentation="Answers of datadist_aio's same-host links read by the engine's timer sweep "
@@ -165,6 +193,12 @@ class DatadistAioPromMetrics(KVConnectorPromMetrics):
             self._answers[engine_idx].inc(transfer_stats_data["answers_read"])
         if transfer_stats_data.get("answers_read_by_sweep"):
             self._answers_by_sweep[engine_idx].inc(transfer_stats_data["answers_read_by_sweep"])
+        for seconds in transfer_stats_data.get("push_tail_duration", ()):
+            self._push_tail[engine_idx].observe(seconds)
+        for key, metric in (("push_steps", self._push_steps), ("push_steps_overlapped", self._push_overlapped),
+                            ("push_steps_aborted", self._push_aborted)):
+            if transfer_stats_data.get(key):
+                metric[engine_idx].inc(transfer_stats_data[key])
 
 
 def _tp_rank() -> int:
@@ -265,6 +299,9 @@ class DatadistAioConnector(KVConnectorBase_V1, SupportsHMA):
     _cache_hit_source = CacheHitSource.P2P
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig" = None):
+        if getattr(getattr(vllm_config, "model_config", None), "enable_sleep_mode", False):
+            # vLLM 0.33 asks supports_sleep_mode() itself; 0.32 does not.
+            raise ValueError(_NO_SLEEP_MODE)
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         extra = dict(transfer.kv_connector_extra_config or {})
@@ -328,6 +365,20 @@ class DatadistAioConnector(KVConnectorBase_V1, SupportsHMA):
                 )
             )
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """No: the engine registers the KV tensors' addresses and peers hold
+        leases and inbox blocks on them, which a sleep would free under them.
+        vLLM (0.33 and later) then refuses ``--enable-sleep-mode`` at
+        start-up; on earlier versions the constructor does."""
+        return False
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """The layer-wise push needs vLLM to call ``save_kv_layer`` after
+        every layer, which a full CUDA graph's replay skips."""
+        return str((extra_config or {}).get("transfer_mode", "pull")) == "push_layerwise"
+
     # -- scheduler side ---------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -370,6 +421,14 @@ class DatadistAioConnector(KVConnectorBase_V1, SupportsHMA):
         num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
         self.worker_side.register(kv_caches, num_blocks, _layer_groups(self._kv_cache_config))
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # vLLM binds the step's metadata before its forward (and, since 0.32,
+        # calls start_load_kv after it): the step's saves start here, so that
+        # each layer leaves as the forward saves it.
+        if self.worker_side is not None and isinstance(connector_metadata, DatadistAioConnectorMetadata):
+            self.worker_side.begin_step(connector_metadata.plan)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self.worker_side is not None
         metadata = self._get_connector_metadata()
@@ -389,7 +448,9 @@ class DatadistAioConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         assert self.worker_side is not None
-        self.worker_side.finish_step()
+        # vLLM's model runner calls this from a ``finally``: an exception in
+        # flight means the forward failed, and its push is never committed.
+        self.worker_side.finish_step(forward_failed=sys.exc_info()[1] is not None)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
@@ -400,6 +461,8 @@ class DatadistAioConnector(KVConnectorBase_V1, SupportsHMA):
         sending, recving, failed = self.worker_side.get_finished()
         for item in self.worker_side.take_records():
             stats.record(self._stats, item)
+        for step in self.worker_side.take_push_steps():
+            stats.record_push(self._stats, step)
         read, by_sweep = self.worker_side.take_answer_counts()
         if read or by_sweep:
             stats.add_answers(self._stats, read, by_sweep)

@@ -2,10 +2,14 @@
 
 Each step that computes prompt blocks of requests bound for a remote decode
 starts one ``transfer_cache_async`` of those blocks into the decode side's
-inbox (see ``inbox.py``). Its ``LayerSynchronizer`` releases a layer once
-vLLM's forward has saved it (``save_kv_layer``), so the push overlaps the
-model's compute; ``wait_for_save`` waits for the step's push and its commit
-before the step's output leaves the instance. A request whose share is
+inbox (see ``inbox.py``) when vLLM binds the step's metadata, before the
+forward (``begin_step``; never from ``start_load_kv``, which vLLM 0.32 and
+later call after the forward). Its ``LayerSynchronizer`` releases a layer
+once the forward has saved it (``save_kv_layer``), so layer l's bytes leave
+while layer l+1 computes; ``wait_for_save`` waits for the step's push and
+its commit before the step's output leaves the instance. A forward that
+fails or does not save every layer aborts the push: nothing of it is
+committed. Each step's overlap is counted (``PushStep``). A request whose share is
 exhausted, whose claim is refused or whose push fails is not pushed: its
 decode side finds no committed claim and pulls it as in the pull mode.
 
@@ -40,7 +44,7 @@ import datadist_aio as dd
 from .inbox import Share
 from .metadata import SaveSpec
 from .side_channel import SideChannelClient
-from .stats import TransferRecord
+from .stats import PushStep, TransferRecord
 
 __all__ = ["INBOX_MODEL_ID", "EventRelease", "LayerRelease", "Pusher", "PushSettings"]
 
@@ -49,13 +53,17 @@ log = logging.getLogger(__name__)
 INBOX_MODEL_ID = 1 << 20  # the decode side's inbox blocks cache, in its BlocksCacheKey
 _TENSORS_PER_LAYER = 2
 _RETRY_AFTER_S = 5.0  # after the decode side could not be reached, steps go unpushed this long
+_EARLY_CONTACT_S = 600.0  # how long a starting prefill keeps trying to reach its decode side before any step
 
 
 class LayerRelease(dd.LayerSynchronizer):
     """Lets a transfer layer go once every model layer it holds was saved.
 
-    ``saved`` is called on vLLM's worker thread; ``synchronize_layer`` is
-    awaited on the loop.
+    ``saved``, ``abort`` and ``complete`` are called on vLLM's worker thread;
+    ``synchronize_layer`` is awaited on the loop. It also notes when the
+    engine was handed the first layer (``first_handed``) and when the
+    forward saved its last one (``last_saved``), both ``time.perf_counter()``:
+    the step overlapped its forward when the first came before the second.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, model_layers: int, per_layer: int) -> None:
@@ -66,10 +74,16 @@ class LayerRelease(dd.LayerSynchronizer):
         self._saved = [False] * model_layers
         self._done = 0  # model layers saved in a row from the first
         self._released = 0
+        self._refused_from = len(self._events)  # layers from here on were refused (``abort``)
+        self._aborted = False
+        self.last_saved = 0.0
+        self.first_handed: Optional[float] = None
 
     def saved(self, model_layer: int) -> None:
-        if 0 <= model_layer < self._model_layers:
-            self._saved[model_layer] = True
+        if not 0 <= model_layer < self._model_layers or self.aborted:
+            return
+        self._saved[model_layer] = True
+        self.last_saved = time.perf_counter()
         while self._done < self._model_layers and self._saved[self._done]:
             self._done += 1
         ready = self._done * self._per_layer // _TENSORS_PER_LAYER
@@ -81,13 +95,35 @@ class LayerRelease(dd.LayerSynchronizer):
         for layer in layers:
             self._loop.call_soon_threadsafe(self._events[layer].set)
 
-    def saved_all(self) -> None:
-        """The forward is over: every layer not yet released goes at once."""
-        self._saved = [True] * self._model_layers
-        self.saved(-1)
+    @property
+    def complete(self) -> bool:
+        """Whether the forward saved every model layer."""
+        return self._done == self._model_layers
+
+    @property
+    def aborted(self) -> bool:
+        return self._aborted
+
+    def abort(self) -> None:
+        """The forward failed, or ended without saving every layer: the
+        layers not released yet are refused, and the push is never
+        committed, whatever it had sent."""
+        if self._aborted:
+            return
+        self._aborted = True
+        self._refused_from = self._released
+        for event in self._events[self._released:]:
+            self._loop.call_soon_threadsafe(event.set)
 
     async def synchronize_layer(self, layer_index: int, timeout_in_millis: Optional[int]) -> bool:
         await self._events[layer_index].wait()
+        ready = layer_index < self._refused_from and await self._layer_ready(layer_index, timeout_in_millis)
+        if ready and layer_index == 0:
+            self.first_handed = time.perf_counter()
+        return ready
+
+    async def _layer_ready(self, layer_index: int, timeout_in_millis: Optional[int]) -> bool:
+        """Whether a released layer's bytes may go (they may at once in host memory)."""
         return True
 
 
@@ -128,8 +164,7 @@ class EventRelease(LayerRelease):
                 self._failed.add(layer)
         super()._release(layers)
 
-    async def synchronize_layer(self, layer_index: int, timeout_in_millis: Optional[int]) -> bool:
-        await self._events[layer_index].wait()
+    async def _layer_ready(self, layer_index: int, timeout_in_millis: Optional[int]) -> bool:
         if layer_index in self._failed:
             return False
         return await self._sync.synchronize_layer(layer_index, timeout_in_millis)
@@ -185,6 +220,7 @@ class Pusher:
         self._client = SideChannelClient(settings.decode_host, settings.decode_port)
         self._decode: Optional[_Decode] = None
         self._connecting: Optional[asyncio.Lock] = None
+        self._early: Optional[asyncio.Task[None]] = None
         self._retry_at = 0.0
         self._step: Optional[_Step] = None
         # Shared between the two threads.
@@ -192,11 +228,17 @@ class Pusher:
         self._slots: dict[str, list[int]] = {}  # request -> its inbox blocks, by block index
         self._pushing: set[str] = set()  # claimed, more chunks to push
         self._records: list[TransferRecord] = []
+        self._steps: list[PushStep] = []
 
     # -- worker thread -----------------------------------------------------------
 
     def begin_step(self, saves: dict[str, SaveSpec]) -> None:
-        """Starts the step's push; its layers go as ``save_layer`` reports them."""
+        """Starts the step's push before its forward (vLLM's
+        ``bind_connector_metadata``); its layers go as ``save_layer`` reports
+        them. A step still open (its forward never reached ``wait_for_save``)
+        is aborted first."""
+        if self._step is not None:
+            self.finish_step(forward_failed=True)
         if not saves:
             return
         release: LayerRelease
@@ -212,16 +254,30 @@ class Pusher:
         if self._step is not None:
             self._step.release.saved(self._layers.get(name, -1))
 
-    def finish_step(self) -> None:
-        """Releases every layer (the forward is over) and waits for the push and its commit."""
+    def finish_step(self, forward_failed: bool = False) -> None:
+        """The forward is over: waits for the step's push and its commit.
+
+        A forward that failed, or saved fewer than all its layers, aborts the
+        push: the layers not yet sent are refused and nothing is committed
+        (the decode side then pulls)."""
         step, self._step = self._step, None
         if step is None:
             return
-        step.release.saved_all()
+        release = step.release
+        if forward_failed or not release.complete:
+            release.abort()
+        ended = time.perf_counter()
         try:
             step.future.result(timeout=self.settings.timeout_s + 5)
         except Exception as exc:  # the push bounds itself; this is a bug or a shutdown
             log.warning("datadist_aio connector: a step's push did not finish: %s", repr(exc))
+        handed = release.first_handed
+        with self._lock:
+            self._steps.append(PushStep(
+                overlapped=handed is not None and handed < release.last_saved,
+                aborted=release.aborted,
+                tail_seconds=time.perf_counter() - (ended if release.aborted else release.last_saved),
+            ))
 
     def freed(self, req_ids: set[str]) -> None:
         """These prefill requests are over (confirmed or leased out): their share blocks are free."""
@@ -237,9 +293,32 @@ class Pusher:
             records, self._records = self._records, []
         return records
 
+    def take_steps(self) -> list[PushStep]:
+        with self._lock:
+            steps, self._steps = self._steps, []
+        return steps
+
     # -- loop thread ---------------------------------------------------------------
 
+    def start(self) -> None:
+        """Asks for the share and links in the background (loop thread), so
+        that the first step's push finds them made: the decode instance may
+        start later than this one, so it is tried for ``_EARLY_CONTACT_S``."""
+        self._early = asyncio.get_running_loop().create_task(self._connect_early())
+
+    async def _connect_early(self) -> None:
+        deadline = time.monotonic() + _EARLY_CONTACT_S
+        while self._decode is None and time.monotonic() < deadline:
+            try:
+                await self._connect()
+            except (Exception, TimeoutError) as exc:
+                log.debug("datadist_aio connector: the decode side is not reachable yet: %s", exc)
+                await asyncio.sleep(0.5)
+
     async def close(self) -> None:
+        if self._early is not None:
+            self._early.cancel()
+            await asyncio.gather(self._early, return_exceptions=True)
         self._client.close()
         await asyncio.sleep(0)  # the transport closes its socket on the next loop iteration
 
@@ -315,7 +394,7 @@ class Pusher:
                     pushed.append(spec)
         if not pushed:
             return
-        ok = await self._transfer(decode, src, dst, release)
+        ok = await self._transfer(decode, src, dst, release) and not release.aborted
         req_ids = [spec.req_id for spec in pushed if spec.last or not ok]
         with self._lock:
             self._pushing.difference_update(req_ids)
@@ -366,6 +445,10 @@ class Pusher:
             await task
             return True
         except Exception as exc:
+            if release.aborted:
+                log.info("datadist_aio connector: the step's forward ended without saving every layer: its push "
+                         "of %d blocks stopped, not committed", len(src))
+                return False
             log.warning("datadist_aio connector: push of %d blocks failed: %s", len(src), str(exc))
             self._decode = None  # link afresh on the next step
             return False

@@ -8,6 +8,14 @@ same-host links since the last report (``LLMDataDist.answer_counts()``):
 ``answers_read`` all of them, ``answers_read_by_sweep`` those the engine's
 housekeeping sweep read because no reader had looked (``AnswerCounter``). A
 connector that looks at its tasks each step should leave none to the sweep.
+
+A prefill that pushes layer by layer also counts its steps that saved
+(``push_steps``), those whose first layer went to the engine before the
+forward saved its last layer (``push_steps_overlapped``: the push overlapped
+the forward), those aborted because the forward failed or saved fewer than
+all its layers (``push_steps_aborted``), and observes each step's tail
+(``push_tail_duration``: seconds from the forward's last save until the push
+was committed, or from the abort until the push stopped).
 """
 
 from __future__ import annotations
@@ -20,17 +28,21 @@ __all__ = [
     "COUNTER_KEYS",
     "LIST_KEYS",
     "AnswerCounter",
+    "PushStep",
     "TransferRecord",
     "add_answers",
     "empty",
     "is_empty",
     "merge",
     "record",
+    "record_push",
     "reduce",
 ]
 
-LIST_KEYS = ("transfer_duration", "bytes_transferred", "num_blocks", "seen_duration", "setup_duration")
-COUNTER_KEYS = ("num_successful_transfers", "num_failed_transfers", "answers_read", "answers_read_by_sweep")
+LIST_KEYS = ("transfer_duration", "bytes_transferred", "num_blocks", "seen_duration", "setup_duration",
+             "push_tail_duration")
+COUNTER_KEYS = ("num_successful_transfers", "num_failed_transfers", "answers_read", "answers_read_by_sweep",
+                "push_steps", "push_steps_overlapped", "push_steps_aborted")
 SWEEP = "sweep"  # the reader kind of answer_counts() that is the engine's timer sweep
 
 
@@ -53,6 +65,17 @@ class TransferRecord:
     setup_seconds: float = 0.0
 
 
+@dataclass(frozen=True)
+class PushStep:
+    """One prefill step whose blocks were pushed layer by layer: whether its
+    first layer went to the engine before the forward saved its last layer,
+    whether it was aborted, and its tail in seconds."""
+
+    overlapped: bool
+    aborted: bool
+    tail_seconds: float
+
+
 def empty() -> dict[str, Any]:
     data: dict[str, Any] = {key: [] for key in LIST_KEYS}
     data.update({key: 0 for key in COUNTER_KEYS})
@@ -70,6 +93,14 @@ def record(data: dict[str, Any], item: TransferRecord) -> None:
         data["num_successful_transfers"] += 1
     else:
         data["num_failed_transfers"] += 1
+
+
+def record_push(data: dict[str, Any], step: PushStep) -> None:
+    """Adds one pushed step."""
+    data["push_steps"] = data.get("push_steps", 0) + 1
+    data["push_steps_overlapped"] = data.get("push_steps_overlapped", 0) + int(step.overlapped)
+    data["push_steps_aborted"] = data.get("push_steps_aborted", 0) + int(step.aborted)
+    data.setdefault("push_tail_duration", []).append(step.tail_seconds)
 
 
 def add_answers(data: dict[str, Any], read: int, by_sweep: int) -> None:
@@ -123,6 +154,8 @@ def reduce(data: dict[str, Any]) -> dict[str, int | float]:
         "num_failed_transfers": data.get("num_failed_transfers", 0),
         "answers_read": data.get("answers_read", 0),
         "answers_read_by_sweep": data.get("answers_read_by_sweep", 0),
+        "push_steps": data.get("push_steps", 0),
+        "push_steps_overlapped": data.get("push_steps_overlapped", 0),
         "median_xfer_time_ms": round(statistics.median(durations) * 1e3, 3) if durations else 0.0,
         "max_xfer_time_ms": round(max(durations) * 1e3, 3) if durations else 0.0,
         "total_mib": round(total_bytes / 2**20, 3),

@@ -70,7 +70,7 @@ from .metadata import LoadSpec, StepPlan
 from .push import INBOX_MODEL_ID, Pusher, PushSettings
 from .routes import Route, Router, instance_of
 from .side_channel import SideChannelClient, SideChannelPortError, SideChannelServer
-from .stats import AnswerCounter, TransferRecord
+from .stats import AnswerCounter, PushStep, TransferRecord
 
 __all__ = ["CacheGroup", "WorkerSettings", "WorkerSide", "cluster_id_for", "describe_kv_caches"]
 
@@ -156,7 +156,8 @@ class WorkerSettings:
 class WorkerSide:
     """Worker-side state of one ``DatadistAioConnector``.
 
-    Thread rules: ``register``, ``start_loads``, ``get_finished``,
+    Thread rules: ``register``, ``begin_step``, ``save_layer``,
+    ``finish_step``, ``start_loads``, ``get_finished``,
     ``load_errors``, ``take_records``, ``take_answer_counts`` and
     ``shutdown`` are called from vLLM's worker thread; the coroutines run on
     the loop thread; ``_begin`` runs on either.
@@ -309,6 +310,7 @@ class WorkerSide:
                 group.per_layer, group.block_bytes, asyncio.get_running_loop(),
                 record_event=self._record_event() if self.device is not None else None,
             )
+            self.pusher.start()
         if self.settings.is_producer or self.settings.lends_inbox:
             answers = SideChannelAnswers(
                 engine_id=self.settings.engine_id, cluster_id=self.cluster_id,
@@ -423,15 +425,20 @@ class WorkerSide:
 
     # -- per step (worker thread) ---------------------------------------------------
 
+    def begin_step(self, plan: StepPlan) -> None:
+        """The step's plan, bound before its forward: starts the step's saves
+        (the host buffer's copies out, the push), which then follow the
+        forward layer by layer (``save_layer``) until ``finish_step``."""
+        if self._host is not None and plan.saves:
+            self._host.begin_step([block for spec in plan.saves.values() for block in spec.block_ids])
+        if self.pusher is not None:
+            self.pusher.begin_step(plan.saves)
+
     def start_loads(self, plan: StepPlan) -> None:
-        """Starts the reads the scheduler planned, and the step's saves; returns at once."""
+        """Starts the reads the scheduler planned; returns at once. The step's
+        saves began with ``begin_step``."""
         if plan.leases:
             self.leases.add(plan.leases, plan.lease_tokens)
-        if plan.saves:
-            if self._host is not None:
-                self._host.begin_step([block for spec in plan.saves.values() for block in spec.block_ids])
-            if self.pusher is not None:
-                self.pusher.begin_step(plan.saves)
         if not plan.loads:
             return
         assert self._loop is not None, "register_kv_caches was not called"
@@ -508,12 +515,13 @@ class WorkerSide:
         if self.pusher is not None:
             self.pusher.save_layer(name)
 
-    def finish_step(self) -> None:
-        """The forward is over: finishes the step's copies and pushes."""
+    def finish_step(self, forward_failed: bool = False) -> None:
+        """The forward is over: finishes the step's copies and pushes (a
+        failed forward's push is never committed)."""
         if self._host is not None:
             self._host.finish_step()
         if self.pusher is not None:
-            self.pusher.finish_step()
+            self.pusher.finish_step(forward_failed)
 
     def _begin(self, spec: LoadSpec, route: Optional[Route], start: float, error: str = "",
                step: int = -1) -> Load:
@@ -648,6 +656,10 @@ class WorkerSide:
         if self.pusher is not None:
             records.extend(self.pusher.take_records())
         return records
+
+    def take_push_steps(self) -> list[PushStep]:
+        """The steps pushed since the last call, with their overlap (prefill side)."""
+        return self.pusher.take_steps() if self.pusher is not None else []
 
     # -- prefill side (loop thread) -------------------------------------------------
 
