@@ -120,6 +120,41 @@ def test_prefill_without_blocks_holds_nothing() -> None:
 SAVING = SideSettings(engine_id="p", host="127.0.0.1", port=1, plan_saves=True, block_size=4)
 
 
+def test_decode_first_requests_plan_an_expect_and_name_their_transfer() -> None:
+    """Decode side: params naming a prefill and a transfer id, no blocks,
+    are loaded asynchronously into the blocks after the local prefix hits.
+    Prefill side: the request's saves carry the transfer id, and its params
+    go to the worker once it finished."""
+    decode = SchedulerSide(SideSettings(engine_id="d", host="127.0.0.1", port=2))
+    params = {"do_remote_prefill": True, "transfer_id": "x-1", "remote_host": "10.0.0.2", "remote_port": 7000,
+              "tp_size": 2}
+    request = Request("d1", list(range(40)), params)
+    assert decode.get_num_new_matched_tokens(request, 16) == (24, True)
+    decode.update_state_after_alloc(request, [[5, 6]], 24)
+    spec = decode.build_plan().loads["d1"]
+    assert (spec.transfer_id, spec.local_block_ids, spec.remote_block_ids, spec.first_token) == ("x-1", [5, 6], [], 16)
+    assert (spec.remote_host, spec.remote_port, spec.remote_tp_size) == ("10.0.0.2", 7000, 2)
+    hybrid = SchedulerSide(SideSettings(engine_id="d", host="127.0.0.1", port=2, window_blocks=(0, 3)))
+    request = Request("d2", list(range(40)), dict(params, do_remote_prefill=True))
+    hybrid.update_state_after_alloc(request, [[5, 6], [7]], 24)
+    assert "one KV cache group" in hybrid.build_plan().loads["d2"].error
+    for bad in ({"transfer_id": "", "remote_host": "h", "remote_port": 1},
+                {"transfer_id": "x" * 200, "remote_host": "h", "remote_port": 1},
+                {"transfer_id": "x", "remote_host": "h", "remote_port": "1"}):
+        assert decode.get_num_new_matched_tokens(Request("d3", [1] * 8, {"do_remote_prefill": True, **bad}), 0) \
+            == (0, False), bad
+
+    prefill = SchedulerSide(SAVING, Clock())
+    request = Request("p1", list(range(8)), {"do_remote_decode": True, "transfer_id": "x-1"})
+    prefill.update_state_after_alloc(request, [], 0)
+    plan = prefill.build_plan([ScheduledChunk("p1", [3, 4], True, 0, 8)])
+    assert plan.saves == {"p1": SaveSpec("p1", [3, 4], 0, 2, True, "x-1")}
+    request.status = Status.FINISHED_LENGTH_CAPPED
+    held, answer = prefill.request_finished(request, [3, 4])
+    assert held and answer is not None
+    assert prefill.build_plan().announce == {"x-1": answer}
+
+
 def test_saves_name_the_blocks_each_chunk_writes() -> None:
     side = SchedulerSide(SAVING, Clock())
     request = Request("r", list(range(18)), {"do_remote_decode": True})  # 5 blocks of 4 tokens
@@ -404,11 +439,13 @@ def test_connector_scheduler_role_end_to_end_of_one_request() -> None:
 
 
 @needs_vllm
-@pytest.mark.parametrize("buffer, planned", [("cuda", False), ("cpu", True)])
-def test_a_prefill_on_a_gpu_plans_saves_only_for_the_host_buffer(monkeypatch: pytest.MonkeyPatch, buffer: str,
-                                                                  planned: bool) -> None:
-    """With kv_buffer_device "cuda" the device tensors are registered in
-    place: a pulled request's blocks need no copy out, so no saves are planned."""
+@pytest.mark.parametrize("buffer, role, planned", [("cuda", "kv_producer", True), ("cpu", "kv_producer", True),
+                                                   ("cuda", "kv_consumer", False)])
+def test_every_prefill_plans_its_saves(monkeypatch: pytest.MonkeyPatch, buffer: str, role: str,
+                                       planned: bool) -> None:
+    """A prefill plans the blocks each step writes whatever its buffer: a
+    decode-first request is pushed in any mode (the host buffer also copies
+    them out). A decode plans none."""
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
@@ -420,7 +457,7 @@ def test_a_prefill_on_a_gpu_plans_saves_only_for_the_host_buffer(monkeypatch: py
         kv_transfer_config = KVTransferConfig(
             kv_connector="DatadistAioConnector",
             kv_connector_module_path="datadist_aio.integrations.vllm",
-            kv_role="kv_producer",
+            kv_role=role,
             engine_id="engine-a",
             kv_buffer_device=buffer,
             kv_connector_extra_config={"side_channel_port": 6123},

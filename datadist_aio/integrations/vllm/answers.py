@@ -9,7 +9,10 @@ into its answer:
 - ``hold``: a decode rank claims these requests' leases before its reads
   count (``leases.py``, ``claims.py``);
 - ``share``, ``claim``, ``commit``, ``abort``: a prefill's use of this
-  decode worker's inbox (``inbox.py``).
+  decode worker's inbox (``inbox.py``);
+- decode-first requests (``direct.py``): ``expect`` and ``cancel`` from a
+  decode to its prefill, ``landed`` and ``pull`` from the prefill back,
+  each answered by the handler its worker gave.
 
 Every field a peer sends is checked; a bad one gets ``{"ok": false, "error":
 ...}`` and changes nothing. Runs on the connector's loop thread.
@@ -17,7 +20,7 @@ Every field a peer sends is checked; a bad one gets ``{"ok": false, "error":
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Optional
 
 from .inbox import Inbox
@@ -27,6 +30,7 @@ from .leases import MAX_READERS, Leases
 __all__ = ["MAX_IDS", "SideChannelAnswers"]
 
 MAX_IDS = 4096  # requests one frame may name
+Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
 def _refuse(error: str) -> dict[str, Any]:
@@ -38,7 +42,7 @@ class SideChannelAnswers:
 
     def __init__(self, *, engine_id: str, cluster_id: int, listen_port: Callable[[], Optional[int]],
                  layout: WorkerLayout, group_layouts: list[dict[str, Any]], leases: Leases,
-                 inbox: Optional[Inbox]) -> None:
+                 inbox: Optional[Inbox], handlers: Optional[dict[str, Handler]] = None) -> None:
         self._engine_id = engine_id
         self._cluster_id = cluster_id
         self._listen_port = listen_port
@@ -46,6 +50,7 @@ class SideChannelAnswers:
         self._group_layouts = group_layouts
         self._leases = leases
         self._inbox = inbox
+        self._handlers = dict(handlers or {})
 
     async def __call__(self, message: dict[str, Any]) -> dict[str, Any]:
         op = message.get("op")
@@ -58,6 +63,9 @@ class SideChannelAnswers:
             return self._hold(message)
         if op in ("share", "claim", "commit", "abort") and self._inbox is not None:
             return self._answer_inbox(self._inbox, op, message)
+        handler = self._handlers.get(op) if isinstance(op, str) else None
+        if handler is not None:
+            return await handler(message)  # a ValueError it raises is the server's error answer
         return _refuse(f"unknown op {op!r}"[:128])
 
     def _done(self, message: dict[str, Any]) -> dict[str, Any]:

@@ -311,8 +311,9 @@ class DatadistAioConnector(KVConnectorBase_V1, SupportsHMA):
         mode = str(extra.get("transfer_mode", "pull"))
         push = mode == "push_layerwise"
         buffer_device = getattr(transfer, "kv_buffer_device", None)
-        # Saves are planned for the push, and for the host buffer's copies out.
-        self._plan_saves = bool(transfer.is_kv_producer) and (push or (_on_device() and buffer_device == "cpu"))
+        # Saves are planned on every prefill (the push, the host buffer's
+        # copies out, decode-first requests, which are pushed in any mode).
+        self._plan_saves = bool(transfer.is_kv_producer)
         self.scheduler_side: Optional[SchedulerSide] = None
         self.worker_side: Optional[WorkerSide] = None
         self._stats = stats.empty()

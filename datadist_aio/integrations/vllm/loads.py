@@ -49,6 +49,9 @@ class Load:
     route: Optional[Route] = None
     holds_pending: int = 0
     stale: bool = False
+    # Decode-first: waiting for the prefill's push (or its word to pull);
+    # not done, whatever its tasks, until that ends.
+    awaiting: bool = False
 
 
 def completed_at(load: Load) -> float:

@@ -1,12 +1,13 @@
 """Plain records the scheduler side hands to the worker side each step.
 
 They cross vLLM's own scheduler-to-worker channel, never the network, and
-hold only ints, strings and lists.
+hold only ints, strings, lists and plain dicts of them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["LoadSpec", "SaveSpec", "StepPlan"]
 
@@ -44,6 +45,10 @@ class LoadSpec:
     remote_tp_size: int = 1
     more_groups: list[tuple[list[int], list[int], int]] = field(default_factory=list)
     lease_token: str = ""
+    # Decode-first (``direct.py``): the prefill pushes the prompt into
+    # ``local_block_ids`` itself; ``remote_block_ids`` stay empty until the
+    # prefill says to pull instead.
+    transfer_id: str = ""
     # Set where the load cannot be planned (the layouts of KV cache groups
     # differ): the worker side fails it at once, its blocks reported.
     error: str = ""
@@ -72,6 +77,8 @@ class SaveSpec:
     first_index: int
     total_blocks: int
     last: bool
+    # Decode-first: the request's transfer id (its decode names it in ``expect``).
+    transfer_id: str = ""
 
 
 @dataclass
@@ -90,6 +97,9 @@ class StepPlan:
     leases: dict[str, float] = field(default_factory=dict)
     saves: dict[str, SaveSpec] = field(default_factory=dict)
     lease_tokens: dict[str, str] = field(default_factory=dict)
+    # Decode-first requests that finished on this prefill: their
+    # ``kv_transfer_params`` by transfer id, for a decode that must pull.
+    announce: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def is_empty(self) -> bool:
-        return not self.loads and not self.leases and not self.saves
+        return not self.loads and not self.leases and not self.saves and not self.announce

@@ -35,12 +35,13 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import datadist_aio as dd
 
+from .direct import DirectPushes
 from .inbox import Share
 from .metadata import SaveSpec
 from .side_channel import SideChannelClient
@@ -76,6 +77,7 @@ class LayerRelease(dd.LayerSynchronizer):
         self._released = 0
         self._refused_from = len(self._events)  # layers from here on were refused (``abort``)
         self._aborted = False
+        self._ended = asyncio.Event()
         self.last_saved = 0.0
         self.first_handed: Optional[float] = None
 
@@ -114,6 +116,15 @@ class LayerRelease(dd.LayerSynchronizer):
         self._refused_from = self._released
         for event in self._events[self._released:]:
             self._loop.call_soon_threadsafe(event.set)
+
+    def end(self) -> None:
+        """The step's forward is over (after ``abort`` where it failed)."""
+        self._loop.call_soon_threadsafe(self._ended.set)
+
+    async def forward_over(self) -> bool:
+        """Once the step's forward is over: whether it completed."""
+        await self._ended.wait()
+        return not self._aborted
 
     async def synchronize_layer(self, layer_index: int, timeout_in_millis: Optional[int]) -> bool:
         await self._events[layer_index].wait()
@@ -202,12 +213,19 @@ class Pusher:
 
     def __init__(self, settings: PushSettings, datadist: dd.LLMDataDist, cache: dd.Cache,
                  layout: list[dict[str, Any]], layer_names: Sequence[str], per_layer: int, block_bytes: int,
-                 loop: asyncio.AbstractEventLoop, record_event: Optional[Callable[[], Any]] = None) -> None:
-        if len(layer_names) * per_layer % _TENSORS_PER_LAYER:
+                 loop: asyncio.AbstractEventLoop, record_event: Optional[Callable[[], Any]] = None,
+                 capable: bool = True) -> None:
+        """``settings.decode_port`` 0: no inbox (only decode-first pushes);
+        ``capable``: whether the KV tensors can be pushed layer by layer at
+        all (one KV cache group, two tensors per transfer layer)."""
+        self.inbox = settings.decode_port > 0
+        odd = len(layer_names) * per_layer % _TENSORS_PER_LAYER != 0
+        if self.inbox and odd:
             raise ValueError(
                 f"push_layerwise moves two tensors per transfer layer; {len(layer_names)} layers of "
                 f"{per_layer} tensor(s) is an odd count: use the pull mode"
             )
+        self.capable = capable and not odd
         self.settings = settings
         self._datadist = datadist
         self._cache = cache
@@ -229,6 +247,10 @@ class Pusher:
         self._pushing: set[str] = set()  # claimed, more chunks to push
         self._records: list[TransferRecord] = []
         self._steps: list[PushStep] = []
+        self.directs = DirectPushes(
+            datadist=datadist, cache=cache, group_layouts=layout,
+            layers=cache.cache_desc.num_tensors // _TENSORS_PER_LAYER, block_bytes=block_bytes,
+            timeout_s=settings.timeout_s, decode_model_id=0, record=self._record, capable=self.capable)
 
     # -- worker thread -----------------------------------------------------------
 
@@ -239,7 +261,9 @@ class Pusher:
         is aborted first."""
         if self._step is not None:
             self.finish_step(forward_failed=True)
-        if not saves:
+        inbox = [spec for spec in saves.values() if not spec.transfer_id] if self.inbox else []
+        direct = [spec for spec in saves.values() if spec.transfer_id] if self.capable else []
+        if not inbox and not direct:
             return
         release: LayerRelease
         if self._record_event is None:
@@ -247,7 +271,7 @@ class Pusher:
         else:
             release = EventRelease(self._loop, len(self._layers), self._per_layer,
                                    dd.CudaEventSynchronizer(self._datadist), self._record_event)
-        future = asyncio.run_coroutine_threadsafe(self._push(list(saves.values()), release), self._loop)
+        future = asyncio.run_coroutine_threadsafe(self._push(inbox, direct, release), self._loop)
         self._step = _Step(release, future)
 
     def save_layer(self, name: str) -> None:
@@ -266,6 +290,7 @@ class Pusher:
         release = step.release
         if forward_failed or not release.complete:
             release.abort()
+        release.end()
         ended = time.perf_counter()
         try:
             step.future.result(timeout=self.settings.timeout_s + 5)
@@ -279,8 +304,15 @@ class Pusher:
                 tail_seconds=time.perf_counter() - (ended if release.aborted else release.last_saved),
             ))
 
+    def announce(self, params: dict[str, dict[str, Any]]) -> None:
+        """The params of finished decode-first requests, by transfer id (worker thread)."""
+        if params:
+            self.directs.announce(self._loop, params)
+
     def freed(self, req_ids: set[str]) -> None:
         """These prefill requests are over (confirmed or leased out): their share blocks are free."""
+        if req_ids:
+            self._loop.call_soon_threadsafe(self.directs.freed, set(req_ids))
         with self._lock:
             blocks = [self._slots.pop(req_id) for req_id in req_ids if req_id in self._slots]
             self._pushing.difference_update(req_ids)
@@ -300,11 +332,16 @@ class Pusher:
 
     # -- loop thread ---------------------------------------------------------------
 
+    def _record(self, seconds: float, nbytes: int, blocks: int, ok: bool) -> None:
+        with self._lock:
+            self._records.append(TransferRecord(seconds, nbytes, blocks, ok))
+
     def start(self) -> None:
         """Asks for the share and links in the background (loop thread), so
         that the first step's push finds them made: the decode instance may
         start later than this one, so it is tried for ``_EARLY_CONTACT_S``."""
-        self._early = asyncio.get_running_loop().create_task(self._connect_early())
+        if self.inbox:
+            self._early = asyncio.get_running_loop().create_task(self._connect_early())
 
     async def _connect_early(self) -> None:
         deadline = time.monotonic() + _EARLY_CONTACT_S
@@ -320,6 +357,7 @@ class Pusher:
             self._early.cancel()
             await asyncio.gather(self._early, return_exceptions=True)
         self._client.close()
+        await self.directs.close()
         await asyncio.sleep(0)  # the transport closes its socket on the next loop iteration
 
     async def _connect(self) -> _Decode:
@@ -361,9 +399,20 @@ class Pusher:
         return await self._client.request({"op": op, "engine_id": self.settings.engine_id, **fields},
                                           self.settings.timeout_s)
 
-    async def _push(self, saves: list[SaveSpec], release: LayerRelease) -> None:
-        """The step's push, all of it within ``timeout_s``; what it does not
-        finish is not committed (the decode side then pulls)."""
+    async def _push(self, inbox: list[SaveSpec], direct: list[SaveSpec], release: LayerRelease) -> None:
+        """The step's pushes: into the inbox, and into the decodes' own blocks."""
+        pushes: list[Awaitable[None]] = []
+        if inbox:
+            pushes.append(self._push_inbox(inbox, release))
+        if direct:
+            pushes.append(self.directs.push_step(direct, release, release.forward_over()))
+        for outcome in await asyncio.gather(*pushes, return_exceptions=True):
+            if isinstance(outcome, BaseException):
+                log.warning("datadist_aio connector: a step's push failed: %r", outcome)
+
+    async def _push_inbox(self, saves: list[SaveSpec], release: LayerRelease) -> None:
+        """The step's push into the inbox, all of it within ``timeout_s``; what
+        it does not finish is not committed (the decode side then pulls)."""
         try:
             async with asyncio.timeout(self.settings.timeout_s):
                 await self._push_step(saves, release)

@@ -17,7 +17,14 @@ unchanged:
   computed externally and asynchronously, and the worker side reads it;
 - where the worker side pushes layer by layer or copies to a host buffer
   (``plan_saves``), each step also names the blocks of remote-decode
-  requests that the step writes.
+  requests that the step writes;
+- decode-first (``direct.py``): the proxy sends a request to both
+  instances with the same ``transfer_id``; the decode's params name the
+  prefill (``remote_host``, ``remote_port``, ``tp_size``) and no blocks,
+  and its load waits for the prefill to push the prompt into its blocks;
+  the prefill's steps name the transfer id with its blocks, and its
+  finished request's params go to its worker (``StepPlan.announce``) for a
+  decode that must pull instead.
 
 This module imports nothing from vLLM: requests and block lists are used by
 the few attributes named here, so it is tested without an engine.
@@ -31,6 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Optional
 
+from .direct import valid_transfer_id
 from .metadata import LoadSpec, SaveSpec, StepPlan
 
 __all__ = ["ScheduledChunk", "SchedulerSide", "SideSettings"]
@@ -77,6 +85,7 @@ class _Outgoing:
     prompt_len: int
     blocks: list[int] = field(default_factory=list)
     next_index: int = 0
+    transfer_id: str = ""  # decode-first: its decode expects the blocks
 
 
 def _params(request: Any) -> dict[str, Any]:
@@ -96,6 +105,13 @@ def _has_remote(params: dict[str, Any]) -> bool:
     return all(params.get(name) is not None for name in _REMOTE_FIELDS)
 
 
+def _decode_first(params: dict[str, Any]) -> bool:
+    """A decode-first request: the prefill named by ``remote_host`` and
+    ``remote_port`` pushes it into this instance's blocks (``direct.py``)."""
+    return (valid_transfer_id(params.get("transfer_id")) and params.get("remote_block_ids") is None
+            and isinstance(params.get("remote_host"), str) and type(params.get("remote_port")) is int)
+
+
 class SchedulerSide:
     """Scheduler-side state of one ``DatadistAioConnector``.
 
@@ -111,13 +127,14 @@ class SchedulerSide:
         # Prefill requests whose blocks are held until the worker side frees them.
         self.held: set[str] = set()
         self._outgoing: dict[str, _Outgoing] = {}
+        self._announce: dict[str, dict[str, Any]] = {}
 
     # -- decode side ----------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens the prefill instance computed for this request, loaded asynchronously."""
         params = _params(request)
-        if not params.get("do_remote_prefill") or not _has_remote(params):
+        if not params.get("do_remote_prefill") or not (_has_remote(params) or _decode_first(params)):
             return 0, False
         prompt = getattr(request, "prompt_token_ids", None) or []
         count = len(prompt) - num_computed_tokens
@@ -136,9 +153,14 @@ class SchedulerSide:
         if not params.get("do_remote_prefill"):
             if params.get("do_remote_decode") and self.settings.plan_saves:
                 prompt = getattr(request, "prompt_token_ids", None) or []
-                self._outgoing.setdefault(request.request_id, _Outgoing(len(prompt)))
+                transfer_id = params.get("transfer_id")
+                self._outgoing.setdefault(request.request_id, _Outgoing(
+                    len(prompt), transfer_id=str(transfer_id) if valid_transfer_id(transfer_id) else ""))
             return
         params["do_remote_prefill"] = False
+        if _decode_first(params):
+            self._plan_decode_first(request, params, local_block_ids, num_external_tokens)
+            return
         if not _has_remote(params):
             return
         remote_groups = _group_blocks(params["remote_block_ids"])
@@ -182,6 +204,32 @@ class SchedulerSide:
             error=error,
         )
 
+    def _plan_decode_first(self, request: Any, params: dict[str, Any], local_block_ids: Sequence[Any],
+                           num_external_tokens: int) -> None:
+        """A decode-first request: its prefill pushes the tokens after the
+        local prefix hits into the blocks just allocated."""
+        prompt = getattr(request, "prompt_token_ids", None) or []
+        groups = _group_blocks(local_block_ids) if num_external_tokens > 0 else [[]]
+        error = ""
+        if len(self.settings.window_blocks) > 1:
+            error = ("decode-first requests need one KV cache group; this instance has "
+                     f"{len(self.settings.window_blocks)} (the hybrid KV cache manager): send the prefill first")
+        tp_size = params.get("tp_size", 1)
+        engine_id = params.get("remote_engine_id", "")
+        self._loads[request.request_id] = LoadSpec(
+            req_id=request.request_id,
+            local_block_ids=groups[0] if not error else [],
+            remote_block_ids=[],
+            remote_engine_id=engine_id if isinstance(engine_id, str) and len(engine_id) <= 256 else "",
+            remote_host=str(params["remote_host"]),
+            remote_port=int(params["remote_port"]),
+            remote_request_id="",
+            first_token=max(0, len(prompt) - num_external_tokens),
+            remote_tp_size=tp_size if type(tp_size) is int and 1 <= tp_size <= 1024 else 1,
+            transfer_id=str(params["transfer_id"]),
+            error=error,
+        )
+
     # -- prefill side ---------------------------------------------------------
 
     def request_finished(self, request: Any, block_ids: Sequence[Any]) -> tuple[bool, Optional[dict[str, Any]]]:
@@ -214,7 +262,7 @@ class SchedulerSide:
             self._leases[request.request_id] = self._clock() + self.settings.lease_timeout_s
             self._tokens[request.request_id] = token
             self.held.add(request.request_id)
-        return held, {
+        answer = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_block_ids": groups[0] if len(groups) == 1 else groups,
@@ -225,6 +273,12 @@ class SchedulerSide:
             "remote_request_id": request.request_id,
             "tp_size": self.settings.tp_size,
         }
+        transfer_id = params.get("transfer_id")
+        if held and valid_transfer_id(transfer_id):
+            # Decode-first: the prefill's worker hands these to the decode
+            # where it cannot push (the decode then pulls).
+            self._announce[str(transfer_id)] = answer
+        return held, answer
 
     def blocks_freed(self, req_ids: Any) -> None:
         """The worker side freed these prefill requests' blocks."""
@@ -236,8 +290,8 @@ class SchedulerSide:
         """What the worker side does this step (``scheduled``: this step's
         ``ScheduledChunk``s); the state is handed over."""
         plan = StepPlan(loads=self._loads, leases=self._leases, saves=self._saves(scheduled),
-                        lease_tokens=self._tokens)
-        self._loads, self._leases, self._tokens = {}, {}, {}
+                        lease_tokens=self._tokens, announce=self._announce)
+        self._loads, self._leases, self._tokens, self._announce = {}, {}, {}, {}
         return plan
 
     def _saves(self, scheduled: Any) -> dict[str, SaveSpec]:
@@ -265,6 +319,7 @@ class SchedulerSide:
                     first_index=outgoing.next_index,
                     total_blocks=-(-outgoing.prompt_len // size),
                     last=last,
+                    transfer_id=outgoing.transfer_id,
                 )
             outgoing.next_index = end // size
             if last:

@@ -78,6 +78,7 @@ log = logging.getLogger(__name__)
 
 _MODEL_ID_BASE = 0
 TRANSFER_MODES = ("pull", "push_layerwise")
+_FENCE_GRACE_S = 0.5  # after dropping a silent prefill's link, for a frame its handler was writing
 
 
 def _instance(spec: LoadSpec) -> tuple[str, int, int]:
@@ -188,6 +189,7 @@ class WorkerSide:
         self._invalid_blocks: set[int] = set()
         self._records: list[TransferRecord] = []
         self._inflight: list[Load] = []
+        self._expecting: dict[str, Load] = {}  # decode-first loads by transfer id
         self._step = 0  # start_loads calls that began loads
         # vLLM's worker thread only.
         self._answers = AnswerCounter()
@@ -270,7 +272,7 @@ class WorkerSide:
             config.device_id = self.device
         if self.settings.is_producer or self.settings.lends_inbox:
             config.listen_ip_info = f"{self.settings.host}:0"
-        if self.settings.pushes:
+        if self.settings.is_producer:  # it pushes: into an inbox, or straight into decode-first decodes' blocks
             config.enable_remote_cache_accessible = True
         role = dd.LLMRole.MIX
         if not self.settings.is_consumer:
@@ -294,13 +296,13 @@ class WorkerSide:
             self._caches.append(datadist.cache_manager.register_blocks_cache(desc, list(group.addresses), key))
         if self.settings.lends_inbox:
             self._register_inbox(datadist)
-        if self.settings.pushes:
+        if self.settings.is_producer:
             group = self.groups[0]
             self.pusher = Pusher(
                 PushSettings(
                     engine_id=self.settings.engine_id,
                     decode_host=self.settings.push_host,
-                    decode_port=self.settings.push_port,
+                    decode_port=self.settings.push_port if self.settings.pushes else 0,
                     share_blocks=self.settings.inbox_share_blocks,
                     hold_s=self.settings.lease_timeout_s,
                     timeout_s=self.settings.load_timeout_s,
@@ -309,15 +311,31 @@ class WorkerSide:
                 datadist, self._caches[0], [g.layout() for g in self.groups], self._layer_names,
                 group.per_layer, group.block_bytes, asyncio.get_running_loop(),
                 record_event=self._record_event() if self.device is not None else None,
+                capable=self._pushable(),
             )
             self.pusher.start()
-        if self.settings.is_producer or self.settings.lends_inbox:
-            answers = SideChannelAnswers(
-                engine_id=self.settings.engine_id, cluster_id=self.cluster_id,
-                listen_port=lambda: datadist.listen_port, layout=self.layout,
-                group_layouts=[group.layout() for group in self.groups], leases=self.leases, inbox=self._inbox)
-            self._server = SideChannelServer(answers)
-            self.side_channel_port = await self._listen(self._server)
+        # A prefill answers hellos, leases and decode-first expects; a decode
+        # hears the notices of its decode-first requests (on any free port
+        # where it has none of its own: it names the port in its expect).
+        handlers: dict[str, Any] = {}
+        if self.pusher is not None:
+            handlers.update(expect=self.pusher.directs.expect, cancel=self.pusher.directs.cancel)
+        if self.settings.is_consumer:
+            handlers.update(landed=self._landed, pull=self._pull_instead)
+        answers = SideChannelAnswers(
+            engine_id=self.settings.engine_id, cluster_id=self.cluster_id,
+            listen_port=lambda: datadist.listen_port, layout=self.layout,
+            group_layouts=[group.layout() for group in self.groups], leases=self.leases, inbox=self._inbox,
+            handlers=handlers)
+        self._server = SideChannelServer(answers)
+        self.side_channel_port = await self._listen(self._server)
+
+    def _pushable(self) -> bool:
+        """Whether the KV tensors can be pushed layer by layer: one blocks cache
+        holding one tensor (or a K and a V) per layer, one KV cache group."""
+        group = self.groups[0]
+        return (len(self.groups) == 1 and len(group.kv_groups) == 1
+                and len(group.addresses) == len(self._layer_names) * group.per_layer)
 
     async def _listen(self, server: SideChannelServer) -> int:
         """Starts the side channel's server; a port it cannot bind raises ``SideChannelPortError``."""
@@ -439,6 +457,8 @@ class WorkerSide:
         saves began with ``begin_step``."""
         if plan.leases:
             self.leases.add(plan.leases, plan.lease_tokens)
+        if plan.announce and self.pusher is not None:
+            self.pusher.announce(plan.announce)
         if not plan.loads:
             return
         assert self._loop is not None, "register_kv_caches was not called"
@@ -447,6 +467,9 @@ class WorkerSide:
         for spec in plan.loads.values():
             if not spec.local_block_ids:
                 # Nothing to read (a local prefix hit or an abort): only release the prefill.
+                if spec.transfer_id:
+                    self._loop.call_soon_threadsafe(self._spawn, self._cancel_push(spec))
+                    continue
                 if self._inbox is not None:
                     self._inbox.finish(spec.remote_engine_id, spec.remote_request_id)
                 self._loop.call_soon_threadsafe(self._spawn_notify, spec)
@@ -454,6 +477,9 @@ class WorkerSide:
             start = time.perf_counter()
             if spec.error:
                 self._begin(spec, None, start, error=spec.error, step=self._step)
+                continue
+            if spec.transfer_id:
+                self._begin_expect(spec, start, self._step)
                 continue
             state = self._inbox.state(spec.remote_engine_id, spec.remote_request_id) if self._inbox else None
             if state == COMMITTED and self._begin_local(spec, start, self._step):
@@ -562,8 +588,8 @@ class WorkerSide:
             self._router.poll_claims()
         with self._lock:
             # Done: its reads settled, and every claim answered (or it failed).
-            done = [all(task.done() for task in load.tasks) and (load.holds_pending <= 0 or bool(load.error))
-                    for load in self._inflight]
+            done = [not load.awaiting and all(task.done() for task in load.tasks)
+                    and (load.holds_pending <= 0 or bool(load.error)) for load in self._inflight]
             open_steps = {load.step for load, ok in zip(self._inflight, done) if not ok and load.step >= 0}
             for load, ok in zip(self._inflight, done):
                 if ok:
@@ -573,6 +599,10 @@ class WorkerSide:
                     settled.append(load)
                 elif now >= load.deadline and not load.cancelled:
                     load.cancelled = True
+                    if load.awaiting:  # decode-first: the prefill's push is stopped first
+                        assert self._loop is not None
+                        self._loop.call_soon_threadsafe(self._spawn, self._stop_push(load))
+                        continue
                     load.error = f"no answer within {self.settings.load_timeout_s:g} s"
                     for task in load.tasks:
                         task.cancel()
@@ -665,6 +695,142 @@ class WorkerSide:
 
     # -- decode side (loop thread) ---------------------------------------------------
 
+    def _spawn(self, coroutine: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._linking.add(task)
+        task.add_done_callback(self._linking.discard)
+
+    def _begin_expect(self, spec: LoadSpec, start: float, step: int) -> None:
+        """A decode-first load: its prefill is told where to push (worker thread)."""
+        assert self._loop is not None
+        load = Load(spec, start, start + self.settings.load_timeout_s, step=step, awaiting=True)
+        with self._lock:
+            self._inflight.append(load)
+            self._expecting[spec.transfer_id] = load
+        self._loop.call_soon_threadsafe(self._spawn, self._expect(load))
+
+    def _end_expect(self, load: Load, error: str = "") -> None:
+        """The load waits no more: done (``error`` empty) or failed."""
+        with self._lock:
+            if self._expecting.get(load.spec.transfer_id) is load:
+                del self._expecting[load.spec.transfer_id]
+            if error and not load.error:
+                load.error = error
+            load.awaiting = False
+
+    async def _expect(self, load: Load) -> None:
+        """Links to the prefill (as for a pull) and tells its rank where this
+        request's blocks are; its push, or its word to pull, comes as a notice."""
+        assert self._router is not None
+        spec = load.spec
+        try:
+            async with asyncio.timeout(max(0.0, load.deadline - time.perf_counter())):
+                route = await self._router.route(_instance(spec))
+        except LayoutError as exc:
+            self._end_expect(load, f"layout: {exc}")
+            return
+        except (Exception, TimeoutError) as exc:
+            self._end_expect(load, f"link: {type(exc).__name__}: {exc}")
+            for rank in range(max(1, spec.remote_tp_size)):
+                self._router.forget(spec.remote_host, spec.remote_port + rank)
+            return
+        load.route = route
+        source = route.sources[0]
+        block_size = route.mine.block_size
+        direct = (len(route.sources) == 1 and all(source.head_map.whole) and len(self.groups) == 1
+                  and spec.first_token % block_size == 0)
+        message = {
+            "op": "expect", "transfer_id": spec.transfer_id, "cluster_id": self.cluster_id,
+            "host": self.settings.host, "port": self.side_channel_port,
+            "layout": [group.layout() for group in self.groups], "blocks": spec.local_block_ids,
+            "skip": spec.first_token // block_size, "direct": direct,
+            "deadline_s": max(0.001, load.deadline - time.perf_counter()),
+        }
+        load.posted = time.perf_counter()
+        try:
+            await source.peer.client.request(message, self.settings.notify_timeout_s)
+        except (Exception, TimeoutError) as exc:
+            self._end_expect(load, f"the prefill at {spec.remote_host}:{source.port} did not take the request: "
+                                   f"{type(exc).__name__}: {exc}")
+
+    async def _landed(self, message: dict[str, Any]) -> dict[str, Any]:
+        """The prefill pushed a decode-first request's prompt into its blocks."""
+        transfer_id, req_id = message.get("transfer_id"), message.get("remote_request_id")
+        if not isinstance(transfer_id, str) or not isinstance(req_id, str) or len(req_id) > 1024:
+            raise ValueError("landed names a transfer_id and the prefill's remote_request_id")
+        load = self._expecting.get(transfer_id)
+        if load is not None and not load.cancelled:
+            load.spec.remote_request_id = req_id
+            load.nbytes = sum(group.block_bytes for group in self.groups) * len(load.spec.local_block_ids)
+            self._end_expect(load)
+        return {"ok": True}
+
+    async def _pull_instead(self, message: dict[str, Any]) -> dict[str, Any]:
+        """The prefill could not push a decode-first request: it names its
+        blocks as for a pull (the prefill-first params), and the load pulls."""
+        transfer_id, params = message.get("transfer_id"), message.get("params")
+        if not isinstance(transfer_id, str) or not isinstance(params, dict):
+            raise ValueError("pull names a transfer_id and the prefill's params")
+        blocks, token = params.get("remote_block_ids"), params.get("lease_token", "")
+        req_id, engine_id = params.get("remote_request_id"), params.get("remote_engine_id")
+        if (not isinstance(blocks, list) or not all(type(block) is int for block in blocks)
+                or not isinstance(token, str) or len(token) > 64 or not isinstance(req_id, str)
+                or not isinstance(engine_id, str)):
+            raise ValueError("the params must hold one KV cache group's remote_block_ids, a lease_token, "
+                             "remote_request_id and remote_engine_id")
+        load = self._expecting.get(transfer_id)
+        if load is None or load.cancelled or load.route is None:
+            return {"ok": True}
+        spec = load.spec
+        spec.remote_block_ids, spec.lease_token = list(blocks), token
+        spec.remote_request_id, spec.remote_engine_id = req_id, engine_id
+        load.holds_pending = len(load.route.sources)
+        load.posted = time.perf_counter()
+        try:
+            self._start_pulls(load, load.route)
+        except Exception as exc:
+            load.error = f"{type(exc).__name__}: {exc}"
+        self._end_expect(load)
+        if not load.error:
+            self._send_claims([load])
+        return {"ok": True}
+
+    async def _stop_push(self, load: Load) -> None:
+        """A decode-first load past its deadline. Its prefill is asked to stop
+        the push and answers once nothing of it is under way; a prefill that
+        does not answer loses the link, so nothing of its push lands any more
+        (then a moment for a frame being written as the link went). Only then
+        is the load reported, and its blocks given back to vLLM."""
+        assert self._router is not None
+        spec = load.spec
+        source = load.route.sources[0] if load.route is not None else None
+        landed = False
+        if source is not None:
+            try:
+                answer = await source.peer.client.request({"op": "cancel", "transfer_id": spec.transfer_id},
+                                                          self.settings.notify_timeout_s)
+                landed = bool(answer.get("landed"))
+            except (Exception, TimeoutError):
+                self._router.forget(spec.remote_host, source.port, source.peer)
+                await asyncio.sleep(_FENCE_GRACE_S)
+        if landed and load.awaiting:
+            load.nbytes = sum(group.block_bytes for group in self.groups) * len(spec.local_block_ids)
+            self._end_expect(load)
+        else:
+            self._end_expect(load, f"no push within {self.settings.load_timeout_s:g} s")
+
+    async def _cancel_push(self, spec: LoadSpec) -> None:
+        """A decode-first request with nothing to load (aborted): its prefill need not push it."""
+        assert self._router is not None
+        route = self._router.routes.get(_instance(spec))
+        if route is None:
+            return
+        try:
+            await route.sources[0].peer.client.request({"op": "cancel", "transfer_id": spec.transfer_id},
+                                                       self.settings.notify_timeout_s)
+        except (Exception, TimeoutError) as exc:
+            log.debug("datadist_aio connector: cancel of %s not confirmed: %s", spec.transfer_id, exc)
+
     def _spawn_link(self, spec: LoadSpec, start: float) -> None:
         task = asyncio.get_running_loop().create_task(self._link_then_begin(spec, start))
         self._linking.add(task)
@@ -756,6 +922,8 @@ class WorkerSide:
 
     async def _notify(self, spec: LoadSpec) -> None:
         """Tells every rank of the prefill instance that this rank is done with the request."""
+        if not spec.remote_request_id:
+            return  # decode-first, never heard of by its prefill: its lease frees it
         # Every decode rank tells every prefill rank, which frees the request
         # once all of them have (whether or not a rank read from it).
         message = {"op": "done", "req_ids": [spec.remote_request_id], "readers": self.settings.tp_size}
