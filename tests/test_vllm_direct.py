@@ -14,6 +14,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from typing import Any
 
@@ -155,6 +156,33 @@ def test_each_layer_lands_in_the_decodes_blocks_as_the_forward_saves_it(pair: An
     _assert_untouched(result["arrays"], [5, 1, 7])
     assert _ask(pconn, "finished", {"tokens": {"p-a": "t-a"}, "announce": {}}) == "ok"
     assert _ask(pconn, "freed", ["p-a"]) == ["p-a"], "the decode's done names the prefill's request"
+
+
+def test_an_expect_that_comes_during_the_forward_joins_its_layers(pair: Any) -> None:
+    """The prefill's forward starts before the decode's expect: the expect
+    joins the step, its saved layers go at once and the rest as they are
+    saved, still inside the forward."""
+    pconn = pair["prefill"][1]
+    answer: list[Any] = []
+    waited: list[Any] = []
+    forward = threading.Thread(target=lambda: answer.append(_ask(pconn, "forward", {
+        "saves": [SaveSpec("p-a", [3, 9, 4], 0, 3, True, "x-a")], "layer_s": 0.4})))
+    forward.start()
+    waiter = threading.Thread(target=lambda: waited.append(_wait(pair)))
+    try:
+        time.sleep(0.5)  # layer 0 is saved, three more to come
+        _begin(pair, [("a", [5, 1, 7], 0, "x-a")])
+        waiter.start()  # the decode's blocks are read the moment the load is reported done
+    finally:
+        forward.join(timeout=60)
+        if waiter.is_alive() or waiter.ident is not None:
+            waiter.join(timeout=60)
+    records, steps = answer[0]
+    assert [ok for _, ok in records] == [True]
+    assert len(steps) == 1 and steps[0].overlapped, steps
+    result = waited[0]
+    assert result["done"] == ["a"] and result["failed"] == []
+    _assert_blocks(result["arrays"], [5, 1, 7], [3, 9, 4])
 
 
 def test_chunks_prefix_hits_and_a_late_expect(pair: Any) -> None:

@@ -76,8 +76,14 @@ class _Direct:
     direct: bool = True  # False: the layouts differ, the decode pulls
     # Blocks computed before the expect came: (prompt block index, block id).
     owed: list[tuple[int, int]] = field(default_factory=list)
+    # Blocks of steps under way when the expect had not come: the expect
+    # joins them to the step's layer release (the layers still to be saved
+    # then go as they are saved).
+    waiting: list[tuple[list[tuple[int, int]], Any, "asyncio.Future[Optional[asyncio.Task[None]]]"]] = field(
+        default_factory=list)
     last_computed: bool = False
     inflight: int = 0
+    joining: int = 0  # pushes decided on but not yet under way (``_transfer`` counts ``inflight``)
     failed: str = ""
     cancelled: bool = False
     landed: bool = False
@@ -165,9 +171,17 @@ class DirectPushes:
         d.blocks, d.skip = list(blocks), skip
         d.deadline = time.monotonic() + max(0.0, float(deadline_s) - min(_MARGIN_S, 0.2 * float(deadline_s)))
         d.direct = self._capable and bool(message.get("direct", True)) and layout == self._group_layouts
+        waiting, d.waiting = d.waiting, []
+        for blocks, release, joined in waiting:
+            task: Optional[asyncio.Task[None]] = None
+            if d.usable(time.monotonic()):
+                d.joining += 1  # before the task runs: the settle below must not find the request idle
+                task = asyncio.get_running_loop().create_task(
+                    self._counted(d, blocks, _Guard(release, [d]), counted=True))
+            joined.set_result(task)
         if d.owed and d.usable(time.monotonic()):
             owed, d.owed = d.owed, []
-            await self._transfer([(d, owed)], _Guard(_Released(), [d]), d.cluster_id)
+            await self._counted(d, owed, _Guard(_Released(), [d]))
         await self._settle(d)
         return {"ok": True, "direct": d.direct}
 
@@ -192,8 +206,9 @@ class DirectPushes:
         decodes that expect them, layer by layer; the rest owed until the
         forward is over (``forward_over``: whether it completed)."""
         now = time.monotonic()
+        loop = asyncio.get_running_loop()
         by_decode: dict[int, list[tuple[_Direct, list[tuple[int, int]]]]] = {}
-        later: list[tuple[_Direct, list[tuple[int, int]]]] = []
+        later: list[tuple[_Direct, list[tuple[int, int]], asyncio.Future[Optional[asyncio.Task[None]]]]] = []
         for spec in specs:
             d = self._direct(spec.transfer_id)
             if d is None:
@@ -206,20 +221,34 @@ class DirectPushes:
             if d.usable(now):
                 assert d.cluster_id is not None
                 by_decode.setdefault(d.cluster_id, []).append((d, blocks))
-            else:
-                later.append((d, blocks))
+            elif not d.expected:
+                joined: asyncio.Future[Optional[asyncio.Task[None]]] = loop.create_future()
+                d.waiting.append((blocks, release, joined))
+                later.append((d, blocks, joined))
         pushes = [self._transfer(items, _Guard(release, [d for d, _ in items]), cluster)
                   for cluster, items in by_decode.items()]
         complete, *_ = await asyncio.gather(forward_over, *pushes)
-        for d, blocks in later:
+        # What becomes of the blocks not pushed with the step is decided
+        # before anything is awaited, so an expect coming meanwhile finds each
+        # of them either owed or counted as on its way.
+        joined_pushes: list[Awaitable[None]] = []
+        for d, blocks, joined in later:
+            if joined.done():  # the expect came during the forward and joined its release
+                task = joined.result()
+                if task is not None:
+                    joined_pushes.append(task)
+                continue
+            d.waiting = [item for item in d.waiting if item[2] is not joined]
             if not complete:
                 continue
             if d.usable(time.monotonic()):
-                assert d.cluster_id is not None
-                await self._transfer([(d, blocks)], _Guard(_Released(), [d]), d.cluster_id)
-            else:
+                d.joining += 1
+                joined_pushes.append(self._counted(d, blocks, _Guard(_Released(), [d]), counted=True))
+            elif not d.expected:
                 d.owed.extend(blocks)  # pushed once the decode expects the request
-        touched = {id(d): d for d, _ in later}
+        for push in joined_pushes:
+            await push
+        touched = {id(d): d for d, _, _ in later}
         touched.update((id(d), d) for items in by_decode.values() for d, _ in items)
         for d in touched.values():
             if not complete:
@@ -267,6 +296,18 @@ class DirectPushes:
         for transfer_id in [x for x, d in self._directs.items() if d.created < old]:
             del self._directs[transfer_id]
 
+    async def _counted(self, d: _Direct, blocks: list[tuple[int, int]], sync: dd.LayerSynchronizer,
+                       counted: bool = False) -> None:
+        """Pushes blocks of one request, counted in ``joining`` from the call
+        (``counted``: by the caller already) until it is under way or done."""
+        if not counted:
+            d.joining += 1
+        try:
+            assert d.cluster_id is not None
+            await self._transfer([(d, blocks)], sync, d.cluster_id)
+        finally:
+            d.joining -= 1
+
     async def _transfer(self, items: list[tuple[_Direct, list[tuple[int, int]]]], sync: dd.LayerSynchronizer,
                         cluster_id: int) -> None:
         """Writes blocks of requests one decode worker expects into its blocks."""
@@ -307,7 +348,7 @@ class DirectPushes:
 
     async def _settle(self, d: _Direct) -> None:
         """Tells the decode once the outcome is known: landed, or pull."""
-        if d.settled or not d.expected or d.inflight:
+        if d.settled or not d.expected or d.inflight or d.joining or d.waiting:
             return
         if d.direct and not d.failed and not d.cancelled:
             if not d.last_computed or d.owed:

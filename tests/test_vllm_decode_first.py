@@ -1,0 +1,141 @@
+"""Decode-first through real vLLM engines: two prefills and two decodes (2P2D).
+
+Each request goes to a decode and a prefill at once with the same
+``transfer_id`` (as a decode-first proxy sends it): the decode allocates its
+blocks and tells the prefill where they are, and the prefill writes each
+layer into them as its forward saves it. Checked against one instance token
+for token, with the KV-swap control, on a prefill that chunks its prompts
+and on one that does not, with prefix hits on a decode (only the tail
+moves), and with the prefills' own counters: their pushes overlapped their
+forwards and nothing was aborted. Marked ``vllm``.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from test_vllm_e2e import (  # noqa: E402
+    FAILED,
+    MAX_TOKENS,
+    XFERS,
+    assert_push_overlapped,
+    free_port,
+    model,  # noqa: F401  (the module's fixture)
+    started,
+    tokens,
+)
+from vllm_pd import BLOCK_SIZE, Engine, connector_config, delta, prompts_of_lengths  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
+
+LOAD_TIMEOUT_S = 20.0
+BLOCK_BYTES = 4 * 2 * BLOCK_SIZE * 2 * 64 * 4  # layers x kv heads x block size x (K and V) x head_dim x float32
+PUSHED = "vllm:datadist_aio_bytes_transferred_sum"
+
+
+@pytest.fixture(scope="module")
+def instances(model: Path) -> Iterator[dict[str, Any]]:  # noqa: F811
+    """Prefill p0 chunks its prompts (at most 128 tokens a step), p1 does
+    not; both decodes keep a prefix cache (policy ``fail``: a load that
+    failed shows)."""
+    ports = {"p0": free_port(), "p1": free_port()}
+    for running in started(
+        ("p0", lambda: Engine(model, connector_config("datadist", "kv_producer", ports["p0"]),
+                              max_num_batched_tokens=128)),
+        ("p1", lambda: Engine(model, connector_config("datadist", "kv_producer", ports["p1"]))),
+        ("d0", lambda: Engine(model, connector_config("datadist", "kv_consumer", 0, load_timeout_s=LOAD_TIMEOUT_S),
+                              policy="fail", enable_prefix_caching=True)),
+        ("d1", lambda: Engine(model, connector_config("datadist", "kv_consumer", 0, load_timeout_s=LOAD_TIMEOUT_S),
+                              policy="fail", enable_prefix_caching=True)),
+    ):
+        instances = {**running, "ports": ports}
+        # Each decode's first contact with each prefill (hello, link) before anything is measured.
+        warm = prompts_of_lengths([40], seed=30)[0]
+        decode_first(instances, [(p, d, warm, warm) for p in ("p0", "p1") for d in ("d0", "d1")])
+        yield instances
+
+
+def decode_first(instances: dict[str, Any], jobs: list[tuple[str, str, list[int], list[int]]]) -> list[list[int]]:
+    """Runs ``(prefill, decode, prefill's prompt, decode's prompt)`` jobs as a
+    decode-first proxy does: each instance gets its requests at once, all
+    instances side by side; the decodes' outputs, in job order."""
+    by_engine: dict[str, list[tuple[int, list[int], dict[str, Any]]]] = {}
+    for index, (prefill, decode, prefill_prompt, decode_prompt) in enumerate(jobs):
+        transfer_id = secrets.token_hex(8)
+        by_engine.setdefault(prefill, []).append(
+            (index, prefill_prompt, {"do_remote_decode": True, "transfer_id": transfer_id}))
+        by_engine.setdefault(decode, []).append((index, decode_prompt, {
+            "do_remote_prefill": True, "transfer_id": transfer_id, "remote_host": "127.0.0.1",
+            "remote_port": instances["ports"][prefill], "tp_size": 1}))
+    outputs: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def run(name: str) -> None:
+        items = by_engine[name]
+        try:
+            prefill = name.startswith("p")
+            got = tokens(instances[name].generate([p for _, p, _ in items], 1 if prefill else MAX_TOKENS,
+                                                  [params for _, _, params in items]))
+            if not prefill:
+                outputs.update((index, out) for (index, _, _), out in zip(items, got))
+        except BaseException as exc:  # noqa: BLE001  (re-raised below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in by_engine]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    if errors:
+        raise errors[0]
+    return [outputs[index] for index in range(len(jobs))]
+
+
+def _metrics(instances: dict[str, Any]) -> dict[str, dict[str, float]]:
+    return {name: instances[name].metrics() for name in ("p0", "p1", "d0", "d1")}
+
+
+def test_two_prefills_into_two_decodes_token_exact(instances: dict[str, Any]) -> None:
+    prompts = prompts_of_lengths([17, 95, 300, 731, 1100, 40, 512, 900], seed=31)
+    reference = tokens(instances["p1"].generate(prompts, MAX_TOKENS))
+    assert len({tuple(t) for t in reference}) == len(prompts)
+    pairs = [("p0", "d0"), ("p1", "d1"), ("p0", "d1"), ("p1", "d0")]
+    jobs = [(*pairs[i % 4], prompt, prompt) for i, prompt in enumerate(prompts)]
+    before = _metrics(instances)
+    got = decode_first(instances, jobs)
+    after = _metrics(instances)
+    assert got == reference
+    for decode in ("d0", "d1"):
+        assert delta(after[decode], before[decode], XFERS) == 4 and delta(after[decode], before[decode], FAILED) == 0
+    pushed = sum(delta(after[p], before[p], PUSHED) for p in ("p0", "p1"))
+    blocks = sum(-(-len(p) // BLOCK_SIZE) for p in prompts)
+    # Every prompt block went once; a chunk's partly filled block goes again with the next chunk.
+    assert blocks * BLOCK_BYTES <= pushed <= (blocks + sum(len(p) // 128 for p in prompts)) * BLOCK_BYTES
+    for prefill in ("p0", "p1"):
+        assert_push_overlapped(before[prefill], after[prefill])
+
+    # Swap control: the decode's prompt A with the KV the prefill computed for B gives B's output.
+    a, b = prompts_of_lengths([300, 300], seed=32)
+    a[-1] = b[-1]
+    ref_a, ref_b = tokens(instances["p1"].generate([a, b], MAX_TOKENS))
+    assert ref_a != ref_b
+    assert decode_first(instances, [("p0", "d1", b, a)]) == [ref_b]
+
+
+def test_a_prefix_hit_on_the_decode_moves_only_the_tail(instances: dict[str, Any]) -> None:
+    first, = prompts_of_lengths([400], seed=33)
+    second = first[:6 * BLOCK_SIZE] + prompts_of_lengths([150], seed=34)[0]  # six blocks in common
+    reference = tokens(instances["p1"].generate([first, second], MAX_TOKENS))
+    assert decode_first(instances, [("p1", "d0", first, first)]) == reference[:1]
+    before = instances["p1"].metrics()
+    assert decode_first(instances, [("p1", "d0", second, second)]) == reference[1:]
+    after = instances["p1"].metrics()
+    tail_blocks = -(-len(second) // BLOCK_SIZE) - 6
+    assert delta(after, before, PUSHED) == tail_blocks * BLOCK_BYTES, "the decode's cached blocks did not move"
