@@ -64,9 +64,9 @@ def _decode(conn: Any, timeout_s: float) -> None:
         side.shutdown()
 
 
-def _prefill(conn: Any) -> None:
+def _prefill(conn: Any, mode: str) -> None:
     arrays = prefill_arrays()
-    side = WorkerSide(WorkerSettings(engine_id="prefill", is_consumer=False, load_timeout_s=5.0))
+    side = WorkerSide(WorkerSettings(engine_id="prefill", is_consumer=False, load_timeout_s=5.0, transfer_mode=mode))
     side.register({name: FakeTensor(a) for name, a in arrays.items()})
     conn.send(side.side_channel_port)
     assert side.pusher is not None
@@ -105,8 +105,8 @@ def _prefill(conn: Any) -> None:
 @pytest.fixture
 def pair(request: pytest.FixtureRequest) -> Any:
     ctx = multiprocessing.get_context("spawn")
-    timeout_s = getattr(request, "param", 4.0)
-    prefill, pconn, pport = _start(ctx, _prefill)
+    timeout_s, mode = getattr(request, "param", (4.0, "auto"))
+    prefill, pconn, pport = _start(ctx, _prefill, mode)
     try:
         decode, dconn, _ = _start(ctx, _decode, timeout_s)
     except BaseException:
@@ -207,12 +207,15 @@ def test_chunks_prefix_hits_and_a_late_expect(pair: Any) -> None:
     _assert_untouched(second["arrays"], [11, 12, 13, 20, 21])
 
 
-def test_where_it_cannot_push_the_prefill_says_pull(pair: Any) -> None:
+@pytest.mark.parametrize("pair, first", [((4.0, "auto"), BLOCK_SIZE + 3), ((4.0, "pull"), BLOCK_SIZE)],
+                         indirect=["pair"], ids=["prefix-inside-a-block", "prefill-mode-pull"])
+def test_where_it_cannot_push_the_prefill_says_pull(pair: Any, first: int) -> None:
     """A decode whose cached prefix ends inside a block cannot take whole
-    blocks: the prefill names its blocks once its request finished, and the
-    decode pulls them under the request's lease."""
+    blocks, and a prefill in transfer mode "pull" pushes nothing: the
+    prefill names its blocks once its request finished, and the decode pulls
+    them under the request's lease."""
     pconn = pair["prefill"][1]
-    _begin(pair, [("a", [1, 2], BLOCK_SIZE + 3, "x-a")])
+    _begin(pair, [("a", [1, 2], first, "x-a")])
     assert _ask(pconn, "expected", "x-a")
     records, _steps = _ask(pconn, "forward", {"saves": [SaveSpec("p-a", [3, 9, 4], 0, 3, True, "x-a")],
                                               "layer_s": 0.01})
@@ -224,16 +227,17 @@ def test_where_it_cannot_push_the_prefill_says_pull(pair: Any) -> None:
     result = _wait(pair)
     assert result["done"] == ["a"] and result["failed"] == []
     source = prefill_arrays()
+    skip = first - BLOCK_SIZE
     for name, array in result["arrays"].items():
-        # The tokens after the first BLOCK_SIZE + 3: block 1 from token 3 of the prefill's block 1 on.
+        # The tokens after the first `first`: block 1 from token `skip` of the prefill's block 1 on.
         flat = source[name][[9, 4]].transpose(1, 0, 2, 3).reshape(SHAPE[1], -1, SHAPE[3])
         got = array[[1, 2]].transpose(1, 0, 2, 3).reshape(SHAPE[1], -1, SHAPE[3])
-        np.testing.assert_array_equal(got[:, 3:], flat[:, 3:])
+        np.testing.assert_array_equal(got[:, skip:], flat[:, skip:])
     assert _ask(pconn, "freed", ["p-a"]) == ["p-a"]
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="needs SIGSTOP")
-@pytest.mark.parametrize("pair", [2.0], indirect=True)
+@pytest.mark.parametrize("pair", [(2.0, "auto")], indirect=True)
 def test_a_frozen_prefill_never_writes_after_the_decode_gave_up(pair: Any) -> None:
     """The prefill freezes after taking the expect. At its deadline the
     decode asks it to stop, gets no answer, drops its link and fails the
@@ -255,7 +259,7 @@ def test_a_frozen_prefill_never_writes_after_the_decode_gave_up(pair: Any) -> No
     _assert_untouched(_ask(pair["decode"][1], "arrays", None), [])
 
 
-@pytest.mark.parametrize("pair", [1.5], indirect=True)
+@pytest.mark.parametrize("pair", [(1.5, "auto")], indirect=True)
 def test_a_slow_prefill_is_stopped_before_the_decode_gives_its_blocks_back(pair: Any) -> None:
     """The prefill has not computed the request by the decode's deadline: the
     decode's cancel is answered, the load fails, and the prefill, computing

@@ -3,12 +3,16 @@
     python examples/vllm_disaggregated/run.py                 # the tiny test model, one request, exit
     python examples/vllm_disaggregated/run.py --model Qwen/Qwen2.5-0.5B-Instruct --serve
 
-Without ``--model`` it builds the tiny Llama the tests use (seeded weights, no
-tokenizer) and sends token-id prompts. It starts vLLM's OpenAI server twice (the
-prefill as ``kv_producer``, the decode as ``kv_consumer``) and ``proxy.py``,
-waits until they answer, sends a request through the proxy and the same
-request to the prefill server alone, and prints both outputs, which are the
-same. With ``--serve`` it keeps the three servers up until Ctrl-C.
+By default the proxy sends each request to both servers at once
+(decode-first): the prefill pushes each layer into the decode's blocks while
+its forward runs; ``--prefill-first`` uses the NIXL protocol instead (the
+decode pulls after the prefill). Without ``--model`` it builds the tiny
+Llama the tests use (seeded weights, no tokenizer) and sends token-id
+prompts. It starts vLLM's OpenAI server twice (the prefill as
+``kv_producer``, the decode as ``kv_consumer``) and ``proxy.py``, waits
+until they answer, sends a request through the proxy and the same request
+to the prefill server alone, and prints both outputs, which are the same.
+With ``--serve`` it keeps the three servers up until Ctrl-C.
 """
 
 from __future__ import annotations
@@ -69,6 +73,9 @@ def main() -> None:
     parser.add_argument("--decode-port", type=int, default=8200)
     parser.add_argument("--side-channel-port", type=int, default=5710)
     parser.add_argument("--serve", action="store_true", help="keep serving until Ctrl-C")
+    parser.add_argument("--prefill-first", action="store_true",
+                        help="the NIXL protocol: prefill, then decode (default: decode-first, the prefill pushes "
+                             "each layer into the decode's blocks while it computes)")
     args = parser.parse_args()
 
     tmp = tempfile.TemporaryDirectory()
@@ -93,7 +100,9 @@ def main() -> None:
                           "--kv-transfer-config", kv_config("kv_consumer", 0)], env=env),
         subprocess.Popen([sys.executable, str(HERE / "proxy.py"), "--port", str(args.proxy_port),
                           "--prefill", f"http://127.0.0.1:{args.prefill_port}",
-                          "--decode", f"http://127.0.0.1:{args.decode_port}"]),
+                          "--decode", f"http://127.0.0.1:{args.decode_port}",
+                          *([] if args.prefill_first else
+                            ["--decode-first", "--prefill-side-channel", f"127.0.0.1:{args.side_channel_port}"])]),
     ]
     try:
         for port, process in zip((args.prefill_port, args.decode_port, args.proxy_port), processes):
@@ -113,6 +122,10 @@ def main() -> None:
             for line in answer.read().decode().splitlines():
                 if line.startswith(("vllm:datadist_aio_num_transfers_total", "vllm:datadist_aio_num_failed_transfers_total")):
                     print(f"decode side: {line}")
+        with urllib.request.urlopen(f"http://127.0.0.1:{args.prefill_port}/metrics", timeout=30) as answer:
+            for line in answer.read().decode().splitlines():
+                if line.startswith(("vllm:datadist_aio_push_steps_total", "vllm:datadist_aio_push_steps_overlapped")):
+                    print(f"prefill side: {line}")
         if args.serve:
             print(f"serving on http://127.0.0.1:{args.proxy_port}/v1/completions; Ctrl-C stops")
             signal.sigwait({signal.SIGINT, signal.SIGTERM})

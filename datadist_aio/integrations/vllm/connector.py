@@ -17,7 +17,10 @@ waits for the others its step started, so vLLM gets them together),
 ``lease_timeout_s`` (120), ``link_timeout_ms`` (3000), ``first_contact_ms``
 (50: how long vLLM's worker thread may spend on the first contact with a
 prefill instance before the connector's own thread takes it over),
-``transfer_mode`` (``"pull"``, the default, or ``"push_layerwise"``). With
+``transfer_mode`` (``"auto"``, the default: requests a decode-first proxy
+sends are pushed layer by layer straight into the decode's blocks, the
+others pulled; ``"pull"``: every request pulled; ``"push_layerwise"``: as
+``"auto"``, and the other requests pushed into the decode's inbox). With
 ``push_layerwise`` a decode instance lends ``inbox_blocks`` (512) staging
 blocks, at most ``inbox_share_blocks`` (256) to each prefill, and listens on
 its side channel port; a prefill instance pushes to the decode instance whose
@@ -308,7 +311,7 @@ class DatadistAioConnector(KVConnectorBase_V1, SupportsHMA):
         engine_id = str(transfer.engine_id)
         host = str(extra.get("side_channel_host", getattr(transfer, "kv_ip", None) or "127.0.0.1"))
         base_port = int(extra.get("side_channel_port", transfer.kv_port))
-        mode = str(extra.get("transfer_mode", "pull"))
+        mode = str(extra.get("transfer_mode", "auto"))
         push = mode == "push_layerwise"
         buffer_device = getattr(transfer, "kv_buffer_device", None)
         # Saves are planned on every prefill (the push, the host buffer's

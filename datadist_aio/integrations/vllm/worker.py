@@ -77,7 +77,7 @@ __all__ = ["CacheGroup", "WorkerSettings", "WorkerSide", "cluster_id_for", "desc
 log = logging.getLogger(__name__)
 
 _MODEL_ID_BASE = 0
-TRANSFER_MODES = ("pull", "push_layerwise")
+TRANSFER_MODES = ("auto", "pull", "push_layerwise")
 _FENCE_GRACE_S = 0.5  # after dropping a silent prefill's link, for a frame its handler was writing
 
 
@@ -123,9 +123,12 @@ class WorkerSettings:
     # Loads that one step started reach vLLM together: a finished one waits
     # at most this long for the rest of its step (0: each as it finishes).
     load_batch_wait_ms: float = 5.0
-    # "pull", or "push_layerwise": a consumer lends an inbox, a producer with
-    # push_port pushes into the inbox of the decode side listening there.
-    transfer_mode: str = "pull"
+    # "auto": decode-first requests are pushed straight into the decode's
+    # blocks, the others pulled. "pull": every request is pulled (a
+    # decode-first one once its prefill finished). "push_layerwise": as
+    # "auto", and a consumer lends an inbox, a producer with push_port pushes
+    # the other requests into the inbox of the decode side listening there.
+    transfer_mode: str = "auto"
     inbox_blocks: int = 512
     inbox_share_blocks: int = 256
     push_host: str = "127.0.0.1"
@@ -311,7 +314,7 @@ class WorkerSide:
                 datadist, self._caches[0], [g.layout() for g in self.groups], self._layer_names,
                 group.per_layer, group.block_bytes, asyncio.get_running_loop(),
                 record_event=self._record_event() if self.device is not None else None,
-                capable=self._pushable(),
+                capable=self.settings.transfer_mode != "pull" and self._pushable(),
             )
             self.pusher.start()
         # A prefill answers hellos, leases and decode-first expects; a decode
