@@ -23,7 +23,7 @@ import pytest
 
 from datadist_aio.integrations.vllm.metadata import LoadSpec, SaveSpec, StepPlan
 from datadist_aio.integrations.vllm.worker import WorkerSettings, WorkerSide
-from test_vllm_push import NAMES, SHAPE, _ask, _commands, _start, prefill_arrays
+from test_vllm_push import NAMES, SHAPE, _ask, _commands, _start, prefill_arrays, wait_freed
 from test_vllm_worker_side import FakeTensor, _stop
 
 BLOCK_SIZE = SHAPE[2]
@@ -92,12 +92,7 @@ def _prefill(conn: Any, mode: str) -> None:
                                           lease_tokens=value["tokens"], announce=value["announce"]))
                 conn.send("ok")
             elif command == "freed":
-                deadline = time.monotonic() + 10
-                freed: set[str] = set()
-                while time.monotonic() < deadline and not set(value) <= freed:
-                    freed |= side.get_finished()[0]
-                    time.sleep(0.01)
-                conn.send(sorted(freed))
+                conn.send(wait_freed(side, value))
     finally:
         side.shutdown()
 

@@ -241,15 +241,21 @@ def _prefill(conn: Any, decode_port: int, shape: tuple[int, ...]) -> None:
                     time.sleep(0.005)
                 conn.send("ok" if {s.req_id for s in value} <= side.pusher._pushing else "not granted")
             elif command == "freed":
-                deadline = time.monotonic() + 10
-                freed: set[str] = set()
-                while time.monotonic() < deadline and not set(value) <= freed:
-                    freed |= side.get_finished()[0]
-                    time.sleep(0.01)
+                freed = wait_freed(side, value)
                 assert side.pusher is not None and side.pusher._decode is not None
-                conn.send((sorted(freed), side.pusher._decode.share.available()))
+                conn.send((freed, side.pusher._decode.share.available()))
     finally:
         side.shutdown()
+
+
+def wait_freed(side: WorkerSide, req_ids: list[str], timeout_s: float = 10.0) -> list[str]:
+    """The prefill requests ``get_finished`` freed within ``timeout_s``, once all of ``req_ids`` were."""
+    deadline = time.monotonic() + timeout_s
+    freed: set[str] = set()
+    while time.monotonic() < deadline and not set(req_ids) <= freed:
+        freed |= side.get_finished()[0]
+        time.sleep(0.01)
+    return sorted(freed)
 
 
 def _start(ctx: Any, target: Any, *args: Any) -> tuple[Any, Any, int]:

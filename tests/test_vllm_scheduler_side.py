@@ -137,7 +137,9 @@ def test_decode_first_requests_plan_an_expect_and_name_their_transfer() -> None:
     hybrid = SchedulerSide(SideSettings(engine_id="d", host="127.0.0.1", port=2, window_blocks=(0, 3)))
     request = Request("d2", list(range(40)), dict(params, do_remote_prefill=True))
     hybrid.update_state_after_alloc(request, [[5, 6], [7]], 24)
-    assert "one KV cache group" in hybrid.build_plan().loads["d2"].error
+    spec = hybrid.build_plan().loads["d2"]  # several groups: paired once the prefill names its blocks
+    assert (spec.local_block_ids, spec.more_groups, spec.window_blocks, spec.error) == ([5, 6], [([7], [], 0)],
+                                                                                        [0, 3], "")
     for bad in ({"transfer_id": "", "remote_host": "h", "remote_port": 1},
                 {"transfer_id": "x" * 200, "remote_host": "h", "remote_port": 1},
                 {"transfer_id": "x", "remote_host": "h", "remote_port": "1"}):

@@ -115,6 +115,9 @@ class DatadistAioPromMetrics(KVConnectorPromMetrics):
             return self._per_engine(histogram(name=name, documentation=documentation, buckets=time_buckets,
                                               labelnames=labelnames))
 
+        def count(name: str, documentation: str) -> dict[int, Any]:
+            return self._per_engine(counter(name=name, documentation=documentation, labelnames=labelnames))
+
         self._xfer_time = seconds(
             "vllm:datadist_aio_xfer_time_seconds",
             "Time of each request's KV load through datadist_aio, from posting its reads until the engine "
@@ -133,48 +136,34 @@ class DatadistAioPromMetrics(KVConnectorPromMetrics):
             buckets=byte_buckets,
             labelnames=labelnames,
         ))
-        self._transfers = self._per_engine(counter(
-            name="vllm:datadist_aio_num_transfers",
-            documentation="KV loads through datadist_aio that succeeded.",
-            labelnames=labelnames,
-        ))
-        self._failures = self._per_engine(counter(
-            name="vllm:datadist_aio_num_failed_transfers",
-            documentation="KV loads through datadist_aio that failed or timed out.",
-            labelnames=labelnames,
-        ))
-        self._answers = self._per_engine(counter(
-            name="vllm:datadist_aio_answers_read",
-            documentation="Answers of datadist_aio's same-host links read, by any reader.",
-            labelnames=labelnames,
-        ))
+        self._transfers = count(
+            "vllm:datadist_aio_num_transfers",
+            "KV loads through datadist_aio that succeeded.")
+        self._failures = count(
+            "vllm:datadist_aio_num_failed_transfers",
+            "KV loads through datadist_aio that failed or timed out.")
+        self._answers = count(
+            "vllm:datadist_aio_answers_read",
+            "Answers of datadist_aio's same-host links read, by any reader.")
         self._push_tail = seconds(
             "vllm:datadist_aio_push_tail_seconds",
             "Layer-wise push, each prefill step: time from the forward's last saved layer until the step's push "
             "was committed (the push's part that the forward did not hide).")
-        self._push_steps = self._per_engine(counter(
-            name="vllm:datadist_aio_push_steps",
-            documentation="Prefill steps whose blocks were pushed layer by layer through datadist_aio.",
-            labelnames=labelnames,
-        ))
-        self._push_overlapped = self._per_engine(counter(
-            name="vllm:datadist_aio_push_steps_overlapped",
-            documentation="Pushed prefill steps whose first layer went to the engine before the forward saved its "
-            "last layer (the push overlapped the forward).",
-            labelnames=labelnames,
-        ))
-        self._push_aborted = self._per_engine(counter(
-            name="vllm:datadist_aio_push_steps_aborted",
-            documentation="Pushed prefill steps whose forward failed or saved fewer than all its layers: their push "
-            "was stopped and never committed.",
-            labelnames=labelnames,
-        ))
-        self._answers_by_sweep = self._per_engine(counter(
-            name="vllm:datadist_aio_answers_read_by_sweep",
-            documentation="Answers of datadist_aio's same-host links read by the engine's timer sweep "
-            "(nobody looked at the task in time); expected to stay 0.",
-            labelnames=labelnames,
-        ))
+        self._push_steps = count(
+            "vllm:datadist_aio_push_steps",
+            "Prefill steps whose blocks were pushed layer by layer through datadist_aio.")
+        self._push_overlapped = count(
+            "vllm:datadist_aio_push_steps_overlapped",
+            "Pushed prefill steps whose first layer went to the engine before the forward saved its "
+            "last layer (the push overlapped the forward).")
+        self._push_aborted = count(
+            "vllm:datadist_aio_push_steps_aborted",
+            "Pushed prefill steps whose forward failed or saved fewer than all its layers: their push "
+            "was stopped and never committed.")
+        self._answers_by_sweep = count(
+            "vllm:datadist_aio_answers_read_by_sweep",
+            "Answers of datadist_aio's same-host links read by the engine's timer sweep "
+            "(nobody looked at the task in time); expected to stay 0.")
 
     def _per_engine(self, metric: Any) -> dict[int, Any]:
         return {index: metric.labels(*values) for index, values in self.per_engine_labelvalues.items()}

@@ -49,6 +49,9 @@ class LoadSpec:
     # ``local_block_ids`` itself; ``remote_block_ids`` stay empty until the
     # prefill says to pull instead.
     transfer_id: str = ""
+    # Decode-first: this instance's trailing blocks per sliding-window group
+    # (0: full attention), for pairing the prefill's blocks if it says pull.
+    window_blocks: list[int] = field(default_factory=list)
     # Set where the load cannot be planned (the layouts of KV cache groups
     # differ): the worker side fails it at once, its blocks reported.
     error: str = ""

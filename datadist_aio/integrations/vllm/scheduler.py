@@ -41,7 +41,7 @@ from typing import Any, NamedTuple, Optional
 from .direct import valid_transfer_id
 from .metadata import LoadSpec, SaveSpec, StepPlan
 
-__all__ = ["ScheduledChunk", "SchedulerSide", "SideSettings"]
+__all__ = ["ScheduledChunk", "SchedulerSide", "SideSettings", "pair_groups"]
 
 _REMOTE_FIELDS = ("remote_block_ids", "remote_engine_id", "remote_host", "remote_port")
 
@@ -112,6 +112,37 @@ def _decode_first(params: dict[str, Any]) -> bool:
             and isinstance(params.get("remote_host"), str) and type(params.get("remote_port")) is int)
 
 
+def pair_groups(local_groups: list[list[int]], remote_block_ids: Any, windows: Sequence[int],
+                first_token: int) -> tuple[list[tuple[list[int], list[int], int]], str]:
+    """Each KV cache group's ``(local blocks, remote blocks, first token)``
+    for a read, and why the groups cannot pair ("" where they can).
+
+    ``remote_block_ids``: the prefill's, a list or one list per group;
+    ``windows``: this instance's trailing blocks per sliding-window group (0:
+    full attention); ``first_token``: the first token not found in the local
+    prefix cache."""
+    remote_groups = _group_blocks(remote_block_ids)
+    error = ""
+    if any(local_groups) and not len(remote_groups) == len(local_groups) == len(windows):
+        error = (f"the prefill sent blocks of {len(remote_groups)} KV cache groups, this instance has "
+                 f"{len(local_groups)}: the hybrid KV cache manager must be on for both or for neither")
+    groups: list[tuple[list[int], list[int], int]] = []
+    for index, (local, remote) in enumerate(zip(local_groups, remote_groups)):
+        window = windows[index] if index < len(windows) else 0
+        if window and local and remote:
+            # A sliding-window group: both lists end at the prompt's last
+            # block; the decode reads the tail it allocated, at most the
+            # window.
+            count = min(len(local), len(remote), window)
+            groups.append((local[-count:], remote[-count:], 0))
+            continue
+        # Local prefix-cache hits cover the leading blocks: the worker reads
+        # only the tokens after them (the block sizes may differ, so it maps
+        # tokens, not block counts).
+        groups.append((local if remote else [], remote if local else [], first_token if local else 0))
+    return groups, error
+
+
 class SchedulerSide:
     """Scheduler-side state of one ``DatadistAioConnector``.
 
@@ -163,29 +194,10 @@ class SchedulerSide:
             return
         if not _has_remote(params):
             return
-        remote_groups = _group_blocks(params["remote_block_ids"])
         local_groups = _group_blocks(local_block_ids) if num_external_tokens > 0 else [[]]
         prompt = getattr(request, "prompt_token_ids", None) or []
-        error = ""
-        windows = self.settings.window_blocks
-        if num_external_tokens > 0 and not len(remote_groups) == len(local_groups) == len(windows):
-            error = (f"the prefill sent blocks of {len(remote_groups)} KV cache groups, this instance has "
-                     f"{len(local_groups)}: the hybrid KV cache manager must be on for both or for neither")
-        groups: list[tuple[list[int], list[int], int]] = []
-        for index, (local, remote) in enumerate(zip(local_groups, remote_groups)):
-            window = windows[index] if index < len(windows) else 0
-            if window and local and remote:
-                # A sliding-window group: both lists end at the prompt's last
-                # block; the decode reads the tail it allocated, at most the
-                # window.
-                count = min(len(local), len(remote), window)
-                groups.append((local[-count:], remote[-count:], 0))
-                continue
-            # Local prefix-cache hits cover the leading blocks: the worker reads
-            # only the tokens after them (the block sizes may differ, so it maps
-            # tokens, not block counts).
-            first_token = max(0, len(prompt) - num_external_tokens) if local else 0
-            groups.append((local if remote else [], remote if local else [], first_token))
+        groups, error = pair_groups(local_groups, params["remote_block_ids"], self.settings.window_blocks,
+                                    max(0, len(prompt) - num_external_tokens))
         tp_size = params.get("tp_size", 1)
         token = params.get("lease_token", "")
         first, *more = groups or [([], [], 0)]
@@ -207,18 +219,18 @@ class SchedulerSide:
     def _plan_decode_first(self, request: Any, params: dict[str, Any], local_block_ids: Sequence[Any],
                            num_external_tokens: int) -> None:
         """A decode-first request: its prefill pushes the tokens after the
-        local prefix hits into the blocks just allocated."""
+        local prefix hits into the blocks just allocated (one KV cache group;
+        with several, the prefill names its blocks and this side pulls them,
+        paired as ``pair_groups`` pairs them)."""
         prompt = getattr(request, "prompt_token_ids", None) or []
         groups = _group_blocks(local_block_ids) if num_external_tokens > 0 else [[]]
-        error = ""
-        if len(self.settings.window_blocks) > 1:
-            error = ("decode-first requests need one KV cache group; this instance has "
-                     f"{len(self.settings.window_blocks)} (the hybrid KV cache manager): send the prefill first")
         tp_size = params.get("tp_size", 1)
         engine_id = params.get("remote_engine_id", "")
         self._loads[request.request_id] = LoadSpec(
             req_id=request.request_id,
-            local_block_ids=groups[0] if not error else [],
+            local_block_ids=groups[0],
+            more_groups=[(group, [], 0) for group in groups[1:]],
+            window_blocks=list(self.settings.window_blocks),
             remote_block_ids=[],
             remote_engine_id=engine_id if isinstance(engine_id, str) and len(engine_id) <= 256 else "",
             remote_host=str(params["remote_host"]),
@@ -227,7 +239,6 @@ class SchedulerSide:
             first_token=max(0, len(prompt) - num_external_tokens),
             remote_tp_size=tp_size if type(tp_size) is int and 1 <= tp_size <= 1024 else 1,
             transfer_id=str(params["transfer_id"]),
-            error=error,
         )
 
     # -- prefill side ---------------------------------------------------------

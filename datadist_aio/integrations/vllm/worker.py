@@ -69,6 +69,7 @@ from .loads import Load, completed_at, posted_at, start_pulls
 from .metadata import LoadSpec, StepPlan
 from .push import INBOX_MODEL_ID, Pusher, PushSettings
 from .routes import Route, Router, instance_of
+from .scheduler import pair_groups
 from .side_channel import SideChannelClient, SideChannelPortError, SideChannelServer
 from .stats import AnswerCounter, PushStep, TransferRecord
 
@@ -741,7 +742,7 @@ class WorkerSide:
         source = route.sources[0]
         block_size = route.mine.block_size
         direct = (len(route.sources) == 1 and all(source.head_map.whole) and len(self.groups) == 1
-                  and spec.first_token % block_size == 0)
+                  and not spec.more_groups and spec.first_token % block_size == 0)
         message = {
             "op": "expect", "transfer_id": spec.transfer_id, "cluster_id": self.cluster_id,
             "host": self.settings.host, "port": self.side_channel_port,
@@ -776,17 +777,23 @@ class WorkerSide:
             raise ValueError("pull names a transfer_id and the prefill's params")
         blocks, token = params.get("remote_block_ids"), params.get("lease_token", "")
         req_id, engine_id = params.get("remote_request_id"), params.get("remote_engine_id")
-        if (not isinstance(blocks, list) or not all(type(block) is int for block in blocks)
-                or not isinstance(token, str) or len(token) > 64 or not isinstance(req_id, str)
-                or not isinstance(engine_id, str)):
-            raise ValueError("the params must hold one KV cache group's remote_block_ids, a lease_token, "
-                             "remote_request_id and remote_engine_id")
+        flat = [block for group in blocks for block in (group if isinstance(group, list) else [group])] \
+            if isinstance(blocks, list) else None
+        if (flat is None or not all(type(block) is int for block in flat) or not isinstance(token, str)
+                or len(token) > 64 or not isinstance(req_id, str) or not isinstance(engine_id, str)):
+            raise ValueError("the params must hold remote_block_ids (a list, or one per KV cache group), a "
+                             "lease_token, remote_request_id and remote_engine_id")
         load = self._expecting.get(transfer_id)
         if load is None or load.cancelled or load.route is None:
             return {"ok": True}
         spec = load.spec
-        spec.remote_block_ids, spec.lease_token = list(blocks), token
-        spec.remote_request_id, spec.remote_engine_id = req_id, engine_id
+        groups, error = pair_groups([local for local, _, _ in spec.kv_groups()], blocks,
+                                    spec.window_blocks or [0], spec.first_token)
+        if error:
+            self._end_expect(load, error)
+            return {"ok": True}
+        (spec.local_block_ids, spec.remote_block_ids, spec.first_token), *spec.more_groups = groups
+        spec.lease_token, spec.remote_request_id, spec.remote_engine_id = token, req_id, engine_id
         load.holds_pending = len(load.route.sources)
         load.posted = time.perf_counter()
         try:
