@@ -26,6 +26,7 @@ from vllm_pd import (  # noqa: E402
     Engine,
     connector_config,
     delta,
+    decode_first,
     free_port_run,
     model_dir,
     parting,
@@ -112,14 +113,33 @@ def run_layout(pair: dict[str, Engine]) -> None:
     assert control[:2] == ref_b[:2]
 
 
+def run_decode_first(pair: dict[str, Engine], prefill_tp: int) -> None:
+    """Decode-first across the layouts: the prefill cannot push into blocks
+    laid out otherwise, so it names its blocks and the decode pulls them."""
+    prefill, decode = pair["prefill"], pair["decode"]
+    prompts = prompts_of_lengths([70, 260, 480], seed=7)
+    reference = prefill.generate(prompts, MAX_TOKENS, logprobs=5)["results"]
+    before = decode.metrics()
+    got = decode_first([(prefill, prefill.side_channel_port, decode, p, p) for p in prompts], MAX_TOKENS, prefill_tp)
+    check_outputs(got, reference)
+    assert delta(decode.metrics(), before, FAILED) == 0
+    a, b = prompts_of_lengths([300, 300], seed=8)
+    a[-1] = b[-1]
+    ref_a, ref_b = (r["tokens"] for r in prefill.generate([a, b], MAX_TOKENS)["results"])
+    (control,) = decode_first([(prefill, prefill.side_channel_port, decode, b, a)], MAX_TOKENS, prefill_tp)
+    assert control != ref_a and control[:2] == ref_b[:2], "the decode's prompt a with the prefill's KV of b"
+
+
 def test_prefill_tp2_into_decode_tp1(model: Path) -> None:
     with start_pair(model, {"tensor_parallel_size": 2}, {}) as pair:
         run_layout(pair)
+        run_decode_first(pair, 2)
 
 
 def test_prefill_tp1_into_decode_tp2(model: Path) -> None:
     with start_pair(model, {}, {"tensor_parallel_size": 2}) as pair:
         run_layout(pair)
+        run_decode_first(pair, 1)
 
 
 BYTES = "vllm:datadist_aio_bytes_transferred_sum"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import importlib.util
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Optional
 
 import pytest
@@ -417,6 +418,9 @@ def test_connector_scheduler_role_end_to_end_of_one_request() -> None:
         class parallel_config:  # noqa: N801
             tensor_parallel_size = 1
 
+        class cache_config:  # noqa: N801
+            block_size = 16
+
     connector = DatadistAioConnector(Config(), KVConnectorRole.SCHEDULER, None)
     prefill = Request("p1", list(range(80)), {"do_remote_decode": True}, Status.FINISHED_LENGTH_CAPPED)
     held, params = connector.request_finished(prefill, [3, 4, 5])
@@ -427,7 +431,10 @@ def test_connector_scheduler_role_end_to_end_of_one_request() -> None:
     decode = Request("d1", list(range(80)), dict(params))
     assert connector.get_num_new_matched_tokens(decode, 0) == (80, True)
     connector.update_state_after_alloc(decode, _Blocks([9, 8, 7]), 80)
-    meta = connector.build_connector_meta(None)
+    idle = SimpleNamespace(num_scheduled_tokens={}, scheduled_new_reqs=[],
+                           scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
+                                                                 num_computed_tokens=[]))
+    meta = connector.build_connector_meta(idle)
     assert isinstance(meta, DatadistAioConnectorMetadata)
     assert meta.plan.loads["d1"].remote_block_ids == [3, 4, 5]
     assert meta.plan.loads["d1"].local_block_ids == [9, 8, 7]

@@ -23,19 +23,20 @@ HERE = Path(__file__).resolve().parent
 BLOCK_SIZE = 32
 
 
-def model_dir(root: Path, variant: str = "llama") -> Path:
+def model_dir(root: Path, variant: str = "llama", layers: Optional[int] = None) -> Path:
     """The tiny test model (``llama``; ``mla``: DeepSeek-V2 attention;
     ``minicpm3``: the same latent attention, for SGLang's CPU build;
     ``mellum``: sliding-window and full attention layers) under
-    ``root`` (weights made once, from a fixed seed)."""
+    ``root`` (weights made once, from a fixed seed); ``layers``: with that
+    many layers instead of the variant's own."""
     import sys
 
     sys.path.insert(0, str(HERE / "vllm_model"))
     from make_weights import make
 
-    target = root / f"tiny-{variant}"
+    target = root / (f"tiny-{variant}" if layers is None else f"tiny-{variant}-{layers}-layers")
     if not (target / "model.safetensors").exists():
-        make(target, variant=variant)
+        make(target, variant=variant, layers=layers)
     return target
 
 
@@ -220,6 +221,16 @@ def _engine_main(conn: Any, model: str, kv_transfer: Optional[dict[str, Any]], e
             conn.send(("error", traceback.format_exc()))
 
 
+def engine_child(fd: int) -> None:
+    """An engine's process started by other means than ``Engine._spawn``
+    (another namespace): its arguments and commands come over the
+    ``multiprocessing.connection.Connection`` on descriptor ``fd``."""
+    from multiprocessing.connection import Connection
+
+    conn = Connection(fd)
+    _engine_main(conn, *conn.recv())
+
+
 class EngineError(RuntimeError):
     pass
 
@@ -246,22 +257,31 @@ class Engine:
         """``llm_args`` go to ``vllm.LLM`` over the defaults (``tensor_parallel_size``,
         ``block_size``, ``enable_prefix_caching``, ...); TP above 1 runs its
         workers as processes (``distributed_executor_backend="mp"``)."""
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(
-            target=_engine_main, args=(child, str(model), kv_transfer, dict(env or {}), policy, llm_args),
-            # A daemonic process may not start vLLM's TP workers; close() and
-            # kill() end it either way.
-            daemon=int(llm_args.get("tensor_parallel_size", 1)) == 1,
-        )
-        self.process.start()
-        child.close()
+        # Our connector's side channel (its rank 0's), where a decode-first decode reaches this prefill.
+        extra = (kv_transfer or {}).get("kv_connector_extra_config") or {}
+        self.side_channel_port = int(extra.get("side_channel_port", 0) or 0)
+        self.process, self._conn = self._spawn((str(model), kv_transfer, dict(env or {}), policy, llm_args))
         self.stopped = False
         kind, value = self._answer(start_timeout)
         if kind != "ready":
             self.kill()
             raise EngineError(f"engine did not start:\n{value}")
         self.pid = int(value)
+
+    def _spawn(self, args: tuple[Any, ...]) -> tuple[Any, Any]:
+        """Starts the child process (``_engine_main(conn, *args)``): returns it
+        (``is_alive``, ``kill``, ``join``, ``pid``) and this side's connection."""
+        ctx = multiprocessing.get_context("spawn")
+        conn, child = ctx.Pipe()
+        process = ctx.Process(
+            target=_engine_main, args=(child, *args),
+            # A daemonic process may not start vLLM's TP workers; close() and
+            # kill() end it either way.
+            daemon=int(args[-1].get("tensor_parallel_size", 1)) == 1,
+        )
+        process.start()
+        child.close()
+        return process, conn
 
     def _answer(self, timeout: float) -> tuple[str, Any]:
         if not self._conn.poll(timeout):
@@ -333,3 +353,43 @@ def prompts_of_lengths(lengths: list[int], seed: int, vocab: int = 1024) -> list
 
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def decode_first(jobs: list[tuple[Engine, int, Engine, list[int], list[int]]], max_tokens: int,
+                 prefill_tp: int = 1) -> list[list[int]]:
+    """Runs ``(prefill, its side-channel port, decode, prefill's prompt,
+    decode's prompt)`` jobs as a decode-first proxy does: both instances get
+    the request at once with the same ``transfer_id``, each instance all its
+    requests in one call, all instances side by side; the decodes' tokens,
+    in job order."""
+    import secrets
+    import threading
+
+    work: dict[int, tuple[Engine, list[tuple[int, list[int], dict[str, Any]]], bool]] = {}
+    for index, (prefill, port, decode, prefill_prompt, decode_prompt) in enumerate(jobs):
+        transfer_id = secrets.token_hex(8)
+        work.setdefault(id(prefill), (prefill, [], True))[1].append(
+            (index, prefill_prompt, {"do_remote_decode": True, "transfer_id": transfer_id}))
+        work.setdefault(id(decode), (decode, [], False))[1].append((index, decode_prompt, {
+            "do_remote_prefill": True, "transfer_id": transfer_id, "remote_host": "127.0.0.1",
+            "remote_port": port, "tp_size": prefill_tp}))
+    outputs: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def run(engine: Engine, items: list[tuple[int, list[int], dict[str, Any]]], is_prefill: bool) -> None:
+        try:
+            run = engine.generate([p for _, p, _ in items], 1 if is_prefill else max_tokens,
+                                  [params for _, _, params in items])
+            if not is_prefill:
+                outputs.update((index, result["tokens"]) for (index, _, _), result in zip(items, run["results"]))
+        except BaseException as exc:  # noqa: BLE001  (raised again below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=value) for value in work.values()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    if errors:
+        raise errors[0]
+    return [outputs[index] for index in range(len(jobs))]
