@@ -1,6 +1,8 @@
 """A prefill vLLM and a decode vLLM with DatadistAioConnector (``datadist``:
 the decode side pulls; ``push``: the prefill pushes layer by layer into the
-decode side's inbox) and with vLLM's NixlConnector (``kv_buffer_device="cpu"``),
+decode side's inbox; ``direct``: decode-first, both instances get the
+request at once and the prefill pushes each layer into the decode's own
+blocks) and with vLLM's NixlConnector (``kv_buffer_device="cpu"``),
 in the same run, in the layouts users run and with one and many requests.
 
 Layouts (``--layouts``): ``kv_both`` (both instances ``kv_role="kv_both"``)
@@ -72,7 +74,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
@@ -82,20 +84,21 @@ from vllm_pd import (  # noqa: E402
     XFER_METRICS,
     connector_config,
     delta,
+    decode_first_run,
     free_port_run,
     model_dir,
     prompts_of_lengths,
 )
 
 METRICS = dict(XFER_METRICS)
-METRICS["push"] = METRICS["datadist"]
+METRICS["push"] = METRICS["direct"] = METRICS["datadist"]
 FAILED = {"datadist": "vllm:datadist_aio_num_failed_transfers", "push": "vllm:datadist_aio_num_failed_transfers",
-          "nixl": "vllm:nixl_num_failed_transfers"}
+          "direct": "vllm:datadist_aio_num_failed_transfers", "nixl": "vllm:nixl_num_failed_transfers"}
 ANSWERS, ANSWERS_BY_SWEEP = "vllm:datadist_aio_answers_read", "vllm:datadist_aio_answers_read_by_sweep"
 SETUP = "vllm:datadist_aio_load_setup_seconds_sum"  # ours: from a load's start until its reads were posted
 LAYOUTS = {"kv_both": ("kv_both", "kv_both"), "producer_consumer": ("kv_producer", "kv_consumer")}
 PHASES = ("sequential", "batched")
-OURS = ("datadist", "push")
+OURS = ("datadist", "push", "direct")
 
 
 def free_ports(count: int) -> list[int]:
@@ -108,42 +111,61 @@ def free_ports(count: int) -> list[int]:
     return ports
 
 
-def start_pair(kind: str, layout: str, model: Path) -> tuple[Engine, Engine]:
+LOOPBACK = "127.0.0.1"
+
+
+def pair_configs(kind: str, layout: str, ports: tuple[int, int], hosts: tuple[str, str] = (LOOPBACK, LOOPBACK)
+                 ) -> tuple[tuple[dict[str, Any], dict[str, str]], tuple[dict[str, Any], dict[str, str]]]:
+    """The prefill's and the decode's ``KVTransferConfig`` fields and environment
+    variables for connector ``kind``, each instance with its own side-channel
+    port and host (``ports``, ``hosts``: prefill, decode)."""
+    prefill_role, decode_role = LAYOUTS[layout]
+    (prefill_port, decode_port), (prefill_host, decode_host) = ports, hosts
+    if kind == "nixl":
+        def nixl_env(port: int, host: str) -> dict[str, str]:
+            return {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port), "VLLM_NIXL_SIDE_CHANNEL_HOST": host}
+
+        return ((connector_config(kind, prefill_role, 0), nixl_env(prefill_port, prefill_host)),
+                (connector_config(kind, decode_role, 0), nixl_env(decode_port, decode_host)))
+    mode: dict[str, Any] = {"transfer_mode": "push_layerwise"} if kind == "push" else {}
+    pushes: dict[str, Any] = {"push_host": decode_host, "push_port": decode_port} if kind == "push" else {}
+    return ((connector_config("datadist", prefill_role, prefill_port, side_channel_host=prefill_host, **mode, **pushes),
+             {}),
+            (connector_config("datadist", decode_role, decode_port, side_channel_host=decode_host, **mode), {}))
+
+
+# Starts one instance: (side: 0 the prefill, 1 the decode; model; KVTransferConfig fields; environment; policy).
+Launch = Callable[[int, Path, dict[str, Any], dict[str, str], Optional[str]], Engine]
+
+
+def _launch_here(side: int, model: Path, config: dict[str, Any], env: dict[str, str],
+                 policy: Optional[str]) -> Engine:
+    return Engine(model, config, policy=policy, env=env)
+
+
+def start_pair(kind: str, layout: str, model: Path, *, launch: Launch = _launch_here,
+               ports: Optional[tuple[int, int]] = None,
+               hosts: tuple[str, str] = (LOOPBACK, LOOPBACK)) -> tuple[Engine, Engine]:
     """A prefill and a decode instance (policy ``recompute``), each with its own side-channel port.
 
-    vLLM keeps its hybrid KV cache manager on for a hybrid model (``--model
-    sliding``) with either connector: both declare ``SupportsHMA``."""
-    prefill_role, decode_role = LAYOUTS[layout]
-    prefill_port, decode_port = free_ports(2)
-    if kind == "datadist":
-        prefill = Engine(model, connector_config(kind, prefill_role, prefill_port))
-        try:
-            decode = Engine(model, connector_config(kind, decode_role, decode_port), policy="recompute")
-        except BaseException:
-            prefill.close()
-            raise
-        return prefill, decode
-    if kind == "push":
-        push = {"transfer_mode": "push_layerwise"}
-        decode = Engine(model, connector_config("datadist", decode_role, decode_port, **push), policy="recompute")
-        try:
-            prefill = Engine(model, connector_config("datadist", prefill_role, prefill_port, push_port=decode_port,
-                                                     **push))
-        except BaseException:
-            decode.close()
-            raise
-        return prefill, decode
-
-    def nixl_env(port: int) -> dict[str, str]:
-        return {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
-
-    prefill = Engine(model, connector_config(kind, prefill_role, 0), env=nixl_env(prefill_port))
+    ``launch`` starts each (default: an ``Engine`` in this namespace);
+    ``ports`` are their side-channel ports (default: two free ones). The
+    push's decode instance starts first (its inbox listens before the
+    prefill names it). vLLM keeps its hybrid KV cache manager on for a hybrid model
+    (``--model sliding``) with either connector: both declare ``SupportsHMA``."""
+    if ports is None:
+        prefill_port, decode_port = free_ports(2)
+        ports = (prefill_port, decode_port)
+    configs = pair_configs(kind, layout, ports, hosts)
+    policies = (None, "recompute")
+    first = 1 if kind == "push" else 0
+    started = launch(first, model, configs[first][0], configs[first][1], policies[first])
     try:
-        decode = Engine(model, connector_config(kind, decode_role, 0), policy="recompute", env=nixl_env(decode_port))
+        other = launch(1 - first, model, configs[1 - first][0], configs[1 - first][1], policies[1 - first])
     except BaseException:
-        prefill.close()
+        started.close()
         raise
-    return prefill, decode
+    return (started, other) if first == 0 else (other, started)
 
 
 def one_batch(prefill: Engine, decode: Engine, prompts: list[list[int]], max_tokens: int,
@@ -153,9 +175,14 @@ def one_batch(prefill: Engine, decode: Engine, prompts: list[list[int]], max_tok
     before = decode.metrics()
     pushed_before = prefill.metrics() if kind == "push" else {}
     start = time.monotonic()
-    pre = prefill.generate(prompts, 1, [{"do_remote_decode": True}] * len(prompts))
-    params = [result["kv_transfer_params"] for result in pre["results"]]
-    dec = decode.generate(prompts, max_tokens, params)
+    if kind == "direct":  # decode-first: both at once, the prefill pushing into the decode's blocks
+        both = decode_first_run([(prefill, prefill.side_channel_port, decode, p, p) for p in prompts], max_tokens,
+                                host=prefill.side_channel_host)
+        pre, dec = {"wall": both["prefill_wall"]}, {"wall": both["decode_wall"], "results": both["results"]}
+    else:
+        pre = prefill.generate(prompts, 1, [{"do_remote_decode": True}] * len(prompts))
+        params = [result["kv_transfer_params"] for result in pre["results"]]
+        dec = decode.generate(prompts, max_tokens, params)
     wall = time.monotonic() - start
     after = decode.metrics()
     pushed_after = prefill.metrics() if kind == "push" else {}
@@ -177,6 +204,10 @@ def one_batch(prefill: Engine, decode: Engine, prompts: list[list[int]], max_tok
         "prefill_answers_read_by_sweep": delta(pushed_after, pushed_before, ANSWERS_BY_SWEEP),
         "prefill_wall_s": pre["wall"],
         "decode_wall_s": dec["wall"],
+        # What a proxy's client waits for its first token: after the prefill's
+        # call, the decode's; decode-first sends both at once.
+        "e2e_s": [None if result["ttft"] is None else result["ttft"] + (0.0 if kind == "direct" else pre["wall"])
+                  for result in results],
         "wall_s": wall,
     }
 
@@ -289,7 +320,8 @@ def main() -> None:
     parser.add_argument("--lengths", default="50,200,500,1000,1500", help="prompt lengths in tokens, cycled")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"of {', '.join(LAYOUTS)}")
     parser.add_argument("--phases", default=",".join(PHASES), help=f"of {', '.join(PHASES)}")
-    parser.add_argument("--connectors", default="datadist,nixl", help="of datadist (the pull), push, nixl")
+    parser.add_argument("--connectors", default="datadist,nixl",
+                        help="of datadist (the pull), push (into the inbox), direct (decode-first), nixl")
     parser.add_argument("--output", type=Path, default=Path("build/bench-vllm-pd.json"))
     parser.add_argument("--shapes", default="", help="then bench_vllm_shapes.py for these shapes ('all': every one)")
     parser.add_argument("--model", choices=("llama", "sliding"), default="llama",
@@ -306,11 +338,13 @@ def main() -> None:
 
     layouts = listed(args.layouts, LAYOUTS, "--layouts")
     phase_names = listed(args.phases, PHASES, "--phases")
-    kinds = listed(args.connectors, ("datadist", "push", "nixl"), "--connectors")
+    kinds = listed(args.connectors, ("datadist", "push", "direct", "nixl"), "--connectors")
     if args.requests < 1 or args.batch < 1 or args.rounds < 1:
         parser.error("--rounds, --requests and --batch must be at least 1")
     if args.model == "sliding" and "push" in kinds:
         parser.error("push_layerwise serves one KV cache group; the sliding model has two")
+    if "direct" in kinds and "kv_both" in layouts:
+        parser.error("direct (decode-first) pairs a kv_producer with a kv_consumer: --layouts producer_consumer")
     if "nixl" in kinds and importlib.util.find_spec("nixl") is None:
         print("nixl is not installed: pip install --no-deps nixl nixl-cu12; measuring ours alone")
         kinds = [k for k in kinds if k != "nixl"]

@@ -12,8 +12,6 @@ forwards and nothing was aborted. Marked ``vllm``.
 
 from __future__ import annotations
 
-import secrets
-import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -33,6 +31,7 @@ from test_vllm_e2e import (  # noqa: E402
     tokens,
 )
 from vllm_pd import BLOCK_SIZE, Engine, connector_config, delta, prompts_of_lengths  # noqa: E402
+from vllm_pd import decode_first as run_decode_first  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
@@ -64,39 +63,9 @@ def instances(model: Path) -> Iterator[dict[str, Any]]:  # noqa: F811
 
 
 def decode_first(instances: dict[str, Any], jobs: list[tuple[str, str, list[int], list[int]]]) -> list[list[int]]:
-    """Runs ``(prefill, decode, prefill's prompt, decode's prompt)`` jobs as a
-    decode-first proxy does: each instance gets its requests at once, all
-    instances side by side; the decodes' outputs, in job order."""
-    by_engine: dict[str, list[tuple[int, list[int], dict[str, Any]]]] = {}
-    for index, (prefill, decode, prefill_prompt, decode_prompt) in enumerate(jobs):
-        transfer_id = secrets.token_hex(8)
-        by_engine.setdefault(prefill, []).append(
-            (index, prefill_prompt, {"do_remote_decode": True, "transfer_id": transfer_id}))
-        by_engine.setdefault(decode, []).append((index, decode_prompt, {
-            "do_remote_prefill": True, "transfer_id": transfer_id, "remote_host": "127.0.0.1",
-            "remote_port": instances["ports"][prefill], "tp_size": 1}))
-    outputs: dict[int, list[int]] = {}
-    errors: list[BaseException] = []
-
-    def run(name: str) -> None:
-        items = by_engine[name]
-        try:
-            prefill = name.startswith("p")
-            got = tokens(instances[name].generate([p for _, p, _ in items], 1 if prefill else MAX_TOKENS,
-                                                  [params for _, _, params in items]))
-            if not prefill:
-                outputs.update((index, out) for (index, _, _), out in zip(items, got))
-        except BaseException as exc:  # noqa: BLE001  (re-raised below)
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(name,)) for name in by_engine]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=600)
-    if errors:
-        raise errors[0]
-    return [outputs[index] for index in range(len(jobs))]
+    """``(prefill, decode, prefill's prompt, decode's prompt)`` by instance name (``vllm_pd.decode_first``)."""
+    return run_decode_first([(instances[p], instances["ports"][p], instances[d], pp, dp) for p, d, pp, dp in jobs],
+                            MAX_TOKENS)
 
 
 def _metrics(instances: dict[str, Any]) -> dict[str, dict[str, float]]:

@@ -260,6 +260,7 @@ class Engine:
         # Our connector's side channel (its rank 0's), where a decode-first decode reaches this prefill.
         extra = (kv_transfer or {}).get("kv_connector_extra_config") or {}
         self.side_channel_port = int(extra.get("side_channel_port", 0) or 0)
+        self.side_channel_host = str(extra.get("side_channel_host", "127.0.0.1"))
         self.process, self._conn = self._spawn((str(model), kv_transfer, dict(env or {}), policy, llm_args))
         self.stopped = False
         kind, value = self._answer(start_timeout)
@@ -355,13 +356,14 @@ def prompts_of_lengths(lengths: list[int], seed: int, vocab: int = 1024) -> list
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
-def decode_first(jobs: list[tuple[Engine, int, Engine, list[int], list[int]]], max_tokens: int,
-                 prefill_tp: int = 1) -> list[list[int]]:
+def decode_first_run(jobs: list[tuple[Engine, int, Engine, list[int], list[int]]], max_tokens: int,
+                     prefill_tp: int = 1, host: str = "127.0.0.1") -> dict[str, Any]:
     """Runs ``(prefill, its side-channel port, decode, prefill's prompt,
     decode's prompt)`` jobs as a decode-first proxy does: both instances get
-    the request at once with the same ``transfer_id``, each instance all its
-    requests in one call, all instances side by side; the decodes' tokens,
-    in job order."""
+    the request at once with the same ``transfer_id`` (the prefill's side
+    channel at ``host``), each instance all its requests in one call, all
+    instances side by side. Returns the decodes' ``results`` in job order,
+    and the longest ``prefill_wall`` and ``decode_wall`` of the calls."""
     import secrets
     import threading
 
@@ -371,17 +373,20 @@ def decode_first(jobs: list[tuple[Engine, int, Engine, list[int], list[int]]], m
         work.setdefault(id(prefill), (prefill, [], True))[1].append(
             (index, prefill_prompt, {"do_remote_decode": True, "transfer_id": transfer_id}))
         work.setdefault(id(decode), (decode, [], False))[1].append((index, decode_prompt, {
-            "do_remote_prefill": True, "transfer_id": transfer_id, "remote_host": "127.0.0.1",
+            "do_remote_prefill": True, "transfer_id": transfer_id, "remote_host": host,
             "remote_port": port, "tp_size": prefill_tp}))
-    outputs: dict[int, list[int]] = {}
+    outputs: dict[int, dict[str, Any]] = {}
+    walls = {"prefill_wall": 0.0, "decode_wall": 0.0}
     errors: list[BaseException] = []
 
     def run(engine: Engine, items: list[tuple[int, list[int], dict[str, Any]]], is_prefill: bool) -> None:
         try:
             run = engine.generate([p for _, p, _ in items], 1 if is_prefill else max_tokens,
                                   [params for _, _, params in items])
+            key = "prefill_wall" if is_prefill else "decode_wall"
+            walls[key] = max(walls[key], run["wall"])
             if not is_prefill:
-                outputs.update((index, result["tokens"]) for (index, _, _), result in zip(items, run["results"]))
+                outputs.update((index, result) for (index, _, _), result in zip(items, run["results"]))
         except BaseException as exc:  # noqa: BLE001  (raised again below)
             errors.append(exc)
 
@@ -392,4 +397,10 @@ def decode_first(jobs: list[tuple[Engine, int, Engine, list[int], list[int]]], m
         thread.join(timeout=600)
     if errors:
         raise errors[0]
-    return [outputs[index] for index in range(len(jobs))]
+    return {"results": [outputs[index] for index in range(len(jobs))], **walls}
+
+
+def decode_first(jobs: list[tuple[Engine, int, Engine, list[int], list[int]]], max_tokens: int,
+                 prefill_tp: int = 1) -> list[list[int]]:
+    """The decodes' tokens of ``decode_first_run``, in job order."""
+    return [result["tokens"] for result in decode_first_run(jobs, max_tokens, prefill_tp)["results"]]

@@ -14,6 +14,10 @@ it is SIGKILLed when the test process dies (``setpriv --pdeathsig``, then
 namespace and deletes it, which deletes the veth pair; namespaces left by a
 process that no longer exists are deleted by the next ``Subnet``. Needs
 root, ``ip``, ``unshare`` and ``setpriv``; ``unavailable()`` says why not.
+
+``Joined`` makes two namespaces joined to each other (not to this one) by a
+veth pair, and ``spawn_in_netns`` starts a child in either of them, for two
+peers that both run on another "host" (benchmarks/bench_vllm_link.py).
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ import datadist_aio as dd
 from support.links import assert_blocks_push, kill_mid_transfer
 from support.peer import MiB, Peer, PeerGroup, pool_cfg
 
-__all__ = ["NetnsGroup", "NetnsPeer", "Subnet", "peer_killed_mid_transfer", "spawn_in", "unavailable"]
+__all__ = ["Joined", "NetnsGroup", "NetnsPeer", "Subnet", "peer_killed_mid_transfer", "spawn_in", "spawn_in_netns",
+           "unavailable"]
 
 # 10.213.N.0/24, N from 1 to 254: one subnet per namespace.
 _PREFIX = "10.213"
@@ -190,6 +195,61 @@ class Subnet:
         self.close()
 
 
+class Joined:
+    """Two network namespaces joined to each other by one veth pair, and to
+    nothing else; a context manager that deletes both.
+
+    The pair is made inside the namespaces (never in this one), so deleting
+    them deletes it; namespaces left by a process that no longer exists are
+    deleted by the next ``Subnet`` or ``Joined`` (their names are a
+    ``Subnet``'s).
+
+    Attributes:
+        names: The two namespaces' names (``ip netns``).
+        ips: The address of each namespace's end of the pair.
+        links: The name of each namespace's end of the pair.
+    """
+
+    def __init__(self) -> None:
+        _sweep()
+        first, second = next(_counter), next(_counter)
+        pid = os.getpid()
+        self.names = (f"ddaio-{pid}-{first}", f"ddaio-{pid}-{second}")
+        self.links = (f"ddv{pid}x{first}a", f"ddv{pid}x{first}b")
+        network = Subnet._free_network(first)
+        self.ips = (str(network[1]), str(network[2]))
+        self._made: list[str] = []
+        try:
+            for name in self.names:
+                _ip("netns", "add", name)
+                self._made.append(name)
+            _ip("link", "add", self.links[0], "type", "veth", "peer", "name", self.links[1], "netns", self.names[1],
+                netns=self.names[0])
+            for name, link, address in zip(self.names, self.links, self.ips):
+                _ip("addr", "add", f"{address}/24", "dev", link, netns=name)
+                _ip("link", "set", link, "up", netns=name)
+                _ip("link", "set", "lo", "up", netns=name)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Kills every process in both namespaces and deletes them (and the pair); safe to repeat."""
+        made, self._made = self._made, []
+        try:
+            for name in made:
+                _kill_inside(name)
+        finally:
+            for name in made:
+                _ip("netns", "delete", name, check=False)
+
+    def __enter__(self) -> "Joined":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+
 class _Launched:
     """The ``multiprocessing.Process`` face of the ``unshare`` process that runs the child.
 
@@ -242,10 +302,15 @@ def spawn_in(subnet: Subnet, argv: list[str]) -> tuple[_Launched, multiprocessin
     namespace; FD is the child's end of a socket pair (for
     ``multiprocessing.connection.Connection``). Returns the process and this
     side's connection."""
+    return spawn_in_netns(subnet.name, argv)
+
+
+def spawn_in_netns(netns: str, argv: list[str]) -> tuple[_Launched, multiprocessing.connection.Connection]:
+    """``spawn_in`` for the network namespace named ``netns`` (one of ``Joined``'s)."""
     ours, theirs = socket.socketpair()
     command = [
         "setpriv", "--pdeathsig", "KILL", "--",
-        "ip", "netns", "exec", subnet.name,
+        "ip", "netns", "exec", netns,
         "unshare", "--pid", "--kill-child", "--mount-proc",
         sys.executable, *argv, str(theirs.fileno()),
     ]  # fmt: skip

@@ -25,10 +25,16 @@ from safetensors.torch import save_file
 HERE = Path(__file__).resolve().parent
 
 
-def make(out_dir: Path, seed: int = 1234, variant: str = "llama") -> Path:
-    """Creates ``out_dir`` holding config.json and model.safetensors; returns it."""
+def make(out_dir: Path, seed: int = 1234, variant: str = "llama", layers: int | None = None) -> Path:
+    """Creates ``out_dir`` holding config.json and model.safetensors; returns it.
+
+    ``layers`` overrides the variant's ``num_hidden_layers``: a deeper (or
+    shallower) model of the same width, for measurements that need more
+    layers; written with its own config.json."""
     source = HERE / (variant if variant in ("mla", "sliding", "minicpm3", "mellum") else ".") / "config.json"
     config = json.loads(source.read_text())
+    if layers is not None:
+        config["num_hidden_layers"] = layers
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     heads = config["num_attention_heads"]
     vocab = config["vocab_size"]
@@ -49,7 +55,10 @@ def make(out_dir: Path, seed: int = 1234, variant: str = "llama") -> Path:
     tensors["model.norm.weight"] = torch.ones(hidden)
     tensors["lm_head.weight"] = normal(vocab, hidden)
     out_dir.mkdir(parents=True, exist_ok=True)
-    shutil.copy(source, out_dir / "config.json")
+    if layers is None:
+        shutil.copy(source, out_dir / "config.json")
+    else:
+        (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(tensors, str(out_dir / "model.safetensors"))
     return out_dir
 
