@@ -269,3 +269,25 @@ def test_a_slow_prefill_is_stopped_before_the_decode_gives_its_blocks_back(pair:
                                               "layer_s": 0.01})
     assert records == [], "a cancelled request is not pushed"
     _assert_untouched(_ask(pair["decode"][1], "arrays", None), [])
+
+
+def test_a_decode_that_died_mid_push_frees_the_prefills_request(pair: Any) -> None:
+    """The decode dies after its expect: the push fails on the dropped link,
+    the prefill cannot tell the decode to pull, and frees the request's
+    blocks at once instead of at the end of its lease."""
+    decode = pair["decode"][0]
+    pconn = pair["prefill"][1]
+    _begin(pair, [("a", [1, 2, 3], 0, "x-a")])
+    assert _ask(pconn, "expected", "x-a")
+    decode.kill()
+    decode.join(timeout=10)
+    records, _steps = _ask(pconn, "forward", {"saves": [SaveSpec("p-a", [3, 9, 4], 0, 3, True, "x-a")],
+                                              "layer_s": 0.05})
+    assert all(not ok for _, ok in records), records
+    params = {"do_remote_prefill": True, "remote_block_ids": [3, 9, 4], "lease_token": "t-a",
+              "remote_engine_id": "prefill", "remote_host": "127.0.0.1", "remote_port": pair["pport"],
+              "remote_request_id": "p-a", "tp_size": 1}
+    started = time.monotonic()
+    assert _ask(pconn, "finished", {"tokens": {"p-a": "t-a"}, "announce": {"x-a": params}}) == "ok"
+    assert _ask(pconn, "freed", ["p-a"]) == ["p-a"], "the lease (60 s) was not what freed it"
+    assert time.monotonic() - started < 10

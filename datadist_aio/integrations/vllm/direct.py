@@ -124,10 +124,12 @@ class DirectPushes:
 
     def __init__(self, *, datadist: dd.LLMDataDist, cache: dd.Cache, group_layouts: list[dict[str, Any]],
                  layers: int, block_bytes: int, timeout_s: float, decode_model_id: int,
-                 record: Callable[[float, int, int, bool], None], capable: bool = True) -> None:
+                 record: Callable[[float, int, int, bool], None], capable: bool = True,
+                 unreachable: Callable[[str], None] = lambda req_id: None) -> None:
         """``capable``: whether this worker's KV tensors can be pushed layer by
         layer (one KV cache group, two tensors per transfer layer); where not,
-        every decode-first request is pulled."""
+        every decode-first request is pulled. ``unreachable(req_id)``: the
+        request's decode cannot be told (it died): nobody will read it."""
         self._datadist = datadist
         self._cache = cache
         self._group_layouts = group_layouts
@@ -136,6 +138,7 @@ class DirectPushes:
         self._timeout_s = timeout_s
         self._model_id = decode_model_id
         self._capable = capable
+        self._unreachable = unreachable
         self._record = record
         self._directs: dict[str, _Direct] = {}
         self._clients: dict[tuple[str, int], SideChannelClient] = {}
@@ -370,6 +373,11 @@ class DirectPushes:
             client = self._clients[key] = SideChannelClient(*key)
         try:
             await client.request(message, self._timeout_s)
-        except (Exception, TimeoutError) as exc:  # the decode then ends the load at its deadline
-            log.warning("datadist_aio connector: %s of %s not confirmed by the decode at %s:%d: %s",
-                        message["op"], d.transfer_id, d.notice_host, d.notice_port, exc)
+        except (Exception, TimeoutError) as exc:
+            # A decode that cannot be told will not read the request (a live
+            # one ends the load at its deadline): its blocks need not wait for
+            # their lease.
+            log.warning("datadist_aio connector: %s of %s not confirmed by the decode at %s:%d, which will not "
+                        "read it: %s", message["op"], d.transfer_id, d.notice_host, d.notice_port, exc)
+            if d.req_id:
+                self._unreachable(d.req_id)

@@ -214,7 +214,7 @@ class Pusher:
     def __init__(self, settings: PushSettings, datadist: dd.LLMDataDist, cache: dd.Cache,
                  layout: list[dict[str, Any]], layer_names: Sequence[str], per_layer: int, block_bytes: int,
                  loop: asyncio.AbstractEventLoop, record_event: Optional[Callable[[], Any]] = None,
-                 capable: bool = True) -> None:
+                 capable: bool = True, unreachable: Callable[[str], None] = lambda req_id: None) -> None:
         """``settings.decode_port`` 0: no inbox (only decode-first pushes);
         ``capable``: whether the KV tensors can be pushed layer by layer at
         all (one KV cache group, two tensors per transfer layer)."""
@@ -250,7 +250,8 @@ class Pusher:
         self.directs = DirectPushes(
             datadist=datadist, cache=cache, group_layouts=layout,
             layers=cache.cache_desc.num_tensors // _TENSORS_PER_LAYER, block_bytes=block_bytes,
-            timeout_s=settings.timeout_s, decode_model_id=0, record=self._record, capable=self.capable)
+            timeout_s=settings.timeout_s, decode_model_id=0, record=self._record, capable=self.capable,
+            unreachable=unreachable)
 
     # -- worker thread -----------------------------------------------------------
 

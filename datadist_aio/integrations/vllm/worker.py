@@ -316,6 +316,8 @@ class WorkerSide:
                 group.per_layer, group.block_bytes, asyncio.get_running_loop(),
                 record_event=self._record_event() if self.device is not None else None,
                 capable=self.settings.transfer_mode != "pull" and self._pushable(),
+                # A decode-first request whose decode died is freed now, not at its lease's end.
+                unreachable=lambda req_id: self.leases.done([req_id], 1),
             )
             self.pusher.start()
         # A prefill answers hellos, leases and decode-first expects; a decode
