@@ -22,11 +22,22 @@ import numpy as np
 import pytest
 
 from datadist_aio.integrations.vllm.metadata import LoadSpec, SaveSpec, StepPlan
-from datadist_aio.integrations.vllm.worker import WorkerSettings, WorkerSide
+from datadist_aio import LLMException
+from datadist_aio.integrations.vllm.worker import WorkerSettings, WorkerSide, cluster_id_for
 from test_vllm_push import NAMES, SHAPE, _ask, _commands, _start, prefill_arrays, wait_freed
 from test_vllm_worker_side import FakeTensor, _stop
 
 BLOCK_SIZE = SHAPE[2]
+
+
+def _linked(side: WorkerSide, cluster_id: int) -> bool:
+    """Whether the side's engine has a link to ``cluster_id`` now."""
+    assert side._datadist is not None
+    try:
+        side._datadist.link_transport(cluster_id)
+        return True
+    except LLMException:
+        return False
 
 
 def _decode(conn: Any, timeout_s: float) -> None:
@@ -36,6 +47,18 @@ def _decode(conn: Any, timeout_s: float) -> None:
     side.register({name: FakeTensor(a) for name, a in arrays.items()})
     conn.send(side.side_channel_port)
     begun: set[str] = set()
+    # Whether the engine still had its link to the prefill as each failed
+    # load was reported to vLLM (its blocks given back).
+    linked_at_failure: list[bool] = []
+    settle = side._settle
+
+    def settle_noting(load: Any) -> bool:
+        ok = settle(load)
+        if not ok:
+            linked_at_failure.append(_linked(side, cluster_id_for("prefill", 0)))
+        return ok
+
+    side._settle = settle_noting  # type: ignore[method-assign]
     try:
         for command, value in _commands(conn):
             if command == "begin":  # the decode's step after vLLM allocated the requests' blocks
@@ -55,7 +78,9 @@ def _decode(conn: Any, timeout_s: float) -> None:
                     failed |= fail
                     time.sleep(0.005)
                 begun = set()
+                noted, linked_at_failure[:] = list(linked_at_failure), []
                 conn.send({"done": sorted(done), "failed": sorted(failed), "elapsed": time.monotonic() - start,
+                           "linked_at_failure": noted,
                            "records": [(r.nbytes, r.ok) for r in side.take_records()],
                            "arrays": {name: a.copy() for name, a in arrays.items()}})
             elif command == "arrays":
@@ -246,12 +271,43 @@ def test_a_frozen_prefill_never_writes_after_the_decode_gave_up(pair: Any) -> No
     finally:
         os.kill(prefill.pid, signal.SIGCONT)
     assert result["done"] == ["a"] and result["failed"] == ["a"]
+    assert result["linked_at_failure"] == [False], "the link was dropped before the load was reported failed"
     assert result["elapsed"] < 2.0 + 1.0 + 0.5 + 3, f"the load took {result['elapsed']:.1f} s to fail"
     records, _steps = _ask(pconn, "forward", {"saves": [SaveSpec("p-a", [3, 9, 4], 0, 3, True, "x-a")],
                                               "layer_s": 0.01})
     assert all(not ok for _, ok in records), records
     time.sleep(0.5)
     _assert_untouched(_ask(pair["decode"][1], "arrays", None), [])
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="needs SIGSTOP")
+@pytest.mark.parametrize("pair", [(3.0, "auto")], indirect=True)
+def test_a_prefill_frozen_before_the_expect_never_writes_after_the_decode_gave_up(pair: Any) -> None:
+    """The expect reaches a frozen prefill and is not answered: the decode
+    drops the link before it fails the load. Thawed, the prefill reads the
+    stale expect and computes the request: none of it lands."""
+    prefill, pconn = pair["prefill"]
+    # A first request links the pair, so the second's expect goes out at once.
+    _begin(pair, [("w", [7], 0, "x-w")])
+    assert _ask(pconn, "expected", "x-w")
+    _ask(pconn, "forward", {"saves": [SaveSpec("p-w", [12], 0, 1, True, "x-w")], "layer_s": 0.01})
+    assert _wait(pair)["failed"] == []
+    os.kill(prefill.pid, signal.SIGSTOP)
+    try:
+        _begin(pair, [("a", [1, 2, 3], 0, "x-a")])
+        result = _wait(pair)
+    finally:
+        os.kill(prefill.pid, signal.SIGCONT)
+    assert result["done"] == ["a"] and result["failed"] == ["a"]
+    assert result["linked_at_failure"] == [False], "the link was dropped before the load was reported failed"
+    # Bounded by the load's timeout, the cancel's and the grace after the link dropped.
+    assert result["elapsed"] < 3.0 + 1.0 + 0.5 + 2, f"the load took {result['elapsed']:.1f} s to fail"
+    assert _ask(pconn, "expected", "x-a"), "the thawed prefill took the stale expect"
+    records, _steps = _ask(pconn, "forward", {"saves": [SaveSpec("p-a", [3, 9, 4], 0, 3, True, "x-a")],
+                                              "layer_s": 0.01})
+    assert all(not ok for _, ok in records), records
+    time.sleep(0.5)
+    _assert_untouched(_ask(pair["decode"][1], "arrays", None), [7])
 
 
 @pytest.mark.parametrize("pair", [(1.5, "auto")], indirect=True)

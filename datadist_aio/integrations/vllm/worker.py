@@ -756,6 +756,10 @@ class WorkerSide:
         try:
             await source.peer.client.request(message, self.settings.notify_timeout_s)
         except (Exception, TimeoutError) as exc:
+            # The prefill may hold the expect unanswered (frozen): it loses the
+            # link before the blocks go back, as at the deadline.
+            self._router.forget(spec.remote_host, source.port, source.peer)
+            await asyncio.sleep(_FENCE_GRACE_S)
             self._end_expect(load, f"the prefill at {spec.remote_host}:{source.port} did not take the request: "
                                    f"{type(exc).__name__}: {exc}")
 
