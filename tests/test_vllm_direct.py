@@ -237,14 +237,14 @@ def test_where_it_cannot_push_the_prefill_says_pull(pair: Any, first: int) -> No
     pconn = pair["prefill"][1]
     _begin(pair, [("a", [1, 2], first, "x-a")])
     assert _ask(pconn, "expected", "x-a")
-    records, _steps = _ask(pconn, "forward", {"saves": [SaveSpec("p-a", [3, 9, 4], 0, 3, True, "x-a")],
+    records, _steps = _ask(pconn, "forward", {"saves": [SaveSpec("p-a", [3, 9, 4], 0, 3, True, "x-a", "t-a")],
                                               "layer_s": 0.01})
     assert records == [], "nothing was pushed"
-    params = {"do_remote_prefill": True, "remote_block_ids": [3, 9, 4], "lease_token": "t-a",
-              "remote_engine_id": "prefill", "remote_host": "127.0.0.1", "remote_port": pair["pport"],
-              "remote_request_id": "p-a", "tp_size": 1}
-    assert _ask(pconn, "finished", {"tokens": {"p-a": "t-a"}, "announce": {"x-a": params}}) == "ok"
+    # The prompt's blocks and the token its lease will have came with its
+    # step: the decode pulls before the prefill's next step (an idle engine
+    # steps again only with new work), and its claim holds the blocks.
     result = _wait(pair)
+    assert _ask(pconn, "finished", {"tokens": {"p-a": "t-a"}, "announce": {}}) == "ok"
     assert result["done"] == ["a"] and result["failed"] == []
     source = prefill_arrays()
     skip = first - BLOCK_SIZE

@@ -29,7 +29,6 @@ pytest.importorskip("vllm")
 from vllm_pd import (  # noqa: E402
     Engine,
     connector_config,
-    decode_first,
     delta,
     free_port_run,
     model_dir,
@@ -115,15 +114,6 @@ def run_hybrid(prefill: Engine, decode: Engine) -> None:
     (control,) = (r["tokens"] for r in decode.generate([a], MAX_TOKENS, [params_b])["results"])
     assert control != ref_a, "the decode computed prompt a itself: the KV did not arrive"
     assert control[:2] == ref_b[:2]
-    # Decode-first: several KV cache groups are not pushed; the prefill names
-    # its blocks (each group's, the window clipped) and the decode pulls them.
-    before = decode.metrics()
-    got = decode_first([(prefill, prefill.side_channel_port, decode, p, p) for p in prompts], MAX_TOKENS)
-    for index, tokens in enumerate(got):
-        check(tokens, index)
-    assert delta(decode.metrics(), before, FAILED) == 0
-    (control,) = decode_first([(prefill, prefill.side_channel_port, decode, b, a)], MAX_TOKENS)
-    assert control != ref_a and control[:2] == ref_b[:2]
 
 
 def test_hybrid_kv_groups_tp1_into_tp1(model: Path) -> None:

@@ -151,10 +151,11 @@ def test_decode_first_requests_plan_an_expect_and_name_their_transfer() -> None:
     request = Request("p1", list(range(8)), {"do_remote_decode": True, "transfer_id": "x-1"})
     prefill.update_state_after_alloc(request, [], 0)
     plan = prefill.build_plan([ScheduledChunk("p1", [3, 4], True, 0, 8)])
-    assert plan.saves == {"p1": SaveSpec("p1", [3, 4], 0, 2, True, "x-1")}
+    token = plan.saves["p1"].lease_token
+    assert plan.saves == {"p1": SaveSpec("p1", [3, 4], 0, 2, True, "x-1", token)} and len(token) == 16
     request.status = Status.FINISHED_LENGTH_CAPPED
     held, answer = prefill.request_finished(request, [3, 4])
-    assert held and answer is not None
+    assert held and answer is not None and answer["lease_token"] == token, "the lease takes the token drawn early"
     assert prefill.build_plan().announce == {"x-1": answer}
 
 

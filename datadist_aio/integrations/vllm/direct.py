@@ -89,6 +89,15 @@ class _Direct:
     landed: bool = False
     settled: bool = False  # the decode was told (landed or pull)
     params: Optional[dict[str, Any]] = None  # this prefill's kv_transfer_params for the request
+    # The request's blocks by prompt block index, its prompt blocks and the
+    # token its lease will have, from its steps: the params for a decode
+    # that pulls, as soon as the prompt is computed.
+    computed: dict[int, int] = field(default_factory=dict)
+    total_blocks: int = 0
+    lease_token: str = ""
+    # Further decode ranks that expect the request where the layouts differ
+    # (a decode of a larger TP size): their side channels, told to pull too.
+    also_tell: list[tuple[str, int]] = field(default_factory=list)
 
     @property
     def expected(self) -> bool:
@@ -125,11 +134,15 @@ class DirectPushes:
     def __init__(self, *, datadist: dd.LLMDataDist, cache: dd.Cache, group_layouts: list[dict[str, Any]],
                  layers: int, block_bytes: int, timeout_s: float, decode_model_id: int,
                  record: Callable[[float, int, int, bool], None], capable: bool = True,
-                 unreachable: Callable[[str], None] = lambda req_id: None) -> None:
+                 unreachable: Callable[[str], None] = lambda req_id: None, engine_id: str = "",
+                 single_group: bool = True) -> None:
         """``capable``: whether this worker's KV tensors can be pushed layer by
         layer (one KV cache group, two tensors per transfer layer); where not,
         every decode-first request is pulled. ``unreachable(req_id)``: the
-        request's decode cannot be told (it died): nobody will read it."""
+        request's decode cannot be told (it died): nobody will read it.
+        ``single_group``: one vLLM KV cache group, whose blocks the steps name
+        (a decode that pulls is told them as the prompt is computed; with
+        several it waits for the finished request's params)."""
         self._datadist = datadist
         self._cache = cache
         self._group_layouts = group_layouts
@@ -139,6 +152,9 @@ class DirectPushes:
         self._model_id = decode_model_id
         self._capable = capable
         self._unreachable = unreachable
+        self._engine_id = engine_id
+        self._single_group = single_group
+        self._settling: set[asyncio.Task[None]] = set()
         self._record = record
         self._directs: dict[str, _Direct] = {}
         self._clients: dict[tuple[str, int], SideChannelClient] = {}
@@ -169,7 +185,14 @@ class DirectPushes:
         if d is None:
             raise ValueError(f"this prefill worker tracks {_MAX_DIRECTS} decode-first requests already")
         if d.expected:
-            raise ValueError(f"transfer {transfer_id} is expected already")
+            # Another decode rank reading this prefill rank: only where the
+            # layouts differ, and then it pulls too.
+            if cluster_id == d.cluster_id or d.direct or message.get("direct", True):
+                raise ValueError(f"transfer {transfer_id} is expected already")
+            d.also_tell.append((host, port))
+            if d.settled and not d.landed and d.params is not None:
+                await self._tell(d, {"op": "pull", "transfer_id": d.transfer_id, "params": d.params}, (host, port))
+            return {"ok": True, "direct": False}
         d.cluster_id, d.notice_host, d.notice_port = cluster_id, host, port
         d.blocks, d.skip = list(blocks), skip
         d.deadline = time.monotonic() + max(0.0, float(deadline_s) - min(_MARGIN_S, 0.2 * float(deadline_s)))
@@ -212,13 +235,17 @@ class DirectPushes:
         loop = asyncio.get_running_loop()
         by_decode: dict[int, list[tuple[_Direct, list[tuple[int, int]]]]] = {}
         later: list[tuple[_Direct, list[tuple[int, int]], asyncio.Future[Optional[asyncio.Task[None]]]]] = []
+        seen: list[_Direct] = []
         for spec in specs:
             d = self._direct(spec.transfer_id)
             if d is None:
                 log.warning("datadist_aio connector: too many decode-first requests; %s is not pushed", spec.req_id)
                 continue
+            seen.append(d)
             d.req_id = spec.req_id
             blocks = list(enumerate(spec.block_ids, spec.first_index))
+            d.computed.update(blocks)
+            d.total_blocks, d.lease_token = spec.total_blocks, spec.lease_token or d.lease_token
             if spec.last:
                 d.last_computed = True
             if d.usable(now):
@@ -251,9 +278,7 @@ class DirectPushes:
                 d.owed.extend(blocks)  # pushed once the decode expects the request
         for push in joined_pushes:
             await push
-        touched = {id(d): d for d, _, _ in later}
-        touched.update((id(d), d) for items in by_decode.values() for d, _ in items)
-        for d in touched.values():
+        for d in {id(d): d for d in seen}.values():
             if not complete:
                 d.failed = d.failed or "the prefill's forward failed"
             await self._settle(d)
@@ -270,7 +295,9 @@ class DirectPushes:
                 d.params = value
                 if not d.req_id:
                     d.req_id = str(value.get("remote_request_id", ""))
-                asyncio.get_running_loop().create_task(self._settle(d))
+                task = asyncio.get_running_loop().create_task(self._settle(d))
+                self._settling.add(task)
+                task.add_done_callback(self._settling.discard)
 
     def freed(self, req_ids: set[str]) -> None:
         """These requests' blocks were freed: their decode-first state goes."""
@@ -359,15 +386,21 @@ class DirectPushes:
             d.landed = d.settled = True
             await self._tell(d, {"op": "landed", "transfer_id": d.transfer_id, "remote_request_id": d.req_id})
             return
+        if d.params is None and self._single_group and d.last_computed and d.lease_token and d.req_id \
+                and len(d.computed) >= d.total_blocks > 0:
+            d.params = {"remote_block_ids": [d.computed[index] for index in range(d.total_blocks)],
+                        "lease_token": d.lease_token, "remote_request_id": d.req_id,
+                        "remote_engine_id": self._engine_id}
         if d.cancelled or d.params is None:
             return  # a cancel is answered there; a pull waits for the params
         d.settled = True
         if d.failed:
             log.info("datadist_aio connector: %s is pulled instead (%s)", d.transfer_id, d.failed)
-        await self._tell(d, {"op": "pull", "transfer_id": d.transfer_id, "params": d.params})
+        message = {"op": "pull", "transfer_id": d.transfer_id, "params": d.params}
+        await asyncio.gather(self._tell(d, message), *(self._tell(d, message, where) for where in d.also_tell))
 
-    async def _tell(self, d: _Direct, message: dict[str, Any]) -> None:
-        key = (d.notice_host, d.notice_port)
+    async def _tell(self, d: _Direct, message: dict[str, Any], where: Optional[tuple[str, int]] = None) -> None:
+        key = where or (d.notice_host, d.notice_port)
         client = self._clients.get(key)
         if client is None:
             client = self._clients[key] = SideChannelClient(*key)
@@ -378,6 +411,6 @@ class DirectPushes:
             # one ends the load at its deadline): its blocks need not wait for
             # their lease.
             log.warning("datadist_aio connector: %s of %s not confirmed by the decode at %s:%d, which will not "
-                        "read it: %s", message["op"], d.transfer_id, d.notice_host, d.notice_port, exc)
+                        "read it: %s", message["op"], d.transfer_id, key[0], key[1], exc)
             if d.req_id:
                 self._unreachable(d.req_id)

@@ -80,8 +80,10 @@ class SaveSpec:
     first_index: int
     total_blocks: int
     last: bool
-    # Decode-first: the request's transfer id (its decode names it in ``expect``).
+    # Decode-first: the request's transfer id (its decode names it in
+    # ``expect``), and the token its lease will have (for a decode that pulls).
     transfer_id: str = ""
+    lease_token: str = ""
 
 
 @dataclass

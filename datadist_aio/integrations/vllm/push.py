@@ -214,7 +214,8 @@ class Pusher:
     def __init__(self, settings: PushSettings, datadist: dd.LLMDataDist, cache: dd.Cache,
                  layout: list[dict[str, Any]], layer_names: Sequence[str], per_layer: int, block_bytes: int,
                  loop: asyncio.AbstractEventLoop, record_event: Optional[Callable[[], Any]] = None,
-                 capable: bool = True, unreachable: Callable[[str], None] = lambda req_id: None) -> None:
+                 capable: bool = True, unreachable: Callable[[str], None] = lambda req_id: None,
+                 single_group: bool = True) -> None:
         """``settings.decode_port`` 0: no inbox (only decode-first pushes);
         ``capable``: whether the KV tensors can be pushed layer by layer at
         all (one KV cache group, two tensors per transfer layer)."""
@@ -251,7 +252,7 @@ class Pusher:
             datadist=datadist, cache=cache, group_layouts=layout,
             layers=cache.cache_desc.num_tensors // _TENSORS_PER_LAYER, block_bytes=block_bytes,
             timeout_s=settings.timeout_s, decode_model_id=0, record=self._record, capable=self.capable,
-            unreachable=unreachable)
+            unreachable=unreachable, engine_id=settings.engine_id, single_group=single_group)
 
     # -- worker thread -----------------------------------------------------------
 
@@ -263,7 +264,9 @@ class Pusher:
         if self._step is not None:
             self.finish_step(forward_failed=True)
         inbox = [spec for spec in saves.values() if not spec.transfer_id] if self.inbox else []
-        direct = [spec for spec in saves.values() if spec.transfer_id] if self.capable else []
+        # Decode-first requests go to their steps here whatever this worker
+        # can push: where it cannot, their blocks name them for a pull.
+        direct = [spec for spec in saves.values() if spec.transfer_id]
         if not inbox and not direct:
             return
         release: LayerRelease

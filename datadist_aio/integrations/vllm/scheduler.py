@@ -86,6 +86,7 @@ class _Outgoing:
     blocks: list[int] = field(default_factory=list)
     next_index: int = 0
     transfer_id: str = ""  # decode-first: its decode expects the blocks
+    lease_token: str = ""  # decode-first: drawn now, so the worker can name the blocks before the request ends
 
 
 def _params(request: Any) -> dict[str, Any]:
@@ -159,6 +160,7 @@ class SchedulerSide:
         self.held: set[str] = set()
         self._outgoing: dict[str, _Outgoing] = {}
         self._announce: dict[str, dict[str, Any]] = {}
+        self._early_tokens: dict[str, str] = {}  # decode-first requests' lease tokens, drawn as they start
 
     # -- decode side ----------------------------------------------------------
 
@@ -185,8 +187,11 @@ class SchedulerSide:
             if params.get("do_remote_decode") and self.settings.plan_saves:
                 prompt = getattr(request, "prompt_token_ids", None) or []
                 transfer_id = params.get("transfer_id")
-                self._outgoing.setdefault(request.request_id, _Outgoing(
-                    len(prompt), transfer_id=str(transfer_id) if valid_transfer_id(transfer_id) else ""))
+                if request.request_id not in self._outgoing:
+                    named = valid_transfer_id(transfer_id)
+                    token = self._early_tokens.setdefault(request.request_id, secrets.token_hex(8)) if named else ""
+                    self._outgoing[request.request_id] = _Outgoing(
+                        len(prompt), transfer_id=str(transfer_id) if named else "", lease_token=token)
             return
         params["do_remote_prefill"] = False
         if _decode_first(params):
@@ -252,6 +257,9 @@ class SchedulerSide:
         """
         params = _params(request)
         self._outgoing.pop(request.request_id, None)
+        if not params.get("do_remote_decode") or getattr(getattr(request, "status", None), "name", "") not in (
+                "FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"):
+            self._early_tokens.pop(request.request_id, None)
         if params.get("do_remote_prefill"):
             # A decode request that finished (aborted) before its read was
             # planned: only tell the prefill side to free its blocks.
@@ -268,7 +276,7 @@ class SchedulerSide:
             if window:
                 groups[index] = groups[index][-window:]
         held = any(groups)
-        token = secrets.token_hex(8)
+        token = self._early_tokens.pop(request.request_id, "") or secrets.token_hex(8)
         if held:
             self._leases[request.request_id] = self._clock() + self.settings.lease_timeout_s
             self._tokens[request.request_id] = token
@@ -331,6 +339,7 @@ class SchedulerSide:
                     total_blocks=-(-outgoing.prompt_len // size),
                     last=last,
                     transfer_id=outgoing.transfer_id,
+                    lease_token=outgoing.lease_token,
                 )
             outgoing.next_index = end // size
             if last:

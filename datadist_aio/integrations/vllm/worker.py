@@ -318,6 +318,7 @@ class WorkerSide:
                 capable=self.settings.transfer_mode != "pull" and self._pushable(),
                 # A decode-first request whose decode died is freed now, not at its lease's end.
                 unreachable=lambda req_id: self.leases.done([req_id], 1),
+                single_group=not self.hybrid,
             )
             self.pusher.start()
         # A prefill answers hellos, leases and decode-first expects; a decode
