@@ -159,6 +159,16 @@ def _assert_untouched(arrays: dict[str, np.ndarray], written: list[int]) -> None
         assert not array[others].any(), f"{name}: a block nobody expected was written"
 
 
+def _assert_a_late_push_lands_nowhere(pair: Any, written: list[int]) -> None:
+    """The thawed prefill computes request a: its push fails, and no block
+    of the decode but ``written`` holds a byte."""
+    records, _steps = _ask(pair["prefill"][1], "forward", {
+        "saves": [SaveSpec("p-a", [3, 9, 4], 0, 3, True, "x-a")], "layer_s": 0.01})
+    assert all(not ok for _, ok in records), records
+    time.sleep(0.5)
+    _assert_untouched(_ask(pair["decode"][1], "arrays", None), written)
+
+
 def test_each_layer_lands_in_the_decodes_blocks_as_the_forward_saves_it(pair: Any) -> None:
     """The decode expects the request before the prefill computes it: the
     step's push starts at the bind and writes into the decode's own blocks
@@ -273,11 +283,7 @@ def test_a_frozen_prefill_never_writes_after_the_decode_gave_up(pair: Any) -> No
     assert result["done"] == ["a"] and result["failed"] == ["a"]
     assert result["linked_at_failure"] == [False], "the link was dropped before the load was reported failed"
     assert result["elapsed"] < 2.0 + 1.0 + 0.5 + 3, f"the load took {result['elapsed']:.1f} s to fail"
-    records, _steps = _ask(pconn, "forward", {"saves": [SaveSpec("p-a", [3, 9, 4], 0, 3, True, "x-a")],
-                                              "layer_s": 0.01})
-    assert all(not ok for _, ok in records), records
-    time.sleep(0.5)
-    _assert_untouched(_ask(pair["decode"][1], "arrays", None), [])
+    _assert_a_late_push_lands_nowhere(pair, [])
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="needs SIGSTOP")
@@ -303,11 +309,7 @@ def test_a_prefill_frozen_before_the_expect_never_writes_after_the_decode_gave_u
     # Bounded by the load's timeout, the cancel's and the grace after the link dropped.
     assert result["elapsed"] < 3.0 + 1.0 + 0.5 + 2, f"the load took {result['elapsed']:.1f} s to fail"
     assert _ask(pconn, "expected", "x-a"), "the thawed prefill took the stale expect"
-    records, _steps = _ask(pconn, "forward", {"saves": [SaveSpec("p-a", [3, 9, 4], 0, 3, True, "x-a")],
-                                              "layer_s": 0.01})
-    assert all(not ok for _, ok in records), records
-    time.sleep(0.5)
-    _assert_untouched(_ask(pair["decode"][1], "arrays", None), [7])
+    _assert_a_late_push_lands_nowhere(pair, [7])
 
 
 @pytest.mark.parametrize("pair", [(1.5, "auto")], indirect=True)
