@@ -37,7 +37,10 @@ them its timer sweep read (``vllm:datadist_aio_answers_read``,
 ``..._by_sweep``; the sweep's should stay 0). For ``push`` the transfer
 happens inside the prefill's step: ``push`` is the prefill side's histogram
 (from the step's first claim to the commit), ``transfer`` the decode side's
-copy out of the inbox, and the pushes' answers are the prefill side's.
+copy out of the inbox, and the pushes' answers are the prefill side's. For
+``direct`` both calls start at once: the decode's transfer histogram runs
+from its expect to the landing and its TTFT from its request's arrival,
+both holding the prefill's forward; the wall time (both calls) compares.
 
 Medians per run, the 99th percentile and maximum of the transfer and TTFT,
 the loads each connector counted failed, the first request of each pair of
