@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
@@ -27,7 +28,8 @@ import pytest
 
 import datadist_aio as dd
 from support.cache_bytes import fill_random, snapshot
-from support.peer import HAVE_UCX, LOOPBACK, UCX_WHY, MiB, CacheRef, Peer, PeerGroup, cluster_info, pool_cfg, raises_status
+from support.peer import (HAVE_UCX, LOOPBACK, UCX_WHY, MiB, CacheRef, Peer, PeerGroup, cluster_info, pool_cfg,
+                          raises_status, ucx_loopback_devices)
 
 SUCCESS = dd.LLMStatusCode.LLM_SUCCESS
 FAILED = dd.LLMStatusCode.LLM_FAILED
@@ -275,8 +277,13 @@ def prefill(request: pytest.FixtureRequest, decoders: tuple[Peer, Peer]) -> Iter
 
 
 @pytest.fixture(params=["key", "raw"])
-def ucx_prefill(request: pytest.FixtureRequest, ucx_decoders: tuple[Peer, Peer]) -> Iterator[Prefill]:
-    """The prefill side linked to B and C over UCX, in each mode."""
+def ucx_prefill(request: pytest.FixtureRequest, ucx_decoders: tuple[Peer, Peer],
+                monkeypatch: pytest.MonkeyPatch) -> Iterator[Prefill]:
+    """The prefill side linked to B and C over UCX, in each mode, its UCX on
+    the devices the peers' is (``ucx_loopback_devices()``)."""
+    devices = ucx_loopback_devices()
+    if devices is not None and "UCX_NET_DEVICES" not in os.environ:
+        monkeypatch.setenv("UCX_NET_DEVICES", devices)
     with prefill_side(request.param + "-ucx", ucx_decoders) as side:
         yield side
 

@@ -7,13 +7,28 @@ owner reads or writes the initiator's memory with UCX through the veth pair,
 and every case also checks that UCX moved the bytes. A peer killed
 mid-transfer fails the transfer and is linked again once it is back. Skipped
 where UCX or namespaces are missing.
+
+UCX reads the routing table once per process, at its first reachability
+check (UCX 1.22's netlink route cache), and a veth made after that has no
+route in its copy: a process that has linked over UCX before (an earlier
+test's engine) finds a newer namespace's peer unreachable ("no route to
+10.213.N.2") from the very device it is pinned to. The peers here are
+processes started after their veth; the prefill side of
+test_each_kind_over_ucx is the test's own process, so those cases run in a
+fresh pytest process of their own, and each case here reports its twin's
+outcome there.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
+import xml.etree.ElementTree as ET
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -34,6 +49,9 @@ SUCCESS = dd.LLMStatusCode.LLM_SUCCESS
 LINKED = (SUCCESS, [SUCCESS])
 LINK_LOST = (dd.LLMStatusCode.LLM_LINK_FAILED, dd.LLMStatusCode.LLM_TIMEOUT)
 UCX = {"transport": "ucx"}
+# Set in the fresh pytest process that runs test_each_kind_over_ucx's cases.
+OWN_PROCESS_ENV = "DATADIST_AIO_TEST_UCX_OWN_PROCESS"
+IN_OWN_PROCESS = os.environ.get(OWN_PROCESS_ENV) == "1"
 
 pytestmark = [
     pytest.mark.skipif(unavailable() is not None, reason=f"no namespaces: {unavailable()}"),
@@ -99,8 +117,12 @@ def async_pair(netns_pair) -> Iterator[Pair]:
 
 
 @pytest.fixture(scope="module")
-def netns_decoders() -> Iterator[tuple[Subnet, NetnsPeer, NetnsPeer]]:
-    """The decode processes B and C over UCX in one network namespace, each in a PID namespace of its own."""
+def netns_decoders() -> Iterator[Optional[tuple[Subnet, NetnsPeer, NetnsPeer]]]:
+    """The decode processes B and C over UCX in one network namespace, each in
+    a PID namespace of its own; None outside the process of its own."""
+    if not IN_OWN_PROCESS:
+        yield None
+        return
     with Subnet() as subnet, NetnsGroup() as group:
         b = group.start_in(subnet, "b", dd.LLMRole.DECODER, 2, options=UCX)
         c = group.start_in(subnet, "c", dd.LLMRole.DECODER, 3, options=UCX)
@@ -108,10 +130,14 @@ def netns_decoders() -> Iterator[tuple[Subnet, NetnsPeer, NetnsPeer]]:
 
 
 @pytest.fixture(params=["key", "raw"])
-def ucx_prefill(request: pytest.FixtureRequest, netns_decoders) -> Iterator[Prefill]:
+def ucx_prefill(request: pytest.FixtureRequest, netns_decoders) -> Iterator[Optional[Prefill]]:
     """This process as the prefill side, linked to B and C over UCX, its UCX
     on this side's veth (as every peer of support/peer.py pins its own: a
-    UCX before the wheel's may pick another namespace's address otherwise)."""
+    UCX before the wheel's may pick another namespace's address otherwise).
+    None outside the process of its own (the module's docstring says why)."""
+    if netns_decoders is None:
+        yield None
+        return
     subnet, b, c = netns_decoders
     saved = os.environ.get("UCX_NET_DEVICES")
     os.environ["UCX_NET_DEVICES"] = subnet.host_link
@@ -125,8 +151,51 @@ def ucx_prefill(request: pytest.FixtureRequest, netns_decoders) -> Iterator[Pref
             os.environ["UCX_NET_DEVICES"] = saved
 
 
+@pytest.fixture(scope="module")
+def own_process_outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, str]]:
+    """Runs every case of test_each_kind_over_ucx in a fresh pytest process;
+    returns each case's outcome there ("passed", "failure", "error" or
+    "skipped") and its message, by the case's name."""
+    report = tmp_path_factory.mktemp("ucx-own-process") / "junit.xml"
+    here = Path(__file__).resolve()
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
+               f"{here}::test_each_kind_over_ucx"]
+    done = subprocess.run(command, cwd=here.parent.parent, env=os.environ | {OWN_PROCESS_ENV: "1"},
+                          capture_output=True, text=True, timeout=540)
+    output = (done.stdout + done.stderr)[-4000:]
+    outcomes: dict[str, tuple[str, str]] = {}
+    try:
+        cases = list(ET.parse(report).iter("testcase"))
+    except (OSError, ET.ParseError):
+        cases = []  # every case then fails with the process's output
+    for case in cases:
+        for verdict in case:
+            if verdict.tag in ("failure", "error", "skipped"):
+                text = f"{verdict.get('message', '')}\n{verdict.text or ''}"
+                outcomes[case.get("name", "")] = (verdict.tag, text)
+                break
+        else:
+            outcomes.setdefault(case.get("name", ""), ("passed", ""))
+    outcomes[""] = (f"exit {done.returncode}", output)
+    return outcomes
+
+
+# In the process of its own, each case's own limit; here, the first case waits for all of them.
+@pytest.mark.timeout(60 if IN_OWN_PROCESS else 600)
 @pytest.mark.parametrize("kind", list(KINDS))
-async def test_each_kind_over_ucx(ucx_prefill, kind):
+async def test_each_kind_over_ucx(request: pytest.FixtureRequest, ucx_prefill: Optional[Prefill],
+                                  kind: str) -> None:
+    if ucx_prefill is None:
+        outcomes = request.getfixturevalue("own_process_outcomes")
+        name = request.node.name
+        if name not in outcomes:
+            pytest.fail(f"its own process did not run {name} ({outcomes[''][0]}):\n{outcomes[''][1]}", pytrace=False)
+        verdict, message = outcomes[name]
+        if verdict == "skipped":
+            pytest.skip(f"in its own process: {message.strip()}")
+        if verdict != "passed":
+            pytest.fail(f"in its own process ({verdict}): {message}", pytrace=False)
+        return
     await each_kind(ucx_prefill, kind)
     stats = ucx_prefill.datadist._engine.link_stats(B)
     assert stats["ucx_frames"] > 0 and stats["ucx_fallbacks"] == 0, stats

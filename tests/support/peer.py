@@ -498,15 +498,35 @@ def _answer_error(conn: multiprocessing.connection.Connection, exc: BaseExceptio
     conn.send(("error", exc, text))
 
 
+def rdma_here() -> bool:
+    """Whether this host has an RDMA device (``/sys/class/infiniband``)."""
+    folder = "/sys/class/infiniband"
+    return os.path.isdir(folder) and any(not name.startswith(".") for name in os.listdir(folder))
+
+
+def ucx_loopback_devices() -> Optional[str]:
+    """``UCX_NET_DEVICES`` for a UCX end on loopback: ``lo`` where the host has
+    no RDMA device (where it has one, UCX's own choice). A UCX worker's
+    address names every interface up when it starts, the veths of other
+    tests' namespaces too (those of a test before, or of a run alongside),
+    and Debian 12's UCX (1.13) moves a link's bytes over each: once such a
+    veth is deleted, every operation on the link times out."""
+    return None if rdma_here() else "lo"
+
+
 def _ucx_on_the_device_of(host: str) -> None:
     """Names the interface that holds ``host`` in ``UCX_NET_DEVICES`` (unless
     set already), as an operator does on a host with several networks: Debian
     12's UCX (1.13) does not check that a peer's TCP address is reachable from
     a device (the libucx-cu12 wheel's 1.22 does), so with a second namespace's
     veth on this side it may pick that one and fail the link with "Network is
-    unreachable".
-    Loopback peers are left to UCX's own choice."""
-    if host == LOOPBACK or "UCX_NET_DEVICES" in os.environ:
+    unreachable". Loopback peers get ``ucx_loopback_devices()``."""
+    if "UCX_NET_DEVICES" in os.environ:
+        return
+    if host == LOOPBACK:
+        devices = ucx_loopback_devices()
+        if devices is not None:
+            os.environ["UCX_NET_DEVICES"] = devices
         return
     shown = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True, check=False).stdout
     for line in shown.splitlines():
