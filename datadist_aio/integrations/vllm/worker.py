@@ -759,10 +759,20 @@ class WorkerSide:
         except (Exception, TimeoutError) as exc:
             # The prefill may hold the expect unanswered (frozen): it loses the
             # link before the blocks go back, as at the deadline.
-            self._router.forget(spec.remote_host, source.port, source.peer)
-            await asyncio.sleep(_FENCE_GRACE_S)
+            await self._drop_link(spec, source)
             self._end_expect(load, f"the prefill at {spec.remote_host}:{source.port} did not take the request: "
                                    f"{type(exc).__name__}: {exc}")
+
+    async def _drop_link(self, spec: LoadSpec, source: Any) -> None:
+        """Fences a prefill that may still push into a decode-first load's
+        blocks: its link goes, then a moment for a frame being written as it went."""
+        assert self._router is not None
+        self._router.forget(spec.remote_host, source.port, source.peer)
+        await asyncio.sleep(_FENCE_GRACE_S)
+
+    def _landed_bytes(self, spec: LoadSpec) -> int:
+        """The bytes a prefill's push wrote into a decode-first load's blocks."""
+        return sum(group.block_bytes for group in self.groups) * len(spec.local_block_ids)
 
     async def _landed(self, message: dict[str, Any]) -> dict[str, Any]:
         """The prefill pushed a decode-first request's prompt into its blocks."""
@@ -772,7 +782,7 @@ class WorkerSide:
         load = self._expecting.get(transfer_id)
         if load is not None and not load.cancelled:
             load.spec.remote_request_id = req_id
-            load.nbytes = sum(group.block_bytes for group in self.groups) * len(load.spec.local_block_ids)
+            load.nbytes = self._landed_bytes(load.spec)
             self._end_expect(load)
         return {"ok": True}
 
@@ -828,10 +838,9 @@ class WorkerSide:
                                                           self.settings.notify_timeout_s)
                 landed = bool(answer.get("landed"))
             except (Exception, TimeoutError):
-                self._router.forget(spec.remote_host, source.port, source.peer)
-                await asyncio.sleep(_FENCE_GRACE_S)
+                await self._drop_link(spec, source)
         if landed and load.awaiting:
-            load.nbytes = sum(group.block_bytes for group in self.groups) * len(spec.local_block_ids)
+            load.nbytes = self._landed_bytes(spec)
             self._end_expect(load)
         else:
             self._end_expect(load, f"no push within {self.settings.load_timeout_s:g} s")
