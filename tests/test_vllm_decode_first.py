@@ -118,8 +118,11 @@ def test_a_prefix_hit_on_the_decode_moves_only_the_tail(instances: dict[str, Any
     first, = prompts_of_lengths([400], seed=33)
     second = first[:6 * BLOCK_SIZE] + prompts_of_lengths([150], seed=34)[0]  # six blocks in common
     reference = tokens(instances["p1"].generate([first, second], MAX_TOKENS))
+    start = instances["p1"].metrics()
     assert decode_first(instances, [("p1", "d0", first, first)]) == reference[:1]
-    before = instances["p1"].metrics()
+    # The first request's push, counted once its report came (with a later step).
+    before = _settled_metrics(instances["p1"], start, PUSHED, -(-len(first) // BLOCK_SIZE) * BLOCK_BYTES)
+    assert delta(before, start, PUSHED) == -(-len(first) // BLOCK_SIZE) * BLOCK_BYTES
     assert decode_first(instances, [("p1", "d0", second, second)]) == reference[1:]
     tail_blocks = -(-len(second) // BLOCK_SIZE) - 6
     after = _settled_metrics(instances["p1"], before, PUSHED, tail_blocks * BLOCK_BYTES)

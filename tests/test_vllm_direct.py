@@ -100,9 +100,15 @@ def _prefill(conn: Any, mode: str) -> None:
         for command, value in _commands(conn):
             if command == "forward":  # one step as vLLM orders it, each layer taking layer_s
                 plan = StepPlan(saves={s.req_id: s for s in value["saves"]})
+                # "compute": the step's blocks hold nothing before the
+                # forward, and each layer's bytes only as it is saved.
+                computing = sorted({b for s in value["saves"] for b in s.block_ids}) if value.get("compute") else []
+                for array in arrays.values():
+                    array[computing] = 0
                 side.begin_step(plan)
                 for name in NAMES:
                     time.sleep(value["layer_s"])
+                    arrays[name][computing] = prefill_arrays()[name][computing]
                     side.save_layer(name)
                 side.start_loads(plan)
                 side.finish_step()
@@ -263,6 +269,30 @@ def test_where_it_cannot_push_the_prefill_says_pull(pair: Any, first: int) -> No
         flat = source[name][[9, 4]].transpose(1, 0, 2, 3).reshape(SHAPE[1], -1, SHAPE[3])
         got = array[[1, 2]].transpose(1, 0, 2, 3).reshape(SHAPE[1], -1, SHAPE[3])
         np.testing.assert_array_equal(got[:, skip:], flat[:, skip:])
+    assert _ask(pconn, "freed", ["p-a"]) == ["p-a"]
+
+
+@pytest.mark.parametrize("pair", [(4.0, "pull")], indirect=True)
+def test_a_decode_told_to_pull_during_the_forward_reads_the_computed_blocks(pair: Any) -> None:
+    """The expect comes while the prefill computes the request's last step
+    (where it cannot push): the decode is told to pull only once the forward
+    is over, so it reads every layer as computed, never the blocks as they
+    were before."""
+    pconn = pair["prefill"][1]
+    answer: list[Any] = []
+    forward = threading.Thread(target=lambda: answer.append(_ask(pconn, "forward", {
+        "saves": [SaveSpec("p-a", [3, 9, 4], 0, 3, True, "x-a", "t-a")], "layer_s": 0.4, "compute": True})))
+    forward.start()
+    try:
+        time.sleep(0.5)  # layer 0 is computed, three more to come
+        _begin(pair, [("a", [5, 1, 7], 0, "x-a")])
+        result = _wait(pair)
+    finally:
+        forward.join(timeout=60)
+    assert answer and answer[0][0] == [], "nothing was pushed"
+    assert _ask(pconn, "finished", {"tokens": {"p-a": "t-a"}, "announce": {}}) == "ok"
+    assert result["done"] == ["a"] and result["failed"] == []
+    _assert_blocks(result["arrays"], [5, 1, 7], [3, 9, 4])
     assert _ask(pconn, "freed", ["p-a"]) == ["p-a"]
 
 

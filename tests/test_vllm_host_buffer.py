@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.vllm_venv
+
 torch = pytest.importorskip("torch")
 
 from datadist_aio.integrations.vllm.host_buffer import HostBuffer, needs_host_buffer  # noqa: E402

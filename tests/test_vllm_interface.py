@@ -55,6 +55,8 @@ from typing import Any, Callable, Optional
 
 import pytest
 
+pytestmark = pytest.mark.vllm_venv
+
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm is not installed", allow_module_level=True)
 

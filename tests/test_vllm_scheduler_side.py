@@ -333,7 +333,8 @@ def test_answer_counter_reports_increases() -> None:
 # -- the real connector class (needs vLLM) -----------------------------------------------
 
 
-needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed")
+def needs_vllm(test: Any) -> Any:
+    return pytest.mark.vllm_venv(pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed")(test))
 
 
 @needs_vllm

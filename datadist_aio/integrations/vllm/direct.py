@@ -82,6 +82,10 @@ class _Direct:
     waiting: list[tuple[list[tuple[int, int]], Any, "asyncio.Future[Optional[asyncio.Task[None]]]"]] = field(
         default_factory=list)
     last_computed: bool = False
+    # Steps of the request whose forward is not over: its blocks are not
+    # computed until then, so no decode is told to pull them.
+    forwarding: int = 0
+    forward_failed: bool = False  # a step's forward failed: its blocks are not to be read
     inflight: int = 0
     joining: int = 0  # pushes decided on but not yet under way (``_transfer`` counts ``inflight``)
     failed: str = ""
@@ -242,6 +246,7 @@ class DirectPushes:
                 log.warning("datadist_aio connector: too many decode-first requests; %s is not pushed", spec.req_id)
                 continue
             seen.append(d)
+            d.forwarding += 1
             d.req_id = spec.req_id
             blocks = list(enumerate(spec.block_ids, spec.first_index))
             d.computed.update(blocks)
@@ -257,7 +262,11 @@ class DirectPushes:
                 later.append((d, blocks, joined))
         pushes = [self._transfer(items, _Guard(release, [d for d, _ in items]), cluster)
                   for cluster, items in by_decode.items()]
-        complete, *_ = await asyncio.gather(forward_over, *pushes)
+        try:
+            complete, *_ = await asyncio.gather(forward_over, *pushes)
+        finally:
+            for d in seen:
+                d.forwarding -= 1
         # What becomes of the blocks not pushed with the step is decided
         # before anything is awaited, so an expect coming meanwhile finds each
         # of them either owed or counted as on its way.
@@ -281,6 +290,7 @@ class DirectPushes:
         for d in {id(d): d for d in seen}.values():
             if not complete:
                 d.failed = d.failed or "the prefill's forward failed"
+                d.forward_failed = True
             await self._settle(d)
 
     def announce(self, loop: asyncio.AbstractEventLoop, params: dict[str, dict[str, Any]]) -> None:
@@ -378,7 +388,7 @@ class DirectPushes:
 
     async def _settle(self, d: _Direct) -> None:
         """Tells the decode once the outcome is known: landed, or pull."""
-        if d.settled or not d.expected or d.inflight or d.joining or d.waiting:
+        if d.settled or not d.expected or d.inflight or d.joining or d.waiting or d.forwarding:
             return
         if d.direct and not d.failed and not d.cancelled:
             if not d.last_computed or d.owed:
@@ -386,8 +396,8 @@ class DirectPushes:
             d.landed = d.settled = True
             await self._tell(d, {"op": "landed", "transfer_id": d.transfer_id, "remote_request_id": d.req_id})
             return
-        if d.params is None and self._single_group and d.last_computed and d.lease_token and d.req_id \
-                and len(d.computed) >= d.total_blocks > 0:
+        if d.params is None and self._single_group and d.last_computed and not d.forward_failed \
+                and d.lease_token and d.req_id and len(d.computed) >= d.total_blocks > 0:
             d.params = {"remote_block_ids": [d.computed[index] for index in range(d.total_blocks)],
                         "lease_token": d.lease_token, "remote_request_id": d.req_id,
                         "remote_engine_id": self._engine_id}

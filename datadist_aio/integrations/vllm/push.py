@@ -150,12 +150,19 @@ class EventRelease(LayerRelease):
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, model_layers: int, per_layer: int,
-                 sync: dd.CudaEventSynchronizer, record_event: Callable[[], Any]) -> None:
+                 sync: dd.CudaEventSynchronizer, record_event: Callable[[], Any], watch_end: bool = False) -> None:
+        """``watch_end``: whether ``forward_over`` is awaited (decode-first
+        requests in the step), which then waits for the device too."""
         super().__init__(loop, model_layers, per_layer)
+        self._watch_end = watch_end
         self._sync = sync
         self._record_event = record_event
         self._failed: set[int] = set()
         self._keep: list[Any] = []  # this step's events, alive until the engine has watched them
+        # The event recorded as the forward ended, watched as a layer past the
+        # last: the forward is over on the device once it has completed.
+        self._end_layer = len(self._events)
+        self._end_recorded = False
 
     def _release(self, layers: range) -> None:
         event: Any = None
@@ -179,6 +186,25 @@ class EventRelease(LayerRelease):
         if layer_index in self._failed:
             return False
         return await self._sync.synchronize_layer(layer_index, timeout_in_millis)
+
+    def end(self) -> None:
+        if self._watch_end and not self.aborted:
+            try:
+                event = self._record_event()
+                self._keep.append(event)
+                self._sync.record(self._end_layer, event)
+                self._end_recorded = True
+            except Exception as exc:
+                log.warning("datadist_aio connector: no CUDA event for the end of the forward: %s", str(exc))
+        super().end()
+
+    async def forward_over(self) -> bool:
+        """Once the forward is over on the device too (its work up to
+        ``wait_for_save`` has completed): whether it completed. A forward
+        whose end could not be watched counts as failed."""
+        if not await super().forward_over() or not self._end_recorded:
+            return False
+        return await self._sync.synchronize_layer(self._end_layer, None)
 
 
 @dataclass(frozen=True)
@@ -274,7 +300,8 @@ class Pusher:
             release = LayerRelease(self._loop, len(self._layers), self._per_layer)
         else:
             release = EventRelease(self._loop, len(self._layers), self._per_layer,
-                                   dd.CudaEventSynchronizer(self._datadist), self._record_event)
+                                   dd.CudaEventSynchronizer(self._datadist), self._record_event,
+                                   watch_end=bool(direct))
         future = asyncio.run_coroutine_threadsafe(self._push(inbox, direct, release), self._loop)
         self._step = _Step(release, future)
 
