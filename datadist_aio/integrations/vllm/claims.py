@@ -13,7 +13,8 @@ worker thread, each step). The prefill's server answers a connection's
 frames in order, so each answer settles the oldest batch sent.
 
 Frames are those of ``side_channel``: a 4-byte big-endian length, then a
-UTF-8 JSON object.
+UTF-8 JSON object, sealed by the guard where a link secret is set (each
+answer must then be bound to the claim it answers).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from .side_channel import MAX_FRAME, encode_frame
+from ..message_guard import UNSEALED, MessageGuard, Refused
+from .side_channel import MAX_FRAME, encode_body, frame
 
 __all__ = ["ClaimChannel"]
 
@@ -37,28 +39,31 @@ Settle = Callable[[str, bool], None]
 class ClaimChannel:
     """Claims to one prefill rank: ``send`` from any thread, ``poll`` to read the answers."""
 
-    def __init__(self, host: str, port: int, timeout_s: float) -> None:
+    def __init__(self, host: str, port: int, timeout_s: float, guard: MessageGuard = UNSEALED) -> None:
         self.where = f"{host}:{port}"
+        self._port = port
+        self._guard = guard
         self._sock = socket.create_connection((host, port), timeout=timeout_s)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock.setblocking(False)
         self._lock = threading.Lock()
         self._out = bytearray()
         self._in = bytearray()
-        # Per batch sent and not answered yet: each request id's settle.
-        self._waiting: deque[list[tuple[str, Settle]]] = deque()
+        # Per batch sent and not answered yet: its request's nonce, each request id's settle.
+        self._waiting: deque[tuple[bytes, list[tuple[str, Settle]]]] = deque()
         self._broken = ""
 
     def send(self, message: dict[str, Any], items: list[tuple[str, Settle]]) -> None:
         """Sends one claim message; ``items``: (request id, settle) of what it claims."""
-        frame = encode_frame(message)
+        body, nonce = self._guard.seal_request(encode_body(message), self._port)
+        sealed = frame(body)
         fail: list[tuple[str, Settle]] = []
         with self._lock:
             if self._broken:
                 fail = items
             else:
-                self._waiting.append(items)
-                self._out += frame
+                self._waiting.append((nonce, items))
+                self._out += sealed
                 self._flush_locked()
                 if self._broken:
                     fail = self._drop_locked()
@@ -82,6 +87,9 @@ class ClaimChannel:
                     break
                 if not chunk:
                     self._broken = "the prefill closed its side channel"
+                    if self._guard.enabled:
+                        self._broken += (" (it refuses a claim it cannot authenticate: another link secret or "
+                                         "encryption setting, or clocks apart; its log names this address)")
                     break
                 self._in += chunk
             while len(self._in) >= 4 and self._waiting:
@@ -93,9 +101,14 @@ class ClaimChannel:
                     break
                 body = bytes(self._in[4:4 + length])
                 del self._in[:4 + length]
-                batch = self._waiting.popleft()
+                nonce, batch = self._waiting.popleft()
                 try:
-                    answer = json.loads(body.decode("utf-8"))
+                    answer = json.loads(self._guard.open_answer(body, nonce).decode("utf-8"))
+                except Refused as exc:
+                    # Not the prefill's word: nothing it says is taken, and the channel goes.
+                    self._broken = f"an answer refused: {exc}"
+                    self._waiting.appendleft((nonce, batch))
+                    break
                 except (UnicodeDecodeError, ValueError):
                     answer = None
                 if not isinstance(answer, dict) or not answer.get("ok"):
@@ -137,6 +150,6 @@ class ClaimChannel:
             del self._out[:sent]
 
     def _drop_locked(self) -> list[tuple[str, Settle]]:
-        items = [item for batch in self._waiting for item in batch]
+        items = [item for _nonce, batch in self._waiting for item in batch]
         self._waiting.clear()
         return items

@@ -25,6 +25,11 @@ others pulled; ``"pull"``: every request pulled; ``"push_layerwise"``: as
 blocks, at most ``inbox_share_blocks`` (256) to each prefill, and listens on
 its side channel port; a prefill instance pushes to the decode instance whose
 side channel is ``push_host`` (127.0.0.1) : ``push_port`` (plus its rank).
+``link_encryption`` (``"off"`` or ``"tls"``; unset: the environment's
+``DATADIST_AIO_LINK_ENCRYPTION``): with ``"tls"`` the side channel's
+messages are encrypted as well as authenticated. They are authenticated
+under the link secret (``DATADIST_AIO_AUTH_KEY``, which the engine's links
+prove too) wherever one is set: every worker of a pair needs the same.
 With KV tensors on a CUDA device, ``kv_transfer_config.kv_buffer_device``
 chooses how they move: ``"cuda"`` (vLLM's default on a CUDA build) registers
 them in place as device memory, ``"cpu"`` stages their blocks through a host
@@ -355,6 +360,7 @@ class DatadistAioConnector(KVConnectorBase_V1, SupportsHMA):
                     push_port=push_port + rank if push_port > 0 else 0,
                     lease_timeout_s=float(extra.get("lease_timeout_s", 120.0)),
                     kv_buffer_device=buffer_device,
+                    link_encryption=str(extra.get("link_encryption", "") or ""),
                 )
             )
 

@@ -43,6 +43,7 @@ from typing import Any, Optional
 import datadist_aio as dd
 
 from .metadata import SaveSpec
+from ..message_guard import UNSEALED, MessageGuard
 from .side_channel import SideChannelClient
 
 __all__ = ["DirectPushes", "MAX_TRANSFER_ID", "valid_transfer_id"]
@@ -139,7 +140,7 @@ class DirectPushes:
                  layers: int, block_bytes: int, timeout_s: float, decode_model_id: int,
                  record: Callable[[float, int, int, bool], None], capable: bool = True,
                  unreachable: Callable[[str], None] = lambda req_id: None, engine_id: str = "",
-                 single_group: bool = True) -> None:
+                 single_group: bool = True, guard: MessageGuard = UNSEALED) -> None:
         """``capable``: whether this worker's KV tensors can be pushed layer by
         layer (one KV cache group, two tensors per transfer layer); where not,
         every decode-first request is pulled. ``unreachable(req_id)``: the
@@ -162,6 +163,7 @@ class DirectPushes:
         self._record = record
         self._directs: dict[str, _Direct] = {}
         self._clients: dict[tuple[str, int], SideChannelClient] = {}
+        self._guard = guard  # seals the notices to the decodes
         self._idle = asyncio.Condition()
 
     # -- the decode's messages (side channel) ---------------------------------------------
@@ -413,7 +415,7 @@ class DirectPushes:
         key = where or (d.notice_host, d.notice_port)
         client = self._clients.get(key)
         if client is None:
-            client = self._clients[key] = SideChannelClient(*key)
+            client = self._clients[key] = SideChannelClient(*key, self._guard)
         try:
             await client.request(message, self._timeout_s)
         except (Exception, TimeoutError) as exc:

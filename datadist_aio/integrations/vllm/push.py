@@ -44,6 +44,7 @@ import datadist_aio as dd
 from .direct import DirectPushes
 from .inbox import Share
 from .metadata import SaveSpec
+from ..message_guard import UNSEALED, MessageGuard
 from .side_channel import SideChannelClient
 from .stats import PushStep, TransferRecord
 
@@ -241,7 +242,7 @@ class Pusher:
                  layout: list[dict[str, Any]], layer_names: Sequence[str], per_layer: int, block_bytes: int,
                  loop: asyncio.AbstractEventLoop, record_event: Optional[Callable[[], Any]] = None,
                  capable: bool = True, unreachable: Callable[[str], None] = lambda req_id: None,
-                 single_group: bool = True) -> None:
+                 single_group: bool = True, guard: MessageGuard = UNSEALED) -> None:
         """``settings.decode_port`` 0: no inbox (only decode-first pushes);
         ``capable``: whether the KV tensors can be pushed layer by layer at
         all (one KV cache group, two tensors per transfer layer)."""
@@ -262,7 +263,7 @@ class Pusher:
         self._block_bytes = block_bytes
         self._loop = loop
         self._record_event = record_event  # device memory: layers go on CUDA events
-        self._client = SideChannelClient(settings.decode_host, settings.decode_port)
+        self._client = SideChannelClient(settings.decode_host, settings.decode_port, guard)
         self._decode: Optional[_Decode] = None
         self._connecting: Optional[asyncio.Lock] = None
         self._early: Optional[asyncio.Task[None]] = None
@@ -278,7 +279,7 @@ class Pusher:
             datadist=datadist, cache=cache, group_layouts=layout,
             layers=cache.cache_desc.num_tensors // _TENSORS_PER_LAYER, block_bytes=block_bytes,
             timeout_s=settings.timeout_s, decode_model_id=0, record=self._record, capable=self.capable,
-            unreachable=unreachable, engine_id=settings.engine_id, single_group=single_group)
+            unreachable=unreachable, engine_id=settings.engine_id, single_group=single_group, guard=guard)
 
     # -- worker thread -----------------------------------------------------------
 

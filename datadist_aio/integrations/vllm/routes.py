@@ -27,6 +27,7 @@ from typing import Optional
 
 import datadist_aio as dd
 
+from ..message_guard import UNSEALED, MessageGuard
 from .claims import ClaimChannel
 from .layout import HeadMap, LayoutError, WorkerLayout, map_heads
 from .side_channel import SideChannelClient, ask
@@ -86,8 +87,9 @@ class Router:
     """
 
     def __init__(self, datadist: dd.LLMDataDist, mine: WorkerLayout, *, hello_timeout_s: float,
-                 link_timeout_ms: int) -> None:
+                 link_timeout_ms: int, guard: MessageGuard = UNSEALED) -> None:
         self._datadist = datadist
+        self.guard = guard
         self._mine = mine
         self._hello_timeout_s = hello_timeout_s
         self._link_timeout_ms = link_timeout_ms
@@ -168,11 +170,11 @@ class Router:
                 return remaining
 
             def hello(rank: int) -> Peer:
-                answer = ask(host, base + rank, {"op": "hello"}, left())
+                answer = ask(host, base + rank, {"op": "hello"}, left(), self.guard)
                 cluster_id, listen_port = answer.get("cluster_id"), answer.get("port")
                 if not isinstance(cluster_id, int) or not isinstance(listen_port, int):
                     raise ValueError(f"{host}:{base + rank} answered hello with {answer!r:.200}")
-                peer = Peer(SideChannelClient(host, base + rank), asyncio.Lock(), cluster_id, listen_port,
+                peer = Peer(SideChannelClient(host, base + rank, self.guard), asyncio.Lock(), cluster_id, listen_port,
                             WorkerLayout.from_wire(answer.get("layout")))
                 peers[rank] = peer
                 return peer
@@ -206,7 +208,7 @@ class Router:
             for (rank, head_map), cluster in zip(maps.items(), clusters):
                 peer = peers[rank]
                 peer.cluster, peer.linked = cluster, True
-                peer.claims = ClaimChannel(host, base + rank, left())
+                peer.claims = ClaimChannel(host, base + rank, left(), self.guard)
                 assert peer.layout is not None
                 sources.append(Source(base + rank, peer.cluster_id, head_map, peer.layout, peer))
             route = Route(tuple(sources), mine)
@@ -239,7 +241,7 @@ class Router:
     def _known(self, host: str, port: int) -> Peer:
         peer = self.peers.get((host, port))
         if peer is None:
-            peer = self.peers[(host, port)] = Peer(SideChannelClient(host, port), asyncio.Lock())
+            peer = self.peers[(host, port)] = Peer(SideChannelClient(host, port, self.guard), asyncio.Lock())
         return peer
 
     async def peer(self, host: str, port: int, link: bool = True) -> Peer:
@@ -260,7 +262,7 @@ class Router:
             await self._link(peer, host)
             if peer.claims is None:
                 peer.claims = await asyncio.get_running_loop().run_in_executor(
-                    None, ClaimChannel, host, port, self._hello_timeout_s)
+                    None, ClaimChannel, host, port, self._hello_timeout_s, self.guard)
             return peer
 
     async def _link(self, peer: Peer, host: str) -> None:

@@ -5,10 +5,15 @@ The decode side asks the prefill side who it is (its cluster id, the port its
 tells it which requests it has finished reading so their blocks can be freed.
 Bytes move on the library's link, never here.
 
-Frames are a 4-byte big-endian length and a UTF-8 JSON object, at most
-``MAX_FRAME`` bytes; anything else closes the connection. Nothing received is
-unpickled or evaluated. The server caps its connections and every read waits
-at most ``idle_timeout`` seconds.
+Frames are a 4-byte big-endian length and a body of at most ``MAX_FRAME``
+bytes: a UTF-8 JSON object, sealed by the workers' ``MessageGuard`` where a
+link secret is set (``message_guard.py``: each request authenticated, fresh
+and addressed to the port it reaches, each answer bound to its request;
+with link encryption on, encrypted too). Anything else closes the
+connection; a request the guard refuses is logged once per sender address
+and acted on in no way. Nothing received is unpickled or evaluated. The
+server caps its connections and every read waits at most ``idle_timeout``
+seconds.
 
 All coroutines run on the connector's one event loop; ``ask`` is the
 blocking form of one request, for a thread that must not wait for that loop.
@@ -24,6 +29,8 @@ import struct
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Optional
+
+from ..message_guard import UNSEALED, MessageGuard, Refused
 
 __all__ = ["MAX_FRAME", "ProtocolError", "SideChannelClient", "SideChannelPortError", "SideChannelServer", "ask"]
 
@@ -45,12 +52,27 @@ class SideChannelPortError(OSError):
     chose it, ``errno`` is the bind's and ``__cause__`` the original error."""
 
 
-async def read_frame(reader: asyncio.StreamReader) -> dict[str, Any]:
+async def read_body(reader: asyncio.StreamReader) -> bytes:
+    """One frame's body, as it crossed (sealed or not)."""
     header = await reader.readexactly(_LENGTH.size)
     (length,) = _LENGTH.unpack(header)
     if length == 0 or length > MAX_FRAME:
         raise ProtocolError(f"frame of {length} bytes (limit {MAX_FRAME})")
-    return decode_body(await reader.readexactly(length))
+    return await reader.readexactly(length)
+
+
+async def read_frame(reader: asyncio.StreamReader) -> dict[str, Any]:
+    """One unsealed frame's JSON object."""
+    return decode_body(await read_body(reader))
+
+
+def open_answer(guard: MessageGuard, body: bytes, nonce: bytes, where: str) -> dict[str, Any]:
+    """The JSON object of the answer to the request of ``nonce``;
+    ``ProtocolError`` where the guard refuses it."""
+    try:
+        return decode_body(guard.open_answer(body, nonce))
+    except Refused as exc:
+        raise ProtocolError(f"{where} answered with {exc}") from None
 
 
 def decode_body(body: bytes) -> dict[str, Any]:
@@ -63,7 +85,8 @@ def decode_body(body: bytes) -> dict[str, Any]:
     return message
 
 
-def ask(host: str, port: int, message: dict[str, Any], timeout: float) -> dict[str, Any]:
+def ask(host: str, port: int, message: dict[str, Any], timeout: float,
+        guard: MessageGuard = UNSEALED) -> dict[str, Any]:
     """One request on a connection of its own, in the calling thread, all of
     it within ``timeout`` s: the answer; ``TimeoutError`` past it, ``OSError``
     where the peer cannot be reached, ``ProtocolError`` for a bad or refusing
@@ -82,7 +105,7 @@ def ask(host: str, port: int, message: dict[str, Any], timeout: float) -> dict[s
             sock.settimeout(left())
             chunk = sock.recv(count - len(data))
             if not chunk:
-                raise ProtocolError(f"{host}:{port} closed the connection")
+                raise ProtocolError(f"{host}:{port} closed the connection{_closed_hint(guard)}")
             data += chunk
         return bytes(data)
 
@@ -90,11 +113,12 @@ def ask(host: str, port: int, message: dict[str, Any], timeout: float) -> dict[s
         with socket.create_connection((host, port), timeout=left()) as sock:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(left())
-            sock.sendall(encode_frame(message))
+            body, nonce = guard.seal_request(encode_body(message), port)
+            sock.sendall(frame(body))
             (length,) = _LENGTH.unpack(read(sock, _LENGTH.size))
             if length == 0 or length > MAX_FRAME:
                 raise ProtocolError(f"frame of {length} bytes (limit {MAX_FRAME})")
-            answer = decode_body(read(sock, length))
+            answer = open_answer(guard, read(sock, length), nonce, f"{host}:{port}")
     except socket.timeout:
         raise TimeoutError(f"no answer from {host}:{port} within {timeout:g} s") from None
     if not answer.get("ok", False):
@@ -102,18 +126,38 @@ def ask(host: str, port: int, message: dict[str, Any], timeout: float) -> dict[s
     return answer
 
 
-def encode_frame(message: dict[str, Any]) -> bytes:
-    body = json.dumps(message, separators=(",", ":")).encode("utf-8")
+def _closed_hint(guard: MessageGuard) -> str:
+    if not guard.enabled:
+        return ""
+    return (" (a side channel refuses a request it cannot authenticate: another link secret, another link "
+            "encryption setting, or clocks more than a minute apart; its log names this address)")
+
+
+def encode_body(message: dict[str, Any]) -> bytes:
+    return json.dumps(message, separators=(",", ":")).encode("utf-8")
+
+
+def frame(body: bytes) -> bytes:
+    """``body`` (sealed or not) as a frame; ``ProtocolError`` past ``MAX_FRAME``."""
     if len(body) > MAX_FRAME:
         raise ProtocolError(f"frame of {len(body)} bytes (limit {MAX_FRAME})")
     return _LENGTH.pack(len(body)) + body
 
 
-class SideChannelServer:
-    """Answers each frame with ``await handler(message)``."""
+def encode_frame(message: dict[str, Any]) -> bytes:
+    """An unsealed frame of ``message``."""
+    return frame(encode_body(message))
 
-    def __init__(self, handler: Handler, *, max_connections: int = 64, idle_timeout: float = 300.0) -> None:
+
+class SideChannelServer:
+    """Answers each frame with ``await handler(message)``; ``guard`` opens the
+    requests and seals the answers (by default nothing is sealed)."""
+
+    def __init__(self, handler: Handler, *, max_connections: int = 64, idle_timeout: float = 300.0,
+                 guard: MessageGuard = UNSEALED) -> None:
         self._handler = handler
+        self._guard = guard
+        self._port = 0
         self._max_connections = max_connections
         self._idle_timeout = idle_timeout
         self._server: Optional[asyncio.Server] = None
@@ -123,7 +167,8 @@ class SideChannelServer:
     async def start(self, host: str, port: int) -> int:
         """Listens on ``host:port`` (0: any free port); returns the port."""
         self._server = await asyncio.start_server(self._serve, host, port, reuse_address=True)
-        return int(self._server.sockets[0].getsockname()[1])
+        self._port = int(self._server.sockets[0].getsockname()[1])
+        return self._port
 
     async def close(self) -> None:
         """Stops listening and ends every connection; returns once their handlers have."""
@@ -150,8 +195,15 @@ class SideChannelServer:
             while True:
                 try:
                     async with asyncio.timeout(self._idle_timeout):
-                        message = await read_frame(reader)
+                        body = await read_body(reader)
+                    payload, nonce = self._guard.open_request(body, self._port)
+                    message = decode_body(payload)
                 except (asyncio.IncompleteReadError, TimeoutError, ConnectionError):
+                    return
+                except Refused as exc:
+                    # Unproven: acted on in no way, and the connection goes.
+                    peer = writer.get_extra_info("peername")
+                    self._guard.refused(str(peer[0]) if peer else "an unknown address", exc)
                     return
                 except ProtocolError as exc:
                     log.warning("side channel: closing a connection: %s", exc)
@@ -160,7 +212,7 @@ class SideChannelServer:
                     answer = await self._handler(message)
                 except Exception as exc:  # a bad request gets an error answer, not a dead server
                     answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:512]}
-                writer.write(encode_frame(answer))
+                writer.write(frame(self._guard.seal_answer(encode_body(answer), nonce)))
                 await writer.drain()
         except ConnectionError:
             return
@@ -173,9 +225,10 @@ class SideChannelServer:
 class SideChannelClient:
     """One connection to a peer's server, one request at a time, reopened after an error."""
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, guard: MessageGuard = UNSEALED) -> None:
         self.host = host
         self.port = port
+        self._guard = guard
         self._lock = asyncio.Lock()
         self._reader: Optional[asyncio.StreamReader] = None
         self._writer: Optional[asyncio.StreamWriter] = None
@@ -188,9 +241,17 @@ class SideChannelClient:
                     if self._writer is None:
                         self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
                     assert self._reader is not None
-                    self._writer.write(encode_frame(message))
+                    body, nonce = self._guard.seal_request(encode_body(message), self.port)
+                    self._writer.write(frame(body))
                     await self._writer.drain()
-                    answer = await read_frame(self._reader)
+                    try:
+                        answer = open_answer(self._guard, await read_body(self._reader), nonce,
+                                             f"{self.host}:{self.port}")
+                    except asyncio.IncompleteReadError:
+                        if not self._guard.enabled:
+                            raise
+                        raise ProtocolError(f"{self.host}:{self.port} closed the connection"
+                                            f"{_closed_hint(self._guard)}") from None
                 except BaseException:
                     self.close()
                     raise

@@ -59,6 +59,7 @@ from typing import Any, Callable, Optional
 
 import datadist_aio as dd
 
+from ..message_guard import MessageGuard
 from .answers import SideChannelAnswers
 from .groups import DATATYPES, CacheGroup, describe_kv_caches, worker_layout
 from .host_buffer import HostBuffer, kv_placement
@@ -144,6 +145,10 @@ class WorkerSettings:
     # stream and returns it (a torch.cuda.Event or a CUevent int); None: a
     # torch.cuda.Event on torch's current stream.
     record_event: Optional[Callable[[], Any]] = None
+    # Link encryption, "off" or "tls" ("": DATADIST_AIO_LINK_ENCRYPTION, else
+    # "off"). The side channel's messages are sealed under the link secret
+    # (DATADIST_AIO_AUTH_KEY), and encrypted too with "tls".
+    link_encryption: str = ""
 
     def __post_init__(self) -> None:
         if self.transfer_mode not in TRANSFER_MODES:
@@ -171,6 +176,9 @@ class WorkerSide:
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
         self.cluster_id = cluster_id_for(settings.engine_id, settings.rank)
+        # Seals every side-channel message this worker sends and opens those
+        # it takes (ValueError for an encryption it cannot have).
+        self.guard = MessageGuard.from_environment(settings.link_encryption or None)
         self.groups: list[CacheGroup] = []
         self.layout: Optional[WorkerLayout] = None
         self.side_channel_port = 0
@@ -274,6 +282,9 @@ class WorkerSide:
         config.sync_kv_timeout = max(1, int(self.settings.load_timeout_s * 1000))
         if self.device is not None:
             config.device_id = self.device
+        if self.settings.link_encryption and hasattr(config, "link_encryption"):
+            # The engine's links follow the connector's setting (where the engine has one).
+            setattr(config, "link_encryption", self.settings.link_encryption)
         if self.settings.is_producer or self.settings.lends_inbox:
             config.listen_ip_info = f"{self.settings.host}:0"
         if self.settings.is_producer:  # it pushes: into an inbox, or straight into decode-first decodes' blocks
@@ -288,7 +299,7 @@ class WorkerSide:
         self._datadist = datadist
         assert self.layout is not None
         self._router = Router(datadist, self.layout, hello_timeout_s=self.settings.load_timeout_s,
-                              link_timeout_ms=self.settings.link_timeout_ms)
+                              link_timeout_ms=self.settings.link_timeout_ms, guard=self.guard)
         for index, group in enumerate(self.groups):
             desc = dd.CacheDesc(
                 num_tensors=len(group.addresses),
@@ -319,6 +330,7 @@ class WorkerSide:
                 # A decode-first request whose decode died is freed now, not at its lease's end.
                 unreachable=lambda req_id: self.leases.done([req_id], 1),
                 single_group=not self.hybrid,
+                guard=self.guard,
             )
             self.pusher.start()
         # A prefill answers hellos, leases and decode-first expects; a decode
@@ -334,7 +346,7 @@ class WorkerSide:
             listen_port=lambda: datadist.listen_port, layout=self.layout,
             group_layouts=[group.layout() for group in self.groups], leases=self.leases, inbox=self._inbox,
             handlers=handlers)
-        self._server = SideChannelServer(answers)
+        self._server = SideChannelServer(answers, guard=self.guard)
         self.side_channel_port = await self._listen(self._server)
 
     def _pushable(self) -> bool:
@@ -959,7 +971,7 @@ class WorkerSide:
     async def _tell(self, host: str, port: int, message: dict[str, Any], spec: LoadSpec) -> None:
         assert self._router is not None
         known = (host, port) in self._router.peers
-        client = self._router.client(host, port) if known else SideChannelClient(host, port)
+        client = self._router.client(host, port) if known else SideChannelClient(host, port, self.guard)
         try:
             await client.request(message, self.settings.notify_timeout_s)
         except (Exception, TimeoutError) as exc:
