@@ -109,19 +109,32 @@ class _Process:
             pass
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.signal(signal.SIGCONT)
-            self.signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                pass
-        self.signal(signal.SIGKILL)  # the group: schedulers the server spawned
+        stop_all([self])
+
+
+def stop_all(processes: "list[_Process]") -> None:
+    """Stops servers and routers together: each asked to end (SIGTERM), all
+    given 20 s in all, then each one's process group killed (the schedulers
+    a server spawned)."""
+    for process in processes:
+        if process.proc.poll() is None:
+            process.signal(signal.SIGCONT)
+            process.signal(signal.SIGTERM)
+    deadline = time.monotonic() + 20
+    for process in processes:
         try:
-            self.proc.wait(timeout=10)
+            process.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
-        self._log.close()
+    for process in processes:
+        process.signal(signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    for process in processes:
+        try:
+            process.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        process._log.close()
 
 
 class Server(_Process):
@@ -287,5 +300,4 @@ def two_prefills_into_one_decode(model: Path, root: Path, page_size: int) -> Ite
             router.ready(time.monotonic() + 300)
         yield {"reference": reference, "prefill": prefill, "decode": decode, "prefill_tp2": prefill_tp2, **routers}
     finally:
-        for process in reversed(started):
-            process.stop()
+        stop_all(list(reversed(started)))

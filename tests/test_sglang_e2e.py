@@ -41,6 +41,7 @@ from sglang_pd import (  # noqa: E402
     generate,
     generate_outcome,
     model_dir,
+    stop_all,
 )
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]
@@ -96,8 +97,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         yield {"reference": reference, "prefill": prefill, "decode": decode, "prefill_tp2": prefill_tp2,
                "decode_tp2": decode_tp2, **routers, "root": root, "model": model, "base": base, "started": started}
     finally:
-        for process in reversed(started):
-            process.stop()
+        stop_all(list(reversed(started)))
 
 
 def _prefill(model: Path, base: int, root: Path, tp_size: int = 1) -> Server:

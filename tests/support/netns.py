@@ -294,7 +294,10 @@ class _Launched:
             self._popen.kill()
 
     def close(self) -> None:
-        os.close(self.sentinel)
+        """Closes the sentinel; safe to repeat."""
+        if self.sentinel >= 0:
+            os.close(self.sentinel)
+            self.sentinel = -1
 
 
 def spawn_in(subnet: Subnet, argv: list[str]) -> tuple[_Launched, multiprocessing.connection.Connection]:
