@@ -26,6 +26,10 @@ extra message on the path to the first token (the prefill's "pull this"
 replaces the push backends' "done"); the decode's "done" back to the
 prefill only frees the prefill's pages.
 
+The control messages between the workers (SGLang's and this backend's) are
+sealed under the link secret where one is set (``sealed_messages.py``):
+one without a valid seal is dropped unread, and logged once per sender.
+
 Thread rules: SGLang's scheduler thread calls the sender's and receiver's
 methods and ``check_status``; one control thread per manager reads the
 control socket and starts the pulls (decode) or records decode metadata
@@ -61,6 +65,8 @@ from sglang.srt.utils.network import NetworkAddress
 
 import datadist_aio as dd
 
+from ..message_guard import MessageGuard
+from . import sealed_messages
 from .buffers import BufferLayout, LayoutMismatch, Pairing, group_buffers
 
 __all__ = [
@@ -211,6 +217,9 @@ class DatadistAioKVManager(CommonKVManager):
         is_mla_backend: Optional[bool] = False,
     ):
         swa = _swa_state(args)
+        # Seals the control messages this worker sends, opens those it takes
+        # (ValueError for link encryption without a secret).
+        self._guard = MessageGuard.from_environment()
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         self._stopped = False
         self._worker_threads: List[threading.Thread] = []
@@ -278,7 +287,7 @@ class DatadistAioKVManager(CommonKVManager):
 
     def _control_loop(self, handle: Any) -> None:
         """The control thread: each message of the control socket to ``handle``."""
-        recv = self._make_worker_recv(self.server_socket)
+        recv = self._open_next if self._guard.enabled else self._make_worker_recv(self.server_socket)
         while not self._stopped:
             msg = recv()
             if msg is None:
@@ -287,6 +296,24 @@ class DatadistAioKVManager(CommonKVManager):
                 handle(msg)
             except Exception:  # a malformed message must not end the control thread
                 log.exception("datadist_aio: dropping a control message of %d frames", len(msg))
+
+    def _open_next(self) -> Optional[List[bytes]]:
+        """The next message the guard opens (None after half a second without one)."""
+        received = sealed_messages.receive(self.server_socket, 500)
+        if received is None:
+            return None
+        msg, sender = received
+        parts = sealed_messages.open_parts(self._guard, msg, int(self.rank_port), sender)
+        if parts is None:
+            return None
+        if getattr(self, "deferred_bootstrap", None) is not None and self._handle_bootstrap_message(parts):
+            return None
+        return parts
+
+    def _send_multipart_locked(self, endpoint: str, parts: List[bytes], is_ipv6: bool = False) -> None:
+        """Every control message this worker sends, sealed for the socket it goes to."""
+        sealed = sealed_messages.seal_parts(self._guard, parts, sealed_messages.port_of(endpoint))
+        super()._send_multipart_locked(endpoint, sealed, is_ipv6=is_ipv6)
 
     def _session(self) -> str:
         return f"{self.local_ip}:{self.rank_port}"
@@ -657,8 +684,32 @@ class DatadistAioKVSender(CommonKVSender):
         self.kv_mgr.forget_room(self.bootstrap_room)
 
 
+class _SealingSocket:
+    """A receiver's socket to a prefill's control socket: what SGLang's
+    receiver sends on it (registration, metadata, aborts) goes sealed."""
+
+    def __init__(self, sock: Any, guard: MessageGuard, port: int) -> None:
+        self._sock = sock
+        self._guard = guard
+        self._port = port
+
+    def send_multipart(self, parts: List[bytes], *args: Any, **kwargs: Any) -> Any:
+        return self._sock.send_multipart(sealed_messages.seal_parts(self._guard, list(parts), self._port),
+                                         *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
 class DatadistAioKVReceiver(CommonKVReceiver):
     """SGLang's decode-side handle of one request: an abort cancels its pulls before SGLang frees its pages."""
+
+    def _connect_to_bootstrap_server(self, bootstrap_info: dict) -> Tuple[Any, Any]:  # type: ignore[override]
+        sock, lock = super()._connect_to_bootstrap_server(bootstrap_info)
+        guard: MessageGuard = self.kv_mgr._guard
+        if not guard.enabled:
+            return sock, lock
+        return _SealingSocket(sock, guard, int(bootstrap_info["rank_port"])), lock
 
     def abort(self) -> None:
         super().abort()
