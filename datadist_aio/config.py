@@ -65,6 +65,8 @@ class LLMConfig:
         self._io_threads: Optional[int] = None
         self._transport: Optional[str] = None
         self._auth_key: Optional[str] = None
+        self._link_encryption: Optional[str] = None
+        self._allow_unencrypted_ucx: Optional[bool] = None
         self._handshake_timeout_ms: Optional[int] = None
         self._answer_sweep_ms: Optional[int] = None
 
@@ -494,6 +496,56 @@ class LLMConfig:
         raise_if_false(len(value) > 0, "auth_key must not be empty")
         self._auth_key = value
 
+    @property
+    def link_encryption(self) -> Optional[str]:
+        """``"off"`` or ``"tls"``: whether links encrypt their TCP connections; emits `llm.LinkEncryption`.
+
+        With ``"tls"``, every TCP connection of a link runs TLS 1.3 once its
+        handshake has proven the link secret, so nothing on the wire between
+        hosts can be read or altered: the keys come from ``auth_key`` (an
+        external PSK derived per connection, no certificates), with
+        TLS_AES_128_GCM_SHA256, handed to the kernel (kTLS) where it offers
+        that. A same-host link that moved to Unix sockets and copies with the
+        kernel crosses no wire and is not encrypted. Both ends of a link must
+        say the same, else ``link_clusters`` fails with `LLM_LINK_FAILED`
+        naming both settings. Unset, the engine reads the environment variable
+        ``DATADIST_AIO_LINK_ENCRYPTION``; with neither, ``"off"``. ``init``
+        fails with `LLM_PARAM_INVALID` for ``"tls"`` without a link secret, and
+        with `LLM_FEATURE_NOT_ENABLED` where OpenSSL's libssl cannot be
+        loaded. See docs/security.md.
+
+        Raises:
+            TypeError: If not a str.
+            LLMException: `LLM_PARAM_INVALID` for any other value.
+        """
+        return self._link_encryption
+
+    @link_encryption.setter
+    def link_encryption(self, value: str) -> None:
+        check_isinstance("link_encryption", value, str, allow_none=False)
+        raise_if_false(value in ("off", "tls"), "link_encryption must be 'off' or 'tls', got {!r}", value)
+        self._link_encryption = value
+
+    @property
+    def allow_unencrypted_ucx(self) -> Optional[bool]:
+        """Let UCX move bytes unencrypted while links are encrypted; emits `llm.AllowUnencryptedUcx`.
+
+        TLS covers a link's TCP connections only; UCX moves bytes outside
+        them. With ``link_encryption = "tls"``, ``transport = "ucx"`` is
+        refused at ``init`` (`LLM_PARAM_INVALID`) and ``"auto"`` does not use
+        UCX between hosts, unless this is True: then UCX carries the caches'
+        bytes in the clear (the links' control frames stay in TLS).
+
+        Raises:
+            TypeError: If not a bool.
+        """
+        return self._allow_unencrypted_ucx
+
+    @allow_unencrypted_ucx.setter
+    def allow_unencrypted_ucx(self, value: bool) -> None:
+        check_isinstance("allow_unencrypted_ucx", value, bool, allow_none=False)
+        self._allow_unencrypted_ucx = value
+
     def generate_options(self) -> dict[str, str]:
         """Writes the configured options into the accumulated dict and returns it.
 
@@ -555,6 +607,10 @@ class LLMConfig:
             options["llm.Transport"] = self._transport
         if self._auth_key is not None:
             options["llm.AuthKey"] = self._auth_key
+        if self._link_encryption is not None:
+            options["llm.LinkEncryption"] = self._link_encryption
+        if self._allow_unencrypted_ucx is not None:
+            options["llm.AllowUnencryptedUcx"] = _flag(self._allow_unencrypted_ucx)
         options["llm.MemoryUtilization"] = str(self._mem_utilization)
         return options
 

@@ -37,6 +37,24 @@ _OPT_LISTEN_IP_INFO = "llm.listenIpInfo"
 _OPT_FLOW_GRAPH_MEM = "ge.flowGraphMemMaxSize"
 
 
+
+class LinkTransport(str):
+    """The path of a link (a str, as ``link_transport`` always returned),
+    with how the link is protected."""
+
+    encrypted: bool
+    cipher: str
+    kernel_tls: bool
+
+    def __new__(
+        cls, name: str, *, encrypted: bool = False, cipher: str = "", kernel_tls: bool = False
+    ) -> "LinkTransport":
+        self = super().__new__(cls, name)
+        self.encrypted = encrypted
+        self.cipher = cipher
+        self.kernel_tls = kernel_tls
+        return self
+
 class LLMDataDist:
     """One KV-cache endpoint of a disaggregated server, identified by ``cluster_id``.
 
@@ -150,19 +168,23 @@ class LLMDataDist:
         port = self._engine.listen_port
         return port or None
 
-    def link_transport(self, remote_cluster_id: int) -> str:
+    def link_transport(self, remote_cluster_id: int) -> "LinkTransport":
         """How transfers this instance starts toward ``remote_cluster_id`` move
         their bytes: ``"same_host"`` (the peer copies them with one kernel call,
-        or device to device through CUDA IPC for device memory) or ``"tcp"``.
+        or device to device through CUDA IPC for device memory), ``"ucx"`` or
+        ``"tcp"``. The str also says how the link is protected:
+        ``.encrypted`` (its TCP connections carry TLS, see
+        ``LLMConfig.link_encryption``), ``.cipher`` (the TLS cipher suite, or
+        ``""``) and ``.kernel_tls`` (the kernel carries the records).
 
         Raises:
             LLMException: ``LLM_NOT_YET_LINK`` without a link to that cluster.
         """
         self._check_init()
         check_uint64("remote_cluster_id", remote_cluster_id)
-        code, name = self._engine.link_transport(remote_cluster_id)
+        code, name, encrypted, cipher, kernel_tls = self._engine.link_security(remote_cluster_id)
         raise_for_status(code, f"link_transport({remote_cluster_id})")
-        return name
+        return LinkTransport(name, encrypted=encrypted, cipher=cipher, kernel_tls=kernel_tls)
 
     def answer_counts(self) -> dict[str, int]:
         """How many answers of same-host links each kind of reader has read

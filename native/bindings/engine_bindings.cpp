@@ -215,6 +215,15 @@ void bind_engine(py::module_ &m) {
             return std::make_pair(static_cast<uint32_t>(st), name);
           },
           py::arg("peer"))
+      .def(
+          "link_security",
+          [](const Engine &e, uint64_t peer) {
+            std::string transport, cipher;
+            bool encrypted = false, ktls = false;
+            const Status st = e.link_security(peer, transport, encrypted, cipher, ktls);
+            return py::make_tuple(static_cast<uint32_t>(st), transport, encrypted, cipher, ktls);
+          },
+          py::arg("peer"))
       .def("has_link", &Engine::has_link, py::arg("peer"))
       .def("listener_stats", &Engine::listener_stats)
       .def("link_stats", &Engine::link_stats, py::arg("peer"))

@@ -12,6 +12,7 @@
 #include "device/cuda_driver.h"
 #include "log.h"
 #include "transport/auth.h"
+#include "transport/tls.h"
 #include "error_detail.h"
 
 namespace datadist {
@@ -105,8 +106,11 @@ Status Engine::initialize(const OptionMap &options) {
   transport_options.io_threads = parsed.io_threads;
   transport_options.same_host = parsed.same_host;
   transport_options.ucx = parsed.ucx;
-  transport_options.ucx_auto = parsed.same_host && !parsed.ucx;  // transport "auto"
+  // Transport "auto" takes UCX between hosts only where its bytes may go
+  // unencrypted.
+  transport_options.ucx_auto = parsed.same_host && !parsed.ucx && (!parsed.encrypt || parsed.allow_unencrypted_ucx);
   transport_options.auth_key = parsed.auth_key;
+  transport_options.encrypt = parsed.encrypt;
   transport_options.handshake_timeout_ms = static_cast<int>(parsed.handshake_timeout_ms);
   transport_options.answers = &completions_->answers();
   completions_->answers().set_sweep_after(std::chrono::milliseconds(parsed.answer_sweep_ms));
@@ -123,6 +127,25 @@ Status Engine::initialize(const OptionMap &options) {
                   "write its remote-accessible caches; set LLMConfig.auth_key (llm.AuthKey) or " +
                   std::string(kAuthKeyEnv) + " on every peer");
     }
+  }
+  if (parsed.encrypt) {
+    if (parsed.auth_key.empty()) {
+      return refuse(LLM_PARAM_INVALID, std::string("link encryption \"tls\" needs the link secret, from which its keys "
+                                                   "come: set LLMConfig.auth_key (llm.AuthKey) or ") +
+                                           kAuthKeyEnv + " on every peer");
+    }
+    const std::string why = tls::unavailable();
+    if (!why.empty()) {
+      log_warning("link encryption is on, but " + why + "; install OpenSSL (libssl3) to encrypt links");
+      return refuse(LLM_FEATURE_NOT_ENABLED, "link encryption \"tls\" needs OpenSSL: " + why);
+    }
+    if (parsed.ucx && !parsed.allow_unencrypted_ucx) {
+      return refuse(LLM_PARAM_INVALID,
+                    "link encryption \"tls\" cannot cover transport \"ucx\": UCX moves the bytes outside the "
+                    "link's TLS connections, unencrypted. Set LLMConfig.allow_unencrypted_ucx (llm.AllowUnencryptedUcx) "
+                    "to let it, or use transport \"auto\" or \"tcp\"");
+    }
+    if (parsed.ucx) log_warning("link encryption is on, but UCX moves this engine's bytes unencrypted (allow_unencrypted_ucx)");
   }
   auto transport = std::make_unique<LinkManager>(cluster_id_, role_code(parsed.role), registry_, transport_options);
   st = transport->start_ucx();
@@ -346,6 +369,8 @@ std::map<std::string, uint64_t> Engine::link_stats(uint64_t peer) const {
   out["refused_groups"] = stats.refused_groups;
   out["local_sockets"] = stats.local_sockets;
   out["answer_socket"] = stats.answer_socket ? 1u : 0u;
+  out["encrypted"] = stats.security.encrypted;  // connections in TLS
+  out["ktls"] = stats.security.ktls;            // of those, the ones whose records the kernel carries
   return out;
 }
 
@@ -362,6 +387,18 @@ Status Engine::link_transport(uint64_t peer, std::string &out) const {
   const char *name = transport_->link_transport(peer);
   if (name == nullptr) return llm_datadist::LLM_NOT_YET_LINK;
   out = name;
+  return LLM_SUCCESS;
+}
+
+Status Engine::link_security(uint64_t peer, std::string &transport, bool &encrypted, std::string &cipher,
+                             bool &ktls) const {
+  std::shared_lock<std::shared_mutex> lock(state_mu_);
+  if (state_ != State::kReady) return LLM_FAILED;
+  Link::Security security;
+  if (!transport_->link_security(peer, transport, security)) return llm_datadist::LLM_NOT_YET_LINK;
+  encrypted = security.encrypted > 0;
+  cipher = security.cipher;
+  ktls = encrypted && security.ktls == security.encrypted;
   return LLM_SUCCESS;
 }
 

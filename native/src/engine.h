@@ -143,6 +143,10 @@ class Engine {
   // How operations started here toward `peer` move their bytes: "same_host"
   // or "tcp"; LLM_NOT_YET_LINK without a link.
   Status link_transport(uint64_t peer, std::string &out) const;
+  // The same, and whether the link's connections are in TLS, with which
+  // cipher suite, and whether the kernel carries every one's records (kTLS).
+  Status link_security(uint64_t peer, std::string &transport, bool &encrypted, std::string &cipher,
+                       bool &ktls) const;
   // Whether a link to `peer` is up now.
   bool has_link(uint64_t peer) const;
   // Diagnostics, by name: the listener's counters (empty when it does not

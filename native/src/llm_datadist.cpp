@@ -244,6 +244,12 @@ Status LlmDataDist::GetLinkTransport(uint64_t remote_cluster_id, std::string &tr
   return engine->link_transport(remote_cluster_id, transport);
 }
 
+Status LlmDataDist::GetLinkTransport(uint64_t remote_cluster_id, LinkTransportInfo &info) const {
+  Engine *engine = impl_->ready();
+  if (engine == nullptr) return LLM_FAILED;
+  return engine->link_security(remote_cluster_id, info.transport, info.encrypted, info.cipher, info.kernel_tls);
+}
+
 Status LlmDataDist::UnlinkLlmClusters(const std::vector<ClusterInfo> &clusters, std::vector<Status> &rets,
                                       int32_t timeout_in_millis, bool force_flag) {
   datadist::clear_error_detail();

@@ -205,6 +205,23 @@ Status parse_options(const OptionMap &options, EngineOptions &out) {
   } else if (const char *env = std::getenv(kAuthKeyEnv); env != nullptr && *env != '\0') {
     out.auth_key = env;
   }
+  std::string encryption = "off";
+  if (const std::string *mode = find(options, kOptLinkEncryption)) {
+    encryption = *mode;
+  } else if (const char *env = std::getenv(kLinkEncryptionEnv); env != nullptr && *env != '\0') {
+    encryption = env;
+  }
+  if (encryption != "off" && encryption != "tls") {
+    return refuse(LLM_PARAM_INVALID, "link encryption (llm.LinkEncryption or " + std::string(kLinkEncryptionEnv) +
+                                         ") must be off or tls, got '" + encryption + "'");
+  }
+  out.encrypt = encryption == "tls";
+  if (const std::string *flag = find(options, kOptAllowUnencryptedUcx)) {
+    if (*flag != "0" && *flag != "1") {
+      return refuse(LLM_PARAM_INVALID, "llm.AllowUnencryptedUcx must be 0 or 1, got '" + *flag + "'");
+    }
+    out.allow_unencrypted_ucx = *flag == "1";
+  }
   if (const std::string *timeout = find(options, kOptHandshakeTimeout)) {
     if (!parse_uint(*timeout, 600000, value) || value == 0) {
       return refuse(LLM_PARAM_INVALID, "handshake timeout must be an integer in [1, 600000] ms, got '" + *timeout + "'");

@@ -36,6 +36,14 @@ inline constexpr const char *kOptTransport = "llm.Transport";
 // links are not authenticated.
 inline constexpr const char *kOptAuthKey = "llm.AuthKey";
 inline constexpr const char *kAuthKeyEnv = "DATADIST_AIO_AUTH_KEY";
+// "off" (default) or "tls": TLS 1.3 on every TCP connection of a link, keyed
+// from the link secret (which it needs); without the option, the
+// environment variable DATADIST_AIO_LINK_ENCRYPTION.
+inline constexpr const char *kOptLinkEncryption = "llm.LinkEncryption";
+inline constexpr const char *kLinkEncryptionEnv = "DATADIST_AIO_LINK_ENCRYPTION";
+// "1": with link encryption, transport "ucx" may move bytes with UCX,
+// which TLS cannot cover (unencrypted); "0" (default) refuses that.
+inline constexpr const char *kOptAllowUnencryptedUcx = "llm.AllowUnencryptedUcx";
 // The time (ms) an accepted connection has to finish its handshake, and a
 // link to bring all its connections; default 5000.
 inline constexpr const char *kOptHandshakeTimeout = "llm.HandshakeTimeoutMs";
@@ -70,6 +78,8 @@ struct EngineOptions {
   bool same_host = true;  // llm.Transport "auto"
   bool ucx = false;        // llm.Transport "ucx"
   std::string auth_key;   // llm.AuthKey, else $DATADIST_AIO_AUTH_KEY
+  bool encrypt = false;   // llm.LinkEncryption "tls", else $DATADIST_AIO_LINK_ENCRYPTION
+  bool allow_unencrypted_ucx = false;  // llm.AllowUnencryptedUcx
   uint32_t handshake_timeout_ms = 5000;
   uint32_t answer_sweep_ms = 100;
   // Rank-table comms: the time their links may take in all (s), and the

@@ -53,6 +53,11 @@ constexpr const char OPTION_TRANSPORT[] = "llm.Transport";
 // handshake; the secret never crosses the wire). Without it, the environment
 // variable DATADIST_AIO_AUTH_KEY; without either, links are unauthenticated.
 constexpr const char OPTION_AUTH_KEY[] = "llm.AuthKey";
+// Not upstream: "off" (default) or "tls": TLS 1.3 on every TCP connection of
+// a link, keyed from OPTION_AUTH_KEY (required then); linked peers must agree.
+constexpr const char OPTION_LINK_ENCRYPTION[] = "llm.LinkEncryption";
+// Not upstream: "1" lets transport "ucx" move bytes unencrypted while links are encrypted.
+constexpr const char OPTION_ALLOW_UNENCRYPTED_UCX[] = "llm.AllowUnencryptedUcx";
 // Ms answers of same-host links may wait with nobody reading before the
 // engine's housekeeping reads them (default 100; 0: never). Every call of
 // this class waits in a way that reads its own answers, so none depends on it.
@@ -153,6 +158,14 @@ class LlmDataDist {
   // their bytes, "same_host" or "tcp" (see OPTION_TRANSPORT);
   // LLM_NOT_YET_LINK without a link.
   Status GetLinkTransport(uint64_t remote_cluster_id, std::string &transport) const;
+  // The same, with how the link is protected (OPTION_LINK_ENCRYPTION).
+  struct LinkTransportInfo {
+    std::string transport;
+    bool encrypted = false;  // its TCP connections carry TLS 1.3
+    std::string cipher;      // e.g. "TLS_AES_128_GCM_SHA256"; empty unencrypted
+    bool kernel_tls = false;  // the kernel carries the records (kTLS)
+  };
+  Status GetLinkTransport(uint64_t remote_cluster_id, LinkTransportInfo &info) const;
 
   // Registers caller memory as a cache usable both by batch slot and by
   // block (dimension 0 of the shape); peers may read and write it.

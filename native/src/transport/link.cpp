@@ -24,14 +24,17 @@ using wire::FrameHeader;
 using wire::FrameType;
 
 Link::Link(uint64_t peer_id, uint32_t peer_role, bool initiated_here, std::vector<int> fds, LinkHost *host,
-           std::vector<std::shared_ptr<DataPath>> paths, int answers)
+           std::vector<std::shared_ptr<DataPath>> paths, int answers,
+           std::vector<std::unique_ptr<tls::Session>> sessions)
     : peer_id_(peer_id),
       peer_role_(peer_role),
       initiated_here_(initiated_here),
       host_(host),
       paths_(std::move(paths)),
       answer_fd_(answers) {
-  for (int fd : fds) conns_.push_back(std::make_unique<Connection>(fd));
+  for (size_t i = 0; i < fds.size(); ++i) {
+    conns_.push_back(std::make_unique<Connection>(fds[i], i < sessions.size() ? std::move(sessions[i]) : nullptr));
+  }
 }
 
 Link::~Link() {
@@ -79,6 +82,47 @@ size_t Link::local_socket_count() const {
     if (::getsockopt(conn->fd, SOL_SOCKET, SO_DOMAIN, &domain, &len) == 0 && domain == AF_UNIX) ++count;
   }
   return count;
+}
+
+Link::Security Link::security() const {
+  Security out;
+  for (const auto &conn : conns_) {
+    if (!conn->tls) continue;
+    ++out.encrypted;
+    if (out.cipher.empty()) out.cipher = conn->tls->cipher();
+    if (conn->tls->ktls_send() && conn->tls->ktls_recv()) ++out.ktls;
+  }
+  return out;
+}
+
+ssize_t Link::send_now(Connection &conn, const iovec *iov, size_t count) {
+  return conn.tls ? conn.tls->write_now(iov, count) : net::writev_now(conn.fd, iov, count);
+}
+
+bool Link::send_all(Connection &conn, iovec *iov, size_t count) {
+  return conn.tls ? conn.tls->write_all(iov, count) : net::writev_full(conn.fd, iov, count);
+}
+
+std::string Link::input_end(const Connection &conn, const char *otherwise) {
+  if (conn.tls) {
+    const std::string why = conn.tls->error();
+    if (!why.empty()) {
+      return "TLS on the connection failed (" + why + "): the stream was altered or broken; closing the link";
+    }
+  }
+  return otherwise;
+}
+
+bool Link::secure(Connection &conn) {
+  const tls::Session::Step step = conn.tls->handshake();
+  if (step != tls::Session::Step::kFailed) {
+    std::lock_guard<std::mutex> lock(conn.mu);
+    conn.secured = step == tls::Session::Step::kDone;
+    conn.handshake_writes = step == tls::Session::Step::kWantWrite;
+    return true;
+  }
+  fail(LLM_LINK_FAILED, "the TLS handshake with the peer failed (" + conn.tls->error() + "); closing the link");
+  return false;
 }
 
 bool Link::has_answer_socket() const {
@@ -147,7 +191,8 @@ std::vector<iovec> Link::frame_bytes(OutFrame &frame) {
 void Link::enqueue(Connection &conn, OutFrame frame) {
   const size_t total = sizeof(frame.header) + frame.body.size() + frame.header.data_len;
   std::unique_lock<std::mutex> lock(conn.mu);
-  if (total > kDirectBytes || frame.close_after || frame.device || conn.busy || !conn.queue.empty() || is_down()) {
+  if (total > kDirectBytes || frame.close_after || frame.device || conn.busy || !conn.queue.empty() || is_down() ||
+      !conn.secured) {
     conn.queue.push_back(std::move(frame));
     if (!conn.busy) arm_locked(conn);  // else the thread writing goes on to it
     return;
@@ -155,7 +200,7 @@ void Link::enqueue(Connection &conn, OutFrame frame) {
   conn.busy = true;
   lock.unlock();
   std::vector<iovec> iov = frame_bytes(frame);
-  const ssize_t n = net::writev_now(conn.fd, iov.data(), iov.size());
+  const ssize_t n = send_now(conn, iov.data(), iov.size());
   if (n >= 0 && static_cast<size_t>(n) < total) {
     // The socket is full: the loop sends the rest, ahead of anything queued since.
     frame.sent = static_cast<size_t>(n);
@@ -175,7 +220,12 @@ void Link::arm_locked(Connection &conn) {
   if (conn.running || is_down()) return;
   uint32_t want = 0;
   if (!conn.away) want |= EPOLLIN | EPOLLRDHUP;
-  if (!conn.busy && !conn.queue.empty()) want |= EPOLLOUT;
+  if (!conn.secured) {
+    // The handshake first: queued frames wait for it.
+    if (conn.handshake_writes) want |= EPOLLOUT;
+  } else if (!conn.busy && !conn.queue.empty()) {
+    want |= EPOLLOUT;
+  }
   // Nothing wanted: left as it is (disarmed since it fired, or about to be).
   if (want == 0 || want == conn.armed) return;
   conn.armed = want;
@@ -223,6 +273,22 @@ void Link::on_ready(uint64_t tag, uint32_t events) {
     end_work();
     return;
   }
+  bool secured;
+  {
+    std::lock_guard<std::mutex> lock(conn.mu);
+    secured = conn.secured;
+  }
+  if (!secured) {
+    const bool ok = secure(conn);
+    std::unique_lock<std::mutex> lock(conn.mu);
+    if (!ok || !conn.secured) {
+      conn.running = false;
+      if (ok) arm_locked(conn);  // the handshake's next step; a failed one is not watched again
+      lock.unlock();
+      end_work();
+      return;
+    }
+  }
   if (input && (events & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR)) != 0) read_input(conn);
   write_queued(conn);
   {
@@ -263,7 +329,11 @@ Link::InputEnd Link::read_input(Connection &conn) {
       if (got == Got::kAgain) return InputEnd::kWait;
       if (got == Got::kEnd) {
         if (conn.stage == Stage::kBody) {
-          fail(LLM_LINK_FAILED, "connection closed by the peer");
+          fail(LLM_LINK_FAILED, input_end(conn, "connection closed by the peer"));
+          return InputEnd::kStop;
+        }
+        if (conn.tls && !conn.tls->error().empty()) {
+          fail(LLM_LINK_FAILED, input_end(conn, ""));
           return InputEnd::kStop;
         }
         // Between frames with nothing open (or while unlinking) this is an
@@ -312,7 +382,7 @@ Link::InputEnd Link::read_input(Connection &conn) {
     }
     if (got == Got::kAgain) return InputEnd::kWait;
     if (got == Got::kEnd) {
-      fail(LLM_LINK_FAILED, "connection closed by the peer");
+      fail(LLM_LINK_FAILED, input_end(conn, "connection closed by the peer"));
       return InputEnd::kStop;
     }
     std::function<bool()> then = std::move(conn.then);
@@ -372,7 +442,7 @@ void Link::write_queued(Connection &conn) {
     OutFrame frame;
     {
       std::lock_guard<std::mutex> lock(conn.mu);
-      if (is_down() || conn.busy || conn.queue.empty()) return;  // what is left is settled by reap()
+      if (is_down() || conn.busy || conn.queue.empty() || !conn.secured) return;  // what is left is settled by reap()
       if (written >= kBytesPerTurn) {
         arm_locked(conn);
         return;
@@ -404,7 +474,7 @@ void Link::write_queued(Connection &conn) {
     net::drop_front(iov, frame.sent);
     ssize_t n = 0;
     while (frame.sent < total) {
-      n = net::writev_now(conn.fd, iov.data(), iov.size());
+      n = send_now(conn, iov.data(), iov.size());
       if (n <= 0) break;
       frame.sent += static_cast<size_t>(n);
       written += static_cast<size_t>(n);

@@ -42,6 +42,7 @@
 #include "transport/planned_frame.h"
 #include "transport/socket_util.h"
 #include "transport/target_resolver.h"
+#include "transport/tls.h"
 #include "transport/wire.h"
 
 namespace datadist {
@@ -91,8 +92,12 @@ class Link : public std::enable_shared_from_this<Link>,
              public IoHandler,
              private PathHost {
  public:
+  // `sessions`: empty, or one TLS session per connection that carries its
+  // bytes (established already, or an acceptor's, whose handshake the I/O
+  // threads run before anything else on that connection).
   Link(uint64_t peer_id, uint32_t peer_role, bool initiated_here, std::vector<int> fds, LinkHost *host,
-       std::vector<std::shared_ptr<DataPath>> paths = {}, int answers = -1);
+       std::vector<std::shared_ptr<DataPath>> paths = {}, int answers = -1,
+       std::vector<std::unique_ptr<tls::Session>> sessions = {});
   ~Link();
   Link(const Link &) = delete;
   Link &operator=(const Link &) = delete;
@@ -155,6 +160,15 @@ class Link : public std::enable_shared_from_this<Link>,
   size_t local_socket_count() const;
   // Whether the link reads answers from an answer socket.
   bool has_answer_socket() const;
+  // How its connections are protected: those in TLS, the cipher suite of
+  // the first whose handshake ended (empty: none yet), and those whose
+  // records the kernel carries (kTLS) both ways.
+  struct Security {
+    size_t encrypted = 0;
+    std::string cipher;
+    size_t ktls = 0;
+  };
+  Security security() const;
 
   // Reads the answers waiting on the answer socket (AnswerReader); the
   // link's own reads (at its end, before a timeout) count as kLink.
@@ -187,8 +201,16 @@ class Link : public std::enable_shared_from_this<Link>,
   enum class InputEnd { kWait, kAway, kStop };
 
   struct Connection {
-    explicit Connection(int socket) : fd(socket), in(socket) {}
+    Connection(int socket, std::unique_ptr<tls::Session> session)
+        : fd(socket), tls(std::move(session)), secured(tls == nullptr || tls->established()), in(socket) {
+      in.set_tls(tls.get());
+    }
     const int fd;
+    // Set when the connection carries TLS: every byte goes through it.
+    const std::unique_ptr<tls::Session> tls;
+    // Its handshake has ended (or it has none): frames may be read and written (mu).
+    bool secured;
+    bool handshake_writes = false;  // the handshake waits to write (mu)
     std::mutex mu;  // guards the output queue and the fields marked (mu)
     std::deque<OutFrame> queue;
     bool busy = false;  // a thread is writing a frame to fd (mu)
@@ -267,6 +289,17 @@ class Link : public std::enable_shared_from_this<Link>,
   void receive_away(Connection &conn, std::function<bool()> receive);
   // Back to reading a frame's header.
   static void next_frame(Connection &conn);
+  // Runs a step of the connection's TLS handshake (its handler's thread);
+  // false when it failed (the link is failed then).
+  bool secure(Connection &conn);
+  // What the connection's socket takes now of `iov` (as net::writev_now),
+  // and all of it, waiting (as net::writev_full): through its TLS session
+  // where it has one.
+  static ssize_t send_now(Connection &conn, const iovec *iov, size_t count);
+  static bool send_all(Connection &conn, iovec *iov, size_t count);
+  // Why the connection's input ended, for the link's failure: its TLS
+  // session's words when a record failed, else `otherwise`.
+  static std::string input_end(const Connection &conn, const char *otherwise);
   // Writes the connection's queued frames without waiting (an I/O thread),
   // until the socket is full or the queue empty; a frame on device memory
   // goes to the blocking pool, which sends it whole.

@@ -23,6 +23,7 @@
 #include "transport/auth.h"
 #include "transport/handshake.h"
 #include "transport/socket_util.h"
+#include "transport/tls.h"
 
 namespace datadist {
 
@@ -255,6 +256,13 @@ void LinkManager::admit(FormedLink &formed) {
   if (st == LLM_SUCCESS && existing && !may_replace(existing, formed)) st = LLM_ALREADY_LINK;
   handshake::HelloAck ack;
   ack.fixed = {cluster_id_, role_.load(), 0};
+  if (options_.encrypt) ack.fixed.flags |= wire::kEncrypted;
+  if (st == LLM_SUCCESS && formed.encrypted != options_.encrypt) {
+    // Said back, with this end's setting, so the initiator can name both.
+    log_warning("refused a link from " + encryption_differs(peer_id, formed.encrypted));
+    ack.fixed.flags |= wire::kEncryptionDiffers;
+    st = LLM_LINK_FAILED;
+  }
   if (st != LLM_SUCCESS) {
     send_to_all(formed.fds, handshake::frame(FrameType::kHelloAck, ack.bytes(), st));
     close_all(formed.fds);
@@ -315,9 +323,24 @@ void LinkManager::admit(FormedLink &formed) {
       if (answers >= 0) ack.fixed.flags |= wire::kAnswerSocket;
     }
   }
+  // TLS on the connections the link keeps on TCP; the I/O threads run each
+  // handshake once the initiator, past its ack, starts it.
+  std::vector<std::unique_ptr<tls::Session>> sessions;
+  if (options_.encrypt && (ack.fixed.flags & wire::kLocalSocket) == 0) {
+    std::string tls_why;
+    sessions = secure(link_fds, true, formed.transcripts, ack.bytes(false), tls_why);
+    if (sessions.empty()) {
+      log_warning("refused a link from " + std::to_string(peer_id) + ": " + tls_why);
+      send_to_all(formed.fds, handshake::refusal(LLM_LINK_FAILED));
+      close_all(formed.fds);
+      if (answers >= 0) ::close(answers);
+      return;
+    }
+  }
   std::shared_ptr<Link> link;
   try {
-    link = std::make_shared<Link>(peer_id, formed.role, false, link_fds, this, make_paths(paths), answers);
+    link = std::make_shared<Link>(peer_id, formed.role, false, link_fds, this, make_paths(paths), answers,
+                                  std::move(sessions));
   } catch (const std::bad_alloc &) {
     send_to_all(formed.fds, handshake::refusal(LLM_LINK_FAILED));
     close_all(link_fds);
@@ -421,6 +444,30 @@ bool LinkManager::publish(uint64_t peer_id, const std::shared_ptr<Link> &link) {
   return true;
 }
 
+std::string LinkManager::encryption_differs(uint64_t peer_id, bool peer_encrypts) const {
+  auto name = [](bool on) { return on ? "\"tls\"" : "\"off\""; };
+  return words("cluster ", peer_id, ": link encryption differs (link_encryption ", name(options_.encrypt),
+               " on this end, cluster ", cluster_id_, "; ", name(peer_encrypts), " on cluster ", peer_id,
+               "); set the same LLMConfig.link_encryption (llm.LinkEncryption) on both");
+}
+
+std::vector<std::unique_ptr<tls::Session>> LinkManager::secure(const std::vector<int> &fds, bool server,
+                                                               const std::vector<std::string> &transcripts,
+                                                               const std::string &ack, std::string &why) {
+  std::vector<std::unique_ptr<tls::Session>> sessions;
+  for (size_t i = 0; i < fds.size(); ++i) {
+    if (i >= transcripts.size()) {
+      why = "a connection without a handshake";
+      return {};
+    }
+    std::unique_ptr<tls::Session> session =
+        tls::Session::create(fds[i], server, tls::derive_key(options_.auth_key, transcripts[i] + ack), why);
+    if (!session) return {};
+    sessions.push_back(std::move(session));
+  }
+  return sessions;
+}
+
 Status LinkManager::greet(int fd, uint64_t peer_id, uint64_t nonce, uint32_t index, uint32_t count,
                            int local_socket, int answer_socket, std::string &transcript, uint32_t &granted) {
   handshake::Hello hello;
@@ -441,6 +488,7 @@ Status LinkManager::greet(int fd, uint64_t peer_id, uint64_t nonce, uint32_t ind
     hello.fixed.flags |= wire::kOffersUcx;
     hello.ucx_address = ucx_->address();
   }
+  if (options_.encrypt) hello.fixed.flags |= wire::kEncrypted;
   const bool authed = !options_.auth_key.empty();
   if (authed) {
     hello.fixed.flags |= wire::kAuthenticated;
@@ -532,6 +580,7 @@ Status LinkManager::link(uint64_t peer_id, const std::string &ip, uint16_t port,
   uint32_t peer_role = 0;
   handshake::HelloAck ack;
   uint32_t first_flags = 0;
+  std::vector<std::string> ack_bytes;  // per connection, what its TLS key covers of the ack
   for (size_t i = 0; i < fds.size() && st == LLM_SUCCESS; ++i) {
     const int left = remaining();
     if (left == 0) {
@@ -544,6 +593,9 @@ Status LinkManager::link(uint64_t peer_id, const std::string &ip, uint16_t port,
       st = (errno == EAGAIN || errno == EWOULDBLOCK) ? LLM_TIMEOUT : LLM_LINK_FAILED;
     } else if (header.status != LLM_SUCCESS) {
       st = header.status;
+      if ((ack.fixed.flags & wire::kEncryptionDiffers) != 0) {
+        st = refuse(st, "link to " + encryption_differs(peer_id, (ack.fixed.flags & wire::kEncrypted) != 0));
+      }
     } else if (!options_.auth_key.empty() &&
                (!ack.authenticated() ||
                 !auth::same(auth::prove(options_.auth_key, auth::kAcceptorLabel, transcripts[i] + ack.bytes(false)),
@@ -553,7 +605,11 @@ Status LinkManager::link(uint64_t peer_id, const std::string &ip, uint16_t port,
       st = llm_datadist::LLM_AUTH_FAILED;
     } else if (ack.fixed.cluster_id != peer_id) {
       st = LLM_LINK_FAILED;
+    } else if (((ack.fixed.flags & wire::kEncrypted) != 0) != options_.encrypt) {
+      // An acceptor that does not know the flag, or did not check it.
+      st = refuse(LLM_LINK_FAILED, "link to " + encryption_differs(peer_id, !options_.encrypt));
     } else {
+      ack_bytes.push_back(ack.bytes(false));
       // The acceptor decides how many connections the link has; every ack
       // says the same. Connections past them were answered and closed.
       const uint32_t kept = ack.grants() ? ack.granted : count;
@@ -610,11 +666,28 @@ Status LinkManager::link(uint64_t peer_id, const std::string &ip, uint16_t port,
       pairs.answers.mine = -1;
     }
   }
+  // TLS on the connections the link keeps on TCP, each handshake to its end here.
+  std::vector<std::unique_ptr<tls::Session>> sessions;
+  if (st == LLM_SUCCESS && options_.encrypt && (ack.fixed.flags & wire::kLocalSocket) == 0) {
+    std::string why;
+    transcripts.resize(std::min(transcripts.size(), ack_bytes.size()));
+    for (size_t i = 0; i < transcripts.size(); ++i) transcripts[i] += ack_bytes[i];
+    sessions = secure(fds, false, transcripts, "", why);
+    for (size_t i = 0; i < sessions.size() && why.empty(); ++i) {
+      if (!sessions[i]->handshake_until(deadline)) why = sessions[i]->error();
+    }
+    if (sessions.empty() || !why.empty()) {
+      st = refuse(LLM_LINK_FAILED, words("the TLS handshake with cluster ", peer_id, " at ", ip, ":", port,
+                                         " failed: ", why));
+      sessions.clear();
+    }
+  }
   std::shared_ptr<Link> link;
   if (st == LLM_SUCCESS) {
     for (int fd : fds) net::set_receive_timeout(fd, 0);
     try {
-      link = std::make_shared<Link>(peer_id, peer_role, true, fds, this, make_paths(paths), answers);
+      link = std::make_shared<Link>(peer_id, peer_role, true, fds, this, make_paths(paths), answers,
+                                    std::move(sessions));
       fds.clear();  // the link's now
     } catch (const std::bad_alloc &) {
       st = LLM_LINK_FAILED;
@@ -727,6 +800,14 @@ const char *LinkManager::link_transport(uint64_t peer_id) const {
   return link ? link->transport() : nullptr;
 }
 
+bool LinkManager::link_security(uint64_t peer_id, std::string &transport, Link::Security &security) const {
+  std::shared_ptr<Link> link = find(peer_id);
+  if (!link) return false;
+  transport = link->transport();
+  security = link->security();
+  return true;
+}
+
 uint64_t LinkManager::links_made(uint64_t peer_id) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = made_count_.find(peer_id);
@@ -751,6 +832,7 @@ bool LinkManager::link_stats(uint64_t peer_id, LinkStats &stats) const {
   stats.refused_groups = link->refused_group_count();
   stats.local_sockets = link->local_socket_count();
   stats.answer_socket = link->has_answer_socket();
+  stats.security = link->security();
   stats.paths.clear();
   zero_counters(stats.paths);
   link->path_counters(stats.paths);

@@ -62,6 +62,9 @@ struct TransportOptions {
   // Transport "auto": UCX where it has a one-sided network transport (RDMA)
   // and both ends offer it, for peers on other hosts (start_ucx() first).
   bool ucx_auto = false;
+  // Link encryption: every TCP connection of a link runs TLS 1.3 keyed from
+  // auth_key (which is then set), and only peers that encrypt too are linked.
+  bool encrypt = false;
 };
 
 // Links per process, as upstream's limit; one more is refused with
@@ -97,6 +100,8 @@ class LinkManager : public LinkHost {
   uint64_t links_made(uint64_t peer_id) const;
   // The peer's path as Link::transport() names it; nullptr without a link.
   const char *link_transport(uint64_t peer_id) const;
+  // The same, with how the link's connections are protected; false without a link.
+  bool link_security(uint64_t peer_id, std::string &transport, Link::Security &security) const;
   size_t link_count() const;
   // Called, on no lock of the transport's, with the peer's cluster id when a
   // link is lost: it went down while in use, not removed by an unlink from
@@ -110,6 +115,7 @@ class LinkManager : public LinkHost {
     size_t refused_groups = 0;
     size_t local_sockets = 0;  // connections on Unix sockets
     bool answer_socket = false;
+    Link::Security security;
     std::map<std::string, uint64_t> paths;  // Link::path_counters()
   };
   bool link_stats(uint64_t peer_id, LinkStats &stats) const;
@@ -171,6 +177,15 @@ class LinkManager : public LinkHost {
   // the acceptor may take.
   Status greet(int fd, uint64_t peer_id, uint64_t nonce, uint32_t index, uint32_t count, int local_socket,
                int answer_socket, std::string &transcript, uint32_t &granted);
+  // The TLS sessions of a link's connections `fds` (none when the link is
+  // not encrypted or runs on local sockets): `server` at the acceptor.
+  // Each is keyed from its connection's transcript and the ack's bytes.
+  // Empty with `why` when OpenSSL refuses one.
+  std::vector<std::unique_ptr<tls::Session>> secure(const std::vector<int> &fds, bool server,
+                                                    const std::vector<std::string> &transcripts,
+                                                    const std::string &ack, std::string &why);
+  // Words for a link the two ends' encryption keeps from being made.
+  std::string encryption_differs(uint64_t peer_id, bool peer_encrypts) const;
   // Probes a peer that offered the same-host path; the memory to serve its
   // same-host frames with, or nullptr when it cannot be reached.
   std::shared_ptr<same_host::PeerMemory> reach(uint64_t peer_id, const wire::SameHostInfo &info);

@@ -49,7 +49,7 @@ bool Link::finish_staged(Connection &conn, OutFrame &frame) {
     }
     iov[count++] = {const_cast<uint8_t *>(bytes), n};
     header_out = true;
-    return net::writev_full(conn.fd, iov, count);
+    return send_all(conn, iov, count);
   };
   staging::Result result;
   {
@@ -70,7 +70,7 @@ bool Link::finish_staged(Connection &conn, OutFrame &frame) {
     OutFrame failed = answer(FrameType::kReadData, frame.header.op_id, llm_datadist::LLM_FAILED,
                              "copying out of device memory on the peer failed: " + result.why);
     std::vector<iovec> iov = frame_bytes(failed);
-    return after_send(failed, net::writev_full(conn.fd, iov.data(), iov.size()));
+    return after_send(failed, send_all(conn, iov.data(), iov.size()));
   }
   // A write: it fails here. Once its header is out, the peer gets the frame
   // whole (zeros for the rest), and its answer cannot make it a success.
@@ -83,7 +83,8 @@ bool Link::finish_staged(Connection &conn, OutFrame &frame) {
   bool ok = true;
   for (uint64_t left = total - result.moved; left > 0 && ok;) {
     const size_t n = static_cast<size_t>(std::min<uint64_t>(left, zeros.size()));
-    ok = net::write_full(conn.fd, zeros.data(), n);
+    iovec pad{const_cast<uint8_t *>(zeros.data()), n};
+    ok = send_all(conn, &pad, 1);
     left -= n;
   }
   return after_send(frame, ok);

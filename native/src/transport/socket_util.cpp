@@ -13,6 +13,8 @@
 #include <cstring>
 #include <vector>
 
+#include "transport/tls.h"
+
 namespace datadist::net {
 
 namespace {
@@ -192,21 +194,34 @@ bool Reader::wait_readable() {
   }
 }
 
+bool Reader::buffered() const { return begin_ < end_ || (tls_ != nullptr && tls_->pending()); }
+
+ssize_t Reader::take(void *buf, size_t len) {
+  if (tls_ != nullptr) return tls_->read_now(buf, len);
+  return ::recv(fd_, buf, len, MSG_DONTWAIT);
+}
+
 Reader::Got Reader::fill(bool wait) {
   if (buf_.empty()) buf_.resize(kBufferBytes);
   begin_ = end_ = 0;
   // Waiting, poll first: a reader that has handled every byte it had
   // usually waits for the next frame, and a read that finds nothing would
-  // be a wasted call (when frames queue up, one read takes several).
+  // be a wasted call (when frames queue up, one read takes several). A
+  // session may hold bytes the socket no longer shows: it is read first.
+  bool polled = tls_ != nullptr && tls_->pending();
   for (;;) {
-    if (wait && !wait_readable()) return Got::kEnd;
-    const ssize_t n = ::recv(fd_, buf_.data(), buf_.size(), MSG_DONTWAIT);
+    if (wait && !polled && !wait_readable()) return Got::kEnd;
+    polled = false;
+    const ssize_t n = take(buf_.data(), buf_.size());
     if (n > 0) {
       end_ = static_cast<size_t>(n);
       return Got::kDone;
     }
     if (n == 0) return Got::kEnd;
-    if (errno == EINTR) continue;
+    if (errno == EINTR) {
+      polled = true;
+      continue;
+    }
     if (errno != EAGAIN && errno != EWOULDBLOCK) return Got::kEnd;
     if (!wait) return Got::kAgain;
   }
@@ -242,10 +257,15 @@ Reader::Got Reader::readv_impl(iovec *iov, size_t count, bool wait) {
       if (got != Got::kDone) return got;
       continue;
     }
-    msghdr msg{};
-    msg.msg_iov = iov + start;
-    msg.msg_iovlen = std::min(count - start, kMaxIov);
-    const ssize_t n = ::recvmsg(fd_, &msg, MSG_DONTWAIT);
+    ssize_t n;
+    if (tls_ != nullptr) {
+      n = tls_->read_now(iov[start].iov_base, iov[start].iov_len);
+    } else {
+      msghdr msg{};
+      msg.msg_iov = iov + start;
+      msg.msg_iovlen = std::min(count - start, kMaxIov);
+      n = ::recvmsg(fd_, &msg, MSG_DONTWAIT);
+    }
     if (n > 0) {
       start = advance(iov, count, start, static_cast<size_t>(n));
     } else if (n == 0) {

@@ -11,6 +11,10 @@
 #include <string>
 #include <vector>
 
+namespace datadist::tls {
+class Session;
+}  // namespace datadist::tls
+
 namespace datadist::net {
 
 // A listening socket on ip:port (port 0 picks one); -1 on failure, with the
@@ -55,6 +59,8 @@ std::string errno_text();
 // was all (kDone), the rest is yet to come (kAgain: the iovecs or the count
 // are consumed as far as they were filled), or the stream ended (kEnd).
 // One thread at a time reads through a Reader; the descriptor stays the caller's.
+// With a TLS session (set_tls, before the first read) the bytes come
+// decrypted through it, and what the session holds counts as buffered.
 class Reader {
  public:
   enum class Got { kDone, kAgain, kEnd };
@@ -63,6 +69,8 @@ class Reader {
   static constexpr size_t kDirectBytes = 8 * 1024;
 
   explicit Reader(int fd) : fd_(fd) {}
+  // The session the stream is read through (it outlives the reader's reads).
+  void set_tls(tls::Session *session) { tls_ = session; }
   Reader(const Reader &) = delete;
   Reader &operator=(const Reader &) = delete;
 
@@ -72,7 +80,7 @@ class Reader {
   bool discard(uint64_t len);
   Got readv_now(iovec *iov, size_t count);
   // Whether bytes already read wait in the buffer.
-  bool buffered() const { return begin_ < end_; }
+  bool buffered() const;
   Got discard_now(uint64_t &len);
 
  private:
@@ -83,7 +91,11 @@ class Reader {
   // Waits until the descriptor is readable (or closed).
   bool wait_readable();
 
+  // One read from the socket (or the session): as recv(MSG_DONTWAIT).
+  ssize_t take(void *buf, size_t len);
+
   const int fd_;
+  tls::Session *tls_ = nullptr;
   std::vector<uint8_t> buf_;
   size_t begin_ = 0;
   size_t end_ = 0;

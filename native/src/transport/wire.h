@@ -128,6 +128,15 @@ enum HelloFlags : uint32_t {
   // (else kMaxFrameData). An end sends such frames only to a peer that
   // said so.
   kBigDeviceFrames = 512,
+  // Hello or ack: the sender's link encryption is on. Once the ack is out,
+  // every connection of the link that stays TCP (not moved to a local
+  // socket) runs a TLS 1.3 handshake keyed from the link secret and that
+  // connection's handshake (tls.h), and carries nothing but TLS records
+  // from there. A link is made only when both ends say the same.
+  kEncrypted = 1024,
+  // A refusal's ack only: the acceptor refused because the two ends'
+  // encryption differs (its own is kEncrypted).
+  kEncryptionDiffers = 2048,
 };
 // The longest UCX worker address a hello or ack may carry.
 constexpr uint32_t kMaxUcxAddress = 8192;
