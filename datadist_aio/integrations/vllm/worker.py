@@ -282,9 +282,8 @@ class WorkerSide:
         config.sync_kv_timeout = max(1, int(self.settings.load_timeout_s * 1000))
         if self.device is not None:
             config.device_id = self.device
-        if self.settings.link_encryption and hasattr(config, "link_encryption"):
-            # The engine's links follow the connector's setting (where the engine has one).
-            setattr(config, "link_encryption", self.settings.link_encryption)
+        if self.settings.link_encryption:  # the links as the side channel (unset: the environment's, for both)
+            config.link_encryption = self.settings.link_encryption
         if self.settings.is_producer or self.settings.lends_inbox:
             config.listen_ip_info = f"{self.settings.host}:0"
         if self.settings.is_producer:  # it pushes: into an inbox, or straight into decode-first decodes' blocks
