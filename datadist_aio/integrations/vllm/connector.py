@@ -26,8 +26,9 @@ blocks, at most ``inbox_share_blocks`` (256) to each prefill, and listens on
 its side channel port; a prefill instance pushes to the decode instance whose
 side channel is ``push_host`` (127.0.0.1) : ``push_port`` (plus its rank).
 ``link_encryption`` (``"off"`` or ``"tls"``; unset: the environment's
-``DATADIST_AIO_LINK_ENCRYPTION``): with ``"tls"`` the side channel's
-messages are encrypted as well as authenticated. They are authenticated
+``DATADIST_AIO_LINK_ENCRYPTION``): with ``"tls"`` the engine's links
+(``LLMConfig.link_encryption``) and the side channel's messages are
+encrypted. The side channel's messages are authenticated
 under the link secret (``DATADIST_AIO_AUTH_KEY``, which the engine's links
 prove too) wherever one is set: every worker of a pair needs the same.
 With KV tensors on a CUDA device, ``kv_transfer_config.kv_buffer_device``
