@@ -124,6 +124,7 @@ class NetnsEngine(Engine):
                  cores: Optional[set[int]] = None, **kwargs: Any) -> None:
         self.netns = netns_name
         self.cores = cores
+        self._sentinel_open = False
         super().__init__(model, kv_transfer, **kwargs)
 
     def _spawn(self, args: tuple[Any, ...]) -> tuple[Any, Any]:
@@ -133,8 +134,15 @@ class NetnsEngine(Engine):
         code = (f"{pin}import sys; sys.path.insert(0, {str(TESTS)!r}); import vllm_pd; "
                 "vllm_pd.engine_child(int(sys.argv[1]))")
         process, conn = netns.spawn_in_netns(self.netns, ["-c", code])
+        self._sentinel_open = True
         conn.send(args)
         return process, conn
+
+    def kill(self) -> None:
+        super().kill()
+        if self._sentinel_open:
+            self._sentinel_open = False
+            self.process.close()
 
 
 def host_cores(side: int) -> set[int]:

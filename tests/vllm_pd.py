@@ -263,7 +263,6 @@ class Engine:
         self.side_channel_host = str(extra.get("side_channel_host", "127.0.0.1"))
         self.process, self._conn = self._spawn((str(model), kv_transfer, dict(env or {}), policy, llm_args))
         self.stopped = False
-        self._closed = False
         kind, value = self._answer(start_timeout)
         if kind != "ready":
             self.kill()
@@ -331,21 +330,14 @@ class Engine:
         self.stopped = False
 
     def kill(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
         if self.process.is_alive():
             self.process.kill()
         self.process.join(timeout=30)
         self._conn.close()
-        try:
-            self.process.close()  # its sentinel descriptor, even where a failed test's traceback keeps this object
-        except ValueError:  # still running after the kill and the wait
-            pass
 
     def close(self) -> None:
-        if self._closed or not self.process.is_alive():
-            self.kill()
+        if not self.process.is_alive():
+            self._conn.close()
             return
         if self.stopped:
             self.cont_signal()
