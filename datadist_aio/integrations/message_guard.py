@@ -212,8 +212,7 @@ class MessageGuard:
     def _open(self, body: bytes) -> tuple[int, int, int, bytes, bytes, bytes]:
         if len(body) < _HEADER.size or body[:len(_MAGIC)] != _MAGIC:
             raise Refused("a message not sealed (a peer without the link secret)")
-        magic, mode, kind, port, stamp, nonce, answers = _HEADER.unpack_from(body)
-        del magic
+        _magic, mode, kind, port, stamp, nonce, answers = _HEADER.unpack_from(body)
         header = body[:_HEADER.size]
         if mode != self._mode:
             theirs = "on" if mode == _MODE_AEAD else "off" if mode == _MODE_MAC else f"unknown ({mode})"
