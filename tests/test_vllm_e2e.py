@@ -18,7 +18,16 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_pd import Engine, connector_config, delta, free_port_run, model_dir, prompts_of_lengths  # noqa: E402
+from vllm_pd import (  # noqa: E402
+    Engine,
+    close_engines,
+    connector_config,
+    delta,
+    free_port_run,
+    model_dir,
+    prompts_of_lengths,
+    start_engines,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
@@ -40,17 +49,24 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return model_dir(tmp_path_factory.mktemp("vllm-model"))
 
 
-def started(*engines: tuple[str, Callable[[], Engine]]) -> Iterator[dict[str, Any]]:
-    """Starts the engines in the order given, yields them by name, and closes
-    the ones that started, last started first (also when a later one fails)."""
-    running: dict[str, Any] = {}
+def started(*engines: tuple[str, Callable[[], Engine]], in_order: bool = False) -> Iterator[dict[str, Any]]:
+    """Starts the engines side by side (``in_order``: each once the one
+    before is ready), yields them by name, and closes them (where one fails
+    to start, those started are closed and its failure raised)."""
+    if in_order:
+        running: dict[str, Any] = {}
+        try:
+            for item in engines:
+                running.update(start_engines([item]))
+        except BaseException:
+            close_engines(list(running.values()))
+            raise
+    else:
+        running = start_engines(list(engines))
     try:
-        for name, start in engines:
-            running[name] = start()
         yield running
     finally:
-        for engine in reversed(list(running.values())):
-            engine.close()
+        close_engines(list(running.values()))
 
 
 @pytest.fixture(scope="module")
@@ -218,6 +234,7 @@ def push_engines(model: Path, inbox_blocks: int, share_blocks: int, **prefill_ex
         ("prefill", lambda: Engine(model, connector_config("datadist", "kv_producer", free_port(),
                                                            transfer_mode="push_layerwise", push_port=decode_port,
                                                            **prefill_extra))),
+        in_order=True,  # the prefill links to the decode's inbox as it starts
     )
 
 

@@ -28,12 +28,15 @@ pytest.importorskip("vllm")
 
 from vllm_pd import (  # noqa: E402
     Engine,
+    close_engines,
     connector_config,
+    decode_first,
     delta,
     free_port_run,
     model_dir,
     parting,
     prompts_of_lengths,
+    start_engines,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
@@ -62,15 +65,16 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @contextlib.contextmanager
 def start_pair(model: Path, prefill: dict[str, Any], decode: dict[str, Any]) -> Iterator[tuple[Engine, Engine]]:
     port = free_port_run(4)
-    engines: list[Engine] = []
+    engines = start_engines([
+        ("prefill", lambda: Engine(model, connector_config("datadist", "kv_producer", port), block_size=BLOCK,
+                                   **prefill)),
+        ("decode", lambda: Engine(model, connector_config("datadist", "kv_consumer", 0), policy="fail",
+                                  block_size=BLOCK, **decode)),
+    ])
     try:
-        engines.append(Engine(model, connector_config("datadist", "kv_producer", port), block_size=BLOCK, **prefill))
-        engines.append(Engine(model, connector_config("datadist", "kv_consumer", 0), policy="fail",
-                              block_size=BLOCK, **decode))
-        yield engines[0], engines[1]
+        yield engines["prefill"], engines["decode"]
     finally:
-        for engine in reversed(engines):
-            engine.close()
+        close_engines(list(engines.values()))
 
 
 def run_hybrid(prefill: Engine, decode: Engine) -> None:
@@ -114,6 +118,19 @@ def run_hybrid(prefill: Engine, decode: Engine) -> None:
     (control,) = (r["tokens"] for r in decode.generate([a], MAX_TOKENS, [params_b])["results"])
     assert control != ref_a, "the decode computed prompt a itself: the KV did not arrive"
     assert control[:2] == ref_b[:2]
+
+    # Decode-first (the request to both at once): the prefill cannot push
+    # several groups layer by layer, so it names every group's blocks as its
+    # prompt is computed, and the decode pulls them. The offline engine does
+    # not step again after the request: the names must come with its step.
+    before = decode.metrics()
+    got = decode_first([(prefill, prefill.side_channel_port, decode, p, p) for p in prompts], MAX_TOKENS)
+    for index, tokens in enumerate(got):
+        check(tokens, index)
+    after = decode.metrics()
+    assert delta(after, before, FAILED) == 0 and delta(after, before, XFERS) >= len(prompts)
+    (control,) = decode_first([(prefill, prefill.side_channel_port, decode, b, a)], MAX_TOKENS)
+    assert control != ref_a and control[:2] == ref_b[:2], "the decode's prompt a with the prefill's KV of b"
 
 
 def test_hybrid_kv_groups_tp1_into_tp1(model: Path) -> None:

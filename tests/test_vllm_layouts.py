@@ -24,6 +24,7 @@ pytest.importorskip("vllm")
 
 from vllm_pd import (  # noqa: E402
     Engine,
+    close_engines,
     connector_config,
     delta,
     decode_first,
@@ -31,6 +32,7 @@ from vllm_pd import (  # noqa: E402
     model_dir,
     parting,
     prompts_of_lengths,
+    start_engines,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
@@ -54,15 +56,15 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @contextlib.contextmanager
 def start_pair(model: Path, prefill: dict[str, Any], decode: dict[str, Any]) -> Iterator[dict[str, Engine]]:
     port = free_port_run(4)
-    engines: dict[str, Engine] = {}
+    engines = start_engines([
+        ("prefill", lambda: Engine(model, connector_config("datadist", "kv_producer", port), **prefill)),
+        ("decode", lambda: Engine(model, connector_config("datadist", "kv_consumer", 0, load_timeout_s=5.0),
+                                  policy="fail", **decode)),
+    ])
     try:
-        engines["prefill"] = Engine(model, connector_config("datadist", "kv_producer", port), **prefill)
-        engines["decode"] = Engine(model, connector_config("datadist", "kv_consumer", 0, load_timeout_s=5.0),
-                                   policy="fail", **decode)
         yield engines
     finally:
-        for engine in reversed(list(engines.values())):
-            engine.close()
+        close_engines(list(engines.values()))
 
 
 def check_outputs(got: list[list[int]], reference: list[dict[str, Any]]) -> None:

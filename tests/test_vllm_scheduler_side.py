@@ -7,6 +7,7 @@ are skipped where vLLM is not installed.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import importlib.util
 from dataclasses import dataclass, field
@@ -157,6 +158,29 @@ def test_decode_first_requests_plan_an_expect_and_name_their_transfer() -> None:
     held, answer = prefill.request_finished(request, [3, 4])
     assert held and answer is not None and answer["lease_token"] == token, "the lease takes the token drawn early"
     assert prefill.build_plan().announce == {"x-1": answer}
+
+
+def test_a_hybrid_decode_first_request_names_every_groups_blocks_as_its_prompt_ends() -> None:
+    """With several KV cache groups the step that ends a decode-first
+    prompt names every group's blocks (a sliding-window group's in-window
+    tail), as the finished request's params will: a decode that pulls needs
+    no later step of the prefill."""
+    settings = dataclasses.replace(SAVING, window_blocks=(2, 0))  # group 0: a window of 2 blocks
+    prefill = SchedulerSide(settings, Clock())
+    request = Request("p1", list(range(18)), {"do_remote_decode": True, "transfer_id": "x-1"})  # 5 blocks of 4
+    prefill.update_state_after_alloc(request, [], 0)
+    first = prefill.build_plan([ScheduledChunk("p1", [1, 2, 3], True, 0, 10, ([11, 12, 13],))])
+    assert first.saves["p1"].all_groups is None, "named as the prompt ends"
+    last = prefill.build_plan([ScheduledChunk("p1", [4, 5], False, 10, 8, ([14, 15],))]).saves["p1"]
+    assert last.last and last.all_groups == [[4, 5], [11, 12, 13, 14, 15]]
+    request.status = Status.FINISHED_LENGTH_CAPPED
+    _held, answer = prefill.request_finished(request, ([1, 2, 3, 4, 5], [11, 12, 13, 14, 15]))
+    assert answer is not None and answer["remote_block_ids"] == last.all_groups
+    # One group: the blocks of the steps name it (no list per group).
+    single = SchedulerSide(SAVING, Clock())
+    single.update_state_after_alloc(Request("p2", list(range(8)), {"do_remote_decode": True, "transfer_id": "x-2"}),
+                                    [], 0)
+    assert single.build_plan([ScheduledChunk("p2", [3, 4], True, 0, 8)]).saves["p2"].all_groups is None
 
 
 def test_saves_name_the_blocks_each_chunk_writes() -> None:

@@ -17,7 +17,7 @@ import socket
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 HERE = Path(__file__).resolve().parent
 BLOCK_SIZE = 32
@@ -347,6 +347,36 @@ class Engine:
             pass
         self.process.join(timeout=30)
         self.kill()
+
+
+def start_engines(factories: "list[tuple[str, Callable[[], Engine]]]") -> "dict[str, Engine]":
+    """Starts engines side by side (each factory makes one and waits until it
+    is ready); returns them by name. Where one fails, those that started are
+    closed and the first failure is raised."""
+    import concurrent.futures
+
+    running: dict[str, Engine] = {}
+    failure: Optional[BaseException] = None
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(factories))) as pool:
+        futures = {name: pool.submit(factory) for name, factory in factories}
+        for name, future in futures.items():
+            try:
+                running[name] = future.result()
+            except BaseException as exc:  # noqa: BLE001  (the others still start, then close)
+                failure = failure or exc
+    if failure is not None:
+        close_engines(list(running.values()))
+        raise failure
+    return {name: running[name] for name, _ in factories}
+
+
+def close_engines(engines: "list[Engine]") -> None:
+    """Closes engines side by side."""
+    import concurrent.futures
+
+    if engines:
+        with concurrent.futures.ThreadPoolExecutor(len(engines)) as pool:
+            list(pool.map(lambda engine: engine.close(), engines))
 
 
 def prompts_of_lengths(lengths: list[int], seed: int, vocab: int = 1024) -> list[list[int]]:

@@ -245,6 +245,11 @@ def _first_group(block_ids: Any) -> Optional[list[int]]:
     return list(block_ids[0]) if block_ids else None
 
 
+def _other_groups(block_ids: Any) -> tuple[list[int], ...]:
+    """New blocks of the KV cache groups after the first (vLLM's hybrid KV cache manager)."""
+    return tuple(list(group) for group in block_ids[1:]) if block_ids else ()
+
+
 def _window_blocks(kv_cache_config: Any) -> tuple[int, ...]:
     """Per vLLM KV cache group, the trailing blocks a sliding-window group
     needs (0: all, full attention); ``(0,)`` where vLLM does not say."""
@@ -270,7 +275,8 @@ def scheduled_chunks(output: "SchedulerOutput") -> list[ScheduledChunk]:
     """This step's requests, as the scheduler side reads them."""
     counts = output.num_scheduled_tokens
     chunks = [
-        ScheduledChunk(new.req_id, _first_group(new.block_ids), True, new.num_computed_tokens, counts.get(new.req_id, 0))
+        ScheduledChunk(new.req_id, _first_group(new.block_ids), True, new.num_computed_tokens, counts.get(new.req_id, 0),
+                       _other_groups(new.block_ids))
         for new in output.scheduled_new_reqs
     ]
     cached = output.scheduled_cached_reqs
@@ -281,6 +287,7 @@ def scheduled_chunks(output: "SchedulerOutput") -> list[ScheduledChunk]:
             req_id in cached.resumed_req_ids,
             cached.num_computed_tokens[index],
             counts.get(req_id, 0),
+            _other_groups(cached.new_block_ids[index]),
         ))
     return chunks
 

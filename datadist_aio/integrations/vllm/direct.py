@@ -98,6 +98,7 @@ class _Direct:
     # token its lease will have, from its steps: the params for a decode
     # that pulls, as soon as the prompt is computed.
     computed: dict[int, int] = field(default_factory=dict)
+    all_groups: Optional[list[list[int]]] = None  # with several KV cache groups: every group's blocks
     total_blocks: int = 0
     lease_token: str = ""
     # Further decode ranks that expect the request where the layouts differ
@@ -255,6 +256,7 @@ class DirectPushes:
             d.total_blocks, d.lease_token = spec.total_blocks, spec.lease_token or d.lease_token
             if spec.last:
                 d.last_computed = True
+                d.all_groups = spec.all_groups
             if d.usable(now):
                 assert d.cluster_id is not None
                 by_decode.setdefault(d.cluster_id, []).append((d, blocks))
@@ -398,9 +400,10 @@ class DirectPushes:
             d.landed = d.settled = True
             await self._tell(d, {"op": "landed", "transfer_id": d.transfer_id, "remote_request_id": d.req_id})
             return
-        if d.params is None and self._single_group and d.last_computed and not d.forward_failed \
-                and d.lease_token and d.req_id and len(d.computed) >= d.total_blocks > 0:
-            d.params = {"remote_block_ids": [d.computed[index] for index in range(d.total_blocks)],
+        if d.params is None and d.last_computed and not d.forward_failed and d.lease_token and d.req_id \
+                and len(d.computed) >= d.total_blocks > 0 and (self._single_group or d.all_groups is not None):
+            blocks: Any = [d.computed[index] for index in range(d.total_blocks)]
+            d.params = {"remote_block_ids": blocks if self._single_group else d.all_groups,
                         "lease_token": d.lease_token, "remote_request_id": d.req_id,
                         "remote_engine_id": self._engine_id}
         if d.cancelled or d.params is None:

@@ -7,7 +7,7 @@ hold only ints, strings, lists and plain dicts of them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 __all__ = ["LoadSpec", "SaveSpec", "StepPlan"]
 
@@ -84,6 +84,10 @@ class SaveSpec:
     # ``expect``), and the token its lease will have (for a decode that pulls).
     transfer_id: str = ""
     lease_token: str = ""
+    # Decode-first, in the step that ends the prompt, with several KV cache
+    # groups: every group's blocks (a sliding-window group's in-window
+    # tail), for a decode that pulls them.
+    all_groups: Optional[list[list[int]]] = None
 
 
 @dataclass

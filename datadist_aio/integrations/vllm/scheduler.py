@@ -68,7 +68,8 @@ class ScheduledChunk(NamedTuple):
 
     ``new_block_ids`` (of the first cache group) extend the request's blocks,
     or replace them when ``replace`` (a new or resumed request); None: no new
-    blocks.
+    blocks. ``more_new_block_ids``: the same of each further KV cache group
+    (vLLM's hybrid KV cache manager), empty with one group.
     """
 
     req_id: str
@@ -76,6 +77,7 @@ class ScheduledChunk(NamedTuple):
     replace: bool
     num_computed_tokens: int
     num_scheduled_tokens: int
+    more_new_block_ids: tuple[list[int], ...] = ()
 
 
 @dataclass
@@ -87,6 +89,7 @@ class _Outgoing:
     next_index: int = 0
     transfer_id: str = ""  # decode-first: its decode expects the blocks
     lease_token: str = ""  # decode-first: drawn now, so the worker can name the blocks before the request ends
+    more_blocks: list[list[int]] = field(default_factory=list)  # further KV cache groups' blocks
 
 
 def _params(request: Any) -> dict[str, Any]:
@@ -313,6 +316,19 @@ class SchedulerSide:
         self._loads, self._leases, self._tokens, self._announce = {}, {}, {}, {}
         return plan
 
+    def _all_groups(self, outgoing: _Outgoing) -> Optional[list[list[int]]]:
+        """A decode-first request's blocks of every KV cache group as its
+        prompt ends, a sliding-window group's clipped to the tail its window
+        needs (as ``request_finished`` names them); None with one group."""
+        if not outgoing.more_blocks:
+            return None
+        prompt_blocks = -(-outgoing.prompt_len // self.settings.block_size)
+        groups = [outgoing.blocks[:prompt_blocks], *(blocks[:prompt_blocks] for blocks in outgoing.more_blocks)]
+        for index, window in enumerate(self.settings.window_blocks[:len(groups)]):
+            if window:
+                groups[index] = groups[index][-window:]
+        return groups
+
     def _saves(self, scheduled: Any) -> dict[str, SaveSpec]:
         """The blocks each remote-decode request's prompt fills in this step."""
         saves: dict[str, SaveSpec] = {}
@@ -328,6 +344,13 @@ class SchedulerSide:
                     outgoing.next_index = min(outgoing.next_index, chunk.num_computed_tokens // size)
                 else:
                     outgoing.blocks.extend(int(block) for block in chunk.new_block_ids)
+            for index, new in enumerate(chunk.more_new_block_ids):
+                while len(outgoing.more_blocks) <= index:
+                    outgoing.more_blocks.append([])
+                if chunk.replace:
+                    outgoing.more_blocks[index] = [int(block) for block in new]
+                else:
+                    outgoing.more_blocks[index].extend(int(block) for block in new)
             end = min(chunk.num_computed_tokens + chunk.num_scheduled_tokens, outgoing.prompt_len)
             stop = min(-(-end // size), len(outgoing.blocks))
             last = end >= outgoing.prompt_len
@@ -340,6 +363,7 @@ class SchedulerSide:
                     last=last,
                     transfer_id=outgoing.transfer_id,
                     lease_token=outgoing.lease_token,
+                    all_groups=self._all_groups(outgoing) if last and outgoing.transfer_id else None,
                 )
             outgoing.next_index = end // size
             if last:
