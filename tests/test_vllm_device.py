@@ -450,6 +450,83 @@ def test_a_worker_registers_the_device_its_tensors_are_on(standin: Path) -> None
              owner_env={"STANDIN_CUDA_DEVICES": "2"}, initiator_env={"STANDIN_CUDA_DEVICES": "2"})
 
 
+def decode_first_decode(conn: Any, backend: str) -> None:
+    """A decode-first request into device tensors (zeros): the prefill says
+    pull, and every byte read must be the one its step wrote."""
+    from datadist_aio.integrations.vllm.metadata import LoadSpec, StepPlan
+
+    memory = _memory(backend, 0)
+    kv = {name: memory.tensor("device", np.zeros(LAYER_BYTES, np.uint8)) for name in NAMES}
+    side = WorkerSide(WorkerSettings(engine_id="decode", is_producer=False, load_timeout_s=20.0,
+                                     kv_heads=HEADS, block_size=BLOCK_SIZE, kv_buffer_device="cuda"))
+    try:
+        side.register(kv, BLOCKS)
+        prefill_port = _recv(conn)
+        spec = LoadSpec("a", LOCAL, [], "prefill", "127.0.0.1", prefill_port, "", transfer_id="x-a")
+        side.start_loads(StepPlan(loads={"a": spec}))
+        failed = _wait_for(side, "a", 30.0)
+        assert not failed and not side.load_errors(), f"the load failed: {failed}"
+        targets = [kv * LAYER_BYTES // 2 + block * BLOCK_BYTES for kv in range(2) for block in LOCAL]
+        for layer, name in enumerate(NAMES):
+            got = memory.read(kv[name])
+            for chunk, offset in zip(_new(layer).reshape(-1, BLOCK_BYTES), targets):
+                assert got[offset:offset + BLOCK_BYTES].tobytes() == chunk.tobytes(), \
+                    f"{name}: the decode read the block at {offset} before the prefill's forward wrote it"
+        conn.send("loaded")
+        assert _recv(conn) == "freed"
+    finally:
+        side.shutdown()
+        memory.close()
+
+
+def decode_first_prefill(conn: Any, backend: str) -> None:
+    """Computes the request on the model's stream, which runs its writes
+    only a second after the forward returned (the gate); in transfer mode
+    "pull" it names the blocks for the decode to read."""
+    from datadist_aio.integrations.vllm.metadata import SaveSpec, StepPlan
+
+    memory = _memory(backend, 0)
+    kv = {name: memory.tensor("device", _old(layer)) for layer, name in enumerate(NAMES)}
+    side = WorkerSide(WorkerSettings(engine_id="prefill", is_consumer=False, transfer_mode="pull",
+                                     load_timeout_s=20.0, kv_heads=HEADS, block_size=BLOCK_SIZE,
+                                     kv_buffer_device="cuda", record_event=memory.record_event))
+    try:
+        side.register(kv, BLOCKS)
+        conn.send(side.side_channel_port)
+        assert side.pusher is not None
+        directs = side.pusher.directs._directs
+        deadline = time.monotonic() + 20
+        while not ("x-a" in directs and directs["x-a"].expected):  # the decode's expect came
+            assert time.monotonic() < deadline, "no expect from the decode"
+            time.sleep(0.01)
+        plan = StepPlan(saves={"p-a": SaveSpec("p-a", REMOTE, 0, len(REMOTE), True, "x-a", "t-a")})
+        side.begin_step(plan)
+        for layer, name in enumerate(NAMES):
+            memory.write_blocks(kv[name], REMOTE, _new(layer), on_stream=True)
+            side.save_layer(name)
+        side.start_loads(plan)
+        opener = threading.Timer(1.0, memory.open_gates)
+        opener.start()
+        try:
+            side.finish_step()
+        finally:
+            opener.join()
+        side.start_loads(StepPlan(leases={"p-a": time.monotonic() + 60}, lease_tokens={"p-a": "t-a"}))
+        assert _recv(conn) == "loaded"
+        _wait_for(side, "p-a")
+        conn.send("freed")
+    finally:
+        side.shutdown()
+        memory.close()
+
+
+def test_a_decode_told_to_pull_reads_what_the_device_wrote(standin: Path) -> None:
+    """Decode-first on device tensors: the decode is told to pull once the
+    prefill's forward is over on the device (its end event completed), not
+    when the forward returned with its writes still queued on the stream."""
+    run_pair(standin, decode_first_decode, decode_first_prefill, "standin")
+
+
 def test_torch_cuda_tensors_move_between_workers() -> None:
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
