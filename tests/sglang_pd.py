@@ -120,21 +120,22 @@ def stop_all(processes: "list[_Process]") -> None:
         if process.proc.poll() is None:
             process.signal(signal.SIGCONT)
             process.signal(signal.SIGTERM)
-    deadline = time.monotonic() + 20
-    for process in processes:
-        try:
-            process.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
+    _wait_all(processes, 20)
     for process in processes:
         process.signal(signal.SIGKILL)
-    deadline = time.monotonic() + 10
+    _wait_all(processes, 10)
+    for process in processes:
+        process._log.close()
+
+
+def _wait_all(processes: "list[_Process]", seconds: float) -> None:
+    """Waits for the processes to end, ``seconds`` for all of them."""
+    deadline = time.monotonic() + seconds
     for process in processes:
         try:
             process.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
-        process._log.close()
 
 
 class Server(_Process):
