@@ -47,6 +47,15 @@ def _process_wide_descriptors() -> None:
         loop.close()
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Moves what collection made (modules, test items, parameters) out of
+    the collector's reach: ``no_leaks`` collects twice a test, and each
+    collection then walks only what the tests made, not the whole run's
+    ~100,000 objects (about 50 ms a collection, minutes a run)."""
+    gc.collect()
+    gc.freeze()
+
+
 def _open_fds() -> set[int]:
     return {int(fd) for fd in os.listdir("/proc/self/fd")}
 
