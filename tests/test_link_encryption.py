@@ -307,3 +307,25 @@ def test_a_same_host_link_keeps_its_kernel_copies(group, prompt_factory):
     assert prompt.datadist.link_transport(DECODE).encrypted is (on_tcp > 0)
     prompt.push()
     np.testing.assert_array_equal(landed(decode, ref), np.stack([prompt.content] * TENSORS))
+
+
+# -- the benchmark
+
+
+def test_the_encryption_benchmark_runs_and_checks_its_bytes(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "datadist_aio.bench", "--encryption", "--cache-size", "8M", "--rounds", "1",
+         "--iterations", "1", "--small-ops", "20", "--output", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "datadist_bench_encryption.json").read_text())
+    rounds = {row["variant"]: row for row in report["rounds"]}
+    assert rounds["tls"]["encrypted"] is True and rounds["tls"]["cipher"] == CIPHER
+    assert rounds["off"]["encrypted"] is False
+    assert all(row["verified"] for row in report["rounds"])
+    assert "tls/plain" in done.stdout

@@ -4,12 +4,14 @@
     python -m datadist_aio.bench --ucx [--quick] [--output DIR] ...
     python -m datadist_aio.bench serve --listen IP:PORT --authkey KEY
     python -m datadist_aio.bench --device [--quick] [--output DIR] [--driver PATH] ...
+    python -m datadist_aio.bench --encryption [--quick] [--output DIR] ...
 
 The first form measures; with ``--peer IP:PORT`` its target side is a
 ``serve`` process on another host, otherwise one it starts on loopback.
 ``--ucx`` measures this library on transport "ucx" against NIXL's UCX
 backend instead, on the same UCX transports.
-The third measures device-memory transfers on one GPU (bench/device.py).
+The third measures device-memory transfers on one GPU (bench/device.py);
+the fourth, encrypted links against plain ones (bench/encryption.py).
 """
 
 from __future__ import annotations
@@ -67,6 +69,8 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--device", action="store_true", help="the device benchmark instead, on one GPU: its own options "
                    "(python -m datadist_aio.bench --device -h)")
+    p.add_argument("--encryption", action="store_true", help="the link encryption benchmark instead: TLS against "
+                   "plain links on loopback (python -m datadist_aio.bench --encryption -h)")
     return p
 
 
@@ -178,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
         from .device import main as device_main
 
         return device_main(argv)
+    if "--encryption" in argv:
+        from .encryption import main as encryption_main
+
+        return encryption_main(argv)
     return run(argv)
 
 

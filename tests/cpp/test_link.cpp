@@ -130,6 +130,61 @@ TEST_F(AuthLinkTest, AWrongOrMissingSecretIsAuthFailed) {
   }
 }
 
+// Link encryption on both ends, over TCP: every connection in TLS 1.3, and
+// GetLinkTransport says so on either end.
+class EncryptedLinkTest : public LinkTest {
+ protected:
+  Options ServerOptions() const override {
+    return {{OPTION_AUTH_KEY, "open sesame"}, {OPTION_LINK_ENCRYPTION, "tls"}, {OPTION_TRANSPORT, "tcp"}};
+  }
+  Options ClientOptions() const override { return ServerOptions(); }
+};
+
+TEST_F(EncryptedLinkTest, BothEndsSayTheLinkIsEncrypted) {
+  ExpectPushes(true);  // every connection's handshake has ended at both ends
+  for (auto [from, peer] : {std::make_pair(client_.get(), kServerId), std::make_pair(server_.get(), kClientId)}) {
+    LlmDataDist::LinkTransportInfo info;
+    ASSERT_STATUS(LLM_SUCCESS, from->GetLinkTransport(peer, info));
+    EXPECT_EQ(info.transport, "tcp");
+    EXPECT_TRUE(info.encrypted);
+    EXPECT_EQ(info.cipher, "TLS_AES_128_GCM_SHA256");
+  }
+  LlmDataDist::LinkTransportInfo info;
+  EXPECT_STATUS(LLM_NOT_YET_LINK, client_->GetLinkTransport(kUnlinkedId, info));
+}
+
+TEST_F(EncryptedLinkTest, APeerThatDoesNotEncryptIsRefused) {
+  LlmDataDist other(303, LlmRole::kPrompt);
+  Options options = BaseOptions();
+  options[OPTION_AUTH_KEY] = "open sesame";
+  options[OPTION_TRANSPORT] = "tcp";
+  ASSERT_STATUS(LLM_SUCCESS, other.Initialize(options));
+  std::vector<Status> rets;
+  EXPECT_STATUS(LLM_LINK_FAILED, other.LinkLlmClusters({ServerInfo()}, rets, 2000));
+}
+
+TEST_F(TcpLinkTest, AnUnencryptedLinkSaysSo) {
+  LlmDataDist::LinkTransportInfo info;
+  ASSERT_STATUS(LLM_SUCCESS, client_->GetLinkTransport(kServerId, info));
+  EXPECT_EQ(info.transport, "tcp");
+  EXPECT_FALSE(info.encrypted);
+  EXPECT_EQ(info.cipher, "");
+  EXPECT_FALSE(info.kernel_tls);
+}
+
+TEST(LinkEncryption, TlsWithoutASecretOrWithUcxIsParamInvalid) {
+  LlmDataDist other(303, LlmRole::kPrompt);
+  Options options = BaseOptions();
+  options[OPTION_LINK_ENCRYPTION] = "tls";
+  EXPECT_STATUS(LLM_PARAM_INVALID, other.Initialize(options));
+  options[OPTION_AUTH_KEY] = "open sesame";
+  options[OPTION_TRANSPORT] = "ucx";
+  EXPECT_STATUS(LLM_PARAM_INVALID, other.Initialize(options));
+  options[OPTION_LINK_ENCRYPTION] = "on";
+  options.erase(OPTION_TRANSPORT);
+  EXPECT_STATUS(LLM_PARAM_INVALID, other.Initialize(options));
+}
+
 TEST_F(LinkTest, BadTransportOptionIsParamInvalid) {
   LlmDataDist other(303, LlmRole::kPrompt);
   EXPECT_STATUS(LLM_PARAM_INVALID, other.Initialize({{OPTION_TRANSPORT, "shm"}}));

@@ -171,9 +171,36 @@ def link_seeds() -> dict[str, bytes]:
     }
 
 
+def client_hello(identity: bytes = b"datadist_aio link") -> bytes:
+    """A TLS 1.3 ClientHello record offering an external PSK (its binder
+    zeros, so the acceptor must refuse it) with x25519, as an initiator's
+    first TLS bytes look."""
+
+    def ext(kind: int, body: bytes) -> bytes:
+        return kind.to_bytes(2, "big") + len(body).to_bytes(2, "big") + body
+
+    def vec(body: bytes, width: int) -> bytes:
+        return len(body).to_bytes(width, "big") + body
+
+    extensions = (
+        ext(0x002B, vec(b"\x03\x04", 1))  # supported_versions: TLS 1.3
+        + ext(0x000A, vec(b"\x00\x1d", 2))  # supported_groups: x25519
+        + ext(0x0033, vec(b"\x00\x1d" + vec(bytes(range(32)), 2), 2))  # key_share
+        + ext(0x002D, vec(b"\x01", 1))  # psk_key_exchange_modes: psk_dhe_ke
+        + ext(0x0029, vec(vec(identity, 2) + bytes(4), 2) + vec(vec(bytes(32), 1), 2))  # pre_shared_key, last
+    )
+    body = b"\x03\x03" + bytes(32) + vec(b"", 1) + vec(b"\x13\x01", 2) + vec(b"\x00", 1) + vec(extensions, 2)
+    handshake = b"\x01" + vec(body, 3)
+    return b"\x16\x03\x01" + vec(handshake, 2)
+
+
 def listen_seeds() -> dict[str, bytes]:
-    """Mode byte (1: the listener wants a secret), then what one connection sends."""
+    """Mode byte (1: the listener wants a secret; 2: it encrypts, and the
+    harness has proven the secret before the input; 4: the harness has made
+    the TLS handshake too and the input goes through it; 8: the input goes
+    raw after that handshake), then what one connection sends."""
     plain, secret = b"\x00", b"\x01"
+    tls_handshake, through_tls, raw_after_tls = b"\x03", b"\x07", b"\x0f"
     a = dict(kind=BY_ID, cache_id=1, expected=64)
     write = frame(WRITE_T, request([(0, 1, 0, 64)], **a), b"\x11" * 64, op_id=1)
     read = frame(READ_T, request([(1, 3, 0, 64)], **a), op_id=2)
@@ -196,6 +223,10 @@ def listen_seeds() -> dict[str, bytes]:
                                same_host=info, local_socket=(3).to_bytes(4, "little"),
                                answer_socket=(4).to_bytes(4, "little")))
         + write,
+        "tls-client-hello": tls_handshake + client_hello(),
+        "tls-client-hello-stranger": tls_handshake + client_hello(b"someone else"),
+        "tls-frames": through_tls + write + read,
+        "tls-record-altered": raw_after_tls + b"\x17\x03\x03\x00\x30" + bytes(range(48)),
     }
 
 

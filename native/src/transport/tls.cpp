@@ -39,6 +39,9 @@ constexpr unsigned char kSuiteId[2] = {0x13, 0x01};
 constexpr char kIdentity[] = "datadist_aio link";
 // Pieces shorter than a record are gathered into one.
 constexpr size_t kRecordBytes = 16384;
+// What one read from the socket may take (read ahead): four records and
+// their overhead per call.
+constexpr size_t kReadBufferBytes = 4 * kRecordBytes + 1024;
 
 using PskUse = int (*)(void *ssl, const void *md, const unsigned char **id, size_t *id_len, void **session);
 using PskFind = int (*)(void *ssl, const unsigned char *id, size_t id_len, void **session);
@@ -104,7 +107,7 @@ void *make_context(const Ssl &s, bool server, std::string &why) {
   s.ctx_ctrl(ctx, kCtrlMaxProto, kTls13, nullptr);
   s.ctx_ctrl(ctx, kCtrlMode, kModePartialWrite | kModeMovingBuffer, nullptr);
   s.ctx_ctrl(ctx, kCtrlReadAhead, 1, nullptr);
-  s.ctx_set_read_buffer_len(ctx, 4 * kRecordBytes + 1024);
+  s.ctx_set_read_buffer_len(ctx, kReadBufferBytes);
   s.ctx_set_options(ctx, kOpNoTicket | (v3 ? kOpEnableKtls | kOpIgnoreUnexpectedEof : 0));
   s.ctx_clear_options(ctx, kOpMiddleboxCompat);
   s.ctx_set_num_tickets(ctx, 0);
