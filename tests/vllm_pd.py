@@ -158,13 +158,13 @@ def _engine_main(conn: Any, model: str, kv_transfer: Optional[dict[str, Any]], e
             seed=0,
         )
         args.update(llm_args)
-        tp = int(args.get("tensor_parallel_size", 1))
-        if tp > 1:
+        workers = int(args.get("tensor_parallel_size", 1)) * int(args.get("pipeline_parallel_size", 1))
+        if workers > 1:
             args.setdefault("distributed_executor_backend", "mp")
             # vLLM's CPU workers each bind their OpenMP threads to a CPU list:
             # one core each, round the machine's cores.
             cores = len(os.sched_getaffinity(0))
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % cores) for r in range(tp)))
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % cores) for r in range(workers)))
         llm = LLM(**args)
     except BaseException:
         conn.send(("error", traceback.format_exc()))
@@ -255,8 +255,8 @@ class Engine:
                  policy: Optional[str] = None, env: Optional[dict[str, str]] = None,
                  start_timeout: float = 400.0, **llm_args: Any) -> None:
         """``llm_args`` go to ``vllm.LLM`` over the defaults (``tensor_parallel_size``,
-        ``block_size``, ``enable_prefix_caching``, ...); TP above 1 runs its
-        workers as processes (``distributed_executor_backend="mp"``)."""
+        ``block_size``, ``enable_prefix_caching``, ...); TP or PP above 1 runs
+        its workers as processes (``distributed_executor_backend="mp"``)."""
         # Our connector's side channel (its rank 0's), where a decode-first decode reaches this prefill.
         extra = (kv_transfer or {}).get("kv_connector_extra_config") or {}
         self.side_channel_port = int(extra.get("side_channel_port", 0) or 0)
@@ -276,9 +276,9 @@ class Engine:
         conn, child = ctx.Pipe()
         process = ctx.Process(
             target=_engine_main, args=(child, *args),
-            # A daemonic process may not start vLLM's TP workers; close() and
-            # kill() end it either way.
-            daemon=int(args[-1].get("tensor_parallel_size", 1)) == 1,
+            # A daemonic process may not start vLLM's TP or PP workers; close()
+            # and kill() end it either way.
+            daemon=int(args[-1].get("tensor_parallel_size", 1)) * int(args[-1].get("pipeline_parallel_size", 1)) == 1,
         )
         process.start()
         child.close()

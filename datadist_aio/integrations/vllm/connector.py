@@ -10,8 +10,10 @@ role to ``WorkerSide``; this module only translates vLLM's types. Load it with
 Settings (``kv_connector_extra_config``): ``side_channel_host`` (default
 127.0.0.1; the address the decode side reaches the prefill at),
 ``side_channel_port`` (default ``kv_port``; each tensor-parallel rank adds
-its rank; with ``kv_both`` on one host give each instance its own: a port
-already taken fails ``register_kv_caches`` with ``SideChannelPortError``),
+its rank, and with pipeline parallelism each stage ``s`` adds ``s *
+tensor_parallel_size`` too; with ``kv_both`` on one host give each instance
+its own: a port already taken fails ``register_kv_caches`` with
+``SideChannelPortError``),
 ``load_timeout_s`` (10), ``load_batch_wait_ms`` (5: how long a finished load
 waits for the others its step started, so vLLM gets them together),
 ``lease_timeout_s`` (120), ``link_timeout_ms`` (3000), ``first_contact_ms``
@@ -212,6 +214,29 @@ def _tp_size(vllm_config: Any) -> int:
     return int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
 
 
+def _pp_size(vllm_config: Any) -> int:
+    return int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+
+
+def _pp_rank(pp_size: int) -> int:
+    """This worker's pipeline stage (0 without pipeline parallelism)."""
+    if pp_size == 1:
+        return 0
+    from vllm.distributed.parallel_state import get_pp_group
+
+    return int(get_pp_group().rank_in_group)
+
+
+def _stages(vllm_config: Any, pp_size: int) -> tuple[tuple[int, int], ...]:
+    """Every pipeline stage's model layers [start, end), as vLLM splits them (empty without stages)."""
+    if pp_size == 1:
+        return ()
+    from vllm.distributed.utils import get_pp_indices
+
+    layers = int(vllm_config.model_config.get_total_num_hidden_layers())
+    return tuple(get_pp_indices(layers, stage, pp_size) for stage in range(pp_size))
+
+
 def _kv_heads(vllm_config: Any) -> int:
     """The model's KV heads, all ranks together (0 where vLLM does not say)."""
     try:
@@ -337,6 +362,11 @@ class DatadistAioConnector(KVConnectorBase_V1, SupportsHMA):
             )
         else:
             rank = _tp_rank()
+            pp_size = _pp_size(vllm_config)
+            pp_rank = _pp_rank(pp_size)
+            # Each worker's side channel: the base port plus its place among
+            # the instance's workers, stage by stage.
+            worker_index = pp_rank * _tp_size(vllm_config) + rank
             push_port = int(extra.get("push_port", 0))
             if push and transfer.is_kv_producer and not transfer.is_kv_consumer and push_port <= 0:
                 raise ValueError(
@@ -349,6 +379,9 @@ class DatadistAioConnector(KVConnectorBase_V1, SupportsHMA):
                     engine_id=engine_id,
                     rank=rank,
                     tp_size=_tp_size(vllm_config),
+                    pp_size=pp_size,
+                    pp_rank=pp_rank,
+                    stages=_stages(vllm_config, pp_size),
                     kv_heads=_kv_heads(vllm_config),
                     block_size=int(getattr(vllm_config.cache_config, "block_size", 0) or 0),
                     mla=bool(getattr(vllm_config.model_config, "use_mla", False)),
@@ -356,7 +389,7 @@ class DatadistAioConnector(KVConnectorBase_V1, SupportsHMA):
                     is_producer=bool(transfer.is_kv_producer),
                     is_consumer=bool(transfer.is_kv_consumer),
                     host=host,
-                    side_channel_port=base_port + rank if listens else 0,
+                    side_channel_port=base_port + worker_index if listens else 0,
                     load_timeout_s=float(extra.get("load_timeout_s", 10.0)),
                     load_batch_wait_ms=float(extra.get("load_batch_wait_ms", 5.0)),
                     link_timeout_ms=int(extra.get("link_timeout_ms", 3000)),

@@ -25,7 +25,7 @@ from .layout import INTERIORS, GroupShape, WorkerLayout, heads_of
 if TYPE_CHECKING:
     from .worker import WorkerSettings
 
-__all__ = ["DATATYPES", "CacheGroup", "describe_kv_caches", "worker_layout"]
+__all__ = ["DATATYPES", "CacheGroup", "describe_kv_caches", "model_layer", "worker_layout"]
 
 DATATYPES = {
     "torch.float32": dd.DataType.DT_FLOAT,
@@ -54,6 +54,9 @@ class CacheGroup:
     addresses: list[int] = field(default_factory=list)
     keep: list[Any] = field(default_factory=list)
     kv_groups: tuple[int, ...] = (0,)
+    # The model layer of each of its layers (the first layer naming each
+    # tensor), read off vLLM's layer names; None where a name holds none.
+    layers: list[Optional[int]] = field(default_factory=list)
 
     @property
     def block_bytes(self) -> int:
@@ -125,7 +128,15 @@ def describe_kv_caches(kv_caches: Mapping[str, Any], num_blocks: Optional[int] =
         for part in parts:
             group.addresses.append(int(part.data_ptr()))
             group.keep.append(part)
+        group.layers.append(model_layer(name))
     return list(groups.values())
+
+
+def model_layer(name: str) -> Optional[int]:
+    """The model layer a vLLM attention layer's name holds (``model.layers.7.self_attn.attn``: 7), where
+    exactly one of its dot-separated parts is a number; None otherwise."""
+    numbers = [part for part in name.split(".") if part.isdigit()]
+    return int(numbers[0]) if len(numbers) == 1 else None
 
 
 def worker_layout(groups: list[CacheGroup], settings: "WorkerSettings") -> WorkerLayout:
@@ -160,6 +171,15 @@ def worker_layout(groups: list[CacheGroup], settings: "WorkerSettings") -> Worke
         else:
             interior = "opaque"
         assert interior in INTERIORS
+        layers: tuple[int, ...] = ()
+        if settings.pp_size > 1:
+            # A stage holds a slice of the model's layers: which, by name.
+            if None in group.layers or len(set(group.layers)) != len(group.layers):
+                raise ValueError(
+                    f"with pipeline parallelism the connector reads each KV tensor's model layer off its layer "
+                    f"name; cannot for the tensors of {group.layers!r:.200}")
+            layers = tuple(int(x) for x in group.layers if x is not None)
         shapes.append(GroupShape(group.dtype, shape, group.per_layer, len(group.addresses), interior,
-                                 group.kv_groups))
-    return WorkerLayout(settings.tp_size, settings.rank, kv_heads, block_size, tuple(shapes))
+                                 group.kv_groups, layers))
+    return WorkerLayout(settings.tp_size, settings.rank, kv_heads, block_size, tuple(shapes),
+                        pp_size=settings.pp_size, pp_rank=settings.pp_rank, stages=tuple(settings.stages))

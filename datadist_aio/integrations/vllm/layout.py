@@ -1,11 +1,13 @@
 """How a worker holds its KV cache, and how one worker's blocks map onto another's.
 
 A prefill and a decode instance may differ in tensor-parallel size (each
-rank holds a share of the KV heads) and in block size (tokens per block).
+rank holds a share of the KV heads), in block size (tokens per block) and in
+pipeline-parallel size (each stage holds a slice of the model's layers).
 Each worker describes itself with a ``WorkerLayout``, sent in the side
 channel's hello; the decode side computes, once per prefill rank, which of
-that rank's heads it reads into which of its own (``HeadMap``), and per load
-the byte ranges that move (``plan_ranges``).
+that rank's heads it reads into which of its own (``HeadMap``), from which
+stage and into which of its layers (``map_stages``), and per load the byte
+ranges that move (``plan_ranges``).
 
 Block interiors, by the shape of one block of one tensor:
 
@@ -38,13 +40,15 @@ This module imports nothing from vLLM or the engine.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 import numpy as np
 
-__all__ = ["GroupShape", "HeadMap", "LayoutError", "WorkerLayout", "heads_of", "map_heads", "plan_ranges"]
+__all__ = ["GroupShape", "HeadMap", "LayoutError", "WorkerLayout", "heads_of", "map_heads", "map_stages",
+           "plan_ranges"]
 
 _DTYPE_BYTES = {
     "torch.float32": 4,
@@ -65,10 +69,14 @@ class LayoutError(ValueError):
     """No mapping exists between two workers' KV layouts; the message names both."""
 
 
+_MAX_LAYERS = 1 << 20
+
+
 @dataclass(frozen=True)
 class GroupShape:
     """One cache group: its dtype, the shape of one block of one tensor, tensors per layer, tensors in all,
-    and the vLLM KV cache groups (block tables) whose blocks its tensors hold."""
+    the vLLM KV cache groups (block tables) whose blocks its tensors hold, and the model layer each of its
+    layers is (``layers``; empty: 0, 1, 2, ..., as in an instance without pipeline parallelism)."""
 
     dtype: str
     block_shape: tuple[int, ...]
@@ -76,6 +84,11 @@ class GroupShape:
     tensors: int
     interior: str = "opaque"
     kv_groups: tuple[int, ...] = (0,)
+    layers: tuple[int, ...] = ()
+
+    def layer_ids(self) -> tuple[int, ...]:
+        """The model layer of each of the group's layers (``tensors // per_layer`` of them), in order."""
+        return self.layers or tuple(range(self.tensors // self.per_layer))
 
     @property
     def block_bytes(self) -> int:
@@ -92,19 +105,29 @@ class WorkerLayout:
     kv_heads: int  # the model's KV heads, all ranks together (1 for MLA)
     block_size: int  # tokens per block
     groups: tuple[GroupShape, ...]
+    # Pipeline parallelism: the stages, this worker's, and the model layers
+    # [start, end) every stage holds (empty where not known).
+    pp_size: int = 1
+    pp_rank: int = 0
+    stages: tuple[tuple[int, int], ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
-        return {
+        """The layout as the hello carries it; without pipeline parallelism, as before it existed."""
+        wire: dict[str, Any] = {
             "tp_size": self.tp_size,
             "tp_rank": self.tp_rank,
             "kv_heads": self.kv_heads,
             "block_size": self.block_size,
             "groups": [
                 {"dtype": g.dtype, "block_shape": list(g.block_shape), "per_layer": g.per_layer,
-                 "tensors": g.tensors, "interior": g.interior, "kv_groups": list(g.kv_groups)}
+                 "tensors": g.tensors, "interior": g.interior, "kv_groups": list(g.kv_groups),
+                 **({"layers": list(g.layers)} if g.layers else {})}
                 for g in self.groups
             ],
         }
+        if self.pp_size > 1:
+            wire.update(pp_size=self.pp_size, pp_rank=self.pp_rank, stages=[list(s) for s in self.stages])
+        return wire
 
     @classmethod
     def from_wire(cls, value: Any) -> "WorkerLayout":
@@ -142,8 +165,26 @@ class WorkerLayout:
                     or kv_groups != sorted(set(kv_groups))):
                 raise ValueError(f"kv_groups must be a sorted list of distinct KV cache group indices, "
                                  f"got {kv_groups!r:.80}")
-            shapes.append(GroupShape(dtype, tuple(shape), per_layer, tensors, interior, tuple(kv_groups)))
-        return cls(groups=tuple(shapes), **numbers)
+            layers = group.get("layers", [])
+            if (not isinstance(layers, list) or (layers and len(layers) != tensors // per_layer)
+                    or not all(type(x) is int and 0 <= x < _MAX_LAYERS for x in layers)
+                    or len(set(layers)) != len(layers)):
+                raise ValueError(f"layers must list the distinct model layer of each of the group's "
+                                 f"{tensors // per_layer} layers, got {layers!r:.80}")
+            shapes.append(GroupShape(dtype, tuple(shape), per_layer, tensors, interior, tuple(kv_groups),
+                                     tuple(layers)))
+        pp_size, pp_rank, stages = value.get("pp_size", 1), value.get("pp_rank", 0), value.get("stages", [])
+        if type(pp_size) is not int or type(pp_rank) is not int or not 0 <= pp_rank < pp_size <= 1024:
+            raise ValueError(f"pp_size and pp_rank must be ints, 0 <= pp_rank < pp_size <= 1024, got "
+                             f"{pp_size!r:.20} and {pp_rank!r:.20}")
+        if (not isinstance(stages, list) or (stages and len(stages) != pp_size)
+                or not all(isinstance(r, list) and len(r) == 2 and all(type(x) is int for x in r)
+                           and 0 <= r[0] < r[1] <= _MAX_LAYERS for r in stages)
+                or any(a[1] != b[0] for a, b in zip(stages, stages[1:]))):
+            raise ValueError(f"stages must list each of the {pp_size} stages' model layers [start, end), "
+                             f"contiguous and in order, got {stages!r:.120}")
+        return cls(groups=tuple(shapes), pp_size=pp_size, pp_rank=pp_rank,
+                   stages=tuple((r[0], r[1]) for r in stages), **numbers)
 
     @property
     def hybrid(self) -> bool:
@@ -154,8 +195,31 @@ class WorkerLayout:
         """One line for messages: TP, block size, heads and block shapes."""
         groups = "; ".join(f"{g.interior} {list(g.block_shape)} {g.dtype} x{g.tensors}"
                            + (f" KV groups {list(g.kv_groups)}" if g.kv_groups != (0,) else "") for g in self.groups)
-        return (f"TP {self.tp_rank}/{self.tp_size}, block size {self.block_size}, {self.kv_heads} KV heads "
+        text = (f"TP {self.tp_rank}/{self.tp_size}, block size {self.block_size}, {self.kv_heads} KV heads "
                 f"[{groups}]")
+        if self.pp_size > 1:
+            held = sorted({x for g in self.groups for x in g.layer_ids()})
+            stages = ", ".join(f"{a}-{b - 1}" for a, b in self.stages)
+            text = (f"PP stage {self.pp_rank}/{self.pp_size} holding model layers {_spans(held)}"
+                    + (f" (stages: {stages})" if stages else "") + ", " + text)
+        return text
+
+    def model_layers(self) -> int:
+        """How many layers the whole model has, as far as this worker knows (its stages', else its own)."""
+        if self.stages:
+            return self.stages[-1][1]
+        return max((max(g.layer_ids(), default=-1) for g in self.groups), default=-1) + 1
+
+
+def _spans(layers: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``0-2, 5``."""
+    spans: list[list[int]] = []
+    for x in layers:
+        if spans and spans[-1][1] + 1 == x:
+            spans[-1][1] = x
+        else:
+            spans.append([x, x])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans) or "none"
 
 
 def heads_of(rank: int, tp_size: int, kv_heads: int) -> range:
@@ -179,6 +243,12 @@ class HeadMap:
     src_rank: int
     runs: tuple[tuple[tuple[int, int, int], ...], ...]
     whole: tuple[bool, ...]
+    # Pipeline parallelism: the prefill's stage of ``src_rank``, and per
+    # cache group the ``(src_layer, dst_layer, count)`` runs of layers read
+    # from it (indices into each side's layers of that group); None: every
+    # layer into the same index (neither instance has stages).
+    stage: int = 0
+    layers: Optional[tuple[tuple[tuple[int, int, int], ...], ...]] = None
 
 
 def _mismatch(mine: WorkerLayout, theirs: WorkerLayout, why: str) -> LayoutError:
@@ -206,8 +276,10 @@ def map_heads(mine: WorkerLayout, theirs: WorkerLayout,
     if large % small:
         raise _mismatch(mine, theirs, f"block sizes {theirs.block_size} and {mine.block_size}: neither divides "
                                       "the other")
+    staged = mine.pp_size > 1 or theirs.pp_size > 1  # each side's share of the layers: map_stages checks them
     for ours, peer in zip(mine.groups, theirs.groups):
-        if (ours.dtype, ours.per_layer, ours.tensors) != (peer.dtype, peer.per_layer, peer.tensors):
+        if (ours.dtype, ours.per_layer) != (peer.dtype, peer.per_layer) or (
+                not staged and ours.tensors != peer.tensors):
             raise _mismatch(mine, theirs, "dtypes or tensors per layer differ")
         if ours.kv_groups != peer.kv_groups:
             raise _mismatch(mine, theirs, "the KV cache groups differ (is the hybrid KV cache manager on for one "
@@ -262,6 +334,83 @@ def map_heads(mine: WorkerLayout, theirs: WorkerLayout,
             flags[index] = (ours.block_shape == peer.block_shape and mine.block_size == theirs.block_size
                             and (heads_axis is None or runs == [(0, 0, ours.block_shape[heads_axis])]))
     return {q: HeadMap(q, tuple(tuple(r) for r in groups), tuple(whole[q])) for q, groups in sorted(maps.items())}
+
+
+def map_stages(mine: WorkerLayout, stages: Mapping[int, WorkerLayout],
+               ranks: Optional[Sequence[int]] = None) -> dict[tuple[int, int], HeadMap]:
+    """The prefill workers this decode worker reads from, by ``(stage, TP
+    rank)``, and what it reads from each: its heads (``map_heads``) and,
+    where either instance has pipeline stages, which of the stage's layers
+    go into which of its own.
+
+    ``stages`` holds one rank's layout of every stage of the prefill (one
+    layout, stage 0, without pipeline parallelism). Every model layer this
+    worker holds is read from the one stage that holds it. Raises
+    ``LayoutError`` naming both layouts where the stages do not pair: a
+    stage missing or announced twice, stages that disagree on their number,
+    TP size or layer split, a layer held by no stage or by two, another
+    model's layer count, several KV cache groups (a hybrid model) with
+    stages on either side.
+    """
+    if not stages:
+        raise ValueError("map_stages needs the layout of at least one prefill stage")
+    first = stages[min(stages)]
+    if mine.pp_size == 1 and first.pp_size == 1 and list(stages) == [0]:
+        return {(0, q): head_map for q, head_map in map_heads(mine, first, ranks).items()}
+
+    def refuse(why: str, theirs: WorkerLayout = first) -> LayoutError:
+        return _mismatch(mine, theirs, f"pipeline stages: {why}")
+
+    pp = first.pp_size
+    if sorted(stages) != list(range(pp)):
+        raise refuse(f"the prefill has {pp} stages; layouts came from stages {sorted(stages)}")
+    for s, theirs in stages.items():
+        if (theirs.pp_size, theirs.pp_rank, theirs.tp_size) != (pp, s, first.tp_size):
+            raise refuse(f"its stage {s} says PP stage {theirs.pp_rank} of {theirs.pp_size} with TP "
+                         f"{theirs.tp_size}, its stage {first.pp_rank} PP size {pp} with TP {first.tp_size}",
+                         theirs)
+        if theirs.stages != first.stages:
+            raise refuse(f"its stages {s} and {first.pp_rank} split the model's layers differently", theirs)
+        if len(theirs.groups) != len(mine.groups):
+            raise refuse(f"{len(theirs.groups)} cache groups against {len(mine.groups)}", theirs)
+        if theirs.hybrid or mine.hybrid:
+            raise refuse("several KV cache groups (a hybrid model) are not mapped across pipeline stages",
+                         theirs)
+    theirs_total = max(theirs.model_layers() for theirs in stages.values())
+    if first.stages:
+        theirs_total = first.stages[-1][1]
+    mine_total = mine.model_layers()
+    if mine.stages and theirs_total != mine_total:
+        raise refuse(f"the prefill's model has {theirs_total} layers, this worker's {mine_total}: "
+                     "not the same model")
+    layers: dict[int, list[list[tuple[int, int, int]]]] = {s: [[] for _ in mine.groups] for s in stages}
+    for index, ours in enumerate(mine.groups):
+        where: dict[int, tuple[int, int]] = {}  # model layer: (stage, its index in that stage's group)
+        for s, theirs in sorted(stages.items()):
+            for position, layer in enumerate(theirs.groups[index].layer_ids()):
+                if layer in where:
+                    raise refuse(f"model layer {layer} is held by stages {where[layer][0]} and {s}", theirs)
+                where[layer] = (s, position)
+        if not mine.stages and max(where, default=-1) != max(ours.layer_ids(), default=-1):
+            raise refuse(f"the prefill holds model layers {_spans(sorted(where))}, this worker "
+                         f"{_spans(ours.layer_ids())}: not the same model")
+        for dst, layer in enumerate(ours.layer_ids()):
+            if layer not in where:
+                raise refuse(f"model layer {layer} of this worker is held by no prefill stage (they hold "
+                             f"{_spans(sorted(where))})")
+            s, src = where[layer]
+            runs = layers[s][index]
+            if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
+                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+            else:
+                runs.append((src, dst, 1))
+    maps: dict[tuple[int, int], HeadMap] = {}
+    for s, per_group in sorted(layers.items()):
+        if not any(per_group):
+            continue  # nothing of this worker's layers is there
+        for q, head_map in map_heads(mine, stages[s], ranks).items():
+            maps[(s, q)] = dataclasses.replace(head_map, stage=s, layers=tuple(tuple(runs) for runs in per_group))
+    return maps
 
 
 def _rows(src_block: np.ndarray, src_offset: Any, dst_block: np.ndarray, dst_offset: Any, length: int,

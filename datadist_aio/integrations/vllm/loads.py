@@ -5,7 +5,8 @@ tasks of its pulls (one per prefill rank, blocks cache and vLLM KV cache
 group), the claims on the prefill's lease still unanswered, and its
 outcome. ``start_pulls`` plans and starts the pulls from a route (the same
 blocks on both sides move block for block, other layouts as byte ranges,
-``layout.plan_ranges``).
+``layout.plan_ranges``; with pipeline stages, each stage's slice of the
+layers into this worker's own).
 """
 
 from __future__ import annotations
@@ -87,27 +88,37 @@ def start_pulls(load: Load, route: Route, manager: dd.CacheManager, caches: list
                              f"tensors serve {group.kv_groups[-1] + 1}")
     for source in route.sources:
         theirs = source.layout
+        staged = source.head_map.layers
         for index, (cache, group) in enumerate(zip(caches, groups)):
             key = dd.BlocksCacheKey(source.cluster_id, model_id_base + index)
-            for kv_group in group.kv_groups:
-                local, remote_all, first_token = kv_groups[kv_group]
-                if not local:
-                    continue
-                if source.head_map.whole[index]:
-                    # The same blocks on both sides: block for block.
-                    skip = first_token // theirs.block_size
-                    remote = remote_all[skip:skip + len(local)]
-                    if not remote:
+            # Every layer into the same one; with pipeline stages, runs of the
+            # stage's layers into this worker's (one read per run).
+            spans: list[dict[str, range]] = [{}]
+            if staged is not None:
+                spans = [{"src_layer_range": range(src, src + count), "dst_layer_range": range(dst, dst + count)}
+                         for src, dst, count in staged[index]]
+            for span in spans:
+                # The tensors read per block: every one, or the runs' layers'.
+                tensors = len(span["dst_layer_range"]) * group.per_layer if span else len(group.addresses)
+                for kv_group in group.kv_groups:
+                    local, remote_all, first_token = kv_groups[kv_group]
+                    if not local:
                         continue
-                    load.tasks.append(manager.pull_blocks_async(
-                        key, cache, src_blocks=remote, dst_blocks=local[:len(remote)],
-                        tensor_num_per_layer=group.per_layer,
-                    ))
-                    load.nbytes += group.block_bytes * len(remote)
-                    continue
-                rows = plan_ranges(source.head_map, index, mine, theirs, remote_all, local, first_token)
-                if rows is None:
-                    continue
-                load.tasks.append(manager.pull_block_ranges_async(
-                    key, cache, rows, tensor_num_per_layer=group.per_layer))
-                load.nbytes += int((rows[:, 4] * rows[:, 5]).sum()) * len(group.addresses)
+                    if source.head_map.whole[index]:
+                        # The same blocks on both sides: block for block.
+                        skip = first_token // theirs.block_size
+                        remote = remote_all[skip:skip + len(local)]
+                        if not remote:
+                            continue
+                        load.tasks.append(manager.pull_blocks_async(
+                            key, cache, src_blocks=remote, dst_blocks=local[:len(remote)],
+                            tensor_num_per_layer=group.per_layer, **span,
+                        ))
+                        load.nbytes += group.block_bytes // len(group.addresses) * tensors * len(remote)
+                        continue
+                    rows = plan_ranges(source.head_map, index, mine, theirs, remote_all, local, first_token)
+                    if rows is None:
+                        continue
+                    load.tasks.append(manager.pull_block_ranges_async(
+                        key, cache, rows, tensor_num_per_layer=group.per_layer, **span))
+                    load.nbytes += int((rows[:, 4] * rows[:, 5]).sum()) * tensors

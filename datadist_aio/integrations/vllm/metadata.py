@@ -22,7 +22,8 @@ class LoadSpec:
     sizes may differ. An empty ``local_block_ids`` means nothing to read, only
     the prefill to release. ``remote_port`` is the side channel of the
     prefill's rank 0; rank ``r`` of its ``remote_tp_size`` listens on
-    ``remote_port + r``.
+    ``remote_port + r`` (with pipeline stages, stage ``s``'s rank ``r`` on
+    ``remote_port + s * remote_tp_size + r``; the hello says how many).
 
     Those three fields are vLLM's first KV cache group; ``more_groups``
     holds ``(local_block_ids, remote_block_ids, first_token)`` of each

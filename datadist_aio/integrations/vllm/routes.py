@@ -1,9 +1,12 @@
 """How a decode worker reaches the prefill instances it reads from.
 
 On a prefill instance's first use the decode worker says hello to one of its
-ranks over the side channel (who it is, its KV layout), maps that layout
-onto its own (``layout.map_heads``: another TP size, another block size),
-and links to each rank it reads from. The result, a ``Route``, is the same
+ranks over the side channel (who it is, its KV layout), and with pipeline
+stages to one rank of every further stage, maps those layouts onto its own
+(``layout.map_stages``: another TP size, another block size, another split
+of the layers), and links to each rank it reads from. The worker of stage
+``s`` and TP rank ``r`` of a prefill of TP size ``T`` listens on the base
+port plus ``s * T + r``. The result, a ``Route``, is the same
 for every later load from that instance. Everything here runs on the
 connector's loop thread, but ``contact_now`` (below) and ``poll_claims``.
 
@@ -29,10 +32,10 @@ import datadist_aio as dd
 
 from ..message_guard import UNSEALED, MessageGuard
 from .claims import ClaimChannel
-from .layout import HeadMap, LayoutError, WorkerLayout, map_heads
+from .layout import HeadMap, LayoutError, WorkerLayout, map_stages
 from .side_channel import SideChannelClient, ask
 
-__all__ = ["Peer", "Route", "Router", "Source", "instance_of"]
+__all__ = ["Peer", "Route", "Router", "Source", "instance_of", "port_of"]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +80,23 @@ class Route:
     sources: tuple[Source, ...]
     mine: WorkerLayout
 
+    @property
+    def staged(self) -> bool:
+        """Whether either instance has pipeline stages (each source then moves a slice of the layers)."""
+        return any(source.head_map.layers is not None for source in self.sources)
+
+    @property
+    def notice_source(self) -> Source:
+        """The rank a decode-first request's expect (and cancel) goes to: the first of the last stage read,
+        whose forward of a request ends after every earlier stage's (without stages, the first source)."""
+        last = max(source.head_map.stage for source in self.sources)
+        return next(source for source in self.sources if source.head_map.stage == last)
+
+
+def port_of(base: int, tp_size: int, stage: int, rank: int) -> int:
+    """The side channel of a prefill's stage ``stage``, TP rank ``rank``."""
+    return base + stage * tp_size + rank
+
 
 class Router:
     """The prefill ranks a decode worker knows, and the routes to their instances.
@@ -103,6 +123,14 @@ class Router:
         # route() for them ends: the other loads of the step wait for that
         # one, none spends its own budget again.
         self._given_up: set[Instance] = set()
+        # Each instance's pipeline stages, once a hello said (kept after a
+        # failure: its releases still go to every stage).
+        self._stages: dict[Instance, int] = {}
+
+    def ports(self, key: Instance) -> list[int]:
+        """The side channels of every worker of the prefill instance ``key`` (its stages where known)."""
+        host, base, ranks = key
+        return [base + index for index in range(ranks * self._stages.get(key, 1))]
 
     async def route(self, key: Instance) -> Route:
         """How to read the prefill instance ``key``: hello to one of its ranks,
@@ -122,23 +150,43 @@ class Router:
                     del self._contacting[key]
                 self._given_up.discard(key)
 
+    def _stage_layouts(self, key: Instance, first: WorkerLayout) -> int:
+        """Checks the first hello's layout against the instance's key; how many stages it has."""
+        host, base, ranks = key
+        if first.tp_size != ranks:
+            raise LayoutError(f"{host}:{base} announced TP size {ranks} but its rank {first.tp_rank} "
+                              f"says {first.tp_size}")
+        if first.pp_rank != 0:
+            raise LayoutError(f"{host}:{base} is the base port of a prefill, whose worker there is of stage 0; "
+                              f"it says PP stage {first.pp_rank} of {first.pp_size}")
+        self._stages[key] = first.pp_size
+        return first.pp_size
+
+    @staticmethod
+    def _check_rank(host: str, base: int, stage: WorkerLayout, rank: int, layout: Optional[WorkerLayout]) -> None:
+        if layout != dataclasses.replace(stage, tp_rank=rank):
+            raise LayoutError(f"rank {rank} of stage {stage.pp_rank} of the prefill at {host}:{base} "
+                              f"({layout.describe() if layout else 'no layout'}) differs from its rank "
+                              f"{stage.tp_rank} ({stage.describe()})")
+
     async def _route(self, key: Instance) -> Route:
         host, base, ranks = key
         mine = self._mine
         first = await self.peer(host, base + mine.tp_rank % ranks, link=False)
         assert first.layout is not None
-        if first.layout.tp_size != ranks:
-            raise LayoutError(f"{host}:{base} announced TP size {ranks} but its rank {first.layout.tp_rank} "
-                              f"says {first.layout.tp_size}")
-        maps = map_heads(mine, first.layout)
-        sources = []
-        for rank, head_map in maps.items():
-            peer = await self.peer(host, base + rank)
+        stages = {0: first.layout}
+        for stage in range(1, self._stage_layouts(key, first.layout)):
+            peer = await self.peer(host, port_of(base, ranks, stage, mine.tp_rank % ranks), link=False)
             assert peer.layout is not None
-            if peer.layout != dataclasses.replace(first.layout, tp_rank=rank):
-                raise LayoutError(f"rank {rank} of the prefill at {host}:{base} ({peer.layout.describe()}) "
-                                  f"differs from its rank {first.layout.tp_rank} ({first.layout.describe()})")
-            sources.append(Source(base + rank, peer.cluster_id, head_map, peer.layout, peer))
+            stages[stage] = peer.layout
+        maps = map_stages(mine, stages)
+        sources = []
+        for (stage, rank), head_map in maps.items():
+            port = port_of(base, ranks, stage, rank)
+            peer = await self.peer(host, port)
+            self._check_rank(host, base, stages[stage], rank, peer.layout)
+            assert peer.layout is not None
+            sources.append(Source(port, peer.cluster_id, head_map, peer.layout, peer))
         route = self.routes[key] = Route(tuple(sources), mine)
         return route
 
@@ -150,7 +198,7 @@ class Router:
         thread's ``route`` then contacts the instance and reports why; until
         it has, this returns None at once for that instance)."""
         host, base, ranks = key
-        ports = [base + rank for rank in range(ranks)]
+        ports = self.ports(key)
         with self._guard:
             route = self.routes.get(key)
             if (route is not None or key in self._contacting or key in self._given_up
@@ -169,34 +217,35 @@ class Router:
                     raise TimeoutError(f"first contact over its budget of {budget_s * 1e3:g} ms")
                 return remaining
 
-            def hello(rank: int) -> Peer:
-                answer = ask(host, base + rank, {"op": "hello"}, left(), self.guard)
+            def hello(port: int) -> Peer:
+                answer = ask(host, port, {"op": "hello"}, left(), self.guard)
                 cluster_id, listen_port = answer.get("cluster_id"), answer.get("port")
                 if not isinstance(cluster_id, int) or not isinstance(listen_port, int):
-                    raise ValueError(f"{host}:{base + rank} answered hello with {answer!r:.200}")
-                peer = Peer(SideChannelClient(host, base + rank, self.guard), asyncio.Lock(), cluster_id, listen_port,
+                    raise ValueError(f"{host}:{port} answered hello with {answer!r:.200}")
+                peer = Peer(SideChannelClient(host, port, self.guard), asyncio.Lock(), cluster_id, listen_port,
                             WorkerLayout.from_wire(answer.get("layout")))
-                peers[rank] = peer
+                peers[port] = peer
                 return peer
 
             first_rank = mine.tp_rank % ranks
-            first = hello(first_rank)
+            first = hello(base + first_rank)
             assert first.layout is not None
-            if first.layout.tp_size != ranks:
-                raise LayoutError(f"{host}:{base} announced TP size {ranks} but its rank {first.layout.tp_rank} "
-                                  f"says {first.layout.tp_size}")
-            maps = map_heads(mine, first.layout)
-            for rank in maps:
-                peer = peers.get(rank) or hello(rank)
-                if peer.layout != dataclasses.replace(first.layout, tp_rank=rank):
-                    raise LayoutError(f"rank {rank} of the prefill at {host}:{base} differs from its rank "
-                                      f"{first.layout.tp_rank}")
+            stages = {0: first.layout}
+            for stage in range(1, self._stage_layouts(key, first.layout)):
+                layout = hello(port_of(base, ranks, stage, first_rank)).layout
+                assert layout is not None
+                stages[stage] = layout
+            maps = {port_of(base, ranks, stage, rank): (stages[stage], rank, head_map)
+                    for (stage, rank), head_map in map_stages(mine, stages).items()}
+            for port, (stage_layout, rank, _head_map) in maps.items():
+                peer = peers.get(port) or hello(port)
+                self._check_rank(host, base, stage_layout, rank, peer.layout)
             clusters = []
-            for rank in maps:
+            for port in maps:
                 cluster = dd.LLMClusterInfo()
-                cluster.remote_cluster_id = peers[rank].cluster_id
+                cluster.remote_cluster_id = peers[port].cluster_id
                 cluster.append_local_ip_info("0.0.0.0", 0)
-                cluster.append_remote_ip_info(host, peers[rank].listen_port)
+                cluster.append_remote_ip_info(host, peers[port].listen_port)
                 clusters.append(cluster)
             # Every rank at once (the engine links them side by side).
             _status, codes = self._datadist.link_clusters(clusters, max(1, int(left() * 1000)))
@@ -205,12 +254,12 @@ class Router:
                 raise dd.LLMException(f"link to {host}:{base} failed", status_code=next(
                     code for code in codes if code != dd.LLMStatusCode.LLM_SUCCESS))
             sources = []
-            for (rank, head_map), cluster in zip(maps.items(), clusters):
-                peer = peers[rank]
+            for (port, (_stage, _rank, head_map)), cluster in zip(maps.items(), clusters):
+                peer = peers[port]
                 peer.cluster, peer.linked = cluster, True
-                peer.claims = ClaimChannel(host, base + rank, left(), self.guard)
+                peer.claims = ClaimChannel(host, port, left(), self.guard)
                 assert peer.layout is not None
-                sources.append(Source(base + rank, peer.cluster_id, head_map, peer.layout, peer))
+                sources.append(Source(port, peer.cluster_id, head_map, peer.layout, peer))
             route = Route(tuple(sources), mine)
         except Exception as exc:  # TimeoutError, OSError, ProtocolError, LayoutError, LLMException, ...
             log.debug("datadist_aio connector: first contact with %s:%d left to the loop thread: %s: %s",
@@ -228,8 +277,8 @@ class Router:
                 self._given_up.add(key)
             return None
         with self._guard:
-            for rank, peer in peers.items():
-                self.peers[(host, base + rank)] = peer
+            for port, peer in peers.items():
+                self.peers[(host, port)] = peer
             self.routes[key] = route
             del self._contacting[key]
         return route

@@ -107,6 +107,12 @@ class WorkerSettings:
     kv_heads: int = 0
     block_size: int = 0
     mla: bool = False
+    # Pipeline parallelism: the instance's stages, this worker's (``rank`` is
+    # its TP rank within the stage), and every stage's model layers [start,
+    # end) where known.
+    pp_size: int = 1
+    pp_rank: int = 0
+    stages: tuple[tuple[int, int], ...] = ()
     # How a [heads, tokens, channels] block is read: "HNC" (as shaped), or
     # "HKTV" (vLLM's CPU attention: per head, the keys transposed, then
     # the values). "" takes HNC.
@@ -153,6 +159,22 @@ class WorkerSettings:
     def __post_init__(self) -> None:
         if self.transfer_mode not in TRANSFER_MODES:
             raise ValueError(f"transfer_mode must be one of {TRANSFER_MODES}, got {self.transfer_mode!r}")
+        if not 0 <= self.pp_rank < self.pp_size:
+            raise ValueError(f"pp_rank {self.pp_rank} is not a stage of pp_size {self.pp_size}")
+        if self.pp_size > 1 and self.transfer_mode == "push_layerwise":
+            raise ValueError("transfer_mode 'push_layerwise' does not serve pipeline parallelism (each stage holds "
+                             "a slice of the layers, the inbox all of them): use \"auto\" or \"pull\"")
+
+    @property
+    def worker_index(self) -> int:
+        """This worker among the instance's: ``pp_rank * tp_size + rank`` (its TP rank without stages). Its
+        side channel listens on the base port plus this, and its cluster id is drawn from it."""
+        return self.pp_rank * self.tp_size + self.rank
+
+    @property
+    def workers(self) -> int:
+        """The instance's workers, every stage's TP ranks."""
+        return self.pp_size * self.tp_size
 
     @property
     def lends_inbox(self) -> bool:
@@ -175,7 +197,7 @@ class WorkerSide:
 
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
-        self.cluster_id = cluster_id_for(settings.engine_id, settings.rank)
+        self.cluster_id = cluster_id_for(settings.engine_id, settings.worker_index)
         # Seals every side-channel message this worker sends and opens those
         # it takes (ValueError for an encryption it cannot have).
         self.guard = MessageGuard.from_environment(settings.link_encryption or None)
@@ -350,9 +372,10 @@ class WorkerSide:
 
     def _pushable(self) -> bool:
         """Whether the KV tensors can be pushed layer by layer: one blocks cache
-        holding one tensor (or a K and a V) per layer, one KV cache group."""
+        holding one tensor (or a K and a V) per layer, one KV cache group, no
+        pipeline stages (a stage's decode-first requests are pulled)."""
         group = self.groups[0]
-        return (len(self.groups) == 1 and len(group.kv_groups) == 1
+        return (len(self.groups) == 1 and len(group.kv_groups) == 1 and self.settings.pp_size == 1
                 and len(group.addresses) == len(self._layer_names) * group.per_layer)
 
     async def _listen(self, server: SideChannelServer) -> int:
@@ -363,13 +386,23 @@ class WorkerSide:
         except OSError as exc:
             self._server = None
             reason = os.strerror(exc.errno) if exc.errno else str(exc) or type(exc).__name__
-            error = SideChannelPortError(
-                f"datadist_aio connector: the side channel of TP rank {self.settings.rank} cannot listen on "
-                f"{host}:{port} ({reason}). Its port is kv_connector_extra_config[\"side_channel_port\"], or "
-                "kv_transfer_config.kv_port where that is not set, plus the TP rank; two vLLM instances on one "
-                "host that both listen (kv_producer, kv_both, or a push_layerwise kv_consumer) need their own "
-                "base ports, at least tensor_parallel_size apart"
-            )
+            settings = self.settings
+            if settings.pp_size == 1:
+                error = SideChannelPortError(
+                    f"datadist_aio connector: the side channel of TP rank {settings.rank} cannot listen on "
+                    f"{host}:{port} ({reason}). Its port is kv_connector_extra_config[\"side_channel_port\"], or "
+                    "kv_transfer_config.kv_port where that is not set, plus the TP rank; two vLLM instances on one "
+                    "host that both listen (kv_producer, kv_both, or a push_layerwise kv_consumer) need their own "
+                    "base ports, at least tensor_parallel_size apart"
+                )
+            else:
+                error = SideChannelPortError(
+                    f"datadist_aio connector: the side channel of pipeline stage {settings.pp_rank}, TP rank "
+                    f"{settings.rank} cannot listen on {host}:{port} ({reason}). Its port is "
+                    "kv_connector_extra_config[\"side_channel_port\"], or kv_transfer_config.kv_port where that is "
+                    "not set, plus stage * tensor_parallel_size + TP rank; two vLLM instances on one host that both "
+                    "listen need their own base ports, at least tensor_parallel_size * pipeline_parallel_size apart"
+                )
             error.errno = exc.errno
             raise error from exc
 
@@ -749,14 +782,16 @@ class WorkerSide:
             return
         except (Exception, TimeoutError) as exc:
             self._end_expect(load, f"link: {type(exc).__name__}: {exc}")
-            for rank in range(max(1, spec.remote_tp_size)):
-                self._router.forget(spec.remote_host, spec.remote_port + rank)
+            for port in self._router.ports(_instance(spec)):
+                self._router.forget(spec.remote_host, port)
             return
         load.route = route
-        source = route.sources[0]
+        # The rank told: with pipeline stages, one of the last stage read,
+        # whose forward of the request ends after every earlier stage's.
+        source = route.notice_source
         block_size = route.mine.block_size
         direct = (len(route.sources) == 1 and all(source.head_map.whole) and len(self.groups) == 1
-                  and not spec.more_groups and spec.first_token % block_size == 0)
+                  and not spec.more_groups and spec.first_token % block_size == 0 and not route.staged)
         message = {
             "op": "expect", "transfer_id": spec.transfer_id, "cluster_id": self.cluster_id,
             "host": self.settings.host, "port": self.side_channel_port,
@@ -841,7 +876,7 @@ class WorkerSide:
         is the load reported, and its blocks given back to vLLM."""
         assert self._router is not None
         spec = load.spec
-        source = load.route.sources[0] if load.route is not None else None
+        source = load.route.notice_source if load.route is not None else None
         landed = False
         if source is not None:
             try:
@@ -863,7 +898,7 @@ class WorkerSide:
         if route is None:
             return
         try:
-            await route.sources[0].peer.client.request({"op": "cancel", "transfer_id": spec.transfer_id},
+            await route.notice_source.peer.client.request({"op": "cancel", "transfer_id": spec.transfer_id},
                                                        self.settings.notify_timeout_s)
         except (Exception, TimeoutError) as exc:
             log.debug("datadist_aio connector: cancel of %s not confirmed: %s", spec.transfer_id, exc)
@@ -917,8 +952,8 @@ class WorkerSide:
             return
         except (Exception, TimeoutError) as exc:
             self._begin(spec, None, start, error=f"link: {type(exc).__name__}: {exc}")
-            for rank in range(max(1, spec.remote_tp_size)):
-                self._router.forget(spec.remote_host, spec.remote_port + rank)
+            for port in self._router.ports(_instance(spec)):
+                self._router.forget(spec.remote_host, port)
             return
         self._send_claims([self._begin(spec, route, start)])
 
@@ -963,9 +998,10 @@ class WorkerSide:
             return  # decode-first, never heard of by its prefill: its lease frees it
         # Every decode rank tells every prefill rank, which frees the request
         # once all of them have (whether or not a rank read from it).
-        message = {"op": "done", "req_ids": [spec.remote_request_id], "readers": self.settings.tp_size}
-        await asyncio.gather(*(self._tell(spec.remote_host, spec.remote_port + rank, message, spec)
-                               for rank in range(max(1, spec.remote_tp_size))))
+        assert self._router is not None
+        message = {"op": "done", "req_ids": [spec.remote_request_id], "readers": self.settings.workers}
+        await asyncio.gather(*(self._tell(spec.remote_host, port, message, spec)
+                               for port in self._router.ports(_instance(spec))))
 
     async def _tell(self, host: str, port: int, message: dict[str, Any], spec: LoadSpec) -> None:
         assert self._router is not None
