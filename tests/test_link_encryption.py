@@ -150,6 +150,22 @@ def test_a_byte_altered_after_the_handshake_fails_the_push_and_lands_nothing(gro
     np.testing.assert_array_equal(landed(decode, ref), new)
 
 
+def test_a_byte_altered_in_the_tls_handshake_fails_the_link(group, prompt_factory):
+    decode, ref, old = start_decode(group, TLS)
+    prompt = prompt_factory(**TLS)
+    # Past the hello and the proof (well under 200 bytes): inside the ClientHello.
+    with Relay(decode.listen_port, flip_at=200) as relay:
+        assert prompt.link(relay.port) == LINK_FAILED
+        assert relay.flipped
+    message = _native.last_error_message()
+    assert "TLS handshake" in message, message
+    wait_until(lambda: links_on(decode) == 0, "the decode drops the link")
+    np.testing.assert_array_equal(landed(decode, ref), old)
+    assert prompt.link(decode.listen_port) == SUCCESS
+    prompt.push()
+    np.testing.assert_array_equal(landed(decode, ref), np.stack([prompt.content] * TENSORS))
+
+
 # -- replaying the wire
 
 

@@ -288,6 +288,8 @@ void Link::on_ready(uint64_t tag, uint32_t events) {
       end_work();
       return;
     }
+    // Frames that came with the handshake's last message may wait inside the session.
+    events |= EPOLLIN;
   }
   if (input && (events & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR)) != 0) read_input(conn);
   write_queued(conn);
