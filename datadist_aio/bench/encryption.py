@@ -196,16 +196,18 @@ def one_round(variant: str, cache_bytes: int, iterations: int, small_ops: int) -
         remote, remote_small = dd.BlocksCacheKey(OWNER, BULK_MODEL), dd.BlocksCacheKey(OWNER, SMALL_MODEL)
         verified = True
         push_s, pull_s, push_cpu = [], [], []
+        pid = target.process.pid
+        assert pid is not None
         for i in range(iterations):
             for t in range(TENSORS):
                 cache.as_numpy(t)[:] = np.random.default_rng(1000 * i + t).integers(0, 256, cache.as_numpy(t).shape,
                                                                                    dtype=np.uint8)
             sent = _digest(cache)
-            cpu = time.process_time() + _cpu_seconds(target.process.pid)
+            cpu = time.process_time() + _cpu_seconds(pid)
             start = time.perf_counter()
             cm.push_blocks(remote, cache, blocks, blocks)
             push_s.append(time.perf_counter() - start)
-            push_cpu.append(time.process_time() + _cpu_seconds(target.process.pid) - cpu)
+            push_cpu.append(time.process_time() + _cpu_seconds(pid) - cpu)
             verified = verified and target.call("digest") == sent
             expected = target.call("fill", 7000 + i)
             start = time.perf_counter()
