@@ -1,6 +1,7 @@
 """A prefill vLLM and a decode vLLM sharing a link secret, and a forger who does not know it.
 
-One pair of engines (``DATADIST_AIO_AUTH_KEY`` set in both): their links and
+One pair of engines (``DATADIST_AIO_AUTH_KEY`` set in both), with link
+encryption off and on (``DATADIST_AIO_LINK_ENCRYPTION``): their links and
 their side channel prove the secret. Between the prefill's answer and the
 decode's read, this process (a third one) sends the prefill's side channel
 a ``done`` for the request, plain and sealed under a guessed secret, and a
@@ -31,10 +32,12 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 SECRET = secrets.token_hex(32)
 
 
-@pytest.fixture(scope="module")
-def secret_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+@pytest.fixture(scope="module", params=["off", "tls"])
+def secret_pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The pair with a link secret; ``tls``: link encryption on too (the
+    links' TCP connections and the side channel encrypted)."""
     model = model_dir(tmp_path_factory.mktemp("vllm-model"))
-    env = {"DATADIST_AIO_AUTH_KEY": SECRET}
+    env = {"DATADIST_AIO_AUTH_KEY": SECRET, "DATADIST_AIO_LINK_ENCRYPTION": request.param}
     yield from started(
         ("prefill", lambda: Engine(model, connector_config("datadist", "kv_producer", free_port_run(1)), env=env)),
         ("decode", lambda: Engine(model, connector_config("datadist", "kv_consumer", 0, load_timeout_s=5.0),
