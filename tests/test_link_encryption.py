@@ -201,6 +201,40 @@ def test_a_replayed_session_is_refused_and_writes_nothing(group, prompt_factory)
     np.testing.assert_array_equal(landed(decode, ref), before)
 
 
+def test_a_peer_that_proves_the_secret_but_never_starts_tls_is_dropped():
+    """The acceptor's TLS handshakes have the handshake timeout: a peer that
+    proved the secret and then sends nothing holds the link no longer."""
+    import hmac
+    import os
+
+    from support.wire_frames import (
+        ACCEPTOR, AUTHENTICATED, CHALLENGE_T, HELLO_ACK, HELLO_ACK_T, HELLO_T, INITIATOR, PROOF_T, frame, recv_frame,
+    )
+    from support.wire_frames import hello as hello_body
+    from support.wire_frames import proof as hmac_proof
+
+    encrypted = 1024  # the hello's and the ack's kEncrypted
+    datadist = dd.LLMDataDist(dd.LLMRole.DECODER, DECODE)
+    try:
+        datadist.init(make_options(listen_ip_info="127.0.0.1:0", handshake_timeout_ms=500, **TLS))
+        with socket.create_connection(("127.0.0.1", datadist.listen_port), timeout=10) as sock:
+            body = hello_body(PROMPT, DECODE, 77, AUTHENTICATED | encrypted, nonce=os.urandom(16))
+            sock.sendall(frame(HELLO_T, body))
+            kind, status, _, challenge, _ = recv_frame(sock)
+            assert (kind, status) == (CHALLENGE_T, 0)
+            transcript = body + challenge
+            sock.sendall(frame(PROOF_T, hmac_proof(SECRET, INITIATOR, transcript)))
+            kind, status, _, ack, _ = recv_frame(sock)
+            assert (kind, status) == (HELLO_ACK_T, 0)
+            assert HELLO_ACK.unpack(ack[: HELLO_ACK.size])[2] & encrypted
+            assert hmac.compare_digest(ack[-32:], hmac_proof(SECRET, ACCEPTOR, transcript + ack[:-32]))
+            # No ClientHello follows: the link goes at the handshake timeout.
+            wait_until(lambda: datadist._engine.listener_stats()["links"] == 0, "the acceptor drops the link", 10)
+            assert sock.recv(1) == b""
+    finally:
+        datadist.finalize()
+
+
 # -- the switch
 
 

@@ -1182,9 +1182,21 @@ bool Link::overdue(Clock::time_point now) const {
   return false;
 }
 
+bool Link::handshake_overdue(Clock::time_point now) const {
+  if (now < handshake_deadline_) return false;
+  for (const auto &conn : conns_) {
+    std::lock_guard<std::mutex> lock(conn->mu);
+    if (!conn->secured) return true;
+  }
+  return false;
+}
+
 Clock::time_point Link::next_deadline() const {
-  std::lock_guard<std::mutex> lock(mu_);
   Clock::time_point next = Clock::time_point::max();
+  if (handshake_deadline_ != Clock::time_point::max() && handshake_overdue(Clock::time_point::max())) {
+    next = handshake_deadline_;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
   for (const auto &entry : open_) next = std::min(next, entry.second.deadline);
   return next;
 }

@@ -152,7 +152,13 @@ class Link : public std::enable_shared_from_this<Link>,
 
   // True if an open operation is past its deadline.
   bool overdue(Clock::time_point now) const;
-  // The earliest deadline of the open operations; time_point::max() when none is open.
+  // A connection's TLS handshake must end by `deadline` (an acceptor's:
+  // the peer starts it); set before start(). handshake_overdue() is true
+  // once it is past and one has not.
+  void set_handshake_deadline(Clock::time_point deadline) { handshake_deadline_ = deadline; }
+  bool handshake_overdue(Clock::time_point now) const;
+  // The earliest deadline of the open operations (and of an unfinished TLS
+  // handshake); time_point::max() when there is none.
   Clock::time_point next_deadline() const;
   size_t open_operations() const;
   size_t connection_count() const { return conns_.size(); }
@@ -408,6 +414,7 @@ class Link : public std::enable_shared_from_this<Link>,
   uint64_t answer_id_ = 0;  // in the hub's set while not 0
   std::atomic<bool> down_{false};
   std::atomic<bool> closing_{false};  // this end asked the peer to unlink
+  Clock::time_point handshake_deadline_ = Clock::time_point::max();  // set before start()
   std::atomic<uint64_t> next_conn_{0};
 
   mutable std::mutex mu_;

@@ -337,10 +337,13 @@ void LinkManager::admit(FormedLink &formed) {
       return;
     }
   }
+  const bool handshakes = !sessions.empty();
+  const Clock::time_point handshake_deadline = Clock::now() + std::chrono::milliseconds(options_.handshake_timeout_ms);
   std::shared_ptr<Link> link;
   try {
     link = std::make_shared<Link>(peer_id, formed.role, false, link_fds, this, make_paths(paths), answers,
                                   std::move(sessions));
+    if (handshakes) link->set_handshake_deadline(handshake_deadline);
   } catch (const std::bad_alloc &) {
     send_to_all(formed.fds, handshake::refusal(LLM_LINK_FAILED));
     close_all(link_fds);
@@ -365,6 +368,9 @@ void LinkManager::admit(FormedLink &formed) {
     std::lock_guard<std::mutex> lock(mu_);
     if (!publish(peer_id, link)) return;  // the initiator is gone: its link fails there
   }
+  // A peer that proved the secret and then does not finish its TLS
+  // handshakes holds nothing past the handshake timeout.
+  if (handshakes) timer_->at(handshake_deadline);
   bool sent = true;
   for (size_t i = 0; i < formed.fds.size(); ++i) {
     if (!options_.auth_key.empty()) {
@@ -919,6 +925,11 @@ void LinkManager::on_timer() {
   }
   Clock::time_point next = Clock::time_point::max();
   for (auto &link : links) {
+    if (link->handshake_overdue(now)) {
+      link->fail(LLM_LINK_FAILED, "the peer did not finish its TLS handshake within the handshake timeout; "
+                                  "closing the link");
+      continue;
+    }
     if (link->overdue(now)) {
       // An answer that came after the sweep still counts.
       link->read_answers(AnswerHub::Reader::kLink);
