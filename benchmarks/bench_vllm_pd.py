@@ -71,6 +71,7 @@ import argparse
 import importlib.metadata
 import importlib.util
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -94,14 +95,20 @@ from vllm_pd import (  # noqa: E402
 )
 
 METRICS = dict(XFER_METRICS)
-METRICS["push"] = METRICS["direct"] = METRICS["datadist"]
+METRICS["push"] = METRICS["direct"] = METRICS["secret"] = METRICS["tls"] = METRICS["datadist"]
 FAILED = {"datadist": "vllm:datadist_aio_num_failed_transfers", "push": "vllm:datadist_aio_num_failed_transfers",
-          "direct": "vllm:datadist_aio_num_failed_transfers", "nixl": "vllm:nixl_num_failed_transfers"}
+          "direct": "vllm:datadist_aio_num_failed_transfers", "secret": "vllm:datadist_aio_num_failed_transfers",
+          "tls": "vllm:datadist_aio_num_failed_transfers", "nixl": "vllm:nixl_num_failed_transfers"}
+# The pull with a link secret shared by both instances, links and side
+# channel authenticated ("secret"), and encrypted too ("tls").
+SECRET_ENV = {"DATADIST_AIO_AUTH_KEY": "bench-vllm-pd-" + os.urandom(16).hex()}
+SECURED = {"secret": {**SECRET_ENV, "DATADIST_AIO_LINK_ENCRYPTION": "off"},
+           "tls": {**SECRET_ENV, "DATADIST_AIO_LINK_ENCRYPTION": "tls"}}
 ANSWERS, ANSWERS_BY_SWEEP = "vllm:datadist_aio_answers_read", "vllm:datadist_aio_answers_read_by_sweep"
 SETUP = "vllm:datadist_aio_load_setup_seconds_sum"  # ours: from a load's start until its reads were posted
 LAYOUTS = {"kv_both": ("kv_both", "kv_both"), "producer_consumer": ("kv_producer", "kv_consumer")}
 PHASES = ("sequential", "batched")
-OURS = ("datadist", "push", "direct")
+OURS = ("datadist", "push", "direct", "secret", "tls")
 
 
 def free_ports(count: int) -> list[int]:
@@ -132,9 +139,10 @@ def pair_configs(kind: str, layout: str, ports: tuple[int, int], hosts: tuple[st
                 (connector_config(kind, decode_role, 0), nixl_env(decode_port, decode_host)))
     mode: dict[str, Any] = {"transfer_mode": "push_layerwise"} if kind == "push" else {}
     pushes: dict[str, Any] = {"push_host": decode_host, "push_port": decode_port} if kind == "push" else {}
+    env = dict(SECURED.get(kind, {}))
     return ((connector_config("datadist", prefill_role, prefill_port, side_channel_host=prefill_host, **mode, **pushes),
-             {}),
-            (connector_config("datadist", decode_role, decode_port, side_channel_host=decode_host, **mode), {}))
+             env),
+            (connector_config("datadist", decode_role, decode_port, side_channel_host=decode_host, **mode), env))
 
 
 # Starts one instance: (side: 0 the prefill, 1 the decode; model; KVTransferConfig fields; environment; policy).
@@ -324,7 +332,8 @@ def main() -> None:
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"of {', '.join(LAYOUTS)}")
     parser.add_argument("--phases", default=",".join(PHASES), help=f"of {', '.join(PHASES)}")
     parser.add_argument("--connectors", default="datadist,nixl",
-                        help="of datadist (the pull), push (into the inbox), direct (decode-first), nixl")
+                        help="of datadist (the pull), push (into the inbox), direct (decode-first), secret (the "
+                             "pull with a link secret), tls (the pull with a link secret and link encryption), nixl")
     parser.add_argument("--output", type=Path, default=Path("build/bench-vllm-pd.json"))
     parser.add_argument("--shapes", default="", help="then bench_vllm_shapes.py for these shapes ('all': every one)")
     parser.add_argument("--model", choices=("llama", "sliding"), default="llama",
@@ -341,7 +350,7 @@ def main() -> None:
 
     layouts = listed(args.layouts, LAYOUTS, "--layouts")
     phase_names = listed(args.phases, PHASES, "--phases")
-    kinds = listed(args.connectors, ("datadist", "push", "direct", "nixl"), "--connectors")
+    kinds = listed(args.connectors, ("datadist", "push", "direct", "secret", "tls", "nixl"), "--connectors")
     if args.requests < 1 or args.batch < 1 or args.rounds < 1:
         parser.error("--rounds, --requests and --batch must be at least 1")
     if args.model == "sliding" and "push" in kinds:
