@@ -2,7 +2,8 @@
 against vLLM's NixlConnector, in the same run.
 
 Shapes: prefill TP=2 into decode TP=1, TP=1 into TP=2, blocks of 32 tokens
-into blocks of 64 (vLLM's CPU attention takes multiples of 32). Per shape and
+into blocks of 64 (vLLM's CPU attention takes multiples of 32), a prefill of
+two pipeline stages into a decode of one and into one of two. Per shape and
 connector, one fresh pair of engines (connectors alternating, ours first in
 odd rounds):
 
@@ -68,6 +69,11 @@ SHAPES = {
     "tp2_into_tp1": ({"tensor_parallel_size": 2}, {}),
     "tp1_into_tp2": ({}, {"tensor_parallel_size": 2}),
     "block32_into_block64": ({"block_size": 32}, {"block_size": 64}),
+    # Pipeline stages: vLLM's CPU build runs them compiled only (eager, a
+    # second stage's worker fails its first step; tests/test_vllm_pp.py).
+    "pp2_into_pp1": ({"pipeline_parallel_size": 2, "enforce_eager": False}, {}),
+    "pp2_into_pp2": ({"pipeline_parallel_size": 2, "enforce_eager": False},
+                     {"pipeline_parallel_size": 2, "enforce_eager": False}),
 }
 METRICS = XFER_METRICS
 FAILED = {"datadist": "vllm:datadist_aio_num_failed_transfers", "nixl": "vllm:nixl_num_failed_transfers"}

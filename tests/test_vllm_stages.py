@@ -301,9 +301,9 @@ def _stage(conn: Any, stage: int, base: int) -> None:
         side.shutdown()
 
 
-def _decode(conn: Any, base: int, pp: int, stage: int) -> None:
+def _decode(conn: Any, base: int, pp: int, stage: int, first_contact_ms: float = 50.0) -> None:
     arrays = _arrays(pp, stage, 0)
-    side = WorkerSide(_settings("decode", pp, stage, is_producer=False))
+    side = WorkerSide(_settings("decode", pp, stage, is_producer=False, first_contact_ms=first_contact_ms))
     side.register({name: FakeTensor(a) for name, a in arrays.items()})
     while True:
         command, value = conn.recv()
@@ -313,6 +313,8 @@ def _decode(conn: Any, base: int, pp: int, stage: int) -> None:
         start = time.monotonic()
         side.start_loads(StepPlan(loads={req: LoadSpec(req, local, remote, "prefill", "127.0.0.1", base, req,
                                                        lease_token="t-" + req)}))
+        assert side._router is not None
+        routed_in_start = bool(side._router.routes)
         done: set[str] = set()
         failed: set[str] = set()
         errors: set[int] = set()
@@ -325,6 +327,7 @@ def _decode(conn: Any, base: int, pp: int, stage: int) -> None:
         assert side._router is not None
         conn.send({"done": sorted(done), "failed": sorted(failed), "errors": sorted(errors),
                    "elapsed": time.monotonic() - start, "arrays": dict(arrays), "inflight": len(side._inflight),
+                   "routed_in_start": routed_in_start,
                    "records": [(r.nbytes, r.ok) for r in side.take_records()],
                    "sources": sorted(source.port for route in side._router.routes.values() for source in route.sources)})
     side.shutdown()
@@ -369,11 +372,12 @@ def _check_bytes(arrays: dict[str, np.ndarray], local: list[int], remote: list[i
         assert not got[others].any(), f"{name}: a block not asked for was written"
 
 
-@pytest.mark.parametrize("decode_pp", [1, 2])
-def test_a_prefill_of_two_stages_into_a_decode_byte_for_byte(decode_pp: int) -> None:
+@pytest.mark.parametrize("decode_pp, first_contact_ms", [(1, 50.0), (1, 0.0), (2, 50.0)])
+def test_a_prefill_of_two_stages_into_a_decode_byte_for_byte(decode_pp: int, first_contact_ms: float) -> None:
+    """The first contact made by the thread that starts the load, or by the loop thread (0 ms)."""
     base = free_port_run(2)
     stages = [_spawn(_stage, s, base) for s in range(2)]
-    decodes = [_spawn(_decode, base, decode_pp, s) for s in range(decode_pp)]
+    decodes = [_spawn(_decode, base, decode_pp, s, first_contact_ms) for s in range(decode_pp)]
     try:
         for _process, conn in stages:
             assert conn.poll(60) and conn.recv() in (base, base + 1)
@@ -391,6 +395,8 @@ def test_a_prefill_of_two_stages_into_a_decode_byte_for_byte(decode_pp: int) -> 
             assert result["records"] == [(len(held) * 3 * HEADS * BLOCK_SIZE * 2 * HEAD_DIM * 4, True)]
             # Decode PP 1 reads both stages; a decode stage only the prefill stage holding its layers.
             assert result["sources"] == ([base, base + 1] if decode_pp == 1 else [base + s])
+            if not first_contact_ms:
+                assert not result["routed_in_start"], "the loop thread made the first contact"
         # Every decode worker tells every stage: each frees the request once all have.
         for _process, conn in stages:
             assert _freed(conn, "r1"), "a stage kept the request's blocks"
