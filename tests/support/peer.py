@@ -179,6 +179,10 @@ class _Endpoint:
         listen_options = {"listen_ip_info": f"{host}:0"} if listen else {}
         for name, value in {**DEFAULT_OPTIONS, **listen_options, **options}.items():
             setattr(config, name, value)
+        if options.get("transport") == "ucx" and os.environ.get("DATADIST_AIO_LINK_ENCRYPTION") == "tls":
+            # A run with link encryption on (the environment's) keeps its UCX
+            # cases: those peers opt in to unencrypted UCX by name.
+            config.allow_unencrypted_ucx = True
         if loop == "uvloop":
             import uvloop
 
