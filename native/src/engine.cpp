@@ -146,6 +146,10 @@ Status Engine::initialize(const OptionMap &options) {
                     "to let it, or use transport \"auto\" or \"tcp\"");
     }
     if (parsed.ucx) log_warning("link encryption is on, but UCX moves this engine's bytes unencrypted (allow_unencrypted_ucx)");
+    if (parsed.same_host && !parsed.ucx && !parsed.allow_unencrypted_ucx) {
+      log_message(LogLevel::kInfo, "link encryption is on: transport \"auto\" takes no UCX between hosts "
+                                   "(allow_unencrypted_ucx lets it, unencrypted)");
+    }
   }
   auto transport = std::make_unique<LinkManager>(cluster_id_, role_code(parsed.role), registry_, transport_options);
   st = transport->start_ucx();
