@@ -150,6 +150,36 @@ def test_a_byte_altered_after_the_handshake_fails_the_push_and_lands_nothing(gro
     np.testing.assert_array_equal(landed(decode, ref), new)
 
 
+def test_a_byte_altered_on_the_way_back_fails_the_pull_and_lands_nothing(group, prompt_factory):
+    """A pull's data come from the acceptor: the initiator's end checks them."""
+    decode, ref, old = start_decode(group, TLS)
+    prompt = prompt_factory(**TLS)
+    before = np.stack([tensor_bytes(prompt.cache, t).copy() for t in range(TENSORS)])
+    blocks = list(range(BLOCKS))
+    with Relay(decode.listen_port, flip_at=256 * 1024, flip_to_initiator=True) as relay:
+        assert prompt.link(relay.port) == SUCCESS
+        with raises_status(LINK_FAILED) as info:
+            prompt.datadist.cache_manager.pull_blocks(dd.BlocksCacheKey(DECODE, MODEL), prompt.cache, blocks, blocks)
+        assert relay.flipped
+    assert "TLS" in str(info.value) and "altered" in str(info.value), str(info.value)
+    got = np.stack([tensor_bytes(prompt.cache, t) for t in range(TENSORS)])
+    assert np.all((got == before) | (got == old)), "an altered byte landed in the destination cache"
+    wait_until(lambda: links_on(decode) == 0, "the decode drops the link")
+    assert prompt.link(decode.listen_port) == SUCCESS
+    prompt.datadist.cache_manager.pull_blocks(dd.BlocksCacheKey(DECODE, MODEL), prompt.cache, blocks, blocks)
+    np.testing.assert_array_equal(np.stack([tensor_bytes(prompt.cache, t) for t in range(TENSORS)]), old)
+
+
+def test_an_acceptor_that_grants_fewer_connections_keys_each_it_keeps(group, prompt_factory):
+    decode, ref, _ = start_decode(group, {**TLS, "tcp_connections_per_peer": 1})
+    prompt = prompt_factory(**TLS, tcp_connections_per_peer=3)
+    assert prompt.link(decode.listen_port) == SUCCESS
+    prompt.push()
+    np.testing.assert_array_equal(landed(decode, ref), np.stack([prompt.content] * TENSORS))
+    stats = prompt.datadist._engine.link_stats(DECODE)
+    assert stats["connections"] == stats["encrypted"] == 1
+
+
 def test_a_byte_altered_in_the_tls_handshake_fails_the_link(group, prompt_factory):
     decode, ref, old = start_decode(group, TLS)
     prompt = prompt_factory(**TLS)

@@ -4,8 +4,9 @@ connection is forwarded, recorded per direction, and may be altered.
 The initiator links to the relay's port as if it were the acceptor's; the
 relay opens a connection to the acceptor for each one it accepts and pumps
 both ways on threads of its own. ``flip_at`` alters one byte of the
-initiator-to-acceptor stream: the byte at that offset of the first
-connection whose stream gets that far (once in all).
+initiator-to-acceptor stream (``flip_to_initiator``: of the other way's):
+the byte at that offset of the first connection whose stream gets that
+far (once in all).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ LOOPBACK = "127.0.0.1"
 
 
 class Relay:
-    def __init__(self, target_port: int, flip_at: Optional[int] = None) -> None:
+    def __init__(self, target_port: int, flip_at: Optional[int] = None, flip_to_initiator: bool = False) -> None:
         self.target_port = target_port
         self.flip_at = flip_at
+        self.flip_to_initiator = flip_to_initiator
         self.flipped = False
         # Per connection, in the order accepted: the bytes each way.
         self.to_acceptor: list[bytearray] = []
@@ -68,7 +70,11 @@ class Relay:
                 self.to_acceptor.append(up)
                 self.to_initiator.append(down)
                 self._sockets += [inbound, outbound]
-                for src, dst, record, alter in ((inbound, outbound, up, True), (outbound, inbound, down, False)):
+                ways = (
+                    (inbound, outbound, up, not self.flip_to_initiator),
+                    (outbound, inbound, down, self.flip_to_initiator),
+                )
+                for src, dst, record, alter in ways:
                     thread = threading.Thread(
                         target=self._pump, args=(src, dst, record, alter), name="relay-pump", daemon=True
                     )
