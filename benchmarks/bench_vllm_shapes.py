@@ -361,8 +361,9 @@ def main() -> None:
             over = [r["round"] for r in runs if r["failed_loads"] > 0
                     or (r["max_over_median"] or 0) >= args.stall_ratio]
             ratios = [r["max_over_median"] for r in runs if r["max_over_median"] is not None]
+            spread = f"{min(ratios):.2f}-{max(ratios):.2f}x" if ratios else "- (no transfer counted)"
             print(f"{shape:21s}  {kind:9s}  {len(runs)} runs ({errors} died), failed loads "
-                  f"{sum(r['failed_loads'] for r in runs):.0f}, max/median {min(ratios):.2f}-{max(ratios):.2f}x, "
+                  f"{sum(r['failed_loads'] for r in runs):.0f}, max/median {spread}, "
                   f"runs named: {over or 'none'}")
             for r in runs:
                 loads = r["load_average"]
