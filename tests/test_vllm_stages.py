@@ -19,6 +19,7 @@ timeout, and the other stage's blocks are released.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import multiprocessing
 import multiprocessing.resource_tracker
 import time
@@ -274,8 +275,17 @@ def _settings(engine: str, pp: int, stage: int, **more: Any) -> WorkerSettings:
                           load_timeout_s=4.0, **more)
 
 
-def _arrays(pp: int, stage: int, seed: int) -> dict[str, np.ndarray]:
-    return {f"model.layers.{x}.self_attn.attn": layer_array(x, seed) for x in range(*split(MODEL_LAYERS, pp)[stage])}
+def _arrays(pp: int, stage: int, seed: int, layers: int = MODEL_LAYERS) -> dict[str, np.ndarray]:
+    return {f"model.layers.{x}.self_attn.attn": layer_array(x, seed) for x in range(*split(layers, pp)[stage])}
+
+
+class _Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def _stage(conn: Any, stage: int, base: int) -> None:
@@ -301,8 +311,11 @@ def _stage(conn: Any, stage: int, base: int) -> None:
         side.shutdown()
 
 
-def _decode(conn: Any, base: int, pp: int, stage: int, first_contact_ms: float = 50.0) -> None:
-    arrays = _arrays(pp, stage, 0)
+def _decode(conn: Any, base: int, pp: int, stage: int, first_contact_ms: float = 50.0,
+            layers: int = MODEL_LAYERS) -> None:
+    warnings = _Warnings()
+    logging.getLogger("datadist_aio.integrations.vllm.worker").addHandler(warnings)
+    arrays = _arrays(pp, stage, 0, layers)
     side = WorkerSide(_settings("decode", pp, stage, is_producer=False, first_contact_ms=first_contact_ms))
     side.register({name: FakeTensor(a) for name, a in arrays.items()})
     while True:
@@ -327,7 +340,7 @@ def _decode(conn: Any, base: int, pp: int, stage: int, first_contact_ms: float =
         assert side._router is not None
         conn.send({"done": sorted(done), "failed": sorted(failed), "errors": sorted(errors),
                    "elapsed": time.monotonic() - start, "arrays": dict(arrays), "inflight": len(side._inflight),
-                   "routed_in_start": routed_in_start,
+                   "routed_in_start": routed_in_start, "warnings": list(warnings.messages),
                    "records": [(r.nbytes, r.ok) for r in side.take_records()],
                    "sources": sorted(source.port for route in side._router.routes.values() for source in route.sources)})
     side.shutdown()
@@ -430,6 +443,32 @@ def test_a_stage_that_dies_after_the_link_fails_the_load_in_time() -> None:
         assert second["records"] == [(0, False)]
         # The live stage is told the request is done and frees its blocks.
         assert _freed(stages[0][1], "r2")
+    finally:
+        for process, conn in [(decode, dconn), *stages]:
+            _end(process, conn)
+
+
+def test_a_decode_of_another_model_is_refused_at_the_hello_naming_both_layouts() -> None:
+    """A decode of six layers against a prefill of five in two stages: the load fails at once."""
+    base = free_port_run(2)
+    stages = [_spawn(_stage, s, base) for s in range(2)]
+    decode, dconn = _spawn(_decode, base, 1, 0, 50.0, MODEL_LAYERS + 1)
+    try:
+        for _process, conn in stages:
+            assert conn.poll(60) and conn.recv() in (base, base + 1)
+            conn.send(("lease", ["r1"]))
+            assert conn.recv() == "ok"
+        dconn.send(("load", ("r1", [1, 2], [5, 6])))
+        assert dconn.poll(30), "the decode did not answer"
+        result = dconn.recv()
+        assert result["failed"] == ["r1"] and result["errors"] == [1, 2]
+        assert result["elapsed"] < 2.0, "refused at the hello, not at the load timeout"
+        assert not any(a.any() for a in result["arrays"].values()), "nothing landed"
+        (warning,) = [m for m in result["warnings"] if "r1" in m]
+        assert "layout: cannot map the prefill's KV layout (PP stage 0/2 holding model layers 0-2 (stages: 0-2, 3-4)" \
+            in warning, warning
+        assert "onto this decode worker's (TP 0/1" in warning and "x6]" in warning
+        assert "the prefill holds model layers 0-4, this worker 0-5: not the same model" in warning
     finally:
         for process, conn in [(decode, dconn), *stages]:
             _end(process, conn)
