@@ -451,7 +451,7 @@ def test_scheduled_chunks_reads_vllms_scheduler_output() -> None:
         new_block_ids=[None, ([7, 8],)], num_computed_tokens=[40, 0])
     output.num_scheduled_tokens = {"new": 20, "running": 1, "resumed": 32}
     assert module.scheduled_chunks(output) == [
-        ScheduledChunk("new", [4, 5], True, 16, 20),
+        ScheduledChunk("new", [4, 5], True, 16, 20, ([9],)),  # the second KV cache group's blocks too
         ScheduledChunk("running", None, False, 40, 1),
         ScheduledChunk("resumed", [7, 8], True, 0, 32),
     ]
