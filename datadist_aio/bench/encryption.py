@@ -141,13 +141,16 @@ def _cpu_seconds(pid: int) -> float:
 
 
 class Target:
+    """The decode side of the encryption benchmark, in a process of its own."""
+
     def __init__(self, variant: str, secret: str, cache_bytes: int) -> None:
         ctx = mp.get_context("spawn")
-        self.conn, theirs = ctx.Pipe()
-        self.process = ctx.Process(target=target_main, args=(theirs, variant, secret, cache_bytes), daemon=True)
+        conn, theirs = ctx.Pipe()
+        self.conn: Any = conn
+        self.process: Any = ctx.Process(target=target_main, args=(theirs, variant, secret, cache_bytes), daemon=True)
         self.process.start()
         theirs.close()
-        self.port = self.call(None)
+        self.port: int = int(self.call(None))
 
     def call(self, command: Optional[str], arg: Any = None) -> Any:
         if command is not None:

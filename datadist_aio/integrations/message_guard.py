@@ -59,7 +59,7 @@ __all__ = [
     "UNSEALED",
 ]
 
-log = logging.getLogger(__name__)
+log: logging.Logger = logging.getLogger(__name__)
 
 AUTH_KEY_ENV = "DATADIST_AIO_AUTH_KEY"
 ENCRYPTION_ENV = "DATADIST_AIO_LINK_ENCRYPTION"
@@ -109,7 +109,7 @@ class MessageGuard:
             raise ValueError(
                 f"link encryption 'tls' encrypts the side channels under the link secret, and none is set: set "
                 f"{AUTH_KEY_ENV} on every worker (or turn encryption off)")
-        self.encryption = encryption
+        self.encryption: str = encryption
         self._mode = _MODE_AEAD if encryption == "tls" else _MODE_MAC
         self._mac_key = _hkdf(secret, b"hmac-sha256") if secret is not None else b""
         self._aead_key = _hkdf(secret, b"aes-256-gcm") if secret is not None and encryption == "tls" else b""
@@ -123,7 +123,7 @@ class MessageGuard:
         self._floor = 0  # a request at or before this time is refused (its nonce may have been dropped)
         self._logged: OrderedDict[str, None] = OrderedDict()
         self._logged_overflow = False
-        self.refusals = 0
+        self.refusals: int = 0
 
     @classmethod
     def from_environment(cls, encryption: Optional[str] = None,
@@ -256,5 +256,5 @@ class MessageGuard:
                     "refusals from this address are not logged)", where, sender, why)
 
 
-UNSEALED = MessageGuard(None)
+UNSEALED: MessageGuard = MessageGuard(None)
 """The guard of no secret: payloads cross as they are."""

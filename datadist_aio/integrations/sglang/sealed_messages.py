@@ -26,7 +26,7 @@ from ..message_guard import MessageGuard, Refused
 
 __all__ = ["MAX_PARTS", "SEALED_TAG", "open_parts", "pack", "port_of", "receive", "seal_parts", "unpack"]
 
-log = logging.getLogger(__name__)
+log: logging.Logger = logging.getLogger(__name__)
 
 SEALED_TAG = b"DDA_SEALED"
 MAX_PARTS = 64

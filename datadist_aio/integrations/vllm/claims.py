@@ -40,7 +40,7 @@ class ClaimChannel:
     """Claims to one prefill rank: ``send`` from any thread, ``poll`` to read the answers."""
 
     def __init__(self, host: str, port: int, timeout_s: float, guard: MessageGuard = UNSEALED) -> None:
-        self.where = f"{host}:{port}"
+        self.where: str = f"{host}:{port}"
         self._port = port
         self._guard = guard
         self._sock = socket.create_connection((host, port), timeout=timeout_s)

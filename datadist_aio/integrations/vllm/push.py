@@ -246,14 +246,14 @@ class Pusher:
         """``settings.decode_port`` 0: no inbox (only decode-first pushes);
         ``capable``: whether the KV tensors can be pushed layer by layer at
         all (one KV cache group, two tensors per transfer layer)."""
-        self.inbox = settings.decode_port > 0
+        self.inbox: bool = settings.decode_port > 0
         odd = len(layer_names) * per_layer % _TENSORS_PER_LAYER != 0
         if self.inbox and odd:
             raise ValueError(
                 f"push_layerwise moves two tensors per transfer layer; {len(layer_names)} layers of "
                 f"{per_layer} tensor(s) is an odd count: use the pull mode"
             )
-        self.capable = capable and not odd
+        self.capable: bool = capable and not odd
         self.settings = settings
         self._datadist = datadist
         self._cache = cache
@@ -275,7 +275,7 @@ class Pusher:
         self._pushing: set[str] = set()  # claimed, more chunks to push
         self._records: list[TransferRecord] = []
         self._steps: list[PushStep] = []
-        self.directs = DirectPushes(
+        self.directs: DirectPushes = DirectPushes(
             datadist=datadist, cache=cache, group_layouts=layout,
             layers=cache.cache_desc.num_tensors // _TENSORS_PER_LAYER, block_bytes=block_bytes,
             timeout_s=settings.timeout_s, decode_model_id=0, record=self._record, capable=self.capable,

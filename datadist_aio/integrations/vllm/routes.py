@@ -109,7 +109,7 @@ class Router:
     def __init__(self, datadist: dd.LLMDataDist, mine: WorkerLayout, *, hello_timeout_s: float,
                  link_timeout_ms: int, guard: MessageGuard = UNSEALED) -> None:
         self._datadist = datadist
-        self.guard = guard
+        self.guard: MessageGuard = guard
         self._mine = mine
         self._hello_timeout_s = hello_timeout_s
         self._link_timeout_ms = link_timeout_ms

@@ -197,13 +197,13 @@ class WorkerSide:
 
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
-        self.cluster_id = cluster_id_for(settings.engine_id, settings.worker_index)
+        self.cluster_id: int = cluster_id_for(settings.engine_id, settings.worker_index)
         # Seals every side-channel message this worker sends and opens those
         # it takes (ValueError for an encryption it cannot have).
-        self.guard = MessageGuard.from_environment(settings.link_encryption or None)
+        self.guard: MessageGuard = MessageGuard.from_environment(settings.link_encryption or None)
         self.groups: list[CacheGroup] = []
         self.layout: Optional[WorkerLayout] = None
-        self.side_channel_port = 0
+        self.side_channel_port: int = 0
         self._datadist: Optional[dd.LLMDataDist] = None
         self._caches: list[dd.Cache] = []
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -215,7 +215,7 @@ class WorkerSide:
         # Release notices on their way to prefills (loop thread).
         self._notices: set[asyncio.Task[None]] = set()
         # Prefill side: the requests whose blocks wait for decode sides.
-        self.leases = Leases()
+        self.leases: Leases = Leases()
         # Shared between the loop thread and vLLM's worker thread.
         self._lock = threading.Lock()
         self._finished_recving: set[str] = set()
