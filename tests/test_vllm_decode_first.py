@@ -120,10 +120,13 @@ def test_a_prefix_hit_on_the_decode_moves_only_the_tail(instances: dict[str, Any
     reference = tokens(instances["p1"].generate([first, second], MAX_TOKENS))
     start = instances["p1"].metrics()
     assert decode_first(instances, [("p1", "d0", first, first)]) == reference[:1]
-    # The first request's push, counted once its report came (with a later step).
+    # A push that ended after the prefill's last step is reported with its
+    # next one: a request of its own brings it.
+    instances["p1"].generate(prompts_of_lengths([8], seed=35), 1)
     before = _settled_metrics(instances["p1"], start, PUSHED, -(-len(first) // BLOCK_SIZE) * BLOCK_BYTES)
     assert delta(before, start, PUSHED) == -(-len(first) // BLOCK_SIZE) * BLOCK_BYTES
     assert decode_first(instances, [("p1", "d0", second, second)]) == reference[1:]
+    instances["p1"].generate(prompts_of_lengths([8], seed=36), 1)
     tail_blocks = -(-len(second) // BLOCK_SIZE) - 6
     after = _settled_metrics(instances["p1"], before, PUSHED, tail_blocks * BLOCK_BYTES)
     assert delta(after, before, PUSHED) == tail_blocks * BLOCK_BYTES, "the decode's cached blocks did not move"
