@@ -36,7 +36,7 @@ from support.block_ranges import apply_rows
 from datadist_aio.integrations.vllm.metadata import LoadSpec, StepPlan
 from datadist_aio.integrations.vllm.worker import WorkerSide
 from test_vllm_layout import CHANNELS, DTYPE, blocks_of
-from test_vllm_worker_side import FakeTensor
+from test_vllm_worker_side import FakeTensor, _stop
 from vllm_pd import free_port_run
 
 multiprocessing.resource_tracker.ensure_running()
@@ -356,19 +356,6 @@ def _spawn(target: Any, *args: Any) -> tuple[Any, Any]:
     return process, parent
 
 
-def _end(process: Any, conn: Any) -> None:
-    try:
-        conn.send(("stop", None))
-    except OSError:
-        pass
-    process.join(timeout=20)
-    if process.is_alive():
-        process.kill()
-        process.join()
-    conn.close()
-    process.close()
-
-
 def _freed(conn: Any, req: str, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -415,7 +402,7 @@ def test_a_prefill_of_two_stages_into_a_decode_byte_for_byte(decode_pp: int, fir
             assert _freed(conn, "r1"), "a stage kept the request's blocks"
     finally:
         for process, conn in decodes + stages:
-            _end(process, conn)
+            _stop(process, conn)
 
 
 def test_a_stage_that_dies_after_the_link_fails_the_load_in_time() -> None:
@@ -445,7 +432,7 @@ def test_a_stage_that_dies_after_the_link_fails_the_load_in_time() -> None:
         assert _freed(stages[0][1], "r2")
     finally:
         for process, conn in [(decode, dconn), *stages]:
-            _end(process, conn)
+            _stop(process, conn)
 
 
 def test_a_decode_of_another_model_is_refused_at_the_hello_naming_both_layouts() -> None:
@@ -471,4 +458,4 @@ def test_a_decode_of_another_model_is_refused_at_the_hello_naming_both_layouts()
         assert "the prefill holds model layers 0-4, this worker 0-5: not the same model" in warning
     finally:
         for process, conn in [(decode, dconn), *stages]:
-            _end(process, conn)
+            _stop(process, conn)
