@@ -270,8 +270,11 @@ async def test_with_encryption_nothing_of_a_message_crosses_in_the_clear() -> No
         assert (await client.request(message, 5.0))["echo"] == "expect"
         assert handler.seen == [message]
         wire = bytes(relay.up) + bytes(relay.down)
-        for clear in (b"expect", b"op", b"transfer_id", b"xfer-5f3a9c", b"431", b"977", b"1205", b"blocks",
-                      b"10.9.8.7", b"echo", b"ok", b"true"):
+        # Each fragment is as the message encodes it and at least four bytes long, so that ciphertext
+        # cannot hold it by chance (a two-byte word would turn up in a few hundred random bytes).
+        for clear in (b'"expect"', b'"op"', b'"transfer_id"', b"xfer-5f3a9c", b"[431,977,1205]", b'"blocks"',
+                      b"10.9.8.7", b'"echo"', b'"ok"', b":true"):
+            assert clear in encode_body(message) + encode_body({"ok": True, "echo": "expect"})
             assert clear not in wire[4:].replace(b"DDA\x01", b""), f"{clear!r} crossed in the clear"
     finally:
         client.close()
