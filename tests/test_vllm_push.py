@@ -25,7 +25,8 @@ import pytest
 
 from datadist_aio.integrations.vllm.inbox import CLAIMED, COMMITTED, IN_USE, Inbox, Share
 from datadist_aio.integrations.vllm.metadata import LoadSpec, SaveSpec, StepPlan
-from datadist_aio.integrations.vllm.push import LayerRelease
+from datadist_aio.integrations.vllm.groups import CacheGroup, release_layers
+from datadist_aio.integrations.vllm.push import LayerRelease, ReleaseView
 from datadist_aio.integrations.vllm.worker import WorkerSettings, WorkerSide
 from test_vllm_worker_side import FakeTensor, _stop
 
@@ -107,28 +108,60 @@ def test_share_hands_out_each_block_once() -> None:
 
 async def test_layer_release_waits_for_every_model_layer_of_a_transfer_layer() -> None:
     loop = asyncio.get_running_loop()
-    fused = LayerRelease(loop, 4, 1)  # two model layers per transfer layer
+    release = LayerRelease(loop, 4)
+    # One tensor per model layer: a transfer layer is two model layers, let go after the later one.
+    fused = ReleaseView(release, release_layers(_group(4, per_layer=1), 0) or [])
     waiter = asyncio.ensure_future(fused.synchronize_layer(0, None))
-    fused.saved(1)  # out of order: layer 0 is not saved yet
+    release.saved(1)  # out of order: layer 0 is not saved yet
     await asyncio.sleep(0.01)
     assert not waiter.done()
-    fused.saved(0)
+    release.saved(0)
     assert await asyncio.wait_for(waiter, 1)
     second = asyncio.ensure_future(fused.synchronize_layer(1, None))
-    fused.saved(2)
+    release.saved(2)
     await asyncio.sleep(0.01)
-    assert not second.done() and not fused.complete
-    fused.saved(3)
-    assert await asyncio.wait_for(second, 1) and fused.complete
-    assert fused.first_handed is not None and fused.first_handed < fused.last_saved, "layer 0 went before the last save"
-    split = LayerRelease(loop, 2, 2)  # K and V apart: a transfer layer is a model layer
+    assert not second.done() and not release.complete
+    release.saved(3)
+    assert await asyncio.wait_for(second, 1) and release.complete
+    assert release.first_handed is not None and release.first_handed < release.last_saved, \
+        "layer 0 went before the last save"
+    split = LayerRelease(loop, 2)  # K and V apart: a transfer layer is a model layer
     split.saved(0)
-    assert await asyncio.wait_for(split.synchronize_layer(0, None), 1)
+    assert await asyncio.wait_for(ReleaseView(split, release_layers(_group(2, per_layer=2), 0) or []
+                                              ).synchronize_layer(0, None), 1)
+
+
+def _group(layers: int, per_layer: int, kv_groups: int = 1) -> CacheGroup:
+    """A cache group of ``layers`` vLLM layers, one tensor per ``kv_groups`` of
+    them (the hybrid manager's overlay: tensor t written by layer t of each
+    group, the groups' layers interleaved), split into ``per_layer`` parts."""
+    tensors = layers // kv_groups
+    group = CacheGroup("torch.float32", [4], 8, per_layer, kv_groups=tuple(range(kv_groups)))
+    for tensor in range(tensors):
+        group.addresses += [0] * per_layer
+        group.writers.append({kv_group: tensor * kv_groups + kv_group for kv_group in range(kv_groups)})
+    return group
+
+
+def test_each_kv_cache_group_goes_after_the_last_of_its_layers_writing_a_transfer_layer() -> None:
+    # Four layers over two tensors, alternating two KV cache groups (layers
+    # 0 and 2 sliding, 1 and 3 full, say), one tensor per layer: one
+    # transfer layer, which holds group 0's bytes after layer 2, group 1's after 3.
+    overlay = _group(4, per_layer=1, kv_groups=2)
+    assert release_layers(overlay, 0) == [2] and release_layers(overlay, 1) == [3]
+    # K and V apart: each tensor is a transfer layer of its own.
+    apart = _group(4, per_layer=2, kv_groups=2)
+    assert release_layers(apart, 0) == [0, 2] and release_layers(apart, 1) == [1, 3]
+    # Tensors that do not split into transfer layers, or two layers of one group on one tensor: none.
+    assert release_layers(_group(3, per_layer=1), 0) is None
+    shared = _group(2, per_layer=2)
+    shared.writers[0][0] = -1
+    assert release_layers(shared, 0) is None
 
 
 async def test_an_aborted_release_refuses_the_layers_it_had_not_released() -> None:
     loop = asyncio.get_running_loop()
-    release = LayerRelease(loop, 4, 2)  # K and V apart: four transfer layers
+    release = LayerRelease(loop, 4)
     release.saved(0)
     release.saved(1)
     release.abort()
@@ -136,7 +169,7 @@ async def test_an_aborted_release_refuses_the_layers_it_had_not_released() -> No
     release.saved(2)  # a save after the abort releases nothing
     results = [await asyncio.wait_for(release.synchronize_layer(layer, None), 1) for layer in range(4)]
     assert results == [True, True, False, False]
-    whole = LayerRelease(loop, 2, 2)
+    whole = LayerRelease(loop, 2)
     whole.saved(0)
     whole.saved(1)
     whole.abort()  # every layer had gone: nothing to refuse, but the push is still aborted

@@ -171,8 +171,12 @@ def test_a_hybrid_decode_first_request_names_every_groups_blocks_as_its_prompt_e
     prefill.update_state_after_alloc(request, [], 0)
     first = prefill.build_plan([ScheduledChunk("p1", [1, 2, 3], True, 0, 10, ([11, 12, 13],))])
     assert first.saves["p1"].all_groups is None, "named as the prompt ends"
+    # Each step names each group's blocks it computes, for the push (the
+    # partly filled block again with the next step).
+    assert first.saves["p1"].block_ids == [1, 2, 3] and first.saves["p1"].more_block_ids == [[11, 12, 13]]
     last = prefill.build_plan([ScheduledChunk("p1", [4, 5], False, 10, 8, ([14, 15],))]).saves["p1"]
     assert last.last and last.all_groups == [[4, 5], [11, 12, 13, 14, 15]]
+    assert last.first_index == 2 and last.block_ids == [3, 4, 5] and last.more_block_ids == [[13, 14, 15]]
     request.status = Status.FINISHED_LENGTH_CAPPED
     _held, answer = prefill.request_finished(request, ([1, 2, 3, 4, 5], [11, 12, 13, 14, 15]))
     assert answer is not None and answer["remote_block_ids"] == last.all_groups

@@ -12,7 +12,12 @@ prefill writes over it.
 
 Prefill side (``DirectPushes``, run by ``Pusher``): each step's blocks of a
 request the decode already expects go into the decode's blocks with the
-step's layer-wise transfer, each layer as the forward saves it. Blocks
+step's layer-wise transfer, each layer as the forward saves it. Under vLLM's
+hybrid KV cache manager each KV cache group goes as a transfer of its own
+(``PushSpan``): its blocks, through the tensors its layers write, each
+transfer layer once the last of its group's layers writing it was saved; a
+sliding-window group's blocks are aligned to the prompt's end, so only the
+tail the decode's window keeps moves. Blocks
 computed before the decode's ``expect`` came are pushed whole once it comes
 (the prefill still holds them: its request is leased until the decode says
 done). When the prompt's last block has landed the prefill sends
@@ -46,7 +51,7 @@ from .metadata import SaveSpec
 from ..message_guard import UNSEALED, MessageGuard
 from .side_channel import SideChannelClient
 
-__all__ = ["DirectPushes", "MAX_TRANSFER_ID", "valid_transfer_id"]
+__all__ = ["DirectPushes", "MAX_TRANSFER_ID", "PushSpan", "ReleaseView", "valid_transfer_id"]
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +61,74 @@ _MAX_DIRECTS = 1 << 14  # decode-first requests one prefill worker tracks at onc
 _MAX_BLOCKS = 1 << 20
 
 
+_MAX_KV_GROUPS = 64
+
+# A request's blocks of one step, per KV cache group: (prompt block index, block id).
+Blocks = list[list[tuple[int, int]]]
+
+
 def valid_transfer_id(value: Any) -> bool:
     return isinstance(value, str) and 0 < len(value) <= MAX_TRANSFER_ID
+
+
+@dataclass(frozen=True)
+class PushSpan:
+    """What a push of one KV cache group's blocks moves through one blocks cache.
+
+    ``model_id``: the cache's, alike on both sides; ``layers``: for each of
+    its transfer layers, the step's layer (by vLLM's layer names) after
+    which it holds the group's bytes (``groups.release_layers``), None where
+    its tensors cannot go layer by layer; ``block_bytes``: one block across
+    its tensors.
+    """
+
+    cache: dd.Cache
+    model_id: int
+    kv_group: int
+    layers: Optional[tuple[int, ...]]
+    block_bytes: int
+
+
+@dataclass
+class _Target:
+    """Where one KV cache group's blocks go on the decode: ``blocks[k]``
+    receives prompt block ``skip + k``, or with ``tail`` the blocks end at
+    the prompt's last block (a sliding-window group's in-window tail)."""
+
+    blocks: list[int]
+    skip: int = 0
+    tail: bool = False
+
+    def position(self, index: int, total_blocks: int) -> int:
+        """Where prompt block ``index`` goes in ``blocks``: below 0 where it does not move."""
+        return index - (total_blocks - len(self.blocks) if self.tail else self.skip)
+
+
+def _targets(message: dict[str, Any]) -> list[_Target]:
+    """The decode's blocks per KV cache group from an expect: ``groups``
+    where it names them, else its ``blocks`` and ``skip`` (one group)."""
+    blocks, skip, groups = message.get("blocks"), message.get("skip", 0), message.get("groups")
+    if groups is None:
+        groups = [{"blocks": blocks, "skip": skip}]
+    if not isinstance(groups, list) or not 0 < len(groups) <= _MAX_KV_GROUPS:
+        raise ValueError(f"groups must be a list of 1 to {_MAX_KV_GROUPS} KV cache groups' blocks")
+    targets: list[_Target] = []
+    total = 0
+    for group in groups:
+        if not isinstance(group, dict):
+            raise ValueError("each of groups must be a dict of blocks and skip or tail")
+        blocks, skip, tail = group.get("blocks"), group.get("skip", 0), group.get("tail", False)
+        if not isinstance(blocks, list) or not all(type(b) is int and b >= 0 for b in blocks):
+            raise ValueError(f"blocks must be a list of at most {_MAX_BLOCKS} block ids")
+        total += len(blocks)
+        if total > _MAX_BLOCKS:
+            raise ValueError(f"blocks must be a list of at most {_MAX_BLOCKS} block ids")
+        if type(skip) is not int or not 0 <= skip <= _MAX_BLOCKS:
+            raise ValueError("skip must be a block count")
+        if type(tail) is not bool:
+            raise ValueError("tail must be true or false")
+        targets.append(_Target(list(blocks), skip, tail))
+    return targets
 
 
 @dataclass
@@ -71,16 +142,15 @@ class _Direct:
     cluster_id: Optional[int] = None
     notice_host: str = ""
     notice_port: int = 0
-    blocks: list[int] = field(default_factory=list)
-    skip: int = 0
+    targets: list[_Target] = field(default_factory=list)  # per KV cache group
     deadline: float = 0.0
     direct: bool = True  # False: the layouts differ, the decode pulls
-    # Blocks computed before the expect came: (prompt block index, block id).
-    owed: list[tuple[int, int]] = field(default_factory=list)
+    # Blocks computed before the expect came.
+    owed: Blocks = field(default_factory=list)
     # Blocks of steps under way when the expect had not come: the expect
     # joins them to the step's layer release (the layers still to be saved
     # then go as they are saved).
-    waiting: list[tuple[list[tuple[int, int]], Any, "asyncio.Future[Optional[asyncio.Task[None]]]"]] = field(
+    waiting: list[tuple[Blocks, Any, "asyncio.Future[Optional[asyncio.Task[None]]]"]] = field(
         default_factory=list)
     last_computed: bool = False
     # Steps of the request whose forward is not over: its blocks are not
@@ -113,9 +183,23 @@ class _Direct:
         return self.expected and self.direct and not self.failed and not self.cancelled and now < self.deadline
 
 
+class ReleaseView(dd.LayerSynchronizer):
+    """One transfer's view of a step's ``LayerRelease``: its transfer layer
+    ``i`` goes once the release lets layer ``layers[i]`` go (the last layer
+    writing one of its tensors)."""
+
+    def __init__(self, release: dd.LayerSynchronizer, layers: Sequence[int]) -> None:
+        self._release = release
+        self._layers = layers
+
+    async def synchronize_layer(self, layer_index: int, timeout_in_millis: Optional[int]) -> bool:
+        ready = self._release.synchronize_layer(self._layers[layer_index], timeout_in_millis)
+        return bool(await ready)  # type: ignore[misc]
+
+
 class _Guard(dd.LayerSynchronizer):
-    """A step's layer release, refused for a transfer once one of its requests
-    is cancelled or past its deadline."""
+    """A transfer's view of its step's layer release, refused once one of its
+    requests is cancelled or past its deadline."""
 
     def __init__(self, release: dd.LayerSynchronizer, directs: Sequence[_Direct]) -> None:
         self._release = release
@@ -137,29 +221,28 @@ class _Released(dd.LayerSynchronizer):
 class DirectPushes:
     """The decode-first requests of one prefill worker."""
 
-    def __init__(self, *, datadist: dd.LLMDataDist, cache: dd.Cache, group_layouts: list[dict[str, Any]],
-                 layers: int, block_bytes: int, timeout_s: float, decode_model_id: int,
-                 record: Callable[[float, int, int, bool], None], capable: bool = True,
+    def __init__(self, *, datadist: dd.LLMDataDist, spans: Sequence[PushSpan], group_layouts: list[dict[str, Any]],
+                 timeout_s: float, record: Callable[[float, int, int, bool], None], capable: bool = True,
                  unreachable: Callable[[str], None] = lambda req_id: None, engine_id: str = "",
-                 single_group: bool = True, guard: MessageGuard = UNSEALED) -> None:
-        """``capable``: whether this worker's KV tensors can be pushed layer by
-        layer (one KV cache group, two tensors per transfer layer); where not,
-        every decode-first request is pulled. ``unreachable(req_id)``: the
-        request's decode cannot be told (it died): nobody will read it.
-        ``single_group``: one vLLM KV cache group, whose blocks the steps name
-        (a decode that pulls is told them as the prompt is computed; with
-        several it waits for the finished request's params)."""
+                 guard: MessageGuard = UNSEALED) -> None:
+        """``spans``: what a push of each KV cache group's blocks moves (one
+        per blocks cache and KV cache group it serves); ``capable``: whether
+        this worker's KV tensors can be pushed layer by layer (each span's
+        ``layers`` known); where not, every decode-first request is pulled.
+        ``unreachable(req_id)``: the request's decode cannot be told (it
+        died): nobody will read it. With one vLLM KV cache group, whose
+        blocks the steps name, a decode that pulls is told them as the
+        prompt is computed; with several it is told every group's blocks
+        named by the step that ends the prompt."""
         self._datadist = datadist
-        self._cache = cache
+        self._spans = list(spans)
+        self._kv_groups = 1 + max((span.kv_group for span in spans), default=0)
         self._group_layouts = group_layouts
-        self._layers = layers
-        self._block_bytes = block_bytes
         self._timeout_s = timeout_s
-        self._model_id = decode_model_id
-        self._capable = capable
+        self._capable = capable and all(span.layers is not None for span in spans)
         self._unreachable = unreachable
         self._engine_id = engine_id
-        self._single_group = single_group
+        self._single_group = self._kv_groups == 1
         self._settling: set[asyncio.Task[None]] = set()
         self._record = record
         self._directs: dict[str, _Direct] = {}
@@ -172,19 +255,15 @@ class DirectPushes:
     async def expect(self, message: dict[str, Any]) -> dict[str, Any]:
         """A decode worker waits for a request: where its blocks are."""
         transfer_id, cluster_id = message.get("transfer_id"), message.get("cluster_id")
-        host, port, blocks = message.get("host"), message.get("port"), message.get("blocks")
-        skip, deadline_s, layout = message.get("skip", 0), message.get("deadline_s"), message.get("layout")
+        host, port = message.get("host"), message.get("port")
+        deadline_s, layout = message.get("deadline_s"), message.get("layout")
         if not valid_transfer_id(transfer_id):
             raise ValueError(f"transfer_id must be a string of 1 to {MAX_TRANSFER_ID} characters")
         if type(cluster_id) is not int or not 0 <= cluster_id < 1 << 64:
             raise ValueError("cluster_id must be a 64-bit unsigned integer")
         if not isinstance(host, str) or not 0 < len(host) <= 256 or type(port) is not int or not 0 < port < 65536:
             raise ValueError("host and port must name the decode's side channel")
-        if (not isinstance(blocks, list) or len(blocks) > _MAX_BLOCKS
-                or not all(type(b) is int and b >= 0 for b in blocks)):
-            raise ValueError(f"blocks must be a list of at most {_MAX_BLOCKS} block ids")
-        if type(skip) is not int or not 0 <= skip <= _MAX_BLOCKS:
-            raise ValueError("skip must be a block count")
+        targets = _targets(message)
         if not isinstance(deadline_s, (int, float)) or not 0 < deadline_s <= 3600:
             raise ValueError("deadline_s must be a number of seconds above 0, at most 3600")
         assert isinstance(transfer_id, str)
@@ -200,21 +279,20 @@ class DirectPushes:
             if d.settled and not d.landed and d.params is not None:
                 await self._tell(d, {"op": "pull", "transfer_id": d.transfer_id, "params": d.params}, (host, port))
             return {"ok": True, "direct": False}
-        d.cluster_id, d.notice_host, d.notice_port = cluster_id, host, port
-        d.blocks, d.skip = list(blocks), skip
+        d.cluster_id, d.notice_host, d.notice_port, d.targets = cluster_id, host, port, targets
         d.deadline = time.monotonic() + max(0.0, float(deadline_s) - min(_MARGIN_S, 0.2 * float(deadline_s)))
-        d.direct = self._capable and bool(message.get("direct", True)) and layout == self._group_layouts
+        d.direct = (self._capable and bool(message.get("direct", True)) and layout == self._group_layouts
+                    and len(targets) == self._kv_groups)
         waiting, d.waiting = d.waiting, []
         for blocks, release, joined in waiting:
             task: Optional[asyncio.Task[None]] = None
             if d.usable(time.monotonic()):
                 d.joining += 1  # before the task runs: the settle below must not find the request idle
-                task = asyncio.get_running_loop().create_task(
-                    self._counted(d, blocks, _Guard(release, [d]), counted=True))
+                task = asyncio.get_running_loop().create_task(self._counted(d, blocks, release, counted=True))
             joined.set_result(task)
-        if d.owed and d.usable(time.monotonic()):
+        if any(d.owed) and d.usable(time.monotonic()):
             owed, d.owed = d.owed, []
-            await self._counted(d, owed, _Guard(_Released(), [d]))
+            await self._counted(d, owed, _Released())
         await self._settle(d)
         return {"ok": True, "direct": d.direct}
 
@@ -240,8 +318,8 @@ class DirectPushes:
         forward is over (``forward_over``: whether it completed)."""
         now = time.monotonic()
         loop = asyncio.get_running_loop()
-        by_decode: dict[int, list[tuple[_Direct, list[tuple[int, int]]]]] = {}
-        later: list[tuple[_Direct, list[tuple[int, int]], asyncio.Future[Optional[asyncio.Task[None]]]]] = []
+        by_decode: dict[int, list[tuple[_Direct, Blocks]]] = {}
+        later: list[tuple[_Direct, Blocks, asyncio.Future[Optional[asyncio.Task[None]]]]] = []
         seen: list[_Direct] = []
         for spec in specs:
             d = self._direct(spec.transfer_id)
@@ -251,8 +329,8 @@ class DirectPushes:
             seen.append(d)
             d.forwarding += 1
             d.req_id = spec.req_id
-            blocks = list(enumerate(spec.block_ids, spec.first_index))
-            d.computed.update(blocks)
+            blocks = [list(enumerate(ids, spec.first_index)) for ids in (spec.block_ids, *spec.more_block_ids)]
+            d.computed.update(blocks[0])
             d.total_blocks, d.lease_token = spec.total_blocks, spec.lease_token or d.lease_token
             if spec.last:
                 d.last_computed = True
@@ -264,8 +342,7 @@ class DirectPushes:
                 joined: asyncio.Future[Optional[asyncio.Task[None]]] = loop.create_future()
                 d.waiting.append((blocks, release, joined))
                 later.append((d, blocks, joined))
-        pushes = [self._transfer(items, _Guard(release, [d for d, _ in items]), cluster)
-                  for cluster, items in by_decode.items()]
+        pushes = [self._transfer(items, release, cluster) for cluster, items in by_decode.items()]
         try:
             complete, *_ = await asyncio.gather(forward_over, *pushes)
         finally:
@@ -286,9 +363,12 @@ class DirectPushes:
                 continue
             if d.usable(time.monotonic()):
                 d.joining += 1
-                joined_pushes.append(self._counted(d, blocks, _Guard(_Released(), [d]), counted=True))
+                joined_pushes.append(self._counted(d, blocks, _Released(), counted=True))
             elif not d.expected:
-                d.owed.extend(blocks)  # pushed once the decode expects the request
+                # Pushed once the decode expects the request.
+                d.owed.extend([] for _ in range(len(blocks) - len(d.owed)))
+                for owed, more in zip(d.owed, blocks):
+                    owed.extend(more)
         for push in joined_pushes:
             await push
         for d in {id(d): d for d in seen}.values():
@@ -340,7 +420,7 @@ class DirectPushes:
         for transfer_id in [x for x, d in self._directs.items() if d.created < old]:
             del self._directs[transfer_id]
 
-    async def _counted(self, d: _Direct, blocks: list[tuple[int, int]], sync: dd.LayerSynchronizer,
+    async def _counted(self, d: _Direct, blocks: Blocks, release: dd.LayerSynchronizer,
                        counted: bool = False) -> None:
         """Pushes blocks of one request, counted in ``joining`` from the call
         (``counted``: by the caller already) until it is under way or done."""
@@ -348,37 +428,72 @@ class DirectPushes:
             d.joining += 1
         try:
             assert d.cluster_id is not None
-            await self._transfer([(d, blocks)], sync, d.cluster_id)
+            await self._transfer([(d, blocks)], release, d.cluster_id)
         finally:
             d.joining -= 1
 
-    async def _transfer(self, items: list[tuple[_Direct, list[tuple[int, int]]]], sync: dd.LayerSynchronizer,
+    def _pairs(self, d: _Direct, blocks: Blocks, kv_group: int) -> Optional[list[tuple[int, int]]]:
+        """(source, destination) blocks of one KV cache group of a request;
+        None (and the request failed) where the decode has no block for one."""
+        if kv_group >= len(blocks) or kv_group >= len(d.targets):
+            return []
+        target = d.targets[kv_group]
+        pairs: list[tuple[int, int]] = []
+        for index, block in blocks[kv_group]:
+            position = target.position(index, d.total_blocks)
+            if position >= len(target.blocks):
+                first = index - position
+                d.failed = (f"the decode expects {first + len(target.blocks)} prompt blocks of KV cache group "
+                            f"{kv_group}, the prompt has more")
+                return None
+            if position >= 0:
+                pairs.append((block, target.blocks[position]))
+        return pairs
+
+    async def _transfer(self, items: list[tuple[_Direct, Blocks]], release: dd.LayerSynchronizer,
                         cluster_id: int) -> None:
-        """Writes blocks of requests one decode worker expects into its blocks."""
+        """Writes blocks of requests one decode worker expects into its
+        blocks: one layer-wise transfer per ``PushSpan``, each layer as
+        ``release`` lets the span's layers go (and its requests are still
+        wanted)."""
         start = time.perf_counter()
-        src: list[int] = []
-        dst: list[int] = []
+        pairs: dict[int, list[tuple[int, int]]] = {}  # by KV cache group
         moving: list[_Direct] = []
         for d, blocks in items:
-            mine = [(index - d.skip, block) for index, block in blocks if index >= d.skip]
-            if any(position >= len(d.blocks) for position, _ in mine):
-                d.failed = f"the decode expects {d.skip + len(d.blocks)} prompt blocks, the prompt has more"
+            mine = [self._pairs(d, blocks, kv_group) for kv_group in range(self._kv_groups)]
+            if any(group is None for group in mine):
                 continue
-            src.extend(block for _, block in mine)
-            dst.extend(d.blocks[position] for position, _ in mine)
+            for kv_group, group in enumerate(mine):
+                pairs.setdefault(kv_group, []).extend(group or [])
             moving.append(d)
-        if not src:
+        spans = [span for span in self._spans if pairs.get(span.kv_group)]
+        if not spans:
             return
         for d in moving:
             d.inflight += 1
-        config = dd.TransferWithCacheKeyConfig(
-            dd.BlocksCacheKey(cluster_id, self._model_id), range(self._layers), range(self._layers))
+        nbytes = sum(len(pairs[span.kv_group]) * span.block_bytes for span in spans)
+        count = sum(len(pairs[span.kv_group]) for span in spans)
         ok = False
         try:
-            task = self._datadist.cache_manager.transfer_cache_async(
-                self._cache, sync, [config], src_block_indices=src, dst_block_indices=dst)
             async with asyncio.timeout(self._timeout_s):
-                await task
+                tasks: list[dd.CacheTask] = []
+                errors: list[BaseException] = []
+                try:
+                    for span in spans:
+                        assert span.layers is not None
+                        layers = range(len(span.layers))
+                        config = dd.TransferWithCacheKeyConfig(dd.BlocksCacheKey(cluster_id, span.model_id),
+                                                               layers, layers)
+                        tasks.append(self._datadist.cache_manager.transfer_cache_async(
+                            span.cache, _Guard(ReleaseView(release, span.layers), moving), [config],
+                            src_block_indices=[source for source, _ in pairs[span.kv_group]],
+                            dst_block_indices=[destination for _, destination in pairs[span.kv_group]]))
+                except Exception as exc:  # refused: the transfers started are still awaited
+                    errors.append(exc)
+                outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+                errors += [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+                if errors:
+                    raise errors[0]
             ok = True
         except (Exception, TimeoutError) as exc:
             for d in moving:
@@ -388,14 +503,14 @@ class DirectPushes:
                 for d in moving:
                     d.inflight -= 1
                 self._idle.notify_all()
-        self._record(time.perf_counter() - start, len(src) * self._block_bytes if ok else 0, len(src), ok)
+        self._record(time.perf_counter() - start, nbytes if ok else 0, count, ok)
 
     async def _settle(self, d: _Direct) -> None:
         """Tells the decode once the outcome is known: landed, or pull."""
         if d.settled or not d.expected or d.inflight or d.joining or d.waiting or d.forwarding:
             return
         if d.direct and not d.failed and not d.cancelled:
-            if not d.last_computed or d.owed:
+            if not d.last_computed or any(d.owed):
                 return
             d.landed = d.settled = True
             await self._tell(d, {"op": "landed", "transfer_id": d.transfer_id, "remote_request_id": d.req_id})

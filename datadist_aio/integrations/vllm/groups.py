@@ -25,7 +25,7 @@ from .layout import INTERIORS, GroupShape, WorkerLayout, heads_of
 if TYPE_CHECKING:
     from .worker import WorkerSettings
 
-__all__ = ["DATATYPES", "CacheGroup", "describe_kv_caches", "model_layer", "worker_layout"]
+__all__ = ["DATATYPES", "CacheGroup", "describe_kv_caches", "model_layer", "release_layers", "worker_layout"]
 
 DATATYPES = {
     "torch.float32": dd.DataType.DT_FLOAT,
@@ -57,6 +57,10 @@ class CacheGroup:
     # The model layer of each of its layers (the first layer naming each
     # tensor), read off vLLM's layer names; None where a name holds none.
     layers: list[Optional[int]] = field(default_factory=list)
+    # Per tensor (not per part): the layer, by its index among vLLM's
+    # layer names, that writes it for each KV cache group it serves; -1
+    # where two layers of one KV cache group name it.
+    writers: list[dict[int, int]] = field(default_factory=list)
 
     @property
     def block_bytes(self) -> int:
@@ -104,9 +108,12 @@ def describe_kv_caches(kv_caches: Mapping[str, Any], num_blocks: Optional[int] =
     ``kv_placement``'s to check.
     """
     serves: dict[int, set[int]] = {}
-    for name, tensor in kv_caches.items():
+    writers: dict[int, dict[int, int]] = {}
+    for index, (name, tensor) in enumerate(kv_caches.items()):
         kv_group = layer_groups.get(name, 0) if layer_groups is not None else 0
         serves.setdefault(tensor.data_ptr(), set()).add(kv_group)
+        by_group = writers.setdefault(tensor.data_ptr(), {})
+        by_group[kv_group] = -1 if kv_group in by_group else index
     groups: dict[tuple[str, tuple[int, ...], tuple[int, ...]], CacheGroup] = {}
     seen: set[int] = set()
     for name, tensor in kv_caches.items():
@@ -129,7 +136,28 @@ def describe_kv_caches(kv_caches: Mapping[str, Any], num_blocks: Optional[int] =
             group.addresses.append(int(part.data_ptr()))
             group.keep.append(part)
         group.layers.append(model_layer(name))
+        group.writers.append(writers[tensor.data_ptr()])
     return list(groups.values())
+
+
+def release_layers(group: CacheGroup, kv_group: int, per_transfer_layer: int = 2) -> Optional[list[int]]:
+    """When each transfer layer of ``group`` (``per_transfer_layer`` of its
+    tensors, as a layer-wise transfer moves them) holds ``kv_group``'s bytes
+    of a step: the index, among vLLM's layer names, of the last layer
+    writing one of its tensors for that KV cache group. None where the
+    tensors do not split into transfer layers or a tensor has no single
+    writer in the group."""
+    parts = len(group.addresses)
+    if parts == 0 or parts % per_transfer_layer or len(group.writers) * group.per_layer != parts:
+        return None
+    layers: list[int] = []
+    for first in range(0, parts, per_transfer_layer):
+        names = [group.writers[part // group.per_layer].get(kv_group, -1)
+                 for part in range(first, first + per_transfer_layer)]
+        if min(names) < 0:
+            return None
+        layers.append(max(names))
+    return layers
 
 
 def model_layer(name: str) -> Optional[int]:

@@ -89,6 +89,9 @@ class SaveSpec:
     # groups: every group's blocks (a sliding-window group's in-window
     # tail), for a decode that pulls them.
     all_groups: Optional[list[list[int]]] = None
+    # With several KV cache groups: each further group's blocks of the step,
+    # of the same prompt block indices as ``block_ids``.
+    more_block_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass

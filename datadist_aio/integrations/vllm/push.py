@@ -41,42 +41,42 @@ from typing import Any, Optional
 
 import datadist_aio as dd
 
-from .direct import DirectPushes
+from .direct import DirectPushes, PushSpan, ReleaseView
 from .inbox import Share
 from .metadata import SaveSpec
 from ..message_guard import UNSEALED, MessageGuard
 from .side_channel import SideChannelClient
 from .stats import PushStep, TransferRecord
 
-__all__ = ["INBOX_MODEL_ID", "EventRelease", "LayerRelease", "Pusher", "PushSettings"]
+__all__ = ["INBOX_MODEL_ID", "EventRelease", "LayerRelease", "Pusher", "PushSettings", "ReleaseView"]
 
 log = logging.getLogger(__name__)
 
 INBOX_MODEL_ID = 1 << 20  # the decode side's inbox blocks cache, in its BlocksCacheKey
-_TENSORS_PER_LAYER = 2
 _RETRY_AFTER_S = 5.0  # after the decode side could not be reached, steps go unpushed this long
 _EARLY_CONTACT_S = 600.0  # how long a starting prefill keeps trying to reach its decode side before any step
 
 
 class LayerRelease(dd.LayerSynchronizer):
-    """Lets a transfer layer go once every model layer it holds was saved.
+    """Lets the step's layers go as the forward saves them: layer ``k``
+    (vLLM's ``k``-th KV layer name) once layers 0 to ``k`` were saved.
 
-    ``saved``, ``abort`` and ``complete`` are called on vLLM's worker thread;
-    ``synchronize_layer`` is awaited on the loop. It also notes when the
-    engine was handed the first layer (``first_handed``) and when the
-    forward saved its last one (``last_saved``), both ``time.perf_counter()``:
-    the step overlapped its forward when the first came before the second.
+    A transfer reads it through a ``ReleaseView``, which names for each of
+    its transfer layers the last layer writing it. ``saved``, ``abort`` and
+    ``complete`` are called on vLLM's worker thread; ``synchronize_layer`` is
+    awaited on the loop. It also notes when the engine was first handed a
+    layer (``first_handed``) and when the forward saved its last one
+    (``last_saved``), both ``time.perf_counter()``: the step overlapped its
+    forward when the first came before the second.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, model_layers: int, per_layer: int) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, model_layers: int) -> None:
         self._loop = loop
-        self._per_layer = per_layer
         self._model_layers = model_layers
-        self._events = [asyncio.Event() for _ in range(model_layers * per_layer // _TENSORS_PER_LAYER)]
+        self._events = [asyncio.Event() for _ in range(model_layers)]
         self._saved = [False] * model_layers
         self._done = 0  # model layers saved in a row from the first
-        self._released = 0
-        self._refused_from = len(self._events)  # layers from here on were refused (``abort``)
+        self._refused_from = model_layers  # layers from here on were refused (``abort``)
         self._aborted = False
         self._ended = asyncio.Event()
         self.last_saved = 0.0
@@ -87,12 +87,12 @@ class LayerRelease(dd.LayerSynchronizer):
             return
         self._saved[model_layer] = True
         self.last_saved = time.perf_counter()
-        while self._done < self._model_layers and self._saved[self._done]:
-            self._done += 1
-        ready = self._done * self._per_layer // _TENSORS_PER_LAYER
-        if ready > self._released:
-            self._release(range(self._released, ready))
-        self._released = max(self._released, ready)
+        done = self._done
+        while done < self._model_layers and self._saved[done]:
+            done += 1
+        if done > self._done:
+            self._release(range(self._done, done))
+            self._done = done
 
     def _release(self, layers: range) -> None:
         for layer in layers:
@@ -114,8 +114,8 @@ class LayerRelease(dd.LayerSynchronizer):
         if self._aborted:
             return
         self._aborted = True
-        self._refused_from = self._released
-        for event in self._events[self._released:]:
+        self._refused_from = self._done
+        for event in self._events[self._done:]:
             self._loop.call_soon_threadsafe(event.set)
 
     def end(self) -> None:
@@ -130,7 +130,7 @@ class LayerRelease(dd.LayerSynchronizer):
     async def synchronize_layer(self, layer_index: int, timeout_in_millis: Optional[int]) -> bool:
         await self._events[layer_index].wait()
         ready = layer_index < self._refused_from and await self._layer_ready(layer_index, timeout_in_millis)
-        if ready and layer_index == 0:
+        if ready and self.first_handed is None:
             self.first_handed = time.perf_counter()
         return ready
 
@@ -150,15 +150,18 @@ class EventRelease(LayerRelease):
     refuses fails the push (the decode side then pulls).
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, model_layers: int, per_layer: int,
+    def __init__(self, loop: asyncio.AbstractEventLoop, model_layers: int,
                  sync: dd.CudaEventSynchronizer, record_event: Callable[[], Any], watch_end: bool = False) -> None:
         """``watch_end``: whether ``forward_over`` is awaited (decode-first
         requests in the step), which then waits for the device too."""
-        super().__init__(loop, model_layers, per_layer)
+        super().__init__(loop, model_layers)
         self._watch_end = watch_end
         self._sync = sync
         self._record_event = record_event
         self._failed: set[int] = set()
+        # Each layer's event is watched once, whatever number of transfers
+        # (decodes, KV cache groups) wait for it.
+        self._ready: dict[int, asyncio.Future[bool]] = {}
         self._keep: list[Any] = []  # this step's events, alive until the engine has watched them
         # The event recorded as the forward ended, watched as a layer past the
         # last: the forward is over on the device once it has completed.
@@ -186,7 +189,11 @@ class EventRelease(LayerRelease):
     async def _layer_ready(self, layer_index: int, timeout_in_millis: Optional[int]) -> bool:
         if layer_index in self._failed:
             return False
-        return await self._sync.synchronize_layer(layer_index, timeout_in_millis)
+        ready = self._ready.get(layer_index)
+        if ready is None:
+            ready = self._ready[layer_index] = asyncio.ensure_future(self._sync.synchronize_layer(layer_index, None))
+        timeout = None if timeout_in_millis is None else timeout_in_millis / 1000
+        return await asyncio.wait_for(asyncio.shield(ready), timeout)
 
     def end(self) -> None:
         if self._watch_end and not self.aborted:
@@ -238,29 +245,28 @@ class _Step:
 class Pusher:
     """Pushes the blocks each step writes into the decode side's inbox."""
 
-    def __init__(self, settings: PushSettings, datadist: dd.LLMDataDist, cache: dd.Cache,
-                 layout: list[dict[str, Any]], layer_names: Sequence[str], per_layer: int, block_bytes: int,
+    def __init__(self, settings: PushSettings, datadist: dd.LLMDataDist, spans: Sequence[PushSpan],
+                 layout: list[dict[str, Any]], layer_names: Sequence[str],
                  loop: asyncio.AbstractEventLoop, record_event: Optional[Callable[[], Any]] = None,
                  capable: bool = True, unreachable: Callable[[str], None] = lambda req_id: None,
-                 single_group: bool = True, guard: MessageGuard = UNSEALED) -> None:
-        """``settings.decode_port`` 0: no inbox (only decode-first pushes);
+                 guard: MessageGuard = UNSEALED) -> None:
+        """``spans``: what a push of each KV cache group's blocks moves, the
+        first one's the inbox's (one blocks cache, one KV cache group);
+        ``settings.decode_port`` 0: no inbox (only decode-first pushes);
         ``capable``: whether the KV tensors can be pushed layer by layer at
-        all (one KV cache group, two tensors per transfer layer)."""
+        all (no pipeline stages)."""
         self.inbox: bool = settings.decode_port > 0
-        odd = len(layer_names) * per_layer % _TENSORS_PER_LAYER != 0
-        if self.inbox and odd:
+        if self.inbox and (len(spans) != 1 or spans[0].layers is None):
             raise ValueError(
-                f"push_layerwise moves two tensors per transfer layer; {len(layer_names)} layers of "
-                f"{per_layer} tensor(s) is an odd count: use the pull mode"
+                f"push_layerwise moves two tensors per transfer layer, of one blocks cache; {len(layer_names)} "
+                f"layers in {len(spans)} blocks caches do not split so: use the pull mode"
             )
-        self.capable: bool = capable and not odd
+        self.capable: bool = capable and all(span.layers is not None for span in spans)
         self.settings = settings
         self._datadist = datadist
-        self._cache = cache
+        self._spans = list(spans)
         self._layout = layout
         self._layers = {name: index for index, name in enumerate(layer_names)}
-        self._per_layer = per_layer
-        self._block_bytes = block_bytes
         self._loop = loop
         self._record_event = record_event  # device memory: layers go on CUDA events
         self._client = SideChannelClient(settings.decode_host, settings.decode_port, guard)
@@ -276,10 +282,9 @@ class Pusher:
         self._records: list[TransferRecord] = []
         self._steps: list[PushStep] = []
         self.directs: DirectPushes = DirectPushes(
-            datadist=datadist, cache=cache, group_layouts=layout,
-            layers=cache.cache_desc.num_tensors // _TENSORS_PER_LAYER, block_bytes=block_bytes,
-            timeout_s=settings.timeout_s, decode_model_id=0, record=self._record, capable=self.capable,
-            unreachable=unreachable, engine_id=settings.engine_id, single_group=single_group, guard=guard)
+            datadist=datadist, spans=spans, group_layouts=layout, timeout_s=settings.timeout_s,
+            record=self._record, capable=self.capable, unreachable=unreachable, engine_id=settings.engine_id,
+            guard=guard)
 
     # -- worker thread -----------------------------------------------------------
 
@@ -298,9 +303,9 @@ class Pusher:
             return
         release: LayerRelease
         if self._record_event is None:
-            release = LayerRelease(self._loop, len(self._layers), self._per_layer)
+            release = LayerRelease(self._loop, len(self._layers))
         else:
-            release = EventRelease(self._loop, len(self._layers), self._per_layer,
+            release = EventRelease(self._loop, len(self._layers),
                                    dd.CudaEventSynchronizer(self._datadist), self._record_event,
                                    watch_end=bool(direct))
         future = asyncio.run_coroutine_threadsafe(self._push(inbox, direct, release), self._loop)
@@ -480,7 +485,7 @@ class Pusher:
         with self._lock:
             self._pushing.difference_update(req_ids)
             self._records.append(TransferRecord(time.perf_counter() - start,
-                                                len(src) * self._block_bytes if ok else 0, len(src), ok))
+                                                len(src) * self._spans[0].block_bytes if ok else 0, len(src), ok))
         try:
             await self._request("commit" if ok else "abort", req_ids=req_ids)
         except (Exception, TimeoutError) as exc:  # the decode side then waits for its load timeout and pulls
@@ -511,13 +516,16 @@ class Pusher:
             decode.share.free(blocks)
 
     async def _transfer(self, decode: _Decode, src: list[int], dst: list[int], release: LayerRelease) -> bool:
-        layers = self._cache.cache_desc.num_tensors // _TENSORS_PER_LAYER
+        span = self._spans[0]
+        assert span.layers is not None
+        layers = len(span.layers)
         config = dd.TransferWithCacheKeyConfig(
             dd.BlocksCacheKey(decode.cluster_id, INBOX_MODEL_ID), range(layers), range(layers)
         )
         try:
             task = self._datadist.cache_manager.transfer_cache_async(
-                self._cache, release, [config], src_block_indices=src, dst_block_indices=dst
+                span.cache, ReleaseView(release, span.layers), [config], src_block_indices=src,
+                dst_block_indices=dst
             )
         except Exception as exc:
             log.warning("datadist_aio connector: push refused: %s", str(exc))

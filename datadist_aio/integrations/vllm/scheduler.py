@@ -364,6 +364,8 @@ class SchedulerSide:
                     transfer_id=outgoing.transfer_id,
                     lease_token=outgoing.lease_token,
                     all_groups=self._all_groups(outgoing) if last and outgoing.transfer_id else None,
+                    more_block_ids=[blocks[outgoing.next_index:stop] for blocks in outgoing.more_blocks]
+                    if outgoing.transfer_id else [],
                 )
             outgoing.next_index = end // size
             if last:

@@ -61,7 +61,8 @@ import datadist_aio as dd
 
 from ..message_guard import MessageGuard
 from .answers import SideChannelAnswers
-from .groups import DATATYPES, CacheGroup, describe_kv_caches, worker_layout
+from .direct import PushSpan
+from .groups import DATATYPES, CacheGroup, describe_kv_caches, release_layers, worker_layout
 from .host_buffer import HostBuffer, kv_placement
 from .inbox import CLAIMED, COMMITTED, Inbox
 from .layout import LayoutError, WorkerLayout
@@ -86,6 +87,26 @@ _FENCE_GRACE_S = 0.5  # after dropping a silent prefill's link, for a frame its 
 def _instance(spec: LoadSpec) -> tuple[str, int, int]:
     """The prefill instance a load reads: host, base side-channel port (its rank 0's), TP size."""
     return instance_of(spec.remote_host, spec.remote_port, spec.remote_tp_size)
+
+
+def _expected_groups(spec: LoadSpec, block_size: int) -> list[dict[str, Any]]:
+    """A decode-first load's blocks per KV cache group as its expect names
+    them: a full-attention group's from its first block not found locally
+    (``skip``), a sliding-window group's in-window tail (``tail``: they end
+    at the prompt's last block), as ``pair_groups`` pairs them for a pull."""
+    windows = spec.window_blocks or [0]
+    groups: list[dict[str, Any]] = []
+    for index, (local, _remote, _first) in enumerate(spec.kv_groups()):
+        window = windows[index] if index < len(windows) else 0
+        if window:
+            groups.append({"blocks": local[-min(len(local), window):] if local else [], "tail": True})
+        else:
+            groups.append({"blocks": local, "skip": spec.first_token // block_size})
+    return groups
+
+
+def _tuple(layers: Optional[list[int]]) -> Optional[tuple[int, ...]]:
+    return None if layers is None else tuple(layers)
 
 
 def cluster_id_for(engine_id: str, rank: int) -> int:
@@ -333,7 +354,10 @@ class WorkerSide:
         if self.settings.lends_inbox:
             self._register_inbox(datadist)
         if self.settings.is_producer:
-            group = self.groups[0]
+            spans = [PushSpan(cache, _MODEL_ID_BASE + index, kv_group, _tuple(release_layers(group, kv_group)),
+                              group.block_bytes)
+                     for index, (cache, group) in enumerate(zip(self._caches, self.groups))
+                     for kv_group in group.kv_groups]
             self.pusher = Pusher(
                 PushSettings(
                     engine_id=self.settings.engine_id,
@@ -344,13 +368,12 @@ class WorkerSide:
                     timeout_s=self.settings.load_timeout_s,
                     link_timeout_ms=self.settings.link_timeout_ms,
                 ),
-                datadist, self._caches[0], [g.layout() for g in self.groups], self._layer_names,
-                group.per_layer, group.block_bytes, asyncio.get_running_loop(),
+                datadist, spans, [g.layout() for g in self.groups], self._layer_names, asyncio.get_running_loop(),
                 record_event=self._record_event() if self.device is not None else None,
-                capable=self.settings.transfer_mode != "pull" and self._pushable(),
+                # A stage's decode-first requests are pulled.
+                capable=self.settings.transfer_mode != "pull" and self.settings.pp_size == 1,
                 # A decode-first request whose decode died is freed now, not at its lease's end.
                 unreachable=lambda req_id: self.leases.done([req_id], 1),
-                single_group=not self.hybrid,
                 guard=self.guard,
             )
             self.pusher.start()
@@ -369,14 +392,6 @@ class WorkerSide:
             handlers=handlers)
         self._server = SideChannelServer(answers, guard=self.guard)
         self.side_channel_port = await self._listen(self._server)
-
-    def _pushable(self) -> bool:
-        """Whether the KV tensors can be pushed layer by layer: one blocks cache
-        holding one tensor (or a K and a V) per layer, one KV cache group, no
-        pipeline stages (a stage's decode-first requests are pulled)."""
-        group = self.groups[0]
-        return (len(self.groups) == 1 and len(group.kv_groups) == 1 and self.settings.pp_size == 1
-                and len(group.addresses) == len(self._layer_names) * group.per_layer)
 
     async def _listen(self, server: SideChannelServer) -> int:
         """Starts the side channel's server; a port it cannot bind raises ``SideChannelPortError``."""
@@ -790,13 +805,13 @@ class WorkerSide:
         # whose forward of the request ends after every earlier stage's.
         source = route.notice_source
         block_size = route.mine.block_size
-        direct = (len(route.sources) == 1 and all(source.head_map.whole) and len(self.groups) == 1
-                  and not spec.more_groups and spec.first_token % block_size == 0 and not route.staged)
+        direct = (len(route.sources) == 1 and all(source.head_map.whole) and spec.first_token % block_size == 0
+                  and not route.staged)
         message = {
             "op": "expect", "transfer_id": spec.transfer_id, "cluster_id": self.cluster_id,
             "host": self.settings.host, "port": self.side_channel_port,
             "layout": [group.layout() for group in self.groups], "blocks": spec.local_block_ids,
-            "skip": spec.first_token // block_size, "direct": direct,
+            "skip": spec.first_token // block_size, "groups": _expected_groups(spec, block_size), "direct": direct,
             "deadline_s": max(0.001, load.deadline - time.perf_counter()),
         }
         load.posted = time.perf_counter()
@@ -817,8 +832,12 @@ class WorkerSide:
         await asyncio.sleep(_FENCE_GRACE_S)
 
     def _landed_bytes(self, spec: LoadSpec) -> int:
-        """The bytes a prefill's push wrote into a decode-first load's blocks."""
-        return sum(group.block_bytes for group in self.groups) * len(spec.local_block_ids)
+        """The bytes a prefill's push wrote into a decode-first load's blocks:
+        each KV cache group's blocks, through each blocks cache serving it."""
+        assert self.layout is not None
+        counts = [len(group["blocks"]) for group in _expected_groups(spec, self.layout.block_size)]
+        return sum(group.block_bytes * counts[kv_group] for group in self.groups for kv_group in group.kv_groups
+                   if kv_group < len(counts))
 
     async def _landed(self, message: dict[str, Any]) -> dict[str, Any]:
         """The prefill pushed a decode-first request's prompt into its blocks."""
