@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
@@ -45,6 +47,7 @@ Addresses = Union[
 ]
 
 
+_DRIVER_JOIN_S = 5.0  # how long finalize waits for the layer-wise drivers' own threads, in all
 _DLPACK_CUDA = 2  # DLDeviceType kDLCUDA
 _DLPACK_HOST = (1, 3)  # kDLCPU, kDLCUDAHost (pinned)
 
@@ -237,6 +240,8 @@ class CacheManager:
         self._buffers: dict[int, list[memoryview]] = {}
         # Running layer-wise transfers; each leaves the set when it finishes.
         self._transfers: set[LayerwiseTransfer] = set()
+        # The threads of the drivers started without a running loop, until joined.
+        self._driver_threads: list[threading.Thread] = []
         # Allocated caches, invalidated with the engine (weakly held).
         self._allocated: weakref.WeakSet[Cache] = weakref.WeakSet()
 
@@ -244,9 +249,16 @@ class CacheManager:
         raise_if_false(self._valid, "the cache manager is finalized", status_code=LLMStatusCode.LLM_ENGINE_FINALIZED)
 
     def _abandon_transfers(self) -> None:
-        """Lets every layer-wise transfer's request complete (before finalize)."""
+        """Lets every layer-wise transfer's request complete (before finalize),
+        and waits (a bounded while) for the drivers' own threads to end: their
+        loops are closed once finalize returns."""
         for transfer in list(self._transfers):
             transfer.abandon(LLMStatusCode.LLM_ENGINE_FINALIZED)
+        deadline = time.monotonic() + _DRIVER_JOIN_S
+        for thread in self._driver_threads:
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
+        self._driver_threads = [thread for thread in self._driver_threads if thread.is_alive()]
 
     def _invalidate(self) -> None:
         self._valid = False
@@ -822,6 +834,8 @@ class CacheManager:
         src_block_indices: Optional[Union[list[int], tuple[int, ...]]] = None,
         dst_block_indices: Optional[Union[list[int], tuple[int, ...]]] = None,
         dst_block_memory_size: Optional[int] = None,
+        *,
+        block_ranges: Any = None,
     ) -> CacheTask:
         """Sends ``src_cache`` layer by layer, as ``layer_synchronizer`` releases
         each layer, to every destination in ``transfer_configs``.
@@ -835,6 +849,14 @@ class CacheManager:
         none moves the batch slot ``src_batch_index``; both move blocks to
         blocks; destination blocks alone cut the slot into chunks of
         ``dst_block_memory_size`` bytes.
+
+        ``block_ranges`` (not in LLM-DataDist; keyword only, without block
+        lists, with ``TransferWithCacheKeyConfig`` into a blocks cache):
+        byte ranges inside blocks instead of whole blocks, rows as
+        ``pull_block_ranges`` takes them with ``src_block`` this cache's
+        and ``dst_block`` the peer's (a share of the KV heads of each
+        block, for a peer of another TP size). This side checks its own
+        ranges, the peer its own.
         """
         check_isinstance("src_cache", src_cache, Cache, allow_none=False)
         for name, blocks in (("dst_block_indices", dst_block_indices), ("src_block_indices", src_block_indices)):
@@ -859,6 +881,12 @@ class CacheManager:
             raise_if_false(
                 dst_block_memory_size in (None, 0), "dst_block_memory_size is only used with dst_block_indices"
             )
+        rows: Optional[np.ndarray] = None
+        if block_ranges is not None:
+            rows = _range_rows(block_ranges)
+            raise_if_true(bool(src_blocks or dst_blocks), "block_ranges move without block index lists")
+            raise_if_false(src_cache.is_blocks_cache, "block_ranges need a blocks source cache")
+            raise_if_false(self._remote_cache_accessible, "block_ranges need TransferWithCacheKeyConfig configs")
         num_tensors = src_cache.cache_desc.num_tensors
         raise_if_false(num_tensors % TENSORS_PER_LAYER == 0, f"src_cache has an odd tensor count {num_tensors}")
         layers = num_tensors // TENSORS_PER_LAYER
@@ -887,11 +915,12 @@ class CacheManager:
             src_cache,
             layer_synchronizer,
             transfer_configs,
-            BlockPlan(src_blocks, dst_blocks, dst_block_memory_size or 0),
+            BlockPlan(src_blocks, dst_blocks, dst_block_memory_size or 0, rows),
             self._engine.sync_kv_timeout_ms,
             on_finished=self._transfers.discard,
         )
         self._transfers.add(transfer)
+        self._driver_threads = [thread for thread in self._driver_threads if thread.is_alive()]
         task = CacheTask(
             request,
             self._dispatcher,
@@ -900,4 +929,6 @@ class CacheManager:
             transfer.driver_loop,
         )
         transfer.start()
+        if transfer.thread is not None:
+            self._driver_threads.append(transfer.thread)
         return task

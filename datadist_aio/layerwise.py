@@ -38,11 +38,13 @@ AnyConfig = Union[TransferConfig, TransferWithCacheKeyConfig]
 
 @dataclass(frozen=True)
 class BlockPlan:
-    """How each layer moves: block lists and the chunk size, as given."""
+    """How each layer moves: block lists and the chunk size, as given, or
+    byte ranges inside blocks (``ranges``: rows as the engine takes them)."""
 
     src_blocks: list[int]
     dst_blocks: list[int]
     chunk_size: int
+    ranges: Optional[Any] = None
 
 
 def _src_range(config: AnyConfig) -> range:
@@ -89,6 +91,9 @@ class LayerwiseTransfer:
         self._open = set(range(len(self._configs)))  # configs with layers still to start
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._task: Optional[asyncio.Task[None]] = None
+        # Without a running loop the driver runs on a loop of its own thread,
+        # which closes that loop after the request completed.
+        self.thread: Optional[threading.Thread] = None
         # A peer linked now whose link is gone at a later layer has failed:
         # its configs then fail with LLM_LINK_FAILED, not LLM_NOT_YET_LINK.
         self._linked = {config.dst_cluster_id: bool(engine.has_link(config.dst_cluster_id)) for config in configs}
@@ -98,7 +103,9 @@ class LayerwiseTransfer:
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
-            threading.Thread(target=asyncio.run, args=(self._drive(),), name="datadist-layerwise", daemon=True).start()
+            self.thread = threading.Thread(target=asyncio.run, args=(self._drive(),), name="datadist-layerwise",
+                                           daemon=True)
+            self.thread.start()
             return
         self._loop = loop
         self._task = loop.create_task(self._drive())
@@ -219,6 +226,7 @@ class LayerwiseTransfer:
                     _destination(config),
                     dst_addrs,
                     self._group(index),
+                    self._blocks.ranges,
                 )
             )
             reason = _native.last_error_message() if code != _SUCCESS else ""

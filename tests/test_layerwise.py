@@ -653,6 +653,87 @@ async def test_fan_out_to_two_decode_processes(prefill):
     assert_tensors(c.read(y), y_expected, "on C")
 
 
+# -- byte ranges inside blocks ---------------------------------------------------------------
+
+# (src_block, src_offset, dst_block, dst_offset, length, count, src_stride, dst_stride): the second
+# half of a block into the first half of another (a head's share, for a decode of a larger TP
+# size), a head's slice of each of 8 tokens (16 bytes of every 32) packed side by side, and a
+# piece at odd offsets.
+PUSHED_RANGES = np.array([(3, 128, 20, 0, 128, 1, 0, 0), (4, 16, 21, 8, 16, 8, 32, 16),
+                          (0, 7, 7, 200, 56, 1, 0, 0)], dtype=np.uint64)
+
+
+def ranges_moves(rows: np.ndarray, size: int = BLOCK) -> list[Move]:
+    """The rows unrolled: (source offset, destination offset, length) inside one tensor."""
+    return [(sb * size + so + j * ss, db * size + do + j * ds, n)
+            for sb, so, db, do, n, count, ss, ds in rows.tolist() for j in range(count)]
+
+
+@pytest.mark.parametrize("prefill", ["key", "key-tcp"], indirect=True)
+async def test_block_ranges_go_layer_by_layer(prefill):
+    """``block_ranges``: byte ranges inside blocks, each layer as its
+    synchronizer lets it go (layers 2 and 3 are held while 0 and 1 land),
+    every byte of the destination checked."""
+    b = prefill.b
+    src, sent = prefill.source(blocks_desc(16), blocks=True)
+    dest, before = remote(b, blocks_desc(24), 2, blocks=True)
+    gate = prefill.synchronizer(hold=[2])
+    config = dd.TransferWithCacheKeyConfig(dest.blocks_key(), range(0, 4), range(0, 4))
+    task = prefill.cm.transfer_cache_async(src, gate, [config], block_ranges=PUSHED_RANGES)
+    moves = ranges_moves(PUSHED_RANGES)
+    await arrived(b, dest, expect(before, sent, pairs(range(0, 2)), moves), "layers 0 and 1")
+    assert gate.layers == [0, 1, 2] and not task.done()
+    gate.release(2)
+    assert await settled(task) == [SUCCESS]
+    assert_tensors(b.read(dest), expect(before, sent, pairs(range(0, 4)), moves))
+
+
+@pytest.mark.parametrize("prefill", ["key"], indirect=True)
+@pytest.mark.parametrize("case, why", [
+    ("past-the-source-block", "leaves the local block"),
+    ("source-block-out-of-range", "src_block 16 is out of range"),
+    ("destinations-overlap", "overlap in destination block 20"),
+    ("past-the-destination-block", ""),
+])
+async def test_block_ranges_refused_write_nothing(prefill, case, why):
+    """A range this side's blocks do not hold, or that overlaps another's
+    destination, is refused before anything moves; one past the peer's
+    block, the peer refuses. Nothing of the transfer lands either way."""
+    b = prefill.b
+    src, _sent = prefill.source(blocks_desc(16), blocks=True)
+    dest, before = remote(b, blocks_desc(24), 3, blocks=True)
+    bad = {
+        "past-the-source-block": (5, 200, 9, 0, 64, 1, 0, 0),
+        "source-block-out-of-range": (16, 0, 9, 0, 8, 1, 0, 0),
+        "destinations-overlap": (5, 0, 20, 100, 64, 1, 0, 0),  # onto [0, 128) of block 20
+        "past-the-destination-block": (5, 0, 9, 250, 8, 1, 0, 0),
+    }[case]
+    rows = np.array([tuple(row) for row in PUSHED_RANGES.tolist()] + [bad], dtype=np.uint64)
+    config = dd.TransferWithCacheKeyConfig(dest.blocks_key(), range(0, 4), range(0, 4))
+    task = prefill.cm.transfer_cache_async(src, prefill.synchronizer(), [config], block_ranges=rows)
+    with raises_status(PARAM_INVALID) as refused:
+        await settled(task)
+    assert why in str(refused.value)
+    assert_tensors(b.read(dest), before, "of the refused destination")
+
+
+def test_block_ranges_are_checked_as_the_call_is_made(decoders):
+    with prefill_side("key", decoders) as prefill:
+        src, _sent = prefill.source(blocks_desc(16), blocks=True)
+        dest, _before = remote(prefill.b, blocks_desc(24), 4, blocks=True)
+        config = dd.TransferWithCacheKeyConfig(dest.blocks_key(), range(0, 4), range(0, 4))
+        with raises_status(PARAM_INVALID):  # with block lists as well
+            prefill.cm.transfer_cache_async(src, prefill.synchronizer("thread"), [config], src_block_indices=[1],
+                                            dst_block_indices=[2], block_ranges=PUSHED_RANGES)
+        with raises_status(PARAM_INVALID):  # rows of three
+            prefill.cm.transfer_cache_async(src, prefill.synchronizer("thread"), [config],
+                                            block_ranges=np.zeros((2, 3), dtype=np.uint64))
+        slots, _ = prefill.source(slots_desc(3))
+        with raises_status(PARAM_INVALID):  # from a cache without blocks
+            prefill.cm.transfer_cache_async(slots, prefill.synchronizer("thread"), [config],
+                                            block_ranges=PUSHED_RANGES)
+
+
 # -- refusals ------------------------------------------------------------------------------
 
 
@@ -989,6 +1070,8 @@ def test_blocking_use_without_an_event_loop(decoders):
         assert task.get_results(WAIT_MS) == [PARAM_INVALID, SUCCESS]
         assert_tensors(b.read(x), expect(x_expected, sent, [(0, 0)], slot_moves(2, 2)), "on B")
         assert_tensors(c.read(y), expect(y_expected, sent, pairs(range(2, 4)), slot_moves(0, 3)), "on C")
+    # The drivers ran on loops of their own threads, which finalize waited for (their loops closed).
+    assert not [t for t in threading.enumerate() if t.name == "datadist-layerwise"]
 
 
 # -- arguments checked before the call returns -------------------------------------------------

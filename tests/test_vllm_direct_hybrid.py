@@ -105,7 +105,7 @@ def _prefill(conn: Any) -> None:
                 deadline = time.monotonic() + 20
                 while time.monotonic() < deadline and not (value in directs and directs[value].expected):
                     time.sleep(0.005)
-                conn.send(value in directs and directs[value].expected and directs[value].direct)
+                conn.send(value in directs and directs[value].expected and directs[value].readers[0].direct)
     finally:
         side.shutdown()
 

@@ -78,7 +78,7 @@ def start_pair(model: Path, prefill: dict[str, Any], decode: dict[str, Any]) -> 
         close_engines(list(engines.values()))
 
 
-def run_hybrid(prefill: Engine, decode: Engine, pushed: bool) -> None:
+def run_hybrid(prefill: Engine, decode: Engine, overlap_share: bool) -> None:
     assert prefill.kv_groups() == decode.kv_groups() == ["SlidingWindowSpec", "FullAttentionSpec"], \
         "vLLM turned its hybrid KV cache manager off"
     prompts = prompts_of_lengths(LENGTHS, seed=21)
@@ -120,13 +120,11 @@ def run_hybrid(prefill: Engine, decode: Engine, pushed: bool) -> None:
     assert control != ref_a, "the decode computed prompt a itself: the KV did not arrive"
     assert control[:2] == ref_b[:2]
 
-    # Decode-first (the request to both at once). Where the decode's blocks
-    # hold the same heads, the prefill writes each group's blocks into the
-    # decode's own, the sliding window's once its last layer was saved (while
-    # the full-attention layer after it computes), its in-window tail only.
-    # Elsewhere (another TP size) it names every group's blocks as its prompt
-    # is computed, and the decode pulls them: the offline engine does not
-    # step again after the request, so the names come with its step.
+    # Decode-first (the request to both at once): the prefill writes each
+    # group's blocks into the decode's own (with another TP size, each decode
+    # rank's heads of them), the sliding window's once its last layer was
+    # saved (while the full-attention layer after it computes), its
+    # in-window tail only.
     # Prompts the decode has not seen (no prefix hits there: every block moves).
     fresh = prompts_of_lengths(LENGTHS, seed=24)
     references = prefill.generate(fresh, MAX_TOKENS, logprobs=5)["results"]
@@ -141,26 +139,26 @@ def run_hybrid(prefill: Engine, decode: Engine, pushed: bool) -> None:
     prefill.generate(prompts_of_lengths([8], seed=23), 1)
     after_p = prefill.metrics()
     blocks = [-(-len(p) // BLOCK) for p in fresh]
-    if pushed:
-        # Every prompt block of the full-attention group, and of the other
-        # at least one, at most the window, per prompt (the tail the decode's
-        # window holds, as a pull reads it).
-        pushed_bytes = delta(after_p, before_p, BYTES)
-        assert (sum(blocks) + len(blocks)) * GROUP_BLOCK_BYTES <= pushed_bytes \
-            <= sum(b + min(b, WINDOW_BLOCKS) for b in blocks) * GROUP_BLOCK_BYTES, pushed_bytes
+    # Every prompt block of the full-attention group, and of the other at
+    # least one, at most the window, per prompt (the tail the decode's window
+    # holds, as a pull reads it), the decode's ranks' shares together.
+    pushed_bytes = delta(after_p, before_p, BYTES)
+    assert (sum(blocks) + len(blocks)) * GROUP_BLOCK_BYTES <= pushed_bytes \
+        <= sum(b + min(b, WINDOW_BLOCKS) for b in blocks) * GROUP_BLOCK_BYTES, pushed_bytes
+    if overlap_share:
         assert_push_overlapped(before_p, after_p)
-    else:
-        assert delta(after_p, before_p, BYTES) == 0, "the prefill pushed into a decode of another TP size"
+    else:  # one step, which an expect coming after the tiny model's forward misses (test_vllm_layouts.py)
+        assert delta(after_p, before_p, "vllm:datadist_aio_push_steps_aborted") == 0
     (control,) = decode_first([(prefill, prefill.side_channel_port, decode, b, a)], MAX_TOKENS)
     assert control != ref_a and control[:2] == ref_b[:2], "the decode's prompt a with the prefill's KV of b"
 
 
 def test_hybrid_kv_groups_tp1_into_tp1(model: Path) -> None:
     with start_pair(model, {}, {}) as (prefill, decode):
-        run_hybrid(prefill, decode, pushed=True)
+        run_hybrid(prefill, decode, overlap_share=True)
 
 
 def test_hybrid_kv_groups_tp1_into_tp2(model: Path) -> None:
     with start_pair(model, {}, {"tensor_parallel_size": 2}) as (prefill, decode):
         # Each decode rank reads its own KV head: every byte once in all.
-        run_hybrid(prefill, decode, pushed=False)
+        run_hybrid(prefill, decode, overlap_share=False)

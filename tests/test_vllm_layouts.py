@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing.resource_tracker
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -115,16 +116,40 @@ def run_layout(pair: dict[str, Engine]) -> None:
     assert control[:2] == ref_b[:2]
 
 
-def run_decode_first(pair: dict[str, Engine], prefill_tp: int) -> None:
-    """Decode-first across the layouts: the prefill cannot push into blocks
-    laid out otherwise, so it names its blocks and the decode pulls them."""
+def run_decode_first(pair: dict[str, Engine], prefill_tp: int, pushed: bool = True) -> None:
+    """Decode-first across TP sizes: each prefill rank writes, layer by
+    layer, its share of the KV heads into the blocks of each decode rank
+    that holds them (the ranges the pull would read); with pipeline stages
+    (``pushed`` False) the decode pulls."""
     prefill, decode = pair["prefill"], pair["decode"]
     prompts = prompts_of_lengths([70, 260, 480], seed=7)
     reference = prefill.generate(prompts, MAX_TOKENS, logprobs=5)["results"]
-    before = decode.metrics()
+    before, before_p = decode.metrics(), prefill.metrics()
     got = decode_first([(prefill, prefill.side_channel_port, decode, p, p) for p in prompts], MAX_TOKENS, prefill_tp)
     check_outputs(got, reference)
-    assert delta(decode.metrics(), before, FAILED) == 0
+    after = decode.metrics()
+    assert delta(after, before, FAILED) == 0
+    # Pushed, not pulled: what the prefill's ranks pushed is what landed in
+    # the decode's blocks (a push that ended after the prefill's last step is
+    # reported with a step of its own), and a push overlapped its forward
+    # (all three prompts are one step per rank, which a decode's expect
+    # coming after the few milliseconds of the tiny model's forward misses:
+    # test_vllm_decode_first.py holds the share of overlapped steps).
+    landed = delta(after, before, BYTES)
+    assert landed >= sum(len(p) for p in prompts) * TOKEN_BYTES
+    if not pushed:
+        prefill.generate(prompts_of_lengths([8], seed=9), 1)
+        assert delta(prefill.metrics(), before_p, BYTES) == 0, "a prefill with stages pushed"
+        return
+    deadline = time.monotonic() + 20
+    while True:
+        prefill.generate(prompts_of_lengths([8], seed=9), 1)
+        after_p = prefill.metrics()
+        if delta(after_p, before_p, BYTES) >= landed or time.monotonic() > deadline:
+            break
+    assert delta(after_p, before_p, BYTES) == landed
+    assert delta(after_p, before_p, "vllm:datadist_aio_push_steps_overlapped") >= 1
+    assert delta(after_p, before_p, "vllm:datadist_aio_push_steps_aborted") == 0
     a, b = prompts_of_lengths([300, 300], seed=8)
     a[-1] = b[-1]
     ref_a, ref_b = (r["tokens"] for r in prefill.generate([a, b], MAX_TOKENS)["results"])

@@ -55,7 +55,7 @@ def pp2_into_pp1(model: Path) -> Iterator[dict[str, Engine]]:
 
 def test_prefill_pp2_into_decode_pp1(pp2_into_pp1: dict[str, Engine]) -> None:
     run_layout(pp2_into_pp1)
-    run_decode_first(pp2_into_pp1, 1)
+    run_decode_first(pp2_into_pp1, 1, pushed=False)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -126,11 +126,11 @@ def test_a_stage_that_dies_mid_transfer_fails_the_request_in_time(pp2_into_pp1: 
 def test_prefill_pp2_into_decode_pp2(model: Path) -> None:
     with start_pair(model, STAGES, STAGES) as pair:
         run_layout(pair)
-        run_decode_first(pair, 1)
+        run_decode_first(pair, 1, pushed=False)
 
 
 def test_prefill_pp2_into_decode_tp2(model: Path) -> None:
     """Each of the decode's TP ranks reads its KV head from both prefill stages."""
     with start_pair(model, STAGES, {"tensor_parallel_size": 2}) as pair:
         run_layout(pair)
-        run_decode_first(pair, 1)
+        run_decode_first(pair, 1, pushed=False)

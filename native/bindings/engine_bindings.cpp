@@ -56,6 +56,22 @@ LayerSpan make_span(const SpanTuple &t) {
   return LayerSpan{std::get<0>(t), std::get<1>(t), std::get<2>(t), std::get<3>(t)};
 }
 
+// `rows`: a C-contiguous uint64 array of shape (n, 5), one row
+// (src_block, src_offset, dst_block, dst_offset, length) per range, or
+// (n, 8), each row followed by (count, src_stride, dst_stride).
+std::vector<BlockRange> block_ranges(const py::array_t<uint64_t, py::array::c_style> &rows) {
+  const py::ssize_t width = rows.ndim() == 2 ? rows.shape(1) : 0;
+  if (width != 5 && width != 8) throw py::value_error("ranges must have shape (n, 5) or (n, 8)");
+  std::vector<BlockRange> ranges(static_cast<size_t>(rows.shape(0)));
+  const uint64_t *row = rows.data();
+  for (BlockRange &r : ranges) {
+    r = width == 5 ? BlockRange{row[0], row[1], row[2], row[3], row[4]}
+                   : BlockRange{row[0], row[1], row[2], row[3], row[4], row[5], row[6], row[7]};
+    row += width;
+  }
+  return ranges;
+}
+
 RemoteName make_name(const NameTuple &t) {
   RemoteName name;
   name.kind = std::get<0>(t);
@@ -241,8 +257,10 @@ void bind_engine(py::module_ &m) {
           [](Engine &e, const std::shared_ptr<Request> &into, size_t result_index, int64_t src_id, uint64_t peer,
              uint32_t src_layer, uint32_t dst_layer, uint64_t src_slot, std::vector<uint64_t> src_blocks,
              std::vector<uint64_t> dst_blocks, uint64_t chunk_size, const NameTuple &dst,
-             std::vector<uint64_t> dst_addrs, uint64_t group) {
+             std::vector<uint64_t> dst_addrs, uint64_t group,
+             const std::optional<py::array_t<uint64_t, py::array::c_style>> &ranges) {
             TransferStep step;
+            if (ranges) step.ranges = block_ranges(*ranges);
             step.src_layer = src_layer;
             step.dst_layer = dst_layer;
             step.src_slot = src_slot;
@@ -257,7 +275,8 @@ void bind_engine(py::module_ &m) {
           },
           py::arg("into"), py::arg("result_index"), py::arg("src_id"), py::arg("peer"), py::arg("src_layer"),
           py::arg("dst_layer"), py::arg("src_slot"), py::arg("src_blocks"), py::arg("dst_blocks"),
-          py::arg("chunk_size"), py::arg("dst"), py::arg("dst_addrs"), py::arg("group"))
+          py::arg("chunk_size"), py::arg("dst"), py::arg("dst_addrs"), py::arg("group"),
+          py::arg("ranges") = py::none())
       .def(
           "link_clusters",
           [](Engine &e, const std::vector<LinkTuple> &targets, int timeout_ms) {
@@ -373,20 +392,10 @@ void bind_engine(py::module_ &m) {
           py::arg("span"))
       .def(
           "pull_ranges",
-          // `ranges`: a C-contiguous uint64 array of shape (n, 5), one row
-          // (src_block, src_offset, dst_block, dst_offset, length) per range,
-          // or (n, 8), each row followed by (count, src_stride, dst_stride).
+          // `ranges`: as block_ranges takes them.
           [](Engine &e, int64_t dst_id, uint64_t peer, const NameTuple &src,
              const py::array_t<uint64_t, py::array::c_style> &rows, const SpanTuple &span) {
-            const py::ssize_t width = rows.ndim() == 2 ? rows.shape(1) : 0;
-            if (width != 5 && width != 8) throw py::value_error("ranges must have shape (n, 5) or (n, 8)");
-            std::vector<BlockRange> ranges(static_cast<size_t>(rows.shape(0)));
-            const uint64_t *row = rows.data();
-            for (BlockRange &r : ranges) {
-              r = width == 5 ? BlockRange{row[0], row[1], row[2], row[3], row[4]}
-                             : BlockRange{row[0], row[1], row[2], row[3], row[4], row[5], row[6], row[7]};
-              row += width;
-            }
+            const std::vector<BlockRange> ranges = block_ranges(rows);
             return start_request([&](std::shared_ptr<Request> &out) {
               return e.pull_ranges(dst_id, peer, make_name(src), ranges, make_span(span), out);
             });

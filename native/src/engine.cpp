@@ -786,17 +786,17 @@ Status Engine::pull_blocks(int64_t dst_id, uint64_t peer, const RemoteName &src_
   return start_remote(link, false, planner, dst, out);
 }
 
-Status Engine::pull_ranges(int64_t dst_id, uint64_t peer, const RemoteName &src_name,
-                           const std::vector<BlockRange> &ranges, const LayerSpan &span,
-                           std::shared_ptr<Request> &out) {
-  std::shared_lock<std::shared_mutex> lock(state_mu_);
-  std::shared_ptr<CacheEntry> dst;
-  std::shared_ptr<Link> link;
-  Status st = prepare_remote(dst_id, peer, span, dst, link);
-  if (st != LLM_SUCCESS) return st;
+namespace {
+
+// Checks byte ranges inside blocks of `block` bytes before any moves: this
+// side's end of each (the destination of a pull, `local_is_dst`, or the
+// source of a push) lies in one of its `blocks` blocks; the peer's end does
+// not overflow (the peer checks it against its own blocks); no two
+// destination rows overlap (the outcome would depend on the order the rows
+// were served in).
+Status check_ranges(const std::vector<BlockRange> &ranges, uint64_t block, uint64_t blocks, bool local_is_dst) {
   if (ranges.empty()) return refuse(LLM_PARAM_INVALID, "ranges is empty");
-  const uint64_t block = dst->geometry.slot_size;
-  const uint64_t blocks = dst->geometry.num_slots;
+  const char *const local_name = local_is_dst ? "dst" : "src";
   uint64_t elements = 0;
   for (size_t k = 0; k < ranges.size(); ++k) {
     const BlockRange &r = ranges[k];
@@ -809,46 +809,66 @@ Status Engine::pull_ranges(int64_t dst_id, uint64_t peer, const RemoteName &src_
       return refuse(LLM_PARAM_INVALID, words("ranges[", k, "]: strides (", r.src_stride, ", ", r.dst_stride,
                                              ") are shorter than the length ", r.length));
     }
-    if (r.dst_block >= blocks) {
-      return refuse(LLM_PARAM_INVALID, words("ranges[", k, "]: dst_block ", r.dst_block,
+    const uint64_t local_block = local_is_dst ? r.dst_block : r.src_block;
+    const uint64_t local_offset = local_is_dst ? r.dst_offset : r.src_offset;
+    const uint64_t local_stride = local_is_dst ? r.dst_stride : r.src_stride;
+    if (local_block >= blocks) {
+      return refuse(LLM_PARAM_INVALID, words("ranges[", k, "]: ", local_name, "_block ", local_block,
                                              " is out of range: the local cache has ", blocks, " blocks"));
     }
     // The last row's offsets, in 128 bits: no input overflows them.
     const unsigned __int128 rows = r.count - 1;
-    const unsigned __int128 dst_end = r.dst_offset + rows * r.dst_stride + r.length;
-    if (dst_end > block) {
-      return refuse(LLM_PARAM_INVALID, words("ranges[", k, "]: [", r.dst_offset, ", +", r.length,
-                                             r.count > 1 ? words(") repeated ", r.count, " times ", r.dst_stride,
+    if (local_offset + rows * local_stride + r.length > block) {
+      return refuse(LLM_PARAM_INVALID, words("ranges[", k, "]: [", local_offset, ", +", r.length,
+                                             r.count > 1 ? words(") repeated ", r.count, " times ", local_stride,
                                                                  " bytes apart")
                                                          : std::string(")"),
                                              " leaves the local block of ", block, " bytes"));
     }
-    if (r.src_offset + rows * r.src_stride + r.length > UINT64_MAX) {
-      return refuse(LLM_PARAM_INVALID, words("ranges[", k, "]: the source offsets overflow"));
+    const uint64_t remote_offset = local_is_dst ? r.src_offset : r.dst_offset;
+    const uint64_t remote_stride = local_is_dst ? r.src_stride : r.dst_stride;
+    if (remote_offset + rows * remote_stride + r.length > UINT64_MAX) {
+      return refuse(LLM_PARAM_INVALID, words("ranges[", k, "]: the ", local_is_dst ? "source" : "destination",
+                                             " offsets overflow"));
     }
     elements += r.count;
   }
-  // No two rows write the same local byte: the outcome would depend on the
-  // order the peer served them in.
   struct Row {
-    uint64_t start, length;
+    uint64_t block, start, length;
     size_t range;
   };
   std::vector<Row> written;
   written.reserve(elements);
   for (size_t k = 0; k < ranges.size(); ++k) {
     const BlockRange &r = ranges[k];
-    for (uint64_t j = 0; j < r.count; ++j) written.push_back({r.dst_block * block + r.dst_offset + j * r.dst_stride, r.length, k});
+    for (uint64_t j = 0; j < r.count; ++j) written.push_back({r.dst_block, r.dst_offset + j * r.dst_stride, r.length, k});
   }
-  std::sort(written.begin(), written.end(), [](const Row &a, const Row &b) { return a.start < b.start; });
+  std::sort(written.begin(), written.end(),
+            [](const Row &a, const Row &b) { return a.block != b.block ? a.block < b.block : a.start < b.start; });
   for (size_t i = 1; i < written.size(); ++i) {
     const Row &a = written[i - 1], &b = written[i];
-    if (a.start + a.length > b.start) {
+    if (a.block == b.block && a.start + a.length > b.start) {
       return refuse(LLM_PARAM_INVALID, words("ranges[", std::min(a.range, b.range), "] and ranges[",
-                                             std::max(a.range, b.range), "] overlap in local block ",
-                                             ranges[b.range].dst_block));
+                                             std::max(a.range, b.range), "] overlap in ",
+                                             local_is_dst ? "local" : "destination", " block ", b.block));
     }
   }
+  return LLM_SUCCESS;
+}
+
+}  // namespace
+
+Status Engine::pull_ranges(int64_t dst_id, uint64_t peer, const RemoteName &src_name,
+                           const std::vector<BlockRange> &ranges, const LayerSpan &span,
+                           std::shared_ptr<Request> &out) {
+  std::shared_lock<std::shared_mutex> lock(state_mu_);
+  std::shared_ptr<CacheEntry> dst;
+  std::shared_ptr<Link> link;
+  Status st = prepare_remote(dst_id, peer, span, dst, link);
+  if (st != LLM_SUCCESS) return st;
+  const uint64_t block = dst->geometry.slot_size;
+  st = check_ranges(ranges, block, dst->geometry.num_slots, true);
+  if (st != LLM_SUCCESS) return st;
   wire::Target target = name_target(src_name);
   target.flags = wire::kWithinSlot;
   FramePlanner planner = frames_for(*link, *dst, target);
@@ -878,6 +898,27 @@ Status Engine::transfer_step(const std::shared_ptr<Request> &into, size_t result
   if (raw && step.dst_addrs.size() != step.per_layer) {
     return refuse(LLM_PARAM_INVALID, words(step.dst_addrs.size(), " destination addresses for a layer of ",
                                            step.per_layer, " tensors"));
+  }
+  if (!step.ranges.empty()) {
+    if (raw || blocks_to_blocks || slot_to_blocks) {
+      return refuse(LLM_PARAM_INVALID, "ranges move without block lists or destination addresses");
+    }
+    st = check_ranges(step.ranges, slot, src->geometry.num_slots, false);
+    if (st != LLM_SUCCESS) return st;
+    wire::Target target = name_target(step.dst);
+    target.flags = wire::kWithinSlot;
+    target.group = step.group;
+    FramePlanner planner = frames_for(*link, *src, target);
+    for (uint32_t i = 0; i < step.per_layer; ++i) {
+      uint8_t *base = src->addrs[step.src_layer * step.per_layer + i];
+      const uint32_t remote = step.dst_layer * step.per_layer + i;
+      for (const BlockRange &r : step.ranges) {
+        planner.add_strided(base + r.src_block * slot + r.src_offset, r.src_stride, remote, r.dst_block,
+                            r.dst_offset, r.dst_stride, r.count, r.length);
+      }
+    }
+    std::shared_ptr<Request> out;
+    return start_remote(link, true, planner, src, out, into, result_index);
   }
   uint64_t chunk = slot;
   std::vector<BlockRun> runs;

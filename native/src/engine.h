@@ -73,7 +73,10 @@ struct BlockRange {
 // One layer of a layer-wise transfer to one destination. With no block
 // lists the source batch slot moves whole; with both, blocks move to
 // blocks; with destination blocks only, the slot is cut into chunks of
-// `chunk_size` bytes, chunk j going to destination block j. The destination
+// `chunk_size` bytes, chunk j going to destination block j; with `ranges`
+// (and no block lists), byte ranges inside blocks, as pull_ranges moves
+// them the other way (source: this side's blocks, checked here;
+// destination: the peer's, checked by the peer). The destination
 // is `dst`, or, when `dst_addrs` is not empty, one raw address per tensor
 // of the layer that the peer checks against its registered memory.
 struct TransferStep {
@@ -86,6 +89,7 @@ struct TransferStep {
   uint64_t chunk_size = 0;
   RemoteName dst;
   std::vector<uint64_t> dst_addrs;
+  std::vector<BlockRange> ranges;
   // Steps sharing a non-zero group go out in order on one connection, each
   // as one frame (refused or written whole); after a refusal the peer
   // refuses the group's later steps.

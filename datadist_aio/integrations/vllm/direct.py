@@ -45,8 +45,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import numpy as np
+
 import datadist_aio as dd
 
+from .leases import MAX_READERS
 from .metadata import SaveSpec
 from ..message_guard import UNSEALED, MessageGuard
 from .side_channel import SideChannelClient
@@ -79,7 +82,7 @@ class PushSpan:
     its transfer layers, the step's layer (by vLLM's layer names) after
     which it holds the group's bytes (``groups.release_layers``), None where
     its tensors cannot go layer by layer; ``block_bytes``: one block across
-    its tensors.
+    its ``tensors``; ``cache_group``: the blocks cache's index.
     """
 
     cache: dd.Cache
@@ -87,6 +90,8 @@ class PushSpan:
     kv_group: int
     layers: Optional[tuple[int, ...]]
     block_bytes: int
+    cache_group: int = 0
+    tensors: int = 2
 
 
 @dataclass
@@ -131,38 +136,86 @@ def _targets(message: dict[str, Any]) -> list[_Target]:
     return targets
 
 
-@dataclass
-class _Direct:
-    """One decode-first request on the prefill side."""
+_MAX_ROWS = 1 << 12  # rows of one block's ranges, per cache group
 
-    transfer_id: str
-    created: float
-    req_id: str = ""  # this prefill's request
-    # From the decode's expect (None until it came).
-    cluster_id: Optional[int] = None
-    notice_host: str = ""
-    notice_port: int = 0
-    targets: list[_Target] = field(default_factory=list)  # per KV cache group
-    deadline: float = 0.0
-    direct: bool = True  # False: the layouts differ, the decode pulls
-    # Blocks computed before the expect came.
-    owed: Blocks = field(default_factory=list)
-    # Blocks of steps under way when the expect had not come: the expect
-    # joins them to the step's layer release (the layers still to be saved
-    # then go as they are saved).
-    waiting: list[tuple[Blocks, Any, "asyncio.Future[Optional[asyncio.Task[None]]]"]] = field(
-        default_factory=list)
-    last_computed: bool = False
-    # Steps of the request whose forward is not over: its blocks are not
-    # computed until then, so no decode is told to pull them.
-    forwarding: int = 0
-    forward_failed: bool = False  # a step's forward failed: its blocks are not to be read
+
+def _templates(message: dict[str, Any], groups: int) -> Optional[list[Optional[np.ndarray]]]:
+    """Per cache group, the byte ranges one block of the prefill's moves into
+    one of the decode's (rows as ``transfer_cache_async``'s ``block_ranges``
+    with both blocks 0), None where whole blocks move; None for all where
+    the expect names none."""
+    rows = message.get("rows")
+    if rows is None:
+        return None
+    if not isinstance(rows, list) or len(rows) != groups:
+        raise ValueError(f"rows must name each of the {groups} cache groups' ranges, or null")
+    templates: list[Optional[np.ndarray]] = []
+    for group in rows:
+        if group is None:
+            templates.append(None)
+            continue
+        if (not isinstance(group, list) or not 0 < len(group) <= _MAX_ROWS
+                or not all(isinstance(row, list) and len(row) == 8
+                           and all(type(v) is int and 0 <= v < 1 << 62 for v in row) for row in group)
+                or any(row[0] != 0 or row[2] != 0 for row in group)):
+            raise ValueError(f"each group's rows must be 1 to {_MAX_ROWS} rows of eight ints, of block 0 on "
+                             "both sides")
+        templates.append(np.array(group, dtype=np.uint64))
+    return templates
+
+
+def _instantiate(template: np.ndarray, pairs: list[tuple[int, int]]) -> np.ndarray:
+    """The template's rows for each (source block, destination block) pair."""
+    rows = np.tile(template, (len(pairs), 1))
+    blocks = np.asarray(pairs, dtype=np.uint64)
+    rows[:, 0] = np.repeat(blocks[:, 0], len(template))
+    rows[:, 2] = np.repeat(blocks[:, 1], len(template))
+    return rows
+
+
+@dataclass
+class _Reader:
+    """A decode worker that expects a decode-first request (its ``expect``)."""
+
+    cluster_id: int
+    notice_host: str
+    notice_port: int
+    targets: list[_Target]  # per KV cache group
+    deadline: float
+    direct: bool  # False: the layouts differ or it asked to pull: it is told to
+    # Per cache group, the ranges of a block pair (another TP size), None: whole blocks.
+    templates: Optional[list[Optional[np.ndarray]]] = None
     inflight: int = 0
     joining: int = 0  # pushes decided on but not yet under way (``_transfer`` counts ``inflight``)
     failed: str = ""
     cancelled: bool = False
     landed: bool = False
-    settled: bool = False  # the decode was told (landed or pull)
+    settled: bool = False  # told (landed or pull)
+
+    def usable(self, now: float) -> bool:
+        return self.direct and not self.failed and not self.cancelled and now < self.deadline
+
+
+@dataclass
+class _Direct:
+    """One decode-first request on the prefill side, and the decode workers
+    that expect it (several where the decode's TP size is larger)."""
+
+    transfer_id: str
+    created: float
+    req_id: str = ""  # this prefill's request
+    readers: list[_Reader] = field(default_factory=list)
+    # Blocks of the steps whose forward is over (a reader that comes later
+    # is pushed these), and of the steps under way with their layer release
+    # (a reader that comes meanwhile joins it: the layers still to be saved
+    # then go as they are saved).
+    done: Blocks = field(default_factory=list)
+    steps: list["_Step"] = field(default_factory=list)
+    last_computed: bool = False
+    # Steps of the request whose forward is not over: its blocks are not
+    # computed until then, so no decode is told to pull them.
+    forwarding: int = 0
+    forward_failed: bool = False  # a step's forward failed: its blocks are not to be read
     params: Optional[dict[str, Any]] = None  # this prefill's kv_transfer_params for the request
     # The request's blocks by prompt block index, its prompt blocks and the
     # token its lease will have, from its steps: the params for a decode
@@ -171,16 +224,30 @@ class _Direct:
     all_groups: Optional[list[list[int]]] = None  # with several KV cache groups: every group's blocks
     total_blocks: int = 0
     lease_token: str = ""
-    # Further decode ranks that expect the request where the layouts differ
-    # (a decode of a larger TP size): their side channels, told to pull too.
-    also_tell: list[tuple[str, int]] = field(default_factory=list)
 
     @property
     def expected(self) -> bool:
-        return self.cluster_id is not None
+        """Whether a decode worker expects the request."""
+        return bool(self.readers)
 
-    def usable(self, now: float) -> bool:
-        return self.expected and self.direct and not self.failed and not self.cancelled and now < self.deadline
+    def reader(self, cluster_id: int) -> Optional[_Reader]:
+        return next((r for r in self.readers if r.cluster_id == cluster_id), None)
+
+
+@dataclass(eq=False)
+class _Step:
+    """A step of a request under way: its blocks, its layer release, and the
+    pushes of readers that joined it (the step waits for them too)."""
+
+    blocks: Blocks
+    release: Any
+    joined: list["asyncio.Task[None]"] = field(default_factory=list)
+
+
+def _extend(blocks: Blocks, more: Blocks) -> None:
+    blocks.extend([] for _ in range(len(more) - len(blocks)))
+    for have, new in zip(blocks, more):
+        have.extend(new)
 
 
 class ReleaseView(dd.LayerSynchronizer):
@@ -199,16 +266,16 @@ class ReleaseView(dd.LayerSynchronizer):
 
 class _Guard(dd.LayerSynchronizer):
     """A transfer's view of its step's layer release, refused once one of its
-    requests is cancelled or past its deadline."""
+    readers cancelled or is past its deadline."""
 
-    def __init__(self, release: dd.LayerSynchronizer, directs: Sequence[_Direct]) -> None:
+    def __init__(self, release: dd.LayerSynchronizer, readers: Sequence[_Reader]) -> None:
         self._release = release
-        self._directs = directs
+        self._readers = readers
 
     async def synchronize_layer(self, layer_index: int, timeout_in_millis: Optional[int]) -> bool:
         ready = await self._release.synchronize_layer(layer_index, timeout_in_millis)  # type: ignore[misc]
         now = time.monotonic()
-        return bool(ready) and all(d.usable(now) for d in self._directs)
+        return bool(ready) and all(r.usable(now) for r in self._readers)
 
 
 class _Released(dd.LayerSynchronizer):
@@ -237,6 +304,7 @@ class DirectPushes:
         self._datadist = datadist
         self._spans = list(spans)
         self._kv_groups = 1 + max((span.kv_group for span in spans), default=0)
+        self._cache_groups = 1 + max((span.cache_group for span in spans), default=0)
         self._group_layouts = group_layouts
         self._timeout_s = timeout_s
         self._capable = capable and all(span.layers is not None for span in spans)
@@ -253,7 +321,8 @@ class DirectPushes:
     # -- the decode's messages (side channel) ---------------------------------------------
 
     async def expect(self, message: dict[str, Any]) -> dict[str, Any]:
-        """A decode worker waits for a request: where its blocks are."""
+        """A decode worker waits for a request: where its blocks are, and
+        (``rows``) which bytes of each block it takes where its TP size differs."""
         transfer_id, cluster_id = message.get("transfer_id"), message.get("cluster_id")
         host, port = message.get("host"), message.get("port")
         deadline_s, layout = message.get("deadline_s"), message.get("layout")
@@ -264,117 +333,114 @@ class DirectPushes:
         if not isinstance(host, str) or not 0 < len(host) <= 256 or type(port) is not int or not 0 < port < 65536:
             raise ValueError("host and port must name the decode's side channel")
         targets = _targets(message)
+        templates = _templates(message, self._cache_groups)
         if not isinstance(deadline_s, (int, float)) or not 0 < deadline_s <= 3600:
             raise ValueError("deadline_s must be a number of seconds above 0, at most 3600")
         assert isinstance(transfer_id, str)
         d = self._direct(transfer_id)
         if d is None:
             raise ValueError(f"this prefill worker tracks {_MAX_DIRECTS} decode-first requests already")
-        if d.expected:
-            # Another decode rank reading this prefill rank: only where the
-            # layouts differ, and then it pulls too.
-            if cluster_id == d.cluster_id or d.direct or message.get("direct", True):
-                raise ValueError(f"transfer {transfer_id} is expected already")
-            d.also_tell.append((host, port))
-            if d.settled and not d.landed and d.params is not None:
-                await self._tell(d, {"op": "pull", "transfer_id": d.transfer_id, "params": d.params}, (host, port))
-            return {"ok": True, "direct": False}
-        d.cluster_id, d.notice_host, d.notice_port, d.targets = cluster_id, host, port, targets
-        d.deadline = time.monotonic() + max(0.0, float(deadline_s) - min(_MARGIN_S, 0.2 * float(deadline_s)))
-        d.direct = (self._capable and bool(message.get("direct", True)) and layout == self._group_layouts
-                    and len(targets) == self._kv_groups)
-        waiting, d.waiting = d.waiting, []
-        for blocks, release, joined in waiting:
-            task: Optional[asyncio.Task[None]] = None
-            if d.usable(time.monotonic()):
-                d.joining += 1  # before the task runs: the settle below must not find the request idle
-                task = asyncio.get_running_loop().create_task(self._counted(d, blocks, release, counted=True))
-            joined.set_result(task)
-        if any(d.owed) and d.usable(time.monotonic()):
-            owed, d.owed = d.owed, []
-            await self._counted(d, owed, _Released())
-        await self._settle(d)
-        return {"ok": True, "direct": d.direct}
+        if d.reader(cluster_id) is not None or len(d.readers) >= MAX_READERS:
+            raise ValueError(f"transfer {transfer_id} is expected already")
+        r = _Reader(cluster_id, host, port, targets,
+                    time.monotonic() + max(0.0, float(deadline_s) - min(_MARGIN_S, 0.2 * float(deadline_s))),
+                    direct=(self._capable and bool(message.get("direct", True))
+                            and self._pairs_with(layout, templates) and len(targets) == self._kv_groups),
+                    templates=templates)
+        d.readers.append(r)
+        if r.usable(time.monotonic()):
+            # The steps under way join their releases; those over go whole.
+            loop = asyncio.get_running_loop()
+            for step in d.steps:
+                r.joining += 1  # before the task runs: the settle below must not find the reader idle
+                step.joined.append(loop.create_task(self._counted(d, r, step.blocks, step.release)))
+            if any(d.done):
+                r.joining += 1
+                await self._counted(d, r, d.done, _Released())
+        await self._settle(d, r)
+        return {"ok": True, "direct": r.direct}
+
+    def _pairs_with(self, layout: Any, templates: Optional[list[Optional[np.ndarray]]]) -> bool:
+        """Whether a decode's cache groups take this worker's blocks: the same
+        layout, or, where it names the ranges of a block it takes (another
+        TP size), the same but for the block shape of those groups."""
+        if not isinstance(layout, list) or len(layout) != len(self._group_layouts):
+            return False
+        for index, (theirs, mine) in enumerate(zip(layout, self._group_layouts)):
+            ranged = templates is not None and templates[index] is not None
+            if not isinstance(theirs, dict) or any(theirs.get(key) != value for key, value in mine.items()
+                                                   if not (ranged and key == "block_shape")):
+                return False
+        return True
 
     async def cancel(self, message: dict[str, Any]) -> dict[str, Any]:
-        """The decode gives up on a request: no layer of it starts any more;
-        answered once none is under way (whether it landed meanwhile)."""
-        transfer_id = message.get("transfer_id")
+        """A decode worker (``cluster_id``; every one where it names none)
+        gives up on a request: no layer of it starts any more; answered once
+        none is under way (whether it landed meanwhile)."""
+        transfer_id, cluster_id = message.get("transfer_id"), message.get("cluster_id")
         if not valid_transfer_id(transfer_id):
             raise ValueError(f"transfer_id must be a string of 1 to {MAX_TRANSFER_ID} characters")
         d = self._directs.get(str(transfer_id))
-        if d is None:
+        readers = [] if d is None else [r for r in d.readers if cluster_id is None or r.cluster_id == cluster_id]
+        if not readers:
             return {"ok": True, "landed": False}
-        d.cancelled = not d.landed
+        for r in readers:
+            r.cancelled = not r.landed
         async with self._idle:
-            await asyncio.wait_for(self._idle.wait_for(lambda: d.inflight == 0), self._timeout_s)
-        return {"ok": True, "landed": d.landed}
+            await asyncio.wait_for(self._idle.wait_for(lambda: all(r.inflight == 0 for r in readers)),
+                                   self._timeout_s)
+        return {"ok": True, "landed": all(r.landed for r in readers)}
 
     # -- the prefill's own steps ---------------------------------------------------------
 
     async def push_step(self, specs: list[SaveSpec], release: Any, forward_over: Awaitable[bool]) -> None:
         """One step's blocks of decode-first requests: into the blocks of the
-        decodes that expect them, layer by layer; the rest owed until the
-        forward is over (``forward_over``: whether it completed)."""
+        decodes that expect them, layer by layer (a decode that comes during
+        the forward joins it); the blocks go to a decode that comes later
+        once the forward is over (``forward_over``: whether it completed)."""
         now = time.monotonic()
-        loop = asyncio.get_running_loop()
-        by_decode: dict[int, list[tuple[_Direct, Blocks]]] = {}
-        later: list[tuple[_Direct, Blocks, asyncio.Future[Optional[asyncio.Task[None]]]]] = []
-        seen: list[_Direct] = []
+        by_decode: dict[int, list[tuple[_Direct, _Reader, Blocks]]] = {}
+        seen: list[tuple[_Direct, _Step]] = []
         for spec in specs:
             d = self._direct(spec.transfer_id)
             if d is None:
                 log.warning("datadist_aio connector: too many decode-first requests; %s is not pushed", spec.req_id)
                 continue
-            seen.append(d)
             d.forwarding += 1
             d.req_id = spec.req_id
             blocks = [list(enumerate(ids, spec.first_index)) for ids in (spec.block_ids, *spec.more_block_ids)]
+            step = _Step(blocks, release)
+            d.steps.append(step)
+            seen.append((d, step))
             d.computed.update(blocks[0])
             d.total_blocks, d.lease_token = spec.total_blocks, spec.lease_token or d.lease_token
             if spec.last:
                 d.last_computed = True
                 d.all_groups = spec.all_groups
-            if d.usable(now):
-                assert d.cluster_id is not None
-                by_decode.setdefault(d.cluster_id, []).append((d, blocks))
-            elif not d.expected:
-                joined: asyncio.Future[Optional[asyncio.Task[None]]] = loop.create_future()
-                d.waiting.append((blocks, release, joined))
-                later.append((d, blocks, joined))
+            for r in d.readers:
+                if r.usable(now):
+                    by_decode.setdefault(r.cluster_id, []).append((d, r, blocks))
         pushes = [self._transfer(items, release, cluster) for cluster, items in by_decode.items()]
+        complete = False
         try:
-            complete, *_ = await asyncio.gather(forward_over, *pushes)
+            outcome, *_ = await asyncio.gather(forward_over, *pushes)
+            complete = bool(outcome)
         finally:
-            for d in seen:
+            # At once, nothing awaited: a reader that comes from here on
+            # finds the step's blocks over, or (its forward failed) nowhere.
+            for d, step in seen:
                 d.forwarding -= 1
-        # What becomes of the blocks not pushed with the step is decided
-        # before anything is awaited, so an expect coming meanwhile finds each
-        # of them either owed or counted as on its way.
-        joined_pushes: list[Awaitable[None]] = []
-        for d, blocks, joined in later:
-            if joined.done():  # the expect came during the forward and joined its release
-                task = joined.result()
-                if task is not None:
-                    joined_pushes.append(task)
-                continue
-            d.waiting = [item for item in d.waiting if item[2] is not joined]
+                d.steps.remove(step)
+                if complete:
+                    _extend(d.done, step.blocks)
+        for _d, step in seen:
+            for task in step.joined:
+                await task
+        for d in {id(d): d for d, _ in seen}.values():
             if not complete:
-                continue
-            if d.usable(time.monotonic()):
-                d.joining += 1
-                joined_pushes.append(self._counted(d, blocks, _Released(), counted=True))
-            elif not d.expected:
-                # Pushed once the decode expects the request.
-                d.owed.extend([] for _ in range(len(blocks) - len(d.owed)))
-                for owed, more in zip(d.owed, blocks):
-                    owed.extend(more)
-        for push in joined_pushes:
-            await push
-        for d in {id(d): d for d in seen}.values():
-            if not complete:
-                d.failed = d.failed or "the prefill's forward failed"
                 d.forward_failed = True
+                for r in d.readers:
+                    r.failed = r.failed or "the prefill's forward failed"
             await self._settle(d)
 
     def announce(self, loop: asyncio.AbstractEventLoop, params: dict[str, dict[str, Any]]) -> None:
@@ -420,58 +486,58 @@ class DirectPushes:
         for transfer_id in [x for x, d in self._directs.items() if d.created < old]:
             del self._directs[transfer_id]
 
-    async def _counted(self, d: _Direct, blocks: Blocks, release: dd.LayerSynchronizer,
-                       counted: bool = False) -> None:
-        """Pushes blocks of one request, counted in ``joining`` from the call
-        (``counted``: by the caller already) until it is under way or done."""
-        if not counted:
-            d.joining += 1
+    async def _counted(self, d: _Direct, r: _Reader, blocks: Blocks, release: dd.LayerSynchronizer) -> None:
+        """Pushes blocks of one request to one reader, counted in its
+        ``joining`` (by the caller, from the decision) until under way or done."""
         try:
-            assert d.cluster_id is not None
-            await self._transfer([(d, blocks)], release, d.cluster_id)
+            await self._transfer([(d, r, blocks)], release, r.cluster_id)
         finally:
-            d.joining -= 1
+            r.joining -= 1
+            await self._settle(d, r)
 
-    def _pairs(self, d: _Direct, blocks: Blocks, kv_group: int) -> Optional[list[tuple[int, int]]]:
+    def _pairs(self, d: _Direct, r: _Reader, blocks: Blocks, kv_group: int) -> Optional[list[tuple[int, int]]]:
         """(source, destination) blocks of one KV cache group of a request;
-        None (and the request failed) where the decode has no block for one."""
-        if kv_group >= len(blocks) or kv_group >= len(d.targets):
+        None (and the reader failed) where the decode has no block for one."""
+        if kv_group >= len(blocks) or kv_group >= len(r.targets):
             return []
-        target = d.targets[kv_group]
+        target = r.targets[kv_group]
         pairs: list[tuple[int, int]] = []
         for index, block in blocks[kv_group]:
             position = target.position(index, d.total_blocks)
             if position >= len(target.blocks):
                 first = index - position
-                d.failed = (f"the decode expects {first + len(target.blocks)} prompt blocks of KV cache group "
+                r.failed = (f"the decode expects {first + len(target.blocks)} prompt blocks of KV cache group "
                             f"{kv_group}, the prompt has more")
                 return None
             if position >= 0:
                 pairs.append((block, target.blocks[position]))
         return pairs
 
-    async def _transfer(self, items: list[tuple[_Direct, Blocks]], release: dd.LayerSynchronizer,
+    async def _transfer(self, items: list[tuple[_Direct, _Reader, Blocks]], release: dd.LayerSynchronizer,
                         cluster_id: int) -> None:
-        """Writes blocks of requests one decode worker expects into its
-        blocks: one layer-wise transfer per ``PushSpan``, each layer as
-        ``release`` lets the span's layers go (and its requests are still
-        wanted)."""
+        """Writes blocks of requests into the blocks of one decode worker that
+        expects them: one layer-wise transfer per ``PushSpan``, each layer as
+        ``release`` lets the span's layers go (and its readers still want
+        them); whole blocks, or each block's ranges the reader named."""
         start = time.perf_counter()
-        pairs: dict[int, list[tuple[int, int]]] = {}  # by KV cache group
-        moving: list[_Direct] = []
-        for d, blocks in items:
-            mine = [self._pairs(d, blocks, kv_group) for kv_group in range(self._kv_groups)]
+        # By KV cache group: (source, destination) pairs, and each pair's template.
+        pairs: dict[int, list[tuple[int, int]]] = {}
+        moving: list[_Reader] = []
+        for d, r, blocks in items:
+            mine = [self._pairs(d, r, blocks, kv_group) for kv_group in range(self._kv_groups)]
             if any(group is None for group in mine):
                 continue
             for kv_group, group in enumerate(mine):
                 pairs.setdefault(kv_group, []).extend(group or [])
-            moving.append(d)
+            moving.append(r)
         spans = [span for span in self._spans if pairs.get(span.kv_group)]
         if not spans:
             return
-        for d in moving:
-            d.inflight += 1
-        nbytes = sum(len(pairs[span.kv_group]) * span.block_bytes for span in spans)
+        # One decode worker reads the same share of every block: its first reader's ranges.
+        templates = moving[0].templates
+        for r in moving:
+            r.inflight += 1
+        nbytes = 0
         count = sum(len(pairs[span.kv_group]) for span in spans)
         ok = False
         try:
@@ -484,10 +550,18 @@ class DirectPushes:
                         layers = range(len(span.layers))
                         config = dd.TransferWithCacheKeyConfig(dd.BlocksCacheKey(cluster_id, span.model_id),
                                                                layers, layers)
+                        template = templates[span.cache_group] if templates is not None else None
+                        chosen = pairs[span.kv_group]
+                        if template is None:
+                            where: dict[str, Any] = {"src_block_indices": [src for src, _ in chosen],
+                                                     "dst_block_indices": [dst for _, dst in chosen]}
+                            nbytes += len(chosen) * span.block_bytes
+                        else:
+                            rows = _instantiate(template, chosen)
+                            where = {"block_ranges": rows}
+                            nbytes += int((rows[:, 4] * rows[:, 5]).sum()) * span.tensors
                         tasks.append(self._datadist.cache_manager.transfer_cache_async(
-                            span.cache, _Guard(ReleaseView(release, span.layers), moving), [config],
-                            src_block_indices=[source for source, _ in pairs[span.kv_group]],
-                            dst_block_indices=[destination for _, destination in pairs[span.kv_group]]))
+                            span.cache, _Guard(ReleaseView(release, span.layers), moving), [config], **where))
                 except Exception as exc:  # refused: the transfers started are still awaited
                     errors.append(exc)
                 outcomes = await asyncio.gather(*tasks, return_exceptions=True)
@@ -496,24 +570,28 @@ class DirectPushes:
                     raise errors[0]
             ok = True
         except (Exception, TimeoutError) as exc:
-            for d in moving:
-                d.failed = d.failed or f"push failed: {type(exc).__name__}: {exc}"
+            for r in moving:
+                r.failed = r.failed or f"push failed: {type(exc).__name__}: {exc}"
         finally:
             async with self._idle:
-                for d in moving:
-                    d.inflight -= 1
+                for r in moving:
+                    r.inflight -= 1
                 self._idle.notify_all()
         self._record(time.perf_counter() - start, nbytes if ok else 0, count, ok)
 
-    async def _settle(self, d: _Direct) -> None:
-        """Tells the decode once the outcome is known: landed, or pull."""
-        if d.settled or not d.expected or d.inflight or d.joining or d.waiting or d.forwarding:
+    async def _settle(self, d: _Direct, only: Optional[_Reader] = None) -> None:
+        """Tells each reader (or ``only``) once its outcome is known: landed, or pull."""
+        for r in [only] if only is not None else list(d.readers):
+            await self._settle_reader(d, r)
+
+    async def _settle_reader(self, d: _Direct, r: _Reader) -> None:
+        if r.settled or r.inflight or r.joining or d.forwarding:
             return
-        if d.direct and not d.failed and not d.cancelled:
-            if not d.last_computed or any(d.owed):
+        if r.direct and not r.failed and not r.cancelled:
+            if not d.last_computed:
                 return
-            d.landed = d.settled = True
-            await self._tell(d, {"op": "landed", "transfer_id": d.transfer_id, "remote_request_id": d.req_id})
+            r.landed = r.settled = True
+            await self._tell(d, r, {"op": "landed", "transfer_id": d.transfer_id, "remote_request_id": d.req_id})
             return
         if d.params is None and d.last_computed and not d.forward_failed and d.lease_token and d.req_id \
                 and len(d.computed) >= d.total_blocks > 0 and (self._single_group or d.all_groups is not None):
@@ -521,16 +599,15 @@ class DirectPushes:
             d.params = {"remote_block_ids": blocks if self._single_group else d.all_groups,
                         "lease_token": d.lease_token, "remote_request_id": d.req_id,
                         "remote_engine_id": self._engine_id}
-        if d.cancelled or d.params is None:
+        if r.cancelled or d.params is None:
             return  # a cancel is answered there; a pull waits for the params
-        d.settled = True
-        if d.failed:
-            log.info("datadist_aio connector: %s is pulled instead (%s)", d.transfer_id, d.failed)
-        message = {"op": "pull", "transfer_id": d.transfer_id, "params": d.params}
-        await asyncio.gather(self._tell(d, message), *(self._tell(d, message, where) for where in d.also_tell))
+        r.settled = True
+        if r.failed:
+            log.info("datadist_aio connector: %s is pulled instead (%s)", d.transfer_id, r.failed)
+        await self._tell(d, r, {"op": "pull", "transfer_id": d.transfer_id, "params": d.params})
 
-    async def _tell(self, d: _Direct, message: dict[str, Any], where: Optional[tuple[str, int]] = None) -> None:
-        key = where or (d.notice_host, d.notice_port)
+    async def _tell(self, d: _Direct, r: _Reader, message: dict[str, Any]) -> None:
+        key = (r.notice_host, r.notice_port)
         client = self._clients.get(key)
         if client is None:
             client = self._clients[key] = SideChannelClient(*key, self._guard)

@@ -19,7 +19,7 @@ import datadist_aio as dd
 from .groups import CacheGroup
 from .layout import plan_ranges
 from .metadata import LoadSpec
-from .routes import Route
+from .routes import Route, Source
 
 __all__ = ["Load", "completed_at", "posted_at", "start_pulls"]
 
@@ -51,8 +51,12 @@ class Load:
     holds_pending: int = 0
     stale: bool = False
     # Decode-first: waiting for the prefill's push (or its word to pull);
-    # not done, whatever its tasks, until that ends.
+    # not done, whatever its tasks, until that ends. ``expected``: the
+    # prefill ranks told where to push (each pushes its share of the heads),
+    # ``landed`` how many said it landed.
     awaiting: bool = False
+    expected: tuple[Source, ...] = ()
+    landed: int = 0
 
 
 def completed_at(load: Load) -> float:

@@ -65,7 +65,7 @@ from .direct import PushSpan
 from .groups import DATATYPES, CacheGroup, describe_kv_caches, release_layers, worker_layout
 from .host_buffer import HostBuffer, kv_placement
 from .inbox import CLAIMED, COMMITTED, Inbox
-from .layout import LayoutError, WorkerLayout
+from .layout import LayoutError, WorkerLayout, plan_ranges
 from .leases import Leases
 from .loads import Load, completed_at, posted_at, start_pulls
 from .metadata import LoadSpec, StepPlan
@@ -103,6 +103,23 @@ def _expected_groups(spec: LoadSpec, block_size: int) -> list[dict[str, Any]]:
         else:
             groups.append({"blocks": local, "skip": spec.first_token // block_size})
     return groups
+
+
+def _block_rows(route: Route, source: Any) -> Optional[list[Optional[list[list[int]]]]]:
+    """What ``source`` pushes of each of its blocks into one of this
+    worker's, per cache group, as the rows of one block pair (block 0 on
+    both sides): None for a group whose blocks map whole (the same heads),
+    None for all where every group's do."""
+    if all(source.head_map.whole):
+        return None
+    rows: list[Optional[list[list[int]]]] = []
+    for index, whole in enumerate(source.head_map.whole):
+        if whole:
+            rows.append(None)
+            continue
+        planned = plan_ranges(source.head_map, index, route.mine, source.layout, [0], [0], 0)
+        rows.append([] if planned is None else [[int(v) for v in row] for row in planned.tolist()])
+    return rows
 
 
 def _tuple(layers: Optional[list[int]]) -> Optional[tuple[int, ...]]:
@@ -355,7 +372,7 @@ class WorkerSide:
             self._register_inbox(datadist)
         if self.settings.is_producer:
             spans = [PushSpan(cache, _MODEL_ID_BASE + index, kv_group, _tuple(release_layers(group, kv_group)),
-                              group.block_bytes)
+                              group.block_bytes, index, len(group.addresses))
                      for index, (cache, group) in enumerate(zip(self._caches, self.groups))
                      for kv_group in group.kv_groups]
             self.pusher = Pusher(
@@ -801,28 +818,55 @@ class WorkerSide:
                 self._router.forget(spec.remote_host, port)
             return
         load.route = route
-        # The rank told: with pipeline stages, one of the last stage read,
-        # whose forward of the request ends after every earlier stage's.
-        source = route.notice_source
         block_size = route.mine.block_size
-        direct = (len(route.sources) == 1 and all(source.head_map.whole) and spec.first_token % block_size == 0
-                  and not route.staged)
-        message = {
+        # Each prefill rank this worker reads pushes its share of the heads
+        # into its blocks (equal block sizes, whole blocks after the prefix
+        # hits, no stages). Elsewhere one rank is told, and it says to pull:
+        # with pipeline stages, one of the last stage read, whose forward of a
+        # request ends after every earlier stage's.
+        direct = (spec.first_token % block_size == 0 and not route.staged
+                  and all(source.layout.block_size == block_size for source in route.sources))
+        sources = route.sources if direct else (route.notice_source,)
+        base = {
             "op": "expect", "transfer_id": spec.transfer_id, "cluster_id": self.cluster_id,
             "host": self.settings.host, "port": self.side_channel_port,
             "layout": [group.layout() for group in self.groups], "blocks": spec.local_block_ids,
             "skip": spec.first_token // block_size, "groups": _expected_groups(spec, block_size), "direct": direct,
-            "deadline_s": max(0.001, load.deadline - time.perf_counter()),
         }
+        load.expected = sources
         load.posted = time.perf_counter()
+        errors = await asyncio.gather(*(self._expect_from(load, source, {
+            **base, "rows": _block_rows(route, source) if direct else None,
+            "deadline_s": max(0.001, load.deadline - time.perf_counter())}) for source in sources))
+        if any(errors):
+            # The ranks that took the request stop their pushes before its blocks go back.
+            took = [source for source, error in zip(sources, errors) if not error]
+            await asyncio.gather(*(self._cancel_from(load, source) for source in took))
+            self._end_expect(load, next(error for error in errors if error))
+
+    async def _expect_from(self, load: Load, source: Any, message: dict[str, Any]) -> str:
+        """Tells one prefill rank where to push; why it did not take it ("" where it did)."""
+        spec = load.spec
         try:
             await source.peer.client.request(message, self.settings.notify_timeout_s)
+            return ""
         except (Exception, TimeoutError) as exc:
             # The prefill may hold the expect unanswered (frozen): it loses the
             # link before the blocks go back, as at the deadline.
             await self._drop_link(spec, source)
-            self._end_expect(load, f"the prefill at {spec.remote_host}:{source.port} did not take the request: "
-                                   f"{type(exc).__name__}: {exc}")
+            return (f"the prefill at {spec.remote_host}:{source.port} did not take the request: "
+                    f"{type(exc).__name__}: {exc}")
+
+    async def _cancel_from(self, load: Load, source: Any) -> bool:
+        """Stops one prefill rank's push of a decode-first load: whether it had
+        landed. One that does not answer loses the link."""
+        message = {"op": "cancel", "transfer_id": load.spec.transfer_id, "cluster_id": self.cluster_id}
+        try:
+            answer = await source.peer.client.request(message, self.settings.notify_timeout_s)
+            return bool(answer.get("landed"))
+        except (Exception, TimeoutError):
+            await self._drop_link(load.spec, source)
+            return False
 
     async def _drop_link(self, spec: LoadSpec, source: Any) -> None:
         """Fences a prefill that may still push into a decode-first load's
@@ -847,8 +891,10 @@ class WorkerSide:
         load = self._expecting.get(transfer_id)
         if load is not None and not load.cancelled:
             load.spec.remote_request_id = req_id
-            load.nbytes = self._landed_bytes(load.spec)
-            self._end_expect(load)
+            load.landed += 1
+            if load.landed >= len(load.expected):  # every rank told pushed its share
+                load.nbytes = self._landed_bytes(load.spec)
+                self._end_expect(load)
         return {"ok": True}
 
     async def _pull_instead(self, message: dict[str, Any]) -> dict[str, Any]:
@@ -893,17 +939,9 @@ class WorkerSide:
         does not answer loses the link, so nothing of its push lands any more
         (then a moment for a frame being written as the link went). Only then
         is the load reported, and its blocks given back to vLLM."""
-        assert self._router is not None
         spec = load.spec
-        source = load.route.notice_source if load.route is not None else None
-        landed = False
-        if source is not None:
-            try:
-                answer = await source.peer.client.request({"op": "cancel", "transfer_id": spec.transfer_id},
-                                                          self.settings.notify_timeout_s)
-                landed = bool(answer.get("landed"))
-            except (Exception, TimeoutError):
-                await self._drop_link(spec, source)
+        landed = bool(load.expected) and all(
+            await asyncio.gather(*(self._cancel_from(load, source) for source in load.expected)))
         if landed and load.awaiting:
             load.nbytes = self._landed_bytes(spec)
             self._end_expect(load)
@@ -916,11 +954,12 @@ class WorkerSide:
         route = self._router.routes.get(_instance(spec))
         if route is None:
             return
-        try:
-            await route.notice_source.peer.client.request({"op": "cancel", "transfer_id": spec.transfer_id},
-                                                       self.settings.notify_timeout_s)
-        except (Exception, TimeoutError) as exc:
-            log.debug("datadist_aio connector: cancel of %s not confirmed: %s", spec.transfer_id, exc)
+        message = {"op": "cancel", "transfer_id": spec.transfer_id, "cluster_id": self.cluster_id}
+        for source in route.sources:
+            try:
+                await source.peer.client.request(message, self.settings.notify_timeout_s)
+            except (Exception, TimeoutError) as exc:
+                log.debug("datadist_aio connector: cancel of %s not confirmed: %s", spec.transfer_id, exc)
 
     def _spawn_link(self, spec: LoadSpec, start: float) -> None:
         task = asyncio.get_running_loop().create_task(self._link_then_begin(spec, start))
