@@ -67,6 +67,7 @@ class LLMConfig:
         self._auth_key: Optional[str] = None
         self._link_encryption: Optional[str] = None
         self._allow_unencrypted_ucx: Optional[bool] = None
+        self._tls_files: dict[str, str] = {}  # option name -> path, of the certificate files set
         self._handshake_timeout_ms: Optional[int] = None
         self._answer_sweep_ms: Optional[int] = None
 
@@ -512,7 +513,8 @@ class LLMConfig:
         ``DATADIST_AIO_LINK_ENCRYPTION``; with neither, ``"off"``. ``init``
         fails with `LLM_PARAM_INVALID` for ``"tls"`` without a link secret, and
         with `LLM_FEATURE_NOT_ENABLED` where OpenSSL's libssl cannot be
-        loaded. See docs/security.md.
+        loaded. Certificates may authenticate the TLS instead of the secret
+        (``tls_cert_file``). See docs/security.md.
 
         Raises:
             TypeError: If not a str.
@@ -545,6 +547,68 @@ class LLMConfig:
     def allow_unencrypted_ucx(self, value: bool) -> None:
         check_isinstance("allow_unencrypted_ucx", value, bool, allow_none=False)
         self._allow_unencrypted_ucx = value
+
+    @property
+    def tls_cert_file(self) -> Optional[str]:
+        """This end's certificate chain (a PEM file), for link encryption
+        authenticated by certificates; emits `llm.TlsCertFile`.
+
+        Sites with a PKI may authenticate links' TLS with certificates
+        instead of keys from ``auth_key``: set ``tls_cert_file``,
+        ``tls_key_file`` (its private key) and ``tls_ca_file`` (the CA bundle
+        every peer's chain must verify against), all three, with
+        ``link_encryption = "tls"``. Both ends present their certificates
+        (mutual TLS), and a link is made only with a peer whose chain the CA
+        signed (any such certificate: names are not checked) and that uses
+        certificates too. ``auth_key`` may then be left unset; set, it still
+        authenticates the links' own handshake first. ``init`` fails with
+        `LLM_PARAM_INVALID` naming the file where one cannot be loaded, where
+        the key is not the certificate's, where one of the three is missing,
+        or where encryption is off.
+
+        Raises:
+            TypeError: If not a str.
+            LLMException: `LLM_PARAM_INVALID` if empty.
+        """
+        return self._tls_files.get("llm.TlsCertFile")
+
+    @tls_cert_file.setter
+    def tls_cert_file(self, value: str) -> None:
+        self._set_tls_file("tls_cert_file", "llm.TlsCertFile", value)
+
+    @property
+    def tls_key_file(self) -> Optional[str]:
+        """The private key of ``tls_cert_file`` (a PEM file); emits `llm.TlsKeyFile`.
+
+        Raises:
+            TypeError: If not a str.
+            LLMException: `LLM_PARAM_INVALID` if empty.
+        """
+        return self._tls_files.get("llm.TlsKeyFile")
+
+    @tls_key_file.setter
+    def tls_key_file(self, value: str) -> None:
+        self._set_tls_file("tls_key_file", "llm.TlsKeyFile", value)
+
+    @property
+    def tls_ca_file(self) -> Optional[str]:
+        """The CA bundle (a PEM file) every peer's certificate chain must
+        verify against, with ``tls_cert_file``; emits `llm.TlsCaFile`.
+
+        Raises:
+            TypeError: If not a str.
+            LLMException: `LLM_PARAM_INVALID` if empty.
+        """
+        return self._tls_files.get("llm.TlsCaFile")
+
+    @tls_ca_file.setter
+    def tls_ca_file(self, value: str) -> None:
+        self._set_tls_file("tls_ca_file", "llm.TlsCaFile", value)
+
+    def _set_tls_file(self, name: str, option: str, value: str) -> None:
+        check_isinstance(name, value, str, allow_none=False)
+        raise_if_false(len(value) > 0, f"{name} must name a file")
+        self._tls_files[option] = value
 
     def generate_options(self) -> dict[str, str]:
         """Writes the configured options into the accumulated dict and returns it.
@@ -611,6 +675,7 @@ class LLMConfig:
             options["llm.LinkEncryption"] = self._link_encryption
         if self._allow_unencrypted_ucx is not None:
             options["llm.AllowUnencryptedUcx"] = _flag(self._allow_unencrypted_ucx)
+        options.update(self._tls_files)
         options["llm.MemoryUtilization"] = str(self._mem_utilization)
         return options
 

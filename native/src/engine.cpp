@@ -128,16 +128,41 @@ Status Engine::initialize(const OptionMap &options) {
                   std::string(kAuthKeyEnv) + " on every peer");
     }
   }
+  const bool certificates =
+      !parsed.tls_cert_file.empty() || !parsed.tls_key_file.empty() || !parsed.tls_ca_file.empty();
+  if (certificates) {
+    std::string missing;
+    for (auto [name, file] : {std::pair{"tls_cert_file (llm.TlsCertFile)", &parsed.tls_cert_file},
+                              std::pair{"tls_key_file (llm.TlsKeyFile)", &parsed.tls_key_file},
+                              std::pair{"tls_ca_file (llm.TlsCaFile)", &parsed.tls_ca_file}}) {
+      if (file->empty()) missing += (missing.empty() ? "" : ", ") + std::string(name);
+    }
+    if (!missing.empty()) {
+      return refuse(LLM_PARAM_INVALID, "link certificates need this end's certificate, its key and the CA's, all "
+                                       "three; missing: " + missing);
+    }
+    if (!parsed.encrypt) {
+      return refuse(LLM_PARAM_INVALID, "link certificates are set but link encryption is off: set "
+                                       "LLMConfig.link_encryption \"tls\" (llm.LinkEncryption)");
+    }
+  }
   if (parsed.encrypt) {
-    if (parsed.auth_key.empty()) {
+    if (parsed.auth_key.empty() && !certificates) {
       return refuse(LLM_PARAM_INVALID, std::string("link encryption \"tls\" needs the link secret, from which its keys "
-                                                   "come: set LLMConfig.auth_key (llm.AuthKey) or ") +
-                                           kAuthKeyEnv + " on every peer");
+                                                   "come, or certificates: set LLMConfig.auth_key (llm.AuthKey) or ") +
+                                           kAuthKeyEnv + " on every peer, or tls_cert_file, tls_key_file and "
+                                           "tls_ca_file");
     }
     const std::string why = tls::unavailable();
     if (!why.empty()) {
       log_warning("link encryption is on, but " + why + "; install OpenSSL (libssl3) to encrypt links");
       return refuse(LLM_FEATURE_NOT_ENABLED, "link encryption \"tls\" needs OpenSSL: " + why);
+    }
+    if (certificates) {
+      std::string cert_why;
+      transport_options.certs =
+          tls::CertContexts::load({parsed.tls_cert_file, parsed.tls_key_file, parsed.tls_ca_file}, cert_why);
+      if (!transport_options.certs) return refuse(LLM_PARAM_INVALID, "link certificates: " + cert_why);
     }
     if (parsed.ucx && !parsed.allow_unencrypted_ucx) {
       return refuse(LLM_PARAM_INVALID,

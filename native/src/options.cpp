@@ -222,6 +222,13 @@ Status parse_options(const OptionMap &options, EngineOptions &out) {
     }
     out.allow_unencrypted_ucx = *flag == "1";
   }
+  for (auto [name, field] : {std::pair{kOptTlsCertFile, &out.tls_cert_file}, std::pair{kOptTlsKeyFile, &out.tls_key_file},
+                              std::pair{kOptTlsCaFile, &out.tls_ca_file}}) {
+    if (const std::string *file = find(options, name)) {
+      if (file->empty()) return refuse(LLM_PARAM_INVALID, std::string(name) + " must name a file");
+      *field = *file;
+    }
+  }
   if (const std::string *timeout = find(options, kOptHandshakeTimeout)) {
     if (!parse_uint(*timeout, 600000, value) || value == 0) {
       return refuse(LLM_PARAM_INVALID, "handshake timeout must be an integer in [1, 600000] ms, got '" + *timeout + "'");

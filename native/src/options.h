@@ -44,6 +44,12 @@ inline constexpr const char *kLinkEncryptionEnv = "DATADIST_AIO_LINK_ENCRYPTION"
 // "1": with link encryption, transport "ucx" may move bytes with UCX,
 // which TLS cannot cover (unencrypted); "0" (default) refuses that.
 inline constexpr const char *kOptAllowUnencryptedUcx = "llm.AllowUnencryptedUcx";
+// PEM files: with link encryption, TLS authenticated by certificates (this
+// end's chain and key, and the CA every peer's must verify against: all
+// three, mutual) instead of keys from the link secret.
+inline constexpr const char *kOptTlsCertFile = "llm.TlsCertFile";
+inline constexpr const char *kOptTlsKeyFile = "llm.TlsKeyFile";
+inline constexpr const char *kOptTlsCaFile = "llm.TlsCaFile";
 // The time (ms) an accepted connection has to finish its handshake, and a
 // link to bring all its connections; default 5000.
 inline constexpr const char *kOptHandshakeTimeout = "llm.HandshakeTimeoutMs";
@@ -80,6 +86,9 @@ struct EngineOptions {
   std::string auth_key;   // llm.AuthKey, else $DATADIST_AIO_AUTH_KEY
   bool encrypt = false;   // llm.LinkEncryption "tls", else $DATADIST_AIO_LINK_ENCRYPTION
   bool allow_unencrypted_ucx = false;  // llm.AllowUnencryptedUcx
+  std::string tls_cert_file;  // llm.TlsCertFile
+  std::string tls_key_file;   // llm.TlsKeyFile
+  std::string tls_ca_file;    // llm.TlsCaFile
   uint32_t handshake_timeout_ms = 5000;
   uint32_t answer_sweep_ms = 100;
   // Rank-table comms: the time their links may take in all (s), and the

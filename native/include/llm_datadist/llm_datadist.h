@@ -58,6 +58,12 @@ constexpr const char OPTION_AUTH_KEY[] = "llm.AuthKey";
 constexpr const char OPTION_LINK_ENCRYPTION[] = "llm.LinkEncryption";
 // Not upstream: "1" lets transport "ucx" move bytes unencrypted while links are encrypted.
 constexpr const char OPTION_ALLOW_UNENCRYPTED_UCX[] = "llm.AllowUnencryptedUcx";
+// Not upstream: PEM files for link encryption authenticated by certificates
+// instead of the link secret: this end's certificate chain and private key,
+// and the CA bundle every peer's chain must verify against (all three).
+constexpr const char OPTION_TLS_CERT_FILE[] = "llm.TlsCertFile";
+constexpr const char OPTION_TLS_KEY_FILE[] = "llm.TlsKeyFile";
+constexpr const char OPTION_TLS_CA_FILE[] = "llm.TlsCaFile";
 // Ms answers of same-host links may wait with nobody reading before the
 // engine's housekeeping reads them (default 100; 0: never). Every call of
 // this class waits in a way that reads its own answers, so none depends on it.

@@ -257,9 +257,10 @@ void LinkManager::admit(FormedLink &formed) {
   handshake::HelloAck ack;
   ack.fixed = {cluster_id_, role_.load(), 0};
   if (options_.encrypt) ack.fixed.flags |= wire::kEncrypted;
-  if (st == LLM_SUCCESS && formed.encrypted != options_.encrypt) {
+  if (options_.certs) ack.fixed.flags |= wire::kCertificates;
+  if (st == LLM_SUCCESS && (formed.encrypted != options_.encrypt || formed.certificates != (options_.certs != nullptr))) {
     // Said back, with this end's setting, so the initiator can name both.
-    log_warning("refused a link from " + encryption_differs(peer_id, formed.encrypted));
+    log_warning("refused a link from " + encryption_differs(peer_id, formed.encrypted, formed.certificates));
     ack.fixed.flags |= wire::kEncryptionDiffers;
     st = LLM_LINK_FAILED;
   }
@@ -450,11 +451,20 @@ bool LinkManager::publish(uint64_t peer_id, const std::shared_ptr<Link> &link) {
   return true;
 }
 
-std::string LinkManager::encryption_differs(uint64_t peer_id, bool peer_encrypts) const {
-  auto name = [](bool on) { return on ? "\"tls\"" : "\"off\""; };
-  return words("cluster ", peer_id, ": link encryption differs (link_encryption ", name(options_.encrypt),
-               " on this end, cluster ", cluster_id_, "; ", name(peer_encrypts), " on cluster ", peer_id,
-               "); set the same LLMConfig.link_encryption (llm.LinkEncryption) on both");
+std::string LinkManager::encryption_differs(uint64_t peer_id, bool peer_encrypts, bool peer_certificates) const {
+  auto name = [](bool on, bool certificates) {
+    return !on ? "\"off\"" : certificates ? "\"tls\" with certificates" : "\"tls\"";
+  };
+  return words("cluster ", peer_id, ": link encryption differs (link_encryption ",
+               name(options_.encrypt, options_.certs != nullptr), " on this end, cluster ", cluster_id_, "; ",
+               name(peer_encrypts, peer_certificates), " on cluster ", peer_id,
+               "); set the same LLMConfig.link_encryption (llm.LinkEncryption), and certificates (tls_cert_file, "
+               "tls_key_file, tls_ca_file) on both or on neither");
+}
+
+bool LinkManager::encrypts_alike(uint32_t flags) const {
+  return ((flags & wire::kEncrypted) != 0) == options_.encrypt &&
+         ((flags & wire::kCertificates) != 0) == (options_.certs != nullptr);
 }
 
 std::vector<std::unique_ptr<tls::Session>> LinkManager::secure(const std::vector<int> &fds, bool server,
@@ -466,8 +476,9 @@ std::vector<std::unique_ptr<tls::Session>> LinkManager::secure(const std::vector
       why = "a connection without a handshake";
       return {};
     }
-    std::unique_ptr<tls::Session> session =
-        tls::Session::create(fds[i], server, tls::derive_key(options_.auth_key, transcripts[i] + ack), why);
+    // Certificates authenticate the TLS handshake themselves: no key from the secret.
+    const tls::Key key = options_.certs ? tls::Key{} : tls::derive_key(options_.auth_key, transcripts[i] + ack);
+    std::unique_ptr<tls::Session> session = tls::Session::create(fds[i], server, key, why, options_.certs.get());
     if (!session) return {};
     sessions.push_back(std::move(session));
   }
@@ -495,6 +506,7 @@ Status LinkManager::greet(int fd, uint64_t peer_id, uint64_t nonce, uint32_t ind
     hello.ucx_address = ucx_->address();
   }
   if (options_.encrypt) hello.fixed.flags |= wire::kEncrypted;
+  if (options_.certs) hello.fixed.flags |= wire::kCertificates;
   const bool authed = !options_.auth_key.empty();
   if (authed) {
     hello.fixed.flags |= wire::kAuthenticated;
@@ -600,7 +612,8 @@ Status LinkManager::link(uint64_t peer_id, const std::string &ip, uint16_t port,
     } else if (header.status != LLM_SUCCESS) {
       st = header.status;
       if ((ack.fixed.flags & wire::kEncryptionDiffers) != 0) {
-        st = refuse(st, "link to " + encryption_differs(peer_id, (ack.fixed.flags & wire::kEncrypted) != 0));
+        st = refuse(st, "link to " + encryption_differs(peer_id, (ack.fixed.flags & wire::kEncrypted) != 0,
+                                                          (ack.fixed.flags & wire::kCertificates) != 0));
       }
     } else if (!options_.auth_key.empty() &&
                (!ack.authenticated() ||
@@ -611,9 +624,10 @@ Status LinkManager::link(uint64_t peer_id, const std::string &ip, uint16_t port,
       st = llm_datadist::LLM_AUTH_FAILED;
     } else if (ack.fixed.cluster_id != peer_id) {
       st = LLM_LINK_FAILED;
-    } else if (((ack.fixed.flags & wire::kEncrypted) != 0) != options_.encrypt) {
+    } else if (!encrypts_alike(ack.fixed.flags)) {
       // An acceptor that does not know the flag, or did not check it.
-      st = refuse(LLM_LINK_FAILED, "link to " + encryption_differs(peer_id, !options_.encrypt));
+      st = refuse(LLM_LINK_FAILED, "link to " + encryption_differs(peer_id, (ack.fixed.flags & wire::kEncrypted) != 0,
+                                                                   (ack.fixed.flags & wire::kCertificates) != 0));
     } else {
       ack_bytes.push_back(ack.bytes(false));
       // The acceptor decides how many connections the link has; every ack

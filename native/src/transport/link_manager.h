@@ -63,8 +63,10 @@ struct TransportOptions {
   // and both ends offer it, for peers on other hosts (start_ucx() first).
   bool ucx_auto = false;
   // Link encryption: every TCP connection of a link runs TLS 1.3 keyed from
-  // auth_key (which is then set), and only peers that encrypt too are linked.
+  // auth_key, or authenticated by `certs` where set (one of them is), and
+  // only peers that encrypt alike are linked.
   bool encrypt = false;
+  std::shared_ptr<const tls::CertContexts> certs;
 };
 
 // Links per process, as upstream's limit; one more is refused with
@@ -185,7 +187,9 @@ class LinkManager : public LinkHost {
                                                     const std::vector<std::string> &transcripts,
                                                     const std::string &ack, std::string &why);
   // Words for a link the two ends' encryption keeps from being made.
-  std::string encryption_differs(uint64_t peer_id, bool peer_encrypts) const;
+  std::string encryption_differs(uint64_t peer_id, bool peer_encrypts, bool peer_certificates) const;
+  // Whether a peer's hello or ack flags say the same encryption as this end.
+  bool encrypts_alike(uint32_t flags) const;
   // Probes a peer that offered the same-host path; the memory to serve its
   // same-host frames with, or nullptr when it cannot be reached.
   std::shared_ptr<same_host::PeerMemory> reach(uint64_t peer_id, const wire::SameHostInfo &info);

@@ -370,6 +370,7 @@ void Listener::greeted(Waiting &w, Clock::time_point now) {
     f.link.takes_fds = (h.flags & wire::kDeviceFds) != 0;
     f.link.big_device_frames = (h.flags & wire::kBigDeviceFrames) != 0;
     f.link.encrypted = (h.flags & wire::kEncrypted) != 0;
+    f.link.certificates = (h.flags & wire::kCertificates) != 0;
     f.link.same_host = w.hello.same_host;
     const uint32_t granted = std::min(uint32_t{h.conn_count}, options_.connections_per_link);
     f.link.fds.assign(granted, -1);

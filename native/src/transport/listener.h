@@ -56,6 +56,7 @@ struct FormedLink {
   bool takes_fds = false;     // the hello says kDeviceFds
   bool big_device_frames = false;  // the hello says kBigDeviceFrames
   bool encrypted = false;  // the hello says kEncrypted
+  bool certificates = false;  // ... and kCertificates
   wire::SameHostInfo same_host{};
   uint32_t asked = 0;  // the hello's conn_count; fds.size() is what was granted
   std::vector<int> fds;

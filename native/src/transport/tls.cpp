@@ -33,10 +33,17 @@ constexpr int kErrorWantRead = 2;
 constexpr int kErrorWantWrite = 3;
 constexpr int kErrorSyscall = 5;
 constexpr int kErrorZeroReturn = 6;
+constexpr int kFiletypePem = 1;
+constexpr int kVerifyPeer = 0x01;
+constexpr int kVerifyFailIfNoPeerCert = 0x02;
+constexpr long kVerifyOk = 0;
 // TLS_AES_128_GCM_SHA256 on the wire.
 constexpr unsigned char kSuiteId[2] = {0x13, 0x01};
 // The PSK's identity: one key per connection, so the name only says what it is.
 constexpr char kIdentity[] = "datadist_aio link";
+// What an acceptor with certificates sends once it has checked the
+// initiator's (Session::confirm_).
+constexpr uint8_t kConfirmByte = 0xc5;
 // Pieces shorter than a record are gathered into one.
 constexpr size_t kRecordBytes = 16384;
 // What one read from the socket may take (read ahead): four records and
@@ -81,6 +88,14 @@ struct Ssl {
   void *(*get_wbio)(const void *ssl) = nullptr;
   void *(*get_rbio)(const void *ssl) = nullptr;
   long (*bio_ctrl)(void *bio, int cmd, long larg, void *parg) = nullptr;
+  void (*ctx_free)(void *ctx) = nullptr;
+  int (*ctx_use_chain_file)(void *ctx, const char *file) = nullptr;
+  int (*ctx_use_key_file)(void *ctx, const char *file, int type) = nullptr;
+  int (*ctx_check_key)(const void *ctx) = nullptr;
+  int (*ctx_load_verify)(void *ctx, const char *ca_file, const char *ca_path) = nullptr;
+  void (*ctx_set_verify)(void *ctx, int mode, void *callback) = nullptr;
+  long (*get_verify_result)(const void *ssl) = nullptr;
+  const char *(*verify_error_string)(long n) = nullptr;
   unsigned long (*err_get)() = nullptr;
   void (*err_clear)() = nullptr;
   const char *(*err_reason)(unsigned long e) = nullptr;
@@ -168,6 +183,14 @@ const Ssl &ssl() {
     bind(lib, s.get_rbio, "SSL_get_rbio", missing);
     // libcrypto's, found through libssl's own dependency on it.
     bind(lib, s.bio_ctrl, "BIO_ctrl", missing);
+    bind(lib, s.ctx_free, "SSL_CTX_free", missing);
+    bind(lib, s.ctx_use_chain_file, "SSL_CTX_use_certificate_chain_file", missing);
+    bind(lib, s.ctx_use_key_file, "SSL_CTX_use_PrivateKey_file", missing);
+    bind(lib, s.ctx_check_key, "SSL_CTX_check_private_key", missing);
+    bind(lib, s.ctx_load_verify, "SSL_CTX_load_verify_locations", missing);
+    bind(lib, s.ctx_set_verify, "SSL_CTX_set_verify", missing);
+    bind(lib, s.get_verify_result, "SSL_get_verify_result", missing);
+    bind(lib, s.verify_error_string, "X509_verify_cert_error_string", missing);
     bind(lib, s.err_get, "ERR_get_error", missing);
     bind(lib, s.err_clear, "ERR_clear_error", missing);
     bind(lib, s.err_reason, "ERR_reason_error_string", missing);
@@ -238,6 +261,47 @@ struct Callbacks {
 
 std::string unavailable() { return ssl().error; }
 
+std::shared_ptr<const CertContexts> CertContexts::load(const Certificates &files, std::string &why) {
+  const Ssl &s = ssl();
+  if (!s.error.empty()) {
+    why = s.error;
+    return nullptr;
+  }
+  std::shared_ptr<CertContexts> out(new CertContexts());
+  for (bool server : {false, true}) {
+    void *ctx = make_context(s, server, why);
+    if (ctx == nullptr) return nullptr;
+    (server ? out->server_ : out->client_) = ctx;
+    s.err_clear();
+    if (s.ctx_use_chain_file(ctx, files.cert_file.c_str()) != 1) {
+      why = "the certificate " + files.cert_file + " cannot be loaded: " + error_text("not a PEM certificate chain");
+      return nullptr;
+    }
+    if (s.ctx_use_key_file(ctx, files.key_file.c_str(), kFiletypePem) != 1) {
+      why = "the private key " + files.key_file + " cannot be loaded, or is not the key of the certificate " +
+            files.cert_file + ": " + error_text("not a PEM private key");
+      return nullptr;
+    }
+    if (s.ctx_check_key(ctx) != 1) {
+      why = "the private key " + files.key_file + " is not the key of the certificate " + files.cert_file + ": " +
+            error_text("they differ");
+      return nullptr;
+    }
+    if (s.ctx_load_verify(ctx, files.ca_file.c_str(), nullptr) != 1) {
+      why = "the CA file " + files.ca_file + " cannot be loaded: " + error_text("not a PEM certificate bundle");
+      return nullptr;
+    }
+    // Both ends present a certificate the CA signed, or the handshake fails.
+    s.ctx_set_verify(ctx, kVerifyPeer | kVerifyFailIfNoPeerCert, nullptr);
+  }
+  return out;
+}
+
+CertContexts::~CertContexts() {
+  if (client_ != nullptr) ssl().ctx_free(client_);
+  if (server_ != nullptr) ssl().ctx_free(server_);
+}
+
 Key derive_key(const std::string &secret, const std::string &transcript) {
   const auth::Proof proof = auth::prove(secret, kKeyLabel, transcript);
   Key key;
@@ -245,7 +309,8 @@ Key derive_key(const std::string &secret, const std::string &transcript) {
   return key;
 }
 
-std::unique_ptr<Session> Session::create(int fd, bool server, const Key &key, std::string &why) {
+std::unique_ptr<Session> Session::create(int fd, bool server, const Key &key, std::string &why,
+                                         const CertContexts *certs) {
   const Ssl &s = ssl();
   if (!s.error.empty()) {
     why = s.error;
@@ -256,7 +321,8 @@ std::unique_ptr<Session> Session::create(int fd, bool server, const Key &key, st
   session->server_ = server;
   session->key_ = key;
   session->gather_.reset(new uint8_t[kRecordBytes]);
-  void *object = s.ssl_new(server ? s.server_ctx : s.client_ctx);
+  void *ctx = certs != nullptr ? (server ? certs->server() : certs->client()) : (server ? s.server_ctx : s.client_ctx);
+  void *object = s.ssl_new(ctx);
   if (object == nullptr) {
     why = error_text("SSL_new failed");
     return nullptr;
@@ -266,7 +332,10 @@ std::unique_ptr<Session> Session::create(int fd, bool server, const Key &key, st
     why = error_text("SSL_set_fd failed");
     return nullptr;
   }
-  if (server) {
+  if (certs != nullptr) {
+    session->key_.fill(0);  // the certificates authenticate: no PSK
+    session->confirm_ = true;
+  } else if (server) {
     s.set_psk_find(object, &Callbacks::find);
   } else {
     s.set_psk_use(object, &Callbacks::use);
@@ -304,7 +373,15 @@ Session::Step Session::settle_locked(int ret, const char *what) {
       }
       return Step::kFailed;
     default:
-      if (error_.empty()) error_ = std::string(what) + ": " + error_text("failed");
+      if (error_.empty()) {
+        error_ = std::string(what) + ": " + error_text("failed");
+        // A peer certificate that did not verify: the reason, as X509 gives it.
+        const long verified = s.get_verify_result(ssl_);
+        if (verified != kVerifyOk) {
+          const char *reason = s.verify_error_string(verified);
+          error_ += std::string(" (the peer's certificate: ") + (reason != nullptr ? reason : "did not verify") + ")";
+        }
+      }
       return Step::kFailed;
   }
 }
@@ -317,13 +394,24 @@ Session::Step Session::handshake() {
   if (!error_.empty()) return Step::kFailed;
   s.err_clear();
   errno = 0;
-  const int ret = server_ ? s.accept(ssl_) : s.connect(ssl_);
-  if (ret == 1) {
-    established_ = true;
+  if (!handshaken_) {
+    const int ret = server_ ? s.accept(ssl_) : s.connect(ssl_);
+    if (ret != 1) return settle_locked(ret, "the TLS handshake");
+    handshaken_ = true;
     key_.fill(0);  // the PSK served its one handshake
-    return Step::kDone;
   }
-  return settle_locked(ret, "the TLS handshake");
+  if (confirm_) {
+    uint8_t byte = kConfirmByte;
+    size_t moved = 0;
+    const int ret = server_ ? s.write_ex(ssl_, &byte, 1, &moved) : s.read_ex(ssl_, &byte, 1, &moved);
+    if (ret != 1) return settle_locked(ret, "the TLS handshake (the acceptor's confirmation)");
+    if (byte != kConfirmByte) {
+      error_ = "the TLS handshake: the acceptor's confirmation is not the byte it should be";
+      return Step::kFailed;
+    }
+  }
+  established_ = true;
+  return Step::kDone;
 }
 
 bool Session::handshake_until(std::chrono::steady_clock::time_point deadline) {

@@ -46,6 +46,35 @@ inline constexpr const char *kCipherSuite = "TLS_AES_128_GCM_SHA256";
 // Empty when libssl with TLS 1.3 and external PSKs can be had; otherwise why not.
 std::string unavailable();
 
+// Certificates instead of keys from the secret (sites with a PKI): this
+// end's certificate chain and private key (PEM files), and the CA bundle
+// every peer's chain must verify against. Both ends present theirs
+// (mutual); any certificate the CA signed is taken, whatever its names.
+struct Certificates {
+  std::string cert_file;
+  std::string key_file;
+  std::string ca_file;
+};
+
+// OpenSSL's client and server contexts of one set of certificates, loaded
+// (and checked: the key matches the certificate) once, at init.
+class CertContexts {
+ public:
+  // nullptr with `why` (naming the file and OpenSSL's reason) when a file
+  // cannot be loaded.
+  static std::shared_ptr<const CertContexts> load(const Certificates &files, std::string &why);
+  ~CertContexts();
+  CertContexts(const CertContexts &) = delete;
+  CertContexts &operator=(const CertContexts &) = delete;
+  void *client() const { return client_; }
+  void *server() const { return server_; }
+
+ private:
+  CertContexts() = default;
+  void *client_ = nullptr;  // SSL_CTX *
+  void *server_ = nullptr;
+};
+
 // The connection's PSK: HMAC-SHA256(secret, kKeyLabel || transcript).
 // Call only when auth::unavailable() is empty.
 Key derive_key(const std::string &secret, const std::string &transcript);
@@ -54,9 +83,12 @@ class Session {
  public:
   enum class Step { kDone, kWantRead, kWantWrite, kFailed };
 
-  // The client (initiator) or server (acceptor) end on `fd`; nullptr with
-  // `why` when OpenSSL refuses. Call only when unavailable() is empty.
-  static std::unique_ptr<Session> create(int fd, bool server, const Key &key, std::string &why);
+  // The client (initiator) or server (acceptor) end on `fd`, keyed by
+  // `key` (an external PSK), or, with `certs`, authenticated by both ends'
+  // certificates (`key` unused); nullptr with `why` when OpenSSL refuses.
+  // Call only when unavailable() is empty.
+  static std::unique_ptr<Session> create(int fd, bool server, const Key &key, std::string &why,
+                                         const CertContexts *certs = nullptr);
   ~Session();
   Session(const Session &) = delete;
   Session &operator=(const Session &) = delete;
@@ -104,6 +136,12 @@ class Session {
   bool server_ = false;
   bool established_ = false;
   bool nonblocking_ = false;
+  // With certificates: TLS 1.3 ends the client's handshake before the
+  // server has checked the client's certificate, so the server confirms
+  // with a record of one byte, which the client's handshake waits for (a
+  // refusal then comes as the server's alert, with its reason).
+  bool confirm_ = false;
+  bool handshaken_ = false;
   Key key_{};
   std::string error_;
   // A write OpenSSL took in part and holds (it must be called again with

@@ -135,8 +135,11 @@ enum HelloFlags : uint32_t {
   // from there. A link is made only when both ends say the same.
   kEncrypted = 1024,
   // A refusal's ack only: the acceptor refused because the two ends'
-  // encryption differs (its own is kEncrypted).
+  // encryption differs (its own is kEncrypted and kCertificates).
   kEncryptionDiffers = 2048,
+  // Hello or ack, beside kEncrypted: the sender's TLS is authenticated by
+  // certificates (tls.h), not keyed from the link secret.
+  kCertificates = 4096,
 };
 // The longest UCX worker address a hello or ack may carry.
 constexpr uint32_t kMaxUcxAddress = 8192;
