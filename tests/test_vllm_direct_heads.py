@@ -22,7 +22,7 @@ import pytest
 
 from datadist_aio.integrations.vllm.metadata import LoadSpec, SaveSpec, StepPlan
 from datadist_aio.integrations.vllm.worker import WorkerSettings, WorkerSide
-from test_vllm_push import BLOCK_SIZE, BLOCKS, HEAD_DIM, HEADS, NAMES, _ask, _commands, _start
+from test_vllm_push import BLOCK_SIZE, BLOCKS, HEAD_DIM, HEADS, NAMES, _ask, _commands, _start, wait_loaded
 from test_vllm_worker_side import FakeTensor, _stop
 
 PREFILL_BLOCKS, DECODE_BLOCKS = [3, 9, 4], [5, 1, 7]
@@ -57,15 +57,8 @@ def _decode(conn: Any, rank: int, tp_size: int) -> None:
                 side.start_loads(StepPlan(loads={"a": spec}))
                 conn.send("ok")
             elif command == "wait":  # value: seconds to wait for the load (it may not end)
-                deadline = time.monotonic() + value
-                done: set[str] = set()
-                failed: set[str] = set()
-                while not done | failed and time.monotonic() < deadline:
-                    _, recving, fail = side.get_finished()
-                    done |= recving
-                    failed |= fail
-                    time.sleep(0.005)
-                conn.send({"done": sorted(done), "failed": sorted(failed),
+                done, failed = wait_loaded(side, value)
+                conn.send({"done": done, "failed": failed,
                            "arrays": {name: a.copy() for name, a in arrays.items()}})
     finally:
         side.shutdown()

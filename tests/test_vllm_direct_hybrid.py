@@ -24,7 +24,7 @@ import pytest
 
 from datadist_aio.integrations.vllm.metadata import LoadSpec, SaveSpec, StepPlan
 from datadist_aio.integrations.vllm.worker import WorkerSettings, WorkerSide
-from test_vllm_push import SHAPE, _ask, _commands, _start
+from test_vllm_push import SHAPE, _ask, _commands, _start, wait_loaded
 from test_vllm_worker_side import FakeTensor, _stop
 
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
@@ -60,15 +60,8 @@ def _decode(conn: Any) -> None:
                 side.start_loads(StepPlan(loads={"a": spec}))
                 conn.send("ok")
             elif command == "wait":
-                deadline = time.monotonic() + 20
-                done: set[str] = set()
-                failed: set[str] = set()
-                while not done | failed and time.monotonic() < deadline:
-                    _, recving, fail = side.get_finished()
-                    done |= recving
-                    failed |= fail
-                    time.sleep(0.005)
-                conn.send({"done": sorted(done), "failed": sorted(failed),
+                done, failed = wait_loaded(side, 20)
+                conn.send({"done": done, "failed": failed,
                            "records": [(r.nbytes, r.ok) for r in side.take_records()],
                            "tensors": [t.copy() for t in tensors]})
     finally:

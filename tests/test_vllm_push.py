@@ -281,6 +281,20 @@ def _prefill(conn: Any, decode_port: int, shape: tuple[int, ...]) -> None:
         side.shutdown()
 
 
+def wait_loaded(side: WorkerSide, timeout_s: float) -> tuple[list[str], list[str]]:
+    """The loads ``get_finished`` reported within ``timeout_s`` (done, and of
+    those failed), once any was."""
+    deadline = time.monotonic() + timeout_s
+    done: set[str] = set()
+    failed: set[str] = set()
+    while not done and time.monotonic() < deadline:
+        _, recving, fail = side.get_finished()
+        done |= recving
+        failed |= fail
+        time.sleep(0.005)
+    return sorted(done), sorted(failed)
+
+
 def wait_freed(side: WorkerSide, req_ids: list[str], timeout_s: float = 10.0) -> list[str]:
     """The prefill requests ``get_finished`` freed within ``timeout_s``, once all of ``req_ids`` were."""
     deadline = time.monotonic() + timeout_s

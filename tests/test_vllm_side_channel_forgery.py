@@ -27,7 +27,7 @@ from datadist_aio.integrations.message_guard import AUTH_KEY_ENV, ENCRYPTION_ENV
 from datadist_aio.integrations.vllm.metadata import LoadSpec, StepPlan
 from datadist_aio.integrations.vllm.side_channel import encode_body, encode_frame, frame
 from datadist_aio.integrations.vllm.worker import WorkerSettings, WorkerSide
-from test_vllm_push import _ask, _commands, _start
+from test_vllm_push import _ask, _commands, _start, wait_loaded
 from test_vllm_worker_side import BLOCKS, SHAPE, FakeTensor, _stop, layer_arrays
 
 REQ, TOKEN = "p-a", "t-a"
@@ -85,16 +85,8 @@ def _decode(conn: Any, secret: Optional[str], encryption: str) -> None:
             elif command == "load":
                 spec = LoadSpec("a", LOCAL, REMOTE, "prefill", "127.0.0.1", value, REQ, lease_token=TOKEN)
                 side.start_loads(StepPlan(loads={"a": spec}))
-                done: set[str] = set()
-                failed: set[str] = set()
-                start = time.monotonic()
-                while not done and time.monotonic() - start < 30:
-                    _, recving, fail = side.get_finished()
-                    done |= recving
-                    failed |= fail
-                    time.sleep(0.005)
-                conn.send({"done": sorted(done), "failed": sorted(failed),
-                           "arrays": {name: a.copy() for name, a in arrays.items()}})
+                done, failed = wait_loaded(side, 30)
+                conn.send({"done": done, "failed": failed, "arrays": {name: a.copy() for name, a in arrays.items()}})
     finally:
         side.shutdown()
 
