@@ -261,6 +261,21 @@ def assert_decode_follows_handed_kv(reference: Server, prefill: Server, decode: 
         assert_no_leak_reported(server)
 
 
+def assert_stages_token_exact(reference: Server, router: Router, prefill: Server, decode: Server,
+                              prompts: list[list[int]], max_new_tokens: int) -> None:
+    """A prefill of two pipeline stages through ``router`` into ``decode``: every prompt the
+    reference's tokens, the decode linked to both stages, and the control."""
+    for prompt in prompts:
+        want = generate(reference.url, prompt, max_new_tokens)["output_ids"]
+        got = generate(router.url, prompt, max_new_tokens)["output_ids"]
+        assert got == want, f"a prompt of {len(prompt)} tokens: {got} != {want}"
+    log = Path(decode.log_path).read_text(errors="replace")
+    linked = [line for line in log.splitlines() if "datadist_aio: linked to the prefill" in line]
+    assert any("(PP 1/2 from layer 2," in line for line in linked), linked
+    assert_decode_follows_handed_kv(reference, prefill, decode, 13, max_new_tokens)
+    assert_no_leak_reported(decode)
+
+
 def assert_no_leak_reported(server: Server) -> None:
     """SGLang's idle check found no page or request slot left allocated on ``server``."""
     log = Path(server.log_path).read_text(errors="replace")

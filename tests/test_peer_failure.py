@@ -178,7 +178,18 @@ def test_stopped_peer_times_out(group, via, transport):
     a.unlink(b, force=True)
     b.unlink(a, force=True)
     assert a.link(b) == LINKED
-    a.run(via, "push_cache", remote.key(), local)
+    # The push lands. Its 1 s bound is the stopped peer's: on a machine busy
+    # with other work one attempt may exceed it (the link is then made again).
+    for attempt in range(3):
+        try:
+            a.run(via, "push_cache", remote.key(), local)
+            break
+        except dd.LLMException as exc:
+            if exc.status_code is not dd.LLMStatusCode.LLM_TIMEOUT or attempt == 2:
+                raise
+            a.unlink(b, force=True)
+            b.unlink(a, force=True)
+            assert a.link(b) == LINKED
     for got, data in zip(b.read(remote), sent):
         np.testing.assert_array_equal(got, data)
     assert a.close() == 0

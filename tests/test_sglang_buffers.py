@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import pickle
 
@@ -136,3 +137,68 @@ def test_sliding_window_pages_follow_the_head_mapping_across_tp_sizes() -> None:
         assert set(rows[:, 0]) == {40} and set(rows[:, 2]) == {3}
         assert int((rows[:, 4] * rows[:, 5]).sum()) == 4 * 16
         assert set(rows[:, 3] % 32) == {16 * rank}
+
+
+# -- pipeline stages: a prefill stage's buffers among a decode's that holds every layer
+
+
+def _stage(rank: int, stages: int, start: int, layers: int, latent: bool = False, tp: tuple[int, int] = (1, 0),
+           item_len: int = 4096) -> BufferLayout:
+    per_layer = 1 if latent else 2
+    kv = group_buffers("kv", [0x1000 * (i + 1) for i in range(per_layer * layers)],
+                       [item_len * 100] * per_layer * layers, [item_len] * per_layer * layers)
+    aux = group_buffers("aux", [0x100000, 0x200000, 0x300000], [64 * 8, 64 * 8, 256 * 8], [8, 8, 256])
+    return BufferLayout(1, tp[0], tp[1], 2, tuple(kv + aux), latent, pp_rank=rank, pp_size=stages, start_layer=start)
+
+
+@pytest.mark.parametrize("latent", [False, True], ids=["k-and-v", "mla-latent"])
+def test_a_prefill_stage_pulls_into_its_layers_of_the_decode(latent: bool) -> None:
+    """Stage 1 of 2 holds layers 3 to 5 of 6: its K buffers go to the decode's K buffers 3 to 5,
+    its V buffers to the decode's V buffers 3 to 5 (9 to 11), a pull per run; the aux row whole."""
+    decode = _stage(0, 1, 0, 6, latent)
+    pairing = decode.pair_with(_stage(1, 2, 3, 3, latent))
+    kv, *aux = pairing.pulls([1, 2], [5, 6], (0, 1))
+    assert kv.spans == (((0, 3, 3),) if latent else ((0, 3, 3), (3, 9, 3)))
+    assert kv.nbytes == 2 * 4096 * (3 if latent else 6) and aux and all(pull.spans is None for pull in aux)
+    # Stage 0 holds layers 0 to 2.
+    kv0, *_ = decode.pair_with(_stage(0, 2, 0, 3, latent)).pulls([1, 2], [5, 6], (0, 1))
+    assert kv0.spans == (((0, 0, 3),) if latent else ((0, 0, 3), (3, 6, 3)))
+    # A decode with the same stages reads its own stage's buffers tensor for tensor.
+    same = _stage(1, 2, 3, 3, latent).pair_with(_stage(1, 2, 3, 3, latent))
+    assert all(pull.spans is None for pull in same.pulls([1], [2], (0, 1)))
+
+
+def test_a_prefill_stage_of_another_tp_size_reads_each_ranks_heads_of_its_layers() -> None:
+    decode = _stage(0, 1, 0, 4, tp=(2, 1), item_len=2048)
+    pulls = decode.pair_with(_stage(1, 2, 2, 2, tp=(1, 0))).pulls([1, 2], [5, 6])
+    assert len(pulls) == 1 and pulls[0].rows is not None and pulls[0].spans == ((0, 2, 2), (2, 6, 2))
+
+
+@pytest.mark.parametrize(("decode", "prefill", "message"), [
+    (_stage(0, 1, 0, 6), _stage(1, 2, 4, 3), "do not fall within this worker's 6"),
+    (_stage(0, 1, 0, 6), _stage(1, 2, 2, 3), "does not begin or end"),
+    (_stage(0, 1, 0, 6), _stage(0, 2, 1, 3), "does not begin or end"),
+    (_stage(0, 2, 0, 3), _stage(1, 2, 3, 3), "stage 1 of 2 against stage 0 of 2"),
+    (_stage(0, 1, 0, 6), _stage(0, 1, 0, 3), "kv buffers"),  # no stages: fewer layers is another model
+])
+def test_stages_that_do_not_cover_the_decodes_layers_are_refused(decode: BufferLayout, prefill: BufferLayout,
+                                                                 message: str) -> None:
+    with pytest.raises(LayoutMismatch, match=message) as caught:
+        decode.pair_with(prefill)
+    assert "PP" in str(caught.value) or "kv buffers" in str(caught.value)
+
+
+def test_sliding_window_buffers_of_a_stage_are_refused() -> None:
+    hybrid = _hybrid()
+    stage = dataclasses.replace(hybrid, pp_rank=1, pp_size=2, start_layer=1)
+    with pytest.raises(LayoutMismatch, match="sliding-window buffers of a prefill with pipeline stages"):
+        hybrid.pair_with(stage)
+
+
+def test_stage_fields_round_trip_and_default_for_a_peer_without_them() -> None:
+    stage = _stage(1, 2, 3, 3)
+    assert BufferLayout.from_wire(stage.to_wire()) == stage
+    old = {k: v for k, v in _layout().to_wire().items() if k not in ("pp_rank", "pp_size", "start_layer")}
+    assert BufferLayout.from_wire(old) == _layout()
+    with pytest.raises(ValueError):
+        BufferLayout.from_wire({**stage.to_wire(), "pp_rank": 2})

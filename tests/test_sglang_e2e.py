@@ -6,7 +6,8 @@ with ``--disaggregation-transfer-backend datadist_aio``, and sglang-router
 in ``--pd-disaggregation`` mode in front of the pair; and for differing
 attention TP sizes a prefill and a decode server of TP 2, each paired by a
 router of its own with the TP 1 server of the other role (prefill TP 2 into
-decode TP 1, prefill TP 1 into decode TP 2). The tiny random Llama of the
+decode TP 1, prefill TP 1 into decode TP 2); and a prefill of two pipeline
+stages with a router of its own into the decode of one. The tiny random Llama of the
 vLLM tests (2 KV heads: one per rank at TP 2), token ids in and out,
 greedy. The pairs use pages of 16 tokens and prefill chunks of 64 (a
 request's KV moves in several pulls); the reference, TP 1 and pages of one
@@ -36,12 +37,14 @@ from sglang_pd import (  # noqa: E402
     Server,
     assert_decode_follows_handed_kv,
     assert_no_leak_reported,
+    assert_stages_token_exact,
     finish_message,
     free_port_run,
     generate,
     generate_outcome,
     model_dir,
     stop_all,
+    tp_env,
 )
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]
@@ -71,7 +74,7 @@ def _prompt(rng: random.Random, length: int) -> list[int]:
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     root = tmp_path_factory.mktemp("sglang")
     model = model_dir(root)
-    base = free_port_run(14)
+    base = free_port_run(18)
     started: list[Any] = []
     try:
         reference = Server(model, "null", base, root)
@@ -85,17 +88,22 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         decode_tp2 = Server(model, "decode", base + 7, root, page_size=PAGE_SIZE, tp_size=2, env=DECODE_ENV,
                             extra=TP2_EXTRA)
         started.append(decode_tp2)
+        # Two pipeline stages: each only its own layers' KV buffers.
+        prefill_pp2 = Server(model, "prefill", base + 14, root, bootstrap_port=base + 15, page_size=PAGE_SIZE,
+                             extra=["--chunked-prefill-size", "64", "--pp-size", "2", *TP2_EXTRA], env=tp_env(2))
+        started.append(prefill_pp2)
         deadline = time.monotonic() + 600
-        for server in (prefill, decode, reference, prefill_tp2, decode_tp2):
+        for server in (prefill, decode, reference, prefill_tp2, decode_tp2, prefill_pp2):
             server.ready(deadline)
         routers = {"router": Router(prefill, decode, base + 8, root, base + 11),
                    "tp2-into-tp1": Router(prefill_tp2, decode, base + 9, root, base + 12),
-                   "tp1-into-tp2": Router(prefill, decode_tp2, base + 10, root, base + 13)}
+                   "tp1-into-tp2": Router(prefill, decode_tp2, base + 10, root, base + 13),
+                   "pp2-into-pp1": Router(prefill_pp2, decode, base + 16, root, base + 17)}
         started += routers.values()
         for router in routers.values():
             router.ready(time.monotonic() + 300)
         yield {"reference": reference, "prefill": prefill, "decode": decode, "prefill_tp2": prefill_tp2,
-               "decode_tp2": decode_tp2, **routers, "root": root, "model": model, "base": base, "started": started}
+               "decode_tp2": decode_tp2, "prefill_pp2": prefill_pp2, **routers, "root": root, "model": model, "base": base, "started": started}
     finally:
         stop_all(list(reversed(started)))
 
@@ -179,6 +187,14 @@ def test_differing_tp_sizes_control(servers: dict[str, Any], pair: str) -> None:
     """A decode handed another prompt's KV across differing TP sizes continues that prompt."""
     prefill, decode = (servers[name] for name in TP_PAIRS[pair])
     assert_decode_follows_handed_kv(servers["reference"], prefill, decode, 11, NEW_TOKENS)
+
+
+def test_a_prefill_of_two_pipeline_stages_token_exact(servers: dict[str, Any], prompts: list[list[int]]) -> None:
+    """A prefill of two pipeline stages (stage 0 layers 0 and 1, stage 1 layers 2 and 3, each
+    only its own layers' buffers) into the decode of one: each stage's layers land at their
+    offset among the decode's, and a request completes once both stages sent their last chunk."""
+    assert_stages_token_exact(servers["reference"], servers["pp2-into-pp1"], servers["prefill_pp2"],
+                              servers["decode"], prompts, NEW_TOKENS)
 
 
 def _long_request_then(servers: dict[str, Any], action: Any, seed: int) -> tuple[int, dict[str, Any], float]:

@@ -30,6 +30,7 @@ This module imports nothing from SGLang or the engine.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -117,6 +118,13 @@ class BufferLayout:
     kv_heads: int
     groups: tuple[BufferGroup, ...]
     latent: bool = False
+    # Pipeline parallelism: this worker's stage of ``pp_size``, whose KV
+    # buffers hold the model's layers from ``start_layer`` on (a prefill's;
+    # SGLang lists a stage's K buffers, then its V buffers, or with MLA one
+    # latent buffer a layer).
+    pp_rank: int = 0
+    pp_size: int = 1
+    start_layer: int = 0
 
     def of_kind(self, kind: str) -> list[tuple[int, BufferGroup]]:
         """(index among all groups, group) of one kind."""
@@ -130,7 +138,8 @@ class BufferLayout:
     def to_wire(self) -> dict[str, Any]:
         return {"page_size": self.page_size, "tp_size": self.tp_size, "tp_rank": self.tp_rank,
                 "kv_heads": self.kv_heads, "latent": self.latent,
-                "groups": [group.to_wire() for group in self.groups]}
+                "groups": [group.to_wire() for group in self.groups],
+                "pp_rank": self.pp_rank, "pp_size": self.pp_size, "start_layer": self.start_layer}
 
     @classmethod
     def from_wire(cls, value: Any) -> "BufferLayout":
@@ -143,8 +152,14 @@ class BufferLayout:
             if type(number) is not int or not 0 <= number < 1 << 31:
                 raise ValueError(f"buffer layout field {name} must be a non-negative int, got {number!r:.40}")
             numbers[name] = number
+        for name, default in (("pp_rank", 0), ("pp_size", 1), ("start_layer", 0)):  # absent: no stages
+            number = value.get(name, default)
+            if type(number) is not int or not 0 <= number < 1 << 20:
+                raise ValueError(f"buffer layout field {name} must be a non-negative int, got {number!r:.40}")
+            numbers[name] = number
         if (numbers["page_size"] < 1 or numbers["tp_size"] < 1 or numbers["kv_heads"] < 1
-                or numbers["tp_rank"] >= numbers["tp_size"]):
+                or numbers["tp_rank"] >= numbers["tp_size"] or numbers["pp_size"] < 1
+                or numbers["pp_rank"] >= numbers["pp_size"]):
             raise ValueError(f"buffer layout {value!r:.200} is inconsistent")
         latent = value.get("latent")
         if type(latent) is not bool:
@@ -170,7 +185,13 @@ class BufferLayout:
         """One line for messages."""
         groups = "; ".join(f"{g.kind} {len(g.members)}x{g.item_len} B" for g in self.groups)
         heads = "MLA latent" if self.latent else f"{self.kv_heads} KV heads"
-        return f"TP {self.tp_rank}/{self.tp_size}, page size {self.page_size}, {heads} [{groups}]"
+        stage = (f"PP {self.pp_rank}/{self.pp_size} from layer {self.start_layer}, " if self.pp_size > 1 else "")
+        return f"{stage}TP {self.tp_rank}/{self.tp_size}, page size {self.page_size}, {heads} [{groups}]"
+
+    def kv_layers(self) -> int:
+        """The model layers this worker's KV buffers hold."""
+        buffers = sum(len(group.members) for _, group in self.of_kind("kv"))
+        return buffers if self.latent else buffers // 2
 
     def head_layout(self) -> WorkerLayout:
         """The KV groups as the head mapping sees them: a page of one buffer is ``[page_size,
@@ -207,18 +228,65 @@ class BufferLayout:
                 raise mismatch(f"{side.kv_heads} KV heads do not share out over TP {side.tp_size}")
         if len(prefill.groups) != len(self.groups):
             raise mismatch(f"{len(prefill.groups)} buffer groups against {len(self.groups)}")
+        if prefill.pp_size > 1 and self.pp_size > 1 and (prefill.pp_size, prefill.pp_rank) != (self.pp_size,
+                                                                                                self.pp_rank):
+            raise mismatch(f"pipeline stage {prefill.pp_rank} of {prefill.pp_size} against stage {self.pp_rank} of "
+                           f"{self.pp_size}: a decode with stages reads its own stage's")
+        spans = self._stage_spans(prefill, mismatch) if prefill.pp_size > 1 and self.pp_size == 1 else None
         same_tp = prefill.tp_size == self.tp_size
-        for theirs, ours in zip(prefill.groups, self.groups):
+        for index, (theirs, ours) in enumerate(zip(prefill.groups, self.groups)):
             item_lens_pair = theirs.item_len == ours.item_len or (ours.kind in HEAD_KINDS and not same_tp)
-            if (theirs.kind, theirs.members) != (ours.kind, ours.members) or not item_lens_pair:
+            members_pair = theirs.members == ours.members or (spans is not None and spans[index] is not None)
+            if theirs.kind != ours.kind or not members_pair or not item_lens_pair:
                 raise mismatch(f"{theirs.kind} buffers {list(theirs.members)[:8]} of {theirs.item_len} B items "
                                f"against {ours.kind} buffers {list(ours.members)[:8]} of {ours.item_len} B")
+        # The heads are mapped as if the stage held every layer (its buffers are the decode's, head for head).
+        heads_of_prefill = prefill if spans is None else dataclasses.replace(
+            prefill, groups=tuple(dataclasses.replace(theirs, members=ours.members)
+                                  for theirs, ours in zip(prefill.groups, self.groups)))
         try:
-            mine, theirs_heads = self.head_layout(), prefill.head_layout()
+            mine, theirs_heads = self.head_layout(), heads_of_prefill.head_layout()
             maps = map_heads(mine, theirs_heads, paired_ranks(self.tp_size, self.tp_rank, prefill.tp_size))
         except (LayoutError, ValueError) as exc:
             raise mismatch(str(exc)) from None
-        return Pairing(self, prefill, mine, theirs_heads, maps.get(prefill.tp_rank), frozenset(maps))
+        return Pairing(self, prefill, mine, theirs_heads, maps.get(prefill.tp_rank), frozenset(maps),
+                       tuple(spans) if spans is not None else None)
+
+    def _stage_spans(self, prefill: "BufferLayout", mismatch: Any) -> list[Optional[tuple[tuple[int, int, int], ...]]]:
+        """Where a prefill stage's KV buffers go among this (decode) worker's, which holds every
+        layer: per group, ``(first tensor of the stage's cache, first tensor of ours, count)``
+        runs (None for groups that pair whole: aux). Raises ``mismatch(why)``."""
+        if prefill.of_kind("swa"):
+            raise mismatch("sliding-window buffers of a prefill with pipeline stages are not mapped")
+        stage, layers, start = prefill.kv_layers(), self.kv_layers(), prefill.start_layer
+        buffers = sum(len(group.members) for _, group in prefill.of_kind("kv"))
+        if stage == 0 or (not prefill.latent and buffers % 2) or start + stage > layers:
+            raise mismatch(f"the stage's {stage} layers from layer {start} do not fall within this worker's "
+                           f"{layers}")
+        if (prefill.pp_rank == 0 and start != 0) or (prefill.pp_rank == prefill.pp_size - 1
+                                                     and start + stage != layers):
+            raise mismatch(f"stage {prefill.pp_rank} of {prefill.pp_size} holds layers {start} to "
+                           f"{start + stage - 1}, which does not begin or end this worker's {layers}")
+        spans: list[Optional[tuple[tuple[int, int, int], ...]]] = []
+        for theirs, ours in zip(prefill.groups, self.groups):
+            if theirs.kind != "kv" or theirs.kind != ours.kind:
+                spans.append(None)
+                continue
+            runs: list[tuple[int, int, int]] = []
+            for tensor, member in enumerate(theirs.members):
+                # K buffers first, then V (one latent buffer a layer with MLA), each in layer order.
+                half, layer = divmod(member, stage) if not prefill.latent else (0, member)
+                try:
+                    target = ours.members.index(half * layers + start + layer)
+                except ValueError:
+                    raise mismatch(f"the stage's kv buffer {member} has no place among this worker's "
+                                   f"{list(ours.members)[:8]}") from None
+                if runs and runs[-1][0] + runs[-1][2] == tensor and runs[-1][1] + runs[-1][2] == target:
+                    runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+                else:
+                    runs.append((tensor, target, 1))
+            spans.append(tuple(runs))
+        return spans
 
 
 def _page_pair(what: str, src_pages: Sequence[int], dst_pages: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -238,6 +306,9 @@ class Pull:
     dst_blocks: tuple[int, ...]
     rows: Optional[np.ndarray]
     nbytes: int
+    # A prefill stage's cache into ours: ``(first tensor of its cache, first of
+    # ours, count)`` runs, each a pull of its own; None: tensor for tensor.
+    spans: Optional[tuple[tuple[int, int, int], ...]] = None
 
 
 @dataclass(frozen=True)
@@ -255,6 +326,8 @@ class Pairing:
     theirs_heads: WorkerLayout
     head_map: Optional[HeadMap]
     sources: frozenset[int]
+    # Per group, where a prefill stage's tensors go among ours (``Pull.spans``); None: no stages.
+    stage_spans: Optional[tuple[Optional[tuple[tuple[int, int, int], ...]], ...]] = None
 
     def pulls(self, src_pages: Sequence[int], dst_pages: Sequence[int],
               aux: Optional[tuple[int, int]] = None,
@@ -270,13 +343,15 @@ class Pairing:
             head_map = self.head_map if src else None
             if head_map is None or not head_map.runs[position]:
                 continue
+            spans = self.stage_spans[index] if self.stage_spans is not None else None
+            tensors = sum(count for _, _, count in spans) if spans is not None else len(group.members)
             if head_map.whole[position]:
-                out.append(Pull(index, src, dst, None, len(src) * group.item_len * len(group.members)))
+                out.append(Pull(index, src, dst, None, len(src) * group.item_len * tensors, spans))
                 continue
             rows = plan_ranges(head_map, position, self.mine_heads, self.theirs_heads, list(src), list(dst), 0)
             if rows is not None:
-                nbytes = int((rows[:, 4] * rows[:, 5]).sum()) * len(group.members)
-                out.append(Pull(index, src, dst, rows, nbytes))
+                nbytes = int((rows[:, 4] * rows[:, 5]).sum()) * tensors
+                out.append(Pull(index, src, dst, rows, nbytes, spans))
         if aux is not None:
             for index, group in self.mine.of_kind("aux"):
                 out.append(Pull(index, (aux[0],), (aux[1],), None, group.item_len * len(group.members)))

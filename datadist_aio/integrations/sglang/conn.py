@@ -230,8 +230,13 @@ class DatadistAioKVManager(CommonKVManager):
         if swa is not None:
             groups += group_buffers("swa", *swa)
         latent = bool(is_mla_backend)
+        # With pipeline stages, where this stage's layers begin (a prefill's; SGLang sets it).
+        start_layer = getattr(args, "prefill_start_layer", 0) if self.disaggregation_mode == DisaggregationMode.PREFILL \
+            else 0
         self.layout: BufferLayout = BufferLayout(int(args.page_size), int(self.attn_tp_size), int(self.attn_tp_rank),
-                                                 _total_kv_heads(args, server_args, latent), tuple(groups), latent)
+                                                 _total_kv_heads(args, server_args, latent), tuple(groups), latent,
+                                                 pp_rank=int(self.pp_rank), pp_size=int(self.pp_size),
+                                                 start_layer=int(start_layer or 0))
         self.cluster_id: int = int.from_bytes(os.urandom(8), "little") >> 1
         self._rooms: Dict[int, _RoomPulls] = {}
         self._rooms_lock = threading.Lock()
@@ -536,11 +541,17 @@ class DatadistAioKVManager(CommonKVManager):
         try:
             for pull in pairing.pulls(src.tolist(), dst.tolist(), aux, swa):
                 key, cache = dd.BlocksCacheKey(peer.cluster_id, pull.group), self._caches[pull.group]
-                if pull.rows is None:
-                    task = manager.pull_blocks_async(key, cache, list(pull.src_blocks), list(pull.dst_blocks))
-                else:
-                    task = manager.pull_block_ranges_async(key, cache, pull.rows)
-                tasks.append((task, f"{self.layout.groups[pull.group].kind} pages from {where}", cluster_id))
+                # A prefill stage's tensors go to their layers among ours: a pull per run of them.
+                layers: List[dict[str, Any]] = [{}] if pull.spans is None else [
+                    {"src_layer_range": range(first, first + count), "dst_layer_range": range(at, at + count),
+                     "tensor_num_per_layer": 1} for first, at, count in pull.spans]
+                for span in layers:
+                    if pull.rows is None:
+                        task = manager.pull_blocks_async(key, cache, list(pull.src_blocks), list(pull.dst_blocks),
+                                                         **span)
+                    else:
+                        task = manager.pull_block_ranges_async(key, cache, pull.rows, **span)
+                    tasks.append((task, f"{self.layout.groups[pull.group].kind} pages from {where}", cluster_id))
                 nbytes += pull.nbytes
         except Exception as exc:  # refused before any byte moved (a dropped link, ...)
             self._forget(cluster_id)
