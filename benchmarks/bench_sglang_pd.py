@@ -22,6 +22,7 @@ import hook on ``PYTHONPATH``), which sends the same page indices as a numpy
 array. Both backends get the same servers, model and prompts.
 
     build/venv-sglang/bin/python benchmarks/bench_sglang_pd.py --rounds 2
+    build/venv-sglang/bin/python benchmarks/bench_sglang_pd.py --rounds 2 --prefill-pp 2   # a prefill of 2 stages
 
 Prints a table and writes JSON (``--output``).
 """
@@ -42,7 +43,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-from sglang_pd import Server, free_port_run, generate, model_dir  # noqa: E402
+from sglang_pd import Server, free_port_run, generate, model_dir, tp_env  # noqa: E402
 
 PAGE_SIZE = 16
 BACKENDS = {
@@ -101,12 +102,15 @@ def _one(prefill: Server, decode: Server, ids: list[int], new_tokens: int, room:
 
 
 def run_backend(backend: str, model: Path, root: Path, prompts: list[list[int]], references: list[list[int]],
-                new_tokens: int, warmup: int) -> dict[str, Any]:
+                new_tokens: int, warmup: int, prefill_pp: int = 1) -> dict[str, Any]:
     base = free_port_run(4)
     env = BACKENDS[backend]
     metrics = ["--enable-metrics"]
+    # A prefill of pipeline stages: each rank its share of the cores, asleep when idle.
+    staged = ["--pp-size", str(prefill_pp), "--sleep-on-idle"] if prefill_pp > 1 else []
+    prefill_env = {**env, **tp_env(prefill_pp)} if prefill_pp > 1 else env
     prefill = Server(model, "prefill", base, root, backend=backend, bootstrap_port=base + 1, page_size=PAGE_SIZE,
-                     extra=metrics, env=env)
+                     extra=metrics + staged, env=prefill_env)
     decode = Server(model, "decode", base + 2, root, backend=backend, page_size=PAGE_SIZE, extra=metrics, env=env)
     try:
         deadline = time.monotonic() + 600
@@ -139,6 +143,7 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=1024)
     parser.add_argument("--new-tokens", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--prefill-pp", type=int, default=1, help="pipeline stages of the prefill server")
     parser.add_argument("--root", type=Path, default=Path("build/bench-sglang"))
     parser.add_argument("--output", type=Path, default=Path("build/bench-sglang/bench_sglang_pd.json"))
     args = parser.parse_args()
@@ -159,7 +164,8 @@ def main() -> None:
     results = []
     for round_ in range(args.rounds):
         for backend in backends if round_ % 2 == 0 else backends[::-1]:
-            result = run_backend(backend, model, args.root, prompts, references, args.new_tokens, args.warmup)
+            result = run_backend(backend, model, args.root, prompts, references, args.new_tokens, args.warmup,
+                                 args.prefill_pp)
             result["round"] = round_
             results.append(result)
             print(f"round {round_} {backend:13s} transfer {result['median_transfer_ms']:7.2f} ms  "
@@ -174,7 +180,8 @@ def main() -> None:
               f"            {statistics.median(f):7.1f} ({min(f):.1f}-{max(f):.1f})"
               f"      {sum(r['exact'] for r in mine)}/{sum(r['requests'] for r in mine)}")
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"length": args.length, "page_size": PAGE_SIZE, "results": results}, indent=1))
+    args.output.write_text(json.dumps({"length": args.length, "page_size": PAGE_SIZE, "prefill_pp": args.prefill_pp,
+                                       "results": results}, indent=1))
 
 
 if __name__ == "__main__":
