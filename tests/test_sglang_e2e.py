@@ -52,6 +52,7 @@ pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]
 NEW_TOKENS = 12
 LENGTHS = [3, 17, 64, 65, 200, 511]
 PAGE_SIZE = 16
+TLS_ENV = {"DATADIST_AIO_AUTH_KEY": "the sglang e2e link secret", "DATADIST_AIO_LINK_ENCRYPTION": "tls"}
 # The decode's deadlines, short for the failure tests: the engine's per-pull
 # timeout, and SGLang's heartbeat to the prefill (interval, misses).
 DECODE_ENV = {
@@ -74,7 +75,7 @@ def _prompt(rng: random.Random, length: int) -> list[int]:
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     root = tmp_path_factory.mktemp("sglang")
     model = model_dir(root)
-    base = free_port_run(18)
+    base = free_port_run(26)
     started: list[Any] = []
     try:
         reference = Server(model, "null", base, root)
@@ -92,18 +93,28 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         prefill_pp2 = Server(model, "prefill", base + 14, root, bootstrap_port=base + 15, page_size=PAGE_SIZE,
                              extra=["--chunked-prefill-size", "64", "--pp-size", "2", *TP2_EXTRA], env=tp_env(2))
         started.append(prefill_pp2)
+        # A pair with a link secret and link encryption: links, the backend's messages and the
+        # KV in TLS.
+        prefill_tls = Server(model, "prefill", base + 20, root, bootstrap_port=base + 21, page_size=PAGE_SIZE,
+                             extra=["--chunked-prefill-size", "64"], env=TLS_ENV)
+        started.append(prefill_tls)
+        decode_tls = Server(model, "decode", base + 22, root, page_size=PAGE_SIZE, env={**DECODE_ENV, **TLS_ENV})
+        started.append(decode_tls)
         deadline = time.monotonic() + 600
-        for server in (prefill, decode, reference, prefill_tp2, decode_tp2, prefill_pp2):
+        for server in (prefill, decode, reference, prefill_tp2, decode_tp2, prefill_pp2, prefill_tls, decode_tls):
             server.ready(deadline)
         routers = {"router": Router(prefill, decode, base + 8, root, base + 11),
                    "tp2-into-tp1": Router(prefill_tp2, decode, base + 9, root, base + 12),
                    "tp1-into-tp2": Router(prefill, decode_tp2, base + 10, root, base + 13),
-                   "pp2-into-pp1": Router(prefill_pp2, decode, base + 16, root, base + 17)}
+                   "pp2-into-pp1": Router(prefill_pp2, decode, base + 16, root, base + 17),
+                   "pp2-into-tp2": Router(prefill_pp2, decode_tp2, base + 18, root, base + 19),
+                   "tls": Router(prefill_tls, decode_tls, base + 23, root, base + 24)}
         started += routers.values()
         for router in routers.values():
             router.ready(time.monotonic() + 300)
         yield {"reference": reference, "prefill": prefill, "decode": decode, "prefill_tp2": prefill_tp2,
-               "decode_tp2": decode_tp2, "prefill_pp2": prefill_pp2, **routers, "root": root, "model": model, "base": base, "started": started}
+               "decode_tp2": decode_tp2, "prefill_pp2": prefill_pp2, "prefill_tls": prefill_tls,
+               "decode_tls": decode_tls, **routers, "root": root, "model": model, "base": base, "started": started}
     finally:
         stop_all(list(reversed(started)))
 
@@ -189,31 +200,50 @@ def test_differing_tp_sizes_control(servers: dict[str, Any], pair: str) -> None:
     assert_decode_follows_handed_kv(servers["reference"], prefill, decode, 11, NEW_TOKENS)
 
 
-def test_a_prefill_of_two_pipeline_stages_token_exact(servers: dict[str, Any], prompts: list[list[int]]) -> None:
+@pytest.mark.parametrize("pair, decode", [("pp2-into-pp1", "decode"), ("pp2-into-tp2", "decode_tp2")])
+def test_a_prefill_of_two_pipeline_stages_token_exact(servers: dict[str, Any], prompts: list[list[int]],
+                                                      pair: str, decode: str) -> None:
     """A prefill of two pipeline stages (stage 0 layers 0 and 1, stage 1 layers 2 and 3, each
-    only its own layers' buffers) into the decode of one: each stage's layers land at their
-    offset among the decode's, and a request completes once both stages sent their last chunk."""
-    assert_stages_token_exact(servers["reference"], servers["pp2-into-pp1"], servers["prefill_pp2"],
-                              servers["decode"], prompts, NEW_TOKENS)
+    only its own layers' buffers) into the decode of one stage: each stage's layers land at
+    their offset among the decode's, and a request completes once both stages sent their last
+    chunk; into a decode of TP 2, each decode rank reads its head of each stage's layers."""
+    assert_stages_token_exact(servers["reference"], servers[pair], servers["prefill_pp2"], servers[decode],
+                              prompts, NEW_TOKENS)
 
 
-def _long_request_then(servers: dict[str, Any], action: Any, seed: int) -> tuple[int, dict[str, Any], float]:
-    """A long prompt (many prefill chunks, each pulled as it is computed) sent to the pair by
-    hand; ``action`` runs on the prefill while it computes. The decode's answer and its time."""
+def test_with_link_encryption_token_exact(servers: dict[str, Any], prompts: list[list[int]],
+                                          references: list[list[int]]) -> None:
+    """A pair with a link secret and link encryption (DATADIST_AIO_AUTH_KEY and
+    DATADIST_AIO_LINK_ENCRYPTION=tls on both): the backend's messages sealed and encrypted,
+    the links in TLS; every output exact, and the control."""
+    outputs = [generate(servers["tls"].url, p, NEW_TOKENS)["output_ids"] for p in prompts]
+    assert outputs == references
+    log = Path(servers["decode_tls"].log_path).read_text(errors="replace")
+    assert "datadist_aio: linked to the prefill" in log and "links are not authenticated" not in log
+    assert_decode_follows_handed_kv(servers["reference"], servers["prefill_tls"], servers["decode_tls"], 17,
+                                    NEW_TOKENS)
+
+
+def _long_request_then(servers: dict[str, Any], action: Any, seed: int,
+                       prefill_name: str = "prefill") -> tuple[int, dict[str, Any], float]:
+    """A long prompt (many prefill chunks, each pulled as it is computed) sent by hand to the
+    prefill ``prefill_name`` and the decode; ``action`` runs on the prefill while it computes.
+    The decode's answer and its time."""
     import threading
 
+    prefill = servers[prefill_name]
     rng = random.Random(seed)
     prompt = _prompt(rng, 3000)
-    boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": servers["prefill"].bootstrap_port,
+    boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": prefill.bootstrap_port,
             "bootstrap_room": rng.randrange(1 << 62)}
 
     def prefill_side() -> None:
         try:  # its answer does not matter: the prefill is frozen or killed under it
-            generate_outcome(servers["prefill"].url, prompt, NEW_TOKENS, 60.0, **boot)
+            generate_outcome(prefill.url, prompt, NEW_TOKENS, 60.0, **boot)
         except OSError:
             pass
 
-    log = Path(servers["prefill"].log_path)
+    log = Path(prefill.log_path)
     seen = _prefill_batches(log)
     stop = threading.Event()
 
@@ -297,4 +327,36 @@ def test_killed_prefill_fails_the_request_then_a_restarted_one_relinks(servers: 
     assert status == 200, body
     assert body["output_ids"] == references[4]
     assert decode_log.read_text(errors="replace").count("datadist_aio: linked to the prefill") == links + 1
+    assert_no_leak_reported(servers["decode"])
+
+
+def _stage_process(server: Server, stage: int) -> int:
+    """The pid of a pipeline stage's scheduler process of ``server`` (SGLang titles it
+    ``sglang::scheduler_..._PP<stage>``)."""
+    import psutil
+
+    for child in psutil.Process(server.proc.pid).children(recursive=True):
+        try:
+            title = " ".join(child.cmdline())
+        except psutil.Error:
+            continue
+        if title.startswith("sglang::scheduler") and title.rstrip().endswith(f"PP{stage}"):
+            return int(child.pid)
+    raise AssertionError(f"no scheduler process of stage {stage} under {server.log_path.name}")
+
+
+def test_a_stage_that_dies_mid_request_fails_it_in_time_and_frees_its_pages(
+        servers: dict[str, Any], references: list[list[int]], prompts: list[list[int]]) -> None:
+    """SIGKILL on the second stage of the two-stage prefill mid-request: the decode, waiting for
+    both stages' chunks, fails the request within the deadlines (a dropped link, or SGLang's
+    word that the prefill is gone), frees its pages, and serves other prefills exactly after."""
+    import os
+
+    stage = _stage_process(servers["prefill_pp2"], 1)
+    status, body, took = _long_request_then(servers, lambda: os.kill(stage, signal.SIGKILL), 101, "prefill_pp2")
+    message = finish_message(body)
+    print(f"killed stage: HTTP {status} after {took:.1f} s: {message[:300]}")
+    assert status != 200 and took < FAILED_WITHIN_S, message
+    outputs = [generate(servers["router"].url, p, NEW_TOKENS)["output_ids"] for p in prompts[:3]]
+    assert outputs == references[:3]
     assert_no_leak_reported(servers["decode"])
