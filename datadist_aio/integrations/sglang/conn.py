@@ -191,6 +191,11 @@ class _RoomPulls:
     aux_pulled: bool = False  # the aux row comes from one prefill rank
     nbytes: int = 0
     error: str = ""
+    # Each prefill rank's pulls, and the ranks told their part landed: a rank (a
+    # pipeline stage) whose last chunk was pulled frees its pages without
+    # waiting for the others.
+    rank_tasks: Dict[int, List[dd.CacheTask]] = field(default_factory=dict)
+    told: set = field(default_factory=set)
 
 
 @dataclass
@@ -560,6 +565,7 @@ class DatadistAioKVManager(CommonKVManager):
             error = ""
         with self._rooms_lock:
             pulls.tasks.extend(tasks)
+            pulls.rank_tasks.setdefault(prefill_rank, []).extend(task for task, _, _ in tasks)
             pulls.nbytes += nbytes
             if is_last:
                 pulls.last_from.add(prefill_rank)
@@ -578,11 +584,30 @@ class DatadistAioKVManager(CommonKVManager):
         self._tell_prefills(room, KVPoll.Failed, reason)
 
     def _tell_prefills(self, room: int, status: int, reason: str = "") -> None:
+        """Tells every prefill rank of the request how it ended here (a failure: those not told
+        already that their part landed)."""
         with self._rooms_lock:
             pulls = self._rooms.get(room)
-            targets = list(pulls.prefills.values()) if pulls is not None else []
+            targets = [target for rank, target in pulls.prefills.items()
+                       if status == KVPoll.Success or rank not in pulls.told] if pulls is not None else []
         for target in targets:
             self._send_done(target, room, status, reason)
+
+    def _tell_ranks_done(self, room: int) -> None:
+        """While a request waits for other ranks (pipeline stages), tells each rank whose last
+        chunk was pulled, every pull of it complete, that its part landed: its pages go free,
+        and SGLang's measure of its transfer ends there, not at the last stage's."""
+        with self._rooms_lock:
+            pulls = self._rooms.get(room)
+            if pulls is None:
+                return
+            ready = [rank for rank in pulls.last_from - pulls.told
+                     if all(task.done() and all(s is dd.LLMStatusCode.LLM_SUCCESS for s in task.get_results(0))
+                            for task in pulls.rank_tasks.get(rank, []))]
+            pulls.told.update(ready)
+            targets = [pulls.prefills[rank] for rank in ready if rank in pulls.prefills]
+        for target in targets:
+            self._send_done(target, room, KVPoll.Success)
 
     def _send_done(self, target: Tuple[str, int], room: int, status: int, reason: str = "") -> None:
         """Tells a prefill worker's control socket how a request ended here (it frees its pages)."""
@@ -632,6 +657,7 @@ class DatadistAioKVManager(CommonKVManager):
             if dropped:
                 self._fail_room(bootstrap_room, dropped)
                 return KVPoll.Failed
+            self._tell_ranks_done(bootstrap_room)
             self.update_status(bootstrap_room, KVPoll.Transferring)
             return KVPoll.Transferring
         if missing:  # SGLang's rank mapping and this worker's head mapping disagree: never a wrong token
