@@ -294,8 +294,8 @@ class DirectPushes:
                  guard: MessageGuard = UNSEALED) -> None:
         """``spans``: what a push of each KV cache group's blocks moves (one
         per blocks cache and KV cache group it serves); ``capable``: whether
-        this worker's KV tensors can be pushed layer by layer (each span's
-        ``layers`` known); where not, every decode-first request is pulled.
+        this worker's KV tensors can be pushed layer by layer (``Pusher``
+        finds it: each span's ``layers`` known); where not, every decode-first request is pulled.
         ``unreachable(req_id)``: the request's decode cannot be told (it
         died): nobody will read it. With one vLLM KV cache group, whose
         blocks the steps name, a decode that pulls is told them as the
@@ -307,7 +307,7 @@ class DirectPushes:
         self._cache_groups = 1 + max((span.cache_group for span in spans), default=0)
         self._group_layouts = group_layouts
         self._timeout_s = timeout_s
-        self._capable = capable and all(span.layers is not None for span in spans)
+        self._capable = capable  # the caller's: every span's layers known, no stages
         self._unreachable = unreachable
         self._engine_id = engine_id
         self._single_group = self._kv_groups == 1
