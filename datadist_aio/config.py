@@ -66,6 +66,7 @@ class LLMConfig:
         self._transport: Optional[str] = None
         self._auth_key: Optional[str] = None
         self._link_encryption: Optional[str] = None
+        self._access: Optional[str] = None
         self._allow_unencrypted_ucx: Optional[bool] = None
         self._tls_files: dict[str, str] = {}  # option name -> path, of the certificate files set
         self._handshake_timeout_ms: Optional[int] = None
@@ -529,6 +530,36 @@ class LLMConfig:
         self._link_encryption = value
 
     @property
+    def access(self) -> Optional[str]:
+        """``"one_sided"`` or ``"owner"``: who moves an operation's bytes on one host; emits `llm.Access`.
+
+        ``"one_sided"`` (the default): where a linked peer on the same host
+        reaches this process's memory (the same-host path), this engine grants
+        it each remotely accessible host-memory cache once (its addresses and
+        geometry), and an engine of the same setting moves the bytes of its
+        pushes and pulls on caches it names by id or by a blocks key itself:
+        its own kernel copies, every range checked against the grant, with no
+        frame to the owner and none of the owner's threads. Deallocating,
+        unregistering or finalizing revokes a cache's grants before its memory
+        can be reused. Reads through a cache key, device memory, TCP and UCX
+        stay served by the owner. ``"owner"``: the owner of the memory moves
+        every byte, as each operation's frame arrives. A link's ends may
+        differ: one-sided needs both. ``link_stats`` counts the bytes each way
+        moved. See docs/security.md.
+
+        Raises:
+            TypeError: If not a str.
+            LLMException: `LLM_PARAM_INVALID` for any other value.
+        """
+        return self._access
+
+    @access.setter
+    def access(self, value: str) -> None:
+        check_isinstance("access", value, str, allow_none=False)
+        raise_if_false(value in ("one_sided", "owner"), "access must be 'one_sided' or 'owner', got {!r}", value)
+        self._access = value
+
+    @property
     def allow_unencrypted_ucx(self) -> Optional[bool]:
         """Let UCX move bytes unencrypted while links are encrypted; emits `llm.AllowUnencryptedUcx`.
 
@@ -673,6 +704,8 @@ class LLMConfig:
             options["llm.AuthKey"] = self._auth_key
         if self._link_encryption is not None:
             options["llm.LinkEncryption"] = self._link_encryption
+        if self._access is not None:
+            options["llm.Access"] = self._access
         if self._allow_unencrypted_ucx is not None:
             options["llm.AllowUnencryptedUcx"] = _flag(self._allow_unencrypted_ucx)
         options.update(self._tls_files)

@@ -41,7 +41,10 @@ def group() -> Iterator[PeerGroup]:
 def linked_pair(
     group: PeerGroup, loop: str = "asyncio", transport: str = "auto", options: Optional[dict[str, Any]] = None
 ) -> tuple[Peer, Peer]:
-    a = group.start("a", dd.LLMRole.PROMPT, A, loop=loop, options={"transport": transport, **(options or {})})
+    # Owner-served ("owner" access): answers are what these tests look at;
+    # a one-sided operation has none.
+    a = group.start("a", dd.LLMRole.PROMPT, A, loop=loop,
+                    options={"transport": transport, "access": "owner", **(options or {})})
     b = group.start("b", dd.LLMRole.DECODER, B, options={"transport": transport})
     assert a.link(b) == LINKED
     return a, b

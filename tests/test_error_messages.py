@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Optional
 from collections.abc import Iterator
 
 import numpy as np
@@ -33,8 +34,10 @@ BLOCKS, BLOCK, LAYERS = 8, 256, 2
 pytestmark = pytest.mark.timeout(60)
 
 
-def _datadist(cluster_id: int, rca: bool = True, pool: int = 4 * MiB) -> dd.LLMDataDist:
+def _datadist(cluster_id: int, rca: bool = True, pool: int = 4 * MiB, access: Optional[str] = None) -> dd.LLMDataDist:
     config = dd.LLMConfig()
+    if access is not None:
+        config.access = access
     config.enable_cache_manager = True
     config.enable_remote_cache_accessible = rca
     config.host_mem_pool_cfg = pool_cfg(pool)
@@ -205,18 +208,35 @@ def test_not_linked_names_the_cluster(linked):
     assert f"no link to cluster {C}" in str(info.value)
 
 
-async def test_the_peers_refusal_reaches_the_exception(linked):
-    """The owner checks the destination and says why it refused; the awaiting side raises with its words."""
-    datadist, cache, key = linked
-    with raises_status(PARAM_INVALID) as info:
-        await datadist.cache_manager.push_blocks_async(key, cache, [0, 1], [3, 99])
-    text = str(info.value)
-    assert "the peer refused" in text and f"ends past the {BLOCKS} slots" in text, text
-    with raises_status(PARAM_INVALID) as info:
-        await datadist.cache_manager.pull_blocks_async(key, cache, [99], [0])
-    text = str(info.value)
-    assert "the peer refused" in text and f"ends past the {BLOCKS} slots" in text, text
-    await datadist.cache_manager.push_blocks_async(key, cache, [0], [0])  # the link stays usable
+@pytest.mark.parametrize("access", ["owner", "one_sided"])
+async def test_the_peers_refusal_reaches_the_exception(decoder, access):
+    """The owner checks the destination and says why it refused, and the
+    awaiting side raises with its words; one-sided, this side checks it
+    against the owner's grant of its cache, in the same words."""
+    datadist = _datadist(A, access=access)
+    try:
+        key = decoder.allocate(_desc(), blocks=True, model_id=7).blocks_key()
+        assert datadist.link_clusters([cluster_info(B, decoder.listen_port)], 3000) == (SUCCESS, [SUCCESS])
+        cache = datadist.cache_manager.allocate_blocks_cache(_desc())
+        deadline = time.monotonic() + 10
+        while access == "one_sided" and datadist._engine.link_stats(B)["grants_held"] == 0:
+            assert time.monotonic() < deadline, "no grant of the decoder's cache"
+            await asyncio.sleep(0.01)
+        refused = "the peer refused" if access == "owner" else "refused here under the peer's grant"
+        with raises_status(PARAM_INVALID) as info:
+            await datadist.cache_manager.push_blocks_async(key, cache, [0, 1], [3, 99])
+        text = str(info.value)
+        assert refused in text and f"ends past the {BLOCKS} slots" in text, text
+        with raises_status(PARAM_INVALID) as info:
+            await datadist.cache_manager.pull_blocks_async(key, cache, [99], [0])
+        text = str(info.value)
+        assert refused in text and f"ends past the {BLOCKS} slots" in text, text
+        await datadist.cache_manager.push_blocks_async(key, cache, [0], [0])  # the link stays usable
+        moved = datadist._engine.link_stats(B)["one_sided_ops"]
+        assert (moved == 1) == (access == "one_sided"), moved
+    finally:
+        datadist.finalize()
+        decoder.free_all()
 
 
 # -- a layer-wise transfer whose peer dies ------------------------------------------------
@@ -240,7 +260,7 @@ async def test_layerwise_peer_death_is_link_failed():
     with PeerGroup() as group:
         victim = group.start("victim", dd.LLMRole.DECODER, C)
         ref = victim.allocate(_desc(), blocks=True, model_id=9)
-        datadist = _datadist(A)
+        datadist = _datadist(A, access="owner")  # the stopped victim must leave the push in flight
         try:
             assert datadist.link_clusters([cluster_info(C, victim.listen_port)], 3000) == (SUCCESS, [SUCCESS])
             cache = datadist.cache_manager.allocate_blocks_cache(_desc())
@@ -300,7 +320,7 @@ async def test_an_engine_thread_logs_while_python_is_busy(caplog):
     with PeerGroup() as group:
         victim = group.start("victim", dd.LLMRole.DECODER, C)
         ref = victim.allocate(_desc(), blocks=True, model_id=11)
-        datadist = _datadist(A)
+        datadist = _datadist(A, access="owner")  # the stopped victim must leave the push in flight
         try:
             assert datadist.link_clusters([cluster_info(C, victim.listen_port)], 3000) == (SUCCESS, [SUCCESS])
             cache = datadist.cache_manager.allocate_blocks_cache(_desc())

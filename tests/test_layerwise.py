@@ -220,16 +220,20 @@ class Prefill:
 
 @contextlib.contextmanager
 def prefill_side(
-    mode: str, peers: Sequence[Peer], link: bool = True, local: str = LOOPBACK, path: Optional[str] = None
+    mode: str, peers: Sequence[Peer], link: bool = True, local: str = LOOPBACK, path: Optional[str] = None,
+    access: Optional[str] = None,
 ) -> Iterator[Prefill]:
     """An initialised PROMPT instance, cluster A, linked to ``peers`` from the
     address ``local``; finalized on exit and every cache of the peers freed.
-    Each link's path is checked: ``path``, else the one the mode asks for."""
+    Each link's path is checked: ``path``, else the one the mode asks for.
+    ``access``: its ``LLMConfig.access`` (unset: the default, one-sided)."""
     mode, _, transport = mode.partition("-")
     assert mode in ("key", "raw") and transport in ("", "tcp", "ucx"), (mode, transport)
     config = dd.LLMConfig()
     if transport:
         config.transport = transport
+    if access is not None:
+        config.access = access
     config.enable_cache_manager = True
     config.enable_remote_cache_accessible = mode == "key"
     config.host_mem_pool_cfg = pool_cfg(64 * MiB)
@@ -460,21 +464,33 @@ async def test_layers_released_one_at_a_time(prefill, style):
     assert task.synchronize() is SUCCESS
 
 
-async def test_layers_do_not_wait_for_acknowledgements(prefill):
-    b = prefill.b
-    src, sent = prefill.source(slots_desc(3))
-    dst, before = remote(b, slots_desc(4), 23)
-    gate = prefill.synchronizer()
-    config = dd.TransferWithCacheKeyConfig(dst.key(2), range(0, 4), range(0, 4), 1)
-    b.stop()  # B acknowledges nothing while stopped (well within sync_kv_timeout)
-    try:
-        task = prefill.cm.transfer_cache_async(src, gate, [config])
-        await eventually(lambda: gate.layers == [0, 1, 2, 3], "every layer asked for while B is stopped", 2.0)
-        assert not task.done()
-    finally:
-        b.cont()
-    assert await settled(task) == [SUCCESS]
-    assert_tensors(b.read(dst), expect(before, sent, pairs(range(0, 4)), slot_moves(1, 2)))
+@pytest.mark.parametrize("access", ["owner", "one_sided"])
+async def test_layers_do_not_wait_for_acknowledgements(decoders, access):
+    # Owner-served, B acknowledges nothing while stopped (well within
+    # sync_kv_timeout), and every layer still goes. One-sided, the prefill
+    # writes B's memory itself: the whole transfer completes while B is stopped.
+    with prefill_side("key", decoders, access=access) as prefill:
+        b = prefill.b
+        src, sent = prefill.source(slots_desc(3))
+        dst, before = remote(b, slots_desc(4), 23)
+        await eventually(lambda: access == "owner" or prefill.datadist._engine.link_stats(B)["grants_held"] > 0,
+                         "B's grant of its cache", 2.0)
+        gate = prefill.synchronizer()
+        config = dd.TransferWithCacheKeyConfig(dst.key(2), range(0, 4), range(0, 4), 1)
+        b.stop()
+        try:
+            task = prefill.cm.transfer_cache_async(src, gate, [config])
+            await eventually(lambda: gate.layers == [0, 1, 2, 3], "every layer asked for while B is stopped", 2.0)
+            if access == "owner":
+                assert not task.done()
+            else:
+                assert await asyncio.wait_for(settled(task), 2.0) == [SUCCESS]
+        finally:
+            b.cont()
+        assert await settled(task) == [SUCCESS]
+        assert_tensors(b.read(dst), expect(before, sent, pairs(range(0, 4)), slot_moves(1, 2)))
+        moved = prefill.datadist._engine.link_stats(B)["one_sided_bytes_written"]
+        assert (moved > 0) == (access == "one_sided"), moved
 
 
 @pytest.mark.parametrize("style", STYLES)

@@ -159,9 +159,12 @@ def test_peer_frozen_mid_operation_then_resumed(group, transport):
 @pytest.mark.parametrize("transport", ["auto", UCX])
 @pytest.mark.parametrize("via", ["sync", "async"])
 def test_stopped_peer_times_out(group, via, transport):
+    # Owner-served: the stopped owner moves nothing (one-sided pushes need no
+    # owner: test_one_sided.py).
     timeout_ms = 1000
-    a = group.start("a", dd.LLMRole.PROMPT, 1, options={"sync_kv_timeout": timeout_ms, "transport": transport})
-    b = group.start("b", dd.LLMRole.DECODER, 2, options={"transport": transport})
+    a = group.start("a", dd.LLMRole.PROMPT, 1,
+                    options={"sync_kv_timeout": timeout_ms, "transport": transport, "access": "owner"})
+    b = group.start("b", dd.LLMRole.DECODER, 2, options={"transport": transport, "access": "owner"})
     assert a.link(b) == LINKED
     assert a.datadist("link_transport", 2) == {"auto": "same_host"}.get(transport, transport)
     desc = dd.CacheDesc(2, [1, 8 * MiB], dd.DataType.DT_UINT8, dd.Placement.HOST)

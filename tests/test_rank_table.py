@@ -145,7 +145,8 @@ def test_a_pull_that_timed_out_succeeds_when_retried_once_the_peer_is_back(group
     # LLM_TIMEOUT and the timeout closes the link. The comm links the pair
     # again once the owner runs; meanwhile a pull fails with a code the
     # clients retry on, and a retried pull then moves the bytes.
-    a, b = start(group, 2, sync_kv_timeout=1000)  # a has rank 0 and accepts, b connects
+    # Owner-served: a one-sided pull needs no owner (test_one_sided.py).
+    a, b = start(group, 2, sync_kv_timeout=1000, access="owner")  # a has rank 0 and accepts, b connects
     comm_a, comm_b = link_all([a, b])
     owner, puller = (a, b) if held == "accepting" else (b, a)
     remote = owner.allocate(blocks_desc(), blocks=True, model_id=5)

@@ -110,8 +110,9 @@ def test_an_owner_held_up_past_the_timeout_writes_nothing_afterwards(group):
     # initiator's timeout closes the link and fails the pull. When the owner
     # runs again it must see the closed link before it copies: the
     # initiator's memory, told the pull failed, keeps what it had.
-    initiator = group.start("initiator", dd.LLMRole.DECODER, A, options={"sync_kv_timeout": 1000})
-    owner = group.start("owner", dd.LLMRole.PROMPT, B)
+    # Owner-served ("owner" access): a one-sided pull needs no owner (test_one_sided.py).
+    initiator = group.start("initiator", dd.LLMRole.DECODER, A, options={"sync_kv_timeout": 1000, "access": "owner"})
+    owner = group.start("owner", dd.LLMRole.PROMPT, B, options={"access": "owner"})
     assert initiator.link(owner) == LINKED
     wait_for_path(initiator, B, "same_host")
     remote = owner.allocate(blocks_desc(), blocks=True, model_id=5)

@@ -98,7 +98,8 @@ class _Warnings(logging.Handler):
 
 
 def _decode(conn: Any, port: int, specs: list[tuple[Any, ...]], timeout_s: float,
-            shape: tuple[int, ...] = SHAPE, engine: str = "prefill", first_contact_ms: Optional[float] = None) -> None:
+            shape: tuple[int, ...] = SHAPE, engine: str = "prefill", first_contact_ms: Optional[float] = None,
+            access: str = "") -> None:
     warnings = _Warnings()
     logging.getLogger("datadist_aio.integrations.vllm.worker").addHandler(warnings)
     # The first contacts vLLM's thread gave up on (logged at debug).
@@ -109,7 +110,8 @@ def _decode(conn: Any, port: int, specs: list[tuple[Any, ...]], timeout_s: float
     routes_log.addHandler(given_up)
     arrays = {name: np.zeros(shape, np.float32) for name in layer_arrays(0)}
     extra = {} if first_contact_ms is None else {"first_contact_ms": first_contact_ms}
-    side = WorkerSide(WorkerSettings(engine_id="decode", is_producer=False, load_timeout_s=timeout_s, **extra))
+    side = WorkerSide(WorkerSettings(engine_id="decode", is_producer=False, load_timeout_s=timeout_s, access=access,
+                                     **extra))
     side.register({name: FakeTensor(a) for name, a in arrays.items()})
     # (request, local blocks, remote blocks[, lease token])
     loads = {
@@ -170,10 +172,10 @@ def _start_prefill(ctx: Any, lease_s: float = 60.0) -> tuple[Any, Any, int]:
 
 def _run_decode(ctx: Any, port: int, specs: list[Any], timeout_s: float = 5.0,
                 shape: tuple[int, ...] = SHAPE, engine: str = "prefill",
-                first_contact_ms: Optional[float] = None) -> dict[str, Any]:
+                first_contact_ms: Optional[float] = None, access: str = "") -> dict[str, Any]:
     parent, child = ctx.Pipe()
-    process = ctx.Process(target=_decode, args=(child, port, specs, timeout_s, shape, engine, first_contact_ms),
-                          daemon=True)
+    process = ctx.Process(target=_decode,
+                          args=(child, port, specs, timeout_s, shape, engine, first_contact_ms, access), daemon=True)
     process.start()
     child.close()
     try:
@@ -225,7 +227,8 @@ def test_decode_reads_exact_blocks_and_releases_the_prefill(ctx: Any) -> None:
         assert conn.poll(10) and conn.recv() == "ok"
         # "c" has nothing to read (a local prefix hit): it only releases the prefill.
         specs = [("a", [5, 6, 7], [0, 1, 2]), ("b", [10, 12], [20, 3]), ("c", [], [])]
-        result = _run_decode(ctx, port, specs)
+        # Owner-served, so that each pull is answered (one-sided pulls have no answer to count).
+        result = _run_decode(ctx, port, specs, access="owner")
         assert result["done"] == ["a", "b"]
         assert result["failed"] == [] and result["errors"] == []
         block_bytes = LAYERS * HEADS * BLOCK_SIZE * 2 * HEAD_DIM * 4

@@ -5,13 +5,16 @@
     python -m datadist_aio.bench serve --listen IP:PORT --authkey KEY
     python -m datadist_aio.bench --device [--quick] [--output DIR] [--driver PATH] ...
     python -m datadist_aio.bench --encryption [--quick] [--output DIR] ...
+    python -m datadist_aio.bench --access [--quick] [--output DIR] ...
 
 The first form measures; with ``--peer IP:PORT`` its target side is a
 ``serve`` process on another host, otherwise one it starts on loopback.
 ``--ucx`` measures this library on transport "ucx" against NIXL's UCX
 backend instead, on the same UCX transports.
 The third measures device-memory transfers on one GPU (bench/device.py);
-the fourth, encrypted links against plain ones (bench/encryption.py).
+the fourth, encrypted links against plain ones (bench/encryption.py); the
+fifth, one-sided access against owner-served transfers on one host, with
+the owner's host quiet and busy (bench/access.py).
 """
 
 from __future__ import annotations
@@ -71,6 +74,8 @@ def run_parser() -> argparse.ArgumentParser:
                    "(python -m datadist_aio.bench --device -h)")
     p.add_argument("--encryption", action="store_true", help="the link encryption benchmark instead: TLS against "
                    "plain links on loopback (python -m datadist_aio.bench --encryption -h)")
+    p.add_argument("--access", action="store_true", help="the access benchmark instead: one-sided against "
+                   "owner-served transfers on one host (python -m datadist_aio.bench --access -h)")
     return p
 
 
@@ -186,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
         from .encryption import main as encryption_main
 
         return encryption_main(argv)
+    if "--access" in argv:
+        from .access import main as access_main
+
+        return access_main(argv)
     return run(argv)
 
 

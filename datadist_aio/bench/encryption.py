@@ -22,35 +22,23 @@ over its rounds (each round's figure is the best of its batches).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
-import hashlib
 import json
-import multiprocessing as mp
 import os
 import platform
 import re
-import secrets
 import shutil
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, Optional
 
-import numpy as np
 
+from . import pair
 from .arguments import byte_size, positive
+from .pair import BLOCK, TENSORS, span as _span
 
-OWNER, INITIATOR = 2, 1
-BULK_MODEL, SMALL_MODEL = 1, 2
-TENSORS = 2  # one layer, K and V
-BLOCK = 4 << 20
-SMALL_BLOCK = 4096
-SMALL_BLOCKS = 16
 GOALS = {"throughput_vs_plain": 0.6, "throughput_vs_openssl": 0.8, "small_push_vs_plain": 1.3}
-ANSWER_S = 300.0
 
 
 def parser() -> argparse.ArgumentParser:
@@ -70,182 +58,10 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _config(variant: str, secret: str, pool_bytes: int, listen: bool) -> Any:
-    import datadist_aio as dd
-
-    config = dd.LLMConfig()
-    config.enable_cache_manager = True
-    config.enable_remote_cache_accessible = True
-    config.host_mem_pool_cfg = f'{{"memory_size": {pool_bytes}}}'
-    config.transport = "tcp"
-    config.sync_kv_timeout = 60000  # a whole batch is one operation
-    config.auth_key = secret
-    config.link_encryption = variant
-    if listen:
-        config.listen_ip_info = "127.0.0.1:0"
-    return config
-
-
-def _descs(cache_bytes: int) -> tuple[Any, Any]:
-    import datadist_aio as dd
-
-    bulk = dd.CacheDesc(TENSORS, [cache_bytes // TENSORS // BLOCK, BLOCK], dd.DataType.DT_UINT8, dd.Placement.HOST)
-    small = dd.CacheDesc(1, [SMALL_BLOCKS, SMALL_BLOCK], dd.DataType.DT_UINT8, dd.Placement.HOST)
-    return bulk, small
-
-
-def _digest(cache: Any) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    for t in range(cache.cache_desc.num_tensors):
-        h.update(cache.as_numpy(t).data)
-    return h.hexdigest()
-
-
-def target_main(conn: Any, variant: str, secret: str, cache_bytes: int) -> None:
-    """The decode side: listens, holds the caches, answers digests."""
-    import datadist_aio as dd
-
-    datadist = dd.LLMDataDist(dd.LLMRole.DECODER, OWNER)
-    try:
-        datadist.init(_config(variant, secret, cache_bytes + (32 << 20), True).generate_options())
-        bulk, small = _descs(cache_bytes)
-        cm = datadist.cache_manager
-        cache = cm.allocate_blocks_cache(bulk, dd.BlocksCacheKey(OWNER, BULK_MODEL))
-        cm.allocate_blocks_cache(small, dd.BlocksCacheKey(OWNER, SMALL_MODEL))
-        conn.send(("ok", datadist.listen_port))
-        while True:
-            command, arg = conn.recv()
-            if command == "stop":
-                break
-            if command == "digest":
-                conn.send(("ok", _digest(cache)))
-            elif command == "fill":
-                for t in range(TENSORS):
-                    cache.as_numpy(t)[:] = np.random.default_rng(arg + t).integers(0, 256, cache.as_numpy(t).shape,
-                                                                                 dtype=np.uint8)
-                conn.send(("ok", _digest(cache)))
-            elif command == "stats":
-                conn.send(("ok", datadist._engine.link_stats(INITIATOR)))
-    except Exception as exc:  # noqa: BLE001 - told to the other side
-        conn.send(("error", repr(exc)))
-    finally:
-        datadist.finalize()
-        conn.close()
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User and system time of process `pid` so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-class Target:
-    """The decode side of the encryption benchmark, in a process of its own."""
-
-    def __init__(self, variant: str, secret: str, cache_bytes: int) -> None:
-        ctx = mp.get_context("spawn")
-        conn, theirs = ctx.Pipe()
-        self.conn: Any = conn
-        self.process: Any = ctx.Process(target=target_main, args=(theirs, variant, secret, cache_bytes), daemon=True)
-        self.process.start()
-        theirs.close()
-        self.port: int = int(self.call(None))
-
-    def call(self, command: Optional[str], arg: Any = None) -> Any:
-        if command is not None:
-            self.conn.send((command, arg))
-        if not self.conn.poll(ANSWER_S):
-            raise RuntimeError(f"the target did not answer {command!r} within {ANSWER_S} s")
-        kind, value = self.conn.recv()
-        if kind != "ok":
-            raise RuntimeError(f"the target failed: {value}")
-        return value
-
-    def close(self) -> None:
-        try:
-            self.conn.send(("stop", None))
-        except OSError:
-            pass
-        self.process.join(30)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(5)
-        self.conn.close()
-
-
 def one_round(variant: str, cache_bytes: int, iterations: int, small_ops: int) -> dict[str, Any]:
-    """Push, pull and the awaited small push of one variant, in fresh processes."""
-    import datadist_aio as dd
-
-    secret = secrets.token_hex(32)
-    target = Target(variant, secret, cache_bytes)
-    datadist = dd.LLMDataDist(dd.LLMRole.PROMPT, INITIATOR)
-    try:
-        datadist.init(_config(variant, secret, cache_bytes + (32 << 20), False).generate_options())
-        info = dd.LLMClusterInfo()
-        info.remote_cluster_id = OWNER
-        info.append_local_ip_info("127.0.0.1", 0)
-        info.append_remote_ip_info("127.0.0.1", target.port)
-        status, _ = datadist.link_clusters([info], 10000)
-        if status is not dd.LLMStatusCode.LLM_SUCCESS:
-            raise RuntimeError(f"link failed: {status}")
-        path = datadist.link_transport(OWNER)
-        bulk, small = _descs(cache_bytes)
-        cm = datadist.cache_manager
-        cache = cm.allocate_blocks_cache(bulk)
-        small_cache = cm.allocate_blocks_cache(small)
-        blocks = list(range(bulk.shape[0]))
-        remote, remote_small = dd.BlocksCacheKey(OWNER, BULK_MODEL), dd.BlocksCacheKey(OWNER, SMALL_MODEL)
-        verified = True
-        push_s, pull_s, push_cpu = [], [], []
-        pid = target.process.pid
-        assert pid is not None
-        for i in range(iterations):
-            for t in range(TENSORS):
-                cache.as_numpy(t)[:] = np.random.default_rng(1000 * i + t).integers(0, 256, cache.as_numpy(t).shape,
-                                                                                   dtype=np.uint8)
-            sent = _digest(cache)
-            cpu = time.process_time() + _cpu_seconds(pid)
-            start = time.perf_counter()
-            cm.push_blocks(remote, cache, blocks, blocks)
-            push_s.append(time.perf_counter() - start)
-            push_cpu.append(time.process_time() + _cpu_seconds(pid) - cpu)
-            verified = verified and target.call("digest") == sent
-            expected = target.call("fill", 7000 + i)
-            start = time.perf_counter()
-            cm.pull_blocks(remote, cache, blocks, blocks)
-            pull_s.append(time.perf_counter() - start)
-            verified = verified and _digest(cache) == expected
-
-        async def small_pushes() -> list[float]:
-            seconds = []
-            for _ in range(small_ops):
-                start = time.perf_counter()
-                await cm.push_blocks_async(remote_small, small_cache, [0], [0], tensor_num_per_layer=1)
-                seconds.append(time.perf_counter() - start)
-            return seconds
-
-        small_cache.as_numpy(0)[:] = 5
-        small_s = asyncio.run(small_pushes())
-        stats = datadist._engine.link_stats(OWNER)
-        return {
-            "variant": variant,
-            "path": str(path),
-            "encrypted": path.encrypted,
-            "cipher": path.cipher,
-            "kernel_tls": path.kernel_tls,
-            "connections": stats.get("connections"),
-            "push_gbps": cache_bytes / min(push_s) / 1e9,
-            "push_cpu_s_per_gb": min(push_cpu) / (cache_bytes / 1e9),
-            "pull_gbps": cache_bytes / min(pull_s) / 1e9,
-            "small_push_us_median": statistics.median(small_s) * 1e6,
-            "small_push_us_p99": sorted(small_s)[int(0.99 * (len(small_s) - 1))] * 1e6,
-            "verified": verified,
-        }
-    finally:
-        datadist.finalize()
-        target.close()
+    """Push, pull and the awaited small push of one variant over TCP, in fresh processes."""
+    row = pair.one_round({"transport": "tcp", "link_encryption": variant}, cache_bytes, iterations, small_ops)
+    return {"variant": variant, **row}
 
 
 def openssl_speed() -> Optional[dict[str, Any]]:
@@ -263,10 +79,6 @@ def openssl_speed() -> Optional[dict[str, Any]]:
         return None
     version = subprocess.run([tool, "version"], capture_output=True, text=True, check=False).stdout.strip()
     return {"gbps_one_core": float(match.group(1)) * 1000 / 1e9, "version": version}
-
-
-def _span(values: list[float]) -> dict[str, float]:
-    return {"min": min(values), "max": max(values)}
 
 
 def summarise(rounds: list[dict[str, Any]], speed: Optional[dict[str, Any]]) -> dict[str, Any]:

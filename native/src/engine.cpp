@@ -111,6 +111,7 @@ Status Engine::initialize(const OptionMap &options) {
   transport_options.ucx_auto = parsed.same_host && !parsed.ucx && (!parsed.encrypt || parsed.allow_unencrypted_ucx);
   transport_options.auth_key = parsed.auth_key;
   transport_options.encrypt = parsed.encrypt;
+  transport_options.one_sided = parsed.one_sided;
   transport_options.handshake_timeout_ms = static_cast<int>(parsed.handshake_timeout_ms);
   transport_options.answers = &completions_->answers();
   completions_->answers().set_sweep_after(std::chrono::milliseconds(parsed.answer_sweep_ms));

@@ -29,6 +29,13 @@ Registry::KeyId Registry::key_id(const KeySpec &key) {
 
 Status Registry::add(std::shared_ptr<CacheEntry> entry, const std::vector<KeySpec> &keys,
                      std::optional<uint64_t> blocks_model_id, bool check_keys, int64_t &cache_id) {
+  Status st = add_locked(entry, keys, blocks_model_id, check_keys, cache_id);
+  if (st == LLM_SUCCESS) tell_added(entry);
+  return st;
+}
+
+Status Registry::add_locked(const std::shared_ptr<CacheEntry> &entry, const std::vector<KeySpec> &keys,
+                            std::optional<uint64_t> blocks_model_id, bool check_keys, int64_t &cache_id) {
   std::lock_guard<std::mutex> lock(mu_);
   if (check_keys) {
     if (keys.size() > entry->geometry.num_slots) {
@@ -58,7 +65,10 @@ Status Registry::add(std::shared_ptr<CacheEntry> entry, const std::vector<KeySpe
     if (keys[slot].is_placeholder()) continue;
     by_key_.emplace(key_id(keys[slot]), CacheRef{entry, slot});  // keeps an existing binding
   }
-  if (blocks_model_id) by_key_[KeyId{kBlocksKeys, *blocks_model_id, 0}] = CacheRef{entry, 0};
+  if (blocks_model_id) {
+    by_key_[KeyId{kBlocksKeys, *blocks_model_id, 0}] = CacheRef{entry, 0};
+    entry->blocks_model_id = blocks_model_id;
+  }
   cache_id = entry->id;
   return LLM_SUCCESS;
 }
@@ -123,25 +133,33 @@ void Registry::drop_keys_locked(const CacheEntry *entry) {
 
 void Registry::deallocate(int64_t cache_id) {
   std::shared_ptr<CacheEntry> doomed;  // released after the lock
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = by_id_.find(cache_id);
-  if (it == by_id_.end() || !(it->second->pool || it->second->device_allocated)) return;
-  doomed = it->second;
-  by_id_.erase(it);
-  for (auto key = by_key_.begin(); key != by_key_.end();) {
-    const bool blocks_key = std::get<0>(key->first) == kBlocksKeys;
-    key = (blocks_key && key->second.entry == doomed) ? by_key_.erase(key) : std::next(key);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = by_id_.find(cache_id);
+    if (it == by_id_.end() || !(it->second->pool || it->second->device_allocated)) return;
+    doomed = it->second;
+    by_id_.erase(it);
+    for (auto key = by_key_.begin(); key != by_key_.end();) {
+      const bool blocks_key = std::get<0>(key->first) == kBlocksKeys;
+      key = (blocks_key && key->second.entry == doomed) ? by_key_.erase(key) : std::next(key);
+    }
+    doomed->withdrawn.store(true);
   }
+  tell_removed({doomed});
 }
 
 void Registry::unregister(int64_t cache_id) {
   std::shared_ptr<CacheEntry> doomed;
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = by_id_.find(cache_id);
-  if (it == by_id_.end()) return;
-  doomed = it->second;
-  by_id_.erase(it);
-  drop_keys_locked(doomed.get());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = by_id_.find(cache_id);
+    if (it == by_id_.end()) return;
+    doomed = it->second;
+    by_id_.erase(it);
+    drop_keys_locked(doomed.get());
+    doomed->withdrawn.store(true);
+  }
+  tell_removed({doomed});
 }
 
 void Registry::remove_key(const KeySpec &key) {
@@ -176,10 +194,56 @@ void Registry::note_pulled(const KeySpec &key, const std::vector<uint32_t> &tens
 void Registry::clear() {
   std::map<int64_t, std::shared_ptr<CacheEntry>> ids;
   std::map<KeyId, CacheRef> keys;
+  std::vector<std::shared_ptr<CacheEntry>> doomed;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ids.swap(by_id_);
+    keys.swap(by_key_);
+    pulled_.clear();
+    for (auto &[id, entry] : ids) {
+      entry->withdrawn.store(true);
+      doomed.push_back(entry);
+    }
+  }
+  tell_removed(doomed);
+}
+
+std::vector<std::shared_ptr<CacheEntry>> Registry::entries() const {
   std::lock_guard<std::mutex> lock(mu_);
-  ids.swap(by_id_);
-  keys.swap(by_key_);
-  pulled_.clear();
+  std::vector<std::shared_ptr<CacheEntry>> out;
+  out.reserve(by_id_.size());
+  for (const auto &[id, entry] : by_id_) out.push_back(entry);
+  return out;
+}
+
+void Registry::watch(std::weak_ptr<RegistryWatcher> watcher) {
+  std::lock_guard<std::mutex> lock(watchers_mu_);
+  watchers_.push_back(std::move(watcher));
+}
+
+std::vector<std::shared_ptr<RegistryWatcher>> Registry::watchers() {
+  std::lock_guard<std::mutex> lock(watchers_mu_);
+  std::vector<std::shared_ptr<RegistryWatcher>> live;
+  for (auto it = watchers_.begin(); it != watchers_.end();) {
+    if (auto w = it->lock()) {
+      live.push_back(std::move(w));
+      ++it;
+    } else {
+      it = watchers_.erase(it);
+    }
+  }
+  return live;
+}
+
+void Registry::tell_added(const std::shared_ptr<CacheEntry> &entry) {
+  for (const auto &w : watchers()) w->added(entry);
+}
+
+void Registry::tell_removed(const std::vector<std::shared_ptr<CacheEntry>> &entries) {
+  if (entries.empty()) return;
+  for (const auto &w : watchers()) {
+    for (const auto &entry : entries) w->removed(entry);
+  }
 }
 
 size_t Registry::size() const {

@@ -9,6 +9,7 @@
 #ifndef DATADIST_REGISTRY_H_
 #define DATADIST_REGISTRY_H_
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -55,6 +56,11 @@ struct CacheEntry {
   // device addresses, which the engine never dereferences.
   std::shared_ptr<cuda::Device> device;
   bool device_allocated = false;  // the engine allocated `addrs` and frees them
+  // The model id the registry binds to the whole cache (a blocks cache's).
+  std::optional<uint64_t> blocks_model_id;
+  // Set once the cache left the registry (deallocated, unregistered,
+  // cleared), before the registry's watchers hear of it.
+  std::atomic<bool> withdrawn{false};
 
   // The tensor whose memory holds all of [addr, addr + length), trying
   // `hint` first; addrs.size() when none does.
@@ -86,6 +92,16 @@ struct KeySpec {
   uint64_t model_id = 0;
   uint64_t prefix_id = kInvalidId;
   bool is_placeholder() const { return req_id == kInvalidId && prefix_id == kInvalidId; }
+};
+
+// Told when caches come and go, on no lock of the registry's: added() once
+// a cache is in the registry, removed() once it has left it (withdrawn is
+// set first). A watcher may hear of a cache it saw in entries() again.
+class RegistryWatcher {
+ public:
+  virtual ~RegistryWatcher() = default;
+  virtual void added(const std::shared_ptr<CacheEntry> &entry) = 0;
+  virtual void removed(const std::shared_ptr<CacheEntry> &entry) = 0;
 };
 
 struct CacheRef {
@@ -121,17 +137,29 @@ class Registry {
   void note_pulled(const KeySpec &key, const std::vector<uint32_t> &tensors);
   void clear();
   size_t size() const;
+  // Every cache in the registry now.
+  std::vector<std::shared_ptr<CacheEntry>> entries() const;
+  // Adds a watcher, held weakly (one that is gone is forgotten).
+  void watch(std::weak_ptr<RegistryWatcher> watcher);
 
  private:
   using KeyId = std::tuple<uint8_t, uint64_t, uint64_t>;  // namespace, id, model id
   static KeyId key_id(const KeySpec &key);
   void drop_keys_locked(const CacheEntry *entry);
+  Status add_locked(const std::shared_ptr<CacheEntry> &entry, const std::vector<KeySpec> &keys,
+                    std::optional<uint64_t> blocks_model_id, bool check_keys, int64_t &cache_id);
+  // Tells the watchers (no lock of the registry's held).
+  void tell_added(const std::shared_ptr<CacheEntry> &entry);
+  void tell_removed(const std::vector<std::shared_ptr<CacheEntry>> &entries);
+  std::vector<std::shared_ptr<RegistryWatcher>> watchers();
 
   mutable std::mutex mu_;
   int64_t next_id_ = 1;
   std::map<int64_t, std::shared_ptr<CacheEntry>> by_id_;
   std::map<KeyId, CacheRef> by_key_;
   std::map<KeyId, std::vector<bool>> pulled_;  // tensors read so far, per key
+  std::mutex watchers_mu_;
+  std::vector<std::weak_ptr<RegistryWatcher>> watchers_;
 };
 
 }  // namespace datadist

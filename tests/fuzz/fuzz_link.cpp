@@ -50,6 +50,7 @@ enum Mode : uint8_t {
   kAnnounce = 8,     // ... and says so with the link's first frame
   kSubmit = 16,      // this end has a read (op 1) and a write (op 2) open
   kInitiated = 32,   // this end initiated the link
+  kOneSided = 64,    // access "one_sided": grants this end's caches (with kPeerCopies), takes the peer's
 };
 
 class FuzzHost : public LinkHost {
@@ -144,6 +145,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   paths.peer_copies = (mode & kPeerCopies) != 0;
   if ((mode & kReaches) != 0) paths.peer_memory = peer_memory;
   paths.announce = (mode & kAnnounce) != 0;
+  paths.one_sided = (mode & kOneSided) != 0;
+  paths.peer_pid = peer_pid;
   int fds[2];
   require(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) == 0, "socketpair failed");
   // As the handshake lists them.

@@ -10,6 +10,7 @@ Regression inputs (corpus/<target>/regress-*) are kept; seeds are rewritten.
 from __future__ import annotations
 
 import pathlib
+import struct
 import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -36,6 +37,7 @@ from support.wire_frames import (  # noqa: E402
     LOOKUP_T,
     MAGIC,
     OFFERS_SAME_HOST,
+    PATH_MESSAGE_T,
     PEER_COPIES_T,
     PROOF_T,
     RAW_ADDRESS,
@@ -61,7 +63,9 @@ ARENA = 0x6A0000000000
 PEER = 0x6B0000000000
 CACHE_A0 = ARENA + 0x1000
 # Mode bits of fuzz_link.cpp.
-OFFERED, PEER_COPIES, REACHES, ANNOUNCE, SUBMIT, INITIATED = 1, 2, 4, 8, 16, 32
+OFFERED, PEER_COPIES, REACHES, ANNOUNCE, SUBMIT, INITIATED, ONE_SIDED = 1, 2, 4, 8, 16, 32, 64
+# The same-host path's grant messages (paths/same_host/grants.cpp).
+GRANT_TABLE, GRANT, TABLE_TAKEN = 0x53480001, 0x53480002, 0x53480004
 LLM_PARAM_INVALID = 0x2000  # any non-zero status refuses
 
 
@@ -117,6 +121,16 @@ def wire_seeds() -> dict[str, bytes]:
     }
 
 
+def grant_messages() -> bytes:
+    """An owner's grant table (descriptor 0 of the peer: not a table), a grant
+    of cache 5 (two tensors in the peer's memory, blocks of model 3), and the
+    answer to this end's own table."""
+    table = struct.pack("<IIII", GRANT_TABLE, 1024, 0, 0)
+    grant = struct.pack("<IIqQQQQQII", GRANT, 7, 5, 2, 4096, 64, 64, 3, 1, 2) + struct.pack("<QQ", PEER, PEER + 4096)
+    taken = struct.pack("<IIII", TABLE_TAKEN, 1, 0, 0)
+    return b"".join(frame(PATH_MESSAGE_T, body) for body in (table, grant, taken))
+
+
 def link_seeds() -> dict[str, bytes]:
     """Mode byte, then what the peer sends."""
     tcp = bytes([0])
@@ -168,6 +182,9 @@ def link_seeds() -> dict[str, bytes]:
         "answers-same-host": bytes([SUBMIT | OFFERED | PEER_COPIES | INITIATED])
         + frame(READ_DATA_T, op_id=1) + frame(WRITE_ACK_T, op_id=2),
         "lookup-reply": tcp + frame(LOOKUP_REPLY_T, LOOKUP_REPLY.pack(1, 2, 1, 64, 4, 0)),
+        "grants": bytes([SUBMIT | OFFERED | PEER_COPIES | REACHES | ONE_SIDED]) + grant_messages(),
+        "grants-given": bytes([OFFERED | PEER_COPIES | REACHES | ONE_SIDED | INITIATED])
+        + frame(WRITE_FROM_T, request([(0, 0, 0, 32)], kind=BY_ID, cache_id=2, segments=[(PEER, 32)])),
     }
 
 
@@ -231,7 +248,7 @@ def listen_seeds() -> dict[str, bytes]:
 
 
 def dictionary() -> list[bytes]:
-    entries = [HEADER.pack(MAGIC, VERSION, kind, 0, 0, 0, 0)[:8] for kind in range(1, 16)]
+    entries = [HEADER.pack(MAGIC, VERSION, kind, 0, 0, 0, 0)[:8] for kind in range(1, 17)]
     entries += [ARENA.to_bytes(8, "little"), CACHE_A0.to_bytes(8, "little"), PEER.to_bytes(8, "little")]
     return entries
 

@@ -343,6 +343,57 @@ def _cm_async(ep: _Endpoint, method: str, *args: Any, **kwargs: Any) -> Any:
 
 
 @_command
+def _stream(ep: _Endpoint, method: str, *args: Any, **kwargs: Any) -> None:
+    """Calls ``CacheManager.<method>`` over and over on a thread of its own
+    until ``stream_stop``, counting the outcomes by status name."""
+    assert getattr(ep, "streaming", None) is None, "a stream runs already"
+    stop = threading.Event()
+    counts: dict[str, int] = {}
+
+    def loop() -> None:
+        while not stop.is_set():
+            try:
+                ep.call(method, args, kwargs)
+                name = "LLM_SUCCESS"
+            except dd.LLMException as exc:
+                name = exc.status_code.name
+            counts[name] = counts.get(name, 0) + 1
+
+    thread = threading.Thread(target=loop, name="stream", daemon=True)
+    ep.streaming = (thread, stop, counts)  # type: ignore[attr-defined]
+    thread.start()
+
+
+@_command
+def _stream_counts(ep: _Endpoint) -> dict[str, int]:
+    return dict(ep.streaming[2])  # type: ignore[attr-defined]
+
+
+@_command
+def _stream_stop(ep: _Endpoint) -> dict[str, int]:
+    thread, stop, counts = ep.streaming  # type: ignore[attr-defined]
+    stop.set()
+    thread.join(30)
+    assert not thread.is_alive(), "the stream did not stop"
+    ep.streaming = None  # type: ignore[attr-defined]
+    return dict(counts)
+
+
+@_command
+def _renew(ep: _Endpoint, ref: CacheRef, seed: int) -> tuple[CacheRef, bool]:
+    """Frees an allocated cache and at once allocates one like it and fills
+    it: the new cache, and whether it lies where the old one did."""
+    data = seeded_tensors(ref.desc, seed)  # ready before the free: the new cache is filled at once
+    before = _tensor_addrs(ep, ref)
+    ep.free(ref.cache_id)
+    renewed = _allocate(ep, ref.desc, ref.blocks, [], ref.model_id)
+    cache = ep.resolve(renewed)
+    for t, tensor in enumerate(data):
+        tensor_bytes(cache, t)[:] = tensor
+    return renewed, _tensor_addrs(ep, renewed) == before
+
+
+@_command
 def _gather(
     ep: _Endpoint, method: str, calls: Sequence[tuple[Sequence[Any], dict[str, Any]]], return_exceptions: bool
 ) -> Any:
@@ -839,6 +890,23 @@ class Peer:
     ) -> list[Any]:
         """Awaits ``<method>_async(*args, **kwargs)`` for every call at once (``asyncio.gather``)."""
         return self._call("gather", method, [(list(a), dict(k)) for a, k in calls], return_exceptions)
+
+    def stream(self, method: str, *args: Any, **kwargs: Any) -> None:
+        """Starts calling ``CacheManager.<method>`` over and over on a thread of the child's."""
+        self._call("stream", method, *args, **kwargs)
+
+    def stream_counts(self) -> dict[str, int]:
+        """The stream's outcomes so far, by status name."""
+        return self._call("stream_counts")
+
+    def stream_stop(self) -> dict[str, int]:
+        """Stops the stream; its outcomes by status name."""
+        return self._call("stream_stop")
+
+    def renew(self, ref: CacheRef, seed: int) -> tuple[CacheRef, bool]:
+        """Frees ``ref`` and at once allocates and fills (``seed``) one like it,
+        in one command: the new cache, and whether it lies where ``ref`` did."""
+        return self._call("renew", ref, seed)
 
     def start_task(self, method: str, *args: Any, **kwargs: Any) -> int:
         """Starts ``<method>_async`` and returns a handle for ``task_done`` / ``wait_task``."""

@@ -30,7 +30,10 @@ side channel is ``push_host`` (127.0.0.1) : ``push_port`` (plus its rank).
 ``link_encryption`` (``"off"`` or ``"tls"``; unset: the environment's
 ``DATADIST_AIO_LINK_ENCRYPTION``): with ``"tls"`` the engine's links
 (``LLMConfig.link_encryption``) and the side channel's messages are
-encrypted. The side channel's messages are authenticated
+encrypted. ``access`` (``"one_sided"``, the default, or ``"owner"``;
+``LLMConfig.access``): on one host, whether a worker moves the bytes of its
+reads and pushes itself under the peer's grant, or the peer's engine does.
+The side channel's messages are authenticated
 under the link secret (``DATADIST_AIO_AUTH_KEY``, which the engine's links
 prove too) wherever one is set: every worker of a pair needs the same.
 With KV tensors on a CUDA device, ``kv_transfer_config.kv_buffer_device``
@@ -402,6 +405,7 @@ class DatadistAioConnector(KVConnectorBase_V1, SupportsHMA):
                     lease_timeout_s=float(extra.get("lease_timeout_s", 120.0)),
                     kv_buffer_device=buffer_device,
                     link_encryption=str(extra.get("link_encryption", "") or ""),
+                    access=str(extra.get("access", "") or ""),
                 )
             )
 

@@ -193,6 +193,9 @@ class WorkerSettings:
     # "off"). The side channel's messages are sealed under the link secret
     # (DATADIST_AIO_AUTH_KEY), and encrypted too with "tls".
     link_encryption: str = ""
+    # Who moves the bytes on one host, "one_sided" or "owner" ("": the
+    # engine's default, one-sided; LLMConfig.access).
+    access: str = ""
 
     def __post_init__(self) -> None:
         if self.transfer_mode not in TRANSFER_MODES:
@@ -344,6 +347,8 @@ class WorkerSide:
             config.device_id = self.device
         if self.settings.link_encryption:  # the links as the side channel (unset: the environment's, for both)
             config.link_encryption = self.settings.link_encryption
+        if self.settings.access:
+            config.access = self.settings.access
         if self.settings.is_producer or self.settings.lends_inbox:
             config.listen_ip_info = f"{self.settings.host}:0"
         if self.settings.is_producer:  # it pushes: into an inbox, or straight into decode-first decodes' blocks

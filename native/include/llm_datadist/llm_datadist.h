@@ -56,6 +56,12 @@ constexpr const char OPTION_AUTH_KEY[] = "llm.AuthKey";
 // Not upstream: "off" (default) or "tls": TLS 1.3 on every TCP connection of
 // a link, keyed from OPTION_AUTH_KEY (required then); linked peers must agree.
 constexpr const char OPTION_LINK_ENCRYPTION[] = "llm.LinkEncryption";
+// Not upstream: "one_sided" (default) or "owner". One-sided: on one host, an
+// engine grants each peer that reaches its memory its remotely accessible
+// host caches once, and that peer moves the bytes of its operations on them
+// itself (kernel copies checked against the grant), with no frame to the
+// owner; "owner": the owner of the memory moves every byte.
+constexpr const char OPTION_ACCESS[] = "llm.Access";
 // Not upstream: "1" lets transport "ucx" move bytes unencrypted while links are encrypted.
 constexpr const char OPTION_ALLOW_UNENCRYPTED_UCX[] = "llm.AllowUnencryptedUcx";
 // Not upstream: PEM files for link encryption authenticated by certificates

@@ -52,6 +52,10 @@ class PathHost {
   virtual Registry &registry() = 0;
   virtual IoLoop &io_loop() = 0;
   virtual same_host::CopyPool &copy_pool() = 0;
+  // Sends a path message (wire::FrameType::kPathMessage) to the peer's end
+  // of the link, after the messages sent before it; from any thread, while
+  // the link is there (nothing once it is gone).
+  virtual std::function<void(std::vector<uint8_t> body)> messenger() = 0;
 };
 
 // Fails the link with `why`, from any thread, while the link is there (a
@@ -113,6 +117,10 @@ struct ServedFrame {
   std::shared_ptr<void> keep;
 };
 
+// How a path that moved an operation's bytes itself ended it (one-sided):
+// LLM_SUCCESS, or a failure and the words the operation fails with.
+using Settle = std::function<void(Status status, std::string why)>;
+
 enum class Carry {
   kCarries,  // this path takes the frame
   kNext,     // not this path's: the next one in the list may
@@ -144,6 +152,18 @@ class DataPath {
   // `body_bytes` is the request's body without the path's part.
   virtual Carry carry(const PlannedFrame &planned, const cuda::Device *device, bool exports_ok, size_t body_bytes,
                       Carried &out) = 0;
+  // One-sided: whether this path moves `planned`'s bytes itself, with no
+  // frame to the owner (the owner granted it the cache; the grant's
+  // geometry is checked here as the owner would). When it takes the frame
+  // (true), `settle` is called once, from any thread; else the frame goes
+  // by carry() as before.
+  virtual bool move(bool write, const PlannedFrame &planned, const cuda::Device *device, const Settle &settle) {
+    (void)write;
+    (void)planned;
+    (void)device;
+    (void)settle;
+    return false;
+  }
   // The owner answered that it cannot serve a frame this path carried
   // (`why`, its words); the frame goes again inline.
   virtual void refused(const std::string &why) { (void)why; }
@@ -171,7 +191,11 @@ class DataPath {
     (void)type;
     return false;
   }
-  // A frame of the path's own from the peer: whether this path takes it
+  // Called once the link runs (its connections read and write), after
+  // start(): a path may send messages from here on.
+  virtual void running() {}
+  // A frame of the path's own from the peer (kPeerCopies, kPathMessage):
+  // whether this path takes it
   // (`ok` false: it was malformed, and the link fails).
   virtual bool takes(wire::FrameType type, const std::vector<uint8_t> &body, bool &ok) {
     (void)type;

@@ -131,6 +131,42 @@ bool Link::has_answer_socket() const {
 }
 
 bool Link::start() {
+  if (!start_connections()) return false;
+  for (const auto &path : paths_) path->running();
+  return true;
+}
+
+std::function<void(std::vector<uint8_t> body)> Link::messenger() {
+  std::weak_ptr<Link> weak = weak_from_this();
+  return [weak](std::vector<uint8_t> body) {
+    auto link = weak.lock();
+    if (!link || link->is_down()) return;
+    OutFrame out;
+    out.header = wire::make_header(FrameType::kPathMessage, 0, static_cast<uint32_t>(body.size()), 0);
+    out.body = std::move(body);
+    // One connection, so that the peer reads them in the order sent.
+    link->enqueue(*link->conns_[0], std::move(out));
+  };
+}
+
+void Link::refuse_moved(uint64_t group) {
+  if (group == 0) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!moved_refused_.insert(group).second) return;
+  moved_refused_order_.push_back(group);
+  if (moved_refused_order_.size() > kMaxRefusedGroups) {
+    moved_refused_.erase(moved_refused_order_.front());
+    moved_refused_order_.pop_front();
+  }
+}
+
+bool Link::moved_refused(uint64_t group) const {
+  if (group == 0) return false;
+  std::lock_guard<std::mutex> lock(mu_);
+  return moved_refused_.count(group) != 0;
+}
+
+bool Link::start_connections() {
   auto self = shared_from_this();
   // Under the lock, so reap() finds the connections in the loop or never there.
   std::lock_guard<std::mutex> lock(mu_);
@@ -577,6 +613,30 @@ void Link::submit(bool write, std::vector<PlannedFrame> frames, const std::share
 void Link::send_planned(bool write, PlannedFrame &planned, const std::shared_ptr<Request> &request,
                         size_t result_index, Clock::time_point deadline, const std::shared_ptr<const void> &pin,
                         const std::shared_ptr<cuda::Device> &device, bool exports_ok) {
+  const uint64_t group = planned.target.group;
+  if (exports_ok && !paths_.empty()) {
+    // An ordered transfer a path refused here (moving bytes itself) is
+    // refused whole, as its owner refuses one it refused.
+    if (moved_refused(group)) {
+      request->release(result_index, llm_datadist::LLM_FAILED, false,
+                       "an earlier request of the same ordered transfer (an earlier layer) was refused");
+      return;
+    }
+    // A path that moves the frame's bytes itself (one-sided) takes it first;
+    // the link's reap waits for it as for its own threads.
+    if (!request->cancel_requested() && begin_work()) {
+      auto self = shared_from_this();
+      Settle settle = [self, request, result_index, group, pin](Status status, std::string why) {
+        if (status != LLM_SUCCESS) self->refuse_moved(group);
+        request->release(result_index, status, false, std::move(why));
+        self->end_work();
+      };
+      for (const auto &path : paths_) {
+        if (path->move(write, planned, device.get(), settle)) return;
+      }
+      end_work();
+    }
+  }
   OutFrame out;
   uint64_t data_len = 0;
   for (const iovec &v : planned.local) data_len += v.iov_len;
@@ -659,7 +719,8 @@ void Link::send_planned(bool write, PlannedFrame &planned, const std::shared_ptr
     out.data = std::move(planned.local);
     out.device = device;
   }
-  const uint64_t group = planned.target.group;
+  framed_ops_.fetch_add(1, std::memory_order_relaxed);
+  framed_bytes_.fetch_add(data_len, std::memory_order_relaxed);
   enqueue(group != 0 ? *conns_[group % conns_.size()] : next_connection(), std::move(out));
 }
 
@@ -846,13 +907,16 @@ bool Link::handle_frame(Connection &conn, const FrameHeader &header, std::vector
       serve_by_path(conn, header, std::move(req), type == FrameType::kWriteFrom, path);
       return !is_down();
     }
-    case FrameType::kPeerCopies: {
+    case FrameType::kPeerCopies:
+    case FrameType::kPathMessage: {
       bool ok = false;
       for (const auto &path : paths_) {
         if (path->takes(type, body, ok)) break;
       }
       if (!ok) {
-        fail(LLM_LINK_FAILED, "unexpected same-host announcement from the peer; closing the link");
+        fail(LLM_LINK_FAILED, type == FrameType::kPeerCopies
+                                  ? "unexpected same-host announcement from the peer; closing the link"
+                                  : "a path message from the peer that no path of the link takes; closing the link");
         return false;
       }
       return true;
@@ -878,6 +942,8 @@ bool Link::handle_frame(Connection &conn, const FrameHeader &header, std::vector
 }
 
 Status Link::resolve_in_group(const wire::Request &req, ResolvedTarget &target) {
+  served_ops_.fetch_add(1, std::memory_order_relaxed);
+  served_bytes_.fetch_add(req.total_bytes, std::memory_order_relaxed);
   const uint64_t group = req.target.group;
   if (group != 0) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -974,6 +1040,13 @@ void Link::path_counters(std::map<std::string, uint64_t> &out) const {
   const auto get = [](const std::atomic<uint64_t> &n) { return n.load(std::memory_order_relaxed); };
   // Inline frames on device memory: initiator side, those sent (staged);
   // owner side, the bytes staged and the waits for a stream.
+  // Which way each operation's bytes moved: this end's operations sent as
+  // frames (their owner moved the bytes), the peer's this end served as
+  // owner; the paths count those they moved themselves (one_sided_*).
+  out["framed_ops"] += get(framed_ops_);
+  out["framed_bytes"] += get(framed_bytes_);
+  out["owner_served_ops"] += get(served_ops_);
+  out["owner_served_bytes"] += get(served_bytes_);
   out["staged_frames"] += get(staged_frames_);
   out["staged_bytes_served"] += get(staged_bytes_served_);
   out["device_stream_waits"] += get(device_stream_waits_);

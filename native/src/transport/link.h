@@ -367,6 +367,13 @@ class Link : public std::enable_shared_from_this<Link>,
   Registry &registry() override { return host_->registry(); }
   IoLoop &io_loop() override { return host_->io_loop(); }
   same_host::CopyPool &copy_pool() override { return host_->copy_pool(); }
+  std::function<void(std::vector<uint8_t> body)> messenger() override;
+  // Puts the connections in the I/O loop (start()'s first part).
+  bool start_connections();
+  // A frame a path moved itself was refused here: the rest of its ordered
+  // transfer is refused here too (`group` 0: none); and whether it was.
+  void refuse_moved(uint64_t group);
+  bool moved_refused(uint64_t group) const;
   // An answer from a connection (its data to be read from it) or from the
   // answer socket (`conn` is null).
   bool take_answer(const wire::FrameHeader &header, std::vector<uint8_t> &body, Connection *conn);
@@ -426,11 +433,17 @@ class Link : public std::enable_shared_from_this<Link>,
   // Owner side: groups refused, the oldest forgotten past kMaxRefusedGroups.
   std::unordered_set<uint64_t> refused_groups_;
   std::deque<uint64_t> refused_order_;
+  // Initiator side: ordered transfers of this end's that a path moving
+  // bytes itself refused, the oldest forgotten past kMaxRefusedGroups.
+  std::unordered_set<uint64_t> moved_refused_;
+  std::deque<uint64_t> moved_refused_order_;
   std::shared_ptr<LookupState> probe_;  // the probe out, if any
   // Inline frames on device memory: those sent, bytes served, and the
   // waits for a stream that blocked a thread of this end's while serving
   // the peer's (staged ones wait per chunk).
   std::atomic<uint64_t> staged_frames_{0}, staged_bytes_served_{0}, device_stream_waits_{0};
+  // Operations (and their bytes) this end sent as frames, and the peer's it served.
+  std::atomic<uint64_t> framed_ops_{0}, framed_bytes_{0}, served_ops_{0}, served_bytes_{0};
   bool reaping_ = false;  // no thread may start any more
   size_t working_ = 0;  // I/O threads and blocking jobs working for the link (mu_)
   std::condition_variable work_done_cv_;

@@ -405,6 +405,8 @@ Status LinkManager::negotiate(uint64_t peer_id, bool acceptor, const PeerOffer &
     paths.peer_opens_device = peer.opens_device;
     paths.peer_takes_fds = peer.opens_device && peer.takes_fds;
     paths.peer_big_device_frames = peer.opens_device && peer.big_device_frames;
+    paths.one_sided = options_.one_sided;
+    paths.peer_pid = static_cast<int64_t>(peer.info.pid);
   }
   // Transport "auto": UCX for a peer that offers it where the same-host
   // path does not serve (another host, or memory out of reach). The

@@ -67,6 +67,11 @@ struct TransportOptions {
   // only peers that encrypt alike are linked.
   bool encrypt = false;
   std::shared_ptr<const tls::CertContexts> certs;
+  // Access "one_sided": on one host, this end grants its caches to peers
+  // that reach its memory and moves bytes itself under theirs
+  // (paths/same_host/grants.h); false ("owner"): the owner of the memory
+  // moves every byte.
+  bool one_sided = true;
 };
 
 // Links per process, as upstream's limit; one more is refused with

@@ -105,6 +105,10 @@ Status resolve_request(const Registry &registry, const wire::Request &request, R
   }
   Status st = find_target(registry, request.target, out);
   if (st != LLM_SUCCESS) return st;
+  return resolve_in(request, out);
+}
+
+Status resolve_in(const wire::Request &request, ResolvedTarget &out) {
   const CacheEntry &entry = *out.entry;
   const Geometry &g = entry.geometry;
   const wire::Target &t = request.target;

@@ -35,6 +35,11 @@ Status find_target(const Registry &registry, const wire::Target &target, Resolve
 // LLM_PARAM_INVALID, `out.iov` stays empty and `out.why` says what was wrong.
 Status resolve_request(const Registry &registry, const wire::Request &request, ResolvedTarget &out);
 
+// resolve_request's checks and ranges for the cache `out.entry` (slot
+// `out.bound_slot` first) that a non-raw target of `request` named: a peer's
+// cache as its grant describes it, say (its `addrs` the peer's).
+Status resolve_in(const wire::Request &request, ResolvedTarget &out);
+
 }  // namespace datadist
 
 #endif  // DATADIST_TRANSPORT_TARGET_RESOLVER_H_

@@ -63,6 +63,10 @@ enum class FrameType : uint16_t {
   // initiator's proof (see transport/auth.h).
   kChallenge = 14,
   kProof = 15,
+  // A data path's own message to its counterpart on the peer's end of the
+  // link: the body is the path's (the link hands it to the link's paths
+  // until one takes it); no data, no answer.
+  kPathMessage = 16,
 };
 
 #pragma pack(push, 1)

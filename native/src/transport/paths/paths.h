@@ -40,6 +40,11 @@ struct Negotiated {
   bool peer_opens_device = false;
   bool peer_takes_fds = false;
   bool peer_big_device_frames = false;
+  // One-sided access (LLMConfig.access "one_sided"): this end grants its
+  // caches to a peer that reaches its memory, and uses the peer's grants;
+  // the peer's process id.
+  bool one_sided = false;
+  int64_t peer_pid = 0;
 };
 
 // The link's paths in the order operations started here try them: UCX,

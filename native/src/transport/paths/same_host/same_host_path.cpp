@@ -7,17 +7,127 @@
 
 #include "device/cuda_driver.h"
 #include "device/staging.h"
+#include "log.h"
+#include "transport/io_loop.h"
 
 namespace datadist {
 
 using llm_datadist::LLM_SUCCESS;
 
 SameHostPath::SameHostPath(bool offered, bool peer_copies, std::shared_ptr<same_host::PeerMemory> peer_memory,
-                           bool announce)
+                           bool announce, bool one_sided, pid_t peer_pid)
     : offered_(offered),
       announce_(announce && peer_memory != nullptr),
       peer_copies_(offered && peer_copies),
-      peer_memory_(std::move(peer_memory)) {}
+      peer_memory_(std::move(peer_memory)),
+      one_sided_(offered && one_sided),
+      peer_pid_(peer_pid) {
+  if (one_sided_ && peer_memory_) book_ = std::make_unique<same_host::GrantBook>(peer_memory_->pid());
+}
+
+SameHostPath::~SameHostPath() { SameHostPath::reap(); }
+
+void SameHostPath::start(PathHost &host, LinkFailer fail) {
+  DataPath::start(host, fail);
+  fail_ = std::move(fail);
+}
+
+void SameHostPath::running() {
+  running_.store(true);
+  if (peer_copies_.load()) start_granting();
+}
+
+void SameHostPath::start_granting() {
+  if (!one_sided_ || peer_pid_ <= 0 || host_ == nullptr) return;
+  std::shared_ptr<same_host::Grantor> grantor;
+  {
+    std::lock_guard<std::mutex> lock(grants_mu_);
+    if (grantor_) return;
+    grantor_ = std::make_shared<same_host::Grantor>(host_->registry(), host_->messenger(), peer_pid_);
+    grantor = grantor_;
+  }
+  std::string why;
+  if (!grantor->start(why)) {
+    log_warning("the peer (pid " + std::to_string(peer_pid_) + ") is granted no cache (" + why +
+                "); this end serves its operations");
+  }
+}
+
+void SameHostPath::reap() {
+  std::shared_ptr<same_host::Grantor> grantor;
+  {
+    std::lock_guard<std::mutex> lock(grants_mu_);
+    grantor = grantor_;
+  }
+  if (grantor) grantor->reap();
+  if (book_) book_->clear();
+}
+
+bool SameHostPath::move(bool write, const PlannedFrame &planned, const cuda::Device *device, const Settle &settle) {
+  // Host memory on both ends, a cache named by id or by a model's blocks
+  // key, under a grant that stands (checked again in the slot below).
+  const wire::Target &t = planned.target;
+  if (!book_ || device != nullptr || !moves_.load(std::memory_order_relaxed) ||
+      (t.flags & (wire::kReleaseKey | wire::kDeviceSegments | wire::kUcxSegments)) != 0) {
+    return false;
+  }
+  std::shared_ptr<const same_host::Grant> grant = book_->find(t);
+  std::shared_ptr<same_host::GrantTable> table = grant ? book_->table() : nullptr;
+  if (!table) return false;
+  // The request as the owner would read it: strides unrolled, its sizes
+  // bounded as on the wire.
+  std::vector<wire::Stride> strides = planned.strides;
+  for (wire::Stride &stride : strides) stride.segment_stride = 0;
+  wire::Request req;
+  if (!wire::decode_request(wire::encode_request(t, planned.ranges, planned.bounds, {}, strides), req).empty()) {
+    return false;
+  }
+  auto use = std::make_shared<same_host::GrantUse>(table, *grant);
+  if (!use->entered()) {
+    book_->drop(grant);  // revoked: the owner serves it, from what it holds now
+    return false;
+  }
+  ResolvedTarget target;
+  target.entry = grant->cache;
+  const Status st = resolve_in(req, target);
+  if (st != LLM_SUCCESS) {
+    use.reset();
+    settle(st, "refused here under the peer's grant of its cache, nothing moved: " + target.why);
+    return true;
+  }
+  if (target.iov.size() != planned.local.size()) return false;
+  std::vector<wire::Segment> theirs;
+  theirs.reserve(target.iov.size());
+  for (size_t i = 0; i < target.iov.size(); ++i) {
+    if (target.iov[i].iov_len != planned.local[i].iov_len) return false;
+    theirs.push_back({reinterpret_cast<uintptr_t>(target.iov[i].iov_base), target.iov[i].iov_len});
+  }
+  const uint64_t bytes = req.total_bytes;
+  auto job = [this, write, bytes, use, settle, mine = planned.local, theirs = std::move(theirs)]() mutable {
+    const int error = same_host::copy_pairs(*peer_memory_, host_->copy_pool(), mine, theirs, !write);
+    use.reset();  // out of the slot before anyone hears of it
+    if (error == 0) {
+      one_sided_ops_.fetch_add(1, std::memory_order_relaxed);
+      (write ? one_sided_written_ : one_sided_read_).fetch_add(bytes, std::memory_order_relaxed);
+      settle(LLM_SUCCESS, {});
+      return;
+    }
+    if (error == ESRCH) {
+      settle(llm_datadist::LLM_LINK_FAILED, "the peer's process is gone");
+      if (fail_) fail_("the peer's process is gone");
+      return;
+    }
+    // The kernel refused (its ptrace rule changed) or the granted memory was
+    // not there: this operation fails, and later ones go by frames.
+    moves_.store(false, std::memory_order_relaxed);
+    settle(llm_datadist::LLM_FAILED, std::string("the one-sided copy ") + (write ? "into" : "out of") +
+                                         " the peer's cache failed: " + std::strerror(error));
+  };
+  // Small copies on the calling thread; larger ones on the loop's blocking
+  // pool, which splits them over the copy threads.
+  if (bytes <= kMoveHereBytes || !host_->io_loop().run_blocking(job)) job();
+  return true;
+}
 
 Carry SameHostPath::carry(const PlannedFrame &planned, const cuda::Device *device, bool exports_ok,
                           size_t body_bytes, Carried &out) {
@@ -120,21 +230,65 @@ bool SameHostPath::first_frame(wire::FrameType &type) const {
 }
 
 bool SameHostPath::takes(wire::FrameType type, const std::vector<uint8_t> &body, bool &ok) {
+  if (type == wire::FrameType::kPathMessage) {
+    if (!same_host::is_grant_message(body.data(), body.size())) return false;
+    ok = offered_;
+    if (!ok) return true;
+    uint32_t kind;
+    std::memcpy(&kind, body.data(), sizeof(kind));
+    if (kind == same_host::kTableTakenMessage) {
+      // The peer took this end's table (or could not): the descriptor goes.
+      std::shared_ptr<same_host::Grantor> grantor;
+      {
+        std::lock_guard<std::mutex> lock(grants_mu_);
+        grantor = grantor_;
+      }
+      ok = body.size() == same_host::table_taken_message(false).size() && grantor != nullptr;
+      if (ok) grantor->table_taken();
+      return true;
+    }
+    std::vector<uint8_t> answer;
+    if (book_ != nullptr) {
+      ok = book_->take(body.data(), body.size(), answer);
+    } else if (kind == same_host::kGrantTableMessage) {
+      // An end that does not move bytes itself takes no table: it says so.
+      answer = same_host::table_taken_message(false);
+    }
+    if (ok && !answer.empty() && host_ != nullptr) host_->messenger()(std::move(answer));
+    return true;
+  }
   if (type != wire::FrameType::kPeerCopies) return false;
   // The peer reached this end's memory: operations started here go as
-  // same-host frames from now on.
+  // same-host frames from now on, and the peer may be granted its caches.
   ok = offered_ && body.empty();
-  if (ok) peer_copies_.store(true, std::memory_order_release);
+  if (ok) {
+    peer_copies_.store(true, std::memory_order_release);
+    if (running_.load()) start_granting();
+  }
   return true;
 }
 
 void SameHostPath::counters(std::map<std::string, uint64_t> &out) const {
   out["staged_bytes_served"] += staged_bytes_served_.load(std::memory_order_relaxed);
   out["device_stream_waits"] += stream_waits_.load(std::memory_order_relaxed);
+  out["one_sided_ops"] += one_sided_ops_.load(std::memory_order_relaxed);
+  out["one_sided_bytes_written"] += one_sided_written_.load(std::memory_order_relaxed);
+  out["one_sided_bytes_read"] += one_sided_read_.load(std::memory_order_relaxed);
+  out["grants_held"] += book_ ? book_->held() : 0;
+  std::shared_ptr<same_host::Grantor> grantor;
+  {
+    std::lock_guard<std::mutex> lock(grants_mu_);
+    grantor = grantor_;
+  }
+  if (grantor) grantor->counters(out);
 }
 
 void SameHostPath::zero_counters(std::map<std::string, uint64_t> &out) {
-  for (const char *name : {"staged_bytes_served", "device_stream_waits"}) out[name] += 0;
+  for (const char *name : {"staged_bytes_served", "device_stream_waits", "one_sided_ops", "one_sided_bytes_written",
+                           "one_sided_bytes_read", "grants_held", "grants_given", "grants_revoked",
+                           "grant_revoke_waits", "grants_quarantined", "grants_refused"}) {
+    out[name] += 0;
+  }
 }
 
 }  // namespace datadist

@@ -6,6 +6,13 @@
 // segments mapped in its process (readable for a write, writable for a
 // read). Fails: a refusal of the operation; the link, where the initiator's
 // process is gone.
+//
+// One-sided (grants.h), where both ends' access is "one_sided": the owner
+// grants the peer its remotely accessible host caches once the peer said it
+// reaches its memory, and the peer then moves host-memory operations on
+// caches named by id or by a model's blocks key itself (move()), checked
+// against the grant's geometry, with no frame to the owner. Reads through a
+// key, device memory, and caches without a grant go by frames as above.
 #ifndef DATADIST_TRANSPORT_PATHS_SAME_HOST_SAME_HOST_PATH_H_
 #define DATADIST_TRANSPORT_PATHS_SAME_HOST_SAME_HOST_PATH_H_
 
@@ -13,10 +20,12 @@
 
 #include <atomic>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "transport/data_path.h"
+#include "transport/paths/same_host/grants.h"
 #include "transport/paths/same_host/same_host.h"
 
 namespace datadist {
@@ -28,7 +37,12 @@ class SameHostPath : public DataPath {
   // memory already (its ack said so). `peer_memory`: set where this end
   // reaches the peer's; `announce`: the peer does not know yet, and is
   // told by the link's first frame.
-  SameHostPath(bool offered, bool peer_copies, std::shared_ptr<same_host::PeerMemory> peer_memory, bool announce);
+  // `one_sided`: this end grants its caches to a peer that reaches its
+  // memory, and moves bytes itself under the peer's grants; `peer_pid`: the
+  // peer's process.
+  SameHostPath(bool offered, bool peer_copies, std::shared_ptr<same_host::PeerMemory> peer_memory, bool announce,
+               bool one_sided = false, pid_t peer_pid = 0);
+  ~SameHostPath() override;
 
   const char *name() const override { return "same_host"; }
   bool active() const override { return peer_copies_.load(std::memory_order_acquire); }
@@ -38,6 +52,10 @@ class SameHostPath : public DataPath {
   bool checks_initiator_first() const override { return true; }
   bool reap_waits() const override { return true; }
   void serve(std::shared_ptr<ServedFrame> frame) override;
+  bool move(bool write, const PlannedFrame &planned, const cuda::Device *device, const Settle &settle) override;
+  void start(PathHost &host, LinkFailer fail) override;
+  void running() override;
+  void reap() override;
   bool first_frame(wire::FrameType &type) const override;
   bool takes(wire::FrameType type, const std::vector<uint8_t> &body, bool &ok) override;
   void counters(std::map<std::string, uint64_t> &out) const override;
@@ -54,11 +72,26 @@ class SameHostPath : public DataPath {
   int copy_staged(const cuda::Device &device, const std::vector<iovec> &mine, const std::vector<wire::Segment> &theirs,
                   bool from_peer, std::string &why);
 
+  // Grants this end's caches to the peer (once it reaches this end's memory).
+  void start_granting();
+
   const bool offered_;
   const bool announce_;
   std::atomic<bool> peer_copies_;
   const std::shared_ptr<same_host::PeerMemory> peer_memory_;
+  const bool one_sided_;
+  const pid_t peer_pid_;
+  LinkFailer fail_;
+  std::atomic<bool> running_{false};
+  // Copies up to this size run on the thread that starts the operation.
+  static constexpr uint64_t kMoveHereBytes = 64 << 10;
+  mutable std::mutex grants_mu_;
+  std::shared_ptr<same_host::Grantor> grantor_;  // this end's grants to the peer
+  // The peer's grants to this end (set where this end reaches its memory).
+  std::unique_ptr<same_host::GrantBook> book_;
+  std::atomic<bool> moves_{true};  // cleared when the kernel refused a one-sided copy
   std::atomic<uint64_t> staged_bytes_served_{0}, stream_waits_{0};
+  std::atomic<uint64_t> one_sided_ops_{0}, one_sided_written_{0}, one_sided_read_{0};
 };
 
 }  // namespace datadist

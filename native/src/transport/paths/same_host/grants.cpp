@@ -1,0 +1,414 @@
+#include "transport/paths/same_host/grants.h"
+
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <thread>
+#include <utility>
+
+#include "log.h"
+#include "transport/paths/same_host/same_host.h"
+
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+
+namespace datadist::same_host {
+
+namespace {
+
+constexpr size_t kTableBytes = sizeof(GrantSlot) * GrantTable::kSlots;
+constexpr uint32_t kMaxGrantTensors = 1u << 16;
+
+#pragma pack(push, 1)
+struct TableMessage {
+  uint32_t kind;
+  uint32_t slots;
+  uint32_t fd;
+  uint32_t zero;
+};
+struct GrantMessage {
+  uint32_t kind;
+  uint32_t slot;
+  int64_t cache_id;
+  uint64_t state;
+  uint64_t tensor_size;
+  uint64_t slot_size;
+  uint64_t num_slots;
+  uint64_t blocks_model_id;
+  uint32_t has_model;
+  uint32_t num_tensors;  // then one uint64 address per tensor
+};
+#pragma pack(pop)
+
+template <class T>
+std::vector<uint8_t> bytes_of(const T &message, size_t extra = 0) {
+  std::vector<uint8_t> body(sizeof(T) + extra);
+  std::memcpy(body.data(), &message, sizeof(T));
+  return body;
+}
+
+// A process's pidfd (closed by its destructor), opened when a revocation
+// has to wait: a pid reused since is only waited for longer.
+struct Pidfd {
+  explicit Pidfd(pid_t pid) : fd(static_cast<int>(::syscall(SYS_pidfd_open, pid, 0))) {}
+  ~Pidfd() {
+    if (fd >= 0) ::close(fd);
+  }
+  Pidfd(const Pidfd &) = delete;
+  Pidfd &operator=(const Pidfd &) = delete;
+  // False once the process has exited (its pidfd reads ready); true where
+  // there is no pidfd.
+  bool alive() const {
+    if (fd < 0) return true;
+    pollfd p{fd, POLLIN, 0};
+    return ::poll(&p, 1, 0) == 0;
+  }
+  const int fd;
+};
+
+// Revocations whose holder was still in a copy when the wait ran out: the
+// memory stays held until it leaves (or dies), looked at again by every
+// later revocation of the process.
+struct Quarantined {
+  std::shared_ptr<GrantTable> table;
+  uint32_t slot;
+  std::shared_ptr<CacheEntry> pin;
+  std::shared_ptr<Pidfd> holder;
+};
+std::mutex quarantine_mu;
+std::vector<Quarantined> quarantine;
+
+void sweep_quarantine() {
+  std::vector<std::shared_ptr<CacheEntry>> freed;  // let go after the lock
+  std::lock_guard<std::mutex> lock(quarantine_mu);
+  for (auto it = quarantine.begin(); it != quarantine.end();) {
+    if (it->table->slot(it->slot).in_flight.load() == 0 || !it->holder->alive()) {
+      freed.push_back(std::move(it->pin));
+      it = quarantine.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+}  // namespace
+
+bool is_grant_message(const uint8_t *body, size_t size) {
+  uint32_t kind = 0;
+  if (size < sizeof(kind)) return false;
+  std::memcpy(&kind, body, sizeof(kind));
+  return kind == kGrantTableMessage || kind == kGrantMessage || kind == kTableTakenMessage;
+}
+
+std::vector<uint8_t> table_taken_message(bool taken) {
+  return bytes_of(TableMessage{kTableTakenMessage, taken ? 1u : 0u, 0, 0});
+}
+
+std::shared_ptr<GrantTable> GrantTable::create(std::string &why) {
+  const int fd = ::memfd_create("datadist-grants", MFD_CLOEXEC);
+  if (fd < 0) {
+    why = std::string("memfd_create: ") + std::strerror(errno);
+    return nullptr;
+  }
+  if (::ftruncate(fd, kTableBytes) != 0) {
+    why = std::string("ftruncate: ") + std::strerror(errno);
+    ::close(fd);
+    return nullptr;
+  }
+  void *at = ::mmap(nullptr, kTableBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (at == MAP_FAILED) {
+    why = std::string("mmap: ") + std::strerror(errno);
+    ::close(fd);
+    return nullptr;
+  }
+  // A new memfd reads as zeros: every slot at generation 0, nothing in flight.
+  return std::shared_ptr<GrantTable>(new GrantTable(static_cast<GrantSlot *>(at), fd));
+}
+
+std::shared_ptr<GrantTable> GrantTable::open(int fd, std::string &why) {
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || static_cast<size_t>(st.st_size) != kTableBytes) {
+    why = "the owner's grant table is not a table of " + std::to_string(kSlots) + " slots";
+    ::close(fd);
+    return nullptr;
+  }
+  void *at = ::mmap(nullptr, kTableBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int error = errno;
+  ::close(fd);
+  if (at == MAP_FAILED) {
+    why = std::string("mmap of the owner's grant table: ") + std::strerror(error);
+    return nullptr;
+  }
+  return std::shared_ptr<GrantTable>(new GrantTable(static_cast<GrantSlot *>(at), -1));
+}
+
+GrantTable::~GrantTable() {
+  ::munmap(slots_, kTableBytes);
+  close_fd();
+}
+
+void GrantTable::close_fd() {
+  const int fd = fd_.exchange(-1);
+  if (fd >= 0) ::close(fd);
+}
+
+// -- owner -------------------------------------------------------------------
+
+Grantor::Grantor(Registry &registry, Send send, pid_t holder)
+    : registry_(registry), send_(std::move(send)), holder_(holder) {}
+
+Grantor::~Grantor() { reap(); }
+
+void Grantor::table_taken() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (table_) table_->close_fd();
+}
+
+bool Grantor::start(std::string &why) {
+  std::shared_ptr<GrantTable> table = GrantTable::create(why);
+  if (!table) return false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (reaped_) return false;
+    table_ = table;
+    free_slots_.reserve(GrantTable::kSlots);
+    for (uint32_t s = GrantTable::kSlots; s > 0; --s) free_slots_.push_back(s - 1);
+    started_ = true;
+  }
+  // The table before any grant: the link sends this end's messages in order.
+  send_(bytes_of(TableMessage{kGrantTableMessage, GrantTable::kSlots, static_cast<uint32_t>(table->fd()), 0}));
+  registry_.watch(weak_from_this());
+  for (const auto &entry : registry_.entries()) added(entry);
+  return true;
+}
+
+void Grantor::added(const std::shared_ptr<CacheEntry> &entry) {
+  // Host memory only (a kernel copy reaches no device's), and only what
+  // the registry lets peers reach.
+  if (!entry->remote_accessible || entry->device || entry->id <= 0 || entry->addrs.empty()) return;
+  GrantMessage message{};
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // Withdrawn is read under the lock removed() takes: a cache withdrawn
+    // after this check is revoked by the removed() that follows.
+    if (!started_ || reaped_ || entry->withdrawn.load() || given_.count(entry.get()) != 0) return;
+    if (free_slots_.empty()) {
+      refused_.fetch_add(1, std::memory_order_relaxed);  // its operations stay served here
+      return;
+    }
+    Given given;
+    given.pin = entry;
+    given.slot = free_slots_.back();
+    free_slots_.pop_back();
+    given.state = ++generation_ << 1;
+    table_->slot(given.slot).state.store(given.state);
+    message = GrantMessage{kGrantMessage, given.slot, entry->id, given.state, entry->geometry.tensor_size,
+                           entry->geometry.slot_size, entry->geometry.num_slots, entry->blocks_model_id.value_or(0),
+                           entry->blocks_model_id ? 1u : 0u, static_cast<uint32_t>(entry->addrs.size())};
+    given_.emplace(entry.get(), std::move(given));
+  }
+  std::vector<uint8_t> body = bytes_of(message, entry->addrs.size() * sizeof(uint64_t));
+  for (size_t t = 0; t < entry->addrs.size(); ++t) {
+    const uint64_t addr = reinterpret_cast<uintptr_t>(entry->addrs[t]);
+    std::memcpy(body.data() + sizeof(GrantMessage) + t * sizeof(uint64_t), &addr, sizeof(addr));
+  }
+  granted_.fetch_add(1, std::memory_order_relaxed);
+  send_(std::move(body));
+}
+
+void Grantor::removed(const std::shared_ptr<CacheEntry> &entry) {
+  Given given;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = given_.find(entry.get());
+    if (it == given_.end()) return;
+    given = std::move(it->second);
+    given_.erase(it);
+  }
+  revoke(std::move(given));
+}
+
+void Grantor::revoke(Given given) {
+  GrantSlot &slot = table_->slot(given.slot);
+  slot.state.store(given.state | 1);
+  revoked_.fetch_add(1, std::memory_order_relaxed);
+  std::shared_ptr<Pidfd> holder;
+  if (slot.in_flight.load() != 0) {
+    // A copy of the holder's is running (or counted itself in and will
+    // find the grant revoked): it takes a kernel call's time.
+    revoke_waits_.fetch_add(1, std::memory_order_relaxed);
+    holder = std::make_shared<Pidfd>(holder_);
+    const auto until = std::chrono::steady_clock::now() + kRevokeWait;
+    while (slot.in_flight.load() != 0 && holder->alive() && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+  if (slot.in_flight.load() != 0 && holder->alive()) {
+    quarantined_.fetch_add(1, std::memory_order_relaxed);
+    log_warning("a peer (pid " + std::to_string(holder_) + ") is still in a copy under its grant of cache " +
+                std::to_string(given.pin->id) + "; its memory is held until that copy ends");
+    std::lock_guard<std::mutex> lock(quarantine_mu);
+    quarantine.push_back(Quarantined{table_, given.slot, std::move(given.pin), std::move(holder)});
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    free_slots_.push_back(given.slot);
+  }
+  given.pin.reset();  // the memory may go back now
+  sweep_quarantine();
+}
+
+void Grantor::reap() {
+  std::unordered_map<const CacheEntry *, Given> given;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (reaped_) return;
+    reaped_ = true;
+    given.swap(given_);
+  }
+  for (auto &[entry, g] : given) revoke(std::move(g));
+}
+
+void Grantor::counters(std::map<std::string, uint64_t> &out) const {
+  out["grants_given"] += granted_.load(std::memory_order_relaxed);
+  out["grants_revoked"] += revoked_.load(std::memory_order_relaxed);
+  out["grant_revoke_waits"] += revoke_waits_.load(std::memory_order_relaxed);
+  out["grants_quarantined"] += quarantined_.load(std::memory_order_relaxed);
+  out["grants_refused"] += refused_.load(std::memory_order_relaxed);
+}
+
+// -- holder ------------------------------------------------------------------
+
+GrantUse::GrantUse(std::shared_ptr<GrantTable> table, const Grant &grant)
+    : table_(std::move(table)), slot_(table_->slot(grant.slot)) {
+  slot_.in_flight.fetch_add(1);
+  entered_ = slot_.state.load() == grant.state;
+  if (!entered_) slot_.in_flight.fetch_sub(1);
+}
+
+GrantUse::~GrantUse() {
+  if (entered_) slot_.in_flight.fetch_sub(1);
+}
+
+bool GrantBook::take(const uint8_t *body, size_t size, std::vector<uint8_t> &answer) {
+  uint32_t kind = 0;
+  if (size < sizeof(kind)) return false;
+  std::memcpy(&kind, body, sizeof(kind));
+  switch (kind) {
+    case kGrantTableMessage: {
+      TableMessage m{};
+      if (size != sizeof(m)) return false;
+      std::memcpy(&m, body, sizeof(m));
+      if (m.slots != GrantTable::kSlots || m.zero != 0) return false;
+      std::string why;
+      const int fd = take_descriptor(owner_, m.fd, why);
+      std::shared_ptr<GrantTable> table = fd >= 0 ? GrantTable::open(fd, why) : nullptr;
+      if (!table) {
+        log_warning("the peer's (pid " + std::to_string(owner_) + ") grant table cannot be taken (" + why +
+                    "); its caches are reached through it");
+      }
+      answer = table_taken_message(table != nullptr);
+      std::lock_guard<std::mutex> lock(mu_);
+      if (table_ != nullptr) return false;  // one table a link
+      table_ = std::move(table);
+      return true;
+    }
+    case kGrantMessage: {
+      GrantMessage m{};
+      if (size < sizeof(m)) return false;
+      std::memcpy(&m, body, sizeof(m));
+      if (m.slot >= GrantTable::kSlots || m.num_tensors == 0 || m.num_tensors > kMaxGrantTensors ||
+          size != sizeof(m) + uint64_t{m.num_tensors} * sizeof(uint64_t) || m.cache_id <= 0 || m.has_model > 1 ||
+          (m.state & 1) != 0 || m.slot_size == 0) {
+        return false;
+      }
+      auto cache = std::make_shared<CacheEntry>();
+      cache->id = m.cache_id;
+      cache->geometry = Geometry{m.tensor_size, m.slot_size, m.num_slots};
+      cache->remote_accessible = true;
+      cache->addrs.resize(m.num_tensors);
+      for (uint32_t t = 0; t < m.num_tensors; ++t) {
+        uint64_t addr;
+        std::memcpy(&addr, body + sizeof(m) + t * sizeof(uint64_t), sizeof(addr));
+        uint64_t end;
+        if (addr == 0 || __builtin_add_overflow(addr, m.tensor_size, &end)) return false;
+        cache->addrs[t] = reinterpret_cast<uint8_t *>(static_cast<uintptr_t>(addr));
+      }
+      if (m.has_model) cache->blocks_model_id = m.blocks_model_id;
+      auto grant = std::make_shared<Grant>();
+      grant->cache = std::move(cache);
+      grant->slot = m.slot;
+      grant->state = m.state;
+      std::lock_guard<std::mutex> lock(mu_);
+      forget_revoked_locked();
+      by_id_[m.cache_id] = grant;
+      if (m.has_model) by_model_[m.blocks_model_id] = m.cache_id;
+      return true;
+    }
+    default:
+      return false;
+  }
+}
+
+std::shared_ptr<const Grant> GrantBook::find(const wire::Target &target) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!table_) return nullptr;
+  int64_t id = target.cache_id;
+  if (target.kind == wire::kBlocksOfModel) {
+    auto model = by_model_.find(target.model_id);
+    if (model == by_model_.end()) return nullptr;
+    id = model->second;
+  } else if (target.kind != wire::kById) {
+    return nullptr;
+  }
+  auto it = by_id_.find(id);
+  if (it == by_id_.end()) return nullptr;
+  // A model's cache that was replaced: its grant no longer names the model.
+  if (target.kind == wire::kBlocksOfModel &&
+      !(it->second->cache->blocks_model_id && *it->second->cache->blocks_model_id == target.model_id)) {
+    return nullptr;
+  }
+  return it->second;
+}
+
+void GrantBook::drop(const std::shared_ptr<const Grant> &grant) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = by_id_.find(grant->cache->id);
+  if (it != by_id_.end() && it->second == grant) by_id_.erase(it);
+}
+
+std::shared_ptr<GrantTable> GrantBook::table() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return table_;
+}
+
+size_t GrantBook::held() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!table_) return 0;
+  size_t standing = 0;
+  for (const auto &[id, grant] : by_id_) standing += table_->slot(grant->slot).state.load() == grant->state;
+  return standing;
+}
+
+void GrantBook::forget_revoked_locked() {
+  if (!table_) return;
+  for (auto it = by_id_.begin(); it != by_id_.end();) {
+    it = table_->slot(it->second->slot).state.load() == it->second->state ? std::next(it) : by_id_.erase(it);
+  }
+}
+
+void GrantBook::clear() {
+  std::lock_guard<std::mutex> lock(mu_);
+  table_.reset();
+  by_id_.clear();
+  by_model_.clear();
+}
+
+}  // namespace datadist::same_host

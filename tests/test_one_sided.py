@@ -1,0 +1,235 @@
+"""One-sided access on one host (LLMConfig.access): the owner grants a linked
+peer its caches once, and the peer moves the bytes itself.
+
+- The owner is out of the path: frozen (SIGSTOP) after linking, its peer's
+  pushes and pulls still complete, every byte checked; with access "owner"
+  they time out as before.
+- The peer checks every range against the grant before a byte moves, with
+  the owner's statuses.
+- Revocation: a cache freed while the peer streams writes into it, and a new
+  one allocated where it lay, never receives one of them.
+- The grants follow the registry: unregistered, replaced and finalized
+  caches stop being reached one-sided, and a new cache of a model is.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+import datadist_aio as dd
+from support.links import blocks_desc, wait_for_path
+from support.peer import MiB, Peer, PeerGroup, raises_status, seeded_tensors, wait_until
+
+SUCCESS = dd.LLMStatusCode.LLM_SUCCESS
+LINKED = (SUCCESS, [SUCCESS])
+A, B = 1, 2
+BLOCK = 4096
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def group() -> Iterator[PeerGroup]:
+    with PeerGroup() as peers:
+        yield peers
+
+
+def stats(peer: Peer, other: int) -> dict[str, int]:
+    return peer.engine("link_stats", other)
+
+
+def linked(group: PeerGroup, access: str = "one_sided", timeout_ms: int = 5000) -> tuple[Peer, Peer]:
+    """A (the initiator, with ``access``) linked to B (the owner, default access) on the same-host path."""
+    a = group.start("a", dd.LLMRole.PROMPT, A, options={"access": access, "sync_kv_timeout": timeout_ms})
+    b = group.start("b", dd.LLMRole.DECODER, B)
+    assert a.link(b) == LINKED
+    assert wait_for_path(b, A, "same_host")
+    return a, b
+
+
+def wait_granted(a: Peer, count: int) -> None:
+    wait_until(lambda: stats(a, B)["grants_held"] == count, f"A holds {count} grants of B's")
+
+
+def block_rows(tensors: list[np.ndarray], blocks: list[int]) -> list[np.ndarray]:
+    return [np.concatenate([t[k * BLOCK : (k + 1) * BLOCK] for k in blocks]) for t in tensors]
+
+
+@pytest.mark.parametrize("access", ["one_sided", "owner"])
+def test_a_frozen_owner_is_not_needed(group, access):
+    a, b = linked(group, access, timeout_ms=1000)
+    slots_desc = dd.CacheDesc(2, [2, 64 * 1024], dd.DataType.DT_UINT8, dd.Placement.HOST)
+    remote = b.allocate(blocks_desc(), blocks=True, model_id=5)
+    slots = b.allocate(slots_desc)
+    held = b.fill(remote, 1)
+    held_slots = b.fill(slots, 2)
+    local = a.allocate(blocks_desc(), blocks=True)
+    sent = a.fill(local, 3)
+    back = a.allocate(blocks_desc(), blocks=True)
+    a.fill(back, 4)
+    local_slots = a.allocate(slots_desc)
+    sent_slots = a.fill(local_slots, 5)
+    back_slots = a.allocate(slots_desc)
+    wait_until(lambda: stats(b, A)["grants_given"] == 2, "B grants A what it made, whatever A's access")
+    if access == "one_sided":
+        wait_granted(a, 2)
+    b.stop()
+    try:
+        if access == "owner":
+            with raises_status(dd.LLMStatusCode.LLM_TIMEOUT):
+                a.cm_async("push_blocks", remote.blocks_key(), local, [0, 1, 2], [7, 8, 9])
+            return
+        started = time.monotonic()
+        assert a.cm_async("push_blocks", remote.blocks_key(), local, [0, 1, 2], [7, 8, 9]) == [SUCCESS]
+        assert a.cm("pull_blocks", remote.blocks_key(), back, [3, 4], [5, 6]) is None
+        a.cm("pull_cache", slots.key(1), back_slots, batch_index=0)  # B's slot 1 before the push
+        a.cm("push_cache", slots.key(1), local_slots, src_batch_index=1)
+        assert time.monotonic() - started < 5
+    finally:
+        b.cont()
+    # Every byte where it belongs: B's blocks 7-9 from A's 0-2, the rest as
+    # they were; A's blocks 5-6 from B's 3-4; B's slot 1 from A's slot 1,
+    # after A's slot 0 took what it held.
+    got = b.read(remote)
+    for t in range(4):
+        np.testing.assert_array_equal(block_rows([got[t]], [7, 8, 9])[0], block_rows([sent[t]], [0, 1, 2])[0])
+        np.testing.assert_array_equal(block_rows([got[t]], [0, 1, 2, 3, 4, 5, 6])[0],
+                                      block_rows([held[t]], [0, 1, 2, 3, 4, 5, 6])[0])
+    pulled = a.read(back)
+    for t in range(4):
+        np.testing.assert_array_equal(block_rows([pulled[t]], [5, 6])[0], block_rows([held[t]], [3, 4])[0])
+    slot = 64 * 1024
+    now_slots, pulled_slots = b.read(slots), a.read(back_slots)
+    for t in range(2):
+        np.testing.assert_array_equal(now_slots[t][slot:], sent_slots[t][slot:])
+        np.testing.assert_array_equal(now_slots[t][:slot], held_slots[t][:slot])
+        np.testing.assert_array_equal(pulled_slots[t][:slot], held_slots[t][slot:])
+    # No frame went to B: A moved every byte itself, B served nothing.
+    mine, theirs = stats(a, B), stats(b, A)
+    assert mine["one_sided_ops"] >= 4 and mine["framed_ops"] == 0, mine
+    assert mine["one_sided_bytes_written"] == 3 * 4 * BLOCK + 2 * slot, mine
+    assert mine["one_sided_bytes_read"] == 2 * 4 * BLOCK + 2 * slot, mine
+    assert theirs["owner_served_ops"] == 0 and theirs["grants_given"] == 2, theirs
+
+
+def test_ranges_are_checked_against_the_grant_with_the_owners_statuses(group):
+    a, b = linked(group)
+    remote = b.allocate(blocks_desc(), blocks=True, model_id=5)
+    held = b.fill(remote, 1)
+    local = a.allocate(blocks_desc(blocks=32), blocks=True)
+    a.fill(local, 2)
+    bigger = a.allocate(blocks_desc(block=2 * BLOCK), blocks=True)
+    wait_granted(a, 1)
+    b.stop()  # the refusals come from A's own checks
+    try:
+        with raises_status(dd.LLMStatusCode.LLM_PARAM_INVALID) as refused:
+            a.cm("push_blocks", remote.blocks_key(), local, [0, 1], [15, 16])  # block 16 of 16
+        assert "ends past the 16 slots" in str(refused.value), refused.value
+        with raises_status(dd.LLMStatusCode.LLM_PARAM_INVALID) as refused:
+            a.cm("pull_blocks", remote.blocks_key(), bigger, [0], [0])  # blocks of 8 KiB from blocks of 4 KiB
+        assert "block size differs" in str(refused.value), refused.value
+    finally:
+        b.cont()
+    got = b.read(remote)
+    for t in range(4):
+        np.testing.assert_array_equal(got[t], held[t])  # nothing of the refused push landed
+    assert stats(b, A)["owner_served_ops"] == 0
+
+
+def test_a_cache_renewed_under_a_stream_of_writes_never_receives_one(group):
+    # A streams one-sided writes into B's cache. B frees it and, in the same
+    # command, allocates one like it (where the pool puts it: where the old
+    # one lay, once the grant's copies in flight are out) and fills it. No
+    # write under the old grant may land in the new cache: B's revocation
+    # waits for the copy in flight, and A's next copy finds the grant revoked.
+    a, b = linked(group)
+    desc = dd.CacheDesc(4, [1, 4 * MiB], dd.DataType.DT_UINT8, dd.Placement.HOST)
+    target = b.allocate(desc)
+    local = a.allocate(desc)
+    a.fill(local, 9)
+    wait_granted(a, 1)
+    rounds, same_place = 100, 0
+    for r in range(rounds):
+        a.stream("push_cache", target.key(0), local)
+        wait_until(lambda: a.stream_counts().get("LLM_SUCCESS", 0) >= 3, "one-sided writes stream")
+        renewed, same = b.renew(target, seed=100 + r)
+        same_place += same
+        time.sleep(0.005)  # the stream goes on toward the freed cache's id
+        counts = a.stream_stop()
+        assert set(counts) <= {"LLM_SUCCESS", "LLM_KV_CACHE_NOT_EXIST"}, counts
+        expected = seeded_tensors(renewed.desc, 100 + r)
+        got = b.read(renewed)
+        for t in range(4):
+            assert np.array_equal(got[t], expected[t]), f"round {r}: tensor {t} of the new cache changed"
+        target = renewed
+        wait_granted(a, 1)
+    # The pool put the new cache where the old one lay in (nearly) every
+    # round, so the writes had somewhere to land had revocation failed.
+    assert same_place >= rounds * 9 // 10, same_place
+    theirs = stats(b, A)
+    assert theirs["grants_revoked"] == rounds and theirs["grants_quarantined"] == 0, theirs
+    assert theirs["grant_revoke_waits"] > 0, theirs  # some revocations met a copy in flight, and waited it out
+
+
+def test_grants_follow_the_registry(group):
+    a, b = linked(group)
+    first = b.allocate(blocks_desc(), blocks=True, model_id=5)
+    registered = b.register(blocks_desc(), blocks=True, model_id=6, remote_accessible=True)
+    private = b.register(blocks_desc(), blocks=True, model_id=7, remote_accessible=False)
+    local = a.allocate(blocks_desc(), blocks=True)
+    sent = a.fill(local, 1)
+    wait_granted(a, 2)  # not the cache registered without remote access
+    assert a.cm("push_blocks", registered.blocks_key(), local, [0], [0]) is None
+    # Unregistered: its grant is revoked, and an operation on it fails as
+    # the owner would fail it.
+    b.free(registered)
+    wait_granted(a, 1)
+    with raises_status(dd.LLMStatusCode.LLM_KV_CACHE_NOT_EXIST):
+        a.cm("push_blocks", registered.blocks_key(), local, [0], [0])
+    # A model's cache replaced: pushes to the model land in the new one.
+    b.free(first)
+    second = b.allocate(blocks_desc(), blocks=True, model_id=5)
+    held = b.fill(second, 2)
+    wait_granted(a, 1)
+    before = stats(a, B)["one_sided_ops"]
+    assert a.cm("push_blocks", second.blocks_key(), local, [1], [2]) is None
+    assert stats(a, B)["one_sided_ops"] == before + 1
+    got = b.read(second)
+    for t in range(4):
+        np.testing.assert_array_equal(got[t][2 * BLOCK : 3 * BLOCK], sent[t][BLOCK : 2 * BLOCK])
+        np.testing.assert_array_equal(got[t][: 2 * BLOCK], held[t][: 2 * BLOCK])
+    # The cache without remote access is refused by its owner, as ever.
+    with raises_status(dd.LLMStatusCode.LLM_PARAM_INVALID):
+        a.cm("push_blocks", private.blocks_key(), local, [0], [0])
+    assert stats(b, A)["owner_served_ops"] == 2  # the unregistered cache's push and the private one's
+
+
+def test_a_finalized_owner_is_reached_no_more(group):
+    a, b = linked(group)
+    remote = b.allocate(blocks_desc(), blocks=True, model_id=5)
+    local = a.allocate(blocks_desc(), blocks=True)
+    a.fill(local, 1)
+    wait_granted(a, 1)
+    assert a.cm("push_blocks", remote.blocks_key(), local, [0], [0]) is None
+    b.datadist("finalize")
+    wait_until(lambda: not a.engine("has_link", B), "A drops the link B closed")
+    with raises_status(dd.LLMStatusCode.LLM_NOT_YET_LINK):
+        a.cm("push_blocks", remote.blocks_key(), local, [0], [0])
+
+
+def test_the_access_option():
+    config = dd.LLMConfig()
+    assert config.access is None and "llm.Access" not in config.generate_options()
+    config.access = "owner"
+    assert config.generate_options()["llm.Access"] == "owner"
+    with raises_status(dd.LLMStatusCode.LLM_PARAM_INVALID):
+        config.access = "shared"
+    with pytest.raises(TypeError):
+        config.access = 1  # type: ignore[assignment]
+    datadist = dd.LLMDataDist(dd.LLMRole.PROMPT, A)
+    with raises_status(dd.LLMStatusCode.LLM_PARAM_INVALID):
+        datadist.init({"llm.EnableCacheManager": "1", "llm.Access": "both"})
