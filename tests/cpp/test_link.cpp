@@ -87,7 +87,8 @@ TEST_F(TcpLinkTest, LinkedPairMovesDataBothWaysOverTcp) {
 // link ("link"), so the counts say exactly who read.
 class NoSweepLinkTest : public LinkTest {
  protected:
-  Options ClientOptions() const override { return {{OPTION_ANSWER_SWEEP_MS, "0"}}; }
+  // Owner-served: one-sided pushes have no answers to read.
+  Options ClientOptions() const override { return {{OPTION_ANSWER_SWEEP_MS, "0"}, {OPTION_ACCESS, "owner"}}; }
 };
 
 TEST_F(NoSweepLinkTest, BlockingPushesReadTheirOwnAnswers) {

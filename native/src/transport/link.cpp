@@ -140,7 +140,7 @@ std::function<void(std::vector<uint8_t> body)> Link::messenger() {
   std::weak_ptr<Link> weak = weak_from_this();
   return [weak](std::vector<uint8_t> body) {
     auto link = weak.lock();
-    if (!link || link->is_down()) return;
+    if (!link || link->is_down() || link->closing_.load(std::memory_order_acquire)) return;
     OutFrame out;
     out.header = wire::make_header(FrameType::kPathMessage, 0, static_cast<uint32_t>(body.size()), 0);
     out.body = std::move(body);
@@ -855,6 +855,14 @@ bool Link::after_send(OutFrame &frame, bool ok) {
   // left unanswered gets the reason the link went down when it is reaped.
   if (frame.op_id != 0) mark(frame.op_id, true, false, LLM_SUCCESS);
   if (!ok) {
+    // While this end unlinks, the peer closes once it has dropped its end:
+    // a frame that meets the close (a path's message) answers the question
+    // as the close itself does.
+    if (closing_.load(std::memory_order_acquire)) {
+      unlink_answered();
+      fail(LLM_LINK_FAILED, "");
+      return false;
+    }
     fail(LLM_LINK_FAILED, "send to peer failed: " + net::errno_text());
     return false;
   }
