@@ -59,6 +59,12 @@ show what each connector moves of the sliding-window group. Needs vLLM (CPU buil
 
 A smoke run: ``--rounds 1 --requests 4 --batch 4 --warmup 1``.
 
+A busy host: ``--busy N`` keeps N spinning processes beside the instances
+while the phases are measured (the warm-up runs without them); with
+``--connectors datadist,owner,nixl`` it sets our one-sided reads (the
+decode's own kernel copies under the prefill's grant, the default) against
+reads served by the prefill's engine (``access`` ``"owner"``) and NIXL's.
+
 Instances of different shapes (TP 2 into 1, 1 into 2, blocks of 32 into
 64, with prefix caching and the control) are measured by
 ``bench_vllm_shapes.py``; ``--shapes all`` (or a list of its shapes) runs
@@ -95,10 +101,11 @@ from vllm_pd import (  # noqa: E402
 )
 
 METRICS = dict(XFER_METRICS)
-METRICS["push"] = METRICS["direct"] = METRICS["secret"] = METRICS["tls"] = METRICS["datadist"]
+METRICS["push"] = METRICS["direct"] = METRICS["secret"] = METRICS["tls"] = METRICS["owner"] = METRICS["datadist"]
 FAILED = {"datadist": "vllm:datadist_aio_num_failed_transfers", "push": "vllm:datadist_aio_num_failed_transfers",
           "direct": "vllm:datadist_aio_num_failed_transfers", "secret": "vllm:datadist_aio_num_failed_transfers",
-          "tls": "vllm:datadist_aio_num_failed_transfers", "nixl": "vllm:nixl_num_failed_transfers"}
+          "tls": "vllm:datadist_aio_num_failed_transfers", "owner": "vllm:datadist_aio_num_failed_transfers",
+          "nixl": "vllm:nixl_num_failed_transfers"}
 # The pull with a link secret shared by both instances, links and side
 # channel authenticated ("secret"), and encrypted too ("tls").
 SECRET_ENV = {"DATADIST_AIO_AUTH_KEY": "bench-vllm-pd-" + os.urandom(16).hex()}
@@ -108,7 +115,7 @@ ANSWERS, ANSWERS_BY_SWEEP = "vllm:datadist_aio_answers_read", "vllm:datadist_aio
 SETUP = "vllm:datadist_aio_load_setup_seconds_sum"  # ours: from a load's start until its reads were posted
 LAYOUTS = {"kv_both": ("kv_both", "kv_both"), "producer_consumer": ("kv_producer", "kv_consumer")}
 PHASES = ("sequential", "batched")
-OURS = ("datadist", "push", "direct", "secret", "tls")
+OURS = ("datadist", "push", "direct", "secret", "tls", "owner")
 
 
 def free_ports(count: int) -> list[int]:
@@ -138,6 +145,8 @@ def pair_configs(kind: str, layout: str, ports: tuple[int, int], hosts: tuple[st
         return ((connector_config(kind, prefill_role, 0), nixl_env(prefill_port, prefill_host)),
                 (connector_config(kind, decode_role, 0), nixl_env(decode_port, decode_host)))
     mode: dict[str, Any] = {"transfer_mode": "push_layerwise"} if kind == "push" else {}
+    if kind == "owner":  # the pull served by the prefill's engine (one-sided: the decode's own copies)
+        mode["access"] = "owner"
     pushes: dict[str, Any] = {"push_host": decode_host, "push_port": decode_port} if kind == "push" else {}
     env = dict(SECURED.get(kind, {}))
     return ((connector_config("datadist", prefill_role, prefill_port, side_channel_host=prefill_host, **mode, **pushes),
@@ -292,9 +301,17 @@ def run_pair(kind: str, layout: str, model: Path, phases: dict[str, tuple[list[l
         if "batched" in phases:
             one_batch(prefill, decode, prompts_of_lengths([100] * args.batch, seed=98), args.max_tokens, kind)
         results = []
-        for phase, (groups, reference) in phases.items():
-            rows = [one_batch(prefill, decode, group, args.max_tokens, kind) for group in groups]
-            results.append({"layout": layout, "phase": phase, "kind": kind, **summarize_phase(rows, reference, kind)})
+        # A busy host: spinning processes beside both instances while the phases are measured.
+        spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+        try:
+            for phase, (groups, reference) in phases.items():
+                rows = [one_batch(prefill, decode, group, args.max_tokens, kind) for group in groups]
+                results.append({"layout": layout, "phase": phase, "kind": kind,
+                                **summarize_phase(rows, reference, kind)})
+        finally:
+            for spinner in spinners:
+                spinner.kill()
+                spinner.wait()
         # The instance pair's first request (the first warm-up): its link, handshake and first load.
         for result in results:
             result["first_xfer_ms"] = first["xfer_s"] * 1e3 if first and first["transfers"] else None
@@ -333,7 +350,10 @@ def main() -> None:
     parser.add_argument("--phases", default=",".join(PHASES), help=f"of {', '.join(PHASES)}")
     parser.add_argument("--connectors", default="datadist,nixl",
                         help="of datadist (the pull), push (into the inbox), direct (decode-first), secret (the "
-                             "pull with a link secret), tls (the pull with a link secret and link encryption), nixl")
+                             "pull with a link secret), tls (the pull with a link secret and link encryption), owner "
+                             "(the pull served by the prefill's engine, access \"owner\"), nixl")
+    parser.add_argument("--busy", type=int, default=0,
+                        help="spinning processes beside the instances while the phases are measured (a busy host)")
     parser.add_argument("--output", type=Path, default=Path("build/bench-vllm-pd.json"))
     parser.add_argument("--shapes", default="", help="then bench_vllm_shapes.py for these shapes ('all': every one)")
     parser.add_argument("--model", choices=("llama", "sliding"), default="llama",
@@ -350,7 +370,7 @@ def main() -> None:
 
     layouts = listed(args.layouts, LAYOUTS, "--layouts")
     phase_names = listed(args.phases, PHASES, "--phases")
-    kinds = listed(args.connectors, ("datadist", "push", "direct", "secret", "tls", "nixl"), "--connectors")
+    kinds = listed(args.connectors, ("datadist", "push", "direct", "secret", "tls", "owner", "nixl"), "--connectors")
     if args.requests < 1 or args.batch < 1 or args.rounds < 1:
         parser.error("--rounds, --requests and --batch must be at least 1")
     if args.model == "sliding" and "push" in kinds:

@@ -24,11 +24,9 @@ import json
 import os
 import platform
 import sys
-from pathlib import Path
 from typing import Any
 
 from . import pair
-from .arguments import byte_size, positive
 from .pair import BLOCK, TENSORS, span
 
 VARIANTS = ("owner", "one_sided")
@@ -44,13 +42,7 @@ def parser() -> argparse.ArgumentParser:
         "owner's host quiet and busy: push and pull throughput (4 MiB blocks) and an awaited 4 KiB push. Writes "
         "DIR/datadist_bench_access.json.")
     p.add_argument("--access", action="store_true", help="this benchmark (required)")
-    p.add_argument("--quick", action="store_true", help="64 MiB per batch, 2 rounds of 3 batches, 200 small pushes")
-    p.add_argument("--output", type=Path, metavar="DIR", default=Path("bench-results"),
-                   help="directory for the JSON (default: %(default)s)")
-    p.add_argument("--cache-size", type=byte_size, metavar="SIZE", help="bytes moved per batch (default 256M)")
-    p.add_argument("--rounds", type=positive, help="rounds of each variant and load, alternating (default 3; quick 2)")
-    p.add_argument("--iterations", type=positive, help="timed batches per figure of a round (default 5; quick 3)")
-    p.add_argument("--small-ops", type=positive, help="awaited 4 KiB pushes per round (default 1000; quick 200)")
+    pair.add_workload_arguments(p)
     p.add_argument("--busy", type=int, default=os.cpu_count() or 1,
                    help="spinning processes beside the owner when busy (default: the cores, %(default)s)")
     return p
@@ -95,12 +87,7 @@ def table(report: dict[str, Any]) -> str:
 
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
-    cache_bytes = args.cache_size or ((64 << 20) if args.quick else (256 << 20))
-    if cache_bytes % (TENSORS * BLOCK):
-        parser().error(f"--cache-size must be a multiple of {TENSORS * BLOCK >> 20} MiB")
-    rounds = args.rounds or (2 if args.quick else 3)
-    iterations = args.iterations or (3 if args.quick else 5)
-    small_ops = args.small_ops or (200 if args.quick else 1000)
+    cache_bytes, rounds, iterations, small_ops = pair.workload(args, parser())
     results = []
     for r in range(rounds):
         for load in LOADS:

@@ -30,12 +30,10 @@ import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any, Optional
 
 
 from . import pair
-from .arguments import byte_size, positive
 from .pair import BLOCK, TENSORS, span as _span
 
 GOALS = {"throughput_vs_plain": 0.6, "throughput_vs_openssl": 0.8, "small_push_vs_plain": 1.3}
@@ -48,13 +46,7 @@ def parser() -> argparse.ArgumentParser:
         "(4 MiB blocks), an awaited 4 KiB push, and openssl speed for AES-128-GCM. Writes "
         "DIR/datadist_bench_encryption.json.")
     p.add_argument("--encryption", action="store_true", help="this benchmark (required)")
-    p.add_argument("--quick", action="store_true", help="64 MiB per batch, 2 rounds of 3 batches, 200 small pushes")
-    p.add_argument("--output", type=Path, metavar="DIR", default=Path("bench-results"),
-                   help="directory for the JSON (default: %(default)s)")
-    p.add_argument("--cache-size", type=byte_size, metavar="SIZE", help="bytes moved per batch (default 256M)")
-    p.add_argument("--rounds", type=positive, help="rounds of each variant, alternating (default 3; quick 2)")
-    p.add_argument("--iterations", type=positive, help="timed batches per figure of a round (default 5; quick 3)")
-    p.add_argument("--small-ops", type=positive, help="awaited 4 KiB pushes per round (default 1000; quick 200)")
+    pair.add_workload_arguments(p)
     return p
 
 
@@ -143,12 +135,7 @@ def table(report: dict[str, Any]) -> str:
 
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
-    cache_bytes = args.cache_size or ((64 << 20) if args.quick else (256 << 20))
-    if cache_bytes % (TENSORS * BLOCK):
-        parser().error(f"--cache-size must be a multiple of {TENSORS * BLOCK >> 20} MiB")
-    rounds = args.rounds or (2 if args.quick else 3)
-    iterations = args.iterations or (3 if args.quick else 5)
-    small_ops = args.small_ops or (200 if args.quick else 1000)
+    cache_bytes, rounds, iterations, small_ops = pair.workload(args, parser())
     results = []
     for r in range(rounds):
         for variant in ("off", "tls"):

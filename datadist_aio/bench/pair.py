@@ -13,6 +13,7 @@ serve other work).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import hashlib
 import multiprocessing as mp
@@ -22,9 +23,12 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
+
+from .arguments import byte_size, positive
 
 OWNER, INITIATOR = 2, 1
 BULK_MODEL, SMALL_MODEL = 1, 2
@@ -33,6 +37,33 @@ BLOCK = 4 << 20
 SMALL_BLOCK = 4096
 SMALL_BLOCKS = 16
 ANSWER_S = 300.0
+
+
+class Workload(NamedTuple):
+    cache_bytes: int
+    rounds: int
+    iterations: int
+    small_ops: int
+
+
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """The options every comparison of this kind takes."""
+    p.add_argument("--quick", action="store_true", help="64 MiB per batch, 2 rounds of 3 batches, 200 small pushes")
+    p.add_argument("--output", type=Path, metavar="DIR", default=Path("bench-results"),
+                   help="directory for the JSON (default: %(default)s)")
+    p.add_argument("--cache-size", type=byte_size, metavar="SIZE", help="bytes moved per batch (default 256M)")
+    p.add_argument("--rounds", type=positive, help="rounds of each variant, alternating (default 3; quick 2)")
+    p.add_argument("--iterations", type=positive, help="timed batches per figure of a round (default 5; quick 3)")
+    p.add_argument("--small-ops", type=positive, help="awaited 4 KiB pushes per round (default 1000; quick 200)")
+
+
+def workload(args: argparse.Namespace, p: argparse.ArgumentParser) -> Workload:
+    """The workload the options ask for (`p` reports a cache size that does not split into blocks)."""
+    cache_bytes = args.cache_size or ((64 << 20) if args.quick else (256 << 20))
+    if cache_bytes % (TENSORS * BLOCK):
+        p.error(f"--cache-size must be a multiple of {TENSORS * BLOCK >> 20} MiB")
+    return Workload(cache_bytes, args.rounds or (2 if args.quick else 3), args.iterations or (3 if args.quick else 5),
+                    args.small_ops or (200 if args.quick else 1000))
 
 
 def _config(settings: dict[str, Any], secret: str, pool_bytes: int, listen: bool) -> Any:

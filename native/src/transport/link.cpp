@@ -150,20 +150,13 @@ std::function<void(std::vector<uint8_t> body)> Link::messenger() {
 }
 
 void Link::refuse_moved(uint64_t group) {
-  if (group == 0) return;
   std::lock_guard<std::mutex> lock(mu_);
-  if (!moved_refused_.insert(group).second) return;
-  moved_refused_order_.push_back(group);
-  if (moved_refused_order_.size() > kMaxRefusedGroups) {
-    moved_refused_.erase(moved_refused_order_.front());
-    moved_refused_order_.pop_front();
-  }
+  moved_refused_.add(group);
 }
 
 bool Link::moved_refused(uint64_t group) const {
-  if (group == 0) return false;
   std::lock_guard<std::mutex> lock(mu_);
-  return moved_refused_.count(group) != 0;
+  return moved_refused_.has(group);
 }
 
 bool Link::start_connections() {
@@ -955,7 +948,7 @@ Status Link::resolve_in_group(const wire::Request &req, ResolvedTarget &target) 
   const uint64_t group = req.target.group;
   if (group != 0) {
     std::lock_guard<std::mutex> lock(mu_);
-    if (refused_groups_.count(group) != 0) {
+    if (refused_groups_.has(group)) {
       target.why = "an earlier request of the same ordered transfer (an earlier layer) was refused";
       return llm_datadist::LLM_FAILED;
     }
@@ -966,14 +959,8 @@ Status Link::resolve_in_group(const wire::Request &req, ResolvedTarget &target) 
 }
 
 void Link::refuse_group(uint64_t group) {
-  if (group == 0) return;
   std::lock_guard<std::mutex> lock(mu_);
-  if (!refused_groups_.insert(group).second) return;
-  refused_order_.push_back(group);
-  if (refused_order_.size() > kMaxRefusedGroups) {
-    refused_groups_.erase(refused_order_.front());
-    refused_order_.pop_front();
-  }
+  refused_groups_.add(group);
 }
 
 Status Link::refuse_served(uint64_t group, Status status, std::string &out, std::string why, const char *context) {

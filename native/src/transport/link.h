@@ -56,6 +56,27 @@ class Link;
 // its in-flight layers, so only a very old one could come back.
 inline constexpr size_t kMaxRefusedGroups = 1024;
 
+// Ordered transfers remembered as refused (by their group); past
+// kMaxRefusedGroups the oldest is forgotten. Not locked: its owner's lock
+// guards it.
+class RefusedGroups {
+ public:
+  void add(uint64_t group) {
+    if (group == 0 || !set_.insert(group).second) return;
+    order_.push_back(group);
+    if (order_.size() > kMaxRefusedGroups) {
+      set_.erase(order_.front());
+      order_.pop_front();
+    }
+  }
+  bool has(uint64_t group) const { return group != 0 && set_.count(group) != 0; }
+  size_t size() const { return set_.size(); }
+
+ private:
+  std::unordered_set<uint64_t> set_;
+  std::deque<uint64_t> order_;
+};
+
 // What a link needs from the transport that owns it.
 class LinkHost {
  public:
@@ -431,12 +452,10 @@ class Link : public std::enable_shared_from_this<Link>,
   Status down_reason_ = llm_datadist::LLM_LINK_FAILED;
   std::string down_why_;  // what fail() was told, for the operations it ends
   // Owner side: groups refused, the oldest forgotten past kMaxRefusedGroups.
-  std::unordered_set<uint64_t> refused_groups_;
-  std::deque<uint64_t> refused_order_;
+  RefusedGroups refused_groups_;
   // Initiator side: ordered transfers of this end's that a path moving
-  // bytes itself refused, the oldest forgotten past kMaxRefusedGroups.
-  std::unordered_set<uint64_t> moved_refused_;
-  std::deque<uint64_t> moved_refused_order_;
+  // bytes itself refused.
+  RefusedGroups moved_refused_;
   std::shared_ptr<LookupState> probe_;  // the probe out, if any
   // Inline frames on device memory: those sent, bytes served, and the
   // waits for a stream that blocked a thread of this end's while serving
