@@ -544,8 +544,9 @@ class LLMConfig:
         can be reused. Reads through a cache key, device memory, TCP and UCX
         stay served by the owner. ``"owner"``: the owner of the memory moves
         every byte, as each operation's frame arrives. A link's ends may
-        differ: one-sided needs both. ``link_stats`` counts the bytes each way
-        moved. See docs/security.md.
+        differ: one-sided needs both. Unset, the engine reads the environment
+        variable ``DATADIST_AIO_ACCESS``; with neither, ``"one_sided"``.
+        ``link_stats`` counts the bytes each way moved. See docs/security.md.
 
         Raises:
             TypeError: If not a str.

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any, Optional
 
 import numpy as np
 import pytest
@@ -42,9 +43,12 @@ def stats(peer: Peer, other: int) -> dict[str, int]:
     return peer.engine("link_stats", other)
 
 
-def linked(group: PeerGroup, access: str = "one_sided", timeout_ms: int = 5000) -> tuple[Peer, Peer]:
-    """A (the initiator, with ``access``) linked to B (the owner, default access) on the same-host path."""
-    a = group.start("a", dd.LLMRole.PROMPT, A, options={"access": access, "sync_kv_timeout": timeout_ms})
+def linked(group: PeerGroup, access: Optional[str] = "one_sided", timeout_ms: int = 5000) -> tuple[Peer, Peer]:
+    """A (the initiator, with ``access``; None: unset) linked to B (the owner, access unset) on the same-host path."""
+    options: dict[str, Any] = {"sync_kv_timeout": timeout_ms}
+    if access is not None:
+        options["access"] = access
+    a = group.start("a", dd.LLMRole.PROMPT, A, options=options)
     b = group.start("b", dd.LLMRole.DECODER, B)
     assert a.link(b) == LINKED
     assert wait_for_path(b, A, "same_host")
@@ -233,3 +237,26 @@ def test_the_access_option():
     datadist = dd.LLMDataDist(dd.LLMRole.PROMPT, A)
     with raises_status(dd.LLMStatusCode.LLM_PARAM_INVALID):
         datadist.init({"llm.EnableCacheManager": "1", "llm.Access": "both"})
+
+
+def test_the_access_environment_variable(group, monkeypatch):
+    # Unset in the config, the engine takes DATADIST_AIO_ACCESS (the
+    # children inherit it): owner-served, a frozen owner holds the push up.
+    monkeypatch.setenv("DATADIST_AIO_ACCESS", "owner")
+    a, b = linked(group, access=None, timeout_ms=1000)
+    remote = b.allocate(blocks_desc(), blocks=True, model_id=5)
+    local = a.allocate(blocks_desc(), blocks=True)
+    assert a.cm("push_blocks", remote.blocks_key(), local, [0], [0]) is None
+    mine, theirs = stats(a, B), stats(b, A)
+    assert (mine["framed_ops"], mine["one_sided_ops"], theirs["grants_given"]) == (1, 0, 0), (mine, theirs)
+    b.stop()
+    try:
+        with raises_status(dd.LLMStatusCode.LLM_TIMEOUT):
+            a.cm("push_blocks", remote.blocks_key(), local, [0], [0])
+    finally:
+        b.cont()
+    monkeypatch.setenv("DATADIST_AIO_ACCESS", "sideways")
+    datadist = dd.LLMDataDist(dd.LLMRole.PROMPT, A)
+    with raises_status(dd.LLMStatusCode.LLM_PARAM_INVALID) as refused:
+        datadist.init({"llm.EnableCacheManager": "1"})
+    assert "DATADIST_AIO_ACCESS" in str(refused.value), refused.value

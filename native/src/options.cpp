@@ -216,12 +216,17 @@ Status parse_options(const OptionMap &options, EngineOptions &out) {
                                          ") must be off or tls, got '" + encryption + "'");
   }
   out.encrypt = encryption == "tls";
-  if (const std::string *access = find(options, kOptAccess)) {
-    if (*access != "one_sided" && *access != "owner") {
-      return refuse(LLM_PARAM_INVALID, "llm.Access must be one_sided or owner, got '" + *access + "'");
-    }
-    out.one_sided = *access == "one_sided";
+  std::string access = "one_sided";
+  if (const std::string *set = find(options, kOptAccess)) {
+    access = *set;
+  } else if (const char *env = std::getenv(kAccessEnv); env != nullptr && *env != '\0') {
+    access = env;
   }
+  if (access != "one_sided" && access != "owner") {
+    return refuse(LLM_PARAM_INVALID, "access (llm.Access or " + std::string(kAccessEnv) +
+                                         ") must be one_sided or owner, got '" + access + "'");
+  }
+  out.one_sided = access == "one_sided";
   if (const std::string *flag = find(options, kOptAllowUnencryptedUcx)) {
     if (*flag != "0" && *flag != "1") {
       return refuse(LLM_PARAM_INVALID, "llm.AllowUnencryptedUcx must be 0 or 1, got '" + *flag + "'");

@@ -58,6 +58,7 @@ inline constexpr const char *kOptHandshakeTimeout = "llm.HandshakeTimeoutMs";
 // 0: never (they settle when a waiter comes, or at their deadline).
 inline constexpr const char *kOptAnswerSweepMs = "llm.AnswerSweepMs";
 inline constexpr const char *kOptAccess = "llm.Access";
+inline constexpr const char *kAccessEnv = "DATADIST_AIO_ACCESS";
 inline constexpr const char *kOptLinkTotalTime = "llm.LinkTotalTime";
 inline constexpr const char *kOptLinkRetryCount = "llm.LinkRetryCount";
 inline constexpr const char *kOptRdmaServiceLevel = "llm.RdmaServiceLevel";
@@ -87,7 +88,7 @@ struct EngineOptions {
   std::string auth_key;   // llm.AuthKey, else $DATADIST_AIO_AUTH_KEY
   bool encrypt = false;   // llm.LinkEncryption "tls", else $DATADIST_AIO_LINK_ENCRYPTION
   bool allow_unencrypted_ucx = false;  // llm.AllowUnencryptedUcx
-  bool one_sided = true;  // llm.Access "one_sided" (default), else "owner"
+  bool one_sided = true;  // llm.Access "one_sided" (default) or "owner", else $DATADIST_AIO_ACCESS
   std::string tls_cert_file;  // llm.TlsCertFile
   std::string tls_key_file;   // llm.TlsKeyFile
   std::string tls_ca_file;    // llm.TlsCaFile

@@ -60,7 +60,8 @@ constexpr const char OPTION_LINK_ENCRYPTION[] = "llm.LinkEncryption";
 // engine grants each peer that reaches its memory its remotely accessible
 // host caches once, and that peer moves the bytes of its operations on them
 // itself (kernel copies checked against the grant), with no frame to the
-// owner; "owner": the owner of the memory moves every byte.
+// owner; "owner": the owner of the memory moves every byte. Without it, the
+// environment variable DATADIST_AIO_ACCESS; without either, "one_sided".
 constexpr const char OPTION_ACCESS[] = "llm.Access";
 // Not upstream: "1" lets transport "ucx" move bytes unencrypted while links are encrypted.
 constexpr const char OPTION_ALLOW_UNENCRYPTED_UCX[] = "llm.AllowUnencryptedUcx";
