@@ -137,6 +137,26 @@ Status parse_pool_config(const std::string &json, PoolConfig &out) {
   return LLM_SUCCESS;
 }
 
+namespace {
+
+// The value of option `key`, else of environment variable `env` (set and not
+// empty), else `first`; LLM_PARAM_INVALID, naming both, unless it is `first`
+// or `second`.
+Status either(const OptionMap &options, const char *key, const char *env, const char *what, const char *first,
+              const char *second, std::string &out) {
+  out = first;
+  if (const std::string *set = find(options, key)) {
+    out = *set;
+  } else if (const char *value = std::getenv(env); value != nullptr && *value != '\0') {
+    out = value;
+  }
+  if (out == first || out == second) return LLM_SUCCESS;
+  return refuse(LLM_PARAM_INVALID, std::string(what) + " (" + key + " or " + env + ") must be " + first + " or " +
+                                       second + ", got '" + out + "'");
+}
+
+}  // namespace
+
 Status parse_options(const OptionMap &options, EngineOptions &out) {
   if (const std::string *role = find(options, kOptRole)) {
     if (role_code(*role) == 0) return refuse(LLM_PARAM_INVALID, "unknown role '" + *role + "'");
@@ -205,27 +225,12 @@ Status parse_options(const OptionMap &options, EngineOptions &out) {
   } else if (const char *env = std::getenv(kAuthKeyEnv); env != nullptr && *env != '\0') {
     out.auth_key = env;
   }
-  std::string encryption = "off";
-  if (const std::string *mode = find(options, kOptLinkEncryption)) {
-    encryption = *mode;
-  } else if (const char *env = std::getenv(kLinkEncryptionEnv); env != nullptr && *env != '\0') {
-    encryption = env;
-  }
-  if (encryption != "off" && encryption != "tls") {
-    return refuse(LLM_PARAM_INVALID, "link encryption (llm.LinkEncryption or " + std::string(kLinkEncryptionEnv) +
-                                         ") must be off or tls, got '" + encryption + "'");
-  }
+  std::string encryption, access;
+  Status st = either(options, kOptLinkEncryption, kLinkEncryptionEnv, "link encryption", "off", "tls", encryption);
+  if (st != LLM_SUCCESS) return st;
   out.encrypt = encryption == "tls";
-  std::string access = "one_sided";
-  if (const std::string *set = find(options, kOptAccess)) {
-    access = *set;
-  } else if (const char *env = std::getenv(kAccessEnv); env != nullptr && *env != '\0') {
-    access = env;
-  }
-  if (access != "one_sided" && access != "owner") {
-    return refuse(LLM_PARAM_INVALID, "access (llm.Access or " + std::string(kAccessEnv) +
-                                         ") must be one_sided or owner, got '" + access + "'");
-  }
+  st = either(options, kOptAccess, kAccessEnv, "access", "one_sided", "owner", access);
+  if (st != LLM_SUCCESS) return st;
   out.one_sided = access == "one_sided";
   if (const std::string *flag = find(options, kOptAllowUnencryptedUcx)) {
     if (*flag != "0" && *flag != "1") {
