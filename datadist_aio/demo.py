@@ -162,6 +162,10 @@ async def _prefill(
         await cache_manager.push_blocks_async(BlocksCacheKey(DECODE_ID, 0), cache, src_blocks, block_table)
         seconds = time.perf_counter() - start
         sent = _digest(cache, src_blocks)
+        # On one host, who copied: this side under the decode's grant
+        # (one-sided), or the decode side, the owner of the blocks.
+        if path == "same_host" and datadist._engine.link_stats(DECODE_ID).get("one_sided_ops", 0) > 0:
+            path = "same_host_one_sided"
         datadist.unlink_clusters([cluster])
         return seconds, block_table, sent, path
 
@@ -187,6 +191,7 @@ def _recv(conn: Connection, decode: Any, expected: str) -> Any:
 
 _PATHS = {
     "same_host": "same host: one kernel copy by the decode side",
+    "same_host_one_sided": "same host: one kernel copy by the prefill side, under the decode side's grant",
     "tcp": "TCP on loopback",
     "ucx": "UCX on loopback",
 }
