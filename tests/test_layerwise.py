@@ -778,12 +778,20 @@ async def test_refusal_at_a_middle_layer(prefill):
             dd.TransferConfig(C, raw(c.tensor_addrs(y), range(0, 4)), range(0, 4), 0),
             dd.TransferConfig(B, raw(b.tensor_addrs(other), range(0, 4), 2 * SLOT), range(0, 4), 1),
         ]
+    if prefill.mode == "key":
+        # With B's grants here, this side refuses layer 2 itself (one-sided)
+        # and the rest of the config after it, as B would.
+        engine = prefill.datadist._engine
+        await eventually(lambda: engine.link_stats(B)["grants_held"] == 2, "B's grants of both caches", 5.0)
+        moved_before = engine.link_stats(B)["one_sided_ops"]
     task = prefill.cm.transfer_cache_async(src, prefill.synchronizer(), configs)
     with raises_status(PARAM_INVALID):
         await settled(task)
     assert task.done() and not task.cancelled()
     assert task.get_results() == [PARAM_INVALID, SUCCESS, SUCCESS]
     assert task.synchronize() is PARAM_INVALID
+    if prefill.mode == "key":
+        assert engine.link_stats(B)["one_sided_ops"] - moved_before == 4 + 2, "layers 0-3 to other, 0-1 to short"
     # Layers 0 and 1 went to destination layers 1 and 2; nothing else changed.
     assert_tensors(b.read(short), expect(short_before, sent, [(0, 1), (1, 2)], slot_moves(2, 1)), "(refused)")
     assert_tensors(c.read(y), expect(y_before, sent, pairs(range(0, 4)), slot_moves(0, 0)), "on C")
