@@ -238,18 +238,31 @@ void Grantor::revoke(Given given) {
   GrantSlot &slot = table_->slot(given.slot);
   slot.state.store(given.state | 1);
   revoked_.fetch_add(1, std::memory_order_relaxed);
+  // Once the count is seen at 0 after the state was marked, every copy
+  // that found the grant standing has ended, and any later one finds it
+  // revoked: a count seen above 0 again afterwards is such a one, leaving.
+  // A copy running takes a kernel call's time; a holder that died holds
+  // nothing.
   std::shared_ptr<Pidfd> holder;
-  if (slot.in_flight.load() != 0) {
-    // A copy of the holder's is running (or counted itself in and will
-    // find the grant revoked): it takes a kernel call's time.
-    revoke_waits_.fetch_add(1, std::memory_order_relaxed);
-    holder = std::make_shared<Pidfd>(holder_);
-    const auto until = std::chrono::steady_clock::now() + kRevokeWait;
-    while (slot.in_flight.load() != 0 && holder->alive() && std::chrono::steady_clock::now() < until) {
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
+  const auto until = std::chrono::steady_clock::now() + kRevokeWait;
+  bool quiet = false;
+  while (!quiet) {
+    if (slot.in_flight.load() == 0) {
+      quiet = true;
+      break;
     }
+    if (!holder) {
+      revoke_waits_.fetch_add(1, std::memory_order_relaxed);
+      holder = std::make_shared<Pidfd>(holder_);
+    }
+    if (!holder->alive()) {
+      quiet = true;
+      break;
+    }
+    if (std::chrono::steady_clock::now() >= until) break;
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
-  if (slot.in_flight.load() != 0 && holder->alive()) {
+  if (!quiet) {
     quarantined_.fetch_add(1, std::memory_order_relaxed);
     log_warning("a peer (pid " + std::to_string(holder_) + ") is still in a copy under its grant of cache " +
                 std::to_string(given.pin->id) + "; its memory is held until that copy ends");
