@@ -164,10 +164,11 @@ async def _prefill(
         sent = _digest(cache, src_blocks)
         # On one host, who copied: this side under the decode's grant
         # (one-sided), or the decode side, the owner of the blocks.
-        if path == "same_host" and datadist._engine.link_stats(DECODE_ID).get("one_sided_ops", 0) > 0:
-            path = "same_host_one_sided"
+        how = str(path)
+        if how == "same_host" and datadist._engine.link_stats(DECODE_ID).get("one_sided_ops", 0) > 0:
+            how = "same_host_one_sided"
         datadist.unlink_clusters([cluster])
-        return seconds, block_table, sent, path
+        return seconds, block_table, sent, how
 
 
 def _recv(conn: Connection, decode: Any, expected: str) -> Any:
