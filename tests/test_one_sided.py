@@ -179,6 +179,49 @@ def test_a_cache_renewed_under_a_stream_of_writes_never_receives_one(group):
     assert theirs["grant_revoke_waits"] > 0, theirs  # some revocations met a copy in flight, and waited it out
 
 
+def test_a_holder_frozen_in_a_copy_leaves_the_memory_held(group):
+    # A is stopped (SIGSTOP) while it streams one-sided writes into B's
+    # cache, most likely inside a copy. B's revocation then waits its bound
+    # and leaves the old memory held (quarantined): the new cache lies
+    # elsewhere, and when A runs again the rest of its copy lands in memory
+    # nobody uses. No byte of the new cache changes.
+    a, b = linked(group)
+    desc = dd.CacheDesc(4, [1, 4 * MiB], dd.DataType.DT_UINT8, dd.Placement.HOST)
+    target = b.allocate(desc)
+    local = a.allocate(desc)
+    a.fill(local, 9)
+    wait_granted(a, 1)
+    for attempt in range(20):
+        wait_granted(a, 1)
+        a.stream("push_cache", target.key(0), local)
+        wait_until(lambda: a.stream_counts().get("LLM_SUCCESS", 0) >= 3, "one-sided writes stream")
+        a.stop()
+        try:
+            started = time.monotonic()
+            renewed, same = b.renew(target, seed=300 + attempt)
+            took = time.monotonic() - started
+            held = stats(b, A)["grants_quarantined"]
+        finally:
+            a.cont()
+        target = renewed
+        if held:
+            break
+        # A was stopped outside a copy: the revocation did not wait.
+        assert took < 1.5, took
+        a.stream_stop()
+    else:
+        pytest.fail("A was never stopped inside a copy in 20 tries")
+    assert held == 1 and not same, (held, same)
+    assert 1.9 <= took < 10, took  # the revocation waited out its 2 s bound, then returned
+    time.sleep(0.2)  # A's stream goes on toward the freed cache's id
+    counts = a.stream_stop()
+    assert set(counts) <= {"LLM_SUCCESS", "LLM_KV_CACHE_NOT_EXIST"}, counts
+    expected = seeded_tensors(renewed.desc, 300 + attempt)
+    got = b.read(renewed)
+    for t in range(4):
+        assert np.array_equal(got[t], expected[t]), f"tensor {t} of the new cache changed"
+
+
 def test_grants_follow_the_registry(group):
     a, b = linked(group)
     first = b.allocate(blocks_desc(), blocks=True, model_id=5)
