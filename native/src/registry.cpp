@@ -29,13 +29,13 @@ Registry::KeyId Registry::key_id(const KeySpec &key) {
 
 Status Registry::add(std::shared_ptr<CacheEntry> entry, const std::vector<KeySpec> &keys,
                      std::optional<uint64_t> blocks_model_id, bool check_keys, int64_t &cache_id) {
-  Status st = add_locked(entry, keys, blocks_model_id, check_keys, cache_id);
+  Status st = insert(entry, keys, blocks_model_id, check_keys, cache_id);
   if (st == LLM_SUCCESS) tell_added(entry);
   return st;
 }
 
-Status Registry::add_locked(const std::shared_ptr<CacheEntry> &entry, const std::vector<KeySpec> &keys,
-                            std::optional<uint64_t> blocks_model_id, bool check_keys, int64_t &cache_id) {
+Status Registry::insert(const std::shared_ptr<CacheEntry> &entry, const std::vector<KeySpec> &keys,
+                        std::optional<uint64_t> blocks_model_id, bool check_keys, int64_t &cache_id) {
   std::lock_guard<std::mutex> lock(mu_);
   if (check_keys) {
     if (keys.size() > entry->geometry.num_slots) {

@@ -146,8 +146,9 @@ class Registry {
   using KeyId = std::tuple<uint8_t, uint64_t, uint64_t>;  // namespace, id, model id
   static KeyId key_id(const KeySpec &key);
   void drop_keys_locked(const CacheEntry *entry);
-  Status add_locked(const std::shared_ptr<CacheEntry> &entry, const std::vector<KeySpec> &keys,
-                    std::optional<uint64_t> blocks_model_id, bool check_keys, int64_t &cache_id);
+  // add()'s part under the registry's lock (taken here), before the watchers hear of it.
+  Status insert(const std::shared_ptr<CacheEntry> &entry, const std::vector<KeySpec> &keys,
+                std::optional<uint64_t> blocks_model_id, bool check_keys, int64_t &cache_id);
   // Tells the watchers (no lock of the registry's held).
   void tell_added(const std::shared_ptr<CacheEntry> &entry);
   void tell_removed(const std::vector<std::shared_ptr<CacheEntry>> &entries);

@@ -99,11 +99,11 @@ void sweep_quarantine() {
 
 }  // namespace
 
-bool is_grant_message(const uint8_t *body, size_t size) {
+uint32_t grant_message_kind(const uint8_t *body, size_t size) {
   uint32_t kind = 0;
-  if (size < sizeof(kind)) return false;
+  if (size < sizeof(kind)) return 0;
   std::memcpy(&kind, body, sizeof(kind));
-  return kind == kGrantTableMessage || kind == kGrantMessage || kind == kTableTakenMessage;
+  return kind == kGrantTableMessage || kind == kGrantMessage || kind == kTableTakenMessage ? kind : 0;
 }
 
 std::vector<uint8_t> table_taken_message(bool taken) {
@@ -165,9 +165,12 @@ Grantor::Grantor(Registry &registry, Send send, pid_t holder)
 
 Grantor::~Grantor() { reap(); }
 
-void Grantor::table_taken() {
+bool Grantor::take_answer(const uint8_t *body, size_t size) {
+  (void)body;
+  if (size != sizeof(TableMessage)) return false;
   std::lock_guard<std::mutex> lock(mu_);
   if (table_) table_->close_fd();
+  return true;
 }
 
 bool Grantor::start(std::string &why) {
@@ -246,7 +249,7 @@ void Grantor::revoke(Given given) {
   std::shared_ptr<Pidfd> holder;
   const auto until = std::chrono::steady_clock::now() + kRevokeWait;
   bool quiet = false;
-  while (!quiet) {
+  for (;;) {
     if (slot.in_flight.load() == 0) {
       quiet = true;
       break;

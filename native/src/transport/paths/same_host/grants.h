@@ -76,8 +76,8 @@ enum MessageKind : uint32_t {
   kTableTakenMessage = 0x53480004,  // the holder's answer to the table: taken (or not), the owner closes its descriptor
 };
 
-// Whether a path message is one of these.
-bool is_grant_message(const uint8_t *body, size_t size);
+// The kind of a path message that is one of these; 0 otherwise.
+uint32_t grant_message_kind(const uint8_t *body, size_t size);
 // The holder's answer to a table: whether it took it.
 std::vector<uint8_t> table_taken_message(bool taken);
 
@@ -102,8 +102,9 @@ class Grantor : public RegistryWatcher, public std::enable_shared_from_this<Gran
   bool start(std::string &why);
   void added(const std::shared_ptr<CacheEntry> &entry) override;
   void removed(const std::shared_ptr<CacheEntry> &entry) override;
-  // The holder answered the table (kTableTakenMessage).
-  void table_taken();
+  // The holder's answer to the table (kTableTakenMessage): this end's
+  // descriptor of it closes. False when the message is malformed.
+  bool take_answer(const uint8_t *body, size_t size);
   // The link is gone: every grant is revoked (no message).
   void reap();
   void counters(std::map<std::string, uint64_t> &out) const;

@@ -39,27 +39,27 @@ void SameHostPath::running() {
 
 void SameHostPath::start_granting() {
   if (!one_sided_ || peer_pid_ <= 0 || host_ == nullptr) return;
-  std::shared_ptr<same_host::Grantor> grantor;
+  std::shared_ptr<same_host::Grantor> granting;
   {
     std::lock_guard<std::mutex> lock(grants_mu_);
     if (grantor_) return;
     grantor_ = std::make_shared<same_host::Grantor>(host_->registry(), host_->messenger(), peer_pid_);
-    grantor = grantor_;
+    granting = grantor_;
   }
   std::string why;
-  if (!grantor->start(why)) {
+  if (!granting->start(why)) {
     log_warning("the peer (pid " + std::to_string(peer_pid_) + ") is granted no cache (" + why +
                 "); this end serves its operations");
   }
 }
 
+std::shared_ptr<same_host::Grantor> SameHostPath::grantor() const {
+  std::lock_guard<std::mutex> lock(grants_mu_);
+  return grantor_;
+}
+
 void SameHostPath::reap() {
-  std::shared_ptr<same_host::Grantor> grantor;
-  {
-    std::lock_guard<std::mutex> lock(grants_mu_);
-    grantor = grantor_;
-  }
-  if (grantor) grantor->reap();
+  if (const std::shared_ptr<same_host::Grantor> granting = grantor()) granting->reap();
   if (book_) book_->clear();
 }
 
@@ -231,20 +231,14 @@ bool SameHostPath::first_frame(wire::FrameType &type) const {
 
 bool SameHostPath::takes(wire::FrameType type, const std::vector<uint8_t> &body, bool &ok) {
   if (type == wire::FrameType::kPathMessage) {
-    if (!same_host::is_grant_message(body.data(), body.size())) return false;
+    const uint32_t kind = same_host::grant_message_kind(body.data(), body.size());
+    if (kind == 0) return false;
     ok = offered_;
     if (!ok) return true;
-    uint32_t kind;
-    std::memcpy(&kind, body.data(), sizeof(kind));
     if (kind == same_host::kTableTakenMessage) {
       // The peer took this end's table (or could not): the descriptor goes.
-      std::shared_ptr<same_host::Grantor> grantor;
-      {
-        std::lock_guard<std::mutex> lock(grants_mu_);
-        grantor = grantor_;
-      }
-      ok = body.size() == same_host::table_taken_message(false).size() && grantor != nullptr;
-      if (ok) grantor->table_taken();
+      const std::shared_ptr<same_host::Grantor> granting = grantor();
+      ok = granting != nullptr && granting->take_answer(body.data(), body.size());
       return true;
     }
     std::vector<uint8_t> answer;
@@ -275,12 +269,7 @@ void SameHostPath::counters(std::map<std::string, uint64_t> &out) const {
   out["one_sided_bytes_written"] += one_sided_written_.load(std::memory_order_relaxed);
   out["one_sided_bytes_read"] += one_sided_read_.load(std::memory_order_relaxed);
   out["grants_held"] += book_ ? book_->held() : 0;
-  std::shared_ptr<same_host::Grantor> grantor;
-  {
-    std::lock_guard<std::mutex> lock(grants_mu_);
-    grantor = grantor_;
-  }
-  if (grantor) grantor->counters(out);
+  if (const std::shared_ptr<same_host::Grantor> granting = grantor()) granting->counters(out);
 }
 
 void SameHostPath::zero_counters(std::map<std::string, uint64_t> &out) {

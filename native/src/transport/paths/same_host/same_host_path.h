@@ -74,6 +74,8 @@ class SameHostPath : public DataPath {
 
   // Grants this end's caches to the peer (once it reaches this end's memory).
   void start_granting();
+  // This end's grants to the peer, once made (else null).
+  std::shared_ptr<same_host::Grantor> grantor() const;
 
   const bool offered_;
   const bool announce_;
