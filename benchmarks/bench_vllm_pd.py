@@ -88,6 +88,7 @@ from typing import Any, Callable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+from datadist_aio.bench.pair import spinners, stop_spinners  # noqa: E402
 from vllm_pd import (  # noqa: E402
     Engine,
     EngineError,
@@ -302,16 +303,14 @@ def run_pair(kind: str, layout: str, model: Path, phases: dict[str, tuple[list[l
             one_batch(prefill, decode, prompts_of_lengths([100] * args.batch, seed=98), args.max_tokens, kind)
         results = []
         # A busy host: spinning processes beside both instances while the phases are measured.
-        spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+        busy = spinners(args.busy)
         try:
             for phase, (groups, reference) in phases.items():
                 rows = [one_batch(prefill, decode, group, args.max_tokens, kind) for group in groups]
                 results.append({"layout": layout, "phase": phase, "kind": kind,
                                 **summarize_phase(rows, reference, kind)})
         finally:
-            for spinner in spinners:
-                spinner.kill()
-                spinner.wait()
+            stop_spinners(busy)
         # The instance pair's first request (the first warm-up): its link, handshake and first load.
         for result in results:
             result["first_xfer_ms"] = first["xfer_s"] * 1e3 if first and first["transfers"] else None

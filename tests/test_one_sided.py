@@ -23,7 +23,7 @@ import pytest
 
 import datadist_aio as dd
 from support.links import blocks_desc, wait_for_path
-from support.peer import MiB, Peer, PeerGroup, raises_status, seeded_tensors, wait_until
+from support.peer import CacheRef, MiB, Peer, PeerGroup, raises_status, seeded_tensors, wait_until
 
 SUCCESS = dd.LLMStatusCode.LLM_SUCCESS
 LINKED = (SUCCESS, [SUCCESS])
@@ -57,6 +57,31 @@ def linked(group: PeerGroup, access: Optional[str] = "one_sided", timeout_ms: in
 
 def wait_granted(a: Peer, count: int) -> None:
     wait_until(lambda: stats(a, B)["grants_held"] == count, f"A holds {count} grants of B's")
+
+
+def streaming_pair(group: PeerGroup) -> tuple[Peer, Peer, CacheRef, CacheRef]:
+    """A linked to B, a cache of B's (4 tensors of 4 MiB) granted to A, and
+    a filled cache of A's like it to write from."""
+    a, b = linked(group)
+    desc = dd.CacheDesc(4, [1, 4 * MiB], dd.DataType.DT_UINT8, dd.Placement.HOST)
+    target = b.allocate(desc)
+    local = a.allocate(desc)
+    a.fill(local, 9)
+    wait_granted(a, 1)
+    return a, b, target, local
+
+
+def stream_writes(a: Peer, target: CacheRef, local: CacheRef) -> None:
+    """Starts A's stream of pushes of `local` into slot 0 of `target`, once some landed."""
+    a.stream("push_cache", target.key(0), local)
+    wait_until(lambda: a.stream_counts().get("LLM_SUCCESS", 0) >= 3, "one-sided writes stream")
+
+
+def assert_holds(b: Peer, ref: CacheRef, seed: int, what: str) -> None:
+    """Every byte of B's cache `ref` is what filling it with `seed` wrote."""
+    got = b.read(ref)
+    for t, expected in enumerate(seeded_tensors(ref.desc, seed)):
+        assert np.array_equal(got[t], expected), f"{what}: tensor {t} of the new cache changed"
 
 
 def block_rows(tensors: list[np.ndarray], blocks: list[int]) -> list[np.ndarray]:
@@ -150,25 +175,16 @@ def test_a_cache_renewed_under_a_stream_of_writes_never_receives_one(group):
     # one lay, once the grant's copies in flight are out) and fills it. No
     # write under the old grant may land in the new cache: B's revocation
     # waits for the copy in flight, and A's next copy finds the grant revoked.
-    a, b = linked(group)
-    desc = dd.CacheDesc(4, [1, 4 * MiB], dd.DataType.DT_UINT8, dd.Placement.HOST)
-    target = b.allocate(desc)
-    local = a.allocate(desc)
-    a.fill(local, 9)
-    wait_granted(a, 1)
+    a, b, target, local = streaming_pair(group)
     rounds, same_place = 100, 0
     for r in range(rounds):
-        a.stream("push_cache", target.key(0), local)
-        wait_until(lambda: a.stream_counts().get("LLM_SUCCESS", 0) >= 3, "one-sided writes stream")
+        stream_writes(a, target, local)
         renewed, same = b.renew(target, seed=100 + r)
         same_place += same
         time.sleep(0.005)  # the stream goes on toward the freed cache's id
         counts = a.stream_stop()
         assert set(counts) <= {"LLM_SUCCESS", "LLM_KV_CACHE_NOT_EXIST"}, counts
-        expected = seeded_tensors(renewed.desc, 100 + r)
-        got = b.read(renewed)
-        for t in range(4):
-            assert np.array_equal(got[t], expected[t]), f"round {r}: tensor {t} of the new cache changed"
+        assert_holds(b, renewed, 100 + r, f"round {r}")
         target = renewed
         wait_granted(a, 1)
     # The pool put the new cache where the old one lay in (nearly) every
@@ -185,16 +201,10 @@ def test_a_holder_frozen_in_a_copy_leaves_the_memory_held(group):
     # and leaves the old memory held (quarantined): the new cache lies
     # elsewhere, and when A runs again the rest of its copy lands in memory
     # nobody uses. No byte of the new cache changes.
-    a, b = linked(group)
-    desc = dd.CacheDesc(4, [1, 4 * MiB], dd.DataType.DT_UINT8, dd.Placement.HOST)
-    target = b.allocate(desc)
-    local = a.allocate(desc)
-    a.fill(local, 9)
-    wait_granted(a, 1)
+    a, b, target, local = streaming_pair(group)
     for attempt in range(20):
         wait_granted(a, 1)
-        a.stream("push_cache", target.key(0), local)
-        wait_until(lambda: a.stream_counts().get("LLM_SUCCESS", 0) >= 3, "one-sided writes stream")
+        stream_writes(a, target, local)
         a.stop()
         try:
             started = time.monotonic()
@@ -216,10 +226,7 @@ def test_a_holder_frozen_in_a_copy_leaves_the_memory_held(group):
     time.sleep(0.2)  # A's stream goes on toward the freed cache's id
     counts = a.stream_stop()
     assert set(counts) <= {"LLM_SUCCESS", "LLM_KV_CACHE_NOT_EXIST"}, counts
-    expected = seeded_tensors(renewed.desc, 300 + attempt)
-    got = b.read(renewed)
-    for t in range(4):
-        assert np.array_equal(got[t], expected[t]), f"tensor {t} of the new cache changed"
+    assert_holds(b, renewed, 300 + attempt, "after A ran on")
 
 
 def test_grants_follow_the_registry(group):
@@ -303,3 +310,25 @@ def test_the_access_environment_variable(group, monkeypatch):
     with raises_status(dd.LLMStatusCode.LLM_PARAM_INVALID) as refused:
         datadist.init({"llm.EnableCacheManager": "1"})
     assert "DATADIST_AIO_ACCESS" in str(refused.value), refused.value
+
+
+def test_the_access_benchmark_runs_and_checks_its_bytes(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "datadist_aio.bench", "--access", "--cache-size", "8M", "--rounds", "1",
+         "--iterations", "1", "--small-ops", "20", "--busy", "1", "--output", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "datadist_bench_access.json").read_text())
+    rows = {(row["variant"], row["load"]): row for row in report["rounds"]}
+    assert set(rows) == {(v, load) for v in ("owner", "one_sided") for load in ("quiet", "busy")}
+    assert all(row["verified"] and row["path"] == "same_host" for row in rows.values())
+    assert all(rows[("one_sided", load)]["framed_ops"] == 0 < rows[("one_sided", load)]["one_sided_ops"]
+               for load in ("quiet", "busy"))
+    assert all(rows[("owner", load)]["one_sided_ops"] == 0 < rows[("owner", load)]["framed_ops"]
+               for load in ("quiet", "busy"))
+    assert "one_sided/owner" in done.stdout

@@ -19,15 +19,12 @@ percentile, largest). Every batch is checked at the other end.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import sys
 from typing import Any
 
 from . import pair
-from .pair import BLOCK, TENSORS, span
+from .pair import span
 
 VARIANTS = ("owner", "one_sided")
 LOADS = ("quiet", "busy")
@@ -87,33 +84,20 @@ def table(report: dict[str, Any]) -> str:
 
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
-    cache_bytes, rounds, iterations, small_ops = pair.workload(args, parser())
+    work = pair.workload(args, parser())
     results = []
-    for r in range(rounds):
+    for r in range(work.rounds):
         for load in LOADS:
             for variant in VARIANTS:
-                row = pair.one_round({"transport": "auto", "access": variant}, cache_bytes, iterations, small_ops,
-                                     busy=args.busy if load == "busy" else 0)
+                row = pair.one_round({"transport": "auto", "access": variant}, work.cache_bytes, work.iterations,
+                                     work.small_ops, busy=args.busy if load == "busy" else 0)
                 row.update(variant=variant, load=load, round=r)
                 results.append(row)
-                print(f"round {r + 1}/{rounds} {load} {variant}: push {row['push_gbps']:.2f} GB/s, pull "
+                print(f"round {r + 1}/{work.rounds} {load} {variant}: push {row['push_gbps']:.2f} GB/s, pull "
                       f"{row['pull_gbps']:.2f} GB/s, 4 KiB push {row['small_push_us_median']:.0f} us "
                       f"(p99 {row['small_push_us_p99']:.0f})", file=sys.stderr)
-    report = {
-        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "host": platform.node(),
-        "cores": os.cpu_count(),
-        "kernel": platform.release(),
-        "workload": {"cache_bytes": cache_bytes, "block_bytes": BLOCK, "tensors": TENSORS, "rounds": rounds,
-                     "iterations": iterations, "small_ops": small_ops, "busy": args.busy},
-        "rounds": results,
-        "summary": summarise(results),
-    }
-    args.output.mkdir(parents=True, exist_ok=True)
-    path = args.output / "datadist_bench_access.json"
-    path.write_text(json.dumps(report, indent=2))
-    print(table(report))
-    print(f"wrote {path}")
+    report = pair.report(work, {"busy": args.busy}, rounds=results, summary=summarise(results))
+    pair.write(args.output, "datadist_bench_access.json", report, table(report))
     ok = all(x["verified"] and x["path"] == "same_host" for x in results)
     ok = ok and all(x["framed_ops"] == 0 for x in results if x["variant"] == "one_sided")
     return 0 if ok else 1

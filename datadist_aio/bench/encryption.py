@@ -22,10 +22,7 @@ over its rounds (each round's figure is the best of its batches).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import re
 import shutil
 import subprocess
@@ -34,7 +31,7 @@ from typing import Any, Optional
 
 
 from . import pair
-from .pair import BLOCK, TENSORS, span as _span
+from .pair import span as _span
 
 GOALS = {"throughput_vs_plain": 0.6, "throughput_vs_openssl": 0.8, "small_push_vs_plain": 1.3}
 
@@ -135,32 +132,17 @@ def table(report: dict[str, Any]) -> str:
 
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
-    cache_bytes, rounds, iterations, small_ops = pair.workload(args, parser())
+    work = pair.workload(args, parser())
     results = []
-    for r in range(rounds):
+    for r in range(work.rounds):
         for variant in ("off", "tls"):
-            row = one_round(variant, cache_bytes, iterations, small_ops)
+            row = one_round(variant, work.cache_bytes, work.iterations, work.small_ops)
             row["round"] = r
             results.append(row)
-            print(f"round {r + 1}/{rounds} {variant}: push {row['push_gbps']:.2f} GB/s, pull {row['pull_gbps']:.2f} "
-                  f"GB/s, 4 KiB push {row['small_push_us_median']:.0f} us", file=sys.stderr)
+            print(f"round {r + 1}/{work.rounds} {variant}: push {row['push_gbps']:.2f} GB/s, pull "
+                  f"{row['pull_gbps']:.2f} GB/s, 4 KiB push {row['small_push_us_median']:.0f} us", file=sys.stderr)
     speed = openssl_speed()
-    report = {
-        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "host": platform.node(),
-        "cores": os.cpu_count(),
-        "kernel": platform.release(),
-        "workload": {"cache_bytes": cache_bytes, "block_bytes": BLOCK, "tensors": TENSORS, "rounds": rounds,
-                     "iterations": iterations, "small_ops": small_ops,
-                     "connections": results[0]["connections"]},
-        "openssl": speed,
-        "rounds": results,
-        "summary": summarise(results, speed),
-        "goals": GOALS,
-    }
-    args.output.mkdir(parents=True, exist_ok=True)
-    path = args.output / "datadist_bench_encryption.json"
-    path.write_text(json.dumps(report, indent=2))
-    print(table(report))
-    print(f"wrote {path}")
+    report = pair.report(work, {"connections": results[0]["connections"]}, openssl=speed, rounds=results,
+                         summary=summarise(results, speed), goals=GOALS)
+    pair.write(args.output, "datadist_bench_encryption.json", report, table(report))
     return 0 if all(x["verified"] for x in results) else 1

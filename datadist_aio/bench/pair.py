@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import hashlib
+import json
 import multiprocessing as mp
 import os
+import platform
 import secrets
 import statistics
 import subprocess
@@ -97,9 +100,15 @@ def _digest(cache: Any) -> str:
     return h.hexdigest()
 
 
-def _spinners(count: int) -> list[subprocess.Popen[bytes]]:
-    """Processes that keep a core each busy until killed."""
+def spinners(count: int) -> list[subprocess.Popen[bytes]]:
+    """Processes that keep a core each busy until killed (`stop_spinners`)."""
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+
+
+def stop_spinners(running: list[subprocess.Popen[bytes]]) -> None:
+    for spinner in running:
+        spinner.kill()
+        spinner.wait()
 
 
 def target_main(conn: Any, settings: dict[str, Any], secret: str, cache_bytes: int, busy: int) -> None:
@@ -108,14 +117,14 @@ def target_main(conn: Any, settings: dict[str, Any], secret: str, cache_bytes: i
     import datadist_aio as dd
 
     datadist = dd.LLMDataDist(dd.LLMRole.DECODER, OWNER)
-    spinners: list[subprocess.Popen[bytes]] = []
+    busy_ones: list[subprocess.Popen[bytes]] = []
     try:
         datadist.init(_config(settings, secret, cache_bytes + (32 << 20), True).generate_options())
         bulk, small = descs(cache_bytes)
         cm = datadist.cache_manager
         cache = cm.allocate_blocks_cache(bulk, dd.BlocksCacheKey(OWNER, BULK_MODEL))
         cm.allocate_blocks_cache(small, dd.BlocksCacheKey(OWNER, SMALL_MODEL))
-        spinners = _spinners(busy)
+        busy_ones = spinners(busy)
         conn.send(("ok", datadist.listen_port))
         while True:
             command, arg = conn.recv()
@@ -133,9 +142,7 @@ def target_main(conn: Any, settings: dict[str, Any], secret: str, cache_bytes: i
     except Exception as exc:  # noqa: BLE001 - told to the other side
         conn.send(("error", repr(exc)))
     finally:
-        for spinner in spinners:
-            spinner.kill()
-            spinner.wait()
+        stop_spinners(busy_ones)
         datadist.finalize()
         conn.close()
 
@@ -265,3 +272,26 @@ def one_round(settings: dict[str, Any], cache_bytes: int, iterations: int, small
 
 def span(values: list[float]) -> dict[str, float]:
     return {"min": min(values), "max": max(values)}
+
+
+def report(work: Workload, workload: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    """A run's JSON: when and where, the workload (`work`, and `workload`'s
+    entries), then `fields`."""
+    return {
+        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "cores": os.cpu_count(),
+        "kernel": platform.release(),
+        "workload": {"cache_bytes": work.cache_bytes, "block_bytes": BLOCK, "tensors": TENSORS, "rounds": work.rounds,
+                     "iterations": work.iterations, "small_ops": work.small_ops, **workload},
+        **fields,
+    }
+
+
+def write(output: Path, name: str, data: dict[str, Any], text: str) -> None:
+    """Writes `data` as OUTPUT/NAME and prints `text` and where it went."""
+    output.mkdir(parents=True, exist_ok=True)
+    path = output / name
+    path.write_text(json.dumps(data, indent=2))
+    print(text)
+    print(f"wrote {path}")
