@@ -340,12 +340,16 @@ def test_the_device_benchmark_runs_on_the_driver_standin(tmp_path):
     assert [(r["streams"], "IPC" in r["kind"]) for r in copies] == [(1, False), (16, False), (1, True), (16, True)]
     assert all(r["verified"] and r["bytes"] == 2 * MiB for r in copies), copies
     for row in report["results"]:
-        d2d, dev, host = row["d2d"], row["tcp_device"], row["tcp_host"]
-        assert all(r["verified"] and len(r["seconds"]) == 2 and r["gbps"] > 0 for r in (d2d, dev, host)), row
-        assert (d2d["link"], d2d["path"]) == ("same_host", "cuda_ipc"), d2d
-        assert d2d["link_stats"]["target_ipc_bytes_served"] == 3 * 2 * MiB, d2d  # the untimed batch and two timed
+        d2d, served, dev, host = row["d2d"], row["d2d_owner"], row["tcp_device"], row["tcp_host"]
+        assert all(r["verified"] and len(r["seconds"]) == 2 and r["gbps"] > 0 for r in (d2d, served, dev, host)), row
+        # One-sided: every byte copied by the initiator's streams, no frame, the target serving nothing.
+        assert (d2d["link"], d2d["path"]) == ("same_host", "one_sided"), d2d
+        assert d2d["link_stats"]["one_sided_device_bytes"] == 3 * 2 * MiB, d2d  # the untimed batch and two timed
+        assert d2d["link_stats"]["framed_ops"] == d2d["link_stats"]["target_owner_served_ops"] == 0, d2d
+        assert (served["link"], served["path"]) == ("same_host", "cuda_ipc"), served
+        assert served["link_stats"]["target_ipc_bytes_served"] == 3 * 2 * MiB, served
         assert (dev["link"], dev["path"], host["path"]) == ("tcp", "staged", "host memory"), row
-        assert row["ratio_d2d_copy"] > 0 and row["ratio_tcp_device_host"] > 0
+        assert row["ratio_d2d_copy"] > 0 and row["ratio_d2d_owner_copy"] > 0 and row["ratio_tcp_device_host"] > 0
 
 
 @pytest.mark.parametrize("argv", [["--cache-size", "3M", "--block-sizes", "1M"], ["--block-sizes", "3X"],

@@ -57,9 +57,10 @@ from support.device import (  # noqa: E402,F401  (standin: the fixture)
     owner_serves,
     run_pair,
     standin,
+    wait_for_grants,
 )
 
-def initiator_moves_everything(conn: Any, transport: str) -> None:
+def initiator_moves_everything(conn: Any, transport: str, access: str = "owner") -> None:
     import datadist_aio as dd
     from support.peer import cluster_info
 
@@ -70,12 +71,14 @@ def initiator_moves_everything(conn: Any, transport: str) -> None:
     code = dd.LLMStatusCode
     cuda = CudaDriver()
     port, ids, _ = _recv(conn)
-    datadist = _engine(dd.LLMRole.DECODER, INITIATOR, transport, listen=False)
+    datadist = _engine(dd.LLMRole.DECODER, INITIATOR, transport, listen=False, access=access)
     cm = datadist.cache_manager
     status, statuses = datadist.link_clusters([cluster_info(OWNER, port)], 10000)
     assert status == code.LLM_SUCCESS and statuses == [code.LLM_SUCCESS], (status, statuses)
     expected_path = "tcp" if transport == "tcp" else "same_host"
     assert datadist.link_transport(OWNER) == expected_path
+    if access == "one_sided":
+        wait_for_grants(datadist, len(ids))  # each of the owner's caches, before the first operation
     local = Caches(cm, cuda, bind_blocks=False)
     remote = Remote(conn, ids)
     seed = 100
@@ -157,7 +160,7 @@ def initiator_moves_everything(conn: Any, transport: str) -> None:
             cm.pull_blocks(blocks_key, local.caches[lb], [1, BLOCKS + 5], [0, 1])
         assert refused.value.status_code is code.LLM_PARAM_INVALID, refused.value
         _check_local(local.read(lb), before, f"a refused pull_blocks ({what})")
-        _check_paths(before_stats, _stats(conn, datadist), transport, mine, theirs, moved)
+        _check_paths(before_stats, _stats(conn, datadist), transport, access, mine, theirs, moved)
 
     # Device memory read back through a HOST cache too (swap_blocks), as a user would.
     back = cm.allocate_blocks_cache(_desc("host", True))
@@ -177,16 +180,26 @@ def _stats(conn: Any, datadist: Any) -> tuple[dict[str, int], dict[str, int]]:
     return datadist._engine.link_stats(OWNER), _recv(conn)
 
 
-def _check_paths(before: Any, after: Any, transport: str, mine: str, theirs: str, moved: int) -> None:
+def _check_paths(before: Any, after: Any, transport: str, access: str, mine: str, theirs: str, moved: int) -> None:
     """Which path the bytes of one mix took: on a same-host link, device
     memory of the initiator moves device to device through CUDA IPC, every
     byte of it, and nothing is staged; device memory of the owner alone is
-    staged by the owner. Over TCP, everything on a device is staged."""
+    staged by the owner. Over TCP, everything on a device is staged.
+    One-sided (same host): no frame at all, the owner serving nothing; the
+    initiator opens the owner's device memory and copies on its own
+    streams, or stages its own device memory into the owner's host memory."""
     (mine0, theirs0), (mine1, theirs1) = before, after
     delta = {key: mine1[key] - mine0[key] for key in mine1} | {
         "owner_" + key: theirs1[key] - theirs0[key] for key in theirs1}
-    what = f"{transport}, initiator {mine}, owner {theirs}: {delta}"
-    if transport != "tcp" and mine == "device":
+    what = f"{transport}, access {access}, initiator {mine}, owner {theirs}: {delta}"
+    if transport != "tcp" and access == "one_sided":
+        assert delta["framed_ops"] == 0 and delta["owner_owner_served_ops"] == 0, what
+        assert delta["one_sided_bytes_written"] + delta["one_sided_bytes_read"] == moved, what
+        assert delta["one_sided_device_bytes"] == (moved if theirs == "device" else 0), what
+        assert delta["one_sided_staged_bytes"] == (moved if theirs == "host" else 0), what
+        assert delta["ipc_frames"] == delta["staged_frames"] == 0, what
+        assert delta["owner_ipc_bytes_served"] == delta["owner_staged_bytes_served"] == 0, what
+    elif transport != "tcp" and mine == "device":
         assert delta["ipc_frames"] > 0 and delta["staged_frames"] == 0, what
         assert delta["owner_ipc_bytes_served"] == moved and delta["owner_staged_bytes_served"] == 0, what
         # Served from the stream: every frame whose copies were queued (those
@@ -204,9 +217,9 @@ def _check_paths(before: Any, after: Any, transport: str, mine: str, theirs: str
     assert delta["ipc_fallbacks"] == 0, what
 
 
-@pytest.mark.parametrize("transport", ["tcp", "auto"])
-def test_every_operation_between_host_and_device_caches(standin: Path, transport: str) -> None:
-    run_pair(standin, owner_serves, initiator_moves_everything, transport)
+@pytest.mark.parametrize("transport,access", [("tcp", "owner"), ("auto", "owner"), ("auto", "one_sided")])
+def test_every_operation_between_host_and_device_caches(standin: Path, transport: str, access: str) -> None:
+    run_pair(standin, owner_serves, initiator_moves_everything, transport, access)
 
 
 def initiator_sends_layers_to_addresses(conn: Any, transport: str) -> None:

@@ -36,7 +36,7 @@ sys.path.insert(0, str(HERE))
 
 from cuda_standin.build import build  # noqa: E402
 from support.peer import HAVE_UCX, UCX_WHY  # noqa: E402
-from support.device import _child, _pattern, _recv, run_pair  # noqa: E402
+from support.device import _child, _pattern, _recv, run_pair, wait_for_grants  # noqa: E402
 
 OWNER, INITIATOR = 7, 5
 MODEL = {"host": 1, "device": 2}  # the owner's blocks caches, by placement
@@ -71,6 +71,7 @@ TORCH = pytest.param("torch", marks=_ON_GPU, id="torch")
 TORCH_EXPANDABLE = pytest.param("torch-expandable", marks=_ON_GPU, id="torch-expandable")
 STANDIN = pytest.param("standin", id="standin")
 UCX = pytest.param("ucx", marks=pytest.mark.skipif(not HAVE_UCX, reason=UCX_WHY), id="ucx")
+ONE_SIDED = "one_sided"  # a transport here: "auto" with access "one_sided" (_engine)
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +209,10 @@ def _engine(role: Any, cluster_id: int, transport: str, listen: bool, device_id:
     config.enable_cache_manager = True
     config.enable_remote_cache_accessible = True
     config.host_mem_pool_cfg = pool_cfg(64 << 20)
-    config.transport = transport
+    # ONE_SIDED: the same-host link, the initiator moving the bytes under
+    # the owner's grants; every other transport with the owner serving.
+    config.transport = "auto" if transport == ONE_SIDED else transport
+    config.access = "one_sided" if transport == ONE_SIDED else "owner"
     config.sync_kv_timeout = 10000
     if listen:
         config.listen_ip_info = "127.0.0.1:0"
@@ -330,6 +334,15 @@ def _check_paths(before: Any, after: Any, transport: str, mine: str, theirs: str
     (mine0, theirs0), (mine1, theirs1) = before, after
     delta = {k: mine1[k] - mine0[k] for k in mine1} | {"owner_" + k: theirs1[k] - theirs0[k] for k in theirs1}
     what = f"{transport}, initiator {mine}, owner {theirs}: {delta}"
+    if transport == ONE_SIDED:
+        # No frame: the owner's device memory opened from its grants and
+        # copied on this end's streams; its host memory reached by the
+        # kernel, from this end's device memory staged.
+        assert delta["framed_ops"] == 0 and delta["owner_owner_served_ops"] == 0, what
+        assert (delta["one_sided_device_bytes"] > 0) == (theirs == "device"), what
+        assert (delta["one_sided_staged_bytes"] > 0) == (theirs == "host"), what
+        assert delta["ipc_frames"] == 0 and delta["owner_ipc_bytes_served"] == 0, what
+        return
     if transport == "ucx":
         # UCX moves host memory, and device memory where both ends' UCX
         # reach it (built with CUDA, NVIDIA's driver found, an RDMA
@@ -384,6 +397,8 @@ def initiator_moves_everything(conn: Any, memory_kind: str, transport: str) -> N
     status, statuses = datadist.link_clusters([cluster_info(OWNER, port)], 10000)
     assert status == code.LLM_SUCCESS and statuses == [code.LLM_SUCCESS], (status, statuses)
     assert datadist.link_transport(OWNER) == {"tcp": "tcp", "ucx": "ucx"}.get(transport, "same_host")
+    if transport == ONE_SIDED:
+        wait_for_grants(datadist, len(ids))
     local = Caches(cm, memory, bind_blocks=False)
     remote = Remote(conn, ids)
     src, dst = [0, 1, 2, 3, 9, 10, 23], [5, 6, 7, 8, 0, 22, 11]
@@ -440,7 +455,7 @@ def initiator_moves_everything(conn: Any, memory_kind: str, transport: str) -> N
     memory.close()
 
 
-@pytest.mark.parametrize("transport", ["auto", "tcp", UCX])
+@pytest.mark.parametrize("transport", ["auto", ONE_SIDED, "tcp", UCX])
 @pytest.mark.parametrize("memory", [TORCH, TORCH_EXPANDABLE, STANDIN])
 def test_every_operation_between_host_and_device(standin: Path, memory: str, transport: str) -> None:
     _pair(memory, standin, owner_serves, initiator_moves_everything, transport)
@@ -732,6 +747,8 @@ def test_standin_suite_transfers_on_the_nvidia_driver(transport: str) -> None:
     import test_device_transfer as transfer
 
     run_pair(NVIDIA, transfer.owner_serves, transfer.initiator_moves_everything, transport)
+    if transport == "auto":
+        run_pair(NVIDIA, transfer.owner_serves, transfer.initiator_moves_everything, transport, "one_sided")
     run_pair(NVIDIA, transfer.owner_serves, transfer.initiator_sends_layers_to_addresses, transport)
     run_pair(NVIDIA, transfer.owner_dies, transfer.initiator_outlives, transport, killed=transfer.owner_dies)
     run_pair(NVIDIA, transfer.owner_outlives, transfer.initiator_dies, transport, killed=transfer.initiator_dies)

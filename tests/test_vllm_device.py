@@ -358,7 +358,14 @@ def decode_worker(conn: Any, backend: str, placements: tuple[str, str], mode: st
             datadist = side._datadist
             assert datadist is not None
             stats = datadist._engine.link_stats(cluster_id_for("prefill", 0))
-            assert stats["ipc_frames"] > 0 and stats["staged_frames"] == 0, stats
+            # No staged frame: the decode's own copies under the prefill's
+            # grant (on its streams from the prefill's device memory, staged
+            # by itself from its host memory), or (a pull before the grant
+            # came) the prefill's from the decode's memory opened by CUDA IPC.
+            assert stats["staged_frames"] == 0, stats
+            assert stats["one_sided_device_bytes"] + stats["one_sided_staged_bytes"] == \
+                stats["one_sided_bytes_read"], stats
+            assert stats["one_sided_bytes_read"] + stats["ipc_frames"] > 0, stats
         conn.send("loaded")
         assert _recv(conn) == "freed"
     finally:

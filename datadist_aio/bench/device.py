@@ -42,14 +42,21 @@ from .cuda_driver import DRIVER_ENV, CudaDriver, IpcHandle
 OWNER, INITIATOR = 2, 1
 TENSORS = 2  # one layer, K and V
 GOALS = {"d2d_vs_copy": 0.8, "tcp_device_vs_host": 0.9}
+# The links measured, in order: (name, LLMConfig.transport, LLMConfig.access).
+# "auto" is the same-host link where the push's initiator opens the
+# target's device memory from its grants and copies on its own streams (no
+# frame); "owner" the same link with the target serving every frame (it
+# opens the initiator's memory by CUDA IPC); "tcp" staged at both ends.
+LINKS = [("auto", "auto", "one_sided"), ("owner", "auto", "owner"), ("tcp", "tcp", "owner")]
 ANSWER_S = 300.0  # the longest one request to the target may take
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m datadist_aio.bench --device",
-        description="Device-memory transfers between two processes on one GPU: push over CUDA IPC against a "
-        "copy inside one process, and TCP with staging against host memory over TCP. Writes "
+        description="Device-memory transfers between two processes on one GPU: push on the same-host link "
+        "(one-sided, and served by the target) against a copy inside one process, and TCP with staging "
+        "against host memory over TCP. Writes "
         "DIR/datadist_bench_device.json.")
     p.add_argument("--device", action="store_true", help="this benchmark (required)")
     p.add_argument("--quick", action="store_true", help="256 MiB per batch and 3 batches")
@@ -69,7 +76,8 @@ def parser() -> argparse.ArgumentParser:
 # -- both sides ----------------------------------------------------------------------------------------
 
 
-def _engine(role: Any, cluster_id: int, transport: str, device_id: int, pool_bytes: int, listen: bool) -> Any:
+def _engine(role: Any, cluster_id: int, transport: str, device_id: int, pool_bytes: int, listen: bool,
+            access: str = "one_sided") -> Any:
     import datadist_aio as dd
 
     config = dd.LLMConfig()
@@ -78,6 +86,7 @@ def _engine(role: Any, cluster_id: int, transport: str, device_id: int, pool_byt
     config.enable_remote_cache_accessible = True
     config.host_mem_pool_cfg = f'{{"memory_size": {pool_bytes}}}'
     config.transport = transport
+    config.access = access
     config.sync_kv_timeout = 120000
     if listen:
         config.listen_ip_info = "127.0.0.1:0"
@@ -131,12 +140,12 @@ class Caches:
             self.cm.deallocate_blocks_cache(cache)
 
 
-def target_main(conn: Any, env: dict[str, str], transport: str, device_id: int, pool_bytes: int) -> None:
+def target_main(conn: Any, env: dict[str, str], transport: str, access: str, device_id: int, pool_bytes: int) -> None:
     """The decode side: caches the initiator pushes into, checked when asked."""
     os.environ.update(env)
     try:
         driver = CudaDriver(device_id, env[DRIVER_ENV])
-        datadist = _engine(_role("PROMPT"), OWNER, transport, device_id, pool_bytes, listen=True)
+        datadist = _engine(_role("PROMPT"), OWNER, transport, device_id, pool_bytes, listen=True, access=access)
         conn.send(("ok", datadist.listen_port))
         caches: Optional[Caches] = None
         expected: list[np.ndarray] = []
@@ -180,10 +189,11 @@ def _role(name: str) -> Any:
 class Target:
     """The target process of one transport, as the command drives it."""
 
-    def __init__(self, env: dict[str, str], transport: str, device_id: int, pool_bytes: int) -> None:
+    def __init__(self, env: dict[str, str], transport: str, access: str, device_id: int, pool_bytes: int) -> None:
         ctx = mp.get_context("spawn")
         self.conn, theirs = ctx.Pipe()
-        self.process = ctx.Process(target=target_main, args=(theirs, env, transport, device_id, pool_bytes), daemon=True)
+        self.process = ctx.Process(target=target_main, args=(theirs, env, transport, access, device_id, pool_bytes),
+                                   daemon=True)
         self.process.start()
         theirs.close()
         self.port = self.call()
@@ -217,7 +227,9 @@ def _path(before: tuple[dict[str, int], dict[str, int]], after: tuple[dict[str, 
     """What moved the bytes, from both ends' link_stats."""
     (mine0, theirs0), (mine1, theirs1) = before, after
     delta = {k: mine1[k] - mine0[k] for k in mine1} | {"target_" + k: theirs1[k] - theirs0[k] for k in theirs1}
-    if delta["ipc_frames"] > 0 and delta["staged_frames"] == 0 and delta["ipc_fallbacks"] == 0:
+    if delta["one_sided_device_bytes"] > 0 and delta["framed_ops"] == 0:
+        path = "one_sided"
+    elif delta["ipc_frames"] > 0 and delta["staged_frames"] == 0 and delta["ipc_fallbacks"] == 0:
         path = "cuda_ipc"
     elif delta["staged_frames"] > 0 or delta["target_staged_bytes_served"] > 0:
         path = "staged" if delta["ipc_frames"] == 0 else "cuda_ipc+staged"
@@ -481,16 +493,16 @@ def measure(args: argparse.Namespace, driver_path: str, argv: list[str]) -> dict
     _note("the driver's own copies of those bytes, as a push's owner makes them (no link)")
     report["driver_copies"] = [driver_copy(driver, cache_bytes, iterations, n) for n in (1, 16)]
     rows: dict[int, dict[str, Any]] = {size: {"block_size": size} for size in sizes}
-    for transport in ("auto", "tcp"):
-        _note(f"transport {transport}: starting the target")
-        target = Target(env, transport, args.device_id, pool)
-        datadist = _engine(_role("DECODER"), INITIATOR, transport, args.device_id, pool, listen=False)
+    for name, transport, access in LINKS:
+        _note(f"link {name}: starting the target")
+        target = Target(env, transport, access, args.device_id, pool)
+        datadist = _engine(_role("DECODER"), INITIATOR, transport, args.device_id, pool, listen=False, access=access)
         try:
             status, statuses = datadist.link_clusters([_cluster(target.port)], 10000)
             if status != dd.LLMStatusCode.LLM_SUCCESS:
                 raise RuntimeError(f"link to the target failed: {status} {statuses}")
             link = datadist.link_transport(OWNER)
-            if transport == "auto":
+            if name == "owner":
                 _note("the owner's copies from memory opened by CUDA IPC (no link)")
                 driver.current()
                 report["driver_copies"] += ipc_copy(driver, target, cache_bytes, iterations, [1, 16])
@@ -498,16 +510,19 @@ def measure(args: argparse.Namespace, driver_path: str, argv: list[str]) -> dict
                 blocks = cache_bytes // (TENSORS * size)
                 driver.current()
                 target.call("layout", size, blocks, seed)
+                if access == "one_sided":
+                    _granted(datadist, 2)  # the target's host and device caches
                 caches = Caches(datadist, driver, size, blocks, bind=False)
                 pats = patterns(seed, cache_bytes)
                 try:
                     row = rows[size]
                     if transport == "auto":
-                        _note(f"{_size(size)} blocks: device to device over the {link} link")
+                        _note(f"{_size(size)} blocks: device to device over the {link} link, access {access}")
                         d2d = _gbps(push_figures(datadist, target, caches, pats, "device", blocks, iterations), cache_bytes)
                         d2d["link"] = link
-                        row["d2d"] = d2d
-                        row["ratio_d2d_copy"] = d2d["gbps"] / report["baseline"]["gbps"]
+                        suffix = "" if access == "one_sided" else "_owner"
+                        row["d2d" + suffix] = d2d
+                        row[f"ratio_d2d{suffix}_copy"] = d2d["gbps"] / report["baseline"]["gbps"]
                     else:
                         _note(f"{_size(size)} blocks: device and host caches over TCP")
                         dev = _gbps(push_figures(datadist, target, caches, pats, "device", blocks, iterations), cache_bytes)
@@ -518,16 +533,25 @@ def measure(args: argparse.Namespace, driver_path: str, argv: list[str]) -> dict
                 finally:
                     caches.free()
         except Exception as exc:  # noqa: BLE001 - recorded, the run goes on to the report
-            report["errors"].append(f"transport {transport}: {exc!r}")
+            report["errors"].append(f"link {name}: {exc!r}")
             traceback.print_exc()
         finally:
             datadist.finalize()
             try:
                 target.close()
             except Exception as exc:  # noqa: BLE001
-                report["errors"].append(f"target of transport {transport}: {exc!r}")
+                report["errors"].append(f"target of link {name}: {exc!r}")
     report["results"] = list(rows.values())
     return report
+
+
+def _granted(datadist: Any, count: int) -> None:
+    """Until the initiator holds ``count`` grants of the target's caches."""
+    deadline = time.monotonic() + ANSWER_S
+    while datadist._engine.link_stats(OWNER)["grants_held"] < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the target granted fewer than {count} caches within {ANSWER_S:.0f} s")
+        time.sleep(0.01)
 
 
 def _cluster(port: int) -> Any:
@@ -545,7 +569,7 @@ def _size(n: int) -> str:
 
 
 def verified(report: dict[str, Any]) -> bool:
-    rows = [r.get(k) for r in report["results"] for k in ("d2d", "tcp_device", "tcp_host")]
+    rows = [r.get(k) for r in report["results"] for k in ("d2d", "d2d_owner", "tcp_device", "tcp_host")]
     copies = report.get("driver_copies", [])
     return (report.get("baseline", {}).get("verified", False) and all(c["verified"] for c in copies)
             and all(r is not None and r["verified"] for r in rows))
@@ -561,21 +585,22 @@ def table(report: dict[str, Any]) -> str:
     for copies in report.get("driver_copies", []):
         lines.append(f"  the owner's copies without the link ({copies['kind']}): {copies['gbps']:.2f} GB/s"
                      f"{'' if copies['verified'] else ' NOT VERIFIED'}")
-    lines += ["", f"{'block':>8}  {'d2d push GB/s':>13} {'/copy':>6} {'path':>9}   "
+    lines += ["", f"{'block':>8}  {'d2d push GB/s':>13} {'/copy':>6} {'path':>9}  {'owner-served':>12} {'/copy':>6}   "
               f"{'tcp device GB/s':>15} {'tcp host GB/s':>13} {'dev/host':>8} {'path':>7}  verified"]
 
     def cell(row: Optional[dict[str, Any]], width: int) -> str:
         return f"{row['gbps']:>{width}.2f}" if row else f"{'-':>{width}}"
 
     for r in report["results"]:
-        d2d, dev, host = r.get("d2d"), r.get("tcp_device"), r.get("tcp_host")
-        ok = all(x is not None and x["verified"] for x in (d2d, dev, host))
+        d2d, served, dev, host = r.get("d2d"), r.get("d2d_owner"), r.get("tcp_device"), r.get("tcp_host")
+        ok = all(x is not None and x["verified"] for x in (d2d, served, dev, host))
         lines.append(
             f"{_size(r['block_size']):>8}  {cell(d2d, 13)} {r.get('ratio_d2d_copy', float('nan')):>5.2f}x "
-            f"{(d2d or {}).get('path', '-'):>9}   {cell(dev, 15)} {cell(host, 13)} "
+            f"{(d2d or {}).get('path', '-'):>9}  {cell(served, 12)} {r.get('ratio_d2d_owner_copy', float('nan')):>5.2f}x   "
+            f"{cell(dev, 15)} {cell(host, 13)} "
             f"{r.get('ratio_tcp_device_host', float('nan')):>7.2f}x {(dev or {}).get('path', '-'):>7}  {'yes' if ok else 'NO'}")
     for r in report["results"]:
-        frame = (r.get("d2d") or {}).get("owner_frame_us")
+        frame = (r.get("d2d_owner") or {}).get("owner_frame_us")
         if frame:
             lines.append(f"{_size(r['block_size']):>8}  d2d owner per frame: {frame['serve']:.1f} us serving, "
                          f"{frame['enqueue']:.1f} us queueing copies, {frame['land']:.1f} us until the callback "

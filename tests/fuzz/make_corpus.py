@@ -65,7 +65,8 @@ CACHE_A0 = ARENA + 0x1000
 # Mode bits of fuzz_link.cpp.
 OFFERED, PEER_COPIES, REACHES, ANNOUNCE, SUBMIT, INITIATED, ONE_SIDED = 1, 2, 4, 8, 16, 32, 64
 # The same-host path's grant messages (paths/same_host/grants.cpp).
-GRANT_TABLE, GRANT, TABLE_TAKEN = 0x53480001, 0x53480002, 0x53480004
+GRANT_TABLE, GRANT, DEVICE_GRANT, TABLE_TAKEN = 0x53480001, 0x53480002, 0x53480003, 0x53480004
+EXPORT_IPC, EXPORT_FD = 0, 1  # wire::DeviceExportKind
 LLM_PARAM_INVALID = 0x2000  # any non-zero status refuses
 
 
@@ -131,6 +132,18 @@ def grant_messages() -> bytes:
     return b"".join(frame(PATH_MESSAGE_T, body) for body in (table, grant, taken))
 
 
+def device_grant_messages() -> bytes:
+    """As grant_messages(), with a grant of cache 6 in device memory: two
+    tensors, each inside an allocation the owner exported (a legacy IPC
+    handle, and a descriptor of cuMemCreate memory)."""
+    table = struct.pack("<IIII", GRANT_TABLE, 1024, 0, 0)
+    grant = struct.pack("<IIqQQQQQII", DEVICE_GRANT, 8, 6, 4, 4096, 64, 64, 0, 0, 2)
+    grant += struct.pack("<QQ", PEER, PEER + 8192)
+    grant += b"\x11" * 64 + struct.pack("<QiI", PEER, 0, EXPORT_IPC)
+    grant += struct.pack("<iIQQ", 3, 0, 8192, 1).ljust(64, b"\0") + struct.pack("<QiI", PEER + 8192, 0, EXPORT_FD)
+    return b"".join(frame(PATH_MESSAGE_T, body) for body in (table, grant))
+
+
 def link_seeds() -> dict[str, bytes]:
     """Mode byte, then what the peer sends."""
     tcp = bytes([0])
@@ -183,6 +196,7 @@ def link_seeds() -> dict[str, bytes]:
         + frame(READ_DATA_T, op_id=1) + frame(WRITE_ACK_T, op_id=2),
         "lookup-reply": tcp + frame(LOOKUP_REPLY_T, LOOKUP_REPLY.pack(1, 2, 1, 64, 4, 0)),
         "grants": bytes([SUBMIT | OFFERED | PEER_COPIES | REACHES | ONE_SIDED]) + grant_messages(),
+        "grants-device": bytes([SUBMIT | OFFERED | PEER_COPIES | REACHES | ONE_SIDED]) + device_grant_messages(),
         "grants-given": bytes([OFFERED | PEER_COPIES | REACHES | ONE_SIDED | INITIATED])
         + frame(WRITE_FROM_T, request([(0, 0, 0, 32)], kind=BY_ID, cache_id=2, segments=[(PEER, 32)])),
     }

@@ -164,7 +164,10 @@ def _recv(conn: Any) -> Any:
 
 
 def _engine(role: Any, cluster_id: int, transport: str, listen: bool, rca: bool = True, pool_bytes: int = 64 << 20,
-            timeout_ms: int = 10000) -> Any:
+            timeout_ms: int = 10000, access: Optional[str] = "owner") -> Any:
+    """An engine; ``access`` "owner" unless asked (these suites test what an
+    owner serves; test_device_transfer.py runs one-sided access too), None
+    leaving it unset."""
     import datadist_aio as dd
     from support.peer import pool_cfg
 
@@ -174,11 +177,21 @@ def _engine(role: Any, cluster_id: int, transport: str, listen: bool, rca: bool 
     config.host_mem_pool_cfg = pool_cfg(pool_bytes)
     config.transport = transport
     config.sync_kv_timeout = timeout_ms
+    if access is not None:
+        config.access = access
     if listen:
         config.listen_ip_info = "127.0.0.1:0"
     datadist = dd.LLMDataDist(role, cluster_id)
     datadist.init(config.generate_options())
     return datadist
+
+
+def wait_for_grants(datadist: Any, count: int) -> None:
+    """Until this end holds ``count`` grants of OWNER's caches (one-sided access)."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while datadist._engine.link_stats(OWNER)["grants_held"] < count:
+        assert time.monotonic() < deadline, datadist._engine.link_stats(OWNER)
+        time.sleep(0.01)
 
 
 def frames_sent(datadist: Any) -> bool:
@@ -237,12 +250,13 @@ class Caches:
                 self.cm.deallocate_cache(cache)
 
 
-def owner_serves(conn: Any, transport: str) -> None:
-    """Holds caches in host and device memory; fills and reads them when asked."""
+def owner_serves(conn: Any, transport: str, access: str = "owner") -> None:
+    """Holds caches in host and device memory; fills, reads and renews them
+    when asked, and tells its link's stats and its pid."""
     import datadist_aio as dd
 
     cuda = CudaDriver()
-    datadist = _engine(dd.LLMRole.PROMPT, OWNER, transport, listen=True)
+    datadist = _engine(dd.LLMRole.PROMPT, OWNER, transport, listen=True, access=access)
     caches = Caches(datadist.cache_manager, cuda, bind_blocks=True)
     conn.send((
         datadist.listen_port,
@@ -260,6 +274,19 @@ def owner_serves(conn: Any, transport: str) -> None:
             conn.send(datadist.link_transport(INITIATOR))
         elif command == "stats":
             conn.send(datadist._engine.link_stats(INITIATOR))
+        elif command == "pid":
+            conn.send(os.getpid())
+        elif command == "renew":
+            # The device slots cache freed (when: the monotonic clock is the
+            # host's), and a moment later one like it made and filled.
+            (seed,) = args
+            cm = datadist.cache_manager
+            cm.deallocate_cache(caches.caches["slots-device"])
+            freed = time.monotonic()
+            time.sleep(0.05)
+            caches.caches["slots-device"] = cm.allocate_cache(_desc("device", False))
+            caches.fill("slots-device", seed)
+            conn.send((caches.caches["slots-device"].cache_id, freed))
         else:
             break
     caches.free()

@@ -157,7 +157,8 @@ class DataPath {
   // geometry is checked here as the owner would). When it takes the frame
   // (true), `settle` is called once, from any thread; else the frame goes
   // by carry() as before.
-  virtual bool move(bool write, const PlannedFrame &planned, const cuda::Device *device, const Settle &settle) {
+  virtual bool move(bool write, const PlannedFrame &planned, const std::shared_ptr<cuda::Device> &device,
+                    const Settle &settle) {
     (void)write;
     (void)planned;
     (void)device;

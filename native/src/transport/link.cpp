@@ -188,7 +188,7 @@ void Link::send_planned(bool write, PlannedFrame &planned, const std::shared_ptr
         self->end_work();
       };
       for (const auto &path : paths_) {
-        if (path->move(write, planned, device.get(), settle)) return;
+        if (path->move(write, planned, device, settle)) return;
       }
       end_work();
     }

@@ -10,6 +10,7 @@
 #include "device/cuda_driver.h"
 #include "log.h"
 #include "transport/io_loop.h"
+#include "transport/paths/device/exports.h"
 #include "transport/paths/same_host/same_host_path.h"
 
 namespace datadist {
@@ -105,20 +106,7 @@ bool CudaIpcPath::export_all(const cuda::Device &device, const PlannedFrame &pla
     }
   }
   exports.clear();
-  for (const cuda::Export &e : found) {
-    wire::DeviceExport out{};
-    if (e.fd >= 0) {
-      const wire::DeviceFd fd{e.fd, 0, e.size, e.serial};
-      std::memcpy(out.handle, &fd, sizeof(fd));
-      out.kind = wire::kExportFd;
-    } else {
-      std::memcpy(out.handle, e.handle.reserved, sizeof(out.handle));
-      out.kind = wire::kExportIpc;
-    }
-    out.base = e.base;
-    out.ordinal = device.ordinal();
-    exports.push_back(out);
-  }
+  for (const cuda::Export &e : found) exports.push_back(device_exports::to_wire(e, device.ordinal()));
   return true;
 }
 
@@ -150,21 +138,11 @@ bool CudaIpcPath::open_exports(const std::vector<wire::DeviceExport> &exports,
   }
   out.clear();
   for (const wire::DeviceExport &e : exports) {
-    std::string key(reinterpret_cast<const char *>(e.handle), sizeof(e.handle));
-    key += ":" + std::to_string(e.kind) + ":" + std::to_string(in->ordinal());
+    std::string key = device_exports::key(e, in->ordinal());
     auto it = opened_.find(key);
     if (it == opened_.end()) {
-      std::shared_ptr<cuda::PeerAllocation> opened;
-      if (e.kind == wire::kExportFd) {
-        // The initiator's descriptor, taken as the link's sockets were.
-        wire::DeviceFd named{};
-        std::memcpy(&named, e.handle, sizeof(named));
-        const int fd = same_host::take_descriptor(peer.pid(), static_cast<uint32_t>(named.fd), why);
-        if (fd < 0) return false;
-        opened = cuda::PeerAllocation::import(in, fd, named.size, why);
-      } else {
-        opened = cuda::PeerAllocation::open(in, *reinterpret_cast<const cuda::CUipcMemHandle *>(e.handle), why);
-      }
+      // A descriptor is taken out of the initiator's process, as the link's sockets were.
+      std::shared_ptr<cuda::PeerAllocation> opened = device_exports::open(e, peer.pid(), in, why);
       if (!opened) return false;
       if (opened_.size() >= kMaxOpened) opened_.clear();
       it = opened_.emplace(std::move(key), std::move(opened)).first;

@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "log.h"
+#include "transport/paths/device/exports.h"
 #include "transport/paths/same_host/same_host.h"
 
 #ifndef SYS_pidfd_open
@@ -42,7 +43,7 @@ struct GrantMessage {
   uint64_t num_slots;
   uint64_t blocks_model_id;
   uint32_t has_model;
-  uint32_t num_tensors;  // then one uint64 address per tensor
+  uint32_t num_tensors;  // then one uint64 address per tensor (and, for a device cache, a DeviceExport)
 };
 #pragma pack(pop)
 
@@ -103,7 +104,10 @@ uint32_t grant_message_kind(const uint8_t *body, size_t size) {
   uint32_t kind = 0;
   if (size < sizeof(kind)) return 0;
   std::memcpy(&kind, body, sizeof(kind));
-  return kind == kGrantTableMessage || kind == kGrantMessage || kind == kTableTakenMessage ? kind : 0;
+  return kind == kGrantTableMessage || kind == kGrantMessage || kind == kDeviceGrantMessage ||
+                 kind == kTableTakenMessage
+             ? kind
+             : 0;
 }
 
 std::vector<uint8_t> table_taken_message(bool taken) {
@@ -191,10 +195,39 @@ bool Grantor::start(std::string &why) {
   return true;
 }
 
+bool Grantor::export_tensors(const CacheEntry &entry, std::vector<wire::DeviceExport> &out) {
+  out.clear();
+  out.reserve(entry.addrs.size());
+  for (uint8_t *at : entry.addrs) {
+    const auto addr = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(at));
+    cuda::Export e;
+    std::string why;
+    if (!entry.device->export_at(addr, true, e, why)) {
+      log_message(LogLevel::kDebug, "cache " + std::to_string(entry.id) + " is not granted: " + why);
+      return false;
+    }
+    if (addr - e.base > e.size || entry.geometry.tensor_size > e.size - (addr - e.base)) {
+      log_message(LogLevel::kDebug, "cache " + std::to_string(entry.id) + " is not granted: a tensor spans allocations");
+      return false;
+    }
+    out.push_back(device_exports::to_wire(e, entry.device->ordinal()));
+  }
+  return true;
+}
+
 void Grantor::added(const std::shared_ptr<CacheEntry> &entry) {
-  // Host memory only (a kernel copy reaches no device's), and only what
-  // the registry lets peers reach.
-  if (!entry->remote_accessible || entry->device || entry->id <= 0 || entry->addrs.empty()) return;
+  // Only what the registry lets peers reach.
+  if (!entry->remote_accessible || entry->id <= 0 || entry->addrs.empty()) return;
+  // Device memory as its allocations' exports (made before the lock: the
+  // driver is called), within what one message carries.
+  std::vector<wire::DeviceExport> exports;
+  if (entry->device) {
+    const uint64_t bytes = sizeof(GrantMessage) + entry->addrs.size() * (sizeof(uint64_t) + sizeof(wire::DeviceExport));
+    if (bytes > wire::kMaxBodyBytes || !export_tensors(*entry, exports)) {
+      refused_.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
+  }
   GrantMessage message{};
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -211,16 +244,26 @@ void Grantor::added(const std::shared_ptr<CacheEntry> &entry) {
     free_slots_.pop_back();
     given.state = ++generation_ << 1;
     table_->slot(given.slot).state.store(given.state);
-    message = GrantMessage{kGrantMessage, given.slot, entry->id, given.state, entry->geometry.tensor_size,
-                           entry->geometry.slot_size, entry->geometry.num_slots, entry->blocks_model_id.value_or(0),
-                           entry->blocks_model_id ? 1u : 0u, static_cast<uint32_t>(entry->addrs.size())};
+    message = GrantMessage{entry->device ? kDeviceGrantMessage : kGrantMessage,
+                           given.slot,
+                           entry->id,
+                           given.state,
+                           entry->geometry.tensor_size,
+                           entry->geometry.slot_size,
+                           entry->geometry.num_slots,
+                           entry->blocks_model_id.value_or(0),
+                           entry->blocks_model_id ? 1u : 0u,
+                           static_cast<uint32_t>(entry->addrs.size())};
     given_.emplace(entry.get(), std::move(given));
   }
-  std::vector<uint8_t> body = bytes_of(message, entry->addrs.size() * sizeof(uint64_t));
-  for (size_t t = 0; t < entry->addrs.size(); ++t) {
+  const size_t n = entry->addrs.size();
+  std::vector<uint8_t> body = bytes_of(message, n * sizeof(uint64_t) + exports.size() * sizeof(wire::DeviceExport));
+  uint8_t *at = body.data() + sizeof(GrantMessage);
+  for (size_t t = 0; t < n; ++t, at += sizeof(uint64_t)) {
     const uint64_t addr = reinterpret_cast<uintptr_t>(entry->addrs[t]);
-    std::memcpy(body.data() + sizeof(GrantMessage) + t * sizeof(uint64_t), &addr, sizeof(addr));
+    std::memcpy(at, &addr, sizeof(addr));
   }
+  if (!exports.empty()) std::memcpy(at, exports.data(), exports.size() * sizeof(wire::DeviceExport));
   granted_.fetch_add(1, std::memory_order_relaxed);
   send_(std::move(body));
 }
@@ -336,12 +379,14 @@ bool GrantBook::take(const uint8_t *body, size_t size, std::vector<uint8_t> &ans
       table_ = std::move(table);
       return true;
     }
-    case kGrantMessage: {
+    case kGrantMessage:
+    case kDeviceGrantMessage: {
       GrantMessage m{};
       if (size < sizeof(m)) return false;
       std::memcpy(&m, body, sizeof(m));
+      const uint64_t each = sizeof(uint64_t) + (kind == kDeviceGrantMessage ? sizeof(wire::DeviceExport) : 0);
       if (m.slot >= GrantTable::kSlots || m.num_tensors == 0 || m.num_tensors > kMaxGrantTensors ||
-          size != sizeof(m) + uint64_t{m.num_tensors} * sizeof(uint64_t) || m.cache_id <= 0 || m.has_model > 1 ||
+          size != sizeof(m) + uint64_t{m.num_tensors} * each || m.cache_id <= 0 || m.has_model > 1 ||
           (m.state & 1) != 0 || m.slot_size == 0) {
         return false;
       }
@@ -350,15 +395,27 @@ bool GrantBook::take(const uint8_t *body, size_t size, std::vector<uint8_t> &ans
       cache->geometry = Geometry{m.tensor_size, m.slot_size, m.num_slots};
       cache->remote_accessible = true;
       cache->addrs.resize(m.num_tensors);
-      for (uint32_t t = 0; t < m.num_tensors; ++t) {
+      const uint8_t *at = body + sizeof(m);
+      for (uint32_t t = 0; t < m.num_tensors; ++t, at += sizeof(uint64_t)) {
         uint64_t addr;
-        std::memcpy(&addr, body + sizeof(m) + t * sizeof(uint64_t), sizeof(addr));
+        std::memcpy(&addr, at, sizeof(addr));
         uint64_t end;
         if (addr == 0 || __builtin_add_overflow(addr, m.tensor_size, &end)) return false;
         cache->addrs[t] = reinterpret_cast<uint8_t *>(static_cast<uintptr_t>(addr));
       }
       if (m.has_model) cache->blocks_model_id = m.blocks_model_id;
       auto grant = std::make_shared<Grant>();
+      if (kind == kDeviceGrantMessage) {
+        // Each tensor inside the allocation it names (its size is checked
+        // again against what the driver opens).
+        grant->exports.resize(m.num_tensors);
+        std::memcpy(grant->exports.data(), at, m.num_tensors * sizeof(wire::DeviceExport));
+        for (uint32_t t = 0; t < m.num_tensors; ++t) {
+          const wire::DeviceExport &e = grant->exports[t];
+          const auto addr = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(cache->addrs[t]));
+          if ((e.kind != wire::kExportIpc && e.kind != wire::kExportFd) || addr < e.base) return false;
+        }
+      }
       grant->cache = std::move(cache);
       grant->slot = m.slot;
       grant->state = m.state;

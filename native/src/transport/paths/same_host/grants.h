@@ -1,7 +1,11 @@
 // One-sided same-host access: the owner of a cache grants a linked peer on
 // its host the cache once (its addresses and geometry), and the peer then
 // moves bytes into and out of it with its own kernel copies, no frame to the
-// owner per operation.
+// owner per operation. A cache in device memory is granted as its tensors'
+// allocations, exported (legacy CUDA IPC handles, or descriptors of
+// cuMemCreate memory the holder takes as it takes the table); the holder
+// opens them once and copies on streams of its own, counted in the slot
+// until its stream says the copies landed.
 //
 // What keeps a grant safe is a table of slots in memory both processes map
 // (a memfd the owner makes; the holder takes the descriptor out of the
@@ -32,6 +36,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "device/cuda_driver.h"
 #include "registry.h"
 #include "transport/wire.h"
 
@@ -72,7 +77,8 @@ class GrantTable {
 // its kind.
 enum MessageKind : uint32_t {
   kGrantTableMessage = 0x53480001,  // the owner's table: its descriptor's number in the owner's process
-  kGrantMessage = 0x53480002,       // a grant of one cache
+  kGrantMessage = 0x53480002,       // a grant of one cache in host memory
+  kDeviceGrantMessage = 0x53480003,  // a grant of one cache in device memory
   kTableTakenMessage = 0x53480004,  // the holder's answer to the table: taken (or not), the owner closes its descriptor
 };
 
@@ -118,6 +124,9 @@ class Grantor : public RegistryWatcher, public std::enable_shared_from_this<Gran
   // Marks the grant revoked and waits for its copies in flight; then the
   // slot is free again and the pin let go, else both stay quarantined.
   void revoke(Given given);
+  // The exports of a device cache's tensors, each inside one allocation;
+  // false where one cannot be exported so (its operations stay served here).
+  static bool export_tensors(const CacheEntry &entry, std::vector<wire::DeviceExport> &out);
   Registry &registry_;
   const Send send_;
   const pid_t holder_;
@@ -137,6 +146,15 @@ struct Grant {
   std::shared_ptr<CacheEntry> cache;
   uint32_t slot = 0;
   uint64_t state = 0;
+  // A cache in device memory: each tensor's allocation as the owner
+  // exported it (empty: host memory).
+  std::vector<wire::DeviceExport> exports;
+  // Those allocations opened here, a tensor each, in device `opened_in`'s
+  // context, on first use (opened_mu); closed with the grant, which is let
+  // go of off the driver's thread.
+  mutable std::mutex opened_mu;
+  mutable std::vector<std::shared_ptr<cuda::PeerAllocation>> opened;
+  mutable int opened_in = -1;
 };
 
 // Counts the holder in to a grant's slot for one copy; `entered` is false

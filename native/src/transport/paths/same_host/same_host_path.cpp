@@ -9,6 +9,7 @@
 #include "device/staging.h"
 #include "log.h"
 #include "transport/io_loop.h"
+#include "transport/paths/device/exports.h"
 
 namespace datadist {
 
@@ -61,19 +62,25 @@ std::shared_ptr<same_host::Grantor> SameHostPath::grantor() const {
 void SameHostPath::reap() {
   if (const std::shared_ptr<same_host::Grantor> granting = grantor()) granting->reap();
   if (book_) book_->clear();
+  std::lock_guard<std::mutex> lock(grants_mu_);
+  devices_.clear();
 }
 
-bool SameHostPath::move(bool write, const PlannedFrame &planned, const cuda::Device *device, const Settle &settle) {
-  // Host memory on both ends, a cache named by id or by a model's blocks
-  // key, under a grant that stands (checked again in the slot below).
+bool SameHostPath::move(bool write, const PlannedFrame &planned, const std::shared_ptr<cuda::Device> &device,
+                        const Settle &settle) {
+  // A cache named by id or by a model's blocks key, under a grant that
+  // stands (checked again in the slot below); device memory at either end
+  // while this end's driver opens and copies it.
   const wire::Target &t = planned.target;
-  if (!book_ || device != nullptr || !moves_.load(std::memory_order_relaxed) ||
+  if (!book_ || !moves_.load(std::memory_order_relaxed) ||
       (t.flags & (wire::kReleaseKey | wire::kDeviceSegments | wire::kUcxSegments)) != 0) {
     return false;
   }
   std::shared_ptr<const same_host::Grant> grant = book_->find(t);
   std::shared_ptr<same_host::GrantTable> table = grant ? book_->table() : nullptr;
   if (!table) return false;
+  const bool theirs_device = !grant->exports.empty();
+  if ((theirs_device || device) && !device_moves_.load(std::memory_order_relaxed)) return false;
   // The request as the owner would read it: strides unrolled, its sizes
   // bounded as on the wire.
   std::vector<wire::Stride> strides = planned.strides;
@@ -96,37 +103,171 @@ bool SameHostPath::move(bool write, const PlannedFrame &planned, const cuda::Dev
     return true;
   }
   if (target.iov.size() != planned.local.size()) return false;
-  std::vector<wire::Segment> theirs;
-  theirs.reserve(target.iov.size());
   for (size_t i = 0; i < target.iov.size(); ++i) {
     if (target.iov[i].iov_len != planned.local[i].iov_len) return false;
-    theirs.push_back({reinterpret_cast<uintptr_t>(target.iov[i].iov_base), target.iov[i].iov_len});
   }
-  const uint64_t bytes = req.total_bytes;
-  auto job = [this, write, bytes, use, settle, mine = planned.local, theirs = std::move(theirs)]() mutable {
-    const int error = same_host::copy_pairs(*peer_memory_, host_->copy_pool(), mine, theirs, !write);
-    use.reset();  // out of the slot before anyone hears of it
+  OneSided op{write, req.total_bytes, planned.local, std::move(use), settle};
+  if (theirs_device) return move_on_stream(std::move(op), device, grant, req, target.iov);
+  std::vector<wire::Segment> theirs;
+  theirs.reserve(target.iov.size());
+  for (const iovec &v : target.iov) theirs.push_back({reinterpret_cast<uintptr_t>(v.iov_base), v.iov_len});
+  const bool small = op.bytes <= kMoveHereBytes && !device;
+  auto job = [this, op = std::move(op), device, theirs = std::move(theirs)]() mutable {
+    std::string why;
+    const int error = device ? copy_staged(*device, op.mine, theirs, !op.write, why)
+                             : same_host::copy_pairs(*peer_memory_, host_->copy_pool(), op.mine, theirs, !op.write);
+    op.use.reset();  // out of the slot before anyone hears of it
     if (error == 0) {
-      one_sided_ops_.fetch_add(1, std::memory_order_relaxed);
-      (write ? one_sided_written_ : one_sided_read_).fetch_add(bytes, std::memory_order_relaxed);
-      settle(LLM_SUCCESS, {});
+      if (device) one_sided_staged_.fetch_add(op.bytes, std::memory_order_relaxed);
+      settle_moved(op, LLM_SUCCESS, {});
       return;
     }
     if (error == ESRCH) {
-      settle(llm_datadist::LLM_LINK_FAILED, "the peer's process is gone");
+      op.settle(llm_datadist::LLM_LINK_FAILED, "the peer's process is gone");
       if (fail_) fail_("the peer's process is gone");
+      return;
+    }
+    if (error == -1) {
+      settle_moved(op, llm_datadist::LLM_FAILED, "copying " + std::string(op.write ? "out of" : "into") +
+                                                     " device memory here failed: " + why);
       return;
     }
     // The kernel refused (its ptrace rule changed) or the granted memory was
     // not there: this operation fails, and later ones go by frames.
     moves_.store(false, std::memory_order_relaxed);
-    settle(llm_datadist::LLM_FAILED, std::string("the one-sided copy ") + (write ? "into" : "out of") +
-                                         " the peer's cache failed: " + std::strerror(error));
+    settle_moved(op, llm_datadist::LLM_FAILED, std::string("the one-sided copy ") + (op.write ? "into" : "out of") +
+                                                   " the peer's cache failed: " + std::strerror(error));
   };
-  // Small copies on the calling thread; larger ones on the loop's blocking
-  // pool, which splits them over the copy threads.
-  if (bytes <= kMoveHereBytes || !host_->io_loop().run_blocking(job)) job();
+  // Small copies of host memory on the calling thread; larger ones, and
+  // those staged through a device's buffers, on the loop's blocking pool
+  // (which splits kernel copies over the copy threads).
+  auto run = std::make_shared<decltype(job)>(std::move(job));  // one copy: its slot left once
+  if (small || !host_->io_loop().run_blocking([run] { (*run)(); })) (*run)();
   return true;
+}
+
+void SameHostPath::settle_moved(OneSided &op, Status status, std::string why) {
+  if (status == LLM_SUCCESS) {
+    one_sided_ops_.fetch_add(1, std::memory_order_relaxed);
+    (op.write ? one_sided_written_ : one_sided_read_).fetch_add(op.bytes, std::memory_order_relaxed);
+  }
+  op.settle(status, std::move(why));
+}
+
+std::shared_ptr<cuda::Device> SameHostPath::device_for(int ordinal, std::string &why) {
+  std::lock_guard<std::mutex> lock(grants_mu_);
+  auto it = devices_.find(ordinal);
+  if (it != devices_.end()) return it->second;
+  std::shared_ptr<cuda::Device> opened;
+  if (ordinal < 0 || cuda::Device::open(ordinal, opened) != LLM_SUCCESS) {
+    why = "no CUDA driver or no device " + std::to_string(ordinal) + " here";
+    return nullptr;
+  }
+  devices_.emplace(ordinal, opened);
+  return opened;
+}
+
+bool SameHostPath::open_grant(const same_host::Grant &grant, const std::shared_ptr<cuda::Device> &in,
+                              std::vector<std::shared_ptr<cuda::PeerAllocation>> &out, std::string &why) {
+  std::lock_guard<std::mutex> lock(grant.opened_mu);
+  if (grant.opened_in != in->ordinal()) {
+    // Each allocation once, however many tensors it holds.
+    std::map<std::string, std::shared_ptr<cuda::PeerAllocation>> by_export;
+    std::vector<std::shared_ptr<cuda::PeerAllocation>> opened;
+    opened.reserve(grant.exports.size());
+    for (const wire::DeviceExport &e : grant.exports) {
+      std::shared_ptr<cuda::PeerAllocation> &one = by_export[device_exports::key(e, in->ordinal())];
+      if (!one) one = device_exports::open(e, peer_memory_->pid(), in, why);
+      if (!one) return false;
+      opened.push_back(one);
+    }
+    grant.opened = std::move(opened);
+    grant.opened_in = in->ordinal();
+  }
+  out = grant.opened;
+  return true;
+}
+
+// The holder's stream copies of one operation: what they hold until the
+// stream says they landed, and what then settles it (off the driver's thread).
+struct SameHostPath::StreamMove {
+  OneSided op;
+  std::shared_ptr<cuda::Device> in;
+  std::shared_ptr<const same_host::Grant> grant;  // its opened allocations
+  cuda::CUresult status = cuda::CUDA_SUCCESS;
+};
+
+bool SameHostPath::move_on_stream(OneSided op, const std::shared_ptr<cuda::Device> &device,
+                                  const std::shared_ptr<const same_host::Grant> &grant, const wire::Request &req,
+                                  const std::vector<iovec> &theirs) {
+  // Opened in the context of this end's device, or (host memory here) of
+  // the device the owner's memory is on; under the slot, so the owner's
+  // allocations (and descriptors) stay while they are opened.
+  std::string why;
+  std::shared_ptr<cuda::Device> in = device ? device : device_for(grant->exports.front().ordinal, why);
+  std::vector<std::shared_ptr<cuda::PeerAllocation>> opened;
+  if (!in || !open_grant(*grant, in, opened, why)) {
+    device_moves_.store(false, std::memory_order_relaxed);
+    log_warning("the peer's (pid " + std::to_string(peer_memory_->pid()) +
+                ") device memory cannot be opened here (" + why + "); it serves operations on it");
+    return false;
+  }
+  // Each range inside the allocation its tensor's grant names, by the size
+  // the driver opened.
+  std::vector<cuda::Copy> copies;
+  copies.reserve(theirs.size());
+  for (size_t i = 0; i < theirs.size(); ++i) {
+    const uint32_t tensor = req.ranges[i].tensor;
+    const cuda::PeerAllocation &peer = *opened[tensor];
+    const uint64_t offset = reinterpret_cast<uintptr_t>(theirs[i].iov_base) - grant->exports[tensor].base;
+    const uint64_t n = theirs[i].iov_len;
+    if (offset > peer.size() || n > peer.size() - offset) {
+      log_warning("the peer's grant of cache " + std::to_string(grant->cache->id) +
+                  " names memory past its allocation; it serves operations on it");
+      book_->drop(grant);
+      return false;
+    }
+    const auto mine = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(op.mine[i].iov_base));
+    copies.push_back(op.write ? cuda::Copy{peer.base() + offset, mine, n, true, device != nullptr}
+                              : cuda::Copy{mine, peer.base() + offset, n, device != nullptr, true});
+  }
+  auto moving = std::make_shared<StreamMove>();
+  moving->op = std::move(op);
+  moving->in = in;
+  moving->grant = grant;
+  // The callback runs on the driver's thread: it leaves the slot (the
+  // copies have landed) and hands the rest, whose release may call the
+  // driver, to the blocking pool.
+  const bool queued = in->copy_async(
+      copies,
+      [this, moving](cuda::CUresult status) mutable {
+        moving->status = status;
+        moving->op.use.reset();
+        // Taken out of this callback, which keeps nothing: whichever thread
+        // settles it lets go of it.
+        auto landed = std::make_shared<std::shared_ptr<StreamMove>>(std::move(moving));
+        if (!host_->io_loop().run_blocking([this, landed] { settle_stream(std::move(*landed)); })) {
+          settle_stream(std::move(*landed));
+        }
+      },
+      why);
+  if (queued) return true;
+  // Refused as queued: what was queued has run.
+  moving->op.use.reset();
+  device_moves_.store(false, std::memory_order_relaxed);
+  settle_moved(moving->op, llm_datadist::LLM_FAILED, "the one-sided device copy was refused: " + why);
+  return true;
+}
+
+void SameHostPath::settle_stream(std::shared_ptr<StreamMove> moving) {
+  if (moving->status == cuda::CUDA_SUCCESS) {
+    one_sided_device_.fetch_add(moving->op.bytes, std::memory_order_relaxed);
+    settle_moved(moving->op, LLM_SUCCESS, {});
+    return;
+  }
+  settle_moved(moving->op, llm_datadist::LLM_FAILED,
+               std::string("the one-sided device copy ") + (moving->op.write ? "into" : "out of") +
+                   " the peer's cache failed on the stream: " + moving->in->describe(moving->status));
 }
 
 Carry SameHostPath::carry(const PlannedFrame &planned, const cuda::Device *device, bool exports_ok,
@@ -268,13 +409,15 @@ void SameHostPath::counters(std::map<std::string, uint64_t> &out) const {
   out["one_sided_ops"] += one_sided_ops_.load(std::memory_order_relaxed);
   out["one_sided_bytes_written"] += one_sided_written_.load(std::memory_order_relaxed);
   out["one_sided_bytes_read"] += one_sided_read_.load(std::memory_order_relaxed);
+  out["one_sided_device_bytes"] += one_sided_device_.load(std::memory_order_relaxed);
+  out["one_sided_staged_bytes"] += one_sided_staged_.load(std::memory_order_relaxed);
   out["grants_held"] += book_ ? book_->held() : 0;
   if (const std::shared_ptr<same_host::Grantor> granting = grantor()) granting->counters(out);
 }
 
 void SameHostPath::zero_counters(std::map<std::string, uint64_t> &out) {
   for (const char *name : {"staged_bytes_served", "device_stream_waits", "one_sided_ops", "one_sided_bytes_written",
-                           "one_sided_bytes_read", "grants_held", "grants_given", "grants_revoked",
+                           "one_sided_bytes_read", "one_sided_device_bytes", "one_sided_staged_bytes", "grants_held", "grants_given", "grants_revoked",
                            "grant_revoke_waits", "grants_quarantined", "grants_refused"}) {
     out[name] += 0;
   }

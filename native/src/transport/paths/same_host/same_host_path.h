@@ -12,13 +12,17 @@
 // reaches its memory, and the peer then moves host-memory operations on
 // caches named by id or by a model's blocks key itself (move()), checked
 // against the grant's geometry, with no frame to the owner. Reads through a
-// key, device memory, and caches without a grant go by frames as above.
+// key, and caches without a grant go by frames as above. Device memory:
+// the peer's is opened from the grant's exports and copied on this end's
+// streams; this end's own, with the peer's host memory, goes staged
+// through this end's buffers.
 #ifndef DATADIST_TRANSPORT_PATHS_SAME_HOST_SAME_HOST_PATH_H_
 #define DATADIST_TRANSPORT_PATHS_SAME_HOST_SAME_HOST_PATH_H_
 
 #include <sys/uio.h>
 
 #include <atomic>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -52,7 +56,8 @@ class SameHostPath : public DataPath {
   bool checks_initiator_first() const override { return true; }
   bool reap_waits() const override { return true; }
   void serve(std::shared_ptr<ServedFrame> frame) override;
-  bool move(bool write, const PlannedFrame &planned, const cuda::Device *device, const Settle &settle) override;
+  bool move(bool write, const PlannedFrame &planned, const std::shared_ptr<cuda::Device> &device,
+            const Settle &settle) override;
   void start(PathHost &host, LinkFailer fail) override;
   void running() override;
   void reap() override;
@@ -71,6 +76,34 @@ class SameHostPath : public DataPath {
   // `why` when the device copy failed.
   int copy_staged(const cuda::Device &device, const std::vector<iovec> &mine, const std::vector<wire::Segment> &theirs,
                   bool from_peer, std::string &why);
+
+  // One operation this end moves itself under a grant.
+  struct OneSided {
+    bool write = false;
+    uint64_t bytes = 0;
+    std::vector<iovec> mine;  // this end's memory, range by range
+    std::shared_ptr<same_host::GrantUse> use;  // in the grant's slot until the bytes have moved
+    Settle settle;
+  };
+  struct StreamMove;
+  // Counts a moved operation and settles it.
+  void settle_moved(OneSided &op, Status status, std::string why);
+  // Moves `op` between this end's memory (`device`'s, or host memory) and
+  // the peer's device memory under `grant`, on a stream of this end's;
+  // false (nothing moved) where the grant's allocations cannot be opened
+  // here or it names memory past them: the operation goes by frames.
+  bool move_on_stream(OneSided op, const std::shared_ptr<cuda::Device> &device,
+                      const std::shared_ptr<const same_host::Grant> &grant, const wire::Request &req,
+                      const std::vector<iovec> &theirs);
+  // Settles the operation whose stream copies landed (or failed).
+  void settle_stream(std::shared_ptr<StreamMove> moving);
+  // The grant's allocations opened in `in`'s context, a tensor each
+  // (opened once, kept with the grant); false with `why`.
+  bool open_grant(const same_host::Grant &grant, const std::shared_ptr<cuda::Device> &in,
+                  std::vector<std::shared_ptr<cuda::PeerAllocation>> &out, std::string &why);
+  // Device `ordinal`, opened here once (for host memory of this end copied
+  // to and from the peer's device memory); null with `why`.
+  std::shared_ptr<cuda::Device> device_for(int ordinal, std::string &why);
 
   // Grants this end's caches to the peer (once it reaches this end's memory).
   void start_granting();
@@ -92,8 +125,14 @@ class SameHostPath : public DataPath {
   // The peer's grants to this end (set where this end reaches its memory).
   std::unique_ptr<same_host::GrantBook> book_;
   std::atomic<bool> moves_{true};  // cleared when the kernel refused a one-sided copy
+  // Cleared when this end cannot open or copy the peer's device memory.
+  std::atomic<bool> device_moves_{true};
+  std::map<int, std::shared_ptr<cuda::Device>> devices_;  // device_for()'s (grants_mu_)
   std::atomic<uint64_t> staged_bytes_served_{0}, stream_waits_{0};
   std::atomic<uint64_t> one_sided_ops_{0}, one_sided_written_{0}, one_sided_read_{0};
+  // Of those bytes, moved by this end's stream copies from or into the
+  // peer's device memory; staged through this end's device buffers.
+  std::atomic<uint64_t> one_sided_device_{0}, one_sided_staged_{0};
 };
 
 }  // namespace datadist
