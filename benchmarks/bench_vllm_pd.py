@@ -132,11 +132,13 @@ def free_ports(count: int) -> list[int]:
 LOOPBACK = "127.0.0.1"
 
 
-def pair_configs(kind: str, layout: str, ports: tuple[int, int], hosts: tuple[str, str] = (LOOPBACK, LOOPBACK)
+def pair_configs(kind: str, layout: str, ports: tuple[int, int], hosts: tuple[str, str] = (LOOPBACK, LOOPBACK),
+                 transport: str = "auto"
                  ) -> tuple[tuple[dict[str, Any], dict[str, str]], tuple[dict[str, Any], dict[str, str]]]:
     """The prefill's and the decode's ``KVTransferConfig`` fields and environment
     variables for connector ``kind``, each instance with its own side-channel
-    port and host (``ports``, ``hosts``: prefill, decode)."""
+    port and host (``ports``, ``hosts``: prefill, decode); ours with the links'
+    ``transport`` (``"tcp"``: on sockets even on one host)."""
     prefill_role, decode_role = LAYOUTS[layout]
     (prefill_port, decode_port), (prefill_host, decode_host) = ports, hosts
     if kind == "nixl":
@@ -148,6 +150,8 @@ def pair_configs(kind: str, layout: str, ports: tuple[int, int], hosts: tuple[st
     mode: dict[str, Any] = {"transfer_mode": "push_layerwise"} if kind == "push" else {}
     if kind == "owner":  # the pull served by the prefill's engine (one-sided: the decode's own copies)
         mode["access"] = "owner"
+    if transport != "auto":
+        mode["transport"] = transport
     pushes: dict[str, Any] = {"push_host": decode_host, "push_port": decode_port} if kind == "push" else {}
     env = dict(SECURED.get(kind, {}))
     return ((connector_config("datadist", prefill_role, prefill_port, side_channel_host=prefill_host, **mode, **pushes),
@@ -166,7 +170,7 @@ def _launch_here(side: int, model: Path, config: dict[str, Any], env: dict[str, 
 
 def start_pair(kind: str, layout: str, model: Path, *, launch: Launch = _launch_here,
                ports: Optional[tuple[int, int]] = None,
-               hosts: tuple[str, str] = (LOOPBACK, LOOPBACK)) -> tuple[Engine, Engine]:
+               hosts: tuple[str, str] = (LOOPBACK, LOOPBACK), transport: str = "auto") -> tuple[Engine, Engine]:
     """A prefill and a decode instance (policy ``recompute``), each with its own side-channel port.
 
     ``launch`` starts each (default: an ``Engine`` in this namespace);
@@ -177,7 +181,7 @@ def start_pair(kind: str, layout: str, model: Path, *, launch: Launch = _launch_
     if ports is None:
         prefill_port, decode_port = free_ports(2)
         ports = (prefill_port, decode_port)
-    configs = pair_configs(kind, layout, ports, hosts)
+    configs = pair_configs(kind, layout, ports, hosts, transport)
     policies = (None, "recompute")
     first = 1 if kind == "push" else 0
     started = launch(first, model, configs[first][0], configs[first][1], policies[first])
@@ -293,7 +297,7 @@ def summarize_phase(rows: list[dict[str, Any]], reference: list[list[int]], kind
 def run_pair(kind: str, layout: str, model: Path, phases: dict[str, tuple[list[list[list[int]]], list[list[int]]]],
              args: argparse.Namespace) -> list[dict[str, Any]]:
     """One fresh pair serving every phase: (groups of prompts, reference tokens) by phase."""
-    prefill, decode = start_pair(kind, layout, model)
+    prefill, decode = start_pair(kind, layout, model, transport=args.transport)
     try:
         first: Optional[dict[str, Any]] = None
         for prompt in prompts_of_lengths([100] * args.warmup, seed=99):
@@ -353,6 +357,9 @@ def main() -> None:
                              "(the pull served by the prefill's engine, access \"owner\"), nixl")
     parser.add_argument("--busy", type=int, default=0,
                         help="spinning processes beside the instances while the phases are measured (a busy host)")
+    parser.add_argument("--transport", choices=("auto", "tcp"), default="auto",
+                        help="our connectors' links: auto (the same-host path here) or tcp (sockets, where link "
+                             "encryption covers every byte: compare secret and tls so)")
     parser.add_argument("--output", type=Path, default=Path("build/bench-vllm-pd.json"))
     parser.add_argument("--shapes", default="", help="then bench_vllm_shapes.py for these shapes ('all': every one)")
     parser.add_argument("--model", choices=("llama", "sliding"), default="llama",

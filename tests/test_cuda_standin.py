@@ -29,7 +29,15 @@ from typing import Any, Optional
 import pytest
 
 from datadist_aio.bench import cuda_driver
-from datadist_aio.bench.cuda_driver import HOST_FN, SIGNATURES, AccessDesc, AllocationProp, IpcHandle, MemLocation
+from datadist_aio.bench.cuda_driver import (
+    HOST_FN,
+    SIGNATURES,
+    AccessDesc,
+    AllocationProp,
+    IpcHandle,
+    Memcpy2D,
+    MemLocation,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -429,6 +437,7 @@ def _child_uninitialised(conn: multiprocessing.connection.Connection, path: str)
             "cuMemsetD8_v2": lambda: cu.lib.cuMemsetD8_v2(4096, 0, 1),
             "cuMemcpyHtoD_v2": lambda: cu.lib.cuMemcpyHtoD_v2(4096, addr(buf), 1),
             "cuMemcpyDtoH_v2": lambda: cu.lib.cuMemcpyDtoH_v2(addr(buf), 4096, 1),
+            "cuMemcpy2DAsync_v2": lambda: cu.lib.cuMemcpy2DAsync_v2(ctypes.byref(Memcpy2D()), None),
             "cuMemcpyDtoD_v2": lambda: cu.lib.cuMemcpyDtoD_v2(4096, 8192, 1),
             "cuMemcpyHtoDAsync_v2": lambda: cu.lib.cuMemcpyHtoDAsync_v2(4096, addr(buf), 1, None),
             "cuMemcpyDtoHAsync_v2": lambda: cu.lib.cuMemcpyDtoHAsync_v2(addr(buf), 4096, 1, None),
@@ -904,6 +913,53 @@ def test_asynchronous_copies(cu: Cu) -> None:
         cu.ok(cu.lib.cuMemcpyDtoHAsync_v2(addr(out), a, size, None))
         assert out.raw == b"\x42" * size
         assert cu.lib.cuMemcpyHtoDAsync_v2(a, addr(src), size, 0x1234) == INVALID_HANDLE
+
+
+def _rows(src: Any, dst: Any, width: int, height: int, src_pitch: int, dst_pitch: int) -> Memcpy2D:
+    """A CUDA_MEMCPY2D between (kind, address) pairs: ("host", addr) or ("device", ptr)."""
+    p = Memcpy2D()
+    for end, (kind, at) in (("src", src), ("dst", dst)):
+        setattr(p, f"{end}MemoryType", MEMORYTYPE_DEVICE if kind == "device" else MEMORYTYPE_HOST)
+        setattr(p, f"{end}Device" if kind == "device" else f"{end}Host", at)
+    p.srcPitch, p.dstPitch, p.WidthInBytes, p.Height = src_pitch, dst_pitch, width, height
+    return p
+
+
+def test_2d_copies_move_strided_rows_in_order_and_check_every_row_first(cu: Cu) -> None:
+    # 9 rows of 100 bytes, 300 apart in host memory, gathered 128 apart in
+    # device memory, then scattered 256 apart in another allocation and read
+    # back 256 apart into host memory; each row where the pitches put it.
+    width, height = 100, 9
+    data = random.Random(3).randbytes(300 * height)
+    src = buffer(data)
+    out = (ctypes.c_char * (256 * height))()
+    before = int(cu.lib.standin_cuda_copies_2d())
+    with cu.device_memory(128 * height, 256 * height) as (a, b), cu.stream() as stream:
+        cu.ok(cu.lib.cuMemsetD8_v2(b, 0x55, 256 * height))
+        cu.ok(cu.lib.cuMemcpy2DAsync_v2(ctypes.byref(_rows(("host", addr(src)), ("device", a), width, height, 300, 128)),
+                                        stream))
+        cu.ok(cu.lib.cuMemcpy2DAsync_v2(ctypes.byref(_rows(("device", a), ("device", b), width, height, 128, 256)),
+                                        stream))
+        cu.ok(cu.lib.cuMemcpy2DAsync_v2(ctypes.byref(_rows(("device", b), ("host", addr(out)), 256, height, 256, 256)),
+                                        stream))
+        cu.ok(cu.lib.cuStreamSynchronize(stream))
+        for row in range(height):
+            got = out.raw[row * 256:(row + 1) * 256]
+            assert got[:width] == data[row * 300:row * 300 + width], row
+            assert got[width:] == b"\x55" * (256 - width), f"row {row}: bytes past the width were written"
+        assert int(cu.lib.standin_cuda_copies_2d()) == before + 3
+        # A pitch shorter than a row, host memory at both ends, and a last
+        # row past its allocation are refused; the refused copy writes no row.
+        ctypes.memset(out, 0, len(out))
+        short = _rows(("device", b), ("host", addr(out)), width, height, width - 1, 256)
+        assert cu.lib.cuMemcpy2DAsync_v2(ctypes.byref(short), stream) == INVALID_VALUE
+        both_host = _rows(("host", addr(src)), ("host", addr(out)), width, height, 300, 256)
+        assert cu.lib.cuMemcpy2DAsync_v2(ctypes.byref(both_host), stream) == NOT_SUPPORTED
+        past = _rows(("device", b), ("host", addr(out)), width, height + 1, 256, 256)
+        assert cu.lib.cuMemcpy2DAsync_v2(ctypes.byref(past), stream) == INVALID_VALUE
+        cu.ok(cu.lib.cuStreamSynchronize(stream))
+        assert out.raw == b"\0" * len(out), "a refused 2D copy wrote a row"
+        assert int(cu.lib.standin_cuda_copies_2d()) == before + 3
 
 
 def test_async_copies_touch_host_memory_when_they_run(cu: Cu) -> None:

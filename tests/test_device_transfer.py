@@ -89,6 +89,7 @@ def initiator_moves_everything(conn: Any, transport: str, access: str = "owner")
     for mine, theirs in MIXES:
         what = f"{transport}, initiator {mine}, owner {theirs}"
         before_stats = _stats(conn, datadist)
+        copies_2d = cuda.copies_2d()
         lb, rb, ls, rs = f"blocks-{mine}", f"blocks-{theirs}", f"slots-{mine}", f"slots-{theirs}"
         blocks_key = dd.BlocksCacheKey(OWNER, MODEL[theirs])
 
@@ -161,6 +162,9 @@ def initiator_moves_everything(conn: Any, transport: str, access: str = "owner")
         assert refused.value.status_code is code.LLM_PARAM_INVALID, refused.value
         _check_local(local.read(lb), before, f"a refused pull_blocks ({what})")
         _check_paths(before_stats, _stats(conn, datadist), transport, access, mine, theirs, moved)
+        if transport != "tcp" and access == "one_sided" and theirs == "device":
+            # The strided rows of pull_block_ranges went as 2D copies on this end's streams.
+            assert cuda.copies_2d() > copies_2d, what
 
     # Device memory read back through a HOST cache too (swap_blocks), as a user would.
     back = cm.allocate_blocks_cache(_desc("host", True))

@@ -99,7 +99,7 @@ class _Warnings(logging.Handler):
 
 def _decode(conn: Any, port: int, specs: list[tuple[Any, ...]], timeout_s: float,
             shape: tuple[int, ...] = SHAPE, engine: str = "prefill", first_contact_ms: Optional[float] = None,
-            access: str = "") -> None:
+            access: str = "", transport: str = "") -> None:
     warnings = _Warnings()
     logging.getLogger("datadist_aio.integrations.vllm.worker").addHandler(warnings)
     # The first contacts vLLM's thread gave up on (logged at debug).
@@ -111,7 +111,7 @@ def _decode(conn: Any, port: int, specs: list[tuple[Any, ...]], timeout_s: float
     arrays = {name: np.zeros(shape, np.float32) for name in layer_arrays(0)}
     extra = {} if first_contact_ms is None else {"first_contact_ms": first_contact_ms}
     side = WorkerSide(WorkerSettings(engine_id="decode", is_producer=False, load_timeout_s=timeout_s, access=access,
-                                     **extra))
+                                     transport=transport, **extra))
     side.register({name: FakeTensor(a) for name, a in arrays.items()})
     # (request, local blocks, remote blocks[, lease token])
     loads = {
@@ -138,6 +138,10 @@ def _decode(conn: Any, port: int, specs: list[tuple[Any, ...]], timeout_s: float
     elapsed = time.monotonic() - start
     records = side.take_records()
     answers = side.take_answer_counts()
+    # The path each route's links took (link_transport).
+    assert side._router is not None and side._datadist is not None
+    transports = sorted({side._datadist.link_transport(source.cluster_id)
+                         for route in side._router.routes.values() for source in route.sources})
     side.shutdown()  # after the release notices already sent went out
     conn.send(
         {
@@ -149,6 +153,7 @@ def _decode(conn: Any, port: int, specs: list[tuple[Any, ...]], timeout_s: float
             "routed_in_start": routed_in_start,
             "records": [(r.nbytes, r.blocks, r.ok) for r in records],
             "answers": answers,
+            "transports": transports,
             "arrays": {name: a for name, a in arrays.items()},
             "warnings": warnings.messages,
             "contacts_given_up": len([m for m in given_up.messages if "left to the loop thread" in m]),
@@ -172,10 +177,11 @@ def _start_prefill(ctx: Any, lease_s: float = 60.0) -> tuple[Any, Any, int]:
 
 def _run_decode(ctx: Any, port: int, specs: list[Any], timeout_s: float = 5.0,
                 shape: tuple[int, ...] = SHAPE, engine: str = "prefill",
-                first_contact_ms: Optional[float] = None, access: str = "") -> dict[str, Any]:
+                first_contact_ms: Optional[float] = None, access: str = "", transport: str = "") -> dict[str, Any]:
     parent, child = ctx.Pipe()
     process = ctx.Process(target=_decode,
-                          args=(child, port, specs, timeout_s, shape, engine, first_contact_ms, access), daemon=True)
+                          args=(child, port, specs, timeout_s, shape, engine, first_contact_ms, access, transport),
+                          daemon=True)
     process.start()
     child.close()
     try:
@@ -220,7 +226,8 @@ def test_describe_groups_layers_and_splits_kv_pairs() -> None:
         describe_kv_caches({"l0": FakeTensor(np.zeros((5, 7), np.float32))}, BLOCKS)
 
 
-def test_decode_reads_exact_blocks_and_releases_the_prefill(ctx: Any) -> None:
+@pytest.mark.parametrize("transport", ["", "tcp"])
+def test_decode_reads_exact_blocks_and_releases_the_prefill(ctx: Any, transport: str) -> None:
     prefill, conn, port = _start_prefill(ctx)
     try:
         conn.send(("lease", ["p-a", "p-b", "p-c"]))
@@ -228,13 +235,16 @@ def test_decode_reads_exact_blocks_and_releases_the_prefill(ctx: Any) -> None:
         # "c" has nothing to read (a local prefix hit): it only releases the prefill.
         specs = [("a", [5, 6, 7], [0, 1, 2]), ("b", [10, 12], [20, 3]), ("c", [], [])]
         # Owner-served, so that each pull is answered (one-sided pulls have no answer to count).
-        result = _run_decode(ctx, port, specs, access="owner")
+        result = _run_decode(ctx, port, specs, access="owner", transport=transport)
+        # The setting's transport: the same-host path by default, sockets with "tcp".
+        assert result["transports"] == [transport or "same_host"], result["transports"]
         assert result["done"] == ["a", "b"]
         assert result["failed"] == [] and result["errors"] == []
         block_bytes = LAYERS * HEADS * BLOCK_SIZE * 2 * HEAD_DIM * 4
         assert sorted(result["records"]) == [(2 * block_bytes, 2, True), (3 * block_bytes, 3, True)]
         read, by_sweep = result["answers"]
-        assert read >= 2 and 0 <= by_sweep <= read, "the answers of both pulls were counted"
+        if not transport:  # answers on the same-host link's answer socket, counted as read
+            assert read >= 2 and 0 <= by_sweep <= read, "the answers of both pulls were counted"
         source = layer_arrays(1)
         for name, array in result["arrays"].items():
             for _req, local, remote in specs:

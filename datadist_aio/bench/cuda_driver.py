@@ -36,6 +36,17 @@ class IpcHandle(ctypes.Structure):
     _fields_ = [("reserved", ctypes.c_char * 64)]
 
 
+class Memcpy2D(ctypes.Structure):
+    """CUDA_MEMCPY2D: ``Height`` rows of ``WidthInBytes`` bytes, a pitch apart at each end."""
+
+    _fields_ = [("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t), ("srcMemoryType", ctypes.c_int),
+                ("srcHost", ctypes.c_void_p), ("srcDevice", ctypes.c_ulonglong), ("srcArray", ctypes.c_void_p),
+                ("srcPitch", ctypes.c_size_t), ("dstXInBytes", ctypes.c_size_t), ("dstY", ctypes.c_size_t),
+                ("dstMemoryType", ctypes.c_int), ("dstHost", ctypes.c_void_p), ("dstDevice", ctypes.c_ulonglong),
+                ("dstArray", ctypes.c_void_p), ("dstPitch", ctypes.c_size_t), ("WidthInBytes", ctypes.c_size_t),
+                ("Height", ctypes.c_size_t)]
+
+
 HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
 _u = ctypes.c_uint
@@ -73,6 +84,7 @@ SIGNATURES: dict[str, list[Any]] = {
     "cuMemcpyHtoDAsync_v2": [_ull, _vp, _sz, _vp],
     "cuMemcpyDtoHAsync_v2": [_vp, _ull, _sz, _vp],
     "cuMemcpyDtoDAsync_v2": [_ull, _ull, _sz, _vp],
+    "cuMemcpy2DAsync_v2": [_P(Memcpy2D), _vp],
     "cuStreamCreate": [_P(_vp), _u],
     "cuStreamDestroy_v2": [_vp],
     "cuStreamSynchronize": [_vp],
@@ -104,6 +116,7 @@ SIGNATURES: dict[str, list[Any]] = {
 HOOKS: dict[str, Any] = {
     "standin_cuda_live_allocations": ctypes.c_int,
     "standin_cuda_bytes_copied": ctypes.c_ulonglong,
+    "standin_cuda_copies_2d": ctypes.c_ulonglong,
     "standin_cuda_live_vmm_allocations": ctypes.c_int,
 }
 
@@ -245,6 +258,10 @@ class CudaDriver:
     def live(self) -> int:
         """Device allocations and IPC mappings alive in this process."""
         return int(self.lib.standin_cuda_live_allocations())
+
+    def copies_2d(self) -> int:
+        """2D copies (strided rows, cuMemcpy2DAsync) queued in this process."""
+        return int(self.lib.standin_cuda_copies_2d())
 
     def live_vmm(self) -> int:
         """Physical allocations of cuMemCreate or imported, alive in this process."""

@@ -70,6 +70,18 @@ struct Passed<const ::CUmemAccessDesc *> {
   using type = const AccessDesc *;
 };
 
+// The 2D copy's parameters, passed by pointer: the same layout on both
+// sides (checked below).
+struct Memcpy2D;
+template <>
+struct Passed<const ours::CUDA_MEMCPY2D *> {
+  using type = const Memcpy2D *;
+};
+template <>
+struct Passed<const ::CUDA_MEMCPY2D *> {
+  using type = const Memcpy2D *;
+};
+
 // A stream callback: a pointer on both sides (its own signature is checked below).
 struct StreamCallback;
 template <>
@@ -114,6 +126,7 @@ CHECK_ENTRY(PFN_cuMemFreeHost, cuMemFreeHost);
 CHECK_ENTRY(PFN_cuMemcpyHtoDAsync, cuMemcpyHtoDAsync_v2);
 CHECK_ENTRY(PFN_cuMemcpyDtoHAsync, cuMemcpyDtoHAsync_v2);
 CHECK_ENTRY(PFN_cuMemcpyDtoDAsync, cuMemcpyDtoDAsync_v2);
+CHECK_ENTRY(PFN_cuMemcpy2DAsync, cuMemcpy2DAsync_v2);
 CHECK_ENTRY(PFN_cuStreamCreate, cuStreamCreate);
 CHECK_ENTRY(PFN_cuStreamDestroy, cuStreamDestroy_v2);
 CHECK_ENTRY(PFN_cuStreamSynchronize, cuStreamSynchronize);
@@ -172,6 +185,25 @@ static_assert(sizeof(ours::CUmemAccessDesc) == sizeof(::CUmemAccessDesc) &&
               "CUmemAccessDesc layout");
 CHECK_FIELD(ours::CUmemAccessDesc, ::CUmemAccessDesc, location);
 CHECK_FIELD(ours::CUmemAccessDesc, ::CUmemAccessDesc, flags);
+static_assert(sizeof(ours::CUDA_MEMCPY2D) == sizeof(::CUDA_MEMCPY2D) &&
+                  alignof(ours::CUDA_MEMCPY2D) == alignof(::CUDA_MEMCPY2D),
+              "CUDA_MEMCPY2D layout");
+CHECK_FIELD(ours::CUDA_MEMCPY2D, ::CUDA_MEMCPY2D, srcXInBytes);
+CHECK_FIELD(ours::CUDA_MEMCPY2D, ::CUDA_MEMCPY2D, srcY);
+CHECK_FIELD(ours::CUDA_MEMCPY2D, ::CUDA_MEMCPY2D, srcMemoryType);
+CHECK_FIELD(ours::CUDA_MEMCPY2D, ::CUDA_MEMCPY2D, srcHost);
+CHECK_FIELD(ours::CUDA_MEMCPY2D, ::CUDA_MEMCPY2D, srcDevice);
+CHECK_FIELD(ours::CUDA_MEMCPY2D, ::CUDA_MEMCPY2D, srcArray);
+CHECK_FIELD(ours::CUDA_MEMCPY2D, ::CUDA_MEMCPY2D, srcPitch);
+CHECK_FIELD(ours::CUDA_MEMCPY2D, ::CUDA_MEMCPY2D, dstXInBytes);
+CHECK_FIELD(ours::CUDA_MEMCPY2D, ::CUDA_MEMCPY2D, dstY);
+CHECK_FIELD(ours::CUDA_MEMCPY2D, ::CUDA_MEMCPY2D, dstMemoryType);
+CHECK_FIELD(ours::CUDA_MEMCPY2D, ::CUDA_MEMCPY2D, dstHost);
+CHECK_FIELD(ours::CUDA_MEMCPY2D, ::CUDA_MEMCPY2D, dstDevice);
+CHECK_FIELD(ours::CUDA_MEMCPY2D, ::CUDA_MEMCPY2D, dstArray);
+CHECK_FIELD(ours::CUDA_MEMCPY2D, ::CUDA_MEMCPY2D, dstPitch);
+CHECK_FIELD(ours::CUDA_MEMCPY2D, ::CUDA_MEMCPY2D, WidthInBytes);
+CHECK_FIELD(ours::CUDA_MEMCPY2D, ::CUDA_MEMCPY2D, Height);
 
 // Values.
 #define CHECK_VALUE(name) static_assert(static_cast<long long>(ours::name) == static_cast<long long>(::name), #name)

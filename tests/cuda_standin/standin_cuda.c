@@ -46,6 +46,7 @@
 /* Test hooks: not part of the driver. */
 STANDIN_API int standin_cuda_live_allocations(void);
 STANDIN_API unsigned long long standin_cuda_bytes_copied(void);
+STANDIN_API unsigned long long standin_cuda_copies_2d(void);
 STANDIN_API int standin_cuda_live_vmm_allocations(void);
 
 _Static_assert(sizeof(CUipcMemHandle) == 64, "CUipcMemHandle is 64 bytes");
@@ -454,6 +455,10 @@ STANDIN_API int standin_cuda_live_allocations(void) {
 }
 
 STANDIN_API unsigned long long standin_cuda_bytes_copied(void) { return atomic_load(&g_bytes_copied); }
+
+/* 2D copies queued (cuMemcpy2DAsync_v2 calls that succeeded), for tests. */
+static atomic_ullong g_copies_2d;
+STANDIN_API unsigned long long standin_cuda_copies_2d(void) { return atomic_load(&g_copies_2d); }
 
 static uint64_t random_id(void) {
   uint64_t id = 0;
@@ -1325,6 +1330,67 @@ STANDIN_API CUresult CUDAAPI cuMemcpyDtoDAsync_v2(CUdeviceptr dstDevice, CUdevic
   return copy(OP_DTOD, dstDevice, NULL, srcDevice, NULL, ByteCount, 0, true, hStream);
 }
 
+/* A 2D copy: `Height` rows of `WidthInBytes` bytes, each row `srcPitch`
+ * (`dstPitch`) bytes after the one before it, from (srcXInBytes, srcY).
+ * Every row is checked before any is queued, then the rows run in order on
+ * the stream as copies of their own. Host or device memory at either end,
+ * not both host (nor arrays or unified addressing: not supported here). */
+STANDIN_API CUresult CUDAAPI cuMemcpy2DAsync_v2(const CUDA_MEMCPY2D *pCopy, CUstream hStream) {
+  struct CUctx_st *ctx = NULL;
+  CUresult r = enter_ctx(&ctx);
+  if (r != CUDA_SUCCESS) return r;
+  if (pCopy == NULL) return CUDA_ERROR_INVALID_VALUE;
+  const CUDA_MEMCPY2D *p = pCopy;
+  const bool src_dev = p->srcMemoryType == CU_MEMORYTYPE_DEVICE, dst_dev = p->dstMemoryType == CU_MEMORYTYPE_DEVICE;
+  if ((!src_dev && p->srcMemoryType != CU_MEMORYTYPE_HOST) || (!dst_dev && p->dstMemoryType != CU_MEMORYTYPE_HOST)) {
+    return CUDA_ERROR_NOT_SUPPORTED;
+  }
+  if (!src_dev && !dst_dev) return CUDA_ERROR_NOT_SUPPORTED;
+  /* The driver's rule: each pitch holds its row from its x offset. */
+  if (p->srcPitch < p->WidthInBytes || p->srcPitch - p->WidthInBytes < p->srcXInBytes ||
+      p->dstPitch < p->WidthInBytes || p->dstPitch - p->WidthInBytes < p->dstXInBytes) {
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  if (p->WidthInBytes == 0 || p->Height == 0) return CUDA_SUCCESS;
+  struct op **rows = calloc(p->Height, sizeof *rows);
+  if (rows == NULL) return CUDA_ERROR_OUT_OF_MEMORY;
+  const enum op_kind kind = src_dev && dst_dev ? OP_DTOD : dst_dev ? OP_HTOD : OP_DTOH;
+  const uintptr_t src0 = src_dev ? (uintptr_t)p->srcDevice : (uintptr_t)p->srcHost;
+  const uintptr_t dst0 = dst_dev ? (uintptr_t)p->dstDevice : (uintptr_t)p->dstHost;
+  for (size_t y = 0; y < p->Height && r == CUDA_SUCCESS; ++y) {
+    uintptr_t src = 0, dst = 0;
+    /* Row y starts (srcY + y) pitches and srcXInBytes bytes in. */
+    if (__builtin_mul_overflow(p->srcY + y, p->srcPitch, &src) || __builtin_add_overflow(src, p->srcXInBytes, &src) ||
+        __builtin_add_overflow(src, src0, &src) || __builtin_mul_overflow(p->dstY + y, p->dstPitch, &dst) ||
+        __builtin_add_overflow(dst, p->dstXInBytes, &dst) || __builtin_add_overflow(dst, dst0, &dst)) {
+      r = CUDA_ERROR_INVALID_VALUE;
+      break;
+    }
+    struct op *op = calloc(1, sizeof *op);
+    if (op == NULL) {
+      r = CUDA_ERROR_OUT_OF_MEMORY;
+      break;
+    }
+    op->kind = kind;
+    op->n = p->WidthInBytes;
+    if (src_dev) op->src_dev = (CUdeviceptr)src; else op->src_host = (const void *)src;
+    if (dst_dev) op->dst_dev = (CUdeviceptr)dst; else op->dst_host = (void *)dst;
+    rows[y] = op;
+    r = check_copy(op);
+  }
+  if (r == CUDA_SUCCESS) atomic_fetch_add(&g_copies_2d, 1);
+  /* submit() takes each op (and frees it where it fails). */
+  for (size_t y = 0; y < p->Height && rows[y] != NULL; ++y) {
+    if (r == CUDA_SUCCESS) {
+      r = submit(ctx, hStream, rows[y]);
+    } else {
+      free_op(rows[y]);
+    }
+  }
+  free(rows);
+  return r;
+}
+
 STANDIN_API CUresult CUDAAPI cuMemsetD8_v2(CUdeviceptr dstDevice, unsigned char uc, size_t N) {
   return copy(OP_MEMSET, dstDevice, NULL, 0, NULL, N, uc, false, NULL);
 }
@@ -2103,6 +2169,7 @@ static const struct proc_entry k_procs[] = {
     PROC("cuMemcpyHtoDAsync", cuMemcpyHtoDAsync_v2),
     PROC("cuMemcpyDtoHAsync", cuMemcpyDtoHAsync_v2),
     PROC("cuMemcpyDtoDAsync", cuMemcpyDtoDAsync_v2),
+    PROC("cuMemcpy2DAsync", cuMemcpy2DAsync_v2),
     PROC("cuStreamCreate", cuStreamCreate),
     PROC("cuStreamDestroy", cuStreamDestroy_v2),
     PROC("cuStreamSynchronize", cuStreamSynchronize),

@@ -33,6 +33,9 @@ side channel is ``push_host`` (127.0.0.1) : ``push_port`` (plus its rank).
 encrypted. ``access`` (``"one_sided"``, the default, or ``"owner"``;
 ``LLMConfig.access``): on one host, whether a worker moves the bytes of its
 reads and pushes itself under the peer's grant, or the peer's engine does.
+``transport`` (``"auto"``, the default, or ``"tcp"``; ``LLMConfig.transport``):
+``"tcp"`` keeps the workers' links on sockets even on one host (each byte
+then crosses the link, encrypted with ``"tls"``).
 The side channel's messages are authenticated
 under the link secret (``DATADIST_AIO_AUTH_KEY``, which the engine's links
 prove too) wherever one is set: every worker of a pair needs the same.
@@ -406,6 +409,7 @@ class DatadistAioConnector(KVConnectorBase_V1, SupportsHMA):
                     kv_buffer_device=buffer_device,
                     link_encryption=str(extra.get("link_encryption", "") or ""),
                     access=str(extra.get("access", "") or ""),
+                    transport=str(extra.get("transport", "") or ""),
                 )
             )
 

@@ -196,6 +196,9 @@ class WorkerSettings:
     # Who moves the bytes on one host, "one_sided" or "owner" ("": the
     # engine's default, one-sided; LLMConfig.access).
     access: str = ""
+    # The links' transport, "auto" or "tcp" ("": the engine's default, "auto";
+    # LLMConfig.transport).
+    transport: str = ""
 
     def __post_init__(self) -> None:
         if self.transfer_mode not in TRANSFER_MODES:
@@ -349,6 +352,8 @@ class WorkerSide:
             config.link_encryption = self.settings.link_encryption
         if self.settings.access:
             config.access = self.settings.access
+        if self.settings.transport:
+            config.transport = self.settings.transport
         if self.settings.is_producer or self.settings.lends_inbox:
             config.listen_ip_info = f"{self.settings.host}:0"
         if self.settings.is_producer:  # it pushes: into an inbox, or straight into decode-first decodes' blocks

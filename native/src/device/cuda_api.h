@@ -14,6 +14,7 @@
 struct CUctx_st;
 struct CUstream_st;
 struct CUevent_st;
+struct CUarray_st;
 
 namespace datadist::cuda {
 
@@ -30,6 +31,27 @@ using CUpointer_attribute = int;
 
 struct CUipcMemHandle {
   char reserved[64];
+};
+
+// A 2D copy (cuMemcpy2DAsync): Height rows of WidthInBytes bytes, each
+// row a pitch after the one before it, at both ends.
+struct CUDA_MEMCPY2D {
+  size_t srcXInBytes;
+  size_t srcY;
+  int srcMemoryType;  // CUmemorytype
+  const void *srcHost;
+  CUdeviceptr srcDevice;
+  CUarray_st *srcArray;
+  size_t srcPitch;
+  size_t dstXInBytes;
+  size_t dstY;
+  int dstMemoryType;  // CUmemorytype
+  void *dstHost;
+  CUdeviceptr dstDevice;
+  CUarray_st *dstArray;
+  size_t dstPitch;
+  size_t WidthInBytes;
+  size_t Height;
 };
 
 // Virtual memory management (cuMemCreate and its kin).
@@ -117,6 +139,7 @@ using PFN_cuMemFreeHost = CUresult (*)(void *ptr);
 using PFN_cuMemcpyHtoDAsync = CUresult (*)(CUdeviceptr dst, const void *src, size_t size, CUstream stream);
 using PFN_cuMemcpyDtoHAsync = CUresult (*)(void *dst, CUdeviceptr src, size_t size, CUstream stream);
 using PFN_cuMemcpyDtoDAsync = CUresult (*)(CUdeviceptr dst, CUdeviceptr src, size_t size, CUstream stream);
+using PFN_cuMemcpy2DAsync = CUresult (*)(const CUDA_MEMCPY2D *copy, CUstream stream);
 using PFN_cuStreamCreate = CUresult (*)(CUstream *stream, unsigned int flags);
 using PFN_cuStreamDestroy = CUresult (*)(CUstream stream);
 using PFN_cuStreamSynchronize = CUresult (*)(CUstream stream);

@@ -64,6 +64,7 @@ Loaded load() {
   resolve(library, "cuMemcpyHtoDAsync_v2", d.cuMemcpyHtoDAsync, missing);
   resolve(library, "cuMemcpyDtoHAsync_v2", d.cuMemcpyDtoHAsync, missing);
   resolve(library, "cuMemcpyDtoDAsync_v2", d.cuMemcpyDtoDAsync, missing);
+  resolve(library, "cuMemcpy2DAsync_v2", d.cuMemcpy2DAsync, missing);
   resolve(library, "cuStreamCreate", d.cuStreamCreate, missing);
   resolve(library, "cuStreamDestroy_v2", d.cuStreamDestroy, missing);
   resolve(library, "cuStreamSynchronize", d.cuStreamSynchronize, missing);
@@ -549,24 +550,77 @@ void run_after_copies(CUstream stream, CUresult status, void *data) {
 
 }  // namespace
 
+namespace {
+
+// Pitches past this are left to 1D copies (the driver bounds a 2D copy's
+// pitch by CU_DEVICE_ATTRIBUTE_MAX_PITCH, 2^31 - 1 on current devices).
+constexpr uint64_t kMaxPitch = (uint64_t{1} << 31) - 1;
+
+// Whether `next` continues a run of rows that starts at `first`, `rows`
+// rows before it, with pitches `src_pitch` and `dst_pitch`.
+bool continues(const Copy &first, const Copy &next, uint64_t rows, uint64_t src_pitch, uint64_t dst_pitch) {
+  return next.n == first.n && next.src_device == first.src_device && next.dst_device == first.dst_device &&
+         next.src == first.src + rows * src_pitch && next.dst == first.dst + rows * dst_pitch;
+}
+
+}  // namespace
+
 bool Device::queue_copies(CUstream stream, const std::vector<Copy> &copies, std::string &why) const {
-  for (const Copy &c : copies) {
+  for (size_t i = 0; i < copies.size();) {
+    const Copy &c = copies[i];
+    // The run of strided rows starting here: the pitches the next copy sets.
+    size_t rows = 1;
+    uint64_t src_pitch = 0, dst_pitch = 0;
+    if (i + 1 < copies.size() && copies[i + 1].src > c.src && copies[i + 1].dst > c.dst) {
+      src_pitch = copies[i + 1].src - c.src;
+      dst_pitch = copies[i + 1].dst - c.dst;
+      if (src_pitch >= c.n && dst_pitch >= c.n && src_pitch <= kMaxPitch && dst_pitch <= kMaxPitch) {
+        while (i + rows < copies.size() && continues(c, copies[i + rows], rows, src_pitch, dst_pitch)) ++rows;
+      }
+    }
+    const size_t taken = rows;
+    uint64_t n = c.n;
+    if (rows > 1 && src_pitch == c.n && dst_pitch == c.n) {
+      n = c.n * rows;  // contiguous at both ends: one copy
+      rows = 1;
+    }
     CUresult r;
     const char *name;
-    if (c.dst_device && c.src_device) {
+    if (rows > 1) {
+      name = "cuMemcpy2DAsync";
+      CUDA_MEMCPY2D p{};
+      p.srcMemoryType = static_cast<int>(c.src_device ? CU_MEMORYTYPE_DEVICE : CU_MEMORYTYPE_HOST);
+      p.dstMemoryType = static_cast<int>(c.dst_device ? CU_MEMORYTYPE_DEVICE : CU_MEMORYTYPE_HOST);
+      if (c.src_device) {
+        p.srcDevice = c.src;
+      } else {
+        p.srcHost = reinterpret_cast<const void *>(static_cast<uintptr_t>(c.src));
+      }
+      if (c.dst_device) {
+        p.dstDevice = c.dst;
+      } else {
+        p.dstHost = reinterpret_cast<void *>(static_cast<uintptr_t>(c.dst));
+      }
+      p.srcPitch = src_pitch;
+      p.dstPitch = dst_pitch;
+      p.WidthInBytes = c.n;
+      p.Height = rows;
+      r = driver_->cuMemcpy2DAsync(&p, stream);
+    } else if (c.dst_device && c.src_device) {
       name = "cuMemcpyDtoDAsync";
-      r = driver_->cuMemcpyDtoDAsync(c.dst, c.src, c.n, stream);
+      r = driver_->cuMemcpyDtoDAsync(c.dst, c.src, n, stream);
     } else if (c.dst_device) {
       name = "cuMemcpyHtoDAsync";
-      r = driver_->cuMemcpyHtoDAsync(c.dst, reinterpret_cast<const void *>(static_cast<uintptr_t>(c.src)), c.n, stream);
+      r = driver_->cuMemcpyHtoDAsync(c.dst, reinterpret_cast<const void *>(static_cast<uintptr_t>(c.src)), n, stream);
     } else {
       name = "cuMemcpyDtoHAsync";
-      r = driver_->cuMemcpyDtoHAsync(reinterpret_cast<void *>(static_cast<uintptr_t>(c.dst)), c.src, c.n, stream);
+      r = driver_->cuMemcpyDtoHAsync(reinterpret_cast<void *>(static_cast<uintptr_t>(c.dst)), c.src, n, stream);
     }
     if (r != CUDA_SUCCESS) {
       why = std::string(name) + ": " + describe(r);
       return false;
     }
+    i += taken;
   }
   return true;
 }

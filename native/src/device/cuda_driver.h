@@ -46,6 +46,7 @@ struct Driver {
   PFN_cuMemcpyHtoDAsync cuMemcpyHtoDAsync = nullptr;
   PFN_cuMemcpyDtoHAsync cuMemcpyDtoHAsync = nullptr;
   PFN_cuMemcpyDtoDAsync cuMemcpyDtoDAsync = nullptr;
+  PFN_cuMemcpy2DAsync cuMemcpy2DAsync = nullptr;
   PFN_cuStreamCreate cuStreamCreate = nullptr;
   PFN_cuStreamDestroy cuStreamDestroy = nullptr;
   PFN_cuStreamSynchronize cuStreamSynchronize = nullptr;
@@ -223,6 +224,9 @@ class Device {
   mutable std::mutex exports_mu_;
   mutable std::unordered_map<unsigned long long, Export> exports_;  // by the driver's buffer id
   // Queues `copies` on `stream`; false with `why` at the first one refused.
+  // A run of copies of one size and kind whose sources and destinations
+  // each step by one pitch (strided rows) goes as one 2D copy; a run
+  // contiguous at both ends, as one copy.
   bool queue_copies(CUstream stream, const std::vector<Copy> &copies, std::string &why) const;
   // Closes the descriptors of exports whose memory is no longer mapped where
   // it was (freed, or unmapped and remade); `all`: every one. Lock held.
