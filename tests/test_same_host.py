@@ -89,8 +89,9 @@ def test_a_kernel_refusal_falls_back_to_tcp_for_that_direction(group):
 def test_an_initiator_killed_while_the_owner_copies_leaves_the_owner_serving(group, direction):
     # The owner copies out of (push) or into (pull) the initiator's memory
     # when the initiator dies: the owner's copy fails, the owner lives on and
-    # serves the next peer.
-    big = {"host_mem_pool_cfg": pool_cfg(520 * MiB)}
+    # serves the next peer. Owner-served ("owner" access): one-sided, the
+    # initiator would copy itself, and as fast as it may (test_one_sided.py).
+    big = {"host_mem_pool_cfg": pool_cfg(520 * MiB), "access": "owner"}
     initiator = group.start("initiator", dd.LLMRole.PROMPT, A, options=big)
     owner = group.start("owner", dd.LLMRole.DECODER, B, options=big)
     assert initiator.link(owner) == LINKED

@@ -193,7 +193,10 @@ bool SameHostPath::open_grant(const same_host::Grant &grant, const std::shared_p
 struct SameHostPath::StreamMove {
   OneSided op;
   std::shared_ptr<cuda::Device> in;
-  std::shared_ptr<const same_host::Grant> grant;  // its opened allocations
+  std::shared_ptr<const same_host::Grant> grant;
+  // The allocations the copies run on: open until they have landed, whatever
+  // becomes of the grant meanwhile.
+  std::vector<std::shared_ptr<cuda::PeerAllocation>> opened;
   cuda::CUresult status = cuda::CUDA_SUCCESS;
 };
 
@@ -235,6 +238,7 @@ bool SameHostPath::move_on_stream(OneSided op, const std::shared_ptr<cuda::Devic
   moving->op = std::move(op);
   moving->in = in;
   moving->grant = grant;
+  moving->opened = std::move(opened);
   // The callback runs on the driver's thread: it leaves the slot (the
   // copies have landed) and hands the rest, whose release may call the
   // driver, to the blocking pool.
