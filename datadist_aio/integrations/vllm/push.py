@@ -122,10 +122,14 @@ class LayerRelease(dd.LayerSynchronizer):
         """The step's forward is over (after ``abort`` where it failed)."""
         self._loop.call_soon_threadsafe(self._ended.set)
 
-    async def forward_over(self) -> bool:
-        """Once the step's forward is over: whether it completed."""
+    async def forward_ended(self) -> bool:
+        """Once vLLM said the step's forward is over (``end``): whether it completed."""
         await self._ended.wait()
         return not self._aborted
+
+    async def forward_over(self) -> bool:
+        """Once the step's forward is over: whether it completed."""
+        return await self.forward_ended()
 
     async def synchronize_layer(self, layer_index: int, timeout_in_millis: Optional[int]) -> bool:
         await self._events[layer_index].wait()
@@ -480,12 +484,17 @@ class Pusher:
                     pushed.append(spec)
         if not pushed:
             return
-        ok = await self._transfer(decode, src, dst, release) and not release.aborted
+        ok = await self._transfer(decode, src, dst, release)
+        took = time.perf_counter() - start
+        # Committed only once the forward is over and did not fail: a forward
+        # that raises after its last layer went out still aborts the push
+        # (the layers can have landed before vLLM's wait_for_save says so).
+        ok = ok and await release.forward_ended()
         req_ids = [spec.req_id for spec in pushed if spec.last or not ok]
         with self._lock:
             self._pushing.difference_update(req_ids)
-            self._records.append(TransferRecord(time.perf_counter() - start,
-                                                len(src) * self._spans[0].block_bytes if ok else 0, len(src), ok))
+            self._records.append(TransferRecord(took, len(src) * self._spans[0].block_bytes if ok else 0, len(src),
+                                                ok))
         try:
             await self._request("commit" if ok else "abort", req_ids=req_ids)
         except (Exception, TimeoutError) as exc:  # the decode side then waits for its load timeout and pulls
