@@ -26,7 +26,7 @@ void check_header(const uint8_t *data) {
   if (!wire::check_header(h).empty()) return;
   require(h.magic == wire::kMagic && h.version == wire::kVersion, "accepted a foreign header");
   require(h.type >= static_cast<uint16_t>(wire::FrameType::kHello) &&
-              h.type <= static_cast<uint16_t>(wire::FrameType::kProof),
+              h.type <= static_cast<uint16_t>(wire::FrameType::kPathMessage),
           "accepted an unknown frame type");
   require(h.body_len <= wire::kMaxBodyBytes && h.data_len <= wire::kMaxFrameData, "accepted an oversized frame");
   const auto type = static_cast<wire::FrameType>(h.type);
