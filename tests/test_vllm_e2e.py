@@ -108,8 +108,9 @@ def test_disaggregated_output_equals_single_instance(pair: dict[str, Any]) -> No
     # The worker side looks at its loads every step (get_finished: done()),
     # so the answers of its pulls are read there or by the event loop, never
     # left to the engine's housekeeping sweep, which would delay each load
-    # by up to the sweep's period.
-    assert delta(after, before, ANSWERS) > 0, "no answer of a same-host link was counted"
+    # by up to the sweep's period. (A one-sided pull, the default on one
+    # host, has no answer: only pulls made before the prefill's grant came
+    # are answered; test_vllm_worker_side.py counts an owner-served pull's.)
     assert delta(after, before, ANSWERS_BY_SWEEP) == 0, (
         f"{delta(after, before, ANSWERS_BY_SWEEP):g} of {delta(after, before, ANSWERS):g} answers waited for the sweep"
     )
