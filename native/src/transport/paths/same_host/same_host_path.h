@@ -119,10 +119,8 @@ class SameHostPath : public DataPath {
   LinkFailer fail_;
   std::atomic<bool> running_{false};
   // Copies of host memory up to this size run on the thread that starts the
-  // operation: below it a kernel copy is one thread's work anyway (same_host's
-  // split starts at 1 MiB a share), and handing it to another thread only adds
-  // that thread's wake-up, which on a busy host costs milliseconds.
-  static constexpr uint64_t kMoveHereBytes = 1 << 20;
+  // operation; larger ones go to the I/O loop's blocking pool.
+  static constexpr uint64_t kMoveHereBytes = 64 << 10;
   mutable std::mutex grants_mu_;
   std::shared_ptr<same_host::Grantor> grantor_;  // this end's grants to the peer
   // The peer's grants to this end (set where this end reaches its memory).
