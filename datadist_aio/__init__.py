@@ -28,7 +28,7 @@ from .config import LlmConfig, LLMConfig
 from .cuda_event_synchronizer import CudaEventSynchronizer
 from .data_type import DataType
 from .enums import LLMRole, Memtype, Placement, RegisterMemStatus
-from .layer_synchronizer import LayerSynchronizer
+from .layer_synchronizer import LayerGate, LayerSynchronizer
 from .llm_datadist import LLMDataDist
 from .mem_info import MemInfo
 from .status import LLMException, LLMStatusCode, Status
@@ -52,6 +52,7 @@ __all__ = [
     "LLMException",
     "LLMRole",
     "LLMStatusCode",
+    "LayerGate",
     "LayerSynchronizer",
     "LlmConfig",
     "MemInfo",

@@ -12,6 +12,7 @@ completes once the driver has finished and every write it issued has settled.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import threading
@@ -91,6 +92,7 @@ class LayerwiseTransfer:
         self._open = set(range(len(self._configs)))  # configs with layers still to start
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._task: Optional[asyncio.Task[None]] = None
+        self._watch: Optional[_Watched] = None  # a watchable synchronizer's walk, once armed
         # Without a running loop the driver runs on a loop of its own thread,
         # which closes that loop after the request completed.
         self.thread: Optional[threading.Thread] = None
@@ -108,6 +110,11 @@ class LayerwiseTransfer:
             self.thread.start()
             return
         self._loop = loop
+        if self._synchronizer.watchable:
+            # The first layer is watched before this call returns: a layer
+            # decided from here on is sent by the thread that decides it,
+            # whenever this loop's thread next runs.
+            self._watch = self._arm(loop)
         self._task = loop.create_task(self._drive())
 
     def driver_loop(self) -> Optional[asyncio.AbstractEventLoop]:
@@ -144,25 +151,110 @@ class LayerwiseTransfer:
         self._finish(self._request.cancel_reason() if self._request.cancel_requested() else _SUCCESS)
 
     async def _walk_layers(self) -> None:
-        last_layer = max(_src_range(config).stop for config in self._configs)
-        for layer in range(last_layer):
-            needing = [i for i in sorted(self._open) if layer in _src_range(self._configs[i])]
-            if not needing:
+        layers = self._layers()
+        if self._synchronizer.watchable:
+            if self._watch is None:  # the driver's own loop: armed here
+                self._watch = self._arm(asyncio.get_running_loop())
+            await self._keep_time(self._watch)
+            return
+        for layer in layers:
+            if not self._needing(layer):
                 continue
             if self._request.cancel_requested():
                 return
             status, reason = await self._wait_for_layer(layer)
-            for index in needing:
-                config = self._configs[index]
-                if status is LLMStatusCode.LLM_SUCCESS:
-                    code, reason = self._start_step(index, config, layer)
-                else:
-                    code = status.value
-                if code != _SUCCESS:
-                    self._fail(index, code, reason)
-                elif layer == _src_range(config).stop - 1:
-                    with self._lock:
-                        self._open.discard(index)
+            self._send_layer(layer, status, reason)
+
+    def _needing(self, layer: int) -> list[int]:
+        """The configs still open that send ``layer``."""
+        with self._lock:
+            return [i for i in sorted(self._open) if layer in _src_range(self._configs[i])]
+
+    def _send_layer(self, layer: int, status: LLMStatusCode, reason: str) -> None:
+        """Starts ``layer`` for every open config that needs it, or fails them
+        with the synchronizer's verdict (``status`` not a success)."""
+        for index in self._needing(layer):
+            config = self._configs[index]
+            if status is LLMStatusCode.LLM_SUCCESS:
+                code, why = self._start_step(index, config, layer)
+            else:
+                code, why = status.value, reason
+            if code != _SUCCESS:
+                self._fail(index, code, why)
+            elif layer == _src_range(config).stop - 1:
+                with self._lock:
+                    self._open.discard(index)
+
+    def _layers(self) -> list[int]:
+        """The source layers some config sends, in order."""
+        last_layer = max(_src_range(config).stop for config in self._configs)
+        return [layer for layer in range(last_layer) if any(layer in _src_range(config) for config in self._configs)]
+
+    def _arm(self, loop: asyncio.AbstractEventLoop) -> _Watched:
+        """Starts the walk with a watchable synchronizer: each layer is sent
+        on the thread that decides it (inside a ``LayerGate.open``), or here
+        where its verdict is known already; ``_keep_time`` then only keeps
+        the time."""
+        walk = _Watched(self._layers(), loop)
+        if walk.over:
+            return walk
+        with walk.lock:
+            verdict = self._synchronizer.watch_layer(walk.layers[0], functools.partial(self._decided, walk, 0))
+        if verdict is not None:
+            self._decide(walk, 0, *_verdict(walk.layers[0], verdict))
+        return walk
+
+    def _decided(self, walk: _Watched, position: int, verdict: bool) -> None:
+        self._decide(walk, position, *_verdict(walk.layers[position], verdict))
+
+    def _decide(self, walk: _Watched, position: int, status: LLMStatusCode, reason: str) -> None:
+        """Sends layers from ``position`` on while their verdicts are known
+        (on the deciding thread; ``walk.lock`` orders it with the timer)."""
+        layers = walk.layers
+        with walk.lock:
+            while not walk.over and position == walk.next:
+                if self._request.cancel_requested():
+                    walk.over = True
+                    break
+                self._send_layer(layers[position], status, reason)
+                position += 1
+                while position < len(layers) and not self._needing(layers[position]):
+                    position += 1  # its configs failed: nobody waits for it
+                walk.next = position
+                if position == len(layers):
+                    walk.over = True
+                    break
+                verdict = self._synchronizer.watch_layer(layers[position],
+                                                         functools.partial(self._decided, walk, position))
+                if verdict is None:
+                    break
+                status, reason = _verdict(layers[position], verdict)
+        walk.wake()
+
+    async def _keep_time(self, walk: _Watched) -> None:
+        """Waits for a watched walk to end: a layer not decided within
+        ``sync_kv_timeout`` of the one before (or of the start) fails its
+        configs with ``LLM_TIMEOUT``, as a ``synchronize_layer`` past its
+        timeout does, and the walk goes on with the next layer."""
+        try:
+            while True:
+                walk.moved.clear()
+                with walk.lock:
+                    if walk.over:
+                        return
+                    waiting_for = walk.next
+                if self._request.cancel_requested():
+                    return
+                try:
+                    await asyncio.wait_for(walk.moved.wait(), self._timeout_ms / 1000)
+                except asyncio.TimeoutError:
+                    layer = walk.layers[waiting_for]
+                    reason = f"layer {layer} was not decided within sync_kv_timeout ({self._timeout_ms} ms)"
+                    _log.debug("%s", reason)
+                    self._decide(walk, waiting_for, LLMStatusCode.LLM_TIMEOUT, reason)
+        finally:
+            with walk.lock:
+                walk.over = True  # a verdict that comes later sends nothing
 
     async def _wait_for_layer(self, layer: int) -> tuple[LLMStatusCode, str]:
         """The synchronizer's verdict on ``layer``, and the reason of a failure.
@@ -258,6 +350,10 @@ class LayerwiseTransfer:
     def _finish(self, code: int, reason: str = "") -> None:
         """Settles open configs with ``code`` (when it is a failure) and
         releases the driver's hold, once."""
+        walk = self._watch
+        if walk is not None:
+            with walk.lock:
+                walk.over = True  # a verdict that comes later sends nothing
         with self._lock:
             if self._finished:
                 return
@@ -268,6 +364,33 @@ class LayerwiseTransfer:
                     self._request.release(index, code, True, reason)
             self._request.release(0, _SUCCESS)
         self._on_finished(self)
+
+
+class _Watched:
+    """Where a watched walk stands: its layers, the position of the one it
+    waits for, and whether it is over. ``lock`` orders the deciding threads
+    and the timer; ``wake`` tells the timer (on ``loop``) that it moved."""
+
+    def __init__(self, layers: list[int], loop: asyncio.AbstractEventLoop) -> None:
+        self.layers = layers
+        self.lock = threading.RLock()
+        self.next = 0
+        self.over = not layers
+        self.moved = asyncio.Event()
+        self._loop = loop
+
+    def wake(self) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self.moved.set)
+        except RuntimeError:  # the loop is closed: the walk is over
+            pass
+
+
+def _verdict(layer: int, verdict: bool) -> tuple[LLMStatusCode, str]:
+    """A watched layer's verdict as ``_send_layer`` takes it."""
+    if verdict:
+        return LLMStatusCode.LLM_SUCCESS, ""
+    return LLMStatusCode.LLM_PARAM_INVALID, f"layer {layer} was refused by its synchronizer"
 
 
 def _running_loop() -> Optional[asyncio.AbstractEventLoop]:

@@ -1,6 +1,9 @@
 """LLMConfig, LLMClusterInfo, cache keys, transfer configs and LayerSynchronizer."""
 
+import asyncio
 import json
+import threading
+from collections.abc import Callable
 from typing import Optional
 
 import pytest
@@ -9,6 +12,7 @@ from datadist_aio import (
     BlocksCacheKey,
     CacheKey,
     CacheKeyByIdAndIndex,
+    LayerGate,
     LayerSynchronizer,
     LLMClusterInfo,
     LLMConfig,
@@ -737,3 +741,53 @@ async def test_layer_synchronizer_async_subclass():
     sync = AsyncReady()
     assert await sync.synchronize_layer(0, None) is True
     assert await sync.synchronize_layer(1, None) is False
+
+
+def test_a_layer_synchronizer_is_not_watchable_by_default():
+    class Ready(LayerSynchronizer):
+        def synchronize_layer(self, layer_index: int, timeout_in_millis: Optional[int]) -> bool:
+            return True
+
+    assert Ready().watchable is False
+    with pytest.raises(NotImplementedError, match="Ready is not watchable"):
+        Ready().watch_layer(0, lambda verdict: None)
+
+
+def test_layer_gate_decides_each_layer_once_and_calls_its_watchers_on_the_deciding_thread():
+    gate = LayerGate()
+    assert gate.watchable and gate.verdict(0) is None
+    seen: list[tuple[int, bool, str]] = []
+
+    def watcher(layer: int) -> Callable[[bool], None]:
+        return lambda verdict: seen.append((layer, verdict, threading.current_thread().name))
+
+    assert gate.watch_layer(0, watcher(0)) is None
+    assert gate.watch_layer(0, watcher(0)) is None
+    assert gate.watch_layer(1, watcher(1)) is None
+    model = threading.Thread(target=lambda: (gate.open(0), gate.refuse(1), gate.refuse(0), gate.open(1)),
+                             name="model")
+    model.start()
+    model.join(10)
+    # Both watchers of layer 0 once, on the model's thread; the first call decided each layer.
+    assert seen == [(0, True, "model"), (0, True, "model"), (1, False, "model")]
+    assert (gate.verdict(0), gate.verdict(1)) == (True, False)
+    assert gate.watch_layer(0, watcher(0)) is True and gate.watch_layer(1, watcher(1)) is False
+    assert len(seen) == 3  # a decided layer's verdict is returned, nothing called
+    for bad in (-1, True, 1.0, "2"):
+        with pytest.raises(ValueError, match="layer_index must be an int >= 0"):
+            gate.open(bad)  # type: ignore[arg-type]
+
+
+async def test_layer_gate_synchronize_layer_awaits_a_verdict_from_another_thread():
+    gate = LayerGate()
+    gate.refuse(3)
+    assert await gate.synchronize_layer(3, None) is False
+    waiting = asyncio.ensure_future(gate.synchronize_layer(0, 5000))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    threading.Thread(target=gate.open, args=(0,)).start()
+    assert await asyncio.wait_for(waiting, 5) is True
+    with pytest.raises(asyncio.TimeoutError):
+        await gate.synchronize_layer(1, 20)
+    gate.open(1)  # a verdict after the wait gave up goes nowhere
+    assert await gate.synchronize_layer(1, 20) is True

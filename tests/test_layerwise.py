@@ -165,13 +165,40 @@ class ThreadGate(_Recorder, dd.LayerSynchronizer):
         return self._verdict(layer_index)
 
 
-STYLES = ["async", "thread"]  # a coroutine synchronizer, a plain one
+class WatchedGate(_Recorder, dd.LayerGate):
+    """A ``LayerGate``, which the transfer watches instead of awaiting: a
+    layer not held is decided as the transfer asks for it; a held one by
+    ``release``, on a thread of its own, where the transfer then sends it.
+    Verdicts are True or False only (a gate cannot raise)."""
+
+    def __init__(self, hold: Union[bool, Iterable[int]] = (), verdicts: Optional[dict[int, Any]] = None) -> None:
+        _Recorder.__init__(self, hold, verdicts)
+        dd.LayerGate.__init__(self)
+
+    def watch_layer(self, layer_index: int, on_decided: Callable[[bool], None]) -> Optional[bool]:
+        self._enter(layer_index, None)
+        if not self._holds(layer_index):
+            self._decide(layer_index, self._verdict(layer_index))
+        return super().watch_layer(layer_index, on_decided)
+
+    def release(self, layer: int) -> None:
+        def decide() -> None:
+            self._decide(layer, self._verdict(layer))
+
+        thread = threading.Thread(target=decide, name=f"model-layer-{layer}")
+        thread.start()
+        thread.join(WAIT)
+
+
+STYLES = ["async", "thread", "watched"]  # a coroutine synchronizer, a plain one, a gate
 
 
 def assert_ran_as(gate: _Recorder, style: str) -> None:
     """A coroutine synchronizer ran on the test's loop, a plain one off its thread."""
     if style == "async":
         assert gate.loops == {asyncio.get_running_loop()}
+    elif style == "watched":
+        assert isinstance(gate, WatchedGate) and not gate.loops
     else:
         assert threading.get_ident() not in gate.threads, "a plain synchronizer ran on the event loop's thread"
     assert not gate.violations, gate.violations
@@ -206,9 +233,11 @@ class Prefill:
 
     def synchronizer(
         self, style: str = "async", hold: Union[bool, Iterable[int]] = (), verdicts: Optional[dict[int, Any]] = None
-    ) -> Union[Gate, ThreadGate]:
+    ) -> Union[Gate, ThreadGate, WatchedGate]:
         if style == "async":
             return Gate(hold, verdicts)
+        if style == "watched":
+            return WatchedGate(hold, verdicts)
         gate = ThreadGate(hold, verdicts)
         self._thread_gates.append(gate)
         return gate
@@ -221,7 +250,7 @@ class Prefill:
 @contextlib.contextmanager
 def prefill_side(
     mode: str, peers: Sequence[Peer], link: bool = True, local: str = LOOPBACK, path: Optional[str] = None,
-    access: Optional[str] = None,
+    access: Optional[str] = None, sync_kv_timeout: int = SYNC_KV_TIMEOUT,
 ) -> Iterator[Prefill]:
     """An initialised PROMPT instance, cluster A, linked to ``peers`` from the
     address ``local``; finalized on exit and every cache of the peers freed.
@@ -237,7 +266,7 @@ def prefill_side(
     config.enable_cache_manager = True
     config.enable_remote_cache_accessible = mode == "key"
     config.host_mem_pool_cfg = pool_cfg(64 * MiB)
-    config.sync_kv_timeout = SYNC_KV_TIMEOUT
+    config.sync_kv_timeout = sync_kv_timeout
     datadist = dd.LLMDataDist(dd.LLMRole.PROMPT, A)
     datadist.init(config.generate_options())
     side = Prefill(mode, datadist, peers)
@@ -458,7 +487,8 @@ async def test_layers_released_one_at_a_time(prefill, style):
         now = expect(before, sent, pairs(range(1, layer + 1), range(0, layer)), moves)
         await arrived(b, dst, now, f"layer {layer}")
     assert await settled(task) == [SUCCESS]
-    assert gate.calls == [(layer, SYNC_KV_TIMEOUT) for layer in (1, 2, 3)]
+    timeout = None if style == "watched" else SYNC_KV_TIMEOUT  # a watch has no timeout of its own
+    assert gate.calls == [(layer, timeout) for layer in (1, 2, 3)]
     assert_ran_as(gate, style)
     assert task.get_results() == [SUCCESS]
     assert task.synchronize() is SUCCESS
@@ -514,6 +544,58 @@ async def test_a_blocking_wait_on_the_driving_loop_is_refused(prefill, style):
     assert await settled(task) == [SUCCESS]
     assert task.synchronize() is SUCCESS  # done: returns at once
     assert_tensors(b.read(dst), expect(before, sent, pairs(range(0, 4)), slot_moves(0, 0)))
+
+
+async def test_a_gate_hands_each_layer_over_on_the_thread_that_opens_it(prefill):
+    # The model's thread opens layers 1 to 3 while the event loop's thread
+    # is busy (this test blocks it): each layer's bytes still arrive before
+    # the next is opened, as the transfer hands a layer to the engine inside
+    # ``open``. Awaiting the synchronizer instead, nothing would move.
+    b = prefill.b
+    src, sent = prefill.source(slots_desc(3))
+    dst, before = remote(b, slots_desc(4), 26)
+    gate = dd.LayerGate()
+    task = prefill.cm.transfer_cache_async(src, gate, [dd.TransferWithCacheKeyConfig(dst.key(1), range(0, 4),
+                                                                                     range(0, 4), 2)])
+    gate.open(0)
+    moves = slot_moves(2, 1)
+    await arrived(b, dst, expect(before, sent, [(0, 0)], moves), "layer 0")
+    for layer in range(1, 4):
+        model = threading.Thread(target=gate.open, args=(layer,), name=f"model-layer-{layer}")
+        model.start()
+        model.join(WAIT)
+        now = expect(before, sent, pairs(range(0, layer + 1)), moves)
+        deadline = time.monotonic() + WAIT
+        while not same(got := b.read(dst), now):  # the loop's thread waits here, blocked
+            if time.monotonic() > deadline:
+                assert_tensors(got, now, f"layer {layer}, opened while the event loop was blocked")
+            time.sleep(0.002)
+    assert await settled(task) == [SUCCESS]
+    assert [gate.verdict(layer) for layer in range(5)] == [True] * 4 + [None]
+
+
+@pytest.mark.parametrize("style", STYLES)
+async def test_a_layer_not_released_within_sync_kv_timeout_fails_what_needs_it(decoders, style):
+    with prefill_side("key", decoders, sync_kv_timeout=300) as prefill:
+        b, c = prefill.b, prefill.c
+        src, sent = prefill.source(slots_desc(3))
+        x, x_before = remote(b, slots_desc(4), 27)
+        y, y_before = remote(c, slots_desc(4), 28)
+        configs = [
+            dd.TransferWithCacheKeyConfig(x.key(0), range(0, 4), range(0, 4), 0),  # needs layer 2
+            dd.TransferWithCacheKeyConfig(y.key(1), range(0, 2), range(0, 2), 1),  # does not
+        ]
+        gate = prefill.synchronizer(style, hold={2})
+        task = prefill.cm.transfer_cache_async(src, gate, configs)
+        with raises_status(TIMEOUT) as raised:
+            await settled(task)
+        assert "sync_kv_timeout (300 ms)" in str(raised.value), raised.value
+        assert task.get_results() == [TIMEOUT, SUCCESS]
+        # Layer 3 was needed by the config that timed out only: nobody asks for it.
+        assert gate.layers == [0, 1, 2]
+        assert not gate.violations, gate.violations
+        assert_tensors(b.read(x), expect(x_before, sent, pairs(range(0, 2)), slot_moves(0, 0)), "on B")
+        assert_tensors(c.read(y), expect(y_before, sent, pairs(range(0, 2)), slot_moves(1, 1)), "on C")
 
 
 async def test_done_callbacks_run_once_on_their_loop_or_the_callback_thread(prefill):
@@ -917,6 +999,8 @@ async def test_raw_address_outside_a_tensor_is_refused(prefill, case):
         pytest.param("thread", False, 2, id="thread-false-at-2"),
         pytest.param("thread", RuntimeError("the model failed"), 1, id="thread-raises-at-1"),
         pytest.param("async", RuntimeError("the model failed"), 2, id="async-raises-at-2"),
+        pytest.param("watched", False, 1, id="watched-refused-at-1"),
+        pytest.param("watched", False, 2, id="watched-refused-at-2"),
     ],
 )
 async def test_synchronizer_refuses_a_layer(prefill, style, verdict, layer):

@@ -1,7 +1,8 @@
 """Decode-first through real vLLM engines: two prefills and two decodes (2P2D).
 
-Each request goes to a decode and a prefill at once with the same
-``transfer_id`` (as a decode-first proxy sends it): the decode allocates its
+Each request goes to a decode and a prefill with the same ``transfer_id``
+(as a decode-first proxy sends it; where the overlap is checked, the
+decode's a moment before the prefill's): the decode allocates its
 blocks and tells the prefill where they are, and the prefill writes each
 layer into them as its forward saves it. Checked against one instance token
 for token, with the KV-swap control, on a prefill that chunks its prompts
@@ -30,7 +31,7 @@ from test_vllm_e2e import (  # noqa: E402
     started,
     tokens,
 )
-from vllm_pd import BLOCK_SIZE, Engine, connector_config, delta, prompts_of_lengths  # noqa: E402
+from vllm_pd import BLOCK_SIZE, EXPECT_LEAD_S, Engine, connector_config, delta, prompts_of_lengths  # noqa: E402
 from vllm_pd import decode_first as run_decode_first  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
@@ -62,10 +63,11 @@ def instances(model: Path) -> Iterator[dict[str, Any]]:  # noqa: F811
         yield instances
 
 
-def decode_first(instances: dict[str, Any], jobs: list[tuple[str, str, list[int], list[int]]]) -> list[list[int]]:
+def decode_first(instances: dict[str, Any], jobs: list[tuple[str, str, list[int], list[int]]],
+                 decode_lead_s: float = 0.0) -> list[list[int]]:
     """``(prefill, decode, prefill's prompt, decode's prompt)`` by instance name (``vllm_pd.decode_first``)."""
     return run_decode_first([(instances[p], instances["ports"][p], instances[d], pp, dp) for p, d, pp, dp in jobs],
-                            MAX_TOKENS)
+                            MAX_TOKENS, decode_lead_s=decode_lead_s)
 
 
 def _metrics(instances: dict[str, Any]) -> dict[str, dict[str, float]]:
@@ -91,7 +93,9 @@ def test_two_prefills_into_two_decodes_token_exact(instances: dict[str, Any]) ->
     pairs = [("p0", "d0"), ("p1", "d1"), ("p0", "d1"), ("p1", "d0")]
     jobs = [(*pairs[i % 4], prompt, prompt) for i, prompt in enumerate(prompts)]
     before = _metrics(instances)
-    got = decode_first(instances, jobs)
+    # The decodes' requests first: their expects are there before the
+    # prefills' forwards, whose pushes then overlap them.
+    got = decode_first(instances, jobs, decode_lead_s=EXPECT_LEAD_S)
     after = _metrics(instances)
     for prefill in ("p0", "p1"):
         blocks = sum(-(-len(p) // BLOCK_SIZE) for (name, _, p, _) in jobs if name == prefill)

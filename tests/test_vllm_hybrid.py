@@ -28,6 +28,7 @@ pytest.importorskip("vllm")
 
 from test_vllm_e2e import assert_push_overlapped  # noqa: E402
 from vllm_pd import (  # noqa: E402
+    EXPECT_LEAD_S,
     Engine,
     close_engines,
     connector_config,
@@ -130,7 +131,8 @@ def run_hybrid(prefill: Engine, decode: Engine, overlap_share: bool) -> None:
     references = prefill.generate(fresh, MAX_TOKENS, logprobs=5)["results"]
     reference = [r["tokens"] for r in references]
     before, before_p = decode.metrics(), prefill.metrics()
-    got = decode_first([(prefill, prefill.side_channel_port, decode, p, p) for p in fresh], MAX_TOKENS)
+    got = decode_first([(prefill, prefill.side_channel_port, decode, p, p) for p in fresh], MAX_TOKENS,
+                       decode_lead_s=EXPECT_LEAD_S if overlap_share else 0.0)
     for index, tokens in enumerate(got):
         check(tokens, index)
     after = decode.metrics()

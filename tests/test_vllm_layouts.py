@@ -24,6 +24,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from vllm_pd import (  # noqa: E402
+    EXPECT_LEAD_S,
     Engine,
     close_engines,
     connector_config,
@@ -125,16 +126,17 @@ def run_decode_first(pair: dict[str, Engine], prefill_tp: int, pushed: bool = Tr
     prompts = prompts_of_lengths([70, 260, 480], seed=7)
     reference = prefill.generate(prompts, MAX_TOKENS, logprobs=5)["results"]
     before, before_p = decode.metrics(), prefill.metrics()
-    got = decode_first([(prefill, prefill.side_channel_port, decode, p, p) for p in prompts], MAX_TOKENS, prefill_tp)
+    got = decode_first([(prefill, prefill.side_channel_port, decode, p, p) for p in prompts], MAX_TOKENS, prefill_tp,
+                       decode_lead_s=EXPECT_LEAD_S)
     check_outputs(got, reference)
     after = decode.metrics()
     assert delta(after, before, FAILED) == 0
     # Pushed, not pulled: what the prefill's ranks pushed is what landed in
     # the decode's blocks (a push that ended after the prefill's last step is
     # reported with a step of its own), and a push overlapped its forward
-    # (all three prompts are one step per rank, which a decode's expect
-    # coming after the few milliseconds of the tiny model's forward misses:
-    # test_vllm_decode_first.py holds the share of overlapped steps).
+    # (all three prompts are one step per rank: the decode's requests went
+    # first, so that its expects were there before that step's few
+    # milliseconds of forward).
     landed = delta(after, before, BYTES)
     assert landed >= sum(len(p) for p in prompts) * TOKEN_BYTES
     if not pushed:

@@ -386,14 +386,24 @@ def prompts_of_lengths(lengths: list[int], seed: int, vocab: int = 1024) -> list
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
+# Where a test checks that pushes overlapped their forwards: the decodes'
+# requests go first by this much (``decode_first_run``).
+EXPECT_LEAD_S = 1.0
+
+
 def decode_first_run(jobs: list[tuple[Engine, int, Engine, list[int], list[int]]], max_tokens: int,
-                     prefill_tp: int = 1, host: str = "127.0.0.1") -> dict[str, Any]:
+                     prefill_tp: int = 1, host: str = "127.0.0.1", decode_lead_s: float = 0.0) -> dict[str, Any]:
     """Runs ``(prefill, its side-channel port, decode, prefill's prompt,
     decode's prompt)`` jobs as a decode-first proxy does: both instances get
     the request at once with the same ``transfer_id`` (the prefill's side
     channel at ``host``), each instance all its requests in one call, all
     instances side by side. Returns the decodes' ``results`` in job order,
-    and the longest ``prefill_wall`` and ``decode_wall`` of the calls."""
+    and the longest ``prefill_wall`` and ``decode_wall`` of the calls.
+
+    ``decode_lead_s``: the prefills get their requests this long after the
+    decodes, so that the decodes' expects are there before the prefills'
+    forwards start (a check of the overlap must not hang on which of two
+    busy processes the machine ran first)."""
     import secrets
     import threading
 
@@ -421,7 +431,10 @@ def decode_first_run(jobs: list[tuple[Engine, int, Engine, list[int], list[int]]
             errors.append(exc)
 
     threads = [threading.Thread(target=run, args=value) for value in work.values()]
-    for thread in threads:
+    for thread, (_, _, is_prefill) in sorted(zip(threads, work.values()), key=lambda pair: pair[1][2]):
+        if is_prefill and decode_lead_s > 0:
+            time.sleep(decode_lead_s)
+            decode_lead_s = 0.0
         thread.start()
     for thread in threads:
         thread.join(timeout=600)
@@ -431,6 +444,7 @@ def decode_first_run(jobs: list[tuple[Engine, int, Engine, list[int], list[int]]
 
 
 def decode_first(jobs: list[tuple[Engine, int, Engine, list[int], list[int]]], max_tokens: int,
-                 prefill_tp: int = 1) -> list[list[int]]:
+                 prefill_tp: int = 1, decode_lead_s: float = 0.0) -> list[list[int]]:
     """The decodes' tokens of ``decode_first_run``, in job order."""
-    return [result["tokens"] for result in decode_first_run(jobs, max_tokens, prefill_tp)["results"]]
+    return [result["tokens"] for result in
+            decode_first_run(jobs, max_tokens, prefill_tp, decode_lead_s=decode_lead_s)["results"]]

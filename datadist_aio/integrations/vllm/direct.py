@@ -263,6 +263,13 @@ class ReleaseView(dd.LayerSynchronizer):
         ready = self._release.synchronize_layer(self._layers[layer_index], timeout_in_millis)
         return bool(await ready)  # type: ignore[misc]
 
+    @property
+    def watchable(self) -> bool:
+        return self._release.watchable
+
+    def watch_layer(self, layer_index: int, on_decided: Callable[[bool], None]) -> Optional[bool]:
+        return self._release.watch_layer(self._layers[layer_index], on_decided)
+
 
 class _Guard(dd.LayerSynchronizer):
     """A transfer's view of its step's layer release, refused once one of its
@@ -274,8 +281,19 @@ class _Guard(dd.LayerSynchronizer):
 
     async def synchronize_layer(self, layer_index: int, timeout_in_millis: Optional[int]) -> bool:
         ready = await self._release.synchronize_layer(layer_index, timeout_in_millis)  # type: ignore[misc]
+        return bool(ready) and self._usable()
+
+    def _usable(self) -> bool:
         now = time.monotonic()
-        return bool(ready) and all(r.usable(now) for r in self._readers)
+        return all(r.usable(now) for r in self._readers)
+
+    @property
+    def watchable(self) -> bool:
+        return self._release.watchable
+
+    def watch_layer(self, layer_index: int, on_decided: Callable[[bool], None]) -> Optional[bool]:
+        verdict = self._release.watch_layer(layer_index, lambda ready: on_decided(ready and self._usable()))
+        return None if verdict is None else verdict and self._usable()
 
 
 class _Released(dd.LayerSynchronizer):
@@ -393,11 +411,13 @@ class DirectPushes:
 
     # -- the prefill's own steps ---------------------------------------------------------
 
-    async def push_step(self, specs: list[SaveSpec], release: Any, forward_over: Awaitable[bool]) -> None:
+    async def push_step(self, specs: list[SaveSpec], release: Any, forward_over: Awaitable[bool],
+                        armed: Callable[[], None] = lambda: None) -> None:
         """One step's blocks of decode-first requests: into the blocks of the
         decodes that expect them, layer by layer (a decode that comes during
         the forward joins it); the blocks go to a decode that comes later
-        once the forward is over (``forward_over``: whether it completed)."""
+        once the forward is over (``forward_over``: whether it completed).
+        ``armed`` is called once the step's transfers were started."""
         now = time.monotonic()
         by_decode: dict[int, list[tuple[_Direct, _Reader, Blocks]]] = {}
         seen: list[tuple[_Direct, _Step]] = []
@@ -423,7 +443,10 @@ class DirectPushes:
         pushes = [self._transfer(items, release, cluster) for cluster, items in by_decode.items()]
         complete = False
         try:
-            outcome, *_ = await asyncio.gather(forward_over, *pushes)
+            under_way = asyncio.gather(forward_over, *pushes)
+            # After the first steps of the pushes' tasks, which start their transfers.
+            asyncio.get_running_loop().call_soon(armed)
+            outcome, *_ = await under_way
             complete = bool(outcome)
         finally:
             # At once, nothing awaited: a reader that comes from here on

@@ -55,28 +55,30 @@ log = logging.getLogger(__name__)
 INBOX_MODEL_ID = 1 << 20  # the decode side's inbox blocks cache, in its BlocksCacheKey
 _RETRY_AFTER_S = 5.0  # after the decode side could not be reached, steps go unpushed this long
 _EARLY_CONTACT_S = 600.0  # how long a starting prefill keeps trying to reach its decode side before any step
+_ARM_WAIT_S = 0.05  # the most a step's forward waits for its push to be armed
 
 
-class LayerRelease(dd.LayerSynchronizer):
+class LayerRelease(dd.LayerGate):
     """Lets the step's layers go as the forward saves them: layer ``k``
     (vLLM's ``k``-th KV layer name) once layers 0 to ``k`` were saved.
 
     A transfer reads it through a ``ReleaseView``, which names for each of
     its transfer layers the last layer writing it. ``saved``, ``abort`` and
-    ``complete`` are called on vLLM's worker thread; ``synchronize_layer`` is
-    awaited on the loop. It also notes when the engine was first handed a
-    layer (``first_handed``) and when the forward saved its last one
+    ``end`` are called on vLLM's worker thread, and a layer's writes are
+    handed to the engine there, inside ``saved`` (a ``LayerGate``): the
+    event loop's thread, which may be waiting for the GIL while the forward
+    runs, is not on the way. It also notes when the engine was first handed
+    a layer (``first_handed``) and when the forward saved its last one
     (``last_saved``), both ``time.perf_counter()``: the step overlapped its
     forward when the first came before the second.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, model_layers: int) -> None:
+        super().__init__()
         self._loop = loop
         self._model_layers = model_layers
-        self._events = [asyncio.Event() for _ in range(model_layers)]
         self._saved = [False] * model_layers
         self._done = 0  # model layers saved in a row from the first
-        self._refused_from = model_layers  # layers from here on were refused (``abort``)
         self._aborted = False
         self._ended = asyncio.Event()
         self.last_saved = 0.0
@@ -91,12 +93,13 @@ class LayerRelease(dd.LayerSynchronizer):
         while done < self._model_layers and self._saved[done]:
             done += 1
         if done > self._done:
-            self._release(range(self._done, done))
+            layers = range(self._done, done)
             self._done = done
+            self._release(layers)
 
     def _release(self, layers: range) -> None:
         for layer in layers:
-            self._loop.call_soon_threadsafe(self._events[layer].set)
+            self.open(layer)
 
     @property
     def complete(self) -> bool:
@@ -114,9 +117,8 @@ class LayerRelease(dd.LayerSynchronizer):
         if self._aborted:
             return
         self._aborted = True
-        self._refused_from = self._done
-        for event in self._events[self._done:]:
-            self._loop.call_soon_threadsafe(event.set)
+        for layer in range(self._done, self._model_layers):
+            self.refuse(layer)
 
     def end(self) -> None:
         """The step's forward is over (after ``abort`` where it failed)."""
@@ -131,12 +133,27 @@ class LayerRelease(dd.LayerSynchronizer):
         """Once the step's forward is over: whether it completed."""
         return await self.forward_ended()
 
+    def watch_layer(self, layer_index: int, on_decided: Callable[[bool], None]) -> Optional[bool]:
+        def handed(verdict: bool) -> None:
+            if verdict:
+                self._handed()
+            on_decided(verdict)
+
+        verdict = super().watch_layer(layer_index, handed)
+        if verdict:
+            self._handed()
+        return verdict
+
     async def synchronize_layer(self, layer_index: int, timeout_in_millis: Optional[int]) -> bool:
-        await self._events[layer_index].wait()
-        ready = layer_index < self._refused_from and await self._layer_ready(layer_index, timeout_in_millis)
-        if ready and self.first_handed is None:
-            self.first_handed = time.perf_counter()
+        ready = await super().synchronize_layer(layer_index, None)
+        ready = ready and await self._layer_ready(layer_index, timeout_in_millis)
+        if ready:
+            self._handed()
         return ready
+
+    def _handed(self) -> None:
+        if self.first_handed is None:
+            self.first_handed = time.perf_counter()
 
     async def _layer_ready(self, layer_index: int, timeout_in_millis: Optional[int]) -> bool:
         """Whether a released layer's bytes may go (they may at once in host memory)."""
@@ -169,8 +186,12 @@ class EventRelease(LayerRelease):
         self._keep: list[Any] = []  # this step's events, alive until the engine has watched them
         # The event recorded as the forward ended, watched as a layer past the
         # last: the forward is over on the device once it has completed.
-        self._end_layer = len(self._events)
+        self._end_layer = model_layers
         self._end_recorded = False
+
+    @property
+    def watchable(self) -> bool:
+        return False  # a layer goes once its event completed: awaited on the loop
 
     def _release(self, layers: range) -> None:
         event: Any = None
@@ -312,8 +333,14 @@ class Pusher:
             release = EventRelease(self._loop, len(self._layers),
                                    dd.CudaEventSynchronizer(self._datadist), self._record_event,
                                    watch_end=bool(direct))
-        future = asyncio.run_coroutine_threadsafe(self._push(inbox, direct, release), self._loop)
+        armed = threading.Event()
+        future = asyncio.run_coroutine_threadsafe(self._push(inbox, direct, release, armed.set), self._loop)
         self._step = _Step(release, future)
+        # The forward starts once the step's decode-first transfers watch
+        # their first layers: the loop's thread would otherwise wait for the
+        # GIL while the forward runs, and a short forward could end before
+        # its push began.
+        armed.wait(_ARM_WAIT_S)
 
     def save_layer(self, name: str) -> None:
         if self._step is not None:
@@ -440,16 +467,24 @@ class Pusher:
         return await self._client.request({"op": op, "engine_id": self.settings.engine_id, **fields},
                                           self.settings.timeout_s)
 
-    async def _push(self, inbox: list[SaveSpec], direct: list[SaveSpec], release: LayerRelease) -> None:
-        """The step's pushes: into the inbox, and into the decodes' own blocks."""
+    async def _push(self, inbox: list[SaveSpec], direct: list[SaveSpec], release: LayerRelease,
+                    armed: Callable[[], None]) -> None:
+        """The step's pushes: into the inbox, and into the decodes' own
+        blocks. ``armed`` once the decode-first transfers were started (the
+        inbox's wait for its claim, a round trip: it is not waited for)."""
         pushes: list[Awaitable[None]] = []
         if inbox:
             pushes.append(self._push_inbox(inbox, release))
         if direct:
-            pushes.append(self.directs.push_step(direct, release, release.forward_over()))
-        for outcome in await asyncio.gather(*pushes, return_exceptions=True):
-            if isinstance(outcome, BaseException):
-                log.warning("datadist_aio connector: a step's push failed: %r", outcome)
+            pushes.append(self.directs.push_step(direct, release, release.forward_over(), armed))
+        else:
+            armed()
+        try:
+            for outcome in await asyncio.gather(*pushes, return_exceptions=True):
+                if isinstance(outcome, BaseException):
+                    log.warning("datadist_aio connector: a step's push failed: %r", outcome)
+        finally:
+            armed()
 
     async def _push_inbox(self, saves: list[SaveSpec], release: LayerRelease) -> None:
         """The step's push into the inbox, all of it within ``timeout_s``; what
