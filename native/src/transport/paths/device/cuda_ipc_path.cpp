@@ -123,19 +123,10 @@ bool CudaIpcPath::open_exports(const std::vector<wire::DeviceExport> &exports,
     why = "the initiator is this process";
     return false;
   }
+  // Host memory of this end opens them in the exporting device's context.
+  const std::shared_ptr<cuda::Device> in = device ? device : same_host_->device_for(exports.front().ordinal, why);
+  if (!in) return false;
   std::lock_guard<std::mutex> lock(opened_mu_);
-  std::shared_ptr<cuda::Device> in = device;
-  if (!in) {
-    if (!host_side_device_) {
-      const int ordinal = exports.front().ordinal;
-      if (ordinal < 0 || cuda::Device::open(ordinal, host_side_device_) != llm_datadist::LLM_SUCCESS) {
-        host_side_device_.reset();
-        why = "no CUDA driver or no device " + std::to_string(ordinal) + " here";
-        return false;
-      }
-    }
-    in = host_side_device_;
-  }
   out.clear();
   for (const wire::DeviceExport &e : exports) {
     std::string key = device_exports::key(e, in->ordinal());
@@ -326,7 +317,6 @@ void CudaIpcPath::reap() {
   // The peer's opened allocations close once no copy uses them.
   std::lock_guard<std::mutex> lock(opened_mu_);
   opened_.clear();
-  host_side_device_.reset();
 }
 
 void CudaIpcPath::zero_counters(std::map<std::string, uint64_t> &out) {

@@ -95,7 +95,6 @@ class CudaIpcPath : public DataPath {
   // the link is reaped (or dropped past a bound).
   mutable std::mutex opened_mu_;
   std::unordered_map<std::string, std::shared_ptr<cuda::PeerAllocation>> opened_;
-  std::shared_ptr<cuda::Device> host_side_device_;  // opens exports for host memory of this end
 };
 
 }  // namespace datadist

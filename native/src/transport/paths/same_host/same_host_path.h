@@ -70,6 +70,11 @@ class SameHostPath : public DataPath {
   // The peer's memory as this end reaches it (null: it does not).
   const std::shared_ptr<same_host::PeerMemory> &peer_memory() const { return peer_memory_; }
 
+  // Device `ordinal`, opened here once per link (for host memory of this
+  // end copied to and from the peer's device memory, by this path or the
+  // CUDA IPC path); null with `why`.
+  std::shared_ptr<cuda::Device> device_for(int ordinal, std::string &why);
+
  private:
   // A copy between device memory of this end (`device`) and the peer's
   // segments, staged; returns 0, an errno of the kernel copy, or -1 with
@@ -101,9 +106,6 @@ class SameHostPath : public DataPath {
   // (opened once, kept with the grant); false with `why`.
   bool open_grant(const same_host::Grant &grant, const std::shared_ptr<cuda::Device> &in,
                   std::vector<std::shared_ptr<cuda::PeerAllocation>> &out, std::string &why);
-  // Device `ordinal`, opened here once (for host memory of this end copied
-  // to and from the peer's device memory); null with `why`.
-  std::shared_ptr<cuda::Device> device_for(int ordinal, std::string &why);
 
   // Grants this end's caches to the peer (once it reaches this end's memory).
   void start_granting();
