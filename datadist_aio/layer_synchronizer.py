@@ -105,6 +105,8 @@ class LayerGate(LayerSynchronizer):
             on_decided(verdict)
 
     def watch_layer(self, layer_index: int, on_decided: Callable[[bool], None]) -> Optional[bool]:
+        """The layer's verdict if decided, else None and ``on_decided`` runs
+        inside the ``open`` or ``refuse`` that decides it."""
         return self._watch(layer_index, on_decided)
 
     def _watch(self, layer_index: int, on_decided: Callable[[bool], None]) -> Optional[bool]:
@@ -115,6 +117,7 @@ class LayerGate(LayerSynchronizer):
             return verdict
 
     async def synchronize_layer(self, layer_index: int, timeout_in_millis: Optional[int]) -> bool:
+        """Awaits the layer's verdict on the running loop (True: opened)."""
         loop = asyncio.get_running_loop()
         decided: asyncio.Future[bool] = loop.create_future()
 
