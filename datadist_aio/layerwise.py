@@ -143,6 +143,9 @@ class LayerwiseTransfer:
             self._task = asyncio.current_task()
         try:
             await self._walk_layers()
+            failed = self._watch.error if self._watch is not None else None
+            if failed is not None:  # on a deciding thread
+                self._finish(LLMStatusCode.LLM_FAILED.value, f"the layer-wise driver failed: {failed!r}")
         except asyncio.CancelledError:
             pass
         except Exception as exc:  # a bug here must still settle the request
@@ -201,11 +204,23 @@ class LayerwiseTransfer:
         with walk.lock:
             verdict = self._synchronizer.watch_layer(walk.layers[0], functools.partial(self._decided, walk, 0))
         if verdict is not None:
-            self._decide(walk, 0, *_verdict(walk.layers[0], verdict))
+            self._decided(walk, 0, verdict)
         return walk
 
     def _decided(self, walk: _Watched, position: int, verdict: bool) -> None:
-        self._decide(walk, position, *_verdict(walk.layers[position], verdict))
+        """A watch's callback, on the deciding thread: a bug here must not
+        reach the model's ``open``; the walk ends and the driver fails the
+        request with it."""
+        try:
+            self._decide(walk, position, *_verdict(walk.layers[position], verdict))
+        except Exception as exc:
+            _log.error("layer-wise transfer: sending layer %d failed:\n%s", walk.layers[position],
+                       "".join(traceback.format_exception(exc)))
+            exc.__traceback__ = None  # its frames would keep this transfer, and the engine, alive
+            with walk.lock:
+                walk.error = walk.error or exc
+                walk.over = True
+            walk.wake()
 
     def _decide(self, walk: _Watched, position: int, status: LLMStatusCode, reason: str) -> None:
         """Sends layers from ``position`` on while their verdicts are known
@@ -376,6 +391,7 @@ class _Watched:
         self.lock = threading.RLock()
         self.next = 0
         self.over = not layers
+        self.error: Optional[Exception] = None  # a deciding thread's failure: the request fails with it
         self.moved = asyncio.Event()
         self._loop = loop
 

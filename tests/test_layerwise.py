@@ -574,6 +574,38 @@ async def test_a_gate_hands_each_layer_over_on_the_thread_that_opens_it(prefill)
     assert [gate.verdict(layer) for layer in range(5)] == [True] * 4 + [None]
 
 
+async def test_a_failure_sending_a_gated_layer_fails_the_task_not_the_model(prefill, monkeypatch):
+    # A bug in handing layer 2 over, on the model's thread: its ``open``
+    # returns as usual, and the task fails with the driver's error.
+    from datadist_aio import layerwise
+
+    b = prefill.b
+    src, sent = prefill.source(slots_desc(3))
+    dst, before = remote(b, slots_desc(4), 29)
+    real = layerwise.LayerwiseTransfer._start_step
+
+    def start_step(self: Any, index: int, config: Any, layer: int) -> tuple[int, str]:
+        if layer == 2:
+            raise RuntimeError("a bug in the driver")
+        return real(self, index, config, layer)
+
+    monkeypatch.setattr(layerwise.LayerwiseTransfer, "_start_step", start_step)
+    gate = dd.LayerGate()
+    task = prefill.cm.transfer_cache_async(src, gate, [dd.TransferWithCacheKeyConfig(dst.key(0), range(0, 4),
+                                                                                     range(0, 4), 1)])
+    gate.open(0)
+    gate.open(1)
+    model = threading.Thread(target=gate.open, args=(2,))
+    model.start()
+    model.join(WAIT)
+    with raises_status(FAILED) as raised:
+        await settled(task)
+    assert "the layer-wise driver failed" in str(raised.value) and "a bug in the driver" in str(raised.value)
+    gate.open(3)  # after the walk ended: nothing more goes
+    await asyncio.sleep(QUIET)
+    assert_tensors(b.read(dst), expect(before, sent, pairs(range(0, 2)), slot_moves(1, 0)), "on B")
+
+
 @pytest.mark.parametrize("style", STYLES)
 async def test_a_layer_not_released_within_sync_kv_timeout_fails_what_needs_it(decoders, style):
     with prefill_side("key", decoders, sync_kv_timeout=300) as prefill:
