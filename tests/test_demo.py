@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.resource_tracker
 import subprocess
 import sys
 import time
@@ -13,6 +14,10 @@ import datadist_aio
 from datadist_aio import demo
 
 pytestmark = pytest.mark.timeout(60)
+
+# The spawned demos start multiprocessing's resource tracker, whose pipe
+# would otherwise count as a descriptor the first such test left open.
+mp.resource_tracker.ensure_running()
 
 
 def _run(*argv: str) -> subprocess.CompletedProcess[str]:

@@ -193,6 +193,9 @@ def test_a_cache_renewed_under_a_stream_of_writes_never_receives_one(group):
     theirs = stats(b, A)
     assert theirs["grants_revoked"] == rounds and theirs["grants_quarantined"] == 0, theirs
     assert theirs["grant_revoke_waits"] > 0, theirs  # some revocations met a copy in flight, and waited it out
+    # And A's copies found the revocation in the slot, before the new grant
+    # came: the table stopped them, not the grant's arrival.
+    assert stats(a, B)["grants_found_revoked"] > 0, stats(a, B)
 
 
 def test_a_holder_frozen_in_a_copy_leaves_the_memory_held(group):

@@ -92,6 +92,7 @@ bool SameHostPath::move(bool write, const PlannedFrame &planned, const std::shar
   auto use = std::make_shared<same_host::GrantUse>(table, *grant);
   if (!use->entered()) {
     book_->drop(grant);  // revoked: the owner serves it, from what it holds now
+    found_revoked_.fetch_add(1, std::memory_order_relaxed);
     return false;
   }
   ResolvedTarget target;
@@ -416,12 +417,13 @@ void SameHostPath::counters(std::map<std::string, uint64_t> &out) const {
   out["one_sided_device_bytes"] += one_sided_device_.load(std::memory_order_relaxed);
   out["one_sided_staged_bytes"] += one_sided_staged_.load(std::memory_order_relaxed);
   out["grants_held"] += book_ ? book_->held() : 0;
+  out["grants_found_revoked"] += found_revoked_.load(std::memory_order_relaxed);
   if (const std::shared_ptr<same_host::Grantor> granting = grantor()) granting->counters(out);
 }
 
 void SameHostPath::zero_counters(std::map<std::string, uint64_t> &out) {
   for (const char *name : {"staged_bytes_served", "device_stream_waits", "one_sided_ops", "one_sided_bytes_written",
-                           "one_sided_bytes_read", "one_sided_device_bytes", "one_sided_staged_bytes", "grants_held", "grants_given", "grants_revoked",
+                           "one_sided_bytes_read", "one_sided_device_bytes", "one_sided_staged_bytes", "grants_held", "grants_found_revoked", "grants_given", "grants_revoked",
                            "grant_revoke_waits", "grants_quarantined", "grants_refused"}) {
     out[name] += 0;
   }

@@ -136,6 +136,8 @@ class SameHostPath : public DataPath {
   // Of those bytes, moved by this end's stream copies from or into the
   // peer's device memory; staged through this end's device buffers.
   std::atomic<uint64_t> one_sided_device_{0}, one_sided_staged_{0};
+  // Operations that found their grant revoked in its slot (then served by the owner).
+  std::atomic<uint64_t> found_revoked_{0};
 };
 
 }  // namespace datadist
