@@ -154,29 +154,29 @@ class LayerwiseTransfer:
         self._finish(self._request.cancel_reason() if self._request.cancel_requested() else _SUCCESS)
 
     async def _walk_layers(self) -> None:
-        layers = self._layers()
         if self._synchronizer.watchable:
             if self._watch is None:  # the driver's own loop: armed here
                 self._watch = self._arm(asyncio.get_running_loop())
             await self._keep_time(self._watch)
             return
-        for layer in layers:
-            if not self._needing(layer):
+        for layer in self._layers():
+            needing = self._needing(layer)
+            if not needing:
                 continue
             if self._request.cancel_requested():
                 return
             status, reason = await self._wait_for_layer(layer)
-            self._send_layer(layer, status, reason)
+            self._send_layer(layer, needing, status, reason)
 
     def _needing(self, layer: int) -> list[int]:
         """The configs still open that send ``layer``."""
         with self._lock:
             return [i for i in sorted(self._open) if layer in _src_range(self._configs[i])]
 
-    def _send_layer(self, layer: int, status: LLMStatusCode, reason: str) -> None:
-        """Starts ``layer`` for every open config that needs it, or fails them
-        with the synchronizer's verdict (``status`` not a success)."""
-        for index in self._needing(layer):
+    def _send_layer(self, layer: int, needing: list[int], status: LLMStatusCode, reason: str) -> None:
+        """Starts ``layer`` for the configs ``needing`` it (``_needing``), or
+        fails them with the synchronizer's verdict (``status`` not a success)."""
+        for index in needing:
             config = self._configs[index]
             if status is LLMStatusCode.LLM_SUCCESS:
                 code, why = self._start_step(index, config, layer)
@@ -227,13 +227,16 @@ class LayerwiseTransfer:
         (on the deciding thread; ``walk.lock`` orders it with the timer)."""
         layers = walk.layers
         with walk.lock:
-            while not walk.over and position == walk.next:
+            if walk.over or position != walk.next:
+                return  # a verdict for a layer the walk is past
+            needing = self._needing(layers[position])
+            while True:
                 if self._request.cancel_requested():
                     walk.over = True
                     break
-                self._send_layer(layers[position], status, reason)
+                self._send_layer(layers[position], needing, status, reason)
                 position += 1
-                while position < len(layers) and not self._needing(layers[position]):
+                while position < len(layers) and not (needing := self._needing(layers[position])):
                     position += 1  # its configs failed: nobody waits for it
                 walk.next = position
                 if position == len(layers):
@@ -250,26 +253,23 @@ class LayerwiseTransfer:
         """Waits for a watched walk to end: a layer not decided within
         ``sync_kv_timeout`` of the one before (or of the start) fails its
         configs with ``LLM_TIMEOUT``, as a ``synchronize_layer`` past its
-        timeout does, and the walk goes on with the next layer."""
-        try:
-            while True:
-                walk.moved.clear()
-                with walk.lock:
-                    if walk.over:
-                        return
-                    waiting_for = walk.next
-                if self._request.cancel_requested():
-                    return
-                try:
-                    await asyncio.wait_for(walk.moved.wait(), self._timeout_ms / 1000)
-                except asyncio.TimeoutError:
-                    layer = walk.layers[waiting_for]
-                    reason = f"layer {layer} was not decided within sync_kv_timeout ({self._timeout_ms} ms)"
-                    _log.debug("%s", reason)
-                    self._decide(walk, waiting_for, LLMStatusCode.LLM_TIMEOUT, reason)
-        finally:
+        timeout does, and the walk goes on with the next layer. However it
+        ends, ``_drive`` then calls ``_finish``, which marks the walk over."""
+        while True:
+            walk.moved.clear()
             with walk.lock:
-                walk.over = True  # a verdict that comes later sends nothing
+                if walk.over:
+                    return
+                waiting_for = walk.next
+            if self._request.cancel_requested():
+                return
+            try:
+                await asyncio.wait_for(walk.moved.wait(), self._timeout_ms / 1000)
+            except asyncio.TimeoutError:
+                layer = walk.layers[waiting_for]
+                reason = f"layer {layer} was not decided within sync_kv_timeout ({self._timeout_ms} ms)"
+                _log.debug("%s", reason)
+                self._decide(walk, waiting_for, LLMStatusCode.LLM_TIMEOUT, reason)
 
     async def _wait_for_layer(self, layer: int) -> tuple[LLMStatusCode, str]:
         """The synchronizer's verdict on ``layer``, and the reason of a failure.

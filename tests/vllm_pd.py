@@ -430,13 +430,14 @@ def decode_first_run(jobs: list[tuple[Engine, int, Engine, list[int], list[int]]
         except BaseException as exc:  # noqa: BLE001  (raised again below)
             errors.append(exc)
 
-    threads = [threading.Thread(target=run, args=value) for value in work.values()]
-    for thread, (_, _, is_prefill) in sorted(zip(threads, work.values()), key=lambda pair: pair[1][2]):
-        if is_prefill and decode_lead_s > 0:
-            time.sleep(decode_lead_s)
-            decode_lead_s = 0.0
+    decodes = [threading.Thread(target=run, args=value) for value in work.values() if not value[2]]
+    prefills = [threading.Thread(target=run, args=value) for value in work.values() if value[2]]
+    for thread in decodes:
         thread.start()
-    for thread in threads:
+    time.sleep(decode_lead_s)
+    for thread in prefills:
+        thread.start()
+    for thread in decodes + prefills:
         thread.join(timeout=600)
     if errors:
         raise errors[0]
