@@ -173,12 +173,11 @@ def hostile_initiator(conn: Any, transport: str) -> None:
     from support.wire_frames import (
         COPIES_FOR_YOU,
         DEVICE_EXPORT,
-        DEVICE_HANDLES,
         DEVICE_SEGMENTS,
-        HELLO_ACK,
         HELLO_ACK_T,
         HELLO_T,
-        OFFERS_SAME_HOST,
+        OPENS_DEVICE,
+        SAME_HOST_PATH,
         READ_DATA_T,
         READ_INTO_T,
         SAME_HOST_INFO,
@@ -188,6 +187,8 @@ def hostile_initiator(conn: Any, transport: str) -> None:
         hello,
         recv_frame,
         request,
+        same_host_caps,
+        same_host_part,
     )
 
     invalid = dd.LLMStatusCode.LLM_PARAM_INVALID.value
@@ -206,11 +207,12 @@ def hostile_initiator(conn: Any, transport: str) -> None:
     probe = ctypes.create_string_buffer(b"DDAOPRB1" + os.urandom(16), 24)
     info = SAME_HOST_INFO.pack(boot, os.getpid(), ctypes.addressof(probe), probe.raw)
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-    sock.sendall(frame(HELLO_T, hello(INITIATOR, OWNER, 77, OFFERS_SAME_HOST | DEVICE_HANDLES, same_host=info)))
+    part = same_host_part(info, OPENS_DEVICE)
+    sock.sendall(frame(HELLO_T, hello(INITIATOR, OWNER, 77, parts=[(SAME_HOST_PATH, part)])))
     kind, status, _, ack, _ = recv_frame(sock)
     assert (kind, status) == (HELLO_ACK_T, 0)
-    flags = HELLO_ACK.unpack(ack[: HELLO_ACK.size])[2]
-    assert flags & COPIES_FOR_YOU and flags & DEVICE_HANDLES, flags
+    caps = same_host_caps(ack)
+    assert caps is not None and caps & COPIES_FOR_YOU and caps & OPENS_DEVICE, caps
 
     def device_frame(kind: int, block: int, addr: int, op_id: int, export_base: int = base) -> bytes:
         body = request([(0, block, 0, BLOCK)], model_id=MODEL["device"], flags=DEVICE_SEGMENTS, segments=[(addr, BLOCK)])

@@ -294,14 +294,13 @@ def hostile_fd_initiator(conn: Any, transport: str) -> None:
         COPIES_FOR_YOU,
         DEVICE_EXPORT,
         DEVICE_FD,
-        DEVICE_FDS,
-        DEVICE_HANDLES,
         DEVICE_SEGMENTS,
         EXPORT_FD,
-        HELLO_ACK,
         HELLO_ACK_T,
         HELLO_T,
-        OFFERS_SAME_HOST,
+        OPENS_DEVICE,
+        SAME_HOST_PATH,
+        TAKES_FDS,
         READ_DATA_T,
         READ_INTO_T,
         SAME_HOST_INFO,
@@ -311,6 +310,8 @@ def hostile_fd_initiator(conn: Any, transport: str) -> None:
         hello,
         recv_frame,
         request,
+        same_host_caps,
+        same_host_part,
     )
 
     code = dd.LLMStatusCode
@@ -336,12 +337,12 @@ def hostile_fd_initiator(conn: Any, transport: str) -> None:
     probe = ctypes.create_string_buffer(b"DDAOPRB1" + os.urandom(16), 24)
     info = SAME_HOST_INFO.pack(boot, os.getpid(), ctypes.addressof(probe), probe.raw)
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-    sock.sendall(frame(HELLO_T, hello(INITIATOR, OWNER, 78, OFFERS_SAME_HOST | DEVICE_HANDLES | DEVICE_FDS,
-                                      same_host=info)))
+    part = same_host_part(info, OPENS_DEVICE | TAKES_FDS)
+    sock.sendall(frame(HELLO_T, hello(INITIATOR, OWNER, 78, parts=[(SAME_HOST_PATH, part)])))
     kind, status, _, ack, _ = recv_frame(sock)
     assert (kind, status) == (HELLO_ACK_T, 0)
-    flags = HELLO_ACK.unpack(ack[: HELLO_ACK.size])[2]
-    assert flags & COPIES_FOR_YOU and flags & DEVICE_HANDLES and flags & DEVICE_FDS, flags
+    caps = same_host_caps(ack)
+    assert caps is not None and caps & COPIES_FOR_YOU and caps & OPENS_DEVICE and caps & TAKES_FDS, caps
 
     def export(piece: int, size: int = PIECE, serial: int = 1) -> bytes:
         handle = DEVICE_FD.pack(fds[piece], 0, size, serial + piece).ljust(64, b"\0")

@@ -39,6 +39,8 @@ from support.raw_client import (
 )
 from support.wire_frames import (
     ANSWER_SOCKET,
+    ANSWER_SOCKET_CAP,
+    CONNECTIONS_MOVED,
     COPIES_FOR_YOU,
     HEADER,
     HELLO,
@@ -49,19 +51,24 @@ from support.wire_frames import (
     LOOKUP_REPLY,
     LOOKUP_REPLY_T,
     MAGIC,
-    OFFERS_SAME_HOST,
+    PATH_PARTS,
     PEER_COPIES_T,
     READ_DATA_T,
     READ_INTO_T,
     READ_T,
     SAME_HOST_INFO,
+    SAME_HOST_PART,
+    SAME_HOST_PATH,
     SEGMENT,
+    UCX_PATH,
     VERSION,
     WRITE_ACK_T,
     WRITE_FROM_T,
     WRITE_T,
+    ack_parts,
     frame,
     hello,
+    path_parts,
     recv_exact,
     recv_frame,
 )
@@ -94,41 +101,38 @@ class Prober:
         )
 
 
-def number(fd: int | None) -> bytes:
-    return b"" if fd is None else fd.to_bytes(4, "little")
-
-
 def offer(
     port: int,
     hello_info: bytes | None,
     nonce: int,
     local_socket: int | None = None,
     answer_socket: int | None = None,
+    caps: int = 0,
     flags: int = 0,
-) -> tuple[socket.socket, int, bytes]:
-    """Links with a hello that offers `hello_info` (none: no offer) and names
-    descriptors `local_socket` and `answer_socket` of this process, each with
-    its flag (`flags` are set besides); returns the socket, the ack's flags
-    and the info the ack carried."""
+) -> tuple[socket.socket, int, int | None, bytes]:
+    """Links with a hello whose same-host part offers `hello_info` (none: no
+    part) and names descriptors `local_socket` and `answer_socket` of this
+    process, each with its cap (`caps` and the hello's `flags` are set
+    besides); returns the socket, the ack's flags, and the caps and info of
+    the ack's same-host part (None and b"" without one)."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=5)
-    flags |= OFFERS_SAME_HOST if hello_info is not None else 0
-    flags |= LOCAL_SOCKET if local_socket is not None else 0
-    flags |= ANSWER_SOCKET if answer_socket is not None else 0
-    body = hello(
-        FORGER_ID,
-        SERVER_ID,
-        nonce,
-        flags,
-        same_host=hello_info or b"",
-        local_socket=number(local_socket),
-        answer_socket=number(answer_socket),
-    )
-    sock.sendall(frame(HELLO_T, body))
+    caps |= LOCAL_SOCKET if local_socket is not None else 0
+    caps |= ANSWER_SOCKET_CAP if answer_socket is not None else 0
+    parts = []
+    if hello_info is not None:
+        part = SAME_HOST_PART.pack(hello_info, caps, local_socket or 0, answer_socket or 0, 0)
+        parts.append((SAME_HOST_PATH, part))
+    sock.sendall(frame(HELLO_T, hello(FORGER_ID, SERVER_ID, nonce, flags, parts)))
     kind, status, _, ack, _ = recv_frame(sock)
     assert (kind, status) == (HELLO_ACK_T, 0)
     cluster_id, _role, ack_flags = HELLO_ACK.unpack(ack[: HELLO_ACK.size])
     assert cluster_id == SERVER_ID
-    return sock, ack_flags, ack[HELLO_ACK.size :]
+    said = ack_parts(ack).get(SAME_HOST_PATH)
+    if said is None:
+        return sock, ack_flags, None, b""
+    info, said_caps, local, answer, zero = SAME_HOST_PART.unpack(said)
+    assert (local, answer, zero) == (0, 0, 0)
+    return sock, ack_flags, said_caps, info
 
 
 def copy_frame(kind: int, ranges, segments, op_id: int) -> bytes:
@@ -161,9 +165,9 @@ def hole():
 def test_the_engine_reaches_a_prober_and_offers_itself(server):
     datadist, _ = server
     prober = Prober()
-    sock, flags, info = offer(datadist.listen_port, prober.info(), nonce=31)
+    sock, flags, caps, info = offer(datadist.listen_port, prober.info(), nonce=31)
     with sock:
-        assert flags == OFFERS_SAME_HOST | COPIES_FOR_YOU
+        assert (flags, caps) == (PATH_PARTS, COPIES_FOR_YOU)
         boot, pid, probe_addr, probe = SAME_HOST_INFO.unpack(info)
         assert boot == boot_id() and pid == os.getpid()
         assert probe.startswith(PROBE_MAGIC)
@@ -182,9 +186,9 @@ def test_the_engine_reaches_a_prober_and_offers_itself(server):
 )
 def test_an_offer_that_does_not_probe_is_not_served(server, info):
     datadist, cache = server
-    sock, flags, _ = offer(datadist.listen_port, info(Prober()), nonce=32)
+    sock, flags, caps, _ = offer(datadist.listen_port, info(Prober()), nonce=32)
     with sock:
-        assert flags == OFFERS_SAME_HOST  # offered back, but no copies for this peer
+        assert (flags, caps) == (PATH_PARTS, 0)  # offered back, but no copies for this peer
         source = ctypes.create_string_buffer(b"\x09" * BLOCK, BLOCK)
         sock.sendall(copy_frame(WRITE_FROM_T, [(0, 1, 0, BLOCK)], [(ctypes.addressof(source), BLOCK)], 1))
         sock.settimeout(5)
@@ -196,9 +200,9 @@ def test_an_offer_that_does_not_probe_is_not_served(server, info):
 def test_same_host_write_and_read_land(server):
     datadist, cache = server
     prober = Prober()
-    sock, flags, _ = offer(datadist.listen_port, prober.info(), nonce=33)
+    sock, _, caps, _ = offer(datadist.listen_port, prober.info(), nonce=33)
     with sock:
-        assert flags & COPIES_FOR_YOU
+        assert caps & COPIES_FOR_YOU
         source = np.arange(2 * BLOCK, dtype=np.uint32).view(np.uint8)[: 2 * BLOCK].copy()
         addr = source.ctypes.data
         sock.sendall(
@@ -224,7 +228,7 @@ def test_a_source_the_initiator_does_not_have_refuses_the_write_whole(server, ho
         "wraps": (2**64 - BLOCK // 2, BLOCK),
     }[where]
     prober = Prober()
-    sock, _, _ = offer(datadist.listen_port, prober.info(), nonce=34)
+    sock, *_ = offer(datadist.listen_port, prober.info(), nonce=34)
     with sock:
         # The first range is fine; the second is not: nothing of either lands.
         sock.sendall(copy_frame(WRITE_FROM_T, [(0, 2, 0, BLOCK), (1, 5, 0, BLOCK)], [(ctypes.addressof(good), BLOCK), bad], 6))
@@ -241,7 +245,7 @@ def test_a_destination_the_initiator_does_not_have_refuses_the_read(server, hole
     datadist, cache = server
     cache.as_numpy(0)[:] = 3
     prober = Prober()
-    sock, _, _ = offer(datadist.listen_port, prober.info(), nonce=35)
+    sock, *_ = offer(datadist.listen_port, prober.info(), nonce=35)
     with sock:
         sock.sendall(copy_frame(READ_INTO_T, [(0, 1, 0, BLOCK)], [(hole.base + PAGE - 8, BLOCK)], 7))
         kind, status, op_id, _, data = recv_frame(sock)
@@ -261,7 +265,7 @@ def test_owner_ranges_are_still_checked_on_the_same_host_path(server):
     datadist, cache = server
     source = ctypes.create_string_buffer(b"\x01" * 2 * BLOCK, 2 * BLOCK)
     prober = Prober()
-    sock, _, _ = offer(datadist.listen_port, prober.info(), nonce=36)
+    sock, *_ = offer(datadist.listen_port, prober.info(), nonce=36)
     with sock:
         sock.sendall(copy_frame(WRITE_FROM_T, [(0, BLOCKS - 1, 0, 2 * BLOCK)], [(ctypes.addressof(source), 2 * BLOCK)], 9))
         assert recv_frame(sock)[1] == Code.LLM_PARAM_INVALID.value
@@ -271,9 +275,9 @@ def test_owner_ranges_are_still_checked_on_the_same_host_path(server):
 def test_same_host_frames_on_a_tcp_link_close_it(server):
     datadist, cache = server
     source = ctypes.create_string_buffer(b"\x01" * BLOCK, BLOCK)
-    sock, flags, info = offer(datadist.listen_port, None, nonce=37)
+    sock, flags, caps, info = offer(datadist.listen_port, None, nonce=37)
     with sock:
-        assert (flags, info) == (0, b"")
+        assert (flags, caps, info) == (0, None, b"")
         sock.sendall(copy_frame(WRITE_FROM_T, [(0, 0, 0, BLOCK)], [(ctypes.addressof(source), BLOCK)], 1))
         sock.settimeout(5)
         with pytest.raises(ConnectionError):
@@ -283,7 +287,7 @@ def test_same_host_frames_on_a_tcp_link_close_it(server):
 
 def test_an_announcement_without_an_offer_closes_the_link(server):
     datadist, _ = server
-    sock, _, _ = offer(datadist.listen_port, None, nonce=38)
+    sock, *_ = offer(datadist.listen_port, None, nonce=38)
     with sock:
         sock.sendall(frame(PEER_COPIES_T))
         sock.settimeout(5)
@@ -291,13 +295,41 @@ def test_an_announcement_without_an_offer_closes_the_link(server):
             recv_exact(sock, HEADER.size)
 
 
-def test_a_hello_with_a_truncated_offer_is_refused(server):
+def test_a_hello_with_a_truncated_part_is_refused(server):
     datadist, _ = server
-    body = HELLO.pack(FORGER_ID, SERVER_ID, 39, 1, 0, 1, OFFERS_SAME_HOST) + Prober().info()[:20]
+    # The parts say more bytes than the hello has: no valid handshake.
+    body = HELLO.pack(FORGER_ID, SERVER_ID, 39, 1, 0, 1, PATH_PARTS) + path_parts([(SAME_HOST_PATH, Prober().info())])
     with socket.create_connection(("127.0.0.1", datadist.listen_port), timeout=5) as sock:
-        sock.sendall(frame(HELLO_T, body))
+        sock.sendall(frame(HELLO_T, body[:-20]))
         with pytest.raises(ConnectionError):
             recv_frame(sock)
+
+
+def test_parts_of_paths_this_end_lacks_are_ignored(server):
+    datadist, cache = server
+    # A path nobody has, and UCX's, which this engine (transport "auto", no
+    # RDMA device) does not offer: linked on TCP, and the ack has no parts.
+    parts = [(0x55, b"whatever it is"), (UCX_PATH, b"a worker address")]
+    with socket.create_connection(("127.0.0.1", datadist.listen_port), timeout=5) as sock:
+        sock.sendall(frame(HELLO_T, hello(FORGER_ID, SERVER_ID, 48, parts=parts)))
+        kind, status, _, ack, _ = recv_frame(sock)
+        assert (kind, status) == (HELLO_ACK_T, 0)
+        assert HELLO_ACK.unpack(ack[: HELLO_ACK.size])[2] & PATH_PARTS == 0
+        assert ack_parts(ack) == {}
+        sock.sendall(frame(WRITE_T, request([(0, 3, 0, BLOCK)]), b"\x48" * BLOCK, op_id=2))
+        assert recv_frame(sock)[:3] == (WRITE_ACK_T, 0, 2)
+        assert bytes(cache.as_numpy(0)[3]) == b"\x48" * BLOCK
+
+
+def test_a_same_host_part_of_the_wrong_size_refuses_the_link(server):
+    datadist, _ = server
+    # Framed whole, but the same-host path cannot read its part: the link is refused.
+    body = hello(FORGER_ID, SERVER_ID, 40, parts=[(SAME_HOST_PATH, Prober().info()[:20])])
+    with socket.create_connection(("127.0.0.1", datadist.listen_port), timeout=5) as sock:
+        sock.sendall(frame(HELLO_T, body))
+        kind, status, *_ = recv_frame(sock)
+        assert (kind, status) == (HELLO_ACK_T, Code.LLM_LINK_FAILED.value)
+    assert datadist._engine.link_stats(FORGER_ID) == {}
 
 
 def write_from_lands(sock: socket.socket, cache, op_id: int, fill: int, answers: socket.socket | None = None) -> None:
@@ -317,9 +349,9 @@ def test_a_named_local_socket_carries_the_link(server):
     prober = Prober()
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     with mine, theirs:
-        sock, flags, _ = offer(datadist.listen_port, prober.info(), nonce=41, local_socket=theirs.fileno())
+        sock, flags, caps, _ = offer(datadist.listen_port, prober.info(), nonce=41, local_socket=theirs.fileno())
         with sock:
-            assert flags == OFFERS_SAME_HOST | COPIES_FOR_YOU | LOCAL_SOCKET
+            assert (flags, caps) == (PATH_PARTS | CONNECTIONS_MOVED, COPIES_FOR_YOU)
             sock.settimeout(5)
             assert sock.recv(1) == b""  # the TCP connection carried the handshake only
         theirs.close()  # the engine holds its own copy of that end
@@ -337,22 +369,22 @@ def test_a_named_descriptor_that_is_not_a_local_socket_keeps_tcp(server, tmp_pat
             closed = os.dup(file.fileno())
             os.close(closed)
             number = {"tcp_socket": probe.fileno(), "file": file.fileno(), "closed": closed, "huge": 2**32 - 1}[named]
-            sock, flags, _ = offer(datadist.listen_port, prober.info(), nonce=42, local_socket=number)
+            sock, flags, caps, _ = offer(datadist.listen_port, prober.info(), nonce=42, local_socket=number)
     with sock:
-        assert flags == OFFERS_SAME_HOST | COPIES_FOR_YOU  # no local socket: the link stays on TCP
+        assert (flags, caps) == (PATH_PARTS, COPIES_FOR_YOU)  # no local socket: the link stays on TCP
         sock.settimeout(5)
         write_from_lands(sock, cache, op_id=4, fill=0x42)
 
 
-def test_a_local_socket_named_without_the_same_host_offer_is_not_taken(server):
+def test_a_local_socket_named_outside_the_same_host_part_is_not_taken(server):
     datadist, cache = server
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     with mine, theirs:
         sock = socket.create_connection(("127.0.0.1", datadist.listen_port), timeout=5)
         with sock:
-            # The flag without the same-host info: the number is not part of
-            # the hello, so four more bytes make it malformed and it is refused.
-            body = HELLO.pack(FORGER_ID, SERVER_ID, 43, 1, 0, 1, LOCAL_SOCKET) + theirs.fileno().to_bytes(4, "little")
+            # The ack's flag in a hello: nothing follows it, so four more
+            # bytes make the hello malformed and it is refused.
+            body = HELLO.pack(FORGER_ID, SERVER_ID, 43, 1, 0, 1, CONNECTIONS_MOVED) + theirs.fileno().to_bytes(4, "little")
             sock.sendall(frame(HELLO_T, body))
             sock.settimeout(5)
             with pytest.raises(ConnectionError):
@@ -374,11 +406,11 @@ def answered_link(port: int, nonce: int) -> Iterator[tuple[socket.socket, socket
         local, their_local = unix_pair(stack, socket.SOCK_STREAM)
         answers, their_answers = unix_pair(stack, socket.SOCK_SEQPACKET)
         named = {"local_socket": their_local.fileno(), "answer_socket": their_answers.fileno()}
-        sock, flags, _ = offer(port, prober.info(), nonce, **named)
+        sock, flags, caps, _ = offer(port, prober.info(), nonce, **named)
         sock.close()
         their_local.close()  # the engine holds its own copies of these ends
         their_answers.close()
-        assert flags == OFFERS_SAME_HOST | COPIES_FOR_YOU | LOCAL_SOCKET | ANSWER_SOCKET
+        assert (flags, caps) == (PATH_PARTS | CONNECTIONS_MOVED | ANSWER_SOCKET, COPIES_FOR_YOU)
         local.settimeout(5)
         answers.settimeout(5)
         yield local, answers
@@ -450,9 +482,9 @@ def test_a_named_descriptor_that_is_not_our_seqpacket_socket_is_no_answer_socket
             "another_process": lambda: seqpacket_of_another_process(stack),
         }[named]()
         named = {"local_socket": their_local.fileno(), "answer_socket": descriptor.fileno()}
-        sock, flags, _ = offer(datadist.listen_port, prober.info(), 45, **named)
+        sock, flags, caps, _ = offer(datadist.listen_port, prober.info(), 45, **named)
         sock.close()
-        assert flags == OFFERS_SAME_HOST | COPIES_FOR_YOU | LOCAL_SOCKET  # the link moved, its answers did not
+        assert (flags, caps) == (PATH_PARTS | CONNECTIONS_MOVED, COPIES_FOR_YOU)  # the link moved, its answers did not
         assert datadist._engine.link_stats(FORGER_ID)["answer_socket"] == 0
         local.settimeout(5)
         write_from_lands(local, cache, op_id=5, fill=0x45)
@@ -462,10 +494,11 @@ def test_a_named_descriptor_that_is_not_our_seqpacket_socket_is_no_answer_socket
 def test_the_answer_socket_flag_without_a_local_socket_names_nothing(server, offered):
     datadist, cache = server
     prober = Prober()
-    # No number follows: the hello is as long as one without the flag.
-    sock, flags, _ = offer(datadist.listen_port, prober.info() if offered else None, 46, flags=ANSWER_SOCKET)
+    # The cap without a local socket (no part: the ack's flag in a hello).
+    info = prober.info() if offered else None
+    sock, flags, caps, _ = offer(datadist.listen_port, info, 46, caps=ANSWER_SOCKET_CAP, flags=0 if offered else ANSWER_SOCKET)
     with sock:
-        assert flags == (OFFERS_SAME_HOST | COPIES_FOR_YOU if offered else 0)
+        assert (flags, caps) == ((PATH_PARTS, COPIES_FOR_YOU) if offered else (0, None))
         stats = datadist._engine.link_stats(FORGER_ID)
         assert {key: stats[key] for key in ("answer_socket", "connections", "local_sockets", "refused_groups")} == {
             "answer_socket": 0, "connections": 1, "local_sockets": 0, "refused_groups": 0
@@ -475,18 +508,18 @@ def test_the_answer_socket_flag_without_a_local_socket_names_nothing(server, off
         assert bytes(cache.as_numpy(0)[3]) == b"\x46" * BLOCK
 
 
-def test_an_answer_socket_number_without_a_local_socket_makes_the_hello_malformed(server):
+def test_an_answer_socket_named_without_a_local_socket_is_not_taken(server):
     datadist, cache = server
     prober = Prober()
     with contextlib.ExitStack() as stack:
         _, theirs = unix_pair(stack, socket.SOCK_SEQPACKET)
-        sock = stack.enter_context(socket.create_connection(("127.0.0.1", datadist.listen_port), timeout=5))
-        flags = OFFERS_SAME_HOST | ANSWER_SOCKET
-        body = hello(FORGER_ID, SERVER_ID, 47, flags, prober.info(), answer_socket=number(theirs.fileno()))
-        sock.sendall(frame(HELLO_T, body))
-        with pytest.raises(ConnectionError):
-            recv_frame(sock)
-    assert untouched(cache)
+        sock, flags, caps, _ = offer(datadist.listen_port, prober.info(), 47, answer_socket=theirs.fileno())
+        stack.enter_context(sock)
+        assert (flags, caps) == (PATH_PARTS, COPIES_FOR_YOU)
+        stats = datadist._engine.link_stats(FORGER_ID)
+        assert (stats["answer_socket"], stats["local_sockets"]) == (0, 0)
+        sock.settimeout(5)
+        write_from_lands(sock, cache, op_id=6, fill=0x47)
 
 
 def push(datadist: dd.LLMDataDist, cache: dd.Cache) -> dd.CacheTask:

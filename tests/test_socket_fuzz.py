@@ -44,7 +44,6 @@ from support.wire_frames import (
     LOOKUP_T,
     MAX_BODY_BYTES,
     MAX_FRAME_DATA,
-    OFFERS_SAME_HOST,
     PEER_COPIES_T,
     PROOF_T,
     RANGE,
@@ -54,7 +53,9 @@ from support.wire_frames import (
     READ_INTO_T,
     READ_T,
     SAME_HOST_INFO,
+    SAME_HOST_PATH,
     TARGET,
+    UCX_PATH,
     UNLINK_T,
     WITHIN_SLOT,
     WRITE_ACK_T,
@@ -63,6 +64,7 @@ from support.wire_frames import (
     frame,
     hello,
     request,
+    same_host_part,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -173,10 +175,13 @@ class Forger:
     def hello_body(self) -> bytes:
         self.link_nonce += 1
         r = self.rng
-        flags = r.choice([0, 0, 0, OFFERS_SAME_HOST, AUTHENTICATED, OFFERS_SAME_HOST | AUTHENTICATED])
+        flags = r.choice([0, 0, 0, AUTHENTICATED])
         info = SAME_HOST_INFO.pack(r.randbytes(16), r.randrange(1, 2**22), r.randrange(2**47), r.randbytes(24))
-        return hello(FORGER_ID, ENGINE_ID, self.link_nonce, flags, info if flags & OFFERS_SAME_HOST else b"",
-                     r.randbytes(16) if flags & AUTHENTICATED else b"")
+        # No part, a same-host part naming a stranger, a part of a path nobody has, or both.
+        parts = r.choice([[], [], [(SAME_HOST_PATH, same_host_part(info, r.randrange(64), r.randrange(2**32)))],
+                          [(0x55, r.randbytes(r.randrange(64)))],
+                          [(SAME_HOST_PATH, same_host_part(info)), (UCX_PATH, r.randbytes(r.randrange(1, 200)))]])
+        return hello(FORGER_ID, ENGINE_ID, self.link_nonce, flags, parts, r.randbytes(16) if flags & AUTHENTICATED else b"")
 
     # -- mutations
 

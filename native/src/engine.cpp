@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstdint>
 #include <mutex>
 #include <system_error>
@@ -104,14 +105,17 @@ Status Engine::initialize(const OptionMap &options) {
   TransportOptions transport_options;
   transport_options.connections_per_peer = parsed.tcp_connections_per_peer;
   transport_options.io_threads = parsed.io_threads;
-  transport_options.same_host = parsed.same_host;
-  transport_options.ucx = parsed.ucx;
+  transport_options.paths.same_host = parsed.same_host;
+  transport_options.paths.ucx = parsed.ucx;
   // Transport "auto" takes UCX between hosts only where its bytes may go
   // unencrypted.
-  transport_options.ucx_auto = parsed.same_host && !parsed.ucx && (!parsed.encrypt || parsed.allow_unencrypted_ucx);
+  transport_options.paths.ucx_auto = parsed.same_host && !parsed.ucx && (!parsed.encrypt || parsed.allow_unencrypted_ucx);
   transport_options.auth_key = parsed.auth_key;
   transport_options.encrypt = parsed.encrypt;
-  transport_options.one_sided = parsed.one_sided;
+  transport_options.paths.one_sided = parsed.one_sided;
+  // For tests: engines of one process move each other's bytes by the test path.
+  const char *test_path = std::getenv("DATADIST_AIO_TEST_PATH");
+  transport_options.paths.test_path = test_path != nullptr && std::string(test_path) == "1";
   transport_options.handshake_timeout_ms = static_cast<int>(parsed.handshake_timeout_ms);
   transport_options.answers = &completions_->answers();
   completions_->answers().set_sweep_after(std::chrono::milliseconds(parsed.answer_sweep_ms));
@@ -178,7 +182,7 @@ Status Engine::initialize(const OptionMap &options) {
     }
   }
   auto transport = std::make_unique<LinkManager>(cluster_id_, role_code(parsed.role), registry_, transport_options);
-  st = transport->start_ucx();
+  st = transport->start_paths();
   if (st != LLM_SUCCESS) return st;
   if (parsed.listen_ip) {
     st = transport->listen(*parsed.listen_ip, parsed.listen_port);

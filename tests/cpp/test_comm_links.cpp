@@ -25,7 +25,7 @@ constexpr uint64_t kAccepting = 10, kConnecting = 11;
 TEST(CommLinks, ALostLinkReadsAsLinkingAgainUntilTheMemberIsBack) {
   Registry registry_a, registry_b;
   TransportOptions options;
-  options.same_host = false;
+  options.paths.same_host = false;
   options.io_threads = 2;
   LinkManager a(kAccepting, 0, registry_a, options);
   LinkManager b(kConnecting, 1, registry_b, options);

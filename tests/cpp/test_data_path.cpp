@@ -72,12 +72,10 @@ class Host : public LinkHost {
   Registry &registry() override { return registry_; }
   void link_down(const std::shared_ptr<Link> &) override {}
   void detach(const std::shared_ptr<Link> &) override {}
-  same_host::CopyPool &copy_pool() override { return pool_; }
   IoLoop &io_loop() override { return loop_; }
 
  private:
   Registry registry_;
-  same_host::CopyPool pool_{1};
   IoLoop loop_{2};
 };
 

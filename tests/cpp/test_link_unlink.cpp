@@ -33,13 +33,11 @@ class Host : public LinkHost {
   Registry &registry() override { return registry_; }
   void link_down(const std::shared_ptr<Link> &) override { down = true; }
   void detach(const std::shared_ptr<Link> &) override {}
-  same_host::CopyPool &copy_pool() override { return pool_; }
   IoLoop &io_loop() override { return loop_; }
   std::atomic<bool> down{false};
 
  private:
   Registry registry_;
-  same_host::CopyPool pool_{1};
   IoLoop loop_{2};
 };
 

@@ -90,31 +90,52 @@ TEST(WireUcx, MalformedTablesAndStraySegmentsAreRefused) {
   EXPECT_EQ(decode_request(both, req, true), "device and UCX segments together");
 }
 
-TEST(WireUcx, AHelloCarriesItsWorkerAddressInTheBytesItsProofCovers) {
+TEST(WireUcx, AHelloCarriesThePathsPartsInTheBytesItsProofCovers) {
   handshake::Hello hello;
-  hello.fixed = {1, 2, 3, 0, 0, 1, kOffersUcx | kAuthenticated};
-  hello.ucx_address = std::string(300, 'w');
+  hello.fixed = {1, 2, 3, 0, 0, 1, kAuthenticated};
+  hello.parts = {{2, std::string(300, 'w')}, {1, std::string(72, 's')}};
   const std::string bytes = hello.bytes();
+  EXPECT_NE(hello.fixed.flags & kPathParts, 0u);  // set by the parts
   handshake::Hello back;
   ASSERT_TRUE(back.parse(bytes));
-  EXPECT_TRUE(back.offers_ucx());
-  EXPECT_EQ(back.ucx_address, hello.ucx_address);
-  // What a proof covers (all but the authentication bytes) holds the address.
-  EXPECT_NE(hello.bytes(false).find(hello.ucx_address), std::string::npos);
-  // A length past the limit, an empty address, or a body cut short is refused.
+  ASSERT_TRUE(back.has_parts());
+  EXPECT_EQ(back.parts, hello.parts);
+  ASSERT_NE(handshake::find_part(back.parts, 2), nullptr);
+  EXPECT_EQ(*handshake::find_part(back.parts, 2), std::string(300, 'w'));
+  EXPECT_EQ(handshake::find_part(back.parts, 3), nullptr);
+  EXPECT_EQ(back.bytes(), bytes);  // read back, it is the same bytes
+  // What a proof covers (all but the authentication bytes) holds the parts.
+  EXPECT_NE(hello.bytes(false).find(std::string(300, 'w')), std::string::npos);
+
+  // Bodies of parts built by hand, each followed by a nonce.
+  auto body = [](uint32_t count, const std::vector<std::pair<PathPart, std::string>> &parts) {
+    handshake::Hello h;
+    h.fixed = {1, 2, 3, 0, 0, 1, kAuthenticated | kPathParts};
+    std::string out(reinterpret_cast<const char *>(&h.fixed), sizeof(h.fixed));
+    out.append(reinterpret_cast<const char *>(&count), sizeof(count));
+    for (const auto &[head, bytes] : parts) {
+      out.append(reinterpret_cast<const char *>(&head), sizeof(head));
+      out += bytes;
+    }
+    return out + std::string(auth::kNonceBytes, 'n');
+  };
+  const std::string one(8, 'x');
+  EXPECT_TRUE(handshake::Hello().parse(body(1, {{{7, 0, 8}, one}})));
+  // A body cut short, no parts, too many, one too long, a number twice, a
+  // reserved field that is not zero, or a length past the body is refused.
   std::string cut = bytes;
   cut.resize(bytes.size() - 1);
   EXPECT_FALSE(handshake::Hello().parse(cut));
-  std::string empty = bytes.substr(0, sizeof(Hello));
-  const uint32_t zero = 0;
-  empty.append(reinterpret_cast<const char *>(&zero), sizeof(zero));
-  empty.append(bytes.end() - static_cast<std::ptrdiff_t>(auth::kNonceBytes), bytes.end());
-  EXPECT_FALSE(handshake::Hello().parse(empty));
-  std::string huge = bytes.substr(0, sizeof(Hello));
-  const uint32_t too_long = kMaxUcxAddress + 1;
-  huge.append(reinterpret_cast<const char *>(&too_long), sizeof(too_long));
-  huge.append(too_long + auth::kNonceBytes, 'x');
-  EXPECT_FALSE(handshake::Hello().parse(huge));
+  EXPECT_FALSE(handshake::Hello().parse(body(0, {})));
+  std::vector<std::pair<PathPart, std::string>> many;
+  for (uint16_t i = 0; i <= kMaxPathParts; ++i) many.push_back({{i, 0, 8}, one});
+  EXPECT_FALSE(handshake::Hello().parse(body(kMaxPathParts + 1, many)));
+  EXPECT_FALSE(handshake::Hello().parse(
+      body(1, {{{7, 0, kMaxPathPartBytes + 1}, std::string(kMaxPathPartBytes + 1, 'x')}})));
+  EXPECT_FALSE(handshake::Hello().parse(body(2, {{{7, 0, 8}, one}, {{7, 0, 8}, one}})));
+  EXPECT_FALSE(handshake::Hello().parse(body(1, {{{7, 1, 8}, one}})));
+  EXPECT_FALSE(handshake::Hello().parse(body(1, {{{7, 0, 4096}, one}})));
+  EXPECT_FALSE(handshake::Hello().parse(body(2, {{{7, 0, 8}, one}})));
 }
 
 }  // namespace

@@ -32,7 +32,7 @@
 #include "request.h"
 #include "transport/link.h"
 #include "transport/paths/paths.h"
-#include "transport/paths/same_host/same_host.h"
+#include "transport/paths/same_host/same_host_kind.h"
 
 namespace {
 
@@ -59,9 +59,8 @@ class FuzzHost : public LinkHost {
   Registry &registry() override { return registry_; }
   void link_down(const std::shared_ptr<Link> &) override { down.store(true); }
   void detach(const std::shared_ptr<Link> &) override {}
-  same_host::CopyPool &copy_pool() override { return pool(); }
-  static same_host::CopyPool &pool() {
-    static same_host::CopyPool p(1);
+  static const std::shared_ptr<same_host::CopyPool> &pool() {
+    static const auto p = std::make_shared<same_host::CopyPool>(1);
     return p;
   }
   IoLoop &io_loop() override { return loop(); }
@@ -140,18 +139,21 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   add_caches(registry);
   FuzzHost host(registry);
 
-  Negotiated paths;
-  paths.offered = (mode & kOffered) != 0;
-  paths.peer_copies = (mode & kPeerCopies) != 0;
-  if ((mode & kReaches) != 0) paths.peer_memory = peer_memory;
-  paths.announce = (mode & kAnnounce) != 0;
-  paths.one_sided = (mode & kOneSided) != 0;
-  paths.peer_pid = peer_pid;
+  std::vector<std::shared_ptr<DataPath>> paths;
+  if ((mode & kOffered) != 0) {
+    same_host::Terms terms;
+    terms.peer_copies = (mode & kPeerCopies) != 0;
+    if ((mode & kReaches) != 0) terms.peer_memory = peer_memory;
+    terms.announce = (mode & kAnnounce) != 0;
+    terms.one_sided = (mode & kOneSided) != 0;
+    terms.peer_pid = peer_pid;
+    same_host::link_paths(FuzzHost::pool(), terms, paths);
+  }
   int fds[2];
   require(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) == 0, "socketpair failed");
   // As the handshake lists them.
   auto link = std::make_shared<Link>(kPeerId, 1, (mode & kInitiated) != 0, std::vector<int>{fds[0]}, &host,
-                                     make_paths(paths));
+                                     std::move(paths));
   link->start();
   std::shared_ptr<Request> request;
   if ((mode & kSubmit) != 0) request = submit_both(*link);

@@ -57,7 +57,7 @@ struct Listener {
     TransportOptions o;
     o.connections_per_peer = 1;
     o.user_timeout_ms = 1000;
-    o.same_host = false;
+    o.paths.same_host = false;
     if (with_secret) o.auth_key = kSecret;
     o.encrypt = encrypt;
     return o;

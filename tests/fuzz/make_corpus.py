@@ -17,7 +17,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from support.wire_frames import (  # noqa: E402
-    ANSWER_SOCKET,
+    ANSWER_SOCKET_CAP,
     AUTHENTICATED,
     BLOCKS_OF_MODEL,
     BY_ID,
@@ -36,7 +36,6 @@ from support.wire_frames import (  # noqa: E402
     LOOKUP_REPLY_T,
     LOOKUP_T,
     MAGIC,
-    OFFERS_SAME_HOST,
     PATH_MESSAGE_T,
     PEER_COPIES_T,
     PROOF_T,
@@ -46,6 +45,8 @@ from support.wire_frames import (  # noqa: E402
     READ_T,
     RELEASE_KEY,
     SAME_HOST_INFO,
+    SAME_HOST_PATH,
+    UCX_PATH,
     UNLINK_ACK_T,
     UNLINK_T,
     VERSION,
@@ -56,6 +57,7 @@ from support.wire_frames import (  # noqa: E402
     frame,
     hello,
     request,
+    same_host_part,
 )
 
 # As fuzz_link.cpp lays out its memory.
@@ -109,8 +111,8 @@ def wire_seeds() -> dict[str, bytes]:
         "read-into-strided": segmented
         + frame(READ_INTO_T, request([(0, 0, 0, 16)], kind=BY_ID, cache_id=2, strides=[(4, 16, 64)],
                                      segments=[(PEER, 16)])),
-        "hello": plain + frame(HELLO_T, hello(1, 2, flags=OFFERS_SAME_HOST | AUTHENTICATED,
-                                              same_host=SAME_HOST_INFO.pack(bytes(16), 1, 2, bytes(24)), nonce=bytes(16))),
+        "hello": plain + frame(HELLO_T, hello(1, 2, flags=AUTHENTICATED, nonce=bytes(16),
+                                              parts=[(SAME_HOST_PATH, same_host_part(SAME_HOST_INFO.pack(bytes(16), 1, 2, bytes(24))))])),
         "hello-ack": plain + frame(HELLO_ACK_T, HELLO_ACK.pack(2, 1, 0)),
         "challenge": plain + frame(CHALLENGE_T, bytes(16)),
         "proof": plain + frame(PROOF_T, bytes(32)),
@@ -240,19 +242,20 @@ def listen_seeds() -> dict[str, bytes]:
         "link-write-read": plain + frame(HELLO_T, hello(9, 1, link_nonce=1)) + write + read,
         "wrong-cluster": plain + frame(HELLO_T, hello(9, 2, link_nonce=2)),
         "two-connections": plain + frame(HELLO_T, hello(9, 1, link_nonce=3, index=1, count=2)),
-        "same-host-offer": plain + frame(HELLO_T, hello(9, 1, link_nonce=4, flags=OFFERS_SAME_HOST, same_host=info))
+        "same-host-offer": plain + frame(HELLO_T, hello(9, 1, link_nonce=4, parts=[(SAME_HOST_PATH, same_host_part(info))]))
+        + write,
+        "unknown-paths": plain + frame(HELLO_T, hello(9, 1, link_nonce=10, parts=[(0x55, b"x" * 9), (UCX_PATH, b"addr")]))
         + write,
         "secret": secret + frame(HELLO_T, hello(9, 1, link_nonce=5, flags=AUTHENTICATED, nonce=bytes(16)))
         + frame(PROOF_T, bytes(32)),
         "secret-missing": secret + frame(HELLO_T, hello(9, 1, link_nonce=6)) + write,
         "frames-first": plain + write + frame(HELLO_T, hello(9, 1, link_nonce=7)),
-        "local-socket": plain + frame(HELLO_T, hello(9, 1, link_nonce=8, flags=OFFERS_SAME_HOST | LOCAL_SOCKET,
-                                                     same_host=info, local_socket=(3).to_bytes(4, "little")))
+        "local-socket": plain
+        + frame(HELLO_T, hello(9, 1, link_nonce=8, parts=[(SAME_HOST_PATH, same_host_part(info, LOCAL_SOCKET, 3))]))
         + write,
         "answer-socket": plain
-        + frame(HELLO_T, hello(9, 1, link_nonce=9, flags=OFFERS_SAME_HOST | LOCAL_SOCKET | ANSWER_SOCKET,
-                               same_host=info, local_socket=(3).to_bytes(4, "little"),
-                               answer_socket=(4).to_bytes(4, "little")))
+        + frame(HELLO_T, hello(9, 1, link_nonce=9, parts=[(SAME_HOST_PATH, same_host_part(
+            info, LOCAL_SOCKET | ANSWER_SOCKET_CAP, 3, 4))]))
         + write,
         "tls-client-hello": tls_handshake + client_hello(),
         "tls-client-hello-stranger": tls_handshake + client_hello(b"someone else"),

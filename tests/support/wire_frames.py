@@ -21,9 +21,9 @@ SEGMENT = struct.Struct("<QQ")
 DEVICE_EXPORT = struct.Struct("<64sQiI")  # handle, base, ordinal, kind
 DEVICE_FD = struct.Struct("<iIQQ")  # the handle of a descriptor export: fd, zero, size, serial
 STRIDE = struct.Struct("<IIQQ")
-SAME_HOST_INFO = struct.Struct("<16sQQ24s")
 LOOKUP_REPLY = struct.Struct("<qIIQQQ")
-MAGIC, VERSION = 0x4F414444, 1
+PATH_PART = struct.Struct("<HHI")  # path number, zero, length
+MAGIC, VERSION = 0x4F414444, 2
 
 # Frame types.
 HELLO_T, HELLO_ACK_T, WRITE_T, WRITE_ACK_T, READ_T, READ_DATA_T = 1, 2, 3, 4, 5, 6
@@ -32,10 +32,17 @@ WRITE_FROM_T, READ_INTO_T, PEER_COPIES_T = 11, 12, 13
 CHALLENGE_T, PROOF_T = 14, 15
 PATH_MESSAGE_T = 16
 # Hello flags.
-OFFERS_SAME_HOST, COPIES_FOR_YOU, AUTHENTICATED, GRANTS_CONNECTIONS, LOCAL_SOCKET = 1, 2, 4, 8, 16
-ANSWER_SOCKET = 32
-DEVICE_HANDLES = 64
-DEVICE_FDS = 128
+AUTHENTICATED, GRANTS_CONNECTIONS, CONNECTIONS_MOVED, ANSWER_SOCKET = 4, 8, 16, 32
+ENCRYPTED, ENCRYPTION_DIFFERS, CERTIFICATES, PATH_PARTS = 1024, 2048, 4096, 8192
+# Path numbers (native/src/transport/paths/*/*_kind.h).
+SAME_HOST_PATH, UCX_PATH = 1, 2
+# The same-host path's part of a hello or an ack: who the sender is on its
+# host (boot id, pid, probe address, probe bytes), its caps, and in a hello
+# the descriptors the acceptor may move the link to
+# (native/src/transport/paths/same_host/same_host_kind.h).
+SAME_HOST_INFO = struct.Struct("<16sQQ24s")
+SAME_HOST_PART = struct.Struct("<56sIIII")
+OPENS_DEVICE, TAKES_FDS, BIG_DEVICE_FRAMES, COPIES_FOR_YOU, LOCAL_SOCKET, ANSWER_SOCKET_CAP = 1, 2, 4, 8, 16, 32
 # Device export kinds.
 EXPORT_IPC, EXPORT_FD = 0, 1
 # Target kinds and flags.
@@ -105,24 +112,60 @@ def request(
     return body + b"".join(SEGMENT.pack(addr, length) for addr, length in segments)
 
 
+def path_parts(parts: list[tuple[int, bytes]]) -> bytes:
+    """The path parts of a hello or an ack (with PATH_PARTS): a count, then
+    each (path number, bytes)."""
+    out = struct.pack("<I", len(parts))
+    return out + b"".join(PATH_PART.pack(path, 0, len(part)) + part for path, part in parts)
+
+
+def same_host_part(info: bytes, caps: int = 0, local_socket: int = 0, answer_socket: int = 0) -> bytes:
+    return SAME_HOST_PART.pack(info, caps, local_socket, answer_socket, 0)
+
+
+def read_parts(rest: bytes) -> tuple[dict[int, bytes], bytes]:
+    """The path parts at the start of `rest`, and what follows them."""
+    (count,) = struct.unpack_from("<I", rest)
+    at, parts = 4, {}
+    for _ in range(count):
+        path, zero, length = PATH_PART.unpack_from(rest, at)
+        assert zero == 0
+        at += PATH_PART.size
+        parts[path] = rest[at : at + length]
+        at += length
+    return parts, rest[at:]
+
+
+def ack_parts(ack: bytes) -> dict[int, bytes]:
+    """The path parts of an ack body (none when it has none)."""
+    _cluster, _role, flags = HELLO_ACK.unpack_from(ack)
+    rest = ack[HELLO_ACK.size + (4 if flags & GRANTS_CONNECTIONS else 0) :]
+    return read_parts(rest)[0] if flags & PATH_PARTS else {}
+
+
+def same_host_caps(ack: bytes) -> int | None:
+    """The caps of an ack's same-host part (None without one)."""
+    part = ack_parts(ack).get(SAME_HOST_PATH)
+    return None if part is None else SAME_HOST_PART.unpack(part)[1]
+
+
 def hello(
     cluster_id: int,
     expected_peer: int,
     link_nonce: int = 1,
     flags: int = 0,
-    same_host: bytes = b"",
+    parts: list[tuple[int, bytes]] = (),  # type: ignore[assignment]
     nonce: bytes = b"",
     index: int = 0,
     count: int = 1,
     role: int = 1,
-    local_socket: bytes = b"",
-    answer_socket: bytes = b"",
 ) -> bytes:
-    """A hello body; `same_host`, `local_socket` and `answer_socket` (descriptor
-    numbers, 4 bytes each) and `nonce` follow, in that order, when `flags`
-    announce them."""
+    """A hello body: the path `parts` (which set PATH_PARTS) and `nonce`
+    follow, in that order."""
+    if parts:
+        flags |= PATH_PARTS
     fixed = HELLO.pack(cluster_id, expected_peer, link_nonce, role, index, count, flags)
-    return fixed + same_host + local_socket + answer_socket + nonce
+    return fixed + (path_parts(list(parts)) if parts else b"") + nonce
 
 
 def proof(key: str, label: bytes, transcript: bytes) -> bytes:

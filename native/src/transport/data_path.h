@@ -18,7 +18,7 @@
 //    answered by the link, once for every path.
 // A path owns its state and counters, and lets go of what it holds of the
 // peer when the link is reaped. The list of paths a link has is settled by
-// the handshake (LinkManager::negotiate, paths/paths.h).
+// the handshake, where each kind of path takes its own part (paths/paths.h).
 #ifndef DATADIST_TRANSPORT_DATA_PATH_H_
 #define DATADIST_TRANSPORT_DATA_PATH_H_
 
@@ -40,9 +40,6 @@ class Registry;
 namespace cuda {
 class Device;
 }
-namespace same_host {
-class CopyPool;
-}
 
 // What a path may ask of the link it serves.
 class PathHost {
@@ -51,7 +48,6 @@ class PathHost {
   virtual uint64_t peer_id() const = 0;
   virtual Registry &registry() = 0;
   virtual IoLoop &io_loop() = 0;
-  virtual same_host::CopyPool &copy_pool() = 0;
   // Sends a path message (wire::FrameType::kPathMessage) to the peer's end
   // of the link, after the messages sent before it; from any thread, while
   // the link is there (nothing once it is gone).

@@ -86,8 +86,6 @@ class LinkHost {
   virtual void link_down(const std::shared_ptr<Link> &link) = 0;
   // The peer unlinks: forget the link now (it closes right after).
   virtual void detach(const std::shared_ptr<Link> &link) = 0;
-  // Threads that share large same-host copies.
-  virtual same_host::CopyPool &copy_pool() = 0;
   // Where the link's answer socket is watched; nullptr: the link has none.
   virtual AnswerHub *answer_hub() { return nullptr; }
   // The threads that read and write the link's frames.
@@ -387,7 +385,6 @@ class Link : public std::enable_shared_from_this<Link>,
   // PathHost.
   Registry &registry() override { return host_->registry(); }
   IoLoop &io_loop() override { return host_->io_loop(); }
-  same_host::CopyPool &copy_pool() override { return host_->copy_pool(); }
   std::function<void(std::vector<uint8_t> body)> messenger() override;
   // Puts the connections in the I/O loop (start()'s first part).
   bool start_connections();

@@ -132,7 +132,12 @@ class LinkManager::AnswerWatch : public IoHandler {
 };
 
 LinkManager::LinkManager(uint64_t cluster_id, uint32_t role, Registry &registry, TransportOptions options)
-    : cluster_id_(cluster_id), role_(role), registry_(registry), options_(options), io_loop_(options.io_threads) {
+    : cluster_id_(cluster_id),
+      role_(role),
+      registry_(registry),
+      options_(options),
+      io_loop_(options.io_threads),
+      kinds_(make_kinds(options.paths, PathServices{io_loop_, registry, options.answers})) {
   housekeeping_ = std::thread([this] {
     name_this_thread("dd-keeper");
     housekeeping_loop();
@@ -141,43 +146,12 @@ LinkManager::LinkManager(uint64_t cluster_id, uint32_t role, Registry &registry,
 
 LinkManager::~LinkManager() { shutdown(llm_datadist::LLM_LINK_FAILED); }
 
-namespace {
-
-// An RDMA device on this host (a verbs device: InfiniBand, RoCE, EFA), by
-// its entry in sysfs; nothing is loaded to tell.
-bool rdma_device_here() {
-  DIR *dir = opendir("/sys/class/infiniband");
-  if (dir == nullptr) return false;
-  bool found = false;
-  while (dirent *e = readdir(dir)) found = found || e->d_name[0] != '.';
-  closedir(dir);
-  return found;
-}
-
-}  // namespace
-
-Status LinkManager::start_ucx() {
-  if ((!options_.ucx && !options_.ucx_auto) || ucx_) return LLM_SUCCESS;
-  std::string why;
-  if (options_.ucx) {
-    ucx_ = ucx::Worker::create(io_loop_, why);
-    if (!ucx_) return refuse(llm_datadist::LLM_FEATURE_NOT_ENABLED, "transport \"ucx\": " + why);
-    return LLM_SUCCESS;
+Status LinkManager::start_paths() {
+  for (const auto &kind : kinds_) {
+    std::string why;
+    const Status st = kind->start(why);
+    if (st != LLM_SUCCESS) return refuse(st, why);
   }
-  const char *env = std::getenv("DATADIST_AIO_UCX_AUTO");
-  const std::string asked = env != nullptr ? env : "";
-  if (asked == "0" || (asked != "1" && !rdma_device_here())) return LLM_SUCCESS;
-  std::shared_ptr<ucx::Worker> worker = ucx::Worker::create(io_loop_, why);
-  if (worker && asked != "1" && !worker->one_sided_network()) {
-    why = "UCX " + worker->version() + " has no one-sided network transport here";
-    worker->stop();
-    worker.reset();
-  }
-  if (!worker) {
-    log_message(LogLevel::kInfo, "transport \"auto\" goes on without UCX: " + why);
-    return LLM_SUCCESS;
-  }
-  ucx_ = std::move(worker);
   return LLM_SUCCESS;
 }
 
@@ -269,37 +243,17 @@ void LinkManager::admit(FormedLink &formed) {
     close_all(formed.fds);
     return;
   }
-  PeerOffer offer;
-  offer.same_host = formed.offers_same_host;
-  offer.info = formed.same_host;
-  offer.opens_device = formed.opens_device;
-  offer.takes_fds = formed.takes_fds;
-  offer.big_device_frames = formed.big_device_frames;
-  offer.ucx_address = formed.ucx_address;
-  Negotiated paths;
+  PathTalks talks = path_talks(peer_id, true);
   int answers = -1;  // the link's answer socket, where it has one
   std::string why;
-  if (negotiate(peer_id, true, offer, paths, why) != LLM_SUCCESS) {
+  if (settle_paths(talks, &formed, nullptr, why) != LLM_SUCCESS) {
     log_warning("refused a link from " + std::to_string(peer_id) + ": " + why);
     send_to_all(formed.fds, handshake::frame(FrameType::kHelloAck, ack.bytes(), LLM_LINK_FAILED));
     close_all(formed.fds);
     return;
   }
-  // What this end says back: the paths it took.
-  if (paths.ucx) {
-    ack.fixed.flags |= wire::kOffersUcx;
-    ack.ucx_address = ucx_->address();
-  }
-  if (paths.offered) {
-    ack.fixed.flags |= wire::kOffersSameHost | (paths.peer_memory ? uint32_t{wire::kCopiesForYou} : 0u);
-    // Said back only to a peer that said it: one that did not may not know the flag.
-    if (paths.peer_opens_device) ack.fixed.flags |= wire::kDeviceHandles;
-    if (paths.peer_takes_fds) ack.fixed.flags |= wire::kDeviceFds;
-    if (paths.peer_big_device_frames) ack.fixed.flags |= wire::kBigDeviceFrames;
-    ack.same_host = same_host::local_info();
-  }
   // The peer linked again: its old link is gone, reaped before the new one
-  // moves bytes (none of its UCX gets or puts lands after).
+  // moves bytes (nothing its paths started lands after).
   if (existing) existing->fail(LLM_LINK_FAILED, "replaced by a new link from the same cluster");
   reap_down_links_of(peer_id);
   if (formed.fds.size() < formed.asked) {
@@ -307,27 +261,29 @@ void LinkManager::admit(FormedLink &formed) {
     ack.granted = static_cast<uint32_t>(formed.fds.size());
   }
   if (!options_.auth_key.empty()) ack.fixed.flags |= wire::kAuthenticated;
-  // The link runs on the initiator's local sockets when this end could take
-  // them all; its TCP connections then only carry the acks, and close after.
+  // The link runs on descriptors a path took from the initiator when one
+  // could take them all; its TCP connections then only carry the acks, and
+  // close after.
   std::vector<int> link_fds = formed.fds;
   struct CloseAtEnd {
     std::vector<int> fds;
     ~CloseAtEnd() { close_all(fds); }
   } tcp_after;
-  if (paths.peer_memory) {
-    std::vector<int> taken = take_local_sockets(formed);
-    if (!taken.empty()) {
-      ack.fixed.flags |= wire::kLocalSocket;
+  for (auto &talk : talks) {
+    std::vector<int> taken;
+    if (talk && talk->take_connections(formed.fds.size(), options_.answers != nullptr, taken, answers)) {
+      ack.fixed.flags |= wire::kConnectionsMoved | (answers >= 0 ? uint32_t{wire::kAnswerSocket} : 0u);
       tcp_after.fds = formed.fds;
       link_fds = std::move(taken);
-      answers = take_answer_socket(formed);
-      if (answers >= 0) ack.fixed.flags |= wire::kAnswerSocket;
+      break;
     }
   }
+  // What this end says back: the paths it took.
+  ack.parts = ack_parts(talks);
   // TLS on the connections the link keeps on TCP; the I/O threads run each
   // handshake once the initiator, past its ack, starts it.
   std::vector<std::unique_ptr<tls::Session>> sessions;
-  if (options_.encrypt && (ack.fixed.flags & wire::kLocalSocket) == 0) {
+  if (options_.encrypt && (ack.fixed.flags & wire::kConnectionsMoved) == 0) {
     std::string tls_why;
     sessions = secure(link_fds, true, formed.transcripts, ack.bytes(false), tls_why);
     if (sessions.empty()) {
@@ -342,7 +298,7 @@ void LinkManager::admit(FormedLink &formed) {
   const Clock::time_point handshake_deadline = Clock::now() + std::chrono::milliseconds(options_.handshake_timeout_ms);
   std::shared_ptr<Link> link;
   try {
-    link = std::make_shared<Link>(peer_id, formed.role, false, link_fds, this, make_paths(paths), answers,
+    link = std::make_shared<Link>(peer_id, formed.role, false, link_fds, this, link_paths(talks), answers,
                                   std::move(sessions));
     if (handshakes) link->set_handshake_deadline(handshake_deadline);
   } catch (const std::bad_alloc &) {
@@ -382,46 +338,64 @@ void LinkManager::admit(FormedLink &formed) {
   if (!sent) link->fail(LLM_LINK_FAILED, "the initiator went away during the handshake");
 }
 
-Status LinkManager::negotiate(uint64_t peer_id, bool acceptor, const PeerOffer &peer, Negotiated &paths,
-                               std::string &why) {
-  // Transport "ucx": only with a peer that moves bytes with UCX too.
-  if (options_.ucx) {
-    if (peer.ucx_address.empty()) {
-      why = "it does not move bytes with UCX (its transport is not \"ucx\")";
-      return LLM_LINK_FAILED;
-    }
-    paths.ucx = ucx::Peer::connect(ucx_, peer.ucx_address, why);
-    if (!paths.ucx) return LLM_LINK_FAILED;
+LinkManager::PathTalks LinkManager::path_talks(uint64_t peer_id, bool acceptor) {
+  PathTalks talks;
+  for (const auto &kind : kinds_) talks.push_back(kind->handshake(peer_id, acceptor));
+  return talks;
+}
+
+handshake::Parts LinkManager::hello_parts(PathTalks &talks, uint32_t index) {
+  handshake::Parts parts;
+  for (size_t i = 0; i < talks.size(); ++i) {
+    if (!talks[i]) continue;
+    std::string bytes = talks[i]->hello_part(index);
+    if (!bytes.empty()) parts.push_back({kinds_[i]->id(), std::move(bytes)});
   }
-  // Same host: where both ends want it. This end serves the peer's
-  // same-host frames where it reaches the peer's memory; the initiator
-  // copies for the acceptor once the acceptor said it reached its memory,
-  // the acceptor once the link's first frame says so.
-  paths.offered = options_.same_host && peer.same_host;
-  if (paths.offered) {
-    paths.peer_memory = reach(peer_id, peer.info);
-    paths.peer_copies = !acceptor && peer.copies_for_me;
-    paths.announce = !acceptor;
-    paths.peer_opens_device = peer.opens_device;
-    paths.peer_takes_fds = peer.opens_device && peer.takes_fds;
-    paths.peer_big_device_frames = peer.opens_device && peer.big_device_frames;
-    paths.one_sided = options_.one_sided;
-    paths.peer_pid = static_cast<int64_t>(peer.info.pid);
+  return parts;
+}
+
+handshake::Parts LinkManager::ack_parts(PathTalks &talks) {
+  handshake::Parts parts;
+  for (size_t i = 0; i < talks.size(); ++i) {
+    if (!talks[i]) continue;
+    std::string bytes = talks[i]->ack_part();
+    if (!bytes.empty()) parts.push_back({kinds_[i]->id(), std::move(bytes)});
   }
-  // Transport "auto": UCX for a peer that offers it where the same-host
-  // path does not serve (another host, or memory out of reach). The
-  // acceptor chooses, and goes on without UCX where it refuses the peer's
-  // address; the initiator follows.
-  if (!options_.ucx && ucx_ && !peer.ucx_address.empty() && !(acceptor && paths.offered && paths.peer_memory)) {
-    paths.ucx = ucx::Peer::connect(ucx_, peer.ucx_address, why);
-    if (!paths.ucx && !acceptor) {
-      why = "the peer chose UCX, which refused its address here: " + why;
-      return LLM_LINK_FAILED;
+  return parts;
+}
+
+Status LinkManager::settle_paths(PathTalks &talks, const FormedLink *hellos, const handshake::Parts *ack,
+                                 std::string &why) {
+  bool served = false;
+  for (const bool yielding : {false, true}) {
+    for (size_t i = 0; i < talks.size(); ++i) {
+      if (!talks[i] || kinds_[i]->yields() != yielding) continue;
+      const uint16_t id = kinds_[i]->id();
+      Status st;
+      if (hellos != nullptr) {
+        std::vector<std::string> parts;
+        for (const handshake::Parts &conn : hellos->parts) {
+          const std::string *part = handshake::find_part(conn, id);
+          parts.push_back(part != nullptr ? *part : std::string());
+        }
+        st = talks[i]->accept(parts, served, why);
+      } else {
+        const std::string *part = handshake::find_part(*ack, id);
+        st = talks[i]->settle(part != nullptr ? *part : std::string(), served, why);
+      }
+      if (st != LLM_SUCCESS) return st;
+      served = served || talks[i]->serves_peer();
     }
-    if (!paths.ucx) log_warning("link from cluster " + std::to_string(peer_id) + " goes without UCX: " + why);
-    why.clear();
   }
   return LLM_SUCCESS;
+}
+
+std::vector<std::shared_ptr<DataPath>> LinkManager::link_paths(PathTalks &talks) {
+  std::vector<std::shared_ptr<DataPath>> paths;
+  for (auto &talk : talks) {
+    if (talk) talk->paths(paths);
+  }
+  return paths;
 }
 
 bool LinkManager::start_timer_locked() {
@@ -488,25 +462,10 @@ std::vector<std::unique_ptr<tls::Session>> LinkManager::secure(const std::vector
 }
 
 Status LinkManager::greet(int fd, uint64_t peer_id, uint64_t nonce, uint32_t index, uint32_t count,
-                           int local_socket, int answer_socket, std::string &transcript, uint32_t &granted) {
+                           handshake::Parts parts, std::string &transcript, uint32_t &granted) {
   handshake::Hello hello;
   hello.fixed = {cluster_id_, peer_id, nonce, role_.load(), index, count, 0};
-  if (options_.same_host) {
-    hello.fixed.flags |= wire::kOffersSameHost | wire::kDeviceHandles | wire::kDeviceFds | wire::kBigDeviceFrames;
-    hello.same_host = same_host::local_info();
-    if (local_socket >= 0) {
-      hello.fixed.flags |= wire::kLocalSocket;
-      hello.local_socket = static_cast<uint32_t>(local_socket);
-      if (answer_socket >= 0) {
-        hello.fixed.flags |= wire::kAnswerSocket;
-        hello.answer_socket = static_cast<uint32_t>(answer_socket);
-      }
-    }
-  }
-  if (ucx_ && index == 0) {
-    hello.fixed.flags |= wire::kOffersUcx;
-    hello.ucx_address = ucx_->address();
-  }
+  hello.parts = std::move(parts);
   if (options_.encrypt) hello.fixed.flags |= wire::kEncrypted;
   if (options_.certs) hello.fixed.flags |= wire::kCertificates;
   const bool authed = !options_.auth_key.empty();
@@ -550,7 +509,7 @@ Status LinkManager::link(uint64_t peer_id, const std::string &ip, uint16_t port,
     if (!start_timer_locked()) return LLM_LINK_FAILED;
     linking_.insert(peer_id);
   }
-  // A link to the peer that went down is reaped first (none of its UCX gets
+  // A link to the peer that went down is reaped first (nothing its paths
   // or puts lands after the new link's operations).
   reap_down_links_of(peer_id);
   const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
@@ -560,18 +519,7 @@ Status LinkManager::link(uint64_t peer_id, const std::string &ip, uint16_t port,
   };
   std::vector<int> fds;
   std::vector<std::string> transcripts;
-  // With the same-host path on, each connection offers a local socket pair
-  // the acceptor may move the link to; what is not used closes at the end.
-  // The first connection's hello also offers the link's answer socket pair.
-  struct Pairs {
-    std::vector<same_host::SocketPair> all;
-    same_host::SocketPair answers;
-    ~Pairs() {
-      for (auto &pair : all) same_host::close_pair(pair);
-      same_host::close_pair(answers);
-    }
-  } pairs;
-  if (options_.same_host && options_.answers != nullptr) pairs.answers = same_host::make_socket_pair(SOCK_SEQPACKET);
+  PathTalks talks = path_talks(peer_id, false);
   Status st = LLM_SUCCESS;
   const uint64_t nonce = new_nonce();
   const uint32_t count = options_.connections_per_peer;
@@ -585,11 +533,8 @@ Status LinkManager::link(uint64_t peer_id, const std::string &ip, uint16_t port,
     }
     net::tune_data_socket(fd, options_.user_timeout_ms);
     net::set_receive_timeout(fd, std::max(1, remaining()));
-    same_host::SocketPair pair = options_.same_host ? same_host::make_socket_pair() : same_host::SocketPair{};
     std::string transcript;
-    const int answer_socket = i == 0 && pair.theirs >= 0 ? pairs.answers.theirs : -1;
-    st = greet(fd, peer_id, nonce, i, count, pair.theirs, answer_socket, transcript, granted);
-    pairs.all.push_back(pair);
+    st = greet(fd, peer_id, nonce, i, count, hello_parts(talks, i), transcript, granted);
     if (granted != 0) {
       ::close(fd);  // past what the acceptor keeps
       break;
@@ -599,7 +544,7 @@ Status LinkManager::link(uint64_t peer_id, const std::string &ip, uint16_t port,
   }
   uint32_t peer_role = 0;
   handshake::HelloAck ack;
-  uint32_t first_flags = 0;
+  handshake::HelloAck first;
   std::vector<std::string> ack_bytes;  // per connection, what its TLS key covers of the ack
   for (size_t i = 0; i < fds.size() && st == LLM_SUCCESS; ++i) {
     const int left = remaining();
@@ -641,56 +586,46 @@ Status LinkManager::link(uint64_t peer_id, const std::string &ip, uint16_t port,
         transcripts.resize(kept);
       }
       if (kept != fds.size()) st = LLM_LINK_FAILED;
-      // Every ack moves its connection to a local socket, or none does.
-      if (i == 0) first_flags = ack.fixed.flags;
-      if (((first_flags ^ ack.fixed.flags) & (wire::kLocalSocket | wire::kAnswerSocket)) != 0) st = LLM_LINK_FAILED;
+      // Every ack says the same of the link: whether its connections moved,
+      // and the paths' parts.
+      if (i == 0) first = ack;
+      if (((first.fixed.flags ^ ack.fixed.flags) & (wire::kConnectionsMoved | wire::kAnswerSocket)) != 0 ||
+          first.parts != ack.parts) {
+        st = LLM_LINK_FAILED;
+      }
     }
     peer_role = ack.fixed.role;
   }
-  // The paths, from what the acceptor took: the same-host path (the peer's
-  // memory probed, and the peer told by the link's first frame when it was
-  // reached) and UCX.
-  Negotiated paths;
+  // The paths, from what the acceptor took.
   int answers = -1;  // the link's answer socket, where it has one
   if (st == LLM_SUCCESS) {
-    PeerOffer offer;
-    offer.same_host = ack.offers_same_host();
-    offer.info = ack.same_host;
-    offer.copies_for_me = (ack.fixed.flags & wire::kCopiesForYou) != 0;
-    offer.opens_device = (ack.fixed.flags & wire::kDeviceHandles) != 0;
-    offer.takes_fds = (ack.fixed.flags & wire::kDeviceFds) != 0;
-    offer.big_device_frames = (ack.fixed.flags & wire::kBigDeviceFrames) != 0;
-    if (ack.offers_ucx()) offer.ucx_address = ack.ucx_address;
     std::string why;
-    st = negotiate(peer_id, false, offer, paths, why);
+    st = settle_paths(talks, nullptr, &ack.parts, why);
     if (st != LLM_SUCCESS) {
       log_warning("link to cluster " + std::to_string(peer_id) + " at " + ip + ":" + std::to_string(port) + ": " + why);
     }
   }
-  // The acceptor took the local sockets: the link runs on this end's halves.
-  if (st == LLM_SUCCESS && (ack.fixed.flags & wire::kLocalSocket) != 0) {
-    if (!paths.offered || pairs.all.size() < fds.size()) {
+  // The acceptor took the descriptors a path offered: the link runs on this
+  // end's halves (and its answer socket, which it takes only beside them).
+  const bool moved = (ack.fixed.flags & wire::kConnectionsMoved) != 0;
+  if (st == LLM_SUCCESS && (moved || (ack.fixed.flags & wire::kAnswerSocket) != 0)) {
+    std::vector<int> halves;
+    bool found = false;
+    for (auto &talk : talks) {
+      found = moved && talk &&
+              talk->moved_connections(fds.size(), (ack.fixed.flags & wire::kAnswerSocket) != 0, halves, answers);
+      if (found) break;
+    }
+    if (!found) {
       st = LLM_LINK_FAILED;
     } else {
       close_all(fds);
-      for (size_t i = 0; i < fds.size(); ++i) {
-        fds[i] = pairs.all[i].mine;
-        pairs.all[i].mine = -1;
-      }
-    }
-  }
-  // And the answer socket, which it takes only beside them.
-  if (st == LLM_SUCCESS && (ack.fixed.flags & wire::kAnswerSocket) != 0) {
-    if ((ack.fixed.flags & wire::kLocalSocket) == 0 || pairs.answers.mine < 0) {
-      st = LLM_LINK_FAILED;
-    } else {
-      answers = pairs.answers.mine;
-      pairs.answers.mine = -1;
+      fds = std::move(halves);
     }
   }
   // TLS on the connections the link keeps on TCP, each handshake to its end here.
   std::vector<std::unique_ptr<tls::Session>> sessions;
-  if (st == LLM_SUCCESS && options_.encrypt && (ack.fixed.flags & wire::kLocalSocket) == 0) {
+  if (st == LLM_SUCCESS && options_.encrypt && !moved) {
     std::string why;
     transcripts.resize(std::min(transcripts.size(), ack_bytes.size()));
     for (size_t i = 0; i < transcripts.size(); ++i) transcripts[i] += ack_bytes[i];
@@ -708,7 +643,7 @@ Status LinkManager::link(uint64_t peer_id, const std::string &ip, uint16_t port,
   if (st == LLM_SUCCESS) {
     for (int fd : fds) net::set_receive_timeout(fd, 0);
     try {
-      link = std::make_shared<Link>(peer_id, peer_role, true, fds, this, make_paths(paths), answers,
+      link = std::make_shared<Link>(peer_id, peer_role, true, fds, this, link_paths(talks), answers,
                                     std::move(sessions));
       fds.clear();  // the link's now
     } catch (const std::bad_alloc &) {
@@ -763,58 +698,6 @@ void LinkManager::detach(const std::shared_ptr<Link> &link) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = links_.find(link->peer_id());
   if (it != links_.end() && it->second == link) links_.erase(it);
-}
-
-std::shared_ptr<same_host::PeerMemory> LinkManager::reach(uint64_t peer_id, const wire::SameHostInfo &info) {
-  std::string why;
-  switch (same_host::probe(info, why)) {
-    case same_host::Probe::kReachable:
-      return std::make_shared<same_host::PeerMemory>(static_cast<pid_t>(info.pid));
-    case same_host::Probe::kRefused:
-      if (!refusal_logged_.exchange(true)) {
-        log_warning("the kernel refuses copies between this process and cluster " + std::to_string(peer_id) +
-                    " on the same host (" + why +
-                    "; ptrace rules, seccomp, a container, a PID namespace of its own or another user); such links move "
-                    "their bytes over TCP");
-      }
-      return nullptr;
-    default:
-      return nullptr;
-  }
-}
-
-int LinkManager::take_from_initiator(const FormedLink &formed, int64_t number, int type, std::string &why) {
-  if (number < 0 || number > INT32_MAX) return -1;
-  return same_host::take_socket(static_cast<pid_t>(formed.same_host.pid), static_cast<uint32_t>(number), why, type);
-}
-
-std::vector<int> LinkManager::take_local_sockets(const FormedLink &formed) {
-  std::vector<int> taken;
-  std::string why;
-  for (int64_t number : formed.local_sockets) {
-    const int fd = take_from_initiator(formed, number, SOCK_STREAM, why);
-    if (fd < 0) {
-      if (number >= 0 && !socket_refusal_logged_.exchange(true)) {
-        log_message(LogLevel::kInfo, "same-host links to cluster " + std::to_string(formed.peer_id) +
-                                         " keep their TCP connections for control frames: " + why);
-      }
-      close_all(taken);
-      return {};
-    }
-    taken.push_back(fd);
-  }
-  return taken;
-}
-
-int LinkManager::take_answer_socket(const FormedLink &formed) {
-  if (options_.answers == nullptr || formed.answer_socket < 0) return -1;
-  std::string why;
-  const int fd = take_from_initiator(formed, formed.answer_socket, SOCK_SEQPACKET, why);
-  if (fd < 0 && !why.empty() && !socket_refusal_logged_.exchange(true)) {
-    log_message(LogLevel::kInfo, "same-host links to cluster " + std::to_string(formed.peer_id) +
-                                     " carry their answers on their connections: " + why);
-  }
-  return fd;
 }
 
 const char *LinkManager::link_transport(uint64_t peer_id) const {
@@ -984,7 +867,7 @@ void LinkManager::shutdown(Status reason) {
   reap(links);
   // Caches may keep mappings (and so the worker) past the loop: it stops
   // watching the worker now.
-  if (ucx_) ucx_->stop();
+  for (const auto &kind : kinds_) kind->stop();
   std::lock_guard<std::mutex> lock(mu_);
   links_.clear();
   down_.clear();

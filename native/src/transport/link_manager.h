@@ -1,11 +1,10 @@
 // LinkManager: the links of one engine to its peers, over every path. It
 // listens for peers and runs both ends of the handshake (the acceptor's
-// admit(), the initiator's link()), whose one negotiate() step settles each
-// link's ordered list of paths from what the peer offered: the same-host
-// path (its memory probed), UCX (the transport's worker, set up by
-// start_ucx(), and an endpoint per link), inline TCP. It makes, finds and
-// unlinks links, fails those whose operations overran their deadline, and
-// reaps those that went down.
+// admit(), the initiator's link()), in which every kind of path the
+// options turn on (paths/paths.h) offers and takes its own part, and which
+// settles each link's ordered list of paths; inline on the connections
+// takes what none carries. It makes, finds and unlinks links, fails those
+// whose operations overran their deadline, and reaps those that went down.
 //
 // Threads: a Listener thread while listening (handshakes, see listener.h;
 // it also answers the links it completes), the I/O loop's threads
@@ -36,42 +35,29 @@
 #include "transport/link.h"
 #include "transport/listener.h"
 #include "transport/paths/paths.h"
-#include "transport/paths/same_host/same_host.h"
-#include "transport/paths/ucx/ucx_path.h"
 
 namespace datadist {
 
 struct TransportOptions {
   uint32_t connections_per_peer = 2;
   unsigned user_timeout_ms = 10000;
-  // Offer the same-host path (kernel copies) to peers on this host.
-  bool same_host = true;
+  // The paths this end offers.
+  PathOptions paths;
   // Non-empty: every connection proves this shared secret both ways.
   std::string auth_key;
   // The time an accepted connection has to finish its handshake, and a
   // link to bring all its connections.
   int handshake_timeout_ms = 5000;
-  // Where same-host links have answers to this end's operations read (an
-  // answer socket per link); nullptr: they come on the link's connections.
+  // Where links whose path gave them an answer socket have answers to this
+  // end's operations read; nullptr: they come on the link's connections.
   AnswerHub *answers = nullptr;
   // The I/O loop's threads; 0: one per core.
   uint32_t io_threads = 0;
-  // Move operations' bytes with UCX (transport "ucx"): links are made only
-  // with peers that say so too (start_ucx() first).
-  bool ucx = false;
-  // Transport "auto": UCX where it has a one-sided network transport (RDMA)
-  // and both ends offer it, for peers on other hosts (start_ucx() first).
-  bool ucx_auto = false;
   // Link encryption: every TCP connection of a link runs TLS 1.3 keyed from
   // auth_key, or authenticated by `certs` where set (one of them is), and
   // only peers that encrypt alike are linked.
   bool encrypt = false;
   std::shared_ptr<const tls::CertContexts> certs;
-  // Access "one_sided": on one host, this end grants its caches to peers
-  // that reach its memory and moves bytes itself under theirs
-  // (paths/same_host/grants.h); false ("owner"): the owner of the memory
-  // moves every byte.
-  bool one_sided = true;
 };
 
 // Links per process, as upstream's limit; one more is refused with
@@ -85,13 +71,10 @@ class LinkManager : public LinkHost {
   LinkManager(const LinkManager &) = delete;
   LinkManager &operator=(const LinkManager &) = delete;
 
+  // Starts every kind of path (PathKind::start); the first that cannot
+  // start fails it, with its reason. Before any link.
+  Status start_paths();
   // Starts listening; the bound port is listen_port().
-  // With options.ucx: makes the UCX worker; LLM_FEATURE_NOT_ENABLED with
-  // the reason when UCX is missing or refuses. With options.ucx_auto: makes
-  // it where this host has an RDMA device and UCX a one-sided network
-  // transport over it (or $DATADIST_AIO_UCX_AUTO is 1; 0: never), else
-  // goes on without. Before any link.
-  Status start_ucx();
   Status listen(const std::string &ip, uint16_t port);
   void stop_listening();
   uint16_t listen_port() const;
@@ -135,7 +118,6 @@ class LinkManager : public LinkHost {
   Registry &registry() override { return registry_; }
   void link_down(const std::shared_ptr<Link> &link) override;
   void detach(const std::shared_ptr<Link> &link) override;
-  same_host::CopyPool &copy_pool() override { return copy_pool_; }
   AnswerHub *answer_hub() override { return options_.answers; }
   IoLoop &io_loop() override { return io_loop_; }
   // The timer fires by then.
@@ -150,27 +132,21 @@ class LinkManager : public LinkHost {
   // without one, only once `existing` is down. A live one is probed, so a
   // peer that went away unnoticed is found out and its next link admitted.
   bool may_replace(const std::shared_ptr<Link> &existing, const FormedLink &formed);
-  // The initiator's side of one connection's handshake up to the ack: the
-  // hello and, with a secret, the challenge and the proof. `transcript`
-  // gets what the acceptor's proof will cover. `granted` is set when the
-  // acceptor answered that it keeps only that many connections (this one
-  // past them).
-  // What the other end of a handshake offered: its hello (at the acceptor)
-  // or its ack (at the initiator).
-  struct PeerOffer {
-    bool same_host = false;  // kOffersSameHost
-    wire::SameHostInfo info{};
-    bool copies_for_me = false;  // kCopiesForYou (an ack): the acceptor reached this end's memory
-    bool opens_device = false;  // kDeviceHandles
-    bool takes_fds = false;  // kDeviceFds
-    bool big_device_frames = false;  // kBigDeviceFrames
-    std::string ucx_address;  // kOffersUcx: the peer's worker
-  };
-  // The one step of both handshakes that settles a link's paths from what
-  // the peer offered: the same-host path (its memory probed), UCX (its
-  // endpoint made) and their order. Not LLM_SUCCESS (with `why`) when the
-  // link cannot be made with them.
-  Status negotiate(uint64_t peer_id, bool acceptor, const PeerOffer &peer, Negotiated &paths, std::string &why);
+  // Every kind's part in one link's handshake with `peer_id`, one per kind
+  // (nullptr where a kind takes none).
+  using PathTalks = std::vector<std::unique_ptr<PathHandshake>>;
+  PathTalks path_talks(uint64_t peer_id, bool acceptor);
+  // The kinds' parts of connection `index`'s hello.
+  handshake::Parts hello_parts(PathTalks &talks, uint32_t index);
+  // The kinds' parts of the ack.
+  handshake::Parts ack_parts(PathTalks &talks);
+  // Settles every kind's part from what the peer sent (the hellos' parts at
+  // the acceptor, the ack's at the initiator): the kinds that yield last,
+  // told whether one before them serves the peer's frames. Not LLM_SUCCESS
+  // (with `why`) when the link cannot be made with them.
+  Status settle_paths(PathTalks &talks, const FormedLink *hellos, const handshake::Parts *ack, std::string &why);
+  // The link's paths, kind by kind in make_kinds' order.
+  std::vector<std::shared_ptr<DataPath>> link_paths(PathTalks &talks);
   // Starts the timer (and the answer sweep's watch) unless it runs; false
   // when the kernel refuses them (mu_ held).
   bool start_timer_locked();
@@ -180,10 +156,13 @@ class LinkManager : public LinkHost {
   // a dead link kept in the table would refuse every operation toward the
   // peer for good.
   bool publish(uint64_t peer_id, const std::shared_ptr<Link> &link);
-  // `local_socket` and `answer_socket` (or -1) are this end's descriptors
-  // the acceptor may take.
-  Status greet(int fd, uint64_t peer_id, uint64_t nonce, uint32_t index, uint32_t count, int local_socket,
-               int answer_socket, std::string &transcript, uint32_t &granted);
+  // The initiator's side of one connection's handshake up to the ack: the
+  // hello (with the paths' `parts`) and, with a secret, the challenge and
+  // the proof. `transcript` gets what the acceptor's proof will cover.
+  // `granted` is set when the acceptor answered that it keeps only that
+  // many connections (this one past them).
+  Status greet(int fd, uint64_t peer_id, uint64_t nonce, uint32_t index, uint32_t count, handshake::Parts parts,
+               std::string &transcript, uint32_t &granted);
   // The TLS sessions of a link's connections `fds` (none when the link is
   // not encrypted or runs on local sockets): `server` at the acceptor.
   // Each is keyed from its connection's transcript and the ack's bytes.
@@ -195,25 +174,14 @@ class LinkManager : public LinkHost {
   std::string encryption_differs(uint64_t peer_id, bool peer_encrypts, bool peer_certificates) const;
   // Whether a peer's hello or ack flags say the same encryption as this end.
   bool encrypts_alike(uint32_t flags) const;
-  // Probes a peer that offered the same-host path; the memory to serve its
-  // same-host frames with, or nullptr when it cannot be reached.
-  std::shared_ptr<same_host::PeerMemory> reach(uint64_t peer_id, const wire::SameHostInfo &info);
-  // Every local socket the initiator named, taken out of its process; empty
-  // (nothing taken) when one is missing or cannot be taken.
-  std::vector<int> take_local_sockets(const FormedLink &formed);
-  // Descriptor `number` of the initiator's process, taken if it is a Unix
-  // socket of `type` it made; -1 otherwise (`why` says why, when it was tried).
-  int take_from_initiator(const FormedLink &formed, int64_t number, int type, std::string &why);
-  // The initiator's answer socket, taken; -1 when it named none or it cannot be taken.
-  int take_answer_socket(const FormedLink &formed);
   void housekeeping_loop();
   // The timer fired (an I/O thread): reads the answers left unread, fails
   // the links whose operations overran their deadline, and sets the timer
   // for the next deadline of the others (none open: it stays disarmed).
   void on_timer();
   void reap_down_links();
-  // Reaps the links to `peer_id` that went down (their UCX operations ended)
-  // before a new link to that peer moves bytes.
+  // Reaps the links to `peer_id` that went down (whatever their paths
+  // started has ended) before a new link to that peer moves bytes.
   void reap_down_links_of(uint64_t peer_id);
   void reap(const std::vector<std::shared_ptr<Link>> &links);
 
@@ -221,17 +189,15 @@ class LinkManager : public LinkHost {
   std::atomic<uint32_t> role_;
   Registry &registry_;
   const TransportOptions options_;
-  same_host::CopyPool copy_pool_;
   IoLoop io_loop_;  // outlives every link: shutdown() reaps them all
+  // Every kind of path the options turn on (make_kinds), stopped by
+  // shutdown() once every link is reaped.
+  std::vector<std::unique_ptr<PathKind>> kinds_;
   // Deadlines and the answer sweep, in io_loop_ from the first link until
   // shutdown(); set once (mu_), before any link exists.
   std::shared_ptr<DeadlineTimer> timer_;
   class AnswerWatch;
   std::shared_ptr<AnswerWatch> answer_watch_;
-  // The UCX worker (options.ucx), progressed by io_loop_ until shutdown().
-  std::shared_ptr<ucx::Worker> ucx_;
-  std::atomic<bool> refusal_logged_{false};  // the kernel refused same-host copies
-  std::atomic<bool> socket_refusal_logged_{false};  // the kernel refused to hand over a local socket
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

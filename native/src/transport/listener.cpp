@@ -365,17 +365,12 @@ void Listener::greeted(Waiting &w, Clock::time_point now) {
     f.link.role = h.role;
     f.link.asked = h.conn_count;
     f.link.authenticated = !options_.auth_key.empty();
-    f.link.offers_same_host = w.hello.offers_same_host();
-    f.link.opens_device = (h.flags & wire::kDeviceHandles) != 0;
-    f.link.takes_fds = (h.flags & wire::kDeviceFds) != 0;
-    f.link.big_device_frames = (h.flags & wire::kBigDeviceFrames) != 0;
     f.link.encrypted = (h.flags & wire::kEncrypted) != 0;
     f.link.certificates = (h.flags & wire::kCertificates) != 0;
-    f.link.same_host = w.hello.same_host;
     const uint32_t granted = std::min(uint32_t{h.conn_count}, options_.connections_per_link);
     f.link.fds.assign(granted, -1);
     f.link.transcripts.assign(granted, {});
-    f.link.local_sockets.assign(granted, -1);
+    f.link.parts.assign(granted, {});
   }
   Forming &f = it->second;
   forming_count_ = forming_.size();
@@ -386,9 +381,7 @@ void Listener::greeted(Waiting &w, Clock::time_point now) {
   ::fcntl(w.fd, F_SETFL, ::fcntl(w.fd, F_GETFL) & ~O_NONBLOCK);
   f.link.fds[h.conn_index] = w.fd;
   f.link.transcripts[h.conn_index] = std::move(w.transcript);
-  if (w.hello.names_socket()) f.link.local_sockets[h.conn_index] = w.hello.local_socket;
-  if (w.hello.names_answer_socket() && h.conn_index == 0) f.link.answer_socket = w.hello.answer_socket;
-  if (w.hello.offers_ucx() && h.conn_index == 0) f.link.ucx_address = w.hello.ucx_address;
+  f.link.parts[h.conn_index] = std::move(w.hello.parts);
   if (++f.arrived < f.link.fds.size()) return;
   FormedLink link = std::move(f.link);
   forming_.erase(it);

@@ -51,22 +51,13 @@ struct FormedLink {
   uint64_t nonce = 0;
   uint32_t role = 0;
   bool authenticated = false;  // the initiator proved the secret
-  bool offers_same_host = false;
-  bool opens_device = false;  // the hello says kDeviceHandles
-  bool takes_fds = false;     // the hello says kDeviceFds
-  bool big_device_frames = false;  // the hello says kBigDeviceFrames
   bool encrypted = false;  // the hello says kEncrypted
   bool certificates = false;  // ... and kCertificates
-  wire::SameHostInfo same_host{};
   uint32_t asked = 0;  // the hello's conn_count; fds.size() is what was granted
   std::vector<int> fds;
   std::vector<std::string> transcripts;  // per connection, what the acceptor's proof covers
-  // Per connection, the initiator's local socket (kLocalSocket), or -1.
-  std::vector<int64_t> local_sockets;
-  // The initiator's answer socket (kAnswerSocket, first connection's hello), or -1.
-  int64_t answer_socket = -1;
-  // The initiator's UCX worker address (kOffersUcx, first connection's hello), or empty.
-  std::string ucx_address;
+  // Per connection, the paths' parts of its hello.
+  std::vector<handshake::Parts> parts;
 };
 
 struct ListenerStats {

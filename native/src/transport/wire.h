@@ -23,13 +23,14 @@ namespace datadist::wire {
 using llm_datadist::Status;
 
 constexpr uint32_t kMagic = 0x4F414444;  // "DDAO"
-constexpr uint16_t kVersion = 1;
+constexpr uint16_t kVersion = 2;
 constexpr uint32_t kMaxBodyBytes = 1u << 20;
 constexpr uint64_t kMaxFrameData = 64ull << 20;
 // A same-host frame naming device exports (kDeviceSegments) carries no
-// bytes: it may name this many, to a peer that said kBigDeviceFrames. The
-// owner queues a frame's copies at once, so fewer, longer frames keep its
-// device busy where its time per frame would leave it idle.
+// bytes: it may name this many, to a peer that said so (its same-host
+// part's kBigDeviceFrames). The owner queues a frame's copies at once, so
+// fewer, longer frames keep its device busy where its time per frame would
+// leave it idle.
 constexpr uint64_t kMaxDeviceFrameData = 256ull << 20;
 constexpr uint32_t kMaxBounds = 2;
 constexpr uint32_t kMaxRanges = (kMaxBodyBytes - 64) / 32 - kMaxBounds;
@@ -81,62 +82,26 @@ struct FrameHeader {
 };
 static_assert(sizeof(FrameHeader) == 32, "header layout");
 
-// Who a process is on its host, for the same-host path: the kernel's boot
-// id, its pid, and where a probe buffer (kProbeMagic then a random token)
-// lies in its memory. A peer that reads the buffer back through the kernel
-// has proven that it runs on the same host and may reach this memory.
-struct SameHostInfo {
-  uint8_t boot_id[16];
-  uint64_t pid;
-  uint64_t probe_addr;
-  uint8_t probe[24];
-};
-static_assert(sizeof(SameHostInfo) == 56, "same-host info layout");
-
 enum HelloFlags : uint32_t {
-  kOffersSameHost = 1,  // a SameHostInfo follows the hello (or its ack)
-  kCopiesForYou = 2,    // ack only: the acceptor reached the initiator's memory
   kAuthenticated = 4,   // hello: the initiator's nonce follows; ack: the acceptor's proof
-  // Ack only: a uint32 follows the same-host info, the connections the
-  // acceptor keeps (fewer than the hello's conn_count; it decides). An ack
-  // without the flag keeps them all. A connection past that count is
-  // answered by a bare ack with the flag, then closed.
+  // Ack only: a uint32 follows the fixed part, the connections the acceptor
+  // keeps (fewer than the hello's conn_count; it decides). An ack without
+  // the flag keeps them all. A connection past that count is answered by a
+  // bare ack with the flag, then closed.
   kGrantsConnections = 8,
-  // Same-host links only. Hello: a uint32 follows the same-host info, the
-  // number of a descriptor in the initiator's process: one end of a Unix
-  // socket pair it made for this connection. Ack: the acceptor took that
-  // end (pidfd_getfd); the link runs on the pair from here, and the TCP
-  // connection closes after the ack.
-  kLocalSocket = 16,
-  // Same-host links only, beside kLocalSocket. Hello: a uint32 follows the
-  // local socket's number, the number of one end of a Unix seqpacket pair
-  // the initiator made for the link's answers (each message one answer
-  // frame without data, in either direction). Ack: the acceptor took it.
+  // Ack only: the link runs on descriptors a path of the acceptor's took
+  // from the initiator in place of its connections (one each, named by the
+  // path's parts of the hellos); the TCP connections close after the acks.
+  // Every ack of a link says the same.
+  kConnectionsMoved = 16,
+  // Ack only, beside kConnectionsMoved: the link also has an answer socket
+  // so taken (each message one answer frame without data, either way).
   kAnswerSocket = 32,
-  // Same-host links only. Hello or ack: the sender reads same-host frames
-  // whose segments are exported device memory (kDeviceSegments). An end
-  // sends such frames only to a peer that said so.
-  kDeviceHandles = 64,
-  // Same-host links only, beside kDeviceHandles. Hello or ack: the sender
-  // also reads device exports of kind kExportFd, taking each descriptor out
-  // of the peer's process (pidfd_getfd). An end names such exports only to
-  // a peer that said so.
-  kDeviceFds = 128,
-  // Hello or ack: the sender moves operations' bytes with UCX (its
-  // transport is "ucx"); a uint32 length and its UCX worker's address of
-  // that many bytes follow the other parts, before the authentication
-  // bytes. A link is a UCX link when both said so.
-  kOffersUcx = 256,
-  // Same-host links only, beside kDeviceHandles. Hello or ack: the sender
-  // reads frames naming device exports of up to kMaxDeviceFrameData bytes
-  // (else kMaxFrameData). An end sends such frames only to a peer that
-  // said so.
-  kBigDeviceFrames = 512,
   // Hello or ack: the sender's link encryption is on. Once the ack is out,
-  // every connection of the link that stays TCP (not moved to a local
-  // socket) runs a TLS 1.3 handshake keyed from the link secret and that
-  // connection's handshake (tls.h), and carries nothing but TLS records
-  // from there. A link is made only when both ends say the same.
+  // every connection of the link that stays TCP (not moved) runs a TLS 1.3
+  // handshake keyed from the link secret and that connection's handshake
+  // (tls.h), and carries nothing but TLS records from there. A link is made
+  // only when both ends say the same.
   kEncrypted = 1024,
   // A refusal's ack only: the acceptor refused because the two ends'
   // encryption differs (its own is kEncrypted and kCertificates).
@@ -144,15 +109,27 @@ enum HelloFlags : uint32_t {
   // Hello or ack, beside kEncrypted: the sender's TLS is authenticated by
   // certificates (tls.h), not keyed from the link secret.
   kCertificates = 4096,
+  // Hello or ack: the data paths' parts follow (PathPart): what the sender
+  // offers (hello) or took (ack) of each path, in the path's own bytes.
+  kPathParts = 8192,
 };
-// The longest UCX worker address a hello or ack may carry.
-constexpr uint32_t kMaxUcxAddress = 8192;
 
-// A hello is followed by a SameHostInfo when its flags offer the same-host
-// path, then by its local socket's number (kLocalSocket), then by the
-// initiator's nonce when they say kAuthenticated; the ack likewise (with the
-// granted count after the same-host info when it has one, and no number),
-// with the acceptor's proof in place of the nonce.
+// With kPathParts, after the granted count: a uint32 count (1 to
+// kMaxPathParts), then `count` parts, each this and its `length` bytes. A
+// part belongs to the path numbered `path` (paths/paths.h); no number
+// twice. A path this end lacks ignores its part.
+struct PathPart {
+  uint16_t path;
+  uint16_t zero;
+  uint32_t length;  // at most kMaxPathPartBytes
+};
+static_assert(sizeof(PathPart) == 8, "path part layout");
+constexpr uint32_t kMaxPathParts = 4;
+constexpr uint32_t kMaxPathPartBytes = 8192 + 256;
+
+// A hello is followed by its path parts (kPathParts), then by the
+// initiator's nonce (kAuthenticated); the ack by the granted count
+// (kGrantsConnections), its path parts, then the acceptor's proof.
 struct Hello {
   uint64_t cluster_id;
   uint64_t expected_peer_id;  // the id the initiator means to reach

@@ -31,7 +31,7 @@ class CudaIpcPath : public DataPath {
  public:
   // `same_host`: the link's same-host path, whose peer memory it opens
   // from. `peer_opens_device`, `peer_takes_fds`, `peer_big_frames`: what
-  // the peer said it reads (wire::kDeviceHandles, kDeviceFds, kBigDeviceFrames).
+  // the peer said it reads (same_host::kOpensDevice, kTakesFds, kBigDeviceFrames).
   CudaIpcPath(std::shared_ptr<SameHostPath> same_host, bool peer_opens_device, bool peer_takes_fds,
               bool peer_big_frames);
   ~CudaIpcPath() override;

@@ -33,7 +33,7 @@ constexpr size_t kMaxIov = 1024;               // IOV_MAX: per call, on each sid
 constexpr uint64_t kSplitBytes = 1ull << 20;  // smallest share of a copy worth another thread
 
 struct Probe24 {
-  uint8_t bytes[sizeof(wire::SameHostInfo::probe)];
+  uint8_t bytes[sizeof(Info::probe)];
 };
 
 // The probe buffer: the magic, then a random token no other process knows.
@@ -133,10 +133,10 @@ int take_socket(pid_t pid, uint32_t number, std::string &why, int type) {
   return fd;
 }
 
-const wire::SameHostInfo &local_info() {
+const Info &local_info() {
   static const std::array<uint8_t, 16> boot_id = read_boot_id();
   // The pid is read on every call: a forked child is another process.
-  thread_local wire::SameHostInfo info{};
+  thread_local Info info{};
   std::memcpy(info.boot_id, boot_id.data(), sizeof(info.boot_id));
   info.pid = static_cast<uint64_t>(::getpid());
   info.probe_addr = reinterpret_cast<uintptr_t>(probe_buffer().bytes);
@@ -144,8 +144,8 @@ const wire::SameHostInfo &local_info() {
   return info;
 }
 
-Probe probe(const wire::SameHostInfo &peer, std::string &why) {
-  const wire::SameHostInfo &self = local_info();
+Probe probe(const Info &peer, std::string &why) {
+  const Info &self = local_info();
   if (all_zero(self.boot_id, sizeof(self.boot_id)) ||
       std::memcmp(self.boot_id, peer.boot_id, sizeof(self.boot_id)) != 0) {
     why = "another host";

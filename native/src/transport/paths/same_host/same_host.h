@@ -34,9 +34,23 @@ namespace datadist::same_host {
 
 using llm_datadist::Status;
 
+#pragma pack(push, 1)
+// Who a process is on its host: the kernel's boot id, its pid, and where a
+// probe buffer (kProbeMagic then a random token) lies in its memory. A peer
+// that reads the buffer back through the kernel has proven that it runs on
+// the same host and may reach this memory.
+struct Info {
+  uint8_t boot_id[16];
+  uint64_t pid;
+  uint64_t probe_addr;
+  uint8_t probe[24];
+};
+static_assert(sizeof(Info) == 56, "same-host info layout");
+#pragma pack(pop)
+
 // This process as its peers see it; the probe buffer lives as long as the
 // process. All zero boot id when the kernel's cannot be read (never same-host).
-const wire::SameHostInfo &local_info();
+const Info &local_info();
 
 enum class Probe {
   kReachable,  // same kernel, and the peer's probe buffer read back intact
@@ -46,7 +60,7 @@ enum class Probe {
 };
 
 // Tries to read `peer`'s probe buffer; `why` says what failed.
-Probe probe(const wire::SameHostInfo &peer, std::string &why);
+Probe probe(const Info &peer, std::string &why);
 
 // Local sockets: a same-host link runs on Unix socket pairs instead of its
 // TCP connections (cheaper system calls, no TCP/IP stack). The initiator

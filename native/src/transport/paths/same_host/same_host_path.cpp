@@ -15,9 +15,11 @@ namespace datadist {
 
 using llm_datadist::LLM_SUCCESS;
 
-SameHostPath::SameHostPath(bool offered, bool peer_copies, std::shared_ptr<same_host::PeerMemory> peer_memory,
-                           bool announce, bool one_sided, pid_t peer_pid)
-    : offered_(offered),
+SameHostPath::SameHostPath(std::shared_ptr<same_host::CopyPool> pool, bool offered, bool peer_copies,
+                           std::shared_ptr<same_host::PeerMemory> peer_memory, bool announce, bool one_sided,
+                           pid_t peer_pid)
+    : pool_(std::move(pool)),
+      offered_(offered),
       announce_(announce && peer_memory != nullptr),
       peer_copies_(offered && peer_copies),
       peer_memory_(std::move(peer_memory)),
@@ -116,7 +118,7 @@ bool SameHostPath::move(bool write, const PlannedFrame &planned, const std::shar
   auto job = [this, op = std::move(op), device, theirs = std::move(theirs)]() mutable {
     std::string why;
     const int error = device ? copy_staged(*device, op.mine, theirs, !op.write, why)
-                             : same_host::copy_pairs(*peer_memory_, host_->copy_pool(), op.mine, theirs, !op.write);
+                             : same_host::copy_pairs(*peer_memory_, *pool_, op.mine, theirs, !op.write);
     op.use.reset();  // out of the slot before anyone hears of it
     if (error == 0) {
       if (device) one_sided_staged_.fetch_add(op.bytes, std::memory_order_relaxed);
@@ -306,7 +308,7 @@ void SameHostPath::serve(std::shared_ptr<ServedFrame> frame) {
   std::string why;
   if (target.device) staged_bytes_served_.fetch_add(req.total_bytes, std::memory_order_relaxed);
   const int error = target.device ? copy_staged(*target.device, target.iov, req.segments, write, why)
-                                  : same_host::copy_pairs(*peer_memory_, host_->copy_pool(), target.iov, req.segments,
+                                  : same_host::copy_pairs(*peer_memory_, *pool_, target.iov, req.segments,
                                                           write);
   if (error == ESRCH) {
     moved.peer_gone = true;

@@ -43,8 +43,8 @@ class SameHostPath : public DataPath {
   // told by the link's first frame.
   // `one_sided`: this end grants its caches to a peer that reaches its
   // memory, and moves bytes itself under the peer's grants; `peer_pid`: the
-  // peer's process.
-  SameHostPath(bool offered, bool peer_copies, std::shared_ptr<same_host::PeerMemory> peer_memory, bool announce,
+  // peer's process. `pool`: threads that share large copies.
+  SameHostPath(std::shared_ptr<same_host::CopyPool> pool, bool offered, bool peer_copies, std::shared_ptr<same_host::PeerMemory> peer_memory, bool announce,
                bool one_sided = false, pid_t peer_pid = 0);
   ~SameHostPath() override;
 
@@ -112,6 +112,7 @@ class SameHostPath : public DataPath {
   // This end's grants to the peer, once made (else null).
   std::shared_ptr<same_host::Grantor> grantor() const;
 
+  const std::shared_ptr<same_host::CopyPool> pool_;
   const bool offered_;
   const bool announce_;
   std::atomic<bool> peer_copies_;

@@ -24,9 +24,9 @@ std::shared_ptr<Worker> Worker::create(IoLoop &loop, std::string &why) {
   size_t length = 0;
   int fd = -1;
   st = w->api().worker_address(w->worker_, &address, &length);
-  if (st == DATADIST_UCX_OK && length > wire::kMaxUcxAddress) {
+  if (st == DATADIST_UCX_OK && length > wire::kMaxPathPartBytes) {
     why = "the UCX worker's address is " + std::to_string(length) + " bytes, past the handshake's " +
-          std::to_string(wire::kMaxUcxAddress);
+          std::to_string(wire::kMaxPathPartBytes);
     return nullptr;
   }
   if (st == DATADIST_UCX_OK) st = w->api().event_fd(w->worker_, &fd);
