@@ -70,29 +70,23 @@ class TestPathTest : public ::testing::TestWithParam<bool> {
     owner_.finalize();
   }
 
-  // Pushes the initiator's blocks `src` to the owner's `dst`; the status.
-  Status push(const Blocks &mine, const std::vector<uint64_t> &src, const std::vector<uint64_t> &dst) {
+  // Pushes the initiator's blocks `src` to the owner's `dst`, or pulls the
+  // owner's `src` into the initiator's `dst`; the first status that is not
+  // LLM_SUCCESS, else LLM_SUCCESS.
+  Status transfer(bool push, const Blocks &mine, const std::vector<uint64_t> &src, const std::vector<uint64_t> &dst) {
     RemoteName name;
     name.kind = wire::kBlocksOfModel;
     name.model_id = kModel;
+    const LayerSpan span{0, 0, 1, 2};
     std::shared_ptr<Request> request;
-    Status st = initiator_.push_blocks(mine.id, kOwner, name, src, dst, LayerSpan{0, 0, 1, 2}, request);
+    const Status st = push ? initiator_.push_blocks(mine.id, kOwner, name, src, dst, span, request)
+                           : initiator_.pull_blocks(mine.id, kOwner, name, src, dst, span, request);
     if (st != LLM_SUCCESS) return st;
     EXPECT_TRUE(request->wait(10000));
     for (Status each : request->results()) {
       if (each != LLM_SUCCESS) return each;
     }
     return LLM_SUCCESS;
-  }
-  Status pull(const Blocks &into, const std::vector<uint64_t> &src, const std::vector<uint64_t> &dst) {
-    RemoteName name;
-    name.kind = wire::kBlocksOfModel;
-    name.model_id = kModel;
-    std::shared_ptr<Request> request;
-    Status st = initiator_.pull_blocks(into.id, kOwner, name, src, dst, LayerSpan{0, 0, 1, 2}, request);
-    if (st != LLM_SUCCESS) return st;
-    EXPECT_TRUE(request->wait(10000));
-    return request->results().empty() ? LLM_SUCCESS : request->results()[0];
   }
   static std::vector<uint8_t> block(const Blocks &b, size_t tensor, uint64_t index) {
     const auto *at = b.bytes[tensor].data() + index * kBlock;
@@ -105,13 +99,12 @@ class TestPathTest : public ::testing::TestWithParam<bool> {
 
 TEST_P(TestPathTest, PushesAndPullsMoveEveryByte) {
   Blocks theirs(owner_, 1), mine(initiator_, 2);
-  const Blocks before_pull(initiator_, 2);
-  ASSERT_EQ(push(mine, {1, 3}, {5, 0}), LLM_SUCCESS);
+  ASSERT_EQ(transfer(true, mine, {1, 3}, {5, 0}), LLM_SUCCESS);
   for (size_t t = 0; t < 2; ++t) {
     EXPECT_EQ(block(theirs, t, 5), block(mine, t, 1));
     EXPECT_EQ(block(theirs, t, 0), block(mine, t, 3));
   }
-  ASSERT_EQ(pull(mine, {6, 7}, {2, 4}), LLM_SUCCESS);
+  ASSERT_EQ(transfer(false, mine, {6, 7}, {2, 4}), LLM_SUCCESS);
   for (size_t t = 0; t < 2; ++t) {
     EXPECT_EQ(block(mine, t, 2), block(theirs, t, 6));
     EXPECT_EQ(block(mine, t, 4), block(theirs, t, 7));
@@ -135,7 +128,7 @@ TEST_P(TestPathTest, TheOwnersChecksRefuseWhatTheOwnerWould) {
   Blocks theirs(owner_, 3), mine(initiator_, 4);
   const std::vector<std::vector<uint8_t>> before = theirs.bytes;
   // Block kBlocks is past the owner's cache: refused whole, nothing written.
-  EXPECT_EQ(push(mine, {0, 1}, {2, kBlocks}), LLM_PARAM_INVALID);
+  EXPECT_EQ(transfer(true, mine, {0, 1}, {2, kBlocks}), LLM_PARAM_INVALID);
   EXPECT_EQ(theirs.bytes, before);
   if (GetParam()) {
     const std::map<std::string, uint64_t> here = initiator_.link_stats(kOwner);
