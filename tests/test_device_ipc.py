@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import os
 import socket
-import struct
 import sys
 from pathlib import Path
 from typing import Any
@@ -173,10 +172,10 @@ def hostile_initiator(conn: Any, transport: str) -> None:
     from support.wire_frames import (
         COPIES_FOR_YOU,
         DEVICE_EXPORT,
-        DEVICE_SEGMENTS,
         HELLO_ACK_T,
         HELLO_T,
         OPENS_DEVICE,
+        PATH_TRAILER,
         SAME_HOST_PATH,
         READ_DATA_T,
         READ_INTO_T,
@@ -187,8 +186,10 @@ def hostile_initiator(conn: Any, transport: str) -> None:
         hello,
         recv_frame,
         request,
+        export_table,
         same_host_caps,
         same_host_part,
+        trailer,
     )
 
     invalid = dd.LLMStatusCode.LLM_PARAM_INVALID.value
@@ -215,8 +216,8 @@ def hostile_initiator(conn: Any, transport: str) -> None:
     assert caps is not None and caps & COPIES_FOR_YOU and caps & OPENS_DEVICE, caps
 
     def device_frame(kind: int, block: int, addr: int, op_id: int, export_base: int = base) -> bytes:
-        body = request([(0, block, 0, BLOCK)], model_id=MODEL["device"], flags=DEVICE_SEGMENTS, segments=[(addr, BLOCK)])
-        body += struct.pack("<II", 1, 0) + DEVICE_EXPORT.pack(bytes(handle), export_base, 0, 0)
+        body = request([(0, block, 0, BLOCK)], model_id=MODEL["device"], flags=PATH_TRAILER, segments=[(addr, BLOCK)])
+        body += trailer(SAME_HOST_PATH, export_table([DEVICE_EXPORT.pack(bytes(handle), export_base, 0, 0)]))
         return frame(kind, body, op_id=op_id)
 
     with sock:

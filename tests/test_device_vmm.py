@@ -294,11 +294,11 @@ def hostile_fd_initiator(conn: Any, transport: str) -> None:
         COPIES_FOR_YOU,
         DEVICE_EXPORT,
         DEVICE_FD,
-        DEVICE_SEGMENTS,
         EXPORT_FD,
         HELLO_ACK_T,
         HELLO_T,
         OPENS_DEVICE,
+        PATH_TRAILER,
         SAME_HOST_PATH,
         TAKES_FDS,
         READ_DATA_T,
@@ -310,8 +310,10 @@ def hostile_fd_initiator(conn: Any, transport: str) -> None:
         hello,
         recv_frame,
         request,
+        export_table,
         same_host_caps,
         same_host_part,
+        trailer,
     )
 
     code = dd.LLMStatusCode
@@ -349,9 +351,9 @@ def hostile_fd_initiator(conn: Any, transport: str) -> None:
         return DEVICE_EXPORT.pack(handle, base + piece * PIECE, 0, EXPORT_FD)
 
     def device_frame(kind: int, block: int, addr: int, op_id: int, exports: list[bytes]) -> bytes:
-        body = request([(0, block, 0, BLOCK)], model_id=MODEL["device"], flags=DEVICE_SEGMENTS,
+        body = request([(0, block, 0, BLOCK)], model_id=MODEL["device"], flags=PATH_TRAILER,
                        segments=[(addr, BLOCK)])
-        body += struct.pack("<II", len(exports), 0) + b"".join(exports)
+        body += trailer(SAME_HOST_PATH, export_table(exports))
         return frame(kind, body, op_id=op_id)
 
     served = 0

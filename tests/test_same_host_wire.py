@@ -19,6 +19,7 @@ import mmap
 import os
 import select
 import socket
+import struct
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -52,6 +53,7 @@ from support.wire_frames import (
     LOOKUP_REPLY_T,
     MAGIC,
     PATH_PARTS,
+    PATH_TRAILER,
     PEER_COPIES_T,
     READ_DATA_T,
     READ_INTO_T,
@@ -71,6 +73,7 @@ from support.wire_frames import (
     path_parts,
     recv_exact,
     recv_frame,
+    trailer,
 )
 
 PROBE_MAGIC = b"DDAOPRB1"
@@ -279,6 +282,30 @@ def test_same_host_frames_on_a_tcp_link_close_it(server):
     with sock:
         assert (flags, caps, info) == (0, None, b"")
         sock.sendall(copy_frame(WRITE_FROM_T, [(0, 0, 0, BLOCK)], [(ctypes.addressof(source), BLOCK)], 1))
+        sock.settimeout(5)
+        with pytest.raises(ConnectionError):
+            recv_frame(sock)
+    assert untouched(cache)
+
+
+@pytest.mark.parametrize(
+    "path, table",
+    [
+        (0x55, b"no path has this number"),
+        (UCX_PATH, struct.pack("<II", 1, 0)),  # UCX's, on a link without UCX
+        (SAME_HOST_PATH, struct.pack("<II", 0, 0)),  # the CUDA IPC path's, with no export
+        (SAME_HOST_PATH, struct.pack("<II", 1, 0)),  # one export said, none there
+    ],
+)
+def test_a_trailer_no_path_of_the_link_reads_closes_it(server, path, table):
+    datadist, cache = server
+    source = ctypes.create_string_buffer(b"\x02" * BLOCK, BLOCK)
+    prober = Prober()  # its probe buffer lives while the engine reads it
+    sock, _, caps, _ = offer(datadist.listen_port, prober.info(), nonce=49)
+    with sock:
+        assert caps == COPIES_FOR_YOU  # the engine serves this process's frames by reference
+        body = request([(0, 0, 0, BLOCK)], flags=PATH_TRAILER) + SEGMENT.pack(ctypes.addressof(source), BLOCK)
+        sock.sendall(frame(WRITE_FROM_T, body + trailer(path, table), op_id=1))
         sock.settimeout(5)
         with pytest.raises(ConnectionError):
             recv_frame(sock)

@@ -45,7 +45,7 @@ class InProcessPath : public DataPath {
     return Carry::kCarries;
   }
   bool serves(const wire::Request &req) const override {
-    return (req.target.flags & (wire::kDeviceSegments | wire::kUcxSegments)) == 0;
+    return (req.target.flags & wire::kPathTrailer) == 0;
   }
   void serve(std::shared_ptr<ServedFrame> frame) override {
     const wire::Request &req = frame->req;

@@ -1,16 +1,23 @@
-// The export table of same-host frames on device memory (wire.h,
-// DeviceExport): descriptor exports decode as encoded, each segment finds
-// the export it starts in, and a malformed descriptor export is refused.
+// The CUDA IPC path's trailer of frames on device memory
+// (paths/device/exports.h): descriptor exports decode as encoded, each
+// segment finds the export it starts in, and a malformed descriptor export
+// is refused.
 #include <gtest/gtest.h>
 
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include "transport/paths/device/exports.h"
+#include "transport/paths/same_host/same_host_kind.h"
 #include "transport/wire.h"
 
 namespace datadist::wire {
 namespace {
+
+using device_exports::DeviceExport;
+using device_exports::DeviceFd;
+using device_exports::kExportFd;
 
 constexpr uint64_t kBase = uint64_t{1} << 40;
 constexpr uint64_t kPiece = uint64_t{2} << 20;
@@ -33,23 +40,35 @@ std::vector<uint8_t> Body(const std::vector<DeviceExport> &exports) {
   t.range_count = 1;
   const Range r{0, 0, 0, 0, 64};
   const Segment s{kBase + kPiece - 32, 64};
-  return encode_request(t, {r}, {}, {s}, {}, exports);
+  return encode_request(t, {r}, {}, {s}, {}, same_host::SameHostKind::kId, device_exports::encode_table(exports));
+}
+
+// The frame read as the owner reads it: the request, then its path's
+// trailer; the first problem.
+std::string Decode(const std::vector<uint8_t> &body, std::vector<DeviceExport> &exports,
+                   std::vector<uint32_t> &segment_export) {
+  Request req;
+  std::string problem = decode_request(body, req, true);
+  if (!problem.empty()) return problem;
+  EXPECT_EQ(req.trailer_path, same_host::SameHostKind::kId);
+  return device_exports::decode_table(req.trailer, req.segments, exports, segment_export);
 }
 
 TEST(WireExports, DescriptorExportsDecodeAsEncoded) {
   const std::vector<DeviceExport> exports = {FdExport(9, kBase + kPiece, kPiece, 2), FdExport(7, kBase, kPiece, 1)};
-  Request req;
-  ASSERT_EQ(decode_request(Body(exports), req, true), "");
-  ASSERT_EQ(req.exports.size(), 2u);
-  EXPECT_EQ(req.exports[1].kind, kExportFd);
+  std::vector<DeviceExport> got;
+  std::vector<uint32_t> segment_export;
+  ASSERT_EQ(Decode(Body(exports), got, segment_export), "");
+  ASSERT_EQ(got.size(), 2u);
+  EXPECT_EQ(got[1].kind, kExportFd);
   DeviceFd named{};
-  std::memcpy(&named, req.exports[1].handle, sizeof(named));
+  std::memcpy(&named, got[1].handle, sizeof(named));
   EXPECT_EQ(named.fd, 7);
   EXPECT_EQ(named.size, kPiece);
   EXPECT_EQ(named.serial, 1u);
   // The segment lies in the export with the greatest base at or below it.
-  ASSERT_EQ(req.segment_export.size(), 1u);
-  EXPECT_EQ(req.segment_export[0], 1u);
+  ASSERT_EQ(segment_export.size(), 1u);
+  EXPECT_EQ(segment_export[0], 1u);
 }
 
 TEST(WireExports, MalformedDescriptorExportsAreRefused) {
@@ -73,8 +92,9 @@ TEST(WireExports, MalformedDescriptorExportsAreRefused) {
   unknown.kind = 2;
   cases.push_back({"an unknown kind", unknown, "unknown device export kind"});
   for (const Case &c : cases) {
-    Request req;
-    EXPECT_EQ(decode_request(Body({c.e}), req, true), c.problem) << c.what;
+    std::vector<DeviceExport> got;
+    std::vector<uint32_t> segment_export;
+    EXPECT_EQ(Decode(Body({c.e}), got, segment_export), c.problem) << c.what;
   }
 }
 

@@ -1,7 +1,8 @@
-// UCX frames and handshakes on the wire: a frame's key table (wire.h,
-// UcxKey) decodes as encoded, each segment finds the key whose range holds
-// it, and a malformed table or a segment outside every key is refused; a
-// hello carries its UCX worker address inside what the proof covers.
+// Paths' bytes on the wire: the UCX path's trailer of a frame (its key
+// table, paths/ucx/ucx_path.h) decodes as encoded, each segment finds the
+// key whose range holds it, and a malformed table, a malformed trailer or a
+// segment outside every key is refused; a hello carries the paths' parts
+// inside what the proof covers.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -9,6 +10,8 @@
 #include <vector>
 
 #include "transport/handshake.h"
+#include "transport/paths/ucx/ucx_kind.h"
+#include "transport/paths/ucx/ucx_path.h"
 #include "transport/wire.h"
 
 namespace datadist::wire {
@@ -22,72 +25,82 @@ struct Key {
   std::string packed;
 };
 
-// One range of 64 bytes at `segment`, with `keys` appended as a UCX frame's
-// key table (`count` overrides the table's count when not 0).
+// One range of 64 bytes at `segment`, with `keys` as the UCX path's
+// trailer (`count` overrides the table's count when not 0).
 std::vector<uint8_t> Body(uint64_t segment, const std::vector<Key> &keys, uint32_t count = 0) {
   Target t{};
   t.kind = kById;
   t.cache_id = 2;
   t.range_count = 1;
-  t.flags = kUcxSegments;
   const Range r{0, 0, 0, 0, 64};
   const Segment s{segment, 64};
-  std::vector<uint8_t> body = encode_request(t, {r}, {}, {s}, {}, {});
+  std::vector<uint8_t> table;
   const uint32_t head[2] = {count != 0 ? count : static_cast<uint32_t>(keys.size()), 0};
-  body.insert(body.end(), reinterpret_cast<const uint8_t *>(head), reinterpret_cast<const uint8_t *>(head) + 8);
+  table.insert(table.end(), reinterpret_cast<const uint8_t *>(head), reinterpret_cast<const uint8_t *>(head) + 8);
   for (const Key &k : keys) {
-    const UcxKey key{k.base, k.length, static_cast<uint32_t>(k.packed.size()), 0};
-    body.insert(body.end(), reinterpret_cast<const uint8_t *>(&key), reinterpret_cast<const uint8_t *>(&key) + sizeof(key));
-    body.insert(body.end(), k.packed.begin(), k.packed.end());
-    body.resize(body.size() + (8 - k.packed.size() % 8) % 8, 0);
+    const ucx::Key key{k.base, k.length, static_cast<uint32_t>(k.packed.size()), 0};
+    table.insert(table.end(), reinterpret_cast<const uint8_t *>(&key),
+                 reinterpret_cast<const uint8_t *>(&key) + sizeof(key));
+    table.insert(table.end(), k.packed.begin(), k.packed.end());
+    table.resize(table.size() + (8 - k.packed.size() % 8) % 8, 0);
   }
-  return body;
+  return encode_request(t, {r}, {}, {s}, {}, ucx::UcxKind::kId, table);
+}
+
+// The frame read as the owner reads it: the request, then its path's
+// trailer; the first problem.
+std::string Decode(const std::vector<uint8_t> &body, ucx::KeyTable &out) {
+  Request req;
+  std::string problem = decode_request(body, req, true);
+  if (!problem.empty()) return problem;
+  EXPECT_EQ(req.trailer_path, ucx::UcxKind::kId);
+  return ucx::decode_keys(req.trailer, req.segments, out);
 }
 
 TEST(WireUcx, KeysDecodeAsEncodedAndSegmentsFindTheirKey) {
   const std::vector<Key> keys = {{kBase, 4096, "first-key"}, {kBase + 8192, 4096, std::string(40, 'k')}};
-  Request req;
-  ASSERT_EQ(decode_request(Body(kBase + 8192 + 4032, keys), req, true), "");
-  ASSERT_EQ(req.ucx_keys.size(), 2u);
-  EXPECT_EQ(req.ucx_key_bytes[0], "first-key");
-  EXPECT_EQ(req.ucx_key_bytes[1], std::string(40, 'k'));
-  EXPECT_EQ(req.ucx_keys[1].base, kBase + 8192);
-  ASSERT_EQ(req.segment_key.size(), 1u);
-  EXPECT_EQ(req.segment_key[0], 1u);
+  ucx::KeyTable table;
+  ASSERT_EQ(Decode(Body(kBase + 8192 + 4032, keys), table), "");
+  ASSERT_EQ(table.keys.size(), 2u);
+  EXPECT_EQ(table.packed[0], "first-key");
+  EXPECT_EQ(table.packed[1], std::string(40, 'k'));
+  EXPECT_EQ(table.keys[1].base, kBase + 8192);
+  ASSERT_EQ(table.segment_key.size(), 1u);
+  EXPECT_EQ(table.segment_key[0], 1u);
 }
 
 TEST(WireUcx, MalformedTablesAndStraySegmentsAreRefused) {
   const std::vector<Key> one = {{kBase, 4096, "key"}};
-  Request req;
+  const auto problem = [](const std::vector<uint8_t> &body) {
+    ucx::KeyTable table;
+    return Decode(body, table);
+  };
   // A segment running past its key's end, or before every key.
-  EXPECT_EQ(decode_request(Body(kBase + 4096 - 32, one), req, true), "UCX segment outside every key");
-  req = {};
-  EXPECT_EQ(decode_request(Body(kBase - 64, one), req, true), "UCX segment outside every key");
-  req = {};
-  EXPECT_EQ(decode_request(Body(kBase, one, 2), req, true), "UCX key table too short");
-  req = {};
-  EXPECT_EQ(decode_request(Body(kBase, {}), req, true), "bad UCX key count");
-  req = {};
-  EXPECT_EQ(decode_request(Body(kBase, {{kBase, 0, "key"}}), req, true), "bad UCX key");
-  req = {};
-  EXPECT_EQ(decode_request(Body(kBase, {{kBase, 4096, ""}}), req, true), "bad UCX key");
-  req = {};
-  EXPECT_EQ(decode_request(Body(kBase, {{~uint64_t{0} - 8, 4096, "key"}}), req, true), "bad UCX key");
-  req = {};
+  EXPECT_EQ(problem(Body(kBase + 4096 - 32, one)), "UCX segment outside every key");
+  EXPECT_EQ(problem(Body(kBase - 64, one)), "UCX segment outside every key");
+  EXPECT_EQ(problem(Body(kBase, one, 2)), "UCX key table too short");
+  EXPECT_EQ(problem(Body(kBase, {})), "bad UCX key count");
+  EXPECT_EQ(problem(Body(kBase, {{kBase, 0, "key"}})), "bad UCX key");
+  EXPECT_EQ(problem(Body(kBase, {{kBase, 4096, ""}})), "bad UCX key");
+  EXPECT_EQ(problem(Body(kBase, {{~uint64_t{0} - 8, 4096, "key"}})), "bad UCX key");
   std::vector<uint8_t> padded = Body(kBase, one);  // "key" and five bytes of padding
   padded.back() = 1;
-  EXPECT_EQ(decode_request(padded, req, true), "UCX key padding not zero");
-  req = {};
+  EXPECT_EQ(problem(padded), "UCX key padding not zero");
+  // The trailer's head says how long it is: a byte more or less, or a
+  // reserved field that is not zero, is refused before the path reads it.
   std::vector<uint8_t> extra = Body(kBase, one);
   extra.push_back(0);
-  EXPECT_EQ(decode_request(extra, req, true), "UCX key table length mismatch");
-  // Not on a frame without segments, nor beside device segments.
-  req = {};
-  EXPECT_EQ(decode_request(Body(kBase, one), req, false), "device segments without segments");
-  std::vector<uint8_t> both = Body(kBase, one);
-  both[1] |= kDeviceSegments;
-  req = {};
-  EXPECT_EQ(decode_request(both, req, true), "device and UCX segments together");
+  EXPECT_EQ(problem(extra), "path trailer length mismatch");
+  std::vector<uint8_t> short_one = Body(kBase, one);
+  short_one.pop_back();
+  EXPECT_EQ(problem(short_one), "path trailer length mismatch");
+  std::vector<uint8_t> reserved = Body(kBase, one);
+  const size_t head_at = sizeof(Target) + sizeof(Range) + sizeof(Segment);
+  reserved[head_at + 2] = 1;  // PathPart::zero
+  EXPECT_EQ(problem(reserved), "path trailer length mismatch");
+  // Not on a frame without segments.
+  Request req;
+  EXPECT_EQ(decode_request(Body(kBase, one), req, false), "a path's trailer without segments");
 }
 
 TEST(WireUcx, AHelloCarriesThePathsPartsInTheBytesItsProofCovers) {

@@ -1,12 +1,18 @@
 // Fuzz target: the frame decoder. One input is a flags byte, then a frame
 // header (when at least 32 bytes follow) and a request body. Checks what the
 // decoder promises: a header it accepts is within every limit, a body it
-// accepts is within every limit and encodes back to the same bytes.
+// accepts is within every limit and encodes back to the same bytes, and a
+// path's trailer its path accepts (the CUDA IPC path's export table, the UCX
+// path's key table) is within that path's limits.
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
 
+#include "transport/paths/device/exports.h"
+#include "transport/paths/same_host/same_host_kind.h"
+#include "transport/paths/ucx/ucx_kind.h"
+#include "transport/paths/ucx/ucx_path.h"
 #include "transport/wire.h"
 
 namespace {
@@ -34,6 +40,59 @@ void check_header(const uint8_t *data) {
           "accepted data on a frame that carries none");
 }
 
+// The trailer as the path it names reads it (the owner's link hands it to
+// that path): what the path accepts is within its limits.
+void check_trailer(const wire::Request &req) {
+  namespace dx = datadist::device_exports;
+  namespace ucx = datadist::ucx;
+  if (req.trailer_path == datadist::same_host::SameHostKind::kId) {
+    // The CUDA IPC path's export table, and each segment in the export with
+    // the greatest base at or below it.
+    std::vector<dx::DeviceExport> exports;
+    std::vector<uint32_t> segment_export;
+    if (!dx::decode_table(req.trailer, req.segments, exports, segment_export).empty()) return;
+    require(!exports.empty() && exports.size() <= dx::kMaxExports, "export table wrong");
+    require(segment_export.size() == req.segments.size(), "segment exports differ");
+    require(dx::encode_table(exports) == req.trailer, "the export table does not encode back");
+    for (const dx::DeviceExport &e : exports) {
+      require(e.kind == dx::kExportIpc || e.kind == dx::kExportFd, "accepted an unknown export kind");
+      if (e.kind != dx::kExportFd) continue;
+      dx::DeviceFd fd;
+      std::memcpy(&fd, e.handle, sizeof(fd));
+      require(fd.fd >= 0 && fd.zero == 0 && fd.size != 0 && e.base + fd.size >= e.base, "accepted a bad fd export");
+      for (size_t b = sizeof(fd); b < sizeof(e.handle); ++b) require(e.handle[b] == 0, "accepted fd export padding");
+    }
+    for (size_t i = 0; i < segment_export.size(); ++i) {
+      require(segment_export[i] < exports.size(), "a segment names no export");
+      const uint64_t base = exports[segment_export[i]].base;
+      require(base <= req.segments[i].addr, "a segment lies below its export");
+      if (exports.size() > 64) continue;  // the nearest-below check is quadratic
+      for (const dx::DeviceExport &e : exports) {
+        require(e.base <= base || e.base > req.segments[i].addr, "a segment's export is not the nearest below it");
+      }
+    }
+  } else if (req.trailer_path == ucx::UcxKind::kId) {
+    // The UCX path's key table, and each segment inside the key it names.
+    ucx::KeyTable table;
+    if (!ucx::decode_keys(req.trailer, req.segments, table).empty()) return;
+    require(!table.keys.empty() && table.keys.size() <= ucx::kMaxKeys, "UCX key table wrong");
+    require(table.packed.size() == table.keys.size(), "UCX key bytes differ");
+    require(table.segment_key.size() == req.segments.size(), "segment keys differ");
+    for (size_t k = 0; k < table.keys.size(); ++k) {
+      const ucx::Key &key = table.keys[k];
+      require(key.key_length != 0 && key.key_length <= ucx::kMaxKeyBytes && key.zero == 0 && key.length != 0 &&
+                  key.base + key.length >= key.base && table.packed[k].size() == key.key_length,
+              "accepted a bad UCX key");
+    }
+    for (size_t i = 0; i < table.segment_key.size(); ++i) {
+      require(table.segment_key[i] < table.keys.size(), "a segment names no key");
+      const ucx::Key &key = table.keys[table.segment_key[i]];
+      const wire::Segment &s = req.segments[i];
+      require(s.addr >= key.base && s.addr + s.length <= key.base + key.length, "a segment runs outside its key");
+    }
+  }
+}
+
 void check_request(const std::vector<uint8_t> &body, bool with_segments) {
   wire::Request req;
   if (!wire::decode_request(body, req, with_segments).empty()) return;
@@ -45,8 +104,9 @@ void check_request(const std::vector<uint8_t> &body, bool with_segments) {
           "range counts differ");
   require(req.bounds.size() == t.bound_count, "bound counts differ");
   require(t.range_count <= wire::kMaxRanges && t.bound_count <= wire::kMaxBounds, "too many ranges accepted");
-  // Frames naming device exports carry no bytes and may name more.
-  const uint64_t most = (t.flags & wire::kDeviceSegments) != 0 ? wire::kMaxDeviceFrameData : wire::kMaxFrameData;
+  // Frames with a path's trailer carry no bytes and may name more.
+  const bool trailed = (t.flags & wire::kPathTrailer) != 0;
+  const uint64_t most = trailed ? wire::kMaxTrailerFrameData : wire::kMaxFrameData;
   uint64_t total = 0;
   for (const wire::Range &r : req.ranges) {
     require(r.length != 0 && r.length <= most, "accepted a bad range length");
@@ -59,60 +119,11 @@ void check_request(const std::vector<uint8_t> &body, bool with_segments) {
     require(s.length == req.ranges[i].length, "segment length differs from its range");
     require(s.addr + s.length >= s.addr, "accepted a wrapping segment");
   }
-  // Device segments: an export table within its limit, and each segment in
-  // the export with the greatest base at or below it.
-  const bool device = (t.flags & wire::kDeviceSegments) != 0;
-  require(device == !req.exports.empty() && req.exports.size() <= wire::kMaxExports, "export table wrong");
-  require(req.segment_export.size() == (device ? req.segments.size() : 0), "segment exports differ");
-  for (const wire::DeviceExport &e : req.exports) {
-    require(e.kind == wire::kExportIpc || e.kind == wire::kExportFd, "accepted an unknown export kind");
-    if (e.kind != wire::kExportFd) continue;
-    wire::DeviceFd fd;
-    std::memcpy(&fd, e.handle, sizeof(fd));
-    require(fd.fd >= 0 && fd.zero == 0 && fd.size != 0 && e.base + fd.size >= e.base, "accepted a bad fd export");
-    for (size_t b = sizeof(fd); b < sizeof(e.handle); ++b) require(e.handle[b] == 0, "accepted fd export padding");
-  }
-  for (size_t i = 0; i < req.segment_export.size(); ++i) {
-    require(req.segment_export[i] < req.exports.size(), "a segment names no export");
-    const uint64_t base = req.exports[req.segment_export[i]].base;
-    require(base <= req.segments[i].addr, "a segment lies below its export");
-    if (req.exports.size() > 64) continue;  // the nearest-below check is quadratic
-    for (const wire::DeviceExport &e : req.exports) {
-      require(e.base <= base || e.base > req.segments[i].addr, "a segment's export is not the nearest below it");
-    }
-  }
-  // UCX segments: a key table within its limits, and each segment inside
-  // the key it names.
-  const bool ucx = (t.flags & wire::kUcxSegments) != 0;
-  require(!(ucx && device), "accepted device and UCX segments together");
-  require(ucx == !req.ucx_keys.empty() && req.ucx_keys.size() <= wire::kMaxUcxKeys, "UCX key table wrong");
-  require(req.ucx_key_bytes.size() == req.ucx_keys.size(), "UCX key bytes differ");
-  require(req.segment_key.size() == (ucx ? req.segments.size() : 0), "segment keys differ");
-  for (size_t k = 0; k < req.ucx_keys.size(); ++k) {
-    const wire::UcxKey &key = req.ucx_keys[k];
-    require(key.key_length != 0 && key.key_length <= wire::kMaxUcxKeyBytes && key.zero == 0 && key.length != 0 &&
-                key.base + key.length >= key.base && req.ucx_key_bytes[k].size() == key.key_length,
-            "accepted a bad UCX key");
-  }
-  for (size_t i = 0; i < req.segment_key.size(); ++i) {
-    require(req.segment_key[i] < req.ucx_keys.size(), "a segment names no key");
-    const wire::UcxKey &key = req.ucx_keys[req.segment_key[i]];
-    const wire::Segment &s = req.segments[i];
-    require(s.addr >= key.base && s.addr + s.length <= key.base + key.length, "a segment runs outside its key");
-  }
-  // The body again from what was decoded: the key table after the rest.
+  require(trailed == !req.trailer.empty() && (!trailed || with_segments), "trailer wrong");
+  if (trailed) check_trailer(req);
+  // The body again from what was decoded.
   auto encode = [&](const std::vector<wire::Range> &ranges, const std::vector<wire::Segment> &segments) {
-    std::vector<uint8_t> out = wire::encode_request(t, ranges, req.bounds, segments, {}, req.exports);
-    if (!ucx) return out;
-    const uint32_t head[2] = {static_cast<uint32_t>(req.ucx_keys.size()), 0};
-    out.insert(out.end(), reinterpret_cast<const uint8_t *>(head), reinterpret_cast<const uint8_t *>(head) + sizeof(head));
-    for (size_t k = 0; k < req.ucx_keys.size(); ++k) {
-      const auto *key = reinterpret_cast<const uint8_t *>(&req.ucx_keys[k]);
-      out.insert(out.end(), key, key + sizeof(wire::UcxKey));
-      out.insert(out.end(), req.ucx_key_bytes[k].begin(), req.ucx_key_bytes[k].end());
-      out.resize(out.size() + (8 - req.ucx_key_bytes[k].size() % 8) % 8, 0);
-    }
-    return out;
+    return wire::encode_request(t, ranges, req.bounds, segments, {}, req.trailer_path, req.trailer);
   };
   // Unrolled, a strided request is the plain request of its rows.
   if (!strided) {

@@ -25,7 +25,6 @@ from support.wire_frames import (  # noqa: E402
     CHALLENGE_T,
     DEVICE_EXPORT,
     DEVICE_FD,
-    DEVICE_SEGMENTS,
     EXPORT_FD,
     HEADER,
     HELLO_ACK,
@@ -37,6 +36,7 @@ from support.wire_frames import (  # noqa: E402
     LOOKUP_T,
     MAGIC,
     PATH_MESSAGE_T,
+    PATH_TRAILER,
     PEER_COPIES_T,
     PROOF_T,
     RAW_ADDRESS,
@@ -57,7 +57,9 @@ from support.wire_frames import (  # noqa: E402
     frame,
     hello,
     request,
+    export_table,
     same_host_part,
+    trailer,
 )
 
 # As fuzz_link.cpp lays out its memory.
@@ -73,16 +75,27 @@ LLM_PARAM_INVALID = 0x2000  # any non-zero status refuses
 
 
 def device_request(ranges, segments, exports, fd_size=0, **target) -> bytes:
-    """A same-host request whose segments lie in exported device memory:
-    the export table (handle, base) follows the segments. With `fd_size`,
-    each export is a descriptor export of that many bytes."""
-    body = request(ranges, flags=DEVICE_SEGMENTS, segments=segments, **target)
+    """A request by reference whose segments lie in exported device memory:
+    the CUDA IPC path's trailer, its export table (handle, base), follows
+    the segments. With `fd_size`, each export is a descriptor export of
+    that many bytes."""
+    body = request(ranges, flags=PATH_TRAILER, segments=segments, **target)
     if fd_size:
         handles = [DEVICE_FD.pack(3 + i, 0, fd_size, i + 1).ljust(64, b"\0") for i in range(len(exports))]
         table = b"".join(DEVICE_EXPORT.pack(h, base, 0, EXPORT_FD) for h, base in zip(handles, exports))
     else:
         table = b"".join(DEVICE_EXPORT.pack(bytes([i + 1]) * 64, base, 0, 0) for i, base in enumerate(exports))
-    return body + len(exports).to_bytes(4, "little") + bytes(4) + table
+    return body + trailer(SAME_HOST_PATH, export_table([table[i : i + 80] for i in range(0, len(table), 80)]))
+
+
+def ucx_keys(keys) -> bytes:
+    """The UCX path's trailer bytes: a count, then per key (base, length,
+    packed bytes) its head and its bytes padded to 8
+    (native/src/transport/paths/ucx/ucx_path.h)."""
+    out = struct.pack("<II", len(keys), 0)
+    for base, length, packed in keys:
+        out += struct.pack("<QQII", base, length, len(packed), 0) + packed + bytes(-len(packed) % 8)
+    return out
 
 
 def wire_seeds() -> dict[str, bytes]:
@@ -106,6 +119,9 @@ def wire_seeds() -> dict[str, bytes]:
         "write-from-device-fd": segmented
         + frame(WRITE_FROM_T, device_request([(0, 0, 0, 64)], [(PEER + 4096 - 32, 64)], [PEER, PEER + 4096],
                                              fd_size=4096, kind=BY_ID, cache_id=2)),
+        "read-into-ucx": segmented
+        + frame(READ_INTO_T, request([(0, 0, 0, 32)], kind=BY_ID, cache_id=2, flags=PATH_TRAILER, segments=[(PEER, 32)])
+                + trailer(UCX_PATH, ucx_keys([(PEER, 4096, b"packed-key"), (PEER + 8192, 64, b"k" * 8)]))),
         "read-strided": plain
         + frame(READ_T, request([(0, 1, 0, 8), (1, 1, 4, 4)], strides=[(8, 16, 0), (1, 0, 0)], flags=WITHIN_SLOT)),
         "read-into-strided": segmented

@@ -47,7 +47,7 @@ OPENS_DEVICE, TAKES_FDS, BIG_DEVICE_FRAMES, COPIES_FOR_YOU, LOCAL_SOCKET, ANSWER
 EXPORT_IPC, EXPORT_FD = 0, 1
 # Target kinds and flags.
 BY_ID, BY_KEY, BLOCKS_OF_MODEL, RAW_ADDRESS = 1, 2, 3, 4
-WITHIN_SLOT, RELEASE_KEY, STRIDED, DEVICE_SEGMENTS = 1, 2, 4, 8
+WITHIN_SLOT, RELEASE_KEY, STRIDED, PATH_TRAILER = 1, 2, 4, 8
 
 INVALID = 2**64 - 1
 MAX_BODY_BYTES = 1 << 20
@@ -141,6 +141,18 @@ def ack_parts(ack: bytes) -> dict[int, bytes]:
     _cluster, _role, flags = HELLO_ACK.unpack_from(ack)
     rest = ack[HELLO_ACK.size + (4 if flags & GRANTS_CONNECTIONS else 0) :]
     return read_parts(rest)[0] if flags & PATH_PARTS else {}
+
+
+def trailer(path: int, data: bytes) -> bytes:
+    """A path's trailer of a frame by reference (after its segments, with
+    PATH_TRAILER)."""
+    return PATH_PART.pack(path, 0, len(data)) + data
+
+
+def export_table(exports: list[bytes]) -> bytes:
+    """The CUDA IPC path's trailer bytes: a count, then packed DEVICE_EXPORTs
+    (native/src/transport/paths/device/exports.h)."""
+    return struct.pack("<II", len(exports), 0) + b"".join(exports)
 
 
 def same_host_caps(ack: bytes) -> int | None:

@@ -60,9 +60,11 @@ using LinkFailer = std::function<void(const std::string &why)>;
 
 // How a path carries one frame at the initiator.
 struct Carried {
-  uint8_t flags = 0;  // target flags it adds (wire::kUcxSegments)
-  std::vector<wire::DeviceExport> exports;  // named by the frame (wire::kDeviceSegments)
-  std::vector<uint8_t> trailer;  // body bytes after the request's (UCX keys)
+  // The trailer the path adds to the frame (wire::kPathTrailer; none when
+  // empty): what the owner's path needs to reach the initiator's memory
+  // (export handles, keys), read by the path numbered `trailer_path`.
+  uint16_t trailer_path = 0;
+  std::vector<uint8_t> trailer;
   // The owner may answer that it cannot serve the frame this way: it is
   // then sent again inline.
   bool may_resend = false;
@@ -111,6 +113,8 @@ struct ServedFrame {
   std::function<void(Moved)> done;
   // The link, alive while the frame is.
   std::shared_ptr<void> keep;
+  // What the path read of the frame's trailer (DataPath::read_trailer).
+  std::shared_ptr<const void> view;
 };
 
 // How a path that moved an operation's bytes itself ended it (one-sided):
@@ -168,6 +172,13 @@ class DataPath {
   // -- owner ---------------------------------------------------------------
   // Whether this path serves a frame naming the peer's memory so.
   virtual bool serves(const wire::Request &req) const = 0;
+  // Reads the trailer of a frame it serves (`req.trailer`) into `view`,
+  // which serve() gets with the frame; not empty: why the frame is
+  // malformed (the link fails). A path that adds no trailer reads none.
+  virtual std::string read_trailer(const wire::Request &req, std::shared_ptr<const void> &view) const {
+    (void)view;
+    return req.trailer.empty() ? std::string() : "a trailer for a path that takes none";
+  }
   // Whether the link checks that the initiator is still there before the
   // path moves any byte (a kernel or device copy, which moves them at once).
   virtual bool checks_initiator_first() const { return false; }

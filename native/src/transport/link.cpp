@@ -223,7 +223,6 @@ void Link::send_planned(bool write, PlannedFrame &planned, const std::shared_ptr
   if (device && !same_host) staged_frames_.fetch_add(1, std::memory_order_relaxed);
   std::shared_ptr<PlannedFrame> resend;
   if (carried.may_resend) resend = std::make_shared<PlannedFrame>(planned);
-  planned.target.flags |= carried.flags;
   std::vector<wire::Segment> segments;
   if (same_host) {
     // One segment per range: where its first byte goes (or comes from).
@@ -237,9 +236,8 @@ void Link::send_planned(bool write, PlannedFrame &planned, const std::shared_ptr
   } else {
     for (wire::Stride &s : planned.strides) s.segment_stride = 0;
   }
-  out.body =
-      wire::encode_request(planned.target, planned.ranges, planned.bounds, segments, planned.strides, carried.exports);
-  out.body.insert(out.body.end(), carried.trailer.begin(), carried.trailer.end());
+  out.body = wire::encode_request(planned.target, planned.ranges, planned.bounds, segments, planned.strides,
+                                  carried.trailer_path, carried.trailer);
   const FrameType type = same_host ? (write ? FrameType::kWriteFrom : FrameType::kReadInto)
                                    : (write ? FrameType::kWrite : FrameType::kRead);
   out.header = wire::make_header(type, 0, static_cast<uint32_t>(out.body.size()), write && !same_host ? data_len : 0);

@@ -372,10 +372,11 @@ class Link : public std::enable_shared_from_this<Link>,
   // A read through a key was served: the owner releases the key once every tensor was read.
   void note_read(const wire::Request &req);
   // A frame naming the peer's memory, the owner's one sequence for every
-  // path: resolves this end's ranges, has `path` check and move the bytes,
-  // then answers (end_served).
+  // path: resolves this end's ranges, has `path` check and move the bytes
+  // (with `view`, what it read of the frame's trailer), then answers
+  // (end_served).
   void serve_by_path(Connection &conn, const wire::FrameHeader &header, wire::Request req, bool write,
-                     const std::shared_ptr<DataPath> &path);
+                     const std::shared_ptr<DataPath> &path, std::shared_ptr<const void> view);
   // The answer to a frame a path served: a refusal logged and counted
   // against its ordered transfer (unless the frame goes again inline), a
   // read through a key noted, the link failed where the peer is gone.

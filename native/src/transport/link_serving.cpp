@@ -42,17 +42,19 @@ bool Link::handle_frame(Connection &conn, const FrameHeader &header, std::vector
       wire::Request req;
       std::string problem = wire::decode_request(body, req, true);
       std::shared_ptr<DataPath> path;
+      std::shared_ptr<const void> view;
       if (problem.empty()) path = path_serving(req);
       if (problem.empty() && !path) {
-        problem = (req.target.flags & wire::kUcxSegments) != 0
-                      ? "UCX frame on a link without UCX"
-                      : "same-host frame, but this end cannot reach the peer's memory";
+        problem = req.trailer.empty()
+                      ? "a frame by reference, but this end cannot reach the peer's memory"
+                      : "a frame by reference for path " + std::to_string(req.trailer_path) + ", which this link lacks";
       }
+      if (problem.empty()) problem = path->read_trailer(req, view);
       if (!problem.empty()) {
         fail(LLM_LINK_FAILED, "malformed request from the peer (" + problem + "); closing the link");
         return false;
       }
-      serve_by_path(conn, header, std::move(req), type == FrameType::kWriteFrom, path);
+      serve_by_path(conn, header, std::move(req), type == FrameType::kWriteFrom, path, std::move(view));
       return !is_down();
     }
     case FrameType::kPeerCopies:
@@ -136,10 +138,11 @@ std::shared_ptr<DataPath> Link::path_serving(const wire::Request &req) const {
 }
 
 void Link::serve_by_path(Connection &conn, const FrameHeader &header, wire::Request req, bool write,
-                         const std::shared_ptr<DataPath> &path) {
+                         const std::shared_ptr<DataPath> &path, std::shared_ptr<const void> view) {
   auto frame = std::make_shared<ServedFrame>();
   frame->req = std::move(req);
   frame->write = write;
+  frame->view = std::move(view);
   const Status st = resolve_in_group(frame->req, frame->target);
   if (st != LLM_SUCCESS) {
     send_answer(conn, answer(write ? FrameType::kWriteAck : FrameType::kReadData, header.op_id, st, frame->target.why));

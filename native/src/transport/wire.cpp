@@ -34,63 +34,34 @@ std::string check_header(const FrameHeader &h) {
 
 std::vector<uint8_t> encode_request(const Target &target, const std::vector<Range> &ranges,
                                     const std::vector<Range> &bounds, const std::vector<Segment> &segments,
-                                    const std::vector<Stride> &strides, const std::vector<DeviceExport> &exports) {
+                                    const std::vector<Stride> &strides, uint16_t trailer_path,
+                                    const std::vector<uint8_t> &trailer) {
   const size_t tables = (ranges.size() + bounds.size()) * sizeof(Range);
   const size_t stride_bytes = strides.size() * sizeof(Stride);
   const size_t segment_bytes = segments.size() * sizeof(Segment);
-  const size_t export_bytes = exports.empty() ? 0 : 2 * sizeof(uint32_t) + exports.size() * sizeof(DeviceExport);
-  std::vector<uint8_t> body(sizeof(Target) + tables + stride_bytes + segment_bytes + export_bytes);
+  const size_t trailer_bytes = trailer.empty() ? 0 : sizeof(PathPart) + trailer.size();
+  std::vector<uint8_t> body(sizeof(Target) + tables + stride_bytes + segment_bytes + trailer_bytes);
   Target t = target;
   t.range_count = static_cast<uint32_t>(ranges.size());
   t.bound_count = static_cast<uint16_t>(bounds.size());
   t.flags = static_cast<uint8_t>(strides.empty() ? t.flags & ~kStrided : t.flags | kStrided);
-  t.flags = static_cast<uint8_t>(exports.empty() ? t.flags & ~kDeviceSegments : t.flags | kDeviceSegments);
+  t.flags = static_cast<uint8_t>(trailer.empty() ? t.flags & ~kPathTrailer : t.flags | kPathTrailer);
   std::memcpy(body.data(), &t, sizeof(t));
   uint8_t *at = body.data() + sizeof(Target);
   if (!ranges.empty()) std::memcpy(at, ranges.data(), ranges.size() * sizeof(Range));
   if (!bounds.empty()) std::memcpy(at + ranges.size() * sizeof(Range), bounds.data(), bounds.size() * sizeof(Range));
   if (!strides.empty()) std::memcpy(at + tables, strides.data(), stride_bytes);
   if (!segments.empty()) std::memcpy(at + tables + stride_bytes, segments.data(), segment_bytes);
-  if (!exports.empty()) {
-    uint8_t *table = at + tables + stride_bytes + segment_bytes;
-    const uint32_t head[2] = {static_cast<uint32_t>(exports.size()), 0};
-    std::memcpy(table, head, sizeof(head));
-    std::memcpy(table + sizeof(head), exports.data(), exports.size() * sizeof(DeviceExport));
+  if (!trailer.empty()) {
+    uint8_t *tail = at + tables + stride_bytes + segment_bytes;
+    const PathPart head{trailer_path, 0, static_cast<uint32_t>(trailer.size())};
+    std::memcpy(tail, &head, sizeof(head));
+    std::memcpy(tail + sizeof(head), trailer.data(), trailer.size());
   }
   return body;
 }
 
 namespace {
-
-// The key table of a kUcxSegments body, from `at` to its end.
-std::string decode_ucx_keys(const std::vector<uint8_t> &body, size_t at, Request &out) {
-  uint32_t head[2] = {0, 0};
-  if (body.size() < at + sizeof(head)) return "UCX key table missing";
-  std::memcpy(head, body.data() + at, sizeof(head));
-  if (head[0] == 0 || head[0] > kMaxUcxKeys || head[1] != 0) return "bad UCX key count";
-  at += sizeof(head);
-  for (uint32_t i = 0; i < head[0]; ++i) {
-    UcxKey key{};
-    if (body.size() - at < sizeof(key)) return "UCX key table too short";
-    std::memcpy(&key, body.data() + at, sizeof(key));
-    at += sizeof(key);
-    if (key.key_length == 0 || key.key_length > kMaxUcxKeyBytes || key.zero != 0 || key.length == 0 ||
-        key.base + key.length < key.base) {
-      return "bad UCX key";
-    }
-    const size_t padded = (static_cast<size_t>(key.key_length) + 7) / 8 * 8;
-    if (body.size() - at < padded) return "UCX key table too short";
-    if (!std::all_of(body.begin() + static_cast<std::ptrdiff_t>(at + key.key_length),
-                     body.begin() + static_cast<std::ptrdiff_t>(at + padded), [](uint8_t b) { return b == 0; })) {
-      return "UCX key padding not zero";
-    }
-    out.ucx_keys.push_back(key);
-    out.ucx_key_bytes.emplace_back(reinterpret_cast<const char *>(body.data() + at), key.key_length);
-    at += padded;
-  }
-  if (at != body.size()) return "UCX key table length mismatch";
-  return {};
-}
 
 // Replaces each strided range (and its segment) by the ranges it stands for.
 std::string unroll(const std::vector<Stride> &strides, Request &out) {
@@ -139,43 +110,25 @@ std::string decode_request(const std::vector<uint8_t> &body, Request &out, bool 
   std::memcpy(&out.target, body.data(), sizeof(Target));
   const Target &t = out.target;
   if (t.kind < kById || t.kind > kRawAddress) return "unknown target kind";
-  if ((t.flags & ~(kWithinSlot | kReleaseKey | kStrided | kDeviceSegments | kUcxSegments)) != 0) {
-    return "unknown target flags";
-  }
-  const bool device_segments = (t.flags & kDeviceSegments) != 0;
-  const bool ucx_segments = (t.flags & kUcxSegments) != 0;
-  if ((device_segments || ucx_segments) && !with_segments) return "device segments without segments";
-  if (device_segments && ucx_segments) return "device and UCX segments together";
+  if ((t.flags & ~(kWithinSlot | kReleaseKey | kStrided | kPathTrailer)) != 0) return "unknown target flags";
+  const bool trailed = (t.flags & kPathTrailer) != 0;
+  if (trailed && !with_segments) return "a path's trailer without segments";
   if ((t.flags & kReleaseKey) != 0 && t.kind != kByKey) return "key release without a key";
   if (t.range_count > kMaxRanges || t.bound_count > kMaxBounds) return "too many ranges";
   const size_t count = static_cast<size_t>(t.range_count) + t.bound_count;
   const size_t strides = (t.flags & kStrided) != 0 ? t.range_count : 0;
   const size_t segments = with_segments ? t.range_count : 0;
   const size_t fixed = sizeof(Target) + count * sizeof(Range) + strides * sizeof(Stride) + segments * sizeof(Segment);
-  size_t export_count = 0;
-  if (device_segments) {
-    uint32_t head[2] = {0, 0};
-    if (body.size() < fixed + sizeof(head)) return "export table missing";
-    std::memcpy(head, body.data() + fixed, sizeof(head));
-    if (head[0] == 0 || head[0] > kMaxExports || head[1] != 0) return "bad export count";
-    export_count = head[0];
-    if (body.size() != fixed + sizeof(head) + export_count * sizeof(DeviceExport)) return "export table length mismatch";
-    out.exports.resize(export_count);
-    std::memcpy(out.exports.data(), body.data() + fixed + sizeof(head), export_count * sizeof(DeviceExport));
-    for (const DeviceExport &e : out.exports) {
-      if (e.kind == kExportIpc) continue;
-      if (e.kind != kExportFd) return "unknown device export kind";
-      DeviceFd fd{};
-      std::memcpy(&fd, e.handle, sizeof(fd));
-      const bool rest_zero = std::all_of(e.handle + sizeof(fd), e.handle + sizeof(e.handle),
-                                         [](uint8_t b) { return b == 0; });
-      if (fd.fd < 0 || fd.zero != 0 || fd.size == 0 || e.base + fd.size < e.base || !rest_zero) {
-        return "bad device fd export";
-      }
+  if (trailed) {
+    // The path's trailer runs to the body's end; its path reads it.
+    PathPart head{};
+    if (body.size() < fixed + sizeof(head)) return "path trailer missing";
+    std::memcpy(&head, body.data() + fixed, sizeof(head));
+    if (head.zero != 0 || head.length == 0 || body.size() - fixed - sizeof(head) != head.length) {
+      return "path trailer length mismatch";
     }
-  } else if (ucx_segments) {
-    std::string problem = decode_ucx_keys(body, fixed, out);
-    if (!problem.empty()) return problem;
+    out.trailer_path = head.path;
+    out.trailer.assign(body.begin() + static_cast<std::ptrdiff_t>(fixed + sizeof(head)), body.end());
   } else if (body.size() != fixed) {
     return "range table length mismatch";
   }
@@ -195,7 +148,7 @@ std::string decode_request(const std::vector<uint8_t> &body, Request &out, bool 
   for (size_t i = 0; i < segments; ++i) {
     if (out.segments[i].length != out.ranges[i].length) return "segment length differs from its range";
   }
-  const uint64_t most = device_segments ? kMaxDeviceFrameData : kMaxFrameData;
+  const uint64_t most = trailed ? kMaxTrailerFrameData : kMaxFrameData;
   for (const Range &r : out.ranges) {
     if (r.length == 0 || r.length > most) return "bad range length";
   }
@@ -210,35 +163,6 @@ std::string decode_request(const std::vector<uint8_t> &body, Request &out, bool 
   }
   for (const Segment &s : out.segments) {
     if (s.addr + s.length < s.addr) return "segment wraps around the address space";
-  }
-  if (ucx_segments) {
-    // Each segment inside one key's range.
-    out.segment_key.resize(out.segments.size());
-    for (size_t i = 0; i < out.segments.size(); ++i) {
-      const Segment &s = out.segments[i];
-      size_t k = 0;
-      while (k < out.ucx_keys.size() && !(s.addr >= out.ucx_keys[k].base &&
-                                          s.length <= out.ucx_keys[k].length &&
-                                          s.addr - out.ucx_keys[k].base <= out.ucx_keys[k].length - s.length)) {
-        ++k;
-      }
-      if (k == out.ucx_keys.size()) return "UCX segment outside every key";
-      out.segment_key[i] = static_cast<uint32_t>(k);
-    }
-  }
-  if (device_segments) {
-    // Each segment's export: the greatest base at or below its address.
-    std::vector<uint32_t> by_base(out.exports.size());
-    for (uint32_t i = 0; i < by_base.size(); ++i) by_base[i] = i;
-    std::sort(by_base.begin(), by_base.end(),
-              [&](uint32_t a, uint32_t b) { return out.exports[a].base < out.exports[b].base; });
-    out.segment_export.resize(out.segments.size());
-    for (size_t i = 0; i < out.segments.size(); ++i) {
-      auto it = std::upper_bound(by_base.begin(), by_base.end(), out.segments[i].addr,
-                                 [&](uint64_t addr, uint32_t e) { return addr < out.exports[e].base; });
-      if (it == by_base.begin()) return "device segment below every export";
-      out.segment_export[i] = *std::prev(it);
-    }
   }
   return {};
 }

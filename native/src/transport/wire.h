@@ -26,12 +26,9 @@ constexpr uint32_t kMagic = 0x4F414444;  // "DDAO"
 constexpr uint16_t kVersion = 2;
 constexpr uint32_t kMaxBodyBytes = 1u << 20;
 constexpr uint64_t kMaxFrameData = 64ull << 20;
-// A same-host frame naming device exports (kDeviceSegments) carries no
-// bytes: it may name this many, to a peer that said so (its same-host
-// part's kBigDeviceFrames). The owner queues a frame's copies at once, so
-// fewer, longer frames keep its device busy where its time per frame would
-// leave it idle.
-constexpr uint64_t kMaxDeviceFrameData = 256ull << 20;
+// A frame by reference with a path's trailer (kPathTrailer) may name this
+// many bytes, where its path allows it (the path checks its own bound).
+constexpr uint64_t kMaxTrailerFrameData = 256ull << 20;
 constexpr uint32_t kMaxBounds = 2;
 constexpr uint32_t kMaxRanges = (kMaxBodyBytes - 64) / 32 - kMaxBounds;
 // The ranges of one request once its strided ranges are unrolled.
@@ -51,14 +48,15 @@ enum class FrameType : uint16_t {
   kLookupReply = 8,
   kUnlink = 9,     // the initiator is going away; answered once the owner dropped the link
   kUnlinkAck = 10,
-  // Same-host operations: the body names the owner's ranges and, one per
-  // range, the initiator's own memory (Segment); no data follows. The owner
-  // copies with one kernel call: from the initiator's memory for kWriteFrom,
-  // into it for kReadInto. Answered by kWriteAck / kReadData without data.
+  // Operations by reference: the body names the owner's ranges and, one per
+  // range, the initiator's own memory (Segment); no data follows. The path
+  // that serves the frame moves the bytes: from the initiator's memory for
+  // kWriteFrom, into it for kReadInto. Answered by kWriteAck / kReadData
+  // without data.
   kWriteFrom = 11,
   kReadInto = 12,
-  // The sender can reach the receiver's memory: the receiver may send its
-  // operations as same-host frames from now on.
+  // A path of the sender's reaches the receiver's memory: the receiver may
+  // send its operations by reference from now on (the path's first frame).
   kPeerCopies = 13,
   // Handshake with a link secret: the acceptor's fresh nonce, then the
   // initiator's proof (see transport/auth.h).
@@ -114,10 +112,12 @@ enum HelloFlags : uint32_t {
   kPathParts = 8192,
 };
 
-// With kPathParts, after the granted count: a uint32 count (1 to
-// kMaxPathParts), then `count` parts, each this and its `length` bytes. A
-// part belongs to the path numbered `path` (paths/paths.h); no number
-// twice. A path this end lacks ignores its part.
+// A path's own bytes in a handshake or a frame, after this head: with
+// kPathParts, after the granted count, a uint32 count (1 to kMaxPathParts)
+// then `count` parts, each this and its `length` bytes, no path number twice
+// (a path this end lacks ignores its part); with kPathTrailer, one after a
+// request's segments, running to the body's end. The number is the path's
+// (paths/paths.h).
 struct PathPart {
   uint16_t path;
   uint16_t zero;
@@ -147,7 +147,7 @@ struct HelloAck {
   uint32_t flags;
 };
 
-// The initiator's memory for one range of a same-host operation.
+// The initiator's memory for one range of an operation by reference.
 struct Segment {
   uint64_t addr;
   uint64_t length;
@@ -161,13 +161,11 @@ enum TargetFlags : uint8_t {
   kWithinSlot = 1,  // every range must stay inside one slot
   kReleaseKey = 2,  // a read through a key: the owner releases the key once every tensor was read
   kStrided = 4,     // a Stride per range follows the bounds
-  // Same-host frames only: the segments are addresses in the initiator's
-  // device memory, and an export table follows them (see DeviceExport).
-  kDeviceSegments = 8,
-  // Same-host frame types on a UCX link: the segments are addresses in the
-  // initiator's host memory that the owner reaches with UCX, and a key
-  // table follows them (see UcxKey). Not beside kDeviceSegments.
-  kUcxSegments = 16,
+  // Frames by reference only: after the segments, a PathPart and its bytes,
+  // the trailer of the path that carried the frame (what the owner needs
+  // to reach the segments: export handles, keys), which only that path
+  // reads; it serves the frame.
+  kPathTrailer = 8,
 };
 
 // Names a cache on the owner and how the initiator sees its geometry.
@@ -204,7 +202,7 @@ static_assert(sizeof(Range) == 32, "range layout");
 
 // With kStrided, range i stands for `count` ranges of its length, the j-th
 // at offset + j * stride (stride >= length when count > 1, so they do not
-// overlap); on a same-host frame its segment repeats likewise, at
+// overlap); on a frame by reference its segment repeats likewise, at
 // addr + j * segment_stride (0 on any other frame). The owner unrolls and
 // checks every one of them as a range of its own.
 struct Stride {
@@ -214,48 +212,6 @@ struct Stride {
   uint64_t segment_stride;
 };
 static_assert(sizeof(Stride) == 24, "stride layout");
-
-// With kDeviceSegments, after the segments: a uint32 count, a uint32 zero,
-// then `count` of these. Each names one device allocation of the
-// initiator's and its base address there: of kind kExportIpc, as
-// cuIpcGetMemHandle exported it; of kind kExportFd, memory of cuMemCreate
-// exported as a POSIX file descriptor of the initiator's process (the
-// handle bytes are a DeviceFd). A segment lies in the export with the
-// greatest base at or below its address, at that distance from the base,
-// and may run on into exports whose bases follow without a gap. The owner
-// opens (or imports) each export and checks every segment against the size
-// of what it opened.
-enum DeviceExportKind : uint32_t { kExportIpc = 0, kExportFd = 1 };
-struct DeviceExport {
-  uint8_t handle[64];
-  uint64_t base;
-  int32_t ordinal;  // the initiator's device (a hint: where to open it)
-  uint32_t kind;    // DeviceExportKind
-};
-static_assert(sizeof(DeviceExport) == 80, "device export layout");
-// The handle of a kExportFd export; the rest of the 64 bytes are zero.
-struct DeviceFd {
-  int32_t fd;       // the descriptor's number in the initiator's process
-  uint32_t zero;
-  uint64_t size;    // bytes mapped at the base: what the owner maps
-  uint64_t serial;  // the initiator's number for this export (a reused descriptor number differs in it)
-};
-static_assert(sizeof(DeviceFd) == 24, "device fd layout");
-constexpr uint32_t kMaxExports = 1024;
-
-// With kUcxSegments, after the segments: a uint32 count, a uint32 zero,
-// then `count` keys, each this and then its `key_length` packed bytes,
-// padded with zeros to a multiple of 8. A key covers [base, base + length)
-// of the initiator's memory; every segment must lie inside one of them.
-struct UcxKey {
-  uint64_t base;
-  uint64_t length;
-  uint32_t key_length;
-  uint32_t zero;
-};
-static_assert(sizeof(UcxKey) == 24, "ucx key layout");
-constexpr uint32_t kMaxUcxKeys = 256;
-constexpr uint32_t kMaxUcxKeyBytes = 4096;
 
 struct LookupReply {
   int64_t cache_id;
@@ -274,34 +230,26 @@ FrameHeader make_header(FrameType type, uint64_t op_id, uint32_t body_len, uint6
 std::string check_header(const FrameHeader &header);
 
 // A decoded request body: the target, its ranges (strided ranges unrolled)
-// and its bounds, and for a same-host frame the initiator's segment of each
-// range.
+// and its bounds, and for a frame by reference the initiator's segment of
+// each range and the trailer of its path (kPathTrailer).
 struct Request {
   Target target{};
   std::vector<Range> ranges;
   std::vector<Range> bounds;
   std::vector<Segment> segments;
-  // kDeviceSegments: the export table, and for each segment the index of
-  // the export it lies in.
-  std::vector<DeviceExport> exports;
-  std::vector<uint32_t> segment_export;
-  // kUcxSegments: the keys (their packed bytes), and for each segment the
-  // index of the key it lies in.
-  std::vector<UcxKey> ucx_keys;
-  std::vector<std::string> ucx_key_bytes;
-  std::vector<uint32_t> segment_key;
+  uint16_t trailer_path = 0;
+  std::vector<uint8_t> trailer;
   uint64_t total_bytes = 0;
 };
 
-// Encodes a target, ranges, bounds, (same-host frames) segments, when not
-// empty one stride per range (sets kStrided) and, when not empty, the
-// export table of device segments (sets kDeviceSegments) into a body. A
-// target with kUcxSegments has its key table appended by the caller.
+// Encodes a target, ranges, bounds, (frames by reference) segments, when
+// not empty one stride per range (sets kStrided) and, when not empty, the
+// trailer of path `trailer_path` (sets kPathTrailer) into a body.
 std::vector<uint8_t> encode_request(const Target &target, const std::vector<Range> &ranges,
                                     const std::vector<Range> &bounds = {},
                                     const std::vector<Segment> &segments = {},
-                                    const std::vector<Stride> &strides = {},
-                                    const std::vector<DeviceExport> &exports = {});
+                                    const std::vector<Stride> &strides = {}, uint16_t trailer_path = 0,
+                                    const std::vector<uint8_t> &trailer = {});
 // Empty string on success; otherwise why the body is malformed. A body with
 // `with_segments` must carry one segment per range, of the range's length.
 std::string decode_request(const std::vector<uint8_t> &body, Request &out, bool with_segments = false);

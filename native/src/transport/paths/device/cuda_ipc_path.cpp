@@ -11,6 +11,7 @@
 #include "log.h"
 #include "transport/io_loop.h"
 #include "transport/paths/device/exports.h"
+#include "transport/paths/same_host/same_host_kind.h"
 #include "transport/paths/same_host/same_host_path.h"
 
 namespace datadist {
@@ -54,21 +55,24 @@ int CudaIpcPath::device_by_reference() const {
 }
 
 uint64_t CudaIpcPath::device_frame_bytes() const {
-  return peer_big_frames_ ? wire::kMaxDeviceFrameData : wire::kMaxFrameData;
+  return peer_big_frames_ ? wire::kMaxTrailerFrameData : wire::kMaxFrameData;
 }
 
 Carry CudaIpcPath::carry(const PlannedFrame &planned, const cuda::Device *device, bool exports_ok, size_t body_bytes,
                          Carried &out) {
   if (device == nullptr || !same_host_->active() || body_bytes > wire::kMaxBodyBytes) return Carry::kNext;
   if (!exports_ok || !peer_opens_device_ || exports_refused_.load(std::memory_order_acquire)) return Carry::kNext;
-  if (!export_all(*device, planned, out.exports) ||
-      body_bytes + 2 * sizeof(uint32_t) + out.exports.size() * sizeof(wire::DeviceExport) > wire::kMaxBodyBytes) {
-    out.exports.clear();
+  std::vector<device_exports::DeviceExport> exports;
+  if (!export_all(*device, planned, exports) ||
+      body_bytes + sizeof(wire::PathPart) + 2 * sizeof(uint32_t) + exports.size() * sizeof(device_exports::DeviceExport) >
+          wire::kMaxBodyBytes) {
     return Carry::kNext;
   }
+  out.trailer_path = same_host::SameHostKind::kId;
+  out.trailer = device_exports::encode_table(exports);
   frames_.fetch_add(1, std::memory_order_relaxed);
-  if (std::any_of(out.exports.begin(), out.exports.end(),
-                  [](const wire::DeviceExport &e) { return e.kind == wire::kExportFd; })) {
+  if (std::any_of(exports.begin(), exports.end(),
+                  [](const device_exports::DeviceExport &e) { return e.kind == device_exports::kExportFd; })) {
     fd_frames_.fetch_add(1, std::memory_order_relaxed);
   }
   out.may_resend = true;
@@ -82,7 +86,7 @@ void CudaIpcPath::refused(const std::string &why) {
 }
 
 bool CudaIpcPath::export_all(const cuda::Device &device, const PlannedFrame &planned,
-                             std::vector<wire::DeviceExport> &exports) {
+                             std::vector<device_exports::DeviceExport> &exports) {
   std::vector<cuda::Export> found;
   for (const iovec &v : planned.local) {
     auto addr = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(v.iov_base));
@@ -98,7 +102,7 @@ bool CudaIpcPath::export_all(const cuda::Device &device, const PlannedFrame &pla
         } else {
           cuda::Export made;
           std::string why;
-          if (found.size() == wire::kMaxExports || !device.export_at(addr, peer_takes_fds_, made, why)) return false;
+          if (found.size() == device_exports::kMaxExports || !device.export_at(addr, peer_takes_fds_, made, why)) return false;
           found.push_back(made);
         }
       }
@@ -111,10 +115,24 @@ bool CudaIpcPath::export_all(const cuda::Device &device, const PlannedFrame &pla
 }
 
 bool CudaIpcPath::serves(const wire::Request &req) const {
-  return same_host_->peer_memory() != nullptr && (req.target.flags & wire::kDeviceSegments) != 0;
+  return same_host_->peer_memory() != nullptr && (req.target.flags & wire::kPathTrailer) != 0 &&
+         req.trailer_path == same_host::SameHostKind::kId;
 }
 
-bool CudaIpcPath::open_exports(const std::vector<wire::DeviceExport> &exports,
+// The frame's exports, and each segment's.
+struct CudaIpcPath::Table {
+  std::vector<device_exports::DeviceExport> exports;
+  std::vector<uint32_t> segment_export;
+};
+
+std::string CudaIpcPath::read_trailer(const wire::Request &req, std::shared_ptr<const void> &view) const {
+  auto table = std::make_shared<Table>();
+  std::string problem = device_exports::decode_table(req.trailer, req.segments, table->exports, table->segment_export);
+  if (problem.empty()) view = std::move(table);
+  return problem;
+}
+
+bool CudaIpcPath::open_exports(const std::vector<device_exports::DeviceExport> &exports,
                                const std::shared_ptr<cuda::Device> &device,
                                std::vector<std::shared_ptr<cuda::PeerAllocation>> &out, std::string &why) {
   const same_host::PeerMemory &peer = *same_host_->peer_memory();
@@ -128,7 +146,7 @@ bool CudaIpcPath::open_exports(const std::vector<wire::DeviceExport> &exports,
   if (!in) return false;
   std::lock_guard<std::mutex> lock(opened_mu_);
   out.clear();
-  for (const wire::DeviceExport &e : exports) {
+  for (const device_exports::DeviceExport &e : exports) {
     std::string key = device_exports::key(e, in->ordinal());
     auto it = opened_.find(key);
     if (it == opened_.end()) {
@@ -146,12 +164,13 @@ bool CudaIpcPath::open_exports(const std::vector<wire::DeviceExport> &exports,
 void CudaIpcPath::serve(std::shared_ptr<ServedFrame> frame) {
   const auto began = std::chrono::steady_clock::now();
   const wire::Request &req = frame->req;
+  const Table &table = *std::static_pointer_cast<const Table>(frame->view);
   const bool write = frame->write;
   ResolvedTarget &target = frame->target;
   std::vector<std::shared_ptr<cuda::PeerAllocation>> opened;
   {
     std::string why;
-    if (!open_exports(req.exports, target.device, opened, why)) {
+    if (!open_exports(table.exports, target.device, opened, why)) {
       frame->done(Moved::inline_instead("cannot open the initiator's device memory here: " + why));
       return;
     }
@@ -162,28 +181,28 @@ void CudaIpcPath::serve(std::shared_ptr<ServedFrame> frame) {
   std::vector<cuda::Copy> copies;
   uint64_t fd_bytes = 0;
   const auto following = [&](uint64_t base) -> int64_t {
-    for (size_t e = 0; e < req.exports.size(); ++e) {
-      if (req.exports[e].base == base) return static_cast<int64_t>(e);
+    for (size_t e = 0; e < table.exports.size(); ++e) {
+      if (table.exports[e].base == base) return static_cast<int64_t>(e);
     }
     return -1;
   };
   for (size_t i = 0; i < req.segments.size(); ++i) {
     const wire::Segment &seg = req.segments[i];
-    uint32_t e = req.segment_export[i];
-    uint64_t offset = seg.addr - req.exports[e].base;
+    uint32_t e = table.segment_export[i];
+    uint64_t offset = seg.addr - table.exports[e].base;
     auto mine = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(target.iov[i].iov_base));
     const bool mine_device = target.device != nullptr;
     uint64_t left = seg.length;
     while (left > 0) {
       const cuda::PeerAllocation &peer = *opened[e];
       const int64_t next = offset < peer.size() && left > peer.size() - offset
-                               ? following(req.exports[e].base + peer.size())
+                               ? following(table.exports[e].base + peer.size())
                                : -1;
       if (offset >= peer.size() || (left > peer.size() - offset && next < 0)) {
         frame->done(Moved::refusal(llm_datadist::LLM_PARAM_INVALID,
                                    "device segment " + std::to_string(i) + " [" + std::to_string(seg.addr) + ", +" +
                                        std::to_string(seg.length) + ") runs outside its exported allocation of " +
-                                       std::to_string(peer.size()) + " bytes at " + std::to_string(req.exports[e].base),
+                                       std::to_string(peer.size()) + " bytes at " + std::to_string(table.exports[e].base),
                                    "refused a device operation: "));
         return;
       }

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "transport/data_path.h"
+#include "transport/paths/device/exports.h"
 
 namespace datadist {
 
@@ -45,6 +46,7 @@ class CudaIpcPath : public DataPath {
               Carried &out) override;
   void refused(const std::string &why) override;
   bool serves(const wire::Request &req) const override;
+  std::string read_trailer(const wire::Request &req, std::shared_ptr<const void> &view) const override;
   bool checks_initiator_first() const override { return true; }
   bool reap_waits() const override { return true; }
   void serve(std::shared_ptr<ServedFrame> frame) override;
@@ -55,13 +57,14 @@ class CudaIpcPath : public DataPath {
 
  private:
   struct Copies;
+  struct Table;
   // The exports of the allocations holding the frame's device memory;
   // false where one cannot be exported or there are too many.
-  bool export_all(const cuda::Device &device, const PlannedFrame &planned, std::vector<wire::DeviceExport> &exports);
+  bool export_all(const cuda::Device &device, const PlannedFrame &planned, std::vector<device_exports::DeviceExport> &exports);
   // The peer's exports opened in `device`'s context (null: this end's
   // memory is host memory; the export's device is used), cached; false
   // with `why` when one cannot be opened here.
-  bool open_exports(const std::vector<wire::DeviceExport> &exports, const std::shared_ptr<cuda::Device> &device,
+  bool open_exports(const std::vector<device_exports::DeviceExport> &exports, const std::shared_ptr<cuda::Device> &device,
                     std::vector<std::shared_ptr<cuda::PeerAllocation>> &out, std::string &why);
   // Answers a frame whose copies landed well; false where they failed, or
   // on the driver's thread (`driver_thread`) where answering may call the

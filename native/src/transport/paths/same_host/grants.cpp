@@ -195,7 +195,7 @@ bool Grantor::start(std::string &why) {
   return true;
 }
 
-bool Grantor::export_tensors(const CacheEntry &entry, std::vector<wire::DeviceExport> &out) {
+bool Grantor::export_tensors(const CacheEntry &entry, std::vector<device_exports::DeviceExport> &out) {
   out.clear();
   out.reserve(entry.addrs.size());
   for (uint8_t *at : entry.addrs) {
@@ -220,9 +220,9 @@ void Grantor::added(const std::shared_ptr<CacheEntry> &entry) {
   if (!entry->remote_accessible || entry->id <= 0 || entry->addrs.empty()) return;
   // Device memory as its allocations' exports (made before the lock: the
   // driver is called), within what one message carries.
-  std::vector<wire::DeviceExport> exports;
+  std::vector<device_exports::DeviceExport> exports;
   if (entry->device) {
-    const uint64_t bytes = sizeof(GrantMessage) + entry->addrs.size() * (sizeof(uint64_t) + sizeof(wire::DeviceExport));
+    const uint64_t bytes = sizeof(GrantMessage) + entry->addrs.size() * (sizeof(uint64_t) + sizeof(device_exports::DeviceExport));
     if (bytes > wire::kMaxBodyBytes || !export_tensors(*entry, exports)) {
       refused_.fetch_add(1, std::memory_order_relaxed);
       return;
@@ -257,13 +257,13 @@ void Grantor::added(const std::shared_ptr<CacheEntry> &entry) {
     given_.emplace(entry.get(), std::move(given));
   }
   const size_t n = entry->addrs.size();
-  std::vector<uint8_t> body = bytes_of(message, n * sizeof(uint64_t) + exports.size() * sizeof(wire::DeviceExport));
+  std::vector<uint8_t> body = bytes_of(message, n * sizeof(uint64_t) + exports.size() * sizeof(device_exports::DeviceExport));
   uint8_t *at = body.data() + sizeof(GrantMessage);
   for (size_t t = 0; t < n; ++t, at += sizeof(uint64_t)) {
     const uint64_t addr = reinterpret_cast<uintptr_t>(entry->addrs[t]);
     std::memcpy(at, &addr, sizeof(addr));
   }
-  if (!exports.empty()) std::memcpy(at, exports.data(), exports.size() * sizeof(wire::DeviceExport));
+  if (!exports.empty()) std::memcpy(at, exports.data(), exports.size() * sizeof(device_exports::DeviceExport));
   granted_.fetch_add(1, std::memory_order_relaxed);
   send_(std::move(body));
 }
@@ -384,7 +384,7 @@ bool GrantBook::take(const uint8_t *body, size_t size, std::vector<uint8_t> &ans
       GrantMessage m{};
       if (size < sizeof(m)) return false;
       std::memcpy(&m, body, sizeof(m));
-      const uint64_t each = sizeof(uint64_t) + (kind == kDeviceGrantMessage ? sizeof(wire::DeviceExport) : 0);
+      const uint64_t each = sizeof(uint64_t) + (kind == kDeviceGrantMessage ? sizeof(device_exports::DeviceExport) : 0);
       if (m.slot >= GrantTable::kSlots || m.num_tensors == 0 || m.num_tensors > kMaxGrantTensors ||
           size != sizeof(m) + uint64_t{m.num_tensors} * each || m.cache_id <= 0 || m.has_model > 1 ||
           (m.state & 1) != 0 || m.slot_size == 0) {
@@ -409,11 +409,11 @@ bool GrantBook::take(const uint8_t *body, size_t size, std::vector<uint8_t> &ans
         // Each tensor inside the allocation it names (its size is checked
         // again against what the driver opens).
         grant->exports.resize(m.num_tensors);
-        std::memcpy(grant->exports.data(), at, m.num_tensors * sizeof(wire::DeviceExport));
+        std::memcpy(grant->exports.data(), at, m.num_tensors * sizeof(device_exports::DeviceExport));
         for (uint32_t t = 0; t < m.num_tensors; ++t) {
-          const wire::DeviceExport &e = grant->exports[t];
+          const device_exports::DeviceExport &e = grant->exports[t];
           const auto addr = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(cache->addrs[t]));
-          if ((e.kind != wire::kExportIpc && e.kind != wire::kExportFd) || addr < e.base) return false;
+          if ((e.kind != device_exports::kExportIpc && e.kind != device_exports::kExportFd) || addr < e.base) return false;
         }
       }
       grant->cache = std::move(cache);

@@ -39,6 +39,7 @@
 #include "device/cuda_driver.h"
 #include "registry.h"
 #include "transport/wire.h"
+#include "transport/paths/device/exports.h"
 
 namespace datadist::same_host {
 
@@ -126,7 +127,7 @@ class Grantor : public RegistryWatcher, public std::enable_shared_from_this<Gran
   void revoke(Given given);
   // The exports of a device cache's tensors, each inside one allocation;
   // false where one cannot be exported so (its operations stay served here).
-  static bool export_tensors(const CacheEntry &entry, std::vector<wire::DeviceExport> &out);
+  static bool export_tensors(const CacheEntry &entry, std::vector<device_exports::DeviceExport> &out);
   Registry &registry_;
   const Send send_;
   const pid_t holder_;
@@ -148,7 +149,7 @@ struct Grant {
   uint64_t state = 0;
   // A cache in device memory: each tensor's allocation as the owner
   // exported it (empty: host memory).
-  std::vector<wire::DeviceExport> exports;
+  std::vector<device_exports::DeviceExport> exports;
   // Those allocations opened here, a tensor each, in device `opened_in`'s
   // context, on first use (opened_mu); closed with the grant, which is let
   // go of off the driver's thread.

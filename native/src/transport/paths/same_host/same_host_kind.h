@@ -33,14 +33,14 @@ static_assert(sizeof(SameHostPart) == 72, "same-host part layout");
 
 enum Caps : uint32_t {
   // Hello or ack: the sender reads same-host frames whose segments are
-  // exported device memory (wire::kDeviceSegments); an end sends them only
+  // exported device memory (the CUDA IPC path's trailer); an end sends them only
   // to a peer that said so. The acceptor says it back only to one that did.
   kOpensDevice = 1,
   // Beside kOpensDevice: it also reads device exports of kind kExportFd,
   // taking each descriptor out of the peer's process (pidfd_getfd).
   kTakesFds = 2,
   // Beside kOpensDevice: it reads frames naming device exports of up to
-  // wire::kMaxDeviceFrameData bytes (else kMaxFrameData).
+  // wire::kMaxTrailerFrameData bytes (else kMaxFrameData).
   kBigDeviceFrames = 4,
   // Ack only: the acceptor reached the initiator's memory.
   kCopiesForYou = 8,

@@ -75,7 +75,7 @@ bool SameHostPath::move(bool write, const PlannedFrame &planned, const std::shar
   // while this end's driver opens and copies it.
   const wire::Target &t = planned.target;
   if (!book_ || !moves_.load(std::memory_order_relaxed) ||
-      (t.flags & (wire::kReleaseKey | wire::kDeviceSegments | wire::kUcxSegments)) != 0) {
+      (t.flags & (wire::kReleaseKey | wire::kPathTrailer)) != 0) {
     return false;
   }
   std::shared_ptr<const same_host::Grant> grant = book_->find(t);
@@ -178,7 +178,7 @@ bool SameHostPath::open_grant(const same_host::Grant &grant, const std::shared_p
     std::map<std::string, std::shared_ptr<cuda::PeerAllocation>> by_export;
     std::vector<std::shared_ptr<cuda::PeerAllocation>> opened;
     opened.reserve(grant.exports.size());
-    for (const wire::DeviceExport &e : grant.exports) {
+    for (const device_exports::DeviceExport &e : grant.exports) {
       std::shared_ptr<cuda::PeerAllocation> &one = by_export[device_exports::key(e, in->ordinal())];
       if (!one) one = device_exports::open(e, peer_memory_->pid(), in, why);
       if (!one) return false;
@@ -288,7 +288,7 @@ Carry SameHostPath::carry(const PlannedFrame &planned, const cuda::Device *devic
 }
 
 bool SameHostPath::serves(const wire::Request &req) const {
-  return peer_memory_ != nullptr && (req.target.flags & (wire::kDeviceSegments | wire::kUcxSegments)) == 0;
+  return peer_memory_ != nullptr && (req.target.flags & wire::kPathTrailer) == 0;
 }
 
 void SameHostPath::serve(std::shared_ptr<ServedFrame> frame) {

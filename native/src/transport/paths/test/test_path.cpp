@@ -103,7 +103,7 @@ std::unique_ptr<PathHandshake> TestKind::handshake(uint64_t, bool) { return std:
 bool TestPath::move(bool write, const PlannedFrame &planned, const std::shared_ptr<cuda::Device> &device,
                     const Settle &settle) {
   const wire::Target &t = planned.target;
-  if (device || (t.flags & (wire::kReleaseKey | wire::kDeviceSegments | wire::kUcxSegments)) != 0) return false;
+  if (device || (t.flags & (wire::kReleaseKey | wire::kPathTrailer)) != 0) return false;
   // The request as the owner reads it off the wire: strides unrolled, its
   // sizes bounded.
   std::vector<wire::Stride> strides = planned.strides;

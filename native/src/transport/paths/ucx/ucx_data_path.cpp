@@ -7,6 +7,7 @@
 
 #include "device/cuda_driver.h"
 #include "log.h"
+#include "transport/paths/ucx/ucx_kind.h"
 
 namespace datadist {
 
@@ -32,9 +33,9 @@ Carry UcxDataPath::carry(const PlannedFrame &planned, const cuda::Device *device
     }
     return Carry::kInline;
   }
-  if (body_bytes + ucx::key_table_bytes(keys) > wire::kMaxBodyBytes) return Carry::kInline;
+  if (body_bytes + sizeof(wire::PathPart) + ucx::key_table_bytes(keys) > wire::kMaxBodyBytes) return Carry::kInline;
   ucx::encode_keys(keys, out.trailer);
-  out.flags |= wire::kUcxSegments;
+  out.trailer_path = ucx::UcxKind::kId;
   out.may_resend = true;  // for a peer whose memory is a device's
   frames_.fetch_add(1, std::memory_order_relaxed);
   return Carry::kCarries;
@@ -45,7 +46,18 @@ void UcxDataPath::refused(const std::string &why) {
   fallbacks_.fetch_add(1, std::memory_order_relaxed);
 }
 
-bool UcxDataPath::serves(const wire::Request &req) const { return (req.target.flags & wire::kUcxSegments) != 0; }
+bool UcxDataPath::serves(const wire::Request &req) const {
+  return (req.target.flags & wire::kPathTrailer) != 0 && req.trailer_path == ucx::UcxKind::kId;
+}
+
+std::string UcxDataPath::read_trailer(const wire::Request &req, std::shared_ptr<const void> &view) const {
+  // UCX moves at most a frame's worth of bytes per frame.
+  if (req.total_bytes > wire::kMaxFrameData) return "ranges exceed the frame limit";
+  auto keys = std::make_shared<ucx::KeyTable>();
+  std::string problem = ucx::decode_keys(req.trailer, req.segments, *keys);
+  if (problem.empty()) view = std::move(keys);
+  return problem;
+}
 
 void UcxDataPath::serve(std::shared_ptr<ServedFrame> frame) {
   const wire::Request &req = frame->req;
@@ -72,9 +84,10 @@ void UcxDataPath::serve(std::shared_ptr<ServedFrame> frame) {
   }
   // One get or put per key: this end's ranges (checked by the link)
   // against the initiator's, which the key bounds.
-  std::vector<std::vector<datadist_ucx_range>> by_key(req.ucx_keys.size());
+  const auto &keys = *std::static_pointer_cast<const ucx::KeyTable>(frame->view);
+  std::vector<std::vector<datadist_ucx_range>> by_key(keys.keys.size());
   for (size_t i = 0; i < req.segments.size(); ++i) {
-    by_key[req.segment_key[i]].push_back({static_cast<uint64_t>(reinterpret_cast<uintptr_t>(target.iov[i].iov_base)),
+    by_key[keys.segment_key[i]].push_back({static_cast<uint64_t>(reinterpret_cast<uintptr_t>(target.iov[i].iov_base)),
                                           req.segments[i].addr, req.segments[i].length, mems[i]});
   }
   struct Posted {
@@ -116,8 +129,8 @@ void UcxDataPath::serve(std::shared_ptr<ServedFrame> frame) {
   bool ok = true;
   for (size_t k = 0; k < by_key.size() && ok; ++k) {
     if (by_key[k].empty()) continue;
-    ok = write ? peer_->get(req.ucx_key_bytes[k], by_key[k], finish, why)
-               : peer_->put(req.ucx_key_bytes[k], by_key[k], finish, why);
+    ok = write ? peer_->get(keys.packed[k], by_key[k], finish, why)
+               : peer_->put(keys.packed[k], by_key[k], finish, why);
     if (!ok) {
       // This post and those never tried end here.
       size_t never = 0;

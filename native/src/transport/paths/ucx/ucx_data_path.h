@@ -32,6 +32,7 @@ class UcxDataPath : public DataPath {
               Carried &out) override;
   void refused(const std::string &why) override;
   bool serves(const wire::Request &req) const override;
+  std::string read_trailer(const wire::Request &req, std::shared_ptr<const void> &view) const override;
   void serve(std::shared_ptr<ServedFrame> frame) override;
   void counters(std::map<std::string, uint64_t> &out) const override;
   // Its counters' names, at 0 (paths.h).

@@ -2,6 +2,7 @@
 
 #include <sys/epoll.h>
 
+#include <algorithm>
 #include <cstring>
 #include <utility>
 
@@ -142,7 +143,7 @@ std::shared_ptr<Mapping> map_tensor(const std::shared_ptr<Worker> &worker, Cache
     why = "UCX could not map a tensor of cache " + std::to_string(entry.id) + ": " + worker->describe(st);
     return nullptr;
   }
-  if (rkey_length == 0 || rkey_length > wire::kMaxUcxKeyBytes) {
+  if (rkey_length == 0 || rkey_length > kMaxKeyBytes) {
     worker->api().mem_unmap(mem);
     why = "UCX's key for a tensor is " + std::to_string(rkey_length) + " bytes";
     return nullptr;
@@ -174,8 +175,8 @@ bool keys_for(const std::shared_ptr<Worker> &worker, Registry &registry, const s
     }
     std::shared_ptr<Mapping> mapping = map_tensor(worker, *entry, t, why);
     if (!mapping) return false;
-    if (out.size() == wire::kMaxUcxKeys) {
-      why = "a frame over more than " + std::to_string(wire::kMaxUcxKeys) + " tensors";
+    if (out.size() == kMaxKeys) {
+      why = "a frame over more than " + std::to_string(kMaxKeys) + " tensors";
       return false;
     }
     out.push_back(std::move(mapping));
@@ -375,7 +376,7 @@ bool Peer::flush(Done done, std::string &why) {
 
 size_t key_table_bytes(const std::vector<std::shared_ptr<Mapping>> &keys) {
   size_t bytes = 2 * sizeof(uint32_t);
-  for (const auto &k : keys) bytes += sizeof(wire::UcxKey) + (k->rkey().size() + 7) / 8 * 8;
+  for (const auto &k : keys) bytes += sizeof(Key) + (k->rkey().size() + 7) / 8 * 8;
   return bytes;
 }
 
@@ -387,12 +388,54 @@ void encode_keys(const std::vector<std::shared_ptr<Mapping>> &keys, std::vector<
   std::memcpy(p, head, sizeof(head));
   p += sizeof(head);
   for (const auto &k : keys) {
-    const wire::UcxKey key{k->base(), k->length(), static_cast<uint32_t>(k->rkey().size()), 0};
+    const Key key{k->base(), k->length(), static_cast<uint32_t>(k->rkey().size()), 0};
     std::memcpy(p, &key, sizeof(key));
     p += sizeof(key);
     std::memcpy(p, k->rkey().data(), k->rkey().size());
     p += (k->rkey().size() + 7) / 8 * 8;
   }
+}
+
+std::string decode_keys(const std::vector<uint8_t> &trailer, const std::vector<wire::Segment> &segments,
+                        KeyTable &out) {
+  uint32_t head[2] = {0, 0};
+  if (trailer.size() < sizeof(head)) return "UCX key table missing";
+  std::memcpy(head, trailer.data(), sizeof(head));
+  if (head[0] == 0 || head[0] > kMaxKeys || head[1] != 0) return "bad UCX key count";
+  size_t at = sizeof(head);
+  for (uint32_t i = 0; i < head[0]; ++i) {
+    Key key{};
+    if (trailer.size() - at < sizeof(key)) return "UCX key table too short";
+    std::memcpy(&key, trailer.data() + at, sizeof(key));
+    at += sizeof(key);
+    if (key.key_length == 0 || key.key_length > kMaxKeyBytes || key.zero != 0 || key.length == 0 ||
+        key.base + key.length < key.base) {
+      return "bad UCX key";
+    }
+    const size_t padded = (static_cast<size_t>(key.key_length) + 7) / 8 * 8;
+    if (trailer.size() - at < padded) return "UCX key table too short";
+    if (!std::all_of(trailer.begin() + static_cast<std::ptrdiff_t>(at + key.key_length),
+                     trailer.begin() + static_cast<std::ptrdiff_t>(at + padded), [](uint8_t b) { return b == 0; })) {
+      return "UCX key padding not zero";
+    }
+    out.keys.push_back(key);
+    out.packed.emplace_back(reinterpret_cast<const char *>(trailer.data() + at), key.key_length);
+    at += padded;
+  }
+  if (at != trailer.size()) return "UCX key table length mismatch";
+  // Each segment inside one key's range.
+  out.segment_key.resize(segments.size());
+  for (size_t i = 0; i < segments.size(); ++i) {
+    const wire::Segment &s = segments[i];
+    size_t k = 0;
+    while (k < out.keys.size() && !(s.addr >= out.keys[k].base && s.length <= out.keys[k].length &&
+                                    s.addr - out.keys[k].base <= out.keys[k].length - s.length)) {
+      ++k;
+    }
+    if (k == out.keys.size()) return "UCX segment outside every key";
+    out.segment_key[i] = static_cast<uint32_t>(k);
+  }
+  return {};
 }
 
 }  // namespace datadist::ucx

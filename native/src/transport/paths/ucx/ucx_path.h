@@ -183,12 +183,37 @@ class Peer {
   std::shared_ptr<ErrorState> *error_arg_ = nullptr;  // what the plugin calls back with
 };
 
-// The key table of a UCX frame (wire::kUcxSegments), after its segments:
-// a uint32 count and a uint32 zero, then per key a UcxKey and its packed
-// bytes, padded to 8 bytes.
+// The UCX path's trailer of a frame by reference (wire::kPathTrailer): a
+// uint32 count and a uint32 zero, then `count` keys, each a Key and its
+// `key_length` packed bytes, padded with zeros to a multiple of 8. A key
+// covers [base, base + length) of the initiator's memory; every segment
+// must lie inside one of them.
+#pragma pack(push, 1)
+struct Key {
+  uint64_t base;
+  uint64_t length;
+  uint32_t key_length;
+  uint32_t zero;
+};
+static_assert(sizeof(Key) == 24, "ucx key layout");
+#pragma pack(pop)
+constexpr uint32_t kMaxKeys = 256;
+constexpr uint32_t kMaxKeyBytes = 4096;
+// Appends the key table of `keys` to `body`.
 void encode_keys(const std::vector<std::shared_ptr<Mapping>> &keys, std::vector<uint8_t> &body);
 // The bytes encode_keys() appends.
 size_t key_table_bytes(const std::vector<std::shared_ptr<Mapping>> &keys);
+// A key table read: the keys, their packed bytes, and for each segment the
+// index of the key it lies in.
+struct KeyTable {
+  std::vector<Key> keys;
+  std::vector<std::string> packed;
+  std::vector<uint32_t> segment_key;
+};
+// Reads the key table `trailer` for `segments`; empty string on success,
+// else why it is malformed.
+std::string decode_keys(const std::vector<uint8_t> &trailer, const std::vector<wire::Segment> &segments,
+                        KeyTable &out);
 
 }  // namespace datadist::ucx
 
