@@ -145,6 +145,26 @@ def test_a_frozen_owner_is_not_needed(group, access):
     assert theirs["owner_served_ops"] == 0 and theirs["grants_given"] == 2, theirs
 
 
+def test_a_small_read_is_done_when_its_call_returns(group):
+    """A read of up to 8 MiB is copied by the thread that starts it: done
+    before its call returns, with no other thread to wait for (on a busy
+    host, milliseconds for a core)."""
+    a, b = linked(group)
+    desc = dd.CacheDesc(2, [1, 4 * MiB], dd.DataType.DT_UINT8, dd.Placement.HOST)  # 8 MiB in all
+    theirs = b.allocate(desc)
+    held = b.fill(theirs, 6)
+    mine = a.allocate(desc)
+    wait_granted(a, 1)
+    before = stats(a, B)["one_sided_bytes_read"]
+    handle = a.start_task("pull_cache", theirs.key(0), mine)
+    assert a.done_at_start(handle), "the read was not copied in its call"
+    assert a.wait_task(handle) == [SUCCESS]
+    got = a.read(mine)
+    for t in range(2):
+        np.testing.assert_array_equal(got[t], held[t])
+    assert stats(a, B)["one_sided_bytes_read"] - before == 8 * MiB
+
+
 def test_ranges_are_checked_against_the_grant_with_the_owners_statuses(group):
     a, b = linked(group)
     remote = b.allocate(blocks_desc(), blocks=True, model_id=5)

@@ -160,7 +160,12 @@ bool Link::start_connections() {
 void Link::submit(bool write, std::vector<PlannedFrame> frames, const std::shared_ptr<Request> &request,
                   size_t result_index, Clock::time_point deadline, std::shared_ptr<const void> pin,
                   std::shared_ptr<cuda::Device> device) {
+  uint64_t operation_bytes = 0;
+  for (const PlannedFrame &planned : frames) {
+    for (const iovec &v : planned.local) operation_bytes += v.iov_len;
+  }
   for (PlannedFrame &planned : frames) {
+    planned.operation_bytes = operation_bytes;
     request->hold();
     send_planned(write, planned, request, result_index, deadline, pin, device, true);
   }

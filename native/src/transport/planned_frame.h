@@ -19,6 +19,8 @@ struct PlannedFrame {
   std::vector<iovec> local;
   std::vector<wire::Range> bounds;  // the whole operation's outermost ranges
   std::vector<wire::Stride> strides;  // none, or one per range (segment_stride: the local stride)
+  // The bytes of every frame of its operation together (Link::submit).
+  uint64_t operation_bytes = 0;
 };
 
 }  // namespace datadist

@@ -314,11 +314,12 @@ void CopyPool::run(size_t count, const std::function<void(size_t)> &job) {
   batch->cv.wait(lock, [&] { return batch->finished == batch->count; });
 }
 
-int copy_pairs(PeerMemory &memory, CopyPool &pool, const std::vector<iovec> &local,
+int copy_pairs(PeerMemory &memory, CopyPool *pool, const std::vector<iovec> &local,
                const std::vector<wire::Segment> &remote, bool from_peer) {
   uint64_t total = 0;
   for (const iovec &v : local) total += v.iov_len;
-  const size_t parts = static_cast<size_t>(std::clamp<uint64_t>(total / kSplitBytes, 1, pool.threads()));
+  const size_t threads = pool != nullptr ? pool->threads() : 1;
+  const size_t parts = static_cast<size_t>(std::clamp<uint64_t>(total / kSplitBytes, 1, threads));
   // Each part: its own pairs, cut so every part carries about total / parts bytes.
   std::vector<std::vector<iovec>> mine(parts), theirs(parts);
   const uint64_t share = (total + parts - 1) / parts;
@@ -343,12 +344,17 @@ int copy_pairs(PeerMemory &memory, CopyPool &pool, const std::vector<iovec> &loc
     }
   }
   std::atomic<int> error{0};
-  pool.run(parts, [&](size_t p) {
+  const auto copy_part = [&](size_t p) {
     if (mine[p].empty()) return;
     const int e = memory.copy(mine[p].data(), theirs[p].data(), mine[p].size(), from_peer);
     int none = 0;
     if (e != 0) error.compare_exchange_strong(none, e);
-  });
+  };
+  if (pool != nullptr) {
+    pool->run(parts, copy_part);
+  } else {
+    copy_part(0);
+  }
   return error.load();
 }
 

@@ -140,8 +140,9 @@ class CopyPool {
 };
 
 // Copies the pairs (local[i], remote[i]) with `memory`, split over `pool`
-// when the operation is large. Returns 0 or the first errno.
-int copy_pairs(PeerMemory &memory, CopyPool &pool, const std::vector<iovec> &local,
+// when the operation is large (nullptr: all of it on the calling thread).
+// Returns 0 or the first errno.
+int copy_pairs(PeerMemory &memory, CopyPool *pool, const std::vector<iovec> &local,
                const std::vector<wire::Segment> &remote, bool from_peer);
 
 }  // namespace datadist::same_host

@@ -114,11 +114,13 @@ bool SameHostPath::move(bool write, const PlannedFrame &planned, const std::shar
   std::vector<wire::Segment> theirs;
   theirs.reserve(target.iov.size());
   for (const iovec &v : target.iov) theirs.push_back({reinterpret_cast<uintptr_t>(v.iov_base), v.iov_len});
-  const bool small = op.bytes <= kMoveHereBytes && !device;
-  auto job = [this, op = std::move(op), device, theirs = std::move(theirs)]() mutable {
+  // A read whose whole operation is small, or a small write.
+  const bool small = !device && (op.write ? op.bytes <= kWriteHereBytes : planned.operation_bytes <= kReadHereBytes);
+  auto job = [this, op = std::move(op), device, small, theirs = std::move(theirs)]() mutable {
     std::string why;
     const int error = device ? copy_staged(*device, op.mine, theirs, !op.write, why)
-                             : same_host::copy_pairs(*peer_memory_, *pool_, op.mine, theirs, !op.write);
+                             : same_host::copy_pairs(*peer_memory_, small ? nullptr : pool_.get(), op.mine, theirs,
+                                                     !op.write);
     op.use.reset();  // out of the slot before anyone hears of it
     if (error == 0) {
       if (device) one_sided_staged_.fetch_add(op.bytes, std::memory_order_relaxed);
@@ -141,9 +143,11 @@ bool SameHostPath::move(bool write, const PlannedFrame &planned, const std::shar
     settle_moved(op, llm_datadist::LLM_FAILED, std::string("the one-sided copy ") + (op.write ? "into" : "out of") +
                                                    " the peer's cache failed: " + std::strerror(error));
   };
-  // Small copies of host memory on the calling thread; larger ones, and
-  // those staged through a device's buffers, on the loop's blocking pool
-  // (which splits kernel copies over the copy threads).
+  // Copies of host memory of reads whose operation is at most
+  // kReadHereBytes, and of writes of at most kWriteHereBytes, whole on the
+  // calling thread; the others, and those staged through a device's
+  // buffers, on the loop's blocking pool (which splits kernel copies over
+  // the copy threads).
   auto run = std::make_shared<decltype(job)>(std::move(job));  // one copy: its slot left once
   if (small || !host_->io_loop().run_blocking([run] { (*run)(); })) (*run)();
   return true;
@@ -308,7 +312,7 @@ void SameHostPath::serve(std::shared_ptr<ServedFrame> frame) {
   std::string why;
   if (target.device) staged_bytes_served_.fetch_add(req.total_bytes, std::memory_order_relaxed);
   const int error = target.device ? copy_staged(*target.device, target.iov, req.segments, write, why)
-                                  : same_host::copy_pairs(*peer_memory_, *pool_, target.iov, req.segments,
+                                  : same_host::copy_pairs(*peer_memory_, pool_.get(), target.iov, req.segments,
                                                           write);
   if (error == ESRCH) {
     moved.peer_gone = true;
