@@ -156,8 +156,8 @@ def test_a_small_read_is_done_when_its_call_returns(group):
     mine = a.allocate(desc)
     wait_granted(a, 1)
     before = stats(a, B)["one_sided_bytes_read"]
-    handle = a.start_task("pull_cache", theirs.key(0), mine)
-    assert a.done_at_start(handle), "the read was not copied in its call"
+    handle, done = a.start_task_looked("pull_cache", theirs.key(0), mine)
+    assert done, "the read was not copied in its call"
     assert a.wait_task(handle) == [SUCCESS]
     got = a.read(mine)
     for t in range(2):

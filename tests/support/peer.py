@@ -196,7 +196,6 @@ class _Endpoint:
         self.cm = self.datadist.cache_manager
         self.caches: dict[int, tuple[dd.Cache, bool]] = {}  # id -> (cache, registered)
         self.tasks: dict[int, dd.CacheTask] = {}
-        self.done_at_start: dict[int, bool] = {}  # whether each started task was done as its call returned
 
     def resolve(self, value: Any) -> Any:
         if not isinstance(value, CacheRef):
@@ -411,13 +410,15 @@ def _start_task(ep: _Endpoint, method: str, *args: Any, **kwargs: Any) -> int:
     task = ep.call(f"{method}_async", args, kwargs)
     handle = len(ep.tasks) + 1
     ep.tasks[handle] = task
-    ep.done_at_start[handle] = task.done()
     return handle
 
 
 @_command
-def _done_at_start(ep: _Endpoint, handle: int) -> bool:
-    return ep.done_at_start[handle]
+def _start_task_looked(ep: _Endpoint, method: str, *args: Any, **kwargs: Any) -> tuple[int, bool]:
+    task = ep.call(f"{method}_async", args, kwargs)
+    handle = len(ep.tasks) + 1
+    ep.tasks[handle] = task
+    return handle, task.done()
 
 
 @_command
@@ -922,9 +923,10 @@ class Peer:
     def task_done(self, handle: int) -> bool:
         return self._call("task_done", handle)
 
-    def done_at_start(self, handle: int) -> bool:
-        """Whether the started task was done when its ``_async`` call returned."""
-        return self._call("done_at_start", handle)
+    def start_task_looked(self, method: str, *args: Any, **kwargs: Any) -> tuple[int, bool]:
+        """``start_task``, and whether the task was done as its ``_async`` call
+        returned (a look: it reads the task's answers that came)."""
+        return tuple(self._call("start_task_looked", method, *args, **kwargs))  # type: ignore[return-value]
 
     def wait_task(self, handle: int, deadline: Optional[float] = None) -> Any:
         """Awaits a started task in the child's loop; returns its statuses or raises its error."""
