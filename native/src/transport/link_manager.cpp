@@ -279,7 +279,7 @@ void LinkManager::admit(FormedLink &formed) {
     }
   }
   // What this end says back: the paths it took.
-  ack.parts = ack_parts(talks);
+  ack.parts = parts_of(talks, [](PathHandshake &talk) { return talk.ack_part(); });
   // TLS on the connections the link keeps on TCP; the I/O threads run each
   // handshake once the initiator, past its ack, starts it.
   std::vector<std::unique_ptr<tls::Session>> sessions;
@@ -344,21 +344,11 @@ LinkManager::PathTalks LinkManager::path_talks(uint64_t peer_id, bool acceptor) 
   return talks;
 }
 
-handshake::Parts LinkManager::hello_parts(PathTalks &talks, uint32_t index) {
+handshake::Parts LinkManager::parts_of(PathTalks &talks, const std::function<std::string(PathHandshake &)> &part) {
   handshake::Parts parts;
   for (size_t i = 0; i < talks.size(); ++i) {
     if (!talks[i]) continue;
-    std::string bytes = talks[i]->hello_part(index);
-    if (!bytes.empty()) parts.push_back({kinds_[i]->id(), std::move(bytes)});
-  }
-  return parts;
-}
-
-handshake::Parts LinkManager::ack_parts(PathTalks &talks) {
-  handshake::Parts parts;
-  for (size_t i = 0; i < talks.size(); ++i) {
-    if (!talks[i]) continue;
-    std::string bytes = talks[i]->ack_part();
+    std::string bytes = part(*talks[i]);
     if (!bytes.empty()) parts.push_back({kinds_[i]->id(), std::move(bytes)});
   }
   return parts;
@@ -534,7 +524,7 @@ Status LinkManager::link(uint64_t peer_id, const std::string &ip, uint16_t port,
     net::tune_data_socket(fd, options_.user_timeout_ms);
     net::set_receive_timeout(fd, std::max(1, remaining()));
     std::string transcript;
-    st = greet(fd, peer_id, nonce, i, count, hello_parts(talks, i), transcript, granted);
+    st = greet(fd, peer_id, nonce, i, count, parts_of(talks, [i](PathHandshake &talk) { return talk.hello_part(i); }), transcript, granted);
     if (granted != 0) {
       ::close(fd);  // past what the acceptor keeps
       break;

@@ -136,10 +136,9 @@ class LinkManager : public LinkHost {
   // (nullptr where a kind takes none).
   using PathTalks = std::vector<std::unique_ptr<PathHandshake>>;
   PathTalks path_talks(uint64_t peer_id, bool acceptor);
-  // The kinds' parts of connection `index`'s hello.
-  handshake::Parts hello_parts(PathTalks &talks, uint32_t index);
-  // The kinds' parts of the ack.
-  handshake::Parts ack_parts(PathTalks &talks);
+  // The kinds' parts of a hello or the ack: `part` of each kind that takes
+  // part, under the kind's number, where it is not empty.
+  handshake::Parts parts_of(PathTalks &talks, const std::function<std::string(PathHandshake &)> &part);
   // Settles every kind's part from what the peer sent (the hellos' parts at
   // the acceptor, the ack's at the initiator): the kinds that yield last,
   // told whether one before them serves the peer's frames. Not LLM_SUCCESS
