@@ -531,7 +531,7 @@ class LLMConfig:
 
     @property
     def access(self) -> Optional[str]:
-        """``"one_sided"`` or ``"owner"``: who moves an operation's bytes on one host; emits `llm.Access`.
+        """``"one_sided"`` or ``"owner"``: who moves an operation's bytes; emits `llm.Access`.
 
         ``"one_sided"`` (the default): where a linked peer on the same host
         reaches this process's memory (the same-host path), this engine grants
@@ -541,8 +541,12 @@ class LLMConfig:
         its own kernel copies, every range checked against the grant, with no
         frame to the owner and none of the owner's threads. Deallocating,
         unregistering or finalizing revokes a cache's grants before its memory
-        can be reused. Reads through a cache key, device memory, TCP and UCX
-        stay served by the owner. ``"owner"``: the owner of the memory moves
+        can be reused. Over UCX (transport ``"ucx"``), where a peer's endpoint
+        reads and writes this process's memory by itself (RDMA, or a
+        shared-memory transport of this host, from UCX 1.14 on), it is
+        granted each such cache's tensors as UCX keys and moves the bytes
+        with its own gets and puts. Reads through a cache key, device memory
+        over UCX, TCP, and UCX over its ``tcp`` stay served by the owner. ``"owner"``: the owner of the memory moves
         every byte, as each operation's frame arrives. A link's ends may
         differ: one-sided needs both. Unset, the engine reads the environment
         variable ``DATADIST_AIO_ACCESS``; with neither, ``"one_sided"``.

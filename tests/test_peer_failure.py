@@ -112,7 +112,10 @@ def test_peer_frozen_mid_operation_then_resumed(group, transport):
     on and links again, and no late byte lands in its memory."""
     timeout_ms = 1000
     desc = dd.CacheDesc(2, [2048, 4096], dd.DataType.DT_UINT8, dd.Placement.HOST)
-    options = {"sync_kv_timeout": timeout_ms, "transport": transport, "host_mem_pool_cfg": pool_cfg(64 * MiB)}
+    # The owner moves the bytes (access "owner"): one-sided, the survivor
+    # would move them itself, and the owner's freeze would hold nothing.
+    options = {"sync_kv_timeout": timeout_ms, "transport": transport, "host_mem_pool_cfg": pool_cfg(64 * MiB),
+               "access": "owner"}
     theirs = {"transport": "ucx"} if transport == "ucx" else {}
     survivor = group.start("survivor", dd.LLMRole.PROMPT, 1, options=options)
     victim = group.start("victim", dd.LLMRole.DECODER, 2, options={"host_mem_pool_cfg": pool_cfg(64 * MiB)} | theirs)

@@ -1,7 +1,10 @@
 """Who moves the bytes on one host: ``python -m datadist_aio.bench --access``.
 
 Two processes on loopback linked on the same-host path (transport "auto"),
-each round in fresh processes, alternating, in the same run:
+or with ``--transport ucx`` by UCX (one-sided: the initiator's own gets and
+puts on an endpoint that reaches the target's memory by itself, from UCX
+1.14 on; owner-served: the target's UCX moves them), each round in fresh
+processes, alternating, in the same run:
 
 - ``owner``: the owner of the memory (the target) moves every operation's
   bytes, as its frame arrives (``LLMConfig.access = "owner"``);
@@ -40,6 +43,8 @@ def parser() -> argparse.ArgumentParser:
         "DIR/datadist_bench_access.json.")
     p.add_argument("--access", action="store_true", help="this benchmark (required)")
     pair.add_workload_arguments(p)
+    p.add_argument("--transport", choices=["auto", "ucx"], default="auto",
+                   help="auto: the same-host path; ucx: transport ucx at both ends (default: %(default)s)")
     p.add_argument("--busy", type=int, default=os.cpu_count() or 1,
                    help="spinning processes beside the owner when busy (default: the cores, %(default)s)")
     return p
@@ -61,7 +66,8 @@ def summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 def table(report: dict[str, Any]) -> str:
     w = report["workload"]
-    lines = [f"{w['cache_bytes'] >> 20} MiB per batch of 4 MiB blocks, K and V; same-host path on loopback, "
+    path = "UCX" if w.get("transport") == "ucx" else "same-host path"
+    lines = [f"{w['cache_bytes'] >> 20} MiB per batch of 4 MiB blocks, K and V; {path} on loopback, "
              f"{report['cores']} cores, busy = {w['busy']} spinning processes beside the owner; ranges over "
              f"{w['rounds']} rounds (each the best of {w['iterations']} batches, {w['small_ops']} small pushes)"]
     for load, by in report["summary"].items():
@@ -89,15 +95,17 @@ def main(argv: list[str]) -> int:
     for r in range(work.rounds):
         for load in LOADS:
             for variant in VARIANTS:
-                row = pair.one_round({"transport": "auto", "access": variant}, work.cache_bytes, work.iterations,
+                row = pair.one_round({"transport": args.transport, "access": variant}, work.cache_bytes, work.iterations,
                                      work.small_ops, busy=args.busy if load == "busy" else 0)
                 row.update(variant=variant, load=load, round=r)
                 results.append(row)
                 print(f"round {r + 1}/{work.rounds} {load} {variant}: push {row['push_gbps']:.2f} GB/s, pull "
                       f"{row['pull_gbps']:.2f} GB/s, 4 KiB push {row['small_push_us_median']:.0f} us "
                       f"(p99 {row['small_push_us_p99']:.0f})", file=sys.stderr)
-    report = pair.report(work, {"busy": args.busy}, rounds=results, summary=summarise(results))
+    report = pair.report(work, {"busy": args.busy, "transport": args.transport}, rounds=results,
+                         summary=summarise(results))
     pair.write(args.output, "datadist_bench_access.json", report, table(report))
-    ok = all(x["verified"] and x["path"] == "same_host" for x in results)
+    expected = "ucx" if args.transport == "ucx" else "same_host"
+    ok = all(x["verified"] and x["path"] == expected for x in results)
     ok = ok and all(x["framed_ops"] == 0 for x in results if x["variant"] == "one_sided")
     return 0 if ok else 1

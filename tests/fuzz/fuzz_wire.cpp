@@ -3,7 +3,9 @@
 // decoder promises: a header it accepts is within every limit, a body it
 // accepts is within every limit and encodes back to the same bytes, and a
 // path's trailer its path accepts (the CUDA IPC path's export table, the UCX
-// path's key table) is within that path's limits.
+// path's key table) is within that path's limits. With flags bit 2 the body
+// is a UCX grant path message, which a holder's book reads: what it takes
+// is within the grants' limits, and each revocation is answered once.
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -11,6 +13,7 @@
 
 #include "transport/paths/device/exports.h"
 #include "transport/paths/same_host/same_host_kind.h"
+#include "transport/paths/ucx/ucx_grants.h"
 #include "transport/paths/ucx/ucx_kind.h"
 #include "transport/paths/ucx/ucx_path.h"
 #include "transport/wire.h"
@@ -139,6 +142,54 @@ void check_request(const std::vector<uint8_t> &body, bool with_segments) {
           "the unrolled request differs");
 }
 
+// A UCX grant path message, as the holder's book takes it (ucx_grants.h).
+void check_ucx_grant(const std::vector<uint8_t> &body) {
+  namespace ucx = datadist::ucx;
+  std::vector<std::vector<uint8_t>> sent;
+  // A holder whose endpoint is FENCED: a DIRECT one's table is a descriptor
+  // taken out of another process, which this target does not do.
+  ucx::GrantBook book([&](std::vector<uint8_t> message) { sent.push_back(std::move(message)); }, false);
+  const uint32_t kind = ucx::grant_message_kind(body.data(), body.size());
+  int rma = -1;
+  pid_t pid = 0;
+  if (ucx::read_want_grants(body.data(), body.size(), rma, pid)) {
+    require(kind == ucx::kWantGrants && body.size() == 16 && rma >= 0 && rma <= 2 && pid > 0,
+            "accepted a bad request for grants");
+  }
+  if (!book.take(body.data(), body.size())) {
+    require(sent.empty(), "answered a malformed message");
+    return;
+  }
+  require(kind == ucx::kGrant || kind == ucx::kRevoke, "took a message that is neither a grant nor a revocation");
+  if (kind == ucx::kRevoke) {
+    require(sent.size() == 1 && ucx::grant_message_kind(sent[0].data(), sent[0].size()) == ucx::kRevoked &&
+                sent[0].size() == 16 && std::memcmp(sent[0].data() + 8, body.data() + 8, 8) == 0,
+            "a revocation not answered once, by its number");
+    return;
+  }
+  require(sent.empty() && book.held() == 1, "a grant taken is not held, or answered");
+  wire::Target target{};
+  target.kind = wire::kById;
+  std::memcpy(&target.cache_id, body.data() + 16, sizeof(target.cache_id));
+  std::shared_ptr<ucx::HeldGrant> grant = book.enter(target);
+  require(grant != nullptr && grant->cache->id == target.cache_id && grant->cache->id > 0, "a grant not found by its id");
+  require(!grant->keys.empty() && grant->keys.size() == grant->cache->addrs.size(), "keys and tensors differ");
+  for (const std::string &key : grant->keys) require(!key.empty() && key.size() <= ucx::kMaxKeyBytes, "a bad key");
+  for (uint8_t *addr : grant->cache->addrs) {
+    const auto at = reinterpret_cast<uintptr_t>(addr);
+    require(at != 0 && at + grant->cache->geometry.tensor_size >= at, "a tensor at 0 or wrapping");
+  }
+  // Its revocation, with the operation in flight, is answered at its leave.
+  std::vector<uint8_t> revoke(16, 0);
+  const uint32_t revoke_kind = ucx::kRevoke;
+  std::memcpy(revoke.data(), &revoke_kind, sizeof(revoke_kind));
+  std::memcpy(revoke.data() + 8, &grant->number, sizeof(grant->number));
+  require(book.take(revoke.data(), revoke.size()) && sent.empty(), "a revocation answered with a use in flight");
+  require(book.enter(target) == nullptr, "a revoked grant entered");
+  book.leave(grant);
+  require(sent.size() == 1 && book.held() == 0, "a revocation not answered at the last leave");
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerInitialize(int *, char ***) { return 0; }
@@ -146,8 +197,13 @@ extern "C" int LLVMFuzzerInitialize(int *, char ***) { return 0; }
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   if (size == 0) return 0;
   const bool with_segments = (data[0] & 1) != 0;
+  const bool grant_message = (data[0] & 2) != 0;
   ++data;
   --size;
+  if (grant_message) {
+    check_ucx_grant(std::vector<uint8_t>(data, data + size));
+    return 0;
+  }
   if (size >= sizeof(wire::FrameHeader)) {
     check_header(data);
     data += sizeof(wire::FrameHeader);

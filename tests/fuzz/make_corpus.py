@@ -137,7 +137,24 @@ def wire_seeds() -> dict[str, bytes]:
         "lookup-reply": plain + frame(LOOKUP_REPLY_T, LOOKUP_REPLY.pack(1, 2, 1, 64, 4, 0)),
         "unlink": plain + frame(UNLINK_T) + frame(UNLINK_ACK_T),
         "peer-copies": plain + frame(PEER_COPIES_T),
+        # UCX grant path messages (flags bit 2): a grant of cache 5 (two
+        # tensors, blocks of model 3), a revocation, a request for grants.
+        "ucx-grant": b"\x02" + ucx_grant(number=1, cache_id=5, tensor_size=4096, slot_size=1024, slots=4,
+                                          model=3, tensors=[(PEER, b"packed-key"), (PEER + 8192, b"k" * 8)]),
+        "ucx-revoke": b"\x02" + struct.pack("<IIQ", 0x55430003, 0, 1),
+        "ucx-want": b"\x02" + struct.pack("<IIq", 0x55430001, 2, 1234),
     }
+
+
+def ucx_grant(number, cache_id, tensor_size, slot_size, slots, model, tensors) -> bytes:
+    """A UCX grant message to a FENCED holder (ucx_grants.cpp's GrantHead,
+    slot and state 0, then each tensor's address, key length and key padded
+    to 8 bytes)."""
+    out = struct.pack("<IIQqQQQQIIQ", 0x55430002, len(tensors), number, cache_id, tensor_size, slot_size, slots,
+                      model, 1, 0, 0)
+    for addr, key in tensors:
+        out += struct.pack("<QII", addr, len(key), 0) + key + bytes(-len(key) % 8)
+    return out
 
 
 def grant_messages() -> bytes:

@@ -117,6 +117,22 @@ struct ServedFrame {
   std::shared_ptr<const void> view;
 };
 
+// One-sided moves of host memory run whole on the thread that starts the
+// operation for a read whose operation (all its frames) is at most
+// kReadHereBytes, and for a write frame of at most kWriteHereBytes; the
+// others go to the I/O loop's blocking pool. A read's caller waits for its
+// bytes anyway, and holds a core already: handed to another thread, the
+// move would first wait for that thread to get one, milliseconds on a busy
+// host. A write's caller (a forward pushing its layers) goes on beside the
+// move. Past those sizes the caller would wait on its own move too long.
+constexpr uint64_t kReadHereBytes = 8 << 20;
+constexpr uint64_t kWriteHereBytes = 64 << 10;
+// Whether a one-sided move of `planned` (a write of `bytes`) runs on the
+// calling thread.
+inline bool moves_here(bool write, uint64_t bytes, const PlannedFrame &planned) {
+  return write ? bytes <= kWriteHereBytes : planned.operation_bytes <= kReadHereBytes;
+}
+
 // How a path that moved an operation's bytes itself ended it (one-sided):
 // LLM_SUCCESS, or a failure and the words the operation fails with.
 using Settle = std::function<void(Status status, std::string why)>;

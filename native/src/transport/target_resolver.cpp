@@ -159,4 +159,22 @@ Status resolve_in(const wire::Request &request, ResolvedTarget &out) {
   return LLM_SUCCESS;
 }
 
+Granted resolve_granted(const PlannedFrame &planned, std::shared_ptr<CacheEntry> cache, wire::Request &req,
+                        ResolvedTarget &out, Status &status) {
+  std::vector<wire::Stride> strides = planned.strides;
+  for (wire::Stride &stride : strides) stride.segment_stride = 0;
+  if (!wire::decode_request(wire::encode_request(planned.target, planned.ranges, planned.bounds, {}, strides), req)
+           .empty()) {
+    return Granted::kNotHere;
+  }
+  out.entry = std::move(cache);
+  status = resolve_in(req, out);
+  if (status != llm_datadist::LLM_SUCCESS) return Granted::kRefused;
+  if (out.iov.size() != planned.local.size()) return Granted::kNotHere;
+  for (size_t i = 0; i < out.iov.size(); ++i) {
+    if (out.iov[i].iov_len != planned.local[i].iov_len) return Granted::kNotHere;
+  }
+  return Granted::kRanges;
+}
+
 }  // namespace datadist

@@ -12,6 +12,7 @@
 
 #include "device/cuda_driver.h"
 #include "registry.h"
+#include "transport/planned_frame.h"
 #include "transport/wire.h"
 
 namespace datadist {
@@ -39,6 +40,16 @@ Status resolve_request(const Registry &registry, const wire::Request &request, R
 // `out.bound_slot` first) that a non-raw target of `request` named: a peer's
 // cache as its grant describes it, say (its `addrs` the peer's).
 Status resolve_in(const wire::Request &request, ResolvedTarget &out);
+
+// One-sided moves: `planned` read as the owner reads its frame (strides
+// unrolled, sizes bounded as on the wire) and checked by resolve_in against
+// `cache`, the owner's cache as a grant describes it. kNotHere: not a frame
+// to move so (it cannot be read so, or its ranges do not pair with this
+// end's), and the owner serves it; kRefused: `status` and `out.why` say why.
+// `req`: the frame as the owner reads it.
+enum class Granted { kRanges, kRefused, kNotHere };
+Granted resolve_granted(const PlannedFrame &planned, std::shared_ptr<CacheEntry> cache, wire::Request &req,
+                        ResolvedTarget &out, Status &status);
 
 }  // namespace datadist
 

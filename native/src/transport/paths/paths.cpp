@@ -11,7 +11,7 @@ namespace datadist {
 
 std::vector<std::unique_ptr<PathKind>> make_kinds(const PathOptions &options, const PathServices &services) {
   std::vector<std::unique_ptr<PathKind>> kinds;
-  if (options.ucx || options.ucx_auto) kinds.push_back(std::make_unique<ucx::UcxKind>(options.ucx, services.io_loop));
+  if (options.ucx || options.ucx_auto) kinds.push_back(std::make_unique<ucx::UcxKind>(options.ucx, options.one_sided, services.io_loop));
   if (options.same_host) {
     kinds.push_back(std::make_unique<same_host::SameHostKind>(options.one_sided, services.answers != nullptr));
   }

@@ -26,10 +26,10 @@ class Registry;
 struct PathOptions {
   // Offer the same-host path (kernel copies, CUDA IPC) to peers on this host.
   bool same_host = true;
-  // Access "one_sided": on one host, this end grants its caches to peers
-  // that reach its memory and moves bytes itself under theirs
-  // (paths/same_host/grants.h); false ("owner"): the owner of the memory
-  // moves every byte.
+  // Access "one_sided": this end grants its caches to peers that reach its
+  // memory by themselves (on one host, paths/same_host/grants.h; over UCX's
+  // RMA transports, paths/ucx/ucx_grants.h) and moves bytes itself under
+  // theirs; false ("owner"): the owner of the memory moves every byte.
   bool one_sided = true;
   // Move operations' bytes with UCX (transport "ucx"): links are made only
   // with peers that say so too.

@@ -14,10 +14,7 @@
 #include "log.h"
 #include "transport/paths/device/exports.h"
 #include "transport/paths/same_host/same_host.h"
-
-#ifndef SYS_pidfd_open
-#define SYS_pidfd_open 434
-#endif
+#include "transport/pidfd.h"
 
 namespace datadist::same_host {
 
@@ -53,25 +50,6 @@ std::vector<uint8_t> bytes_of(const T &message, size_t extra = 0) {
   std::memcpy(body.data(), &message, sizeof(T));
   return body;
 }
-
-// A process's pidfd (closed by its destructor), opened when a revocation
-// has to wait: a pid reused since is only waited for longer.
-struct Pidfd {
-  explicit Pidfd(pid_t pid) : fd(static_cast<int>(::syscall(SYS_pidfd_open, pid, 0))) {}
-  ~Pidfd() {
-    if (fd >= 0) ::close(fd);
-  }
-  Pidfd(const Pidfd &) = delete;
-  Pidfd &operator=(const Pidfd &) = delete;
-  // False once the process has exited (its pidfd reads ready); true where
-  // there is no pidfd.
-  bool alive() const {
-    if (fd < 0) return true;
-    pollfd p{fd, POLLIN, 0};
-    return ::poll(&p, 1, 0) == 0;
-  }
-  const int fd;
-};
 
 // Revocations whose holder was still in a copy when the wait ran out: the
 // memory stays held until it leaves (or dies), looked at again by every

@@ -83,14 +83,6 @@ bool SameHostPath::move(bool write, const PlannedFrame &planned, const std::shar
   if (!table) return false;
   const bool theirs_device = !grant->exports.empty();
   if ((theirs_device || device) && !device_moves_.load(std::memory_order_relaxed)) return false;
-  // The request as the owner would read it: strides unrolled, its sizes
-  // bounded as on the wire.
-  std::vector<wire::Stride> strides = planned.strides;
-  for (wire::Stride &stride : strides) stride.segment_stride = 0;
-  wire::Request req;
-  if (!wire::decode_request(wire::encode_request(t, planned.ranges, planned.bounds, {}, strides), req).empty()) {
-    return false;
-  }
   auto use = std::make_shared<same_host::GrantUse>(table, *grant);
   if (!use->entered()) {
     book_->drop(grant);  // revoked: the owner serves it, from what it holds now
@@ -98,16 +90,17 @@ bool SameHostPath::move(bool write, const PlannedFrame &planned, const std::shar
     return false;
   }
   ResolvedTarget target;
-  target.entry = grant->cache;
-  const Status st = resolve_in(req, target);
-  if (st != LLM_SUCCESS) {
-    use.reset();
-    settle(st, "refused here under the peer's grant of its cache, nothing moved: " + target.why);
-    return true;
-  }
-  if (target.iov.size() != planned.local.size()) return false;
-  for (size_t i = 0; i < target.iov.size(); ++i) {
-    if (target.iov[i].iov_len != planned.local[i].iov_len) return false;
+  Status st = LLM_SUCCESS;
+  wire::Request req;
+  switch (resolve_granted(planned, grant->cache, req, target, st)) {
+    case Granted::kNotHere:
+      return false;
+    case Granted::kRefused:
+      use.reset();
+      settle(st, "refused here under the peer's grant of its cache, nothing moved: " + target.why);
+      return true;
+    case Granted::kRanges:
+      break;
   }
   OneSided op{write, req.total_bytes, planned.local, std::move(use), settle};
   if (theirs_device) return move_on_stream(std::move(op), device, grant, req, target.iov);
@@ -115,7 +108,7 @@ bool SameHostPath::move(bool write, const PlannedFrame &planned, const std::shar
   theirs.reserve(target.iov.size());
   for (const iovec &v : target.iov) theirs.push_back({reinterpret_cast<uintptr_t>(v.iov_base), v.iov_len});
   // A read whose whole operation is small, or a small write.
-  const bool small = !device && (op.write ? op.bytes <= kWriteHereBytes : planned.operation_bytes <= kReadHereBytes);
+  const bool small = !device && moves_here(op.write, op.bytes, planned);
   auto job = [this, op = std::move(op), device, small, theirs = std::move(theirs)]() mutable {
     std::string why;
     const int error = device ? copy_staged(*device, op.mine, theirs, !op.write, why)
@@ -143,8 +136,7 @@ bool SameHostPath::move(bool write, const PlannedFrame &planned, const std::shar
     settle_moved(op, llm_datadist::LLM_FAILED, std::string("the one-sided copy ") + (op.write ? "into" : "out of") +
                                                    " the peer's cache failed: " + std::strerror(error));
   };
-  // Copies of host memory of reads whose operation is at most
-  // kReadHereBytes, and of writes of at most kWriteHereBytes, whole on the
+  // Copies of host memory that move here (data_path.h), whole on the
   // calling thread; the others, and those staged through a device's
   // buffers, on the loop's blocking pool (which splits kernel copies over
   // the copy threads).

@@ -121,17 +121,6 @@ class SameHostPath : public DataPath {
   const pid_t peer_pid_;
   LinkFailer fail_;
   std::atomic<bool> running_{false};
-  // One-sided copies of host memory run whole on the thread that starts
-  // the operation for a read whose operation (all its frames) is at most
-  // kReadHereBytes, and for a write frame of at most kWriteHereBytes; the
-  // others go to the I/O loop's blocking pool, split over the copy threads.
-  // A read's caller waits for its bytes anyway, and holds a core already:
-  // handed to another thread, the copy would first wait for that thread to
-  // get one, milliseconds on a busy host. A write's caller (a forward
-  // pushing its layers) goes on beside the copy. Past those sizes the
-  // caller would wait on its own copy too long.
-  static constexpr uint64_t kReadHereBytes = 8 << 20;
-  static constexpr uint64_t kWriteHereBytes = 64 << 10;
   mutable std::mutex grants_mu_;
   std::shared_ptr<same_host::Grantor> grantor_;  // this end's grants to the peer
   // The peer's grants to this end (set where this end reaches its memory).

@@ -1,6 +1,9 @@
 #include "transport/paths/ucx/ucx_data_path.h"
 
+#include <unistd.h>
+
 #include <chrono>
+#include <map>
 #include <mutex>
 #include <utility>
 #include <vector>
@@ -13,7 +16,175 @@ namespace datadist {
 
 void UcxDataPath::start(PathHost &host, LinkFailer fail) {
   DataPath::start(host, fail);
+  fail_ = fail;
   peer_->on_error(std::move(fail));
+  if (direct_) book_ = std::make_unique<ucx::GrantBook>(host.messenger(), direct_rma_ == DATADIST_UCX_RMA_DIRECT);
+}
+
+void UcxDataPath::running() {
+  // The initiator says first whether it asks for grants (ucx_grants.h).
+  if (initiator_) host_->messenger()(ucx::want_grants_message(direct_rma_, ::getpid()));
+}
+
+std::shared_ptr<ucx::Grantor> UcxDataPath::grantor() const {
+  std::lock_guard<std::mutex> lock(grantor_mu_);
+  return grantor_;
+}
+
+bool UcxDataPath::takes(wire::FrameType type, const std::vector<uint8_t> &body, bool &ok) {
+  if (type != wire::FrameType::kPathMessage) return false;
+  const uint32_t kind = ucx::grant_message_kind(body.data(), body.size());
+  if (kind == 0) return false;
+  switch (kind) {
+    case ucx::kWantGrants: {
+      int rma = 0;
+      pid_t pid = 0;
+      ok = ucx::read_want_grants(body.data(), body.size(), rma, pid);
+      if (!ok) return true;
+      if (!initiator_) host_->messenger()(ucx::want_grants_message(direct_rma_, ::getpid()));
+      // Access "owner" here, or a peer that asks for none: this end serves.
+      if (!grants_ || rma == DATADIST_UCX_RMA_NONE) return true;
+      std::shared_ptr<ucx::Grantor> granting;
+      {
+        std::lock_guard<std::mutex> lock(grantor_mu_);
+        if (grantor_) {
+          ok = false;  // asked once a link
+          return true;
+        }
+        grantor_ = std::make_shared<ucx::Grantor>(peer_->worker(), host_->registry(), host_->messenger(), rma, pid);
+        granting = grantor_;
+      }
+      std::string why;
+      if (!granting->start(why)) {
+        log_warning("link to cluster " + std::to_string(host_->peer_id()) + ": the peer is granted no cache over UCX (" +
+                    why + "); this end serves its operations");
+      }
+      return true;
+    }
+    case ucx::kRevoked:
+    case ucx::kTableTaken: {
+      const std::shared_ptr<ucx::Grantor> granting = grantor();
+      ok = granting != nullptr && granting->take_answer(body.data(), body.size());
+      return true;
+    }
+    default:
+      // A grant or a revocation: only for an end that asked.
+      ok = book_ != nullptr && book_->take(body.data(), body.size());
+      return true;
+  }
+}
+
+bool UcxDataPath::move(bool write, const PlannedFrame &planned, const std::shared_ptr<cuda::Device> &device,
+                       const Settle &settle) {
+  // Host memory here, a cache named by id or by a model's blocks key under
+  // a grant that stands.
+  if (!book_ || device || (planned.target.flags & (wire::kReleaseKey | wire::kPathTrailer)) != 0) return false;
+  bool revoked = false;
+  std::shared_ptr<ucx::HeldGrant> grant = book_->enter(planned.target, &revoked);
+  if (revoked) found_revoked_.fetch_add(1, std::memory_order_relaxed);
+  if (!grant) return false;
+  ResolvedTarget target;
+  Status st = llm_datadist::LLM_SUCCESS;
+  wire::Request req;
+  const Granted granted = resolve_granted(planned, grant->cache, req, target, st);
+  // This end's memory as UCX's mappings (its registered caches).
+  std::vector<std::shared_ptr<ucx::Mapping>> mine;
+  std::string why;
+  if (granted == Granted::kNotHere ||
+      (granted == Granted::kRanges && !ucx::keys_for(direct_->worker(), host_->registry(), planned.local, mine, why))) {
+    book_->leave(grant);
+    return false;  // the owner serves it (and says what it cannot)
+  }
+  if (granted == Granted::kRefused) {
+    book_->leave(grant);
+    settle(st, "refused here under the peer's grant of its cache, nothing moved: " + target.why);
+    return true;
+  }
+  // One get or put per tensor of the peer's, each range with this end's mapping.
+  std::map<size_t, std::vector<datadist_ucx_range>> by_tensor;
+  size_t t = 0;
+  for (size_t i = 0; i < target.iov.size(); ++i) {
+    const auto theirs = reinterpret_cast<uintptr_t>(target.iov[i].iov_base);
+    const auto local = reinterpret_cast<uintptr_t>(planned.local[i].iov_base);
+    const uint64_t length = target.iov[i].iov_len;
+    t = grant->cache->tensor_holding(theirs, length, t);
+    datadist_ucx_mem *mem = nullptr;
+    for (const auto &m : mine) {
+      if (local >= m->base() && local - m->base() <= m->length() && length <= m->length() - (local - m->base())) {
+        mem = m->mem();
+      }
+    }
+    if (t == grant->cache->addrs.size() || mem == nullptr) {
+      book_->leave(grant);
+      return false;
+    }
+    by_tensor[t].push_back({local, theirs, length, mem});
+  }
+  struct Moving {
+    std::shared_ptr<ucx::HeldGrant> grant;
+    std::vector<std::shared_ptr<ucx::Mapping>> mine;  // this end's memory stays mapped until UCX is done
+    Settle settle;
+    bool write = false;
+    uint64_t bytes = 0;
+    std::mutex mu;
+    size_t left = 0;
+    int status = 0;
+    std::string why;
+  };
+  auto moving = std::make_shared<Moving>();
+  moving->grant = grant;
+  moving->mine = std::move(mine);
+  moving->settle = settle;
+  moving->write = write;
+  moving->bytes = req.total_bytes;
+  auto finish = [this, moving](int status, const std::string &words) {
+    {
+      std::lock_guard<std::mutex> lock(moving->mu);
+      if (status != 0 && moving->status == 0) {
+        moving->status = status;
+        moving->why = words.empty() ? direct_->worker()->describe(status) : words;
+      }
+      if (--moving->left != 0) return;
+    }
+    // Out of the grant (its puts flushed) before anyone hears of it.
+    book_->leave(moving->grant);
+    if (moving->status != 0) {
+      // The ranges were checked against the grant: what fails is reaching
+      // the peer (its process gone, or its endpoint), so the link fails.
+      const std::string why = std::string("UCX could not ") + (moving->write ? "write into" : "read out of") +
+                              " the peer's granted cache: " + moving->why;
+      moving->settle(llm_datadist::LLM_LINK_FAILED, why);
+      if (fail_) fail_(why);
+      return;
+    }
+    one_sided_ops_.fetch_add(1, std::memory_order_relaxed);
+    (moving->write ? one_sided_written_ : one_sided_read_).fetch_add(moving->bytes, std::memory_order_relaxed);
+    moving->settle(llm_datadist::LLM_SUCCESS, {});
+  };
+  // The puts, then a flush (done once they landed at the peer), or the
+  // gets; and the posting thread's hold. Posted here where the move runs
+  // here (data_path.h): a shared-memory transport copies inside the post.
+  moving->left = by_tensor.size() + (write ? 1 : 0) + 1;
+  auto post = [this, write, grant, by_tensor = std::move(by_tensor), finish]() {
+    std::string why;
+    bool ok = true;
+    size_t posted = 0;
+    for (const auto &[tensor, ranges] : by_tensor) {
+      ok = write ? direct_->put(grant->keys[tensor], ranges, finish, why)
+                 : direct_->get(grant->keys[tensor], ranges, finish, why);
+      if (!ok) break;
+      ++posted;
+    }
+    if (ok && write && !direct_->flush(finish, why)) ok = false;
+    if (!ok) {
+      // The posts never made, and the flush, end here.
+      for (size_t j = posted; j < by_tensor.size(); ++j) finish(-1, why);
+      if (write) finish(-1, why);
+    }
+    finish(0, {});
+  };
+  if (moves_here(write, req.total_bytes, planned) || !host_->io_loop().run_blocking(post)) post();
+  return true;
 }
 
 int UcxDataPath::device_by_reference() const {
@@ -144,6 +315,13 @@ void UcxDataPath::serve(std::shared_ptr<ServedFrame> frame) {
 }
 
 void UcxDataPath::counters(std::map<std::string, uint64_t> &out) const {
+  out["ucx_one_sided_ops"] += one_sided_ops_.load(std::memory_order_relaxed);
+  out["ucx_one_sided_bytes_written"] += one_sided_written_.load(std::memory_order_relaxed);
+  out["ucx_one_sided_bytes_read"] += one_sided_read_.load(std::memory_order_relaxed);
+  out["grants_held"] += book_ ? book_->held() : 0;
+  out["grants_found_revoked"] += found_revoked_.load(std::memory_order_relaxed);
+  out["ucx_reach"] += book_ ? static_cast<uint64_t>(direct_rma_) : 0u;
+  if (const std::shared_ptr<ucx::Grantor> granting = grantor()) granting->counters(out);
   out["ucx_frames"] += frames_.load(std::memory_order_relaxed);
   out["ucx_fallbacks"] += fallbacks_.load(std::memory_order_relaxed);
   out["ucx_bytes_served"] += bytes_served_.load(std::memory_order_relaxed);
@@ -156,14 +334,23 @@ void UcxDataPath::reap() {
   // (LinkManager reaps a peer's links that went down before it links again).
   // Closed here, not when the link fails: a forced close then, with the peer
   // frozen, left a relink's first get stalled (UCX 1.13.1, 1 run in 7).
-  peer_->close();
-  if (!peer_->wait_idle(std::chrono::seconds(5))) {
-    log_warning("link to cluster " + std::to_string(host_->peer_id()) + ": UCX operations still pending after the close");
+  if (const std::shared_ptr<ucx::Grantor> granting = grantor()) granting->reap();
+  if (book_) book_->clear();
+  for (const auto &ep : {peer_, direct_}) {
+    if (!ep) continue;
+    ep->close();
+    if (!ep->wait_idle(std::chrono::seconds(5))) {
+      log_warning("link to cluster " + std::to_string(host_->peer_id()) +
+                  ": UCX operations still pending after the close");
+    }
   }
 }
 
 void UcxDataPath::zero_counters(std::map<std::string, uint64_t> &out) {
-  for (const char *name : {"ucx_frames", "ucx_fallbacks", "ucx_bytes_served", "ucx_device"}) out[name] += 0;
+  for (const char *name : {"ucx_frames", "ucx_fallbacks", "ucx_bytes_served", "ucx_device", "ucx_one_sided_ops",
+                           "ucx_one_sided_bytes_written", "ucx_one_sided_bytes_read", "ucx_reach"}) {
+    out[name] += 0;
+  }
 }
 
 }  // namespace datadist

@@ -19,8 +19,10 @@ namespace datadist::ucx {
 class UcxKind : public PathKind {
  public:
   static constexpr uint16_t kId = 2;
-  // `required`: transport "ucx" (else "auto").
-  UcxKind(bool required, IoLoop &io_loop) : required_(required), io_loop_(io_loop) {}
+  // `required`: transport "ucx" (else "auto"); `one_sided`: access
+  // "one_sided" (grants asked for and given, ucx_grants.h).
+  UcxKind(bool required, bool one_sided, IoLoop &io_loop)
+      : required_(required), one_sided_(one_sided), io_loop_(io_loop) {}
 
   uint16_t id() const override { return kId; }
   bool yields() const override { return true; }
@@ -34,6 +36,7 @@ class UcxKind : public PathKind {
 
  private:
   const bool required_;
+  const bool one_sided_;
   IoLoop &io_loop_;
   std::shared_ptr<Worker> worker_;  // progressed by io_loop_ until stop()
 };

@@ -114,11 +114,16 @@ struct TensorMaps : CacheAttachment {
 // The tag of UCX's attachment.
 constexpr char kTensorMapsTag = 0;
 
-// Tensor `t` of `entry` mapped with `worker`: made on its first use and kept
-// in the entry until the cache goes. Device memory is mapped with its
-// context current on the calling thread, where the worker's UCX reaches it.
-std::shared_ptr<Mapping> map_tensor(const std::shared_ptr<Worker> &worker, CacheEntry &entry, size_t t,
-                                    std::string &why) {
+bool inside(const Mapping &m, uintptr_t addr, size_t length) {
+  return addr >= m.base() && addr + length <= m.base() + m.length();
+}
+
+}  // namespace
+
+// Device memory is mapped with its context current on the calling thread,
+// where the worker's UCX reaches it.
+std::shared_ptr<Mapping> tensor_mapping(const std::shared_ptr<Worker> &worker, CacheEntry &entry, size_t t,
+                                        std::string &why) {
   if (entry.device && !worker->reaches_device()) {
     why = "cache " + std::to_string(entry.id) + " is device memory, which this end's UCX does not reach";
     return nullptr;
@@ -153,12 +158,6 @@ std::shared_ptr<Mapping> map_tensor(const std::shared_ptr<Worker> &worker, Cache
   return slots[t];
 }
 
-bool inside(const Mapping &m, uintptr_t addr, size_t length) {
-  return addr >= m.base() && addr + length <= m.base() + m.length();
-}
-
-}  // namespace
-
 bool keys_for(const std::shared_ptr<Worker> &worker, Registry &registry, const std::vector<iovec> &local,
               std::vector<std::shared_ptr<Mapping>> &out, std::string &why) {
   out.clear();
@@ -173,7 +172,7 @@ bool keys_for(const std::shared_ptr<Worker> &worker, Registry &registry, const s
       why = "memory at " + std::to_string(addr) + " is not inside one tensor of a registered cache";
       return false;
     }
-    std::shared_ptr<Mapping> mapping = map_tensor(worker, *entry, t, why);
+    std::shared_ptr<Mapping> mapping = tensor_mapping(worker, *entry, t, why);
     if (!mapping) return false;
     if (out.size() == kMaxKeys) {
       why = "a frame over more than " + std::to_string(kMaxKeys) + " tensors";
@@ -197,7 +196,7 @@ bool local_maps(const std::shared_ptr<Worker> &worker, CacheEntry &entry, const 
       return false;
     }
     if (held.empty() || held.back()->base() != reinterpret_cast<uintptr_t>(entry.addrs[t])) {
-      std::shared_ptr<Mapping> mapping = map_tensor(worker, entry, t, why);
+      std::shared_ptr<Mapping> mapping = tensor_mapping(worker, entry, t, why);
       if (!mapping) return false;
       held.push_back(std::move(mapping));
     }
@@ -235,6 +234,24 @@ std::shared_ptr<Peer> Peer::connect(const std::shared_ptr<Worker> &worker, const
   return peer;
 }
 
+std::shared_ptr<Peer> Peer::connect_direct(const std::shared_ptr<Worker> &worker, const std::string &address,
+                                           std::string &why) {
+  std::shared_ptr<Peer> peer(new Peer(worker));
+  peer->direct_ = true;
+  const int st = worker->api().ep_create_direct(worker->handle(), address.data(), address.size(), &peer->ep_);
+  if (st != DATADIST_UCX_OK) {
+    why = "UCX refused the peer's worker address: " + worker->describe(st);
+    peer->ep_ = nullptr;
+    return nullptr;
+  }
+  return peer;
+}
+
+int Peer::rma() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return ep_ != nullptr ? worker_->api().ep_rma(ep_) : DATADIST_UCX_RMA_NONE;
+}
+
 Peer::~Peer() {
   close();
   // No callback after the close: the error state may go.
@@ -247,7 +264,9 @@ void Peer::close() {
     if (ep_ == nullptr) return;
     for (auto &entry : rkeys_) worker_->api().rkey_destroy(entry.second);
     rkeys_.clear();
-    worker_->api().ep_close(ep_, 1);  // wakes the worker: its thread runs the failed operations' done
+    // Wakes the worker: its thread runs the failed operations' done. A
+    // direct endpoint's close is not forced: it flushes what is posted.
+    worker_->api().ep_close(ep_, direct_ ? 0 : 1);
     ep_ = nullptr;
   }
 }

@@ -105,6 +105,12 @@ class Mapping {
   std::string rkey_;
 };
 
+// Tensor `t` of `entry` mapped with `worker`, made on its first use and
+// kept in the entry until the cache goes (its memory is unmapped before it
+// goes); null with `why` when it cannot be mapped.
+std::shared_ptr<Mapping> tensor_mapping(const std::shared_ptr<Worker> &worker, CacheEntry &entry, size_t t,
+                                        std::string &why);
+
 // The keys a frame's local memory needs: for each iovec, the tensor of a
 // registered cache that holds it, mapped with `worker` on its first use
 // (attached to the cache, which keeps the mapping until it goes). False with
@@ -127,6 +133,13 @@ class Peer {
   // Null with `why` when UCX refuses the peer's address.
   static std::shared_ptr<Peer> connect(const std::shared_ptr<Worker> &worker, const std::string &address,
                                        std::string &why);
+  // An endpoint for one-sided moves under the peer's grants (the plugin's
+  // ep_create_direct): no error callback, never force-closed. Null with
+  // `why` when UCX refuses the address.
+  static std::shared_ptr<Peer> connect_direct(const std::shared_ptr<Worker> &worker, const std::string &address,
+                                              std::string &why);
+  // How this endpoint's gets and puts reach the peer (DATADIST_UCX_RMA_*).
+  int rma();
   ~Peer();
   Peer(const Peer &) = delete;
   Peer &operator=(const Peer &) = delete;
@@ -156,6 +169,7 @@ class Peer {
 
  private:
   explicit Peer(std::shared_ptr<Worker> worker) : worker_(std::move(worker)) {}
+  bool direct_ = false;  // made by connect_direct: closed without force
   datadist_ucx_rkey *rkey_locked(const std::string &packed, std::string &why);
   bool post(bool get, const std::string &packed, const std::vector<datadist_ucx_range> &ranges, Done done,
             std::string &why);

@@ -110,6 +110,8 @@ struct datadist_ucx_ep {
   // Host-to-host ranges go as UCX's own gets and puts: the endpoint has an
   // RDMA transport. Otherwise as active messages.
   bool native_host_rma = false;
+  // Made with peer-failure handling (ep_create), which a forced close needs.
+  bool handles_errors = true;
 };
 
 struct datadist_ucx_rkey {
@@ -503,7 +505,7 @@ void ep_close(datadist_ucx_ep *ep, int force) {
   }
   ucp_request_param_t param{};
   param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-  param.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+  param.flags = force && ep->handles_errors ? UCP_EP_CLOSE_FLAG_FORCE : 0;
   param.cb.send = on_close_done;
   param.user_data = ep;
   ucs_status_ptr_t request = ucp_ep_close_nbx(ep->ep, &param);
@@ -737,38 +739,44 @@ int mem_map(datadist_ucx_worker *w, void *address, size_t length, int memory_typ
   return UCS_OK;
 }
 
-// Whether the endpoint has an RDMA transport (rc, dc, srd), whose gets and
-// puts run in the NIC and need nothing of the peer's process; asked of UCX
-// from 1.14 on (the endpoint's transports), false where it cannot say (a
-// worker with RDMA then takes every endpoint for one). Not cma (one host,
-// UCX 1.22): its reads and writes need nothing of the peer either, but they
-// are the peer's own system calls into this process's memory, which go on
-// after this end has closed the endpoint (a peer frozen mid-operation that
-// resumes after this end's operations timed out); the active messages of a
-// closed endpoint are dropped instead.
-bool one_sided_endpoint(ucp_ep_h ep) {
+// How the endpoint's gets and puts reach the peer (DATADIST_UCX_RMA_*), by
+// the transports UCX chose for it; asked of UCX from 1.14 on (NONE where it
+// cannot say: a worker with RDMA then takes every endpoint for one, see
+// ep_create). FENCED: an RDMA transport (rc, dc, srd), whose gets and puts
+// run in the NIC and need nothing of the peer's process; the peer's unmap
+// ends them. DIRECT: cma, xpmem, knem or cuda_ipc, which need nothing of the
+// peer either but are this process's own system calls or mappings into the
+// peer's memory: they go on after the peer closed its endpoint (a process
+// frozen mid-operation that resumes after the peer's operations timed out).
+// A PEER-mode endpoint never has those (UCX 1.22 takes tcp between two
+// processes of one host then), so the link's own endpoint is FENCED or NONE.
+int endpoint_rma(ucp_ep_h ep) {
 #if UCP_API_MAJOR > 1 || (UCP_API_MAJOR == 1 && UCP_API_MINOR >= 14)
   unsigned major = 0, minor = 0, release = 0;
   ucp_get_version(&major, &minor, &release);
-  if (major == 1 && minor < 14) return false;  // built with newer headers than the UCX loaded
+  if (major == 1 && minor < 14) return DATADIST_UCX_RMA_NONE;  // built with newer headers than the UCX loaded
   ucp_transport_entry_t entries[32]{};
   ucp_ep_attr_t attr{};
   attr.field_mask = UCP_EP_ATTR_FIELD_TRANSPORTS;
   attr.transports.entries = entries;
   attr.transports.num_entries = 32;
   attr.transports.entry_size = sizeof(ucp_transport_entry_t);
-  if (ucp_ep_query(ep, &attr) != UCS_OK) return false;
+  if (ucp_ep_query(ep, &attr) != UCS_OK) return DATADIST_UCX_RMA_NONE;
+  bool direct = false, tcp = false;
   for (unsigned i = 0; i < attr.transports.num_entries && i < 32; ++i) {
     const std::string tl = entries[i].transport_name != nullptr ? entries[i].transport_name : "";
-    if (tl.rfind("rc", 0) == 0 || tl.rfind("dc", 0) == 0 || tl == "srd") return true;
+    if (tl.rfind("rc", 0) == 0 || tl.rfind("dc", 0) == 0 || tl == "srd") return DATADIST_UCX_RMA_FENCED;
+    direct = direct || tl == "cma" || tl == "xpmem" || tl == "knem" || tl == "cuda_ipc";
+    tcp = tcp || tl == "tcp";
   }
+  return direct && !tcp ? DATADIST_UCX_RMA_DIRECT : DATADIST_UCX_RMA_NONE;
 #else
   (void)ep;
+  return DATADIST_UCX_RMA_NONE;
 #endif
-  return false;
 }
 
-// Whether one_sided_endpoint() can tell (UCX 1.14 on, and headers that know it).
+// Whether endpoint_rma() can tell (UCX 1.14 on, and headers that know it).
 bool endpoint_query_works() {
 #if UCP_API_MAJOR > 1 || (UCP_API_MAJOR == 1 && UCP_API_MINOR >= 14)
   unsigned major = 0, minor = 0, release = 0;
@@ -801,7 +809,8 @@ int ep_create(datadist_ucx_worker *w, const void *address, size_t length, datadi
     delete ep;
     return s;
   }
-  ep->native_host_rma = !w->am_rma && (one_sided_endpoint(ep->ep) || !endpoint_query_works());
+  ep->native_host_rma =
+      !w->am_rma && (endpoint_rma(ep->ep) == DATADIST_UCX_RMA_FENCED || !endpoint_query_works());
   {
     std::lock_guard<std::mutex> lock(w->mutex);
     w->eps.insert(ep);
@@ -809,6 +818,34 @@ int ep_create(datadist_ucx_worker *w, const void *address, size_t length, datadi
   *out = ep;
   return UCS_OK;
 }
+
+int ep_create_direct(datadist_ucx_worker *w, const void *address, size_t length, datadist_ucx_ep **out) {
+  if (w == nullptr || address == nullptr || length == 0 || out == nullptr) return UCS_ERR_INVALID_PARAM;
+  *out = nullptr;
+  auto *ep = new (std::nothrow) datadist_ucx_ep();
+  if (ep == nullptr) return UCS_ERR_NO_MEMORY;
+  ep->worker = w;
+  ep->sink = std::make_shared<ErrorSink>();
+  ep->native_host_rma = true;
+  ep->handles_errors = false;
+  ucp_ep_params_t params{};
+  params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+  params.address = static_cast<const ucp_address_t *>(address);
+  params.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+  ucs_status_t s = ucp_ep_create(w->worker, &params, &ep->ep);
+  if (s != UCS_OK) {
+    delete ep;
+    return s;
+  }
+  {
+    std::lock_guard<std::mutex> lock(w->mutex);
+    w->eps.insert(ep);
+  }
+  *out = ep;
+  return UCS_OK;
+}
+
+int ep_rma(datadist_ucx_ep *ep) { return ep == nullptr ? DATADIST_UCX_RMA_NONE : endpoint_rma(ep->ep); }
 
 int rkey_unpack(datadist_ucx_ep *ep, const void *buffer, size_t length, datadist_ucx_rkey **out) {
   if (ep == nullptr || buffer == nullptr || length <= sizeof(KeyHead) || out == nullptr) return UCS_ERR_INVALID_PARAM;
@@ -943,6 +980,8 @@ const datadist_ucx_plugin_v1 kPlugin = {
     put,
     ep_flush,
     ep_close,
+    ep_create_direct,
+    ep_rma,
 };
 
 }  // namespace

@@ -30,7 +30,7 @@
 extern "C" {
 #endif
 
-#define DATADIST_UCX_ABI_VERSION 2
+#define DATADIST_UCX_ABI_VERSION 3
 #define DATADIST_UCX_OK 0
 #define DATADIST_UCX_BUSY 1
 /* The symbol the loader resolves: returns the plugin's table. */
@@ -40,6 +40,12 @@ typedef struct datadist_ucx_worker datadist_ucx_worker;
 typedef struct datadist_ucx_mem datadist_ucx_mem;
 typedef struct datadist_ucx_ep datadist_ucx_ep;
 typedef struct datadist_ucx_rkey datadist_ucx_rkey;
+
+/* How an endpoint's gets and puts of host memory reach the peer's (ep_rma). */
+#define DATADIST_UCX_RMA_NONE 0   /* not by themselves (tcp), or UCX cannot say */
+#define DATADIST_UCX_RMA_FENCED 1 /* in the NIC (rc, dc, srd): the peer's unmap fences them */
+#define DATADIST_UCX_RMA_DIRECT 2 /* this process's own system calls or mappings (cma, xpmem, knem,
+                                     cuda_ipc): nothing of the peer's stops them */
 
 /* Memory types of mem_map. */
 #define DATADIST_UCX_HOST 0
@@ -129,6 +135,18 @@ typedef struct datadist_ucx_plugin_v1 {
    * fails on return, and bytes that come for it later are dropped. Its
    * rkeys are to be destroyed first. */
   void (*ep_close)(datadist_ucx_ep *ep, int force);
+
+  /* An endpoint for one-sided moves into and out of memory the peer
+   * granted: no peer-failure handling (UCX's shared-memory transports offer
+   * none, and need none to read or write the peer), so no on_error; a dead
+   * peer fails its operations. Its gets and puts always go as UCX's own;
+   * ep_close never forces it (a forced close needs the handling). */
+  int (*ep_create_direct)(datadist_ucx_worker *worker, const void *address, size_t length, datadist_ucx_ep **out);
+  /* How ep's gets and puts reach the peer: DATADIST_UCX_RMA_*, by the
+   * transports UCX chose for it (asked of UCX from 1.14 on; NONE before).
+   * FENCED where one is rc, dc or srd; DIRECT where one is cma, xpmem,
+   * knem or cuda_ipc and none is tcp; else NONE. */
+  int (*ep_rma)(datadist_ucx_ep *ep);
 } datadist_ucx_plugin_v1;
 
 typedef const datadist_ucx_plugin_v1 *(*datadist_ucx_entry_fn)(void);
