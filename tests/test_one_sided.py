@@ -1,5 +1,8 @@
-"""One-sided access on one host (LLMConfig.access): the owner grants a linked
-peer its caches once, and the peer moves the bytes itself.
+"""One-sided access (LLMConfig.access): the owner grants a linked peer its
+caches once, and the peer moves the bytes itself. The shared cases run on
+the same-host path and over UCX (transport "ucx", where the peer's
+endpoint reaches the owner's memory by itself: cma here, from UCX 1.14
+on; test_ucx_one_sided.py holds UCX's own cases).
 
 - The owner is out of the path: frozen (SIGSTOP) after linking, its peer's
   pushes and pulls still complete, every byte checked; with access "owner"
@@ -23,7 +26,8 @@ import pytest
 
 import datadist_aio as dd
 from support.links import blocks_desc, wait_for_path
-from support.peer import CacheRef, MiB, Peer, PeerGroup, raises_status, seeded_tensors, wait_until
+from support.peer import (HAVE_UCX, UCX_WHY, CacheRef, MiB, Peer, PeerGroup, raises_status, seeded_tensors,
+                          ucx_names_transports, wait_until)
 
 SUCCESS = dd.LLMStatusCode.LLM_SUCCESS
 LINKED = (SUCCESS, [SUCCESS])
@@ -43,15 +47,33 @@ def stats(peer: Peer, other: int) -> dict[str, int]:
     return peer.engine("link_stats", other)
 
 
-def linked(group: PeerGroup, access: Optional[str] = "one_sided", timeout_ms: int = 5000) -> tuple[Peer, Peer]:
-    """A (the initiator, with ``access``; None: unset) linked to B (the owner, access unset) on the same-host path."""
+# The paths that move bytes one-sided here, and the counters of each.
+PATHS = ["same_host", pytest.param("ucx", marks=pytest.mark.skipif(
+    not (HAVE_UCX and ucx_names_transports()), reason=f"no UCX that names an endpoint's transports: {UCX_WHY}"))]
+
+
+def moved(path: str, what: str) -> str:
+    """The link_stats name of the one-sided `what` ("ops", "bytes_written", "bytes_read") on `path`."""
+    return ("ucx_" if path == "ucx" else "") + "one_sided_" + what
+
+
+def linked(group: PeerGroup, access: Optional[str] = "one_sided", timeout_ms: int = 5000,
+           path: str = "same_host") -> tuple[Peer, Peer]:
+    """A (the initiator, with ``access``; None: unset) linked to B (the owner,
+    access unset) on the same-host path, or over UCX (``path`` "ucx")."""
     options: dict[str, Any] = {"sync_kv_timeout": timeout_ms}
+    theirs: dict[str, Any] = {}
     if access is not None:
         options["access"] = access
+    if path == "ucx":
+        options["transport"] = theirs["transport"] = "ucx"
     a = group.start("a", dd.LLMRole.PROMPT, A, options=options)
-    b = group.start("b", dd.LLMRole.DECODER, B)
+    b = group.start("b", dd.LLMRole.DECODER, B, options=theirs)
     assert a.link(b) == LINKED
-    assert wait_for_path(b, A, "same_host")
+    if path == "ucx":
+        assert a.datadist("link_transport", B) == "ucx"
+    else:
+        assert wait_for_path(b, A, "same_host")
     return a, b
 
 
@@ -59,10 +81,10 @@ def wait_granted(a: Peer, count: int) -> None:
     wait_until(lambda: stats(a, B)["grants_held"] == count, f"A holds {count} grants of B's")
 
 
-def streaming_pair(group: PeerGroup) -> tuple[Peer, Peer, CacheRef, CacheRef]:
-    """A linked to B, a cache of B's (4 tensors of 4 MiB) granted to A, and
-    a filled cache of A's like it to write from."""
-    a, b = linked(group)
+def streaming_pair(group: PeerGroup, path: str) -> tuple[Peer, Peer, CacheRef, CacheRef]:
+    """A linked to B on `path`, a cache of B's (4 tensors of 4 MiB) granted
+    to A, and a filled cache of A's like it to write from."""
+    a, b = linked(group, path=path)
     desc = dd.CacheDesc(4, [1, 4 * MiB], dd.DataType.DT_UINT8, dd.Placement.HOST)
     target = b.allocate(desc)
     local = a.allocate(desc)
@@ -88,9 +110,10 @@ def block_rows(tensors: list[np.ndarray], blocks: list[int]) -> list[np.ndarray]
     return [np.concatenate([t[k * BLOCK : (k + 1) * BLOCK] for k in blocks]) for t in tensors]
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("access", ["one_sided", "owner"])
-def test_a_frozen_owner_is_not_needed(group, access):
-    a, b = linked(group, access, timeout_ms=1000)
+def test_a_frozen_owner_is_not_needed(group, access, path):
+    a, b = linked(group, access, timeout_ms=1000, path=path)
     slots_desc = dd.CacheDesc(2, [2, 64 * 1024], dd.DataType.DT_UINT8, dd.Placement.HOST)
     remote = b.allocate(blocks_desc(), blocks=True, model_id=5)
     slots = b.allocate(slots_desc)
@@ -103,7 +126,8 @@ def test_a_frozen_owner_is_not_needed(group, access):
     local_slots = a.allocate(slots_desc)
     sent_slots = a.fill(local_slots, 5)
     back_slots = a.allocate(slots_desc)
-    wait_until(lambda: stats(b, A)["grants_given"] == 2, "B grants A what it made, whatever A's access")
+    if path == "same_host":
+        wait_until(lambda: stats(b, A)["grants_given"] == 2, "B grants A what it made, whatever A's access")
     if access == "one_sided":
         wait_granted(a, 2)
     b.stop()
@@ -139,9 +163,9 @@ def test_a_frozen_owner_is_not_needed(group, access):
         np.testing.assert_array_equal(pulled_slots[t][:slot], held_slots[t][slot:])
     # No frame went to B: A moved every byte itself, B served nothing.
     mine, theirs = stats(a, B), stats(b, A)
-    assert mine["one_sided_ops"] >= 4 and mine["framed_ops"] == 0, mine
-    assert mine["one_sided_bytes_written"] == 3 * 4 * BLOCK + 2 * slot, mine
-    assert mine["one_sided_bytes_read"] == 2 * 4 * BLOCK + 2 * slot, mine
+    assert mine[moved(path, "ops")] >= 4 and mine["framed_ops"] == 0, mine
+    assert mine[moved(path, "bytes_written")] == 3 * 4 * BLOCK + 2 * slot, mine
+    assert mine[moved(path, "bytes_read")] == 2 * 4 * BLOCK + 2 * slot, mine
     assert theirs["owner_served_ops"] == 0 and theirs["grants_given"] == 2, theirs
 
 
@@ -165,8 +189,9 @@ def test_a_small_read_is_done_when_its_call_returns(group):
     assert stats(a, B)["one_sided_bytes_read"] - before == 8 * MiB
 
 
-def test_ranges_are_checked_against_the_grant_with_the_owners_statuses(group):
-    a, b = linked(group)
+@pytest.mark.parametrize("path", PATHS)
+def test_ranges_are_checked_against_the_grant_with_the_owners_statuses(group, path):
+    a, b = linked(group, path=path)
     remote = b.allocate(blocks_desc(), blocks=True, model_id=5)
     held = b.fill(remote, 1)
     local = a.allocate(blocks_desc(blocks=32), blocks=True)
@@ -189,13 +214,15 @@ def test_ranges_are_checked_against_the_grant_with_the_owners_statuses(group):
     assert stats(b, A)["owner_served_ops"] == 0
 
 
-def test_a_cache_renewed_under_a_stream_of_writes_never_receives_one(group):
+@pytest.mark.parametrize("path", PATHS)
+def test_a_cache_renewed_under_a_stream_of_writes_never_receives_one(group, path):
     # A streams one-sided writes into B's cache. B frees it and, in the same
     # command, allocates one like it (where the pool puts it: where the old
     # one lay, once the grant's copies in flight are out) and fills it. No
     # write under the old grant may land in the new cache: B's revocation
     # waits for the copy in flight, and A's next copy finds the grant revoked.
-    a, b, target, local = streaming_pair(group)
+    # Over UCX the copies are A's puts (cma), and B also waits for A's answer.
+    a, b, target, local = streaming_pair(group, path)
     rounds, same_place = 100, 0
     for r in range(rounds):
         stream_writes(a, target, local)
@@ -218,13 +245,14 @@ def test_a_cache_renewed_under_a_stream_of_writes_never_receives_one(group):
     assert stats(a, B)["grants_found_revoked"] > 0, stats(a, B)
 
 
-def test_a_holder_frozen_in_a_copy_leaves_the_memory_held(group):
+@pytest.mark.parametrize("path", PATHS)
+def test_a_holder_frozen_in_a_copy_leaves_the_memory_held(group, path):
     # A is stopped (SIGSTOP) while it streams one-sided writes into B's
     # cache, most likely inside a copy. B's revocation then waits its bound
     # and leaves the old memory held (quarantined): the new cache lies
     # elsewhere, and when A runs again the rest of its copy lands in memory
     # nobody uses. No byte of the new cache changes.
-    a, b, target, local = streaming_pair(group)
+    a, b, target, local = streaming_pair(group, path)
     for attempt in range(20):
         wait_granted(a, 1)
         stream_writes(a, target, local)
@@ -355,3 +383,57 @@ def test_the_access_benchmark_runs_and_checks_its_bytes(tmp_path):
     assert all(rows[("owner", load)]["one_sided_ops"] == 0 < rows[("owner", load)]["framed_ops"]
                for load in ("quiet", "busy"))
     assert "one_sided/owner" in done.stdout
+
+
+@pytest.mark.skipif(not HAVE_UCX, reason=f"no UCX: {UCX_WHY}")
+def test_over_ucx_without_an_endpoint_that_reaches_the_owner_the_owner_serves(group):
+    """Whatever UCX says of its endpoint, every byte arrives; where it names
+    none that reaches the owner's memory (UCX before 1.14), A asks for no
+    grant and B serves; here UCX 1.14 on reaches it with cma (DIRECT, 2)."""
+    a, b = linked(group, path="ucx")
+    remote = b.allocate(blocks_desc(), blocks=True, model_id=5)
+    held = b.fill(remote, 1)
+    local = a.allocate(blocks_desc(), blocks=True)
+    sent = a.fill(local, 2)
+    reach = stats(a, B)["ucx_reach"]
+    assert reach == (2 if ucx_names_transports() else 0), (reach, UCX_WHY)
+    if reach:
+        wait_granted(a, 1)
+    assert a.cm_async("push_blocks", remote.blocks_key(), local, [0, 1], [3, 4]) == [SUCCESS]
+    got = b.read(remote)
+    for t in range(4):
+        np.testing.assert_array_equal(block_rows([got[t]], [3, 4])[0], block_rows([sent[t]], [0, 1])[0])
+        np.testing.assert_array_equal(block_rows([got[t]], [0, 1, 2, 5])[0], block_rows([held[t]], [0, 1, 2, 5])[0])
+    mine, theirs = stats(a, B), stats(b, A)
+    if reach:
+        assert mine["ucx_one_sided_ops"] == 1 and theirs["owner_served_ops"] == 0, (mine, theirs)
+    else:
+        assert mine["ucx_one_sided_ops"] == 0 and theirs["grants_given"] == 0, (mine, theirs)
+        assert theirs["ucx_bytes_served"] == 2 * 4 * BLOCK, theirs
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_link_that_goes_revokes_its_grants_and_holds_nothing(group, path):
+    """A link that goes (A unlinks) revokes A's grants in their slots: A was
+    in no copy, so B lets the memory go at once, and A's later pushes to the
+    id are refused as not linked. B's pool (64 MiB) holds two caches of 24
+    MiB: a third fits only once the freed one went back."""
+    a, b = linked(group, path=path)
+    desc = dd.CacheDesc(2, [1, 12 * MiB], dd.DataType.DT_UINT8, dd.Placement.HOST)
+    first = b.allocate(desc)
+    local = a.allocate(desc)
+    a.fill(local, 3)
+    wait_granted(a, 1)
+    assert a.cm("push_cache", first.key(0), local) is None
+    assert stats(a, B)[moved(path, "ops")] >= 1
+    a.unlink(b)
+    wait_until(lambda: not b.engine("has_link", A), "B drops its link to A")
+    with raises_status(dd.LLMStatusCode.LLM_NOT_YET_LINK):
+        a.cm("push_cache", first.key(0), local)
+    b.free(first)
+    second = b.allocate(desc)
+    third = b.allocate(desc)  # in the first cache's memory, let go
+    b.fill(second, 4)
+    b.fill(third, 5)
+    assert_holds(b, second, 4, "the second cache")
+    assert_holds(b, third, 5, "the cache in the memory let go")

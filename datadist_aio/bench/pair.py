@@ -255,7 +255,8 @@ def one_round(settings: dict[str, Any], cache_bytes: int, iterations: int, small
             "cipher": path.cipher,
             "kernel_tls": path.kernel_tls,
             "connections": stats.get("connections"),
-            "one_sided_ops": stats.get("one_sided_ops", 0),
+            # Moved by this end under the owner's grants: on one host, or over UCX.
+            "one_sided_ops": stats.get("one_sided_ops", 0) + stats.get("ucx_one_sided_ops", 0),
             "framed_ops": stats.get("framed_ops", 0),
             "push_gbps": cache_bytes / min(push_s) / 1e9,
             "push_cpu_s_per_gb": min(push_cpu) / (cache_bytes / 1e9),

@@ -23,6 +23,7 @@ import multiprocessing
 import multiprocessing.connection
 import multiprocessing.resource_tracker
 import os
+import re
 import pickle
 import resource
 import signal
@@ -69,6 +70,13 @@ MiB = 1 << 20
 HAVE_UVLOOP = importlib.util.find_spec("uvloop") is not None
 # Whether links can take transport "ucx" here (the UCX plugin and UCX load).
 HAVE_UCX, UCX_WHY = dd._native.ucx_available()
+
+
+def ucx_names_transports() -> bool:
+    """Whether the UCX loaded here names an endpoint's transports (1.14 on),
+    which one-sided access over UCX needs."""
+    found = re.match(r"UCX (\d+)\.(\d+)", UCX_WHY)
+    return found is not None and (int(found.group(1)), int(found.group(2))) >= (1, 14)
 _SPAWN = multiprocessing.get_context("spawn")
 # Spawning starts multiprocessing's resource tracker once per process and keeps
 # a descriptor to it; starting it now keeps it out of the per-test fd check.

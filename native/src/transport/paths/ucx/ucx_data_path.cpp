@@ -14,6 +14,28 @@
 
 namespace datadist {
 
+namespace {
+
+// The posts of one operation (its gets or puts, a flush, the posting
+// thread's hold): it ends once each has, with the first failure.
+struct Countdown {
+  std::mutex mu;
+  size_t left = 0;
+  int status = 0;
+  std::string why;
+  // One post ended with `st`: true for the last.
+  bool done(int st, const std::string &words) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (st != 0 && status == 0) {
+      status = st;
+      why = words;
+    }
+    return --left == 0;
+  }
+};
+
+}  // namespace
+
 void UcxDataPath::start(PathHost &host, LinkFailer fail) {
   DataPath::start(host, fail);
   fail_ = fail;
@@ -120,16 +142,12 @@ bool UcxDataPath::move(bool write, const PlannedFrame &planned, const std::share
     }
     by_tensor[t].push_back({local, theirs, length, mem});
   }
-  struct Moving {
+  struct Moving : Countdown {
     std::shared_ptr<ucx::HeldGrant> grant;
     std::vector<std::shared_ptr<ucx::Mapping>> mine;  // this end's memory stays mapped until UCX is done
     Settle settle;
     bool write = false;
     uint64_t bytes = 0;
-    std::mutex mu;
-    size_t left = 0;
-    int status = 0;
-    std::string why;
   };
   auto moving = std::make_shared<Moving>();
   moving->grant = grant;
@@ -138,14 +156,7 @@ bool UcxDataPath::move(bool write, const PlannedFrame &planned, const std::share
   moving->write = write;
   moving->bytes = req.total_bytes;
   auto finish = [this, moving](int status, const std::string &words) {
-    {
-      std::lock_guard<std::mutex> lock(moving->mu);
-      if (status != 0 && moving->status == 0) {
-        moving->status = status;
-        moving->why = words.empty() ? direct_->worker()->describe(status) : words;
-      }
-      if (--moving->left != 0) return;
-    }
+    if (!moving->done(status, words.empty() && status != 0 ? direct_->worker()->describe(status) : words)) return;
     // Out of the grant (its puts flushed) before anyone hears of it.
     book_->leave(moving->grant);
     if (moving->status != 0) {
@@ -261,27 +272,16 @@ void UcxDataPath::serve(std::shared_ptr<ServedFrame> frame) {
     by_key[keys.segment_key[i]].push_back({static_cast<uint64_t>(reinterpret_cast<uintptr_t>(target.iov[i].iov_base)),
                                           req.segments[i].addr, req.segments[i].length, mems[i]});
   }
-  struct Posted {
+  struct Posted : Countdown {
     std::shared_ptr<ServedFrame> frame;  // this end's memory, alive until UCX is done with it
     std::vector<std::shared_ptr<ucx::Mapping>> mine;  // and its mappings
-    std::mutex mu;
-    size_t left = 0;
-    int status = 0;
-    std::string why;
   };
   auto posted = std::make_shared<Posted>();
   posted->frame = frame;
   posted->mine = std::move(mine);
   // Ends the frame once every get (or every put and the flush) is done.
   auto finish = [this, posted](int status, const std::string &why) {
-    {
-      std::lock_guard<std::mutex> lock(posted->mu);
-      if (status != 0 && posted->status == 0) {
-        posted->status = status;
-        posted->why = why;
-      }
-      if (--posted->left != 0) return;
-    }
+    if (!posted->done(status, why)) return;
     const ServedFrame &f = *posted->frame;
     if (posted->status != 0) {
       f.done(Moved::refusal(llm_datadist::LLM_FAILED,
