@@ -437,3 +437,63 @@ def test_a_link_that_goes_revokes_its_grants_and_holds_nothing(group, path):
     b.fill(third, 5)
     assert_holds(b, second, 4, "the second cache")
     assert_holds(b, third, 5, "the cache in the memory let go")
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_link_lost_while_its_holder_is_in_a_copy_holds_the_memory_until_it_exits(group, path):
+    """A is stopped while it streams writes into B's cache, and B drops the
+    link (a forced unlink). Where A was inside a copy, B cannot know when it
+    ends: the cache's memory stays held after B frees it (B's pool of 64 MiB
+    takes no third cache of 24 MiB), until A has exited; then B's next
+    revocation lets it go. No byte of what B holds changes meanwhile."""
+    a, b = linked(group, path=path)
+    desc = dd.CacheDesc(2, [1, 12 * MiB], dd.DataType.DT_UINT8, dd.Placement.HOST)
+    target = b.allocate(desc)
+    local = a.allocate(desc)
+    a.fill(local, 9)
+    wait_granted(a, 1)
+    for attempt in range(20):
+        a.stream("push_cache", target.key(0), local)
+        wait_until(lambda: a.stream_counts().get("LLM_SUCCESS", 0) >= 3, "one-sided writes stream")
+        a.stop()
+        b.unlink(a, force=True)
+        b.free(target)
+        second = b.allocate(desc)
+        try:
+            third = b.allocate(desc)
+        except dd.LLMException as exc:
+            assert exc.status_code is dd.LLMStatusCode.LLM_OUT_OF_MEMORY, exc
+            break  # held: A was inside a copy
+        # A was stopped outside a copy: nothing held. Again, on a new link.
+        a.cont()
+        a.stream_stop()
+        b.free(second)
+        b.free(third)
+        wait_until(lambda: not a.engine("has_link", B), "A drops the link B closed")
+        assert a.link(b) == LINKED
+        target = b.allocate(desc)
+        wait_granted(a, 1)
+    else:
+        pytest.fail("A was never stopped inside a copy in 20 tries")
+    held = b.fill(second, 4)
+    a.kill()
+    # A has exited: a revocation on B (of a cache granted to C, freed) looks
+    # at the held memory again and lets it go.
+    c_options: dict[str, Any] = {"transport": "ucx"} if path == "ucx" else {}
+    c = group.start("c", dd.LLMRole.PROMPT, 3, options=c_options)
+    assert c.link(b) == LINKED
+    small = dd.CacheDesc(1, [1, 4096], dd.DataType.DT_UINT8, dd.Placement.HOST)
+
+    def third_fits() -> bool:
+        probe = b.allocate(small)
+        wait_until(lambda: stats(c, B)["grants_held"] >= 1, "C holds B's grant")
+        b.free(probe)
+        try:
+            b.free(b.allocate(desc))
+        except dd.LLMException:
+            return False
+        return True
+
+    wait_until(third_fits, "the memory A could reach goes back once A exited")
+    assert_holds(b, second, 4, "the cache B kept")
+    assert held

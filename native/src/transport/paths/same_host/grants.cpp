@@ -143,7 +143,7 @@ void GrantTable::close_fd() {
 // -- owner -------------------------------------------------------------------
 
 Grantor::Grantor(Registry &registry, Send send, pid_t holder)
-    : registry_(registry), send_(std::move(send)), holder_(holder) {}
+    : registry_(registry), send_(std::move(send)), holder_(holder), holder_fd_(std::make_shared<Pidfd>(holder)) {}
 
 Grantor::~Grantor() { reap(); }
 
@@ -277,7 +277,7 @@ void Grantor::revoke(Given given) {
     }
     if (!holder) {
       revoke_waits_.fetch_add(1, std::memory_order_relaxed);
-      holder = std::make_shared<Pidfd>(holder_);
+      holder = holder_fd_;
     }
     if (!holder->alive()) {
       quiet = true;

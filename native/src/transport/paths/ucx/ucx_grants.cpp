@@ -121,7 +121,12 @@ bool read_want_grants(const uint8_t *body, size_t size, int &rma, pid_t &pid) {
 // -- owner -------------------------------------------------------------------
 
 Grantor::Grantor(std::shared_ptr<Worker> worker, Registry &registry, Send send, int rma, pid_t holder)
-    : worker_(std::move(worker)), registry_(registry), send_(std::move(send)), rma_(rma), holder_(holder) {}
+    : worker_(std::move(worker)),
+      registry_(registry),
+      send_(std::move(send)),
+      rma_(rma),
+      holder_(holder),
+      holder_fd_(std::make_shared<Pidfd>(holder)) {}
 
 Grantor::~Grantor() { reap(); }
 
@@ -350,7 +355,7 @@ void Grantor::hold(Given given) {
   log_warning("a peer (pid " + std::to_string(holder_) + ") is still in an operation under its UCX grant of cache " +
               std::to_string(given.pin->id) + " as its link goes; its memory is held until the peer exits");
   std::lock_guard<std::mutex> lock(exit_holds_mu);
-  exit_holds.push_back(ExitHold{std::make_shared<Pidfd>(holder_), {std::move(given.pin)}, table_, given.slot});
+  exit_holds.push_back(ExitHold{holder_fd_, {std::move(given.pin)}, table_, given.slot});
 }
 
 void Grantor::counters(std::map<std::string, uint64_t> &out) const {

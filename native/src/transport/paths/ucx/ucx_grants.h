@@ -45,6 +45,7 @@
 
 #include "registry.h"
 #include "transport/paths/same_host/grants.h"
+#include "transport/pidfd.h"
 #include "transport/paths/ucx/ucx_path.h"
 #include "transport/wire.h"
 
@@ -113,6 +114,9 @@ class Grantor : public RegistryWatcher, public std::enable_shared_from_this<Gran
   const Send send_;
   const int rma_;
   const pid_t holder_;
+  // The holder's pidfd, opened as the grantor is made (the holder asked
+  // just now): a pid that is gone by the link's end cannot be opened.
+  const std::shared_ptr<Pidfd> holder_fd_;
   mutable std::mutex mu_;
   std::condition_variable answered_cv_;
   std::unordered_map<const CacheEntry *, Given> given_;
