@@ -51,32 +51,41 @@ std::vector<uint8_t> bytes_of(const T &message, size_t extra = 0) {
   return body;
 }
 
-// Revocations whose holder was still in a copy when the wait ran out: the
-// memory stays held until it leaves (or dies), looked at again by every
-// later revocation of the process.
-struct Quarantined {
+}  // namespace
+
+namespace {
+
+// Memory a holder was still inside (or may still reach) when its grant
+// went: held until the holder leaves the slot or exits.
+struct Held {
   std::shared_ptr<GrantTable> table;
   uint32_t slot;
   std::shared_ptr<CacheEntry> pin;
   std::shared_ptr<Pidfd> holder;
 };
-std::mutex quarantine_mu;
-std::vector<Quarantined> quarantine;
+std::mutex held_mu;
+std::vector<Held> held;
 
-void sweep_quarantine() {
+}  // namespace
+
+void hold_until_quiet(std::shared_ptr<GrantTable> table, uint32_t slot, std::shared_ptr<CacheEntry> pin,
+                      std::shared_ptr<Pidfd> holder) {
+  std::lock_guard<std::mutex> lock(held_mu);
+  held.push_back(Held{std::move(table), slot, std::move(pin), std::move(holder)});
+}
+
+void sweep_held() {
   std::vector<std::shared_ptr<CacheEntry>> freed;  // let go after the lock
-  std::lock_guard<std::mutex> lock(quarantine_mu);
-  for (auto it = quarantine.begin(); it != quarantine.end();) {
+  std::lock_guard<std::mutex> lock(held_mu);
+  for (auto it = held.begin(); it != held.end();) {
     if (it->table->slot(it->slot).in_flight.load() == 0 || !it->holder->alive()) {
       freed.push_back(std::move(it->pin));
-      it = quarantine.erase(it);
+      it = held.erase(it);
     } else {
       ++it;
     }
   }
 }
-
-}  // namespace
 
 uint32_t grant_message_kind(const uint8_t *body, size_t size) {
   uint32_t kind = 0;
@@ -290,8 +299,7 @@ void Grantor::revoke(Given given) {
     quarantined_.fetch_add(1, std::memory_order_relaxed);
     log_warning("a peer (pid " + std::to_string(holder_) + ") is still in a copy under its grant of cache " +
                 std::to_string(given.pin->id) + "; its memory is held until that copy ends");
-    std::lock_guard<std::mutex> lock(quarantine_mu);
-    quarantine.push_back(Quarantined{table_, given.slot, std::move(given.pin), std::move(holder)});
+    hold_until_quiet(table_, given.slot, std::move(given.pin), std::move(holder));
     return;
   }
   {
@@ -299,7 +307,7 @@ void Grantor::revoke(Given given) {
     free_slots_.push_back(given.slot);
   }
   given.pin.reset();  // the memory may go back now
-  sweep_quarantine();
+  sweep_held();
 }
 
 void Grantor::reap() {

@@ -75,6 +75,15 @@ class GrantTable {
   std::atomic<int> fd_;
 };
 
+// Memory a holder is still inside when its grant goes (a copy past the
+// revocation's wait, or any operation when its link is gone): `pin` is
+// held until the holder leaves `slot` of `table` or `holder` exits. For
+// every grantor of the process, the same-host path's and UCX's.
+void hold_until_quiet(std::shared_ptr<GrantTable> table, uint32_t slot, std::shared_ptr<CacheEntry> pin,
+                      std::shared_ptr<Pidfd> holder);
+// Lets go of what is held that may go now; called by every revocation.
+void sweep_held();
+
 // The messages (wire::FrameType::kPathMessage bodies), each opening with
 // its kind.
 enum MessageKind : uint32_t {

@@ -65,31 +65,6 @@ std::vector<uint8_t> bytes_of(const T &message) {
 
 size_t padded(size_t n) { return (n + 7) / 8 * 8; }
 
-// Memory a holder still had an operation in when its link went: let go
-// once the holder has left the slot or exited; looked at again by every
-// grantor's start, revocations and reaps.
-struct ExitHold {
-  std::shared_ptr<Pidfd> holder;
-  std::vector<std::shared_ptr<CacheEntry>> pins;
-  std::shared_ptr<same_host::GrantTable> table;  // its slot: let go once quiet
-  uint32_t slot = 0;
-};
-std::mutex exit_holds_mu;
-std::vector<ExitHold> exit_holds;
-
-void sweep_exit_holds() {
-  std::vector<ExitHold> gone;  // let go after the lock
-  std::lock_guard<std::mutex> lock(exit_holds_mu);
-  for (auto it = exit_holds.begin(); it != exit_holds.end();) {
-    if (!it->holder->alive() || (it->table && it->table->slot(it->slot).in_flight.load() == 0)) {
-      gone.push_back(std::move(*it));
-      it = exit_holds.erase(it);
-    } else {
-      ++it;
-    }
-  }
-}
-
 }  // namespace
 
 uint32_t grant_message_kind(const uint8_t *body, size_t size) {
@@ -131,7 +106,7 @@ Grantor::Grantor(std::shared_ptr<Worker> worker, Registry &registry, Send send, 
 Grantor::~Grantor() { reap(); }
 
 bool Grantor::start(std::string &why) {
-  sweep_exit_holds();
+  same_host::sweep_held();
   std::shared_ptr<same_host::GrantTable> table;
   if (rma_ == DATADIST_UCX_RMA_DIRECT) {
     table = same_host::GrantTable::create(why);
@@ -278,7 +253,7 @@ void Grantor::removed(const std::shared_ptr<CacheEntry> &entry) {
     }
   }
   if (done) let_go(std::move(through));
-  sweep_exit_holds();
+  same_host::sweep_held();
 }
 
 bool Grantor::take_answer(const uint8_t *body, size_t size) {
@@ -348,14 +323,13 @@ void Grantor::reap() {
       hold(std::move(g));
     }
   }
-  sweep_exit_holds();
+  same_host::sweep_held();
 }
 
 void Grantor::hold(Given given) {
   log_warning("a peer (pid " + std::to_string(holder_) + ") is still in an operation under its UCX grant of cache " +
-              std::to_string(given.pin->id) + " as its link goes; its memory is held until the peer exits");
-  std::lock_guard<std::mutex> lock(exit_holds_mu);
-  exit_holds.push_back(ExitHold{holder_fd_, {std::move(given.pin)}, table_, given.slot});
+              std::to_string(given.pin->id) + " as its link goes; its memory is held until the peer leaves it or exits");
+  same_host::hold_until_quiet(table_, given.slot, std::move(given.pin), holder_fd_);
 }
 
 void Grantor::counters(std::map<std::string, uint64_t> &out) const {
