@@ -87,6 +87,22 @@ void sweep_held() {
   }
 }
 
+bool granted_id(const wire::Target &target, const std::map<uint64_t, int64_t> &by_model, int64_t &id) {
+  if (target.kind == wire::kById) {
+    id = target.cache_id;
+    return true;
+  }
+  if (target.kind != wire::kBlocksOfModel) return false;
+  auto model = by_model.find(target.model_id);
+  if (model == by_model.end()) return false;
+  id = model->second;
+  return true;
+}
+
+bool names_model(const wire::Target &target, const CacheEntry &cache) {
+  return target.kind != wire::kBlocksOfModel || (cache.blocks_model_id && *cache.blocks_model_id == target.model_id);
+}
+
 uint32_t grant_message_kind(const uint8_t *body, size_t size) {
   uint32_t kind = 0;
   if (size < sizeof(kind)) return 0;
@@ -419,21 +435,10 @@ bool GrantBook::take(const uint8_t *body, size_t size, std::vector<uint8_t> &ans
 std::shared_ptr<const Grant> GrantBook::find(const wire::Target &target) const {
   std::lock_guard<std::mutex> lock(mu_);
   if (!table_) return nullptr;
-  int64_t id = target.cache_id;
-  if (target.kind == wire::kBlocksOfModel) {
-    auto model = by_model_.find(target.model_id);
-    if (model == by_model_.end()) return nullptr;
-    id = model->second;
-  } else if (target.kind != wire::kById) {
-    return nullptr;
-  }
+  int64_t id = 0;
+  if (!granted_id(target, by_model_, id)) return nullptr;
   auto it = by_id_.find(id);
-  if (it == by_id_.end()) return nullptr;
-  // A model's cache that was replaced: its grant no longer names the model.
-  if (target.kind == wire::kBlocksOfModel &&
-      !(it->second->cache->blocks_model_id && *it->second->cache->blocks_model_id == target.model_id)) {
-    return nullptr;
-  }
+  if (it == by_id_.end() || !names_model(target, *it->second->cache)) return nullptr;
   return it->second;
 }
 

@@ -84,6 +84,14 @@ void hold_until_quiet(std::shared_ptr<GrantTable> table, uint32_t slot, std::sha
 // Lets go of what is held that may go now; called by every revocation.
 void sweep_held();
 
+// The id of the granted cache `target` names: its id, or the blocks cache
+// `by_model` keeps for its model id; false for any other target, or an
+// unknown model.
+bool granted_id(const wire::Target &target, const std::map<uint64_t, int64_t> &by_model, int64_t &id);
+// Whether `cache`, granted, still stands for the model `target` names (a
+// model's cache that was replaced no longer does); true for targets by id.
+bool names_model(const wire::Target &target, const CacheEntry &cache);
+
 // The messages (wire::FrameType::kPathMessage bodies), each opening with
 // its kind.
 enum MessageKind : uint32_t {

@@ -449,22 +449,12 @@ void GrantBook::forget_locked(const HeldGrant &grant) {
 
 std::shared_ptr<HeldGrant> GrantBook::enter(const wire::Target &target, bool *revoked) {
   std::lock_guard<std::mutex> lock(mu_);
-  int64_t id = target.cache_id;
-  if (target.kind == wire::kBlocksOfModel) {
-    auto model = by_model_.find(target.model_id);
-    if (model == by_model_.end()) return nullptr;
-    id = model->second;
-  } else if (target.kind != wire::kById) {
-    return nullptr;
-  }
+  int64_t id = 0;
+  if (!same_host::granted_id(target, by_model_, id)) return nullptr;
   auto number = by_id_.find(id);
   if (number == by_id_.end()) return nullptr;
   std::shared_ptr<HeldGrant> grant = by_number_.at(number->second);
-  // A model's cache that was replaced: its grant no longer names the model.
-  if (target.kind == wire::kBlocksOfModel &&
-      !(grant->cache->blocks_model_id && *grant->cache->blocks_model_id == target.model_id)) {
-    return nullptr;
-  }
+  if (!same_host::names_model(target, *grant->cache)) return nullptr;
   if (direct_) {
     // DIRECT: only under the table, counted in its slot, then checked.
     if (!grant->table) return nullptr;
