@@ -231,16 +231,18 @@ void Grantor::removed(const std::shared_ptr<CacheEntry> &entry) {
       auto left = revoking_.find(number);
       return left == revoking_.end() || quiet(left->second);
     };
+    // DIRECT: a holder that exited holds nothing (its count stays where it died).
+    auto gone = [&] { return table_ && !holder_fd_->alive(); };
     const auto until = std::chrono::steady_clock::now() + kRevokeWait;
     bool waited = false;
-    while (!through_now() && std::chrono::steady_clock::now() < until) {
+    while (!through_now() && !gone() && std::chrono::steady_clock::now() < until) {
       if (!waited) revoke_waits_.fetch_add(1, std::memory_order_relaxed);
       waited = true;
       answered_cv_.wait_for(lock, std::chrono::microseconds(200));
     }
     auto left = revoking_.find(number);
     if (left != revoking_.end()) {
-      if (quiet(left->second)) {
+      if (quiet(left->second) || gone()) {
         through = std::move(left->second);
         done = true;
       } else {
@@ -309,14 +311,15 @@ void Grantor::reap() {
   }
   // FENCED: the holder's endpoint reaches memory only while it is mapped
   // here, and it is unmapped before it goes. DIRECT: each grant marked
-  // revoked in its slot, and through once no operation runs there.
+  // revoked in its slot, and through once no operation runs there or the
+  // holder has exited.
   for (Given &g : outstanding) mark_revoked(g);
   const auto until = std::chrono::steady_clock::now() + kRevokeWait;
   for (Given &g : outstanding) {
-    while (table_ && !quiet(g) && std::chrono::steady_clock::now() < until) {
+    while (table_ && !quiet(g) && holder_fd_->alive() && std::chrono::steady_clock::now() < until) {
       std::this_thread::sleep_for(std::chrono::microseconds(200));
     }
-    if (!table_ || quiet(g)) {
+    if (!table_ || quiet(g) || !holder_fd_->alive()) {
       g.pin.reset();
     } else {
       held_.fetch_add(1, std::memory_order_relaxed);
