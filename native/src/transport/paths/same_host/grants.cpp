@@ -168,7 +168,7 @@ void GrantTable::close_fd() {
 // -- owner -------------------------------------------------------------------
 
 Grantor::Grantor(Registry &registry, Send send, pid_t holder)
-    : registry_(registry), send_(std::move(send)), holder_(holder), holder_fd_(std::make_shared<Pidfd>(holder)) {}
+    : registry_(registry), send_(std::move(send)), holder_(holder) {}
 
 Grantor::~Grantor() { reap(); }
 
@@ -302,7 +302,7 @@ void Grantor::revoke(Given given) {
     }
     if (!holder) {
       revoke_waits_.fetch_add(1, std::memory_order_relaxed);
-      holder = holder_fd_;
+      holder = std::make_shared<Pidfd>(holder_);
     }
     if (!holder->alive()) {
       quiet = true;

@@ -149,9 +149,6 @@ class Grantor : public RegistryWatcher, public std::enable_shared_from_this<Gran
   Registry &registry_;
   const Send send_;
   const pid_t holder_;
-  // The holder's pidfd, opened as the grantor is made (the holder is there
-  // then): a pid that is gone by a later revocation cannot be opened.
-  const std::shared_ptr<Pidfd> holder_fd_;
   std::shared_ptr<GrantTable> table_;
   mutable std::mutex mu_;
   std::unordered_map<const CacheEntry *, Given> given_;

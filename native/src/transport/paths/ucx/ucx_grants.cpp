@@ -100,8 +100,7 @@ Grantor::Grantor(std::shared_ptr<Worker> worker, Registry &registry, Send send, 
       registry_(registry),
       send_(std::move(send)),
       rma_(rma),
-      holder_(holder),
-      holder_fd_(std::make_shared<Pidfd>(holder)) {}
+      holder_(holder) {}
 
 Grantor::~Grantor() { reap(); }
 
@@ -231,8 +230,14 @@ void Grantor::removed(const std::shared_ptr<CacheEntry> &entry) {
       auto left = revoking_.find(number);
       return left == revoking_.end() || quiet(left->second);
     };
-    // DIRECT: a holder that exited holds nothing (its count stays where it died).
-    auto gone = [&] { return table_ && !holder_fd_->alive(); };
+    // DIRECT: a holder that exited holds nothing (its count stays where it
+    // died); its pidfd is opened once the wait begins.
+    std::shared_ptr<Pidfd> holder;
+    auto gone = [&] {
+      if (!table_) return false;
+      if (!holder) holder = std::make_shared<Pidfd>(holder_);
+      return !holder->alive();
+    };
     const auto until = std::chrono::steady_clock::now() + kRevokeWait;
     bool waited = false;
     while (!through_now() && !gone() && std::chrono::steady_clock::now() < until) {
@@ -315,24 +320,29 @@ void Grantor::reap() {
   // holder has exited.
   for (Given &g : outstanding) mark_revoked(g);
   const auto until = std::chrono::steady_clock::now() + kRevokeWait;
+  std::shared_ptr<Pidfd> holder;  // opened once a grant is not through at once
+  auto gone = [&] {
+    if (!holder) holder = std::make_shared<Pidfd>(holder_);
+    return !holder->alive();
+  };
   for (Given &g : outstanding) {
-    while (table_ && !quiet(g) && holder_fd_->alive() && std::chrono::steady_clock::now() < until) {
+    while (table_ && !quiet(g) && !gone() && std::chrono::steady_clock::now() < until) {
       std::this_thread::sleep_for(std::chrono::microseconds(200));
     }
-    if (!table_ || quiet(g) || !holder_fd_->alive()) {
+    if (!table_ || quiet(g) || gone()) {
       g.pin.reset();
     } else {
       held_.fetch_add(1, std::memory_order_relaxed);
-      hold(std::move(g));
+      hold(std::move(g), holder);
     }
   }
   same_host::sweep_held();
 }
 
-void Grantor::hold(Given given) {
+void Grantor::hold(Given given, std::shared_ptr<Pidfd> holder) {
   log_warning("a peer (pid " + std::to_string(holder_) + ") is still in an operation under its UCX grant of cache " +
               std::to_string(given.pin->id) + " as its link goes; its memory is held until the peer leaves it or exits");
-  same_host::hold_until_quiet(table_, given.slot, std::move(given.pin), holder_fd_);
+  same_host::hold_until_quiet(table_, given.slot, std::move(given.pin), std::move(holder));
 }
 
 void Grantor::counters(std::map<std::string, uint64_t> &out) const {

@@ -106,17 +106,14 @@ class Grantor : public RegistryWatcher, public std::enable_shared_from_this<Gran
   bool quiet(const Given &given) const;
   // Lets the grant go: its slot free again, its memory with the last pin.
   void let_go(Given given);
-  // Not through: held until the holder leaves the slot or exits.
-  void hold(Given given);
+  // Not through: held until the holder (`holder`) leaves the slot or exits.
+  void hold(Given given, std::shared_ptr<Pidfd> holder);
 
   const std::shared_ptr<Worker> worker_;
   Registry &registry_;
   const Send send_;
   const int rma_;
   const pid_t holder_;
-  // The holder's pidfd, opened as the grantor is made (the holder asked
-  // just now): a pid that is gone by the link's end cannot be opened.
-  const std::shared_ptr<Pidfd> holder_fd_;
   mutable std::mutex mu_;
   std::condition_variable answered_cv_;
   std::unordered_map<const CacheEntry *, Given> given_;
