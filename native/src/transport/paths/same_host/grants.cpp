@@ -160,6 +160,31 @@ GrantTable::~GrantTable() {
   close_fd();
 }
 
+std::shared_ptr<GrantTable> GrantTable::take(pid_t owner, uint32_t number, std::string &why) {
+  const int fd = take_descriptor(owner, number, why);
+  return fd >= 0 ? open(fd, why) : nullptr;
+}
+
+bool GrantTable::claim(uint32_t &slot, uint64_t &state) {
+  std::lock_guard<std::mutex> lock(claim_mu_);
+  if (!filled_) {
+    free_slots_.reserve(kSlots);
+    for (uint32_t s = kSlots; s > 0; --s) free_slots_.push_back(s - 1);
+    filled_ = true;
+  }
+  if (free_slots_.empty()) return false;
+  slot = free_slots_.back();
+  free_slots_.pop_back();
+  state = ++generation_ << 1;
+  slots_[slot].state.store(state);
+  return true;
+}
+
+void GrantTable::release(uint32_t slot) {
+  std::lock_guard<std::mutex> lock(claim_mu_);
+  free_slots_.push_back(slot);
+}
+
 void GrantTable::close_fd() {
   const int fd = fd_.exchange(-1);
   if (fd >= 0) ::close(fd);
@@ -187,8 +212,6 @@ bool Grantor::start(std::string &why) {
     std::lock_guard<std::mutex> lock(mu_);
     if (reaped_) return false;
     table_ = table;
-    free_slots_.reserve(GrantTable::kSlots);
-    for (uint32_t s = GrantTable::kSlots; s > 0; --s) free_slots_.push_back(s - 1);
     started_ = true;
   }
   // The table before any grant: the link sends this end's messages in order.
@@ -237,16 +260,12 @@ void Grantor::added(const std::shared_ptr<CacheEntry> &entry) {
     // Withdrawn is read under the lock removed() takes: a cache withdrawn
     // after this check is revoked by the removed() that follows.
     if (!started_ || reaped_ || entry->withdrawn.load() || given_.count(entry.get()) != 0) return;
-    if (free_slots_.empty()) {
+    Given given;
+    given.pin = entry;
+    if (!table_->claim(given.slot, given.state)) {
       refused_.fetch_add(1, std::memory_order_relaxed);  // its operations stay served here
       return;
     }
-    Given given;
-    given.pin = entry;
-    given.slot = free_slots_.back();
-    free_slots_.pop_back();
-    given.state = ++generation_ << 1;
-    table_->slot(given.slot).state.store(given.state);
     message = GrantMessage{entry->device ? kDeviceGrantMessage : kGrantMessage,
                            given.slot,
                            entry->id,
@@ -318,10 +337,7 @@ void Grantor::revoke(Given given) {
     hold_until_quiet(table_, given.slot, std::move(given.pin), std::move(holder));
     return;
   }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    free_slots_.push_back(given.slot);
-  }
+  table_->release(given.slot);
   given.pin.reset();  // the memory may go back now
   sweep_held();
 }
@@ -369,8 +385,7 @@ bool GrantBook::take(const uint8_t *body, size_t size, std::vector<uint8_t> &ans
       std::memcpy(&m, body, sizeof(m));
       if (m.slots != GrantTable::kSlots || m.zero != 0) return false;
       std::string why;
-      const int fd = take_descriptor(owner_, m.fd, why);
-      std::shared_ptr<GrantTable> table = fd >= 0 ? GrantTable::open(fd, why) : nullptr;
+      std::shared_ptr<GrantTable> table = GrantTable::take(owner_, m.fd, why);
       if (!table) {
         log_warning("the peer's (pid " + std::to_string(owner_) + ") grant table cannot be taken (" + why +
                     "); its caches are reached through it");

@@ -60,6 +60,9 @@ class GrantTable {
   // Maps the table behind `fd` (taken over: closed here); nullptr with
   // `why` when it is not a table of kSlots slots.
   static std::shared_ptr<GrantTable> open(int fd, std::string &why);
+  // The holder's side: the owner's table, its descriptor `number` taken out
+  // of process `owner` (the kernel's ptrace rule); nullptr with `why`.
+  static std::shared_ptr<GrantTable> take(pid_t owner, uint32_t number, std::string &why);
   ~GrantTable();
   GrantTable(const GrantTable &) = delete;
   GrantTable &operator=(const GrantTable &) = delete;
@@ -68,11 +71,20 @@ class GrantTable {
   int fd() const { return fd_; }  // the owner's descriptor until the holder took it (-1 at the holder)
   // The holder has its own descriptor now: the owner's is closed.
   void close_fd();
+  // The owner's side: a free slot for a new grant, its state set to a new
+  // generation, standing; false when every slot is taken.
+  bool claim(uint32_t &slot, uint64_t &state);
+  // The owner's side: the grant of `slot` is through, the slot free again.
+  void release(uint32_t slot);
 
  private:
   GrantTable(GrantSlot *slots, int fd) : slots_(slots), fd_(fd) {}
   GrantSlot *const slots_;
   std::atomic<int> fd_;
+  std::mutex claim_mu_;
+  std::vector<uint32_t> free_slots_;  // the owner's, filled on the first claim
+  bool filled_ = false;
+  uint64_t generation_ = 0;
 };
 
 // Memory a holder is still inside when its grant goes (a copy past the
@@ -152,8 +164,6 @@ class Grantor : public RegistryWatcher, public std::enable_shared_from_this<Gran
   std::shared_ptr<GrantTable> table_;
   mutable std::mutex mu_;
   std::unordered_map<const CacheEntry *, Given> given_;
-  std::vector<uint32_t> free_slots_;
-  uint64_t generation_ = 0;
   bool started_ = false;
   bool reaped_ = false;
   std::atomic<uint64_t> granted_{0}, revoked_{0}, revoke_waits_{0}, quarantined_{0}, refused_{0};

@@ -132,9 +132,7 @@ bool UcxDataPath::move(bool write, const PlannedFrame &planned, const std::share
     t = grant->cache->tensor_holding(theirs, length, t);
     datadist_ucx_mem *mem = nullptr;
     for (const auto &m : mine) {
-      if (local >= m->base() && local - m->base() <= m->length() && length <= m->length() - (local - m->base())) {
-        mem = m->mem();
-      }
+      if (m->holds(local, length)) mem = m->mem();
     }
     if (t == grant->cache->addrs.size() || mem == nullptr) {
       book_->leave(grant);
@@ -320,7 +318,7 @@ void UcxDataPath::counters(std::map<std::string, uint64_t> &out) const {
   out["ucx_one_sided_bytes_read"] += one_sided_read_.load(std::memory_order_relaxed);
   out["grants_held"] += book_ ? book_->held() : 0;
   out["grants_found_revoked"] += found_revoked_.load(std::memory_order_relaxed);
-  out["ucx_reach"] += book_ ? static_cast<uint64_t>(direct_rma_) : 0u;
+  out["ucx_reach"] += static_cast<uint64_t>(direct_rma_);  // NONE without a direct endpoint
   if (const std::shared_ptr<ucx::Grantor> granting = grantor()) granting->counters(out);
   out["ucx_frames"] += frames_.load(std::memory_order_relaxed);
   out["ucx_fallbacks"] += fallbacks_.load(std::memory_order_relaxed);

@@ -117,8 +117,6 @@ bool Grantor::start(std::string &why) {
     started_ = true;
     table_ = table;
     if (table_) {
-      free_slots_.reserve(same_host::GrantTable::kSlots);
-      for (uint32_t slot = same_host::GrantTable::kSlots; slot > 0; --slot) free_slots_.push_back(slot - 1);
       // The table before any grant: the link sends this end's messages in order.
       send_(bytes_of(TableMessage{kTable, same_host::GrantTable::kSlots, static_cast<uint32_t>(table_->fd()), 0,
                                   static_cast<int64_t>(::getpid())}));
@@ -175,15 +173,9 @@ void Grantor::added(const std::shared_ptr<CacheEntry> &entry) {
   // after this check is revoked by the removed() that follows.
   if (!started_ || reaped_ || entry->withdrawn.load() || given_.count(entry.get()) != 0) return;
   Given given{entry, next_number_++, 0, 0};
-  if (table_) {
-    if (free_slots_.empty()) {
-      refused_.fetch_add(1, std::memory_order_relaxed);  // its operations stay served here
-      return;
-    }
-    given.slot = free_slots_.back();
-    free_slots_.pop_back();
-    given.state = given.number << 1;
-    table_->slot(given.slot).state.store(given.state);
+  if (table_ && !table_->claim(given.slot, given.state)) {
+    refused_.fetch_add(1, std::memory_order_relaxed);  // its operations stay served here
+    return;
   }
   head.number = given.number;
   head.slot = given.slot;
@@ -203,10 +195,7 @@ bool Grantor::quiet(const Given &given) const {
 }
 
 void Grantor::let_go(Given given) {
-  if (table_) {
-    std::lock_guard<std::mutex> lock(mu_);
-    free_slots_.push_back(given.slot);
-  }
+  if (table_) table_->release(given.slot);
   given.pin.reset();  // the memory may go back now
 }
 
@@ -369,8 +358,7 @@ bool GrantBook::take(const uint8_t *body, size_t size) {
     // The owner's descriptor, taken as the same-host path takes its table
     // (the kernel's ptrace rule, which cma's copies need too).
     std::string why;
-    const int fd = same_host::take_descriptor(static_cast<pid_t>(m.pid), m.fd, why);
-    std::shared_ptr<same_host::GrantTable> table = fd >= 0 ? same_host::GrantTable::open(fd, why) : nullptr;
+    std::shared_ptr<same_host::GrantTable> table = same_host::GrantTable::take(static_cast<pid_t>(m.pid), m.fd, why);
     if (!table) {
       log_warning("the peer's (pid " + std::to_string(m.pid) + ") UCX grant table cannot be taken (" + why +
                   "); its caches are reached through it");

@@ -120,7 +120,6 @@ class Grantor : public RegistryWatcher, public std::enable_shared_from_this<Gran
   std::map<uint64_t, Given> revoking_;     // sent, not answered yet (waited for)
   std::map<uint64_t, Given> quarantined_;  // not answered in time
   std::shared_ptr<same_host::GrantTable> table_;  // DIRECT
-  std::vector<uint32_t> free_slots_;
   uint64_t next_number_ = 1;
   bool started_ = false;
   bool reaped_ = false;

@@ -114,10 +114,6 @@ struct TensorMaps : CacheAttachment {
 // The tag of UCX's attachment.
 constexpr char kTensorMapsTag = 0;
 
-bool inside(const Mapping &m, uintptr_t addr, size_t length) {
-  return addr >= m.base() && addr + length <= m.base() + m.length();
-}
-
 }  // namespace
 
 // Device memory is mapped with its context current on the calling thread,
@@ -164,7 +160,7 @@ bool keys_for(const std::shared_ptr<Worker> &worker, Registry &registry, const s
   for (const iovec &v : local) {
     const auto addr = reinterpret_cast<uintptr_t>(v.iov_base);
     bool known = false;
-    for (const auto &m : out) known = known || inside(*m, addr, v.iov_len);
+    for (const auto &m : out) known = known || m->holds(addr, v.iov_len);
     if (known) continue;
     size_t t = 0;
     std::shared_ptr<CacheEntry> entry = registry.find_by_address(addr, v.iov_len, &t);

@@ -93,6 +93,10 @@ class Mapping {
   Mapping &operator=(const Mapping &) = delete;
   uint64_t base() const { return base_; }
   uint64_t length() const { return length_; }
+  // Whether [addr, addr + length) lies inside the mapped range.
+  bool holds(uintptr_t addr, size_t length) const {
+    return addr >= base_ && addr - base_ <= length_ && length <= length_ - (addr - base_);
+  }
   const std::string &rkey() const { return rkey_; }
   const Worker *worker() const { return worker_.get(); }
   datadist_ucx_mem *mem() const { return mem_; }

@@ -787,6 +787,25 @@ bool endpoint_query_works() {
 #endif
 }
 
+// An endpoint to `address` with `params`' error handling (the address is
+// filled in here), known to the worker until closed.
+int new_ep(datadist_ucx_worker *w, const void *address, ucp_ep_params_t &params, datadist_ucx_ep *ep,
+           datadist_ucx_ep **out) {
+  params.field_mask |= UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+  params.address = static_cast<const ucp_address_t *>(address);
+  ucs_status_t s = ucp_ep_create(w->worker, &params, &ep->ep);
+  if (s != UCS_OK) {
+    delete ep;
+    return s;
+  }
+  {
+    std::lock_guard<std::mutex> lock(w->mutex);
+    w->eps.insert(ep);
+  }
+  *out = ep;
+  return UCS_OK;
+}
+
 int ep_create(datadist_ucx_worker *w, const void *address, size_t length, datadist_ucx_ep_error_fn on_error,
               void *error_arg, datadist_ucx_ep **out) {
   if (w == nullptr || address == nullptr || length == 0 || out == nullptr) return UCS_ERR_INVALID_PARAM;
@@ -798,25 +817,16 @@ int ep_create(datadist_ucx_worker *w, const void *address, size_t length, datadi
   ep->sink->on_error = on_error;
   ep->sink->arg = error_arg;
   ucp_ep_params_t params{};
-  params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                      UCP_EP_PARAM_FIELD_ERR_HANDLER;
-  params.address = static_cast<const ucp_address_t *>(address);
+  params.field_mask = UCP_EP_PARAM_FIELD_ERR_HANDLER;
   params.err_mode = UCP_ERR_HANDLING_MODE_PEER;  // a dead peer fails its operations
   params.err_handler.cb = on_ep_error;
   params.err_handler.arg = ep;
-  ucs_status_t s = ucp_ep_create(w->worker, &params, &ep->ep);
-  if (s != UCS_OK) {
-    delete ep;
-    return s;
+  const int s = new_ep(w, address, params, ep, out);
+  if (s == UCS_OK) {
+    ep->native_host_rma =
+        !w->am_rma && (endpoint_rma(ep->ep) == DATADIST_UCX_RMA_FENCED || !endpoint_query_works());
   }
-  ep->native_host_rma =
-      !w->am_rma && (endpoint_rma(ep->ep) == DATADIST_UCX_RMA_FENCED || !endpoint_query_works());
-  {
-    std::lock_guard<std::mutex> lock(w->mutex);
-    w->eps.insert(ep);
-  }
-  *out = ep;
-  return UCS_OK;
+  return s;
 }
 
 int ep_create_direct(datadist_ucx_worker *w, const void *address, size_t length, datadist_ucx_ep **out) {
@@ -829,20 +839,8 @@ int ep_create_direct(datadist_ucx_worker *w, const void *address, size_t length,
   ep->native_host_rma = true;
   ep->handles_errors = false;
   ucp_ep_params_t params{};
-  params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
-  params.address = static_cast<const ucp_address_t *>(address);
   params.err_mode = UCP_ERR_HANDLING_MODE_NONE;
-  ucs_status_t s = ucp_ep_create(w->worker, &params, &ep->ep);
-  if (s != UCS_OK) {
-    delete ep;
-    return s;
-  }
-  {
-    std::lock_guard<std::mutex> lock(w->mutex);
-    w->eps.insert(ep);
-  }
-  *out = ep;
-  return UCS_OK;
+  return new_ep(w, address, params, ep, out);
 }
 
 int ep_rma(datadist_ucx_ep *ep) { return ep == nullptr ? DATADIST_UCX_RMA_NONE : endpoint_rma(ep->ep); }
