@@ -1,21 +1,23 @@
-// DataPath: a way an operation's bytes move other than on the link's
-// connections: the peer copies them with one kernel call (same host),
-// copies device memory it opened (CUDA IPC), or gets and puts them (UCX).
-// The frame names the initiator's memory instead of carrying it.
+// DataPath: a way an operation's bytes move. The frame carries them on the
+// link's connections (the inline path, paths/inline/, every link's last),
+// or names the initiator's memory and the peer copies it with one kernel
+// call (same host), copies device memory it opened (CUDA IPC), or gets and
+// puts it (UCX); or no frame goes, the initiator moving the bytes itself
+// under the owner's grant (one-sided: move()).
 //
-// The link (link.h) keeps the control plane and runs one sequence on each
-// side for every path:
+// The link (link.h) keeps the control plane (framing and ordering, the
+// open operations, the answers) and runs one sequence on each side for
+// every path:
 //  - initiator: a frame goes by the first path of the link's list that
-//    carries it (carry()), else inline on the connections. An owner that
-//    answers that it cannot serve a frame its path carried
-//    (LLM_FEATURE_NOT_ENABLED, no data) has it sent again inline, the path
-//    told first (refused()).
-//  - owner: a frame naming the initiator's memory goes to the path that
-//    serves it (serves()). The link resolves this end's own ranges first;
-//    the path checks what the peer named against what the peer proved
-//    (its mappings, exports or keys) and moves the bytes; the link answers.
-//    Refusals are logged, counted against their ordered transfer and
-//    answered by the link, once for every path.
+//    carries it (carry()). An owner that answers that it cannot serve a
+//    frame its path carried (LLM_FEATURE_NOT_ENABLED, no data) has it sent
+//    again by the inline path, the path told first (refused()).
+//  - owner: a frame goes to the path that serves it (serves()). The link
+//    resolves this end's own ranges first; the path checks what the peer
+//    named against what the peer proved (its mappings, exports or keys)
+//    and moves the bytes; the link answers. Refusals are logged, counted
+//    against their ordered transfer and answered by the link, once for
+//    every path.
 // A path owns its state and counters, and lets go of what it holds of the
 // peer when the link is reaped. The list of paths a link has is settled by
 // the handshake, where each kind of path takes its own part (paths/paths.h).
@@ -29,7 +31,9 @@
 #include <string>
 #include <vector>
 
+#include "device/staging.h"
 #include "transport/planned_frame.h"
+#include "transport/socket_util.h"
 #include "transport/target_resolver.h"
 #include "transport/wire.h"
 
@@ -58,8 +62,29 @@ class PathHost {
 // path's own transport lost the peer); nothing once it is gone.
 using LinkFailer = std::function<void(const std::string &why)>;
 
+// The bytes that follow a frame's header and body on the link's connection
+// (a frame whose path carries its bytes): the path that serves the frame,
+// or takes its answer, reads them before the connection reads its next
+// frame. Good for the call it is given in, which sets how they are read.
+class FrameData {
+ public:
+  virtual ~FrameData() = default;
+  // The connection's I/O thread reads them into `to` (host memory) and
+  // drops `drop` bytes after them; then `then` runs (false: the link stops
+  // reading).
+  virtual void into(std::vector<iovec> to, uint64_t drop, std::function<bool()> then) = 0;
+  // A thread of the I/O loop's blocking pool reads them with `read`, from
+  // the connection's stream (device memory, whose copies may wait), and
+  // then the connection's next frames; `read` returning false: the stream
+  // ended or failed, and the link fails.
+  virtual void away(std::function<bool(net::Reader &in)> read) = 0;
+};
+
 // How a path carries one frame at the initiator.
 struct Carried {
+  // The frame carries its bytes on the connections (a write's after its
+  // body, a read's after its answer): the inline path's frames.
+  bool bytes_follow = false;
   // The trailer the path adds to the frame (wire::kPathTrailer; none when
   // empty): what the owner's path needs to reach the initiator's memory
   // (export handles, keys), read by the path numbered `trailer_path`.
@@ -83,6 +108,13 @@ struct Moved {
   bool again_inline = false;
   // The peer's process is gone: the link fails, nothing is answered.
   bool peer_gone = false;
+  // A read served by a path that carries bytes: its `data_bytes` of data,
+  // this end's memory (of `device`, else host memory), follow the answer
+  // on the connection; `pin` holds that memory until they have left.
+  std::vector<iovec> data;
+  uint64_t data_bytes = 0;
+  std::shared_ptr<cuda::Device> device;
+  std::shared_ptr<const void> pin;
 
   // A refusal of the operation (and the rest of its ordered transfer).
   static Moved refusal(Status status, std::string why, const char *context = "") {
@@ -115,6 +147,9 @@ struct ServedFrame {
   std::shared_ptr<void> keep;
   // What the path read of the frame's trailer (DataPath::read_trailer).
   std::shared_ptr<const void> view;
+  // The write's bytes on the connection, for a path that carries bytes;
+  // good during serve() only, which sets how they are read.
+  FrameData *data = nullptr;
 };
 
 // One-sided moves of host memory run whole on the thread that starts the
@@ -140,7 +175,7 @@ using Settle = std::function<void(Status status, std::string why)>;
 enum class Carry {
   kCarries,  // this path takes the frame
   kNext,     // not this path's: the next one in the list may
-  kInline,   // this path should, and cannot: inline, no other path
+  kInline,   // this path should, and cannot: the inline path, no other
 };
 
 class DataPath {
@@ -184,9 +219,38 @@ class DataPath {
   // The owner answered that it cannot serve a frame this path carried
   // (`why`, its words); the frame goes again inline.
   virtual void refused(const std::string &why) { (void)why; }
+  // A path that carries bytes (Carried::bytes_follow): the answer to a read
+  // it carried has come, and its `bytes` of data follow on the connection.
+  // The path reads them from `data` into `to` (memory of `device`, else host
+  // memory), then calls `done` with why they could not land ("" when they
+  // did), whose result goes back to `data` (false: the link stops reading).
+  virtual void take_data(FrameData &data, std::vector<iovec> to, std::shared_ptr<cuda::Device> device,
+                         uint64_t bytes, std::function<bool(std::string failed)> done) {
+    (void)to;
+    (void)device;
+    data.into({}, bytes, [done] { return done("the path carries no data"); });
+  }
+  // A path that carries bytes: sends a frame's data on `device` (a write it
+  // carried, or, `answer`, a read it served) chunk by chunk through `sink`,
+  // the connection.
+  virtual staging::Result send_device(const cuda::Device &device, const std::vector<iovec> &data, bool answer,
+                                      const staging::Sink &sink) {
+    (void)device;
+    (void)data;
+    (void)answer;
+    (void)sink;
+    staging::Result r;
+    r.outcome = staging::Outcome::kCopyFailed;
+    r.why = "the path carries no data";
+    return r;
+  }
 
   // -- owner ---------------------------------------------------------------
-  // Whether this path serves a frame naming the peer's memory so.
+  // Whether this path's frames carry their bytes (Carried::bytes_follow):
+  // it is asked of those frames only (kWrite, kRead), the others of frames
+  // naming the peer's memory (kWriteFrom, kReadInto; req.by_reference).
+  virtual bool carries_bytes() const { return false; }
+  // Whether this path serves the peer's frame (one of the kind above).
   virtual bool serves(const wire::Request &req) const = 0;
   // Reads the trailer of a frame it serves (`req.trailer`) into `view`,
   // which serve() gets with the frame; not empty: why the frame is

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include "transport/frame_planner.h"
+#include "transport/paths/paths.h"
 #include "transport/socket_util.h"
 
 namespace datadist {
@@ -20,11 +21,16 @@ Link::Link(uint64_t peer_id, uint32_t peer_role, bool initiated_here, std::vecto
       peer_role_(peer_role),
       initiated_here_(initiated_here),
       host_(host),
-      paths_(std::move(paths)),
+      paths_(with_inline(std::move(paths))),
       answer_fd_(answers) {
   for (size_t i = 0; i < fds.size(); ++i) {
     conns_.push_back(std::make_unique<Connection>(fds[i], i < sessions.size() ? std::move(sessions[i]) : nullptr));
   }
+}
+
+std::vector<std::shared_ptr<DataPath>> Link::with_inline(std::vector<std::shared_ptr<DataPath>> paths) {
+  paths.push_back(inline_path());
+  return paths;
 }
 
 Link::~Link() {
@@ -38,7 +44,7 @@ const char *Link::transport() const {
   for (const auto &path : paths_) {
     if (path->active()) return path->name();
   }
-  return "tcp";
+  return "tcp";  // not reached: the inline path is always active
 }
 
 bool Link::device_frames_by_reference() const {
@@ -201,9 +207,10 @@ void Link::send_planned(bool write, PlannedFrame &planned, const std::shared_ptr
   OutFrame out;
   uint64_t data_len = 0;
   for (const iovec &v : planned.local) data_len += v.iov_len;
-  // The link's paths in order; the first that carries the frame takes it,
-  // inline on the connections what none carries. A frame whose segment
-  // table would not fit a body goes inline.
+  // The link's paths in order; the first that carries the frame takes it.
+  // The last, inline on the connections, carries any; one that should and
+  // cannot (a frame whose segment table would not fit a body) leaves it to
+  // that one.
   size_t body_bytes = sizeof(wire::Target) + planned.ranges.size() * (sizeof(wire::Range) + sizeof(wire::Segment)) +
                       planned.strides.size() * sizeof(wire::Stride) + planned.bounds.size() * sizeof(wire::Range);
   Carried carried;
@@ -214,22 +221,25 @@ void Link::send_planned(bool write, PlannedFrame &planned, const std::shared_ptr
     if (carry != Carry::kNext) break;
     carried = Carried{};
   }
-  if (by == nullptr) carried = Carried{};
-  const bool same_host = by != nullptr;  // the frame names this end's memory
+  if (by == nullptr) {
+    carried = Carried{};
+    by = paths_.back().get();
+    by->carry(planned, device.get(), exports_ok, body_bytes, carried);
+  }
+  const bool by_reference = !carried.bytes_follow;  // the frame names this end's memory
   // A device frame planned to name exports, which may name more than a
   // frame carries, goes inline after all: as pieces the wire carries, each
   // an operation's frame of its own with its own hold on the request.
-  if (!same_host && data_len > wire::kMaxFrameData) {
+  if (!by_reference && data_len > wire::kMaxFrameData) {
     std::vector<PlannedFrame> pieces = FramePlanner::split(planned, wire::kMaxFrameData);
     request->hold(pieces.size() - 1);
     for (PlannedFrame &piece : pieces) send_planned(write, piece, request, result_index, deadline, pin, device, false);
     return;
   }
-  if (device && !same_host) staged_frames_.fetch_add(1, std::memory_order_relaxed);
   std::shared_ptr<PlannedFrame> resend;
   if (carried.may_resend) resend = std::make_shared<PlannedFrame>(planned);
   std::vector<wire::Segment> segments;
-  if (same_host) {
+  if (by_reference) {
     // One segment per range: where its first byte goes (or comes from).
     segments.reserve(planned.ranges.size());
     size_t element = 0;
@@ -243,9 +253,9 @@ void Link::send_planned(bool write, PlannedFrame &planned, const std::shared_ptr
   }
   out.body = wire::encode_request(planned.target, planned.ranges, planned.bounds, segments, planned.strides,
                                   carried.trailer_path, carried.trailer);
-  const FrameType type = same_host ? (write ? FrameType::kWriteFrom : FrameType::kReadInto)
+  const FrameType type = by_reference ? (write ? FrameType::kWriteFrom : FrameType::kReadInto)
                                    : (write ? FrameType::kWrite : FrameType::kRead);
-  out.header = wire::make_header(type, 0, static_cast<uint32_t>(out.body.size()), write && !same_host ? data_len : 0);
+  out.header = wire::make_header(type, 0, static_cast<uint32_t>(out.body.size()), write && !by_reference ? data_len : 0);
   out.pin = pin;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -262,11 +272,9 @@ void Link::send_planned(bool write, PlannedFrame &planned, const std::shared_ptr
     op.pin = pin;
     op.write = write;
     op.resend = std::move(resend);
-    if (op.resend) {
-      op.device = device;
-      op.path = by;
-    }
-    if (!write && !same_host) {
+    op.path = by;
+    if (op.resend) op.device = device;
+    if (!write && !by_reference) {
       op.recv = std::move(planned.local);
       op.recv_bytes = data_len;
       op.device = device;
@@ -274,9 +282,10 @@ void Link::send_planned(bool write, PlannedFrame &planned, const std::shared_ptr
   }
   out.header.op_id = out.op_id;
   host_->deadline_at(deadline);
-  if (write && !same_host) {
+  if (write && !by_reference) {
     out.data = std::move(planned.local);
     out.device = device;
+    out.path = by;
   }
   framed_ops_.fetch_add(1, std::memory_order_relaxed);
   framed_bytes_.fetch_add(data_len, std::memory_order_relaxed);
@@ -285,18 +294,14 @@ void Link::send_planned(bool write, PlannedFrame &planned, const std::shared_ptr
 
 void Link::path_counters(std::map<std::string, uint64_t> &out) const {
   const auto get = [](const std::atomic<uint64_t> &n) { return n.load(std::memory_order_relaxed); };
-  // Inline frames on device memory: initiator side, those sent (staged);
-  // owner side, the bytes staged and the waits for a stream.
   // Which way each operation's bytes moved: this end's operations sent as
   // frames (their owner moved the bytes), the peer's this end served as
-  // owner; the paths count those they moved themselves (one_sided_*).
+  // owner; the paths count those they moved themselves (one_sided_*), and
+  // the inline path those it staged.
   out["framed_ops"] += get(framed_ops_);
   out["framed_bytes"] += get(framed_bytes_);
   out["owner_served_ops"] += get(served_ops_);
   out["owner_served_bytes"] += get(served_bytes_);
-  out["staged_frames"] += get(staged_frames_);
-  out["staged_bytes_served"] += get(staged_bytes_served_);
-  out["device_stream_waits"] += get(device_stream_waits_);
   for (const auto &path : paths_) path->counters(out);
 }
 

@@ -104,7 +104,8 @@ class LinkHost {
 // The link is the control plane: framing and ordering, the open operations
 // and their deadlines, and one sequence per side for every data path
 // (data_path.h); `paths` are the link's in the order operations started
-// here try them (empty: every frame goes inline). `answers` is the link's
+// here try them, and the link adds the inline path after them (paths.h,
+// inline_path()), which carries every frame. `answers` is the link's
 // answer socket (a Unix seqpacket socket; the link owns it), or -1.
 class Link : public std::enable_shared_from_this<Link>,
              public AnswerReader,
@@ -136,8 +137,7 @@ class Link : public std::enable_shared_from_this<Link>,
   // `request` (one hold per frame is taken here). `pin` stays alive until
   // every frame has settled. `device`: the frames' local memory is that
   // device's. Each frame goes by the first of the link's paths that carries
-  // it, else inline on the connections (device memory staged through
-  // pinned host buffers by the I/O loop's blocking pool); one whose owner
+  // it (the last, inline on the connections, carries any); one whose owner
   // answers that it cannot serve it that way goes again inline.
   // Frames of a group (their target's `group` is not 0) all take the same
   // connection, so the peer sees them in order.
@@ -216,8 +216,10 @@ class Link : public std::enable_shared_from_this<Link>,
     bool close_after = false;  // the last frame before this end closes
     size_t sent = 0;  // bytes a direct send already put on the socket
     // Set when `data` are addresses of this device: the I/O loop's
-    // blocking pool stages them (never a direct send).
+    // blocking pool has `path` (which carried or served the frame) stage
+    // them (never a direct send).
     std::shared_ptr<cuda::Device> device;
+    DataPath *path = nullptr;
   };
 
   // Where the frame being read is.
@@ -256,6 +258,19 @@ class Link : public std::enable_shared_from_this<Link>,
     std::function<bool()> receive;  // set by a frame whose data the blocking pool reads
   };
 
+  // The bytes after the frame the connection just read, for the path that
+  // serves it or takes its answer (data_path.h).
+  class ConnectionData final : public FrameData {
+   public:
+    ConnectionData(Link &link, Connection &conn) : link_(link), conn_(conn) {}
+    void into(std::vector<iovec> to, uint64_t drop, std::function<bool()> then) override;
+    void away(std::function<bool(net::Reader &in)> read) override;
+
+   private:
+    Link &link_;
+    Connection &conn_;
+  };
+
   // A request answered by one frame (lookup, unlink), waited for by its caller.
   struct LookupState {
     wire::LookupReply reply{};
@@ -280,9 +295,9 @@ class Link : public std::enable_shared_from_this<Link>,
     std::string failed_here;  // why this end failed it (a device copy)
     std::shared_ptr<LookupState> lookup;  // set for lookups
     // A frame a path carried that its owner may not serve that way: the
-    // frame as planned, sent again inline if so, and the path, told first.
+    // frame as planned, sent again inline if so.
     std::shared_ptr<PlannedFrame> resend;
-    DataPath *path = nullptr;
+    DataPath *path = nullptr;  // the path that carried the frame
     bool write = false;
   };
 
@@ -342,17 +357,12 @@ class Link : public std::enable_shared_from_this<Link>,
   static std::vector<iovec> frame_bytes(OutFrame &frame);
   // Writes the rest of `frame`, blocking; false once the link must stop writing.
   bool finish(Connection &conn, OutFrame &frame);
-  // finish() for a frame whose data are device memory: each chunk is copied
-  // into a staging buffer, then sent. A copy that fails before the header
-  // left fails the operation (or answers the peer with the failure); after,
-  // a request is padded and failed here, and an answer fails the link.
+  // finish() for a frame whose data are device memory: its path copies each
+  // chunk into a staging buffer, then it is sent. A copy that fails before
+  // the header left fails the operation (or answers the peer with the
+  // failure); after, a request is padded and failed here, and an answer
+  // fails the link.
   bool finish_staged(Connection &conn, OutFrame &frame);
-  // Reads `bytes` of the stream from `in` into the device ranges `to`;
-  // false (and `why`) when the copy failed, the rest of the bytes then read
-  // and dropped. `io_ok` is false when the connection failed.
-  // `serving`: for an operation of the peer's (its waits for the stream are counted).
-  bool receive_staged(net::Reader &in, const cuda::Device &device, const std::vector<iovec> &to, uint64_t bytes,
-                      bool serving, bool &io_ok, std::string &why);
   // The peer closed a connection after this end asked it to unlink: it
   // closes only once it has dropped its end (and acked on the connection
   // the question took, which another connection's close may overtake), so
@@ -366,27 +376,28 @@ class Link : public std::enable_shared_from_this<Link>,
   Connection &next_connection();
 
   bool handle_frame(Connection &conn, const wire::FrameHeader &header, std::vector<uint8_t> &body);
-  void serve_write(Connection &conn, const wire::FrameHeader &header, const wire::Request &req);
-  void serve_read(Connection &conn, const wire::FrameHeader &header, const wire::Request &req);
   void serve_lookup(Connection &conn, const wire::FrameHeader &header, const wire::Request &req);
   // A read through a key was served: the owner releases the key once every tensor was read.
   void note_read(const wire::Request &req);
-  // A frame naming the peer's memory, the owner's one sequence for every
-  // path: resolves this end's ranges, has `path` check and move the bytes
-  // (with `view`, what it read of the frame's trailer), then answers
-  // (end_served).
+  // The peer's frame, the owner's one sequence for every path: resolves
+  // this end's ranges, has `path` check and move the bytes (with `view`,
+  // what it read of the frame's trailer, and the bytes that follow the
+  // frame, if any), then answers (end_served).
   void serve_by_path(Connection &conn, const wire::FrameHeader &header, wire::Request req, bool write,
                      const std::shared_ptr<DataPath> &path, std::shared_ptr<const void> view);
-  // The answer to a frame a path served: a refusal logged and counted
+  // The answer to a frame `path` served: a refusal logged and counted
   // against its ordered transfer (unless the frame goes again inline), a
-  // read through a key noted, the link failed where the peer is gone.
-  void end_served(Connection &conn, uint64_t op_id, const ServedFrame &frame, Moved moved);
-  // The path that serves a frame naming the peer's memory so; null if none.
+  // read through a key noted, a read's data after it, the link failed
+  // where the peer is gone.
+  void end_served(Connection &conn, uint64_t op_id, const ServedFrame &frame, DataPath &path, Moved moved);
+  // The path that serves the peer's frame; null if none.
   std::shared_ptr<DataPath> path_serving(const wire::Request &req) const;
   // PathHost.
   Registry &registry() override { return host_->registry(); }
   IoLoop &io_loop() override { return host_->io_loop(); }
   std::function<void(std::vector<uint8_t> body)> messenger() override;
+  // `paths`, then the inline path.
+  static std::vector<std::shared_ptr<DataPath>> with_inline(std::vector<std::shared_ptr<DataPath>> paths);
   // Puts the connections in the I/O loop (start()'s first part).
   bool start_connections();
   // A frame a path moved itself was refused here: the rest of its ordered
@@ -455,10 +466,6 @@ class Link : public std::enable_shared_from_this<Link>,
   // bytes itself refused.
   RefusedGroups moved_refused_;
   std::shared_ptr<LookupState> probe_;  // the probe out, if any
-  // Inline frames on device memory: those sent, bytes served, and the
-  // waits for a stream that blocked a thread of this end's while serving
-  // the peer's (staged ones wait per chunk).
-  std::atomic<uint64_t> staged_frames_{0}, staged_bytes_served_{0}, device_stream_waits_{0};
   // Operations (and their bytes) this end sent as frames, and the peer's it served.
   std::atomic<uint64_t> framed_ops_{0}, framed_bytes_{0}, served_ops_{0}, served_bytes_{0};
   bool reaping_ = false;  // no thread may start any more

@@ -257,6 +257,20 @@ Link::InputEnd Link::read_input(Connection &conn) {
 
 void Link::hand_off(Connection &conn, std::function<bool()> receive) { conn.receive = std::move(receive); }
 
+void Link::ConnectionData::into(std::vector<iovec> to, uint64_t drop, std::function<bool()> then) {
+  expect_data(conn_, std::move(to), drop, std::move(then));
+}
+
+void Link::ConnectionData::away(std::function<bool(net::Reader &in)> read) {
+  Link *link = &link_;
+  Connection *c = &conn_;
+  hand_off(conn_, [link, c, read = std::move(read)] {
+    if (read(c->in)) return true;
+    link->fail(LLM_LINK_FAILED, input_end(*c, "connection closed by the peer"));
+    return false;
+  });
+}
+
 void Link::receive_away(Connection &conn, std::function<bool()> receive) {
   {
     std::lock_guard<std::mutex> lock(conn.mu);

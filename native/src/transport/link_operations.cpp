@@ -73,6 +73,7 @@ bool Link::take_answer(const FrameHeader &header, std::vector<uint8_t> &body, Co
   const auto type = static_cast<FrameType>(header.type);
   std::vector<iovec> recv;
   std::shared_ptr<cuda::Device> device;
+  DataPath *path = nullptr;  // the one that carried a read whose data come
   bool known = false;
   const char *unknown = "";  // why an answer is refused, for the link's last words
   OpenOp resend;
@@ -105,6 +106,7 @@ bool Link::take_answer(const FrameHeader &header, std::vector<uint8_t> &body, Co
         if (header.status == LLM_SUCCESS) {
           recv = op.recv;
           device = op.device;
+          path = op.path;
         }
       } else if (type == FrameType::kUnlinkAck) {
         known = op.lookup != nullptr && body.empty();
@@ -149,29 +151,14 @@ bool Link::take_answer(const FrameHeader &header, std::vector<uint8_t> &body, Co
     mark(op_id, true, true, status, false, std::move(reason));
     return true;
   }
-  // The data read come next on the connection; the op settles once they are in.
-  auto settle_read = [this, op_id, status] {
+  // The data read come next on the connection, taken by the path that
+  // carried the read; the op settles once they are in.
+  ConnectionData data(*this, *conn);
+  path->take_data(data, std::move(recv), std::move(device), header.data_len, [this, op_id, status](std::string failed) {
+    if (!failed.empty()) fail_here(op_id, llm_datadist::LLM_FAILED, std::move(failed));
     mark(op_id, true, true, status);
     return true;
-  };
-  if (device) {
-    const uint64_t bytes = header.data_len;
-    Connection *c = conn;
-    hand_off(*conn, [this, c, device, recv, bytes, op_id, settle_read] {
-      bool io_ok = true;
-      std::string why;
-      if (!receive_staged(c->in, *device, recv, bytes, false, io_ok, why) && io_ok) {
-        fail_here(op_id, llm_datadist::LLM_FAILED, "copying the data read into device memory failed: " + why);
-      }
-      if (!io_ok) {
-        fail(LLM_LINK_FAILED, "connection closed by the peer");
-        return false;
-      }
-      return settle_read();
-    });
-    return true;
-  }
-  expect_data(*conn, std::move(recv), 0, settle_read);
+  });
   return true;
 }
 

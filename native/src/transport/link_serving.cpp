@@ -1,6 +1,6 @@
 // A link's owner side: the peer's frames by type, resolved against this
-// engine's caches and served by the link's paths (inline ones in
-// link_inline.cpp), and the ordered transfers refused.
+// engine's caches and served by the link's paths, and the ordered
+// transfers refused.
 #include "transport/link.h"
 
 #include "log.h"
@@ -16,31 +16,29 @@ using wire::FrameType;
 bool Link::handle_frame(Connection &conn, const FrameHeader &header, std::vector<uint8_t> &body) {
   const auto type = static_cast<FrameType>(header.type);
   switch (type) {
-    case FrameType::kWrite:
-    case FrameType::kRead:
     case FrameType::kLookup: {
       wire::Request req;
-      std::string problem = wire::decode_request(body, req);
-      if (problem.empty() && type == FrameType::kWrite && header.data_len != req.total_bytes) {
-        problem = "data length does not match the ranges";
-      }
+      const std::string problem = wire::decode_request(body, req);
       if (!problem.empty()) {
         fail(LLM_LINK_FAILED, "malformed request from the peer (" + problem + "); closing the link");
         return false;
       }
-      if (type == FrameType::kWrite) {
-        serve_write(conn, header, req);
-      } else if (type == FrameType::kRead) {
-        serve_read(conn, header, req);
-      } else {
-        serve_lookup(conn, header, req);
-      }
+      serve_lookup(conn, header, req);
       return !is_down();
     }
+    case FrameType::kWrite:
+    case FrameType::kRead:
     case FrameType::kWriteFrom:
     case FrameType::kReadInto: {
+      // A write's bytes follow it (kWrite), or the frame names the peer's
+      // memory (kWriteFrom, kReadInto).
+      const bool write = type == FrameType::kWrite || type == FrameType::kWriteFrom;
       wire::Request req;
-      std::string problem = wire::decode_request(body, req, true);
+      std::string problem =
+          wire::decode_request(body, req, type == FrameType::kWriteFrom || type == FrameType::kReadInto);
+      if (problem.empty() && type == FrameType::kWrite && header.data_len != req.total_bytes) {
+        problem = "data length does not match the ranges";
+      }
       std::shared_ptr<DataPath> path;
       std::shared_ptr<const void> view;
       if (problem.empty()) path = path_serving(req);
@@ -54,7 +52,7 @@ bool Link::handle_frame(Connection &conn, const FrameHeader &header, std::vector
         fail(LLM_LINK_FAILED, "malformed request from the peer (" + problem + "); closing the link");
         return false;
       }
-      serve_by_path(conn, header, std::move(req), type == FrameType::kWriteFrom, path, std::move(view));
+      serve_by_path(conn, header, std::move(req), write, path, std::move(view));
       return !is_down();
     }
     case FrameType::kPeerCopies:
@@ -65,7 +63,7 @@ bool Link::handle_frame(Connection &conn, const FrameHeader &header, std::vector
       }
       if (!ok) {
         fail(LLM_LINK_FAILED, type == FrameType::kPeerCopies
-                                  ? "unexpected same-host announcement from the peer; closing the link"
+                                  ? "an unexpected announcement (kPeerCopies) from the peer; closing the link"
                                   : "a path message from the peer that no path of the link takes; closing the link");
         return false;
       }
@@ -121,7 +119,7 @@ Status Link::refuse_served(uint64_t group, Status status, std::string &out, std:
 
 bool Link::initiator_gone(const Connection &conn) {
   if (!net::peer_closed(conn.fd)) return false;
-  fail(LLM_LINK_FAILED, "the peer closed the link before its same-host operation was served");
+  fail(LLM_LINK_FAILED, "the peer closed the link before its operation was served");
   return true;
 }
 
@@ -132,7 +130,7 @@ size_t Link::refused_group_count() const {
 
 std::shared_ptr<DataPath> Link::path_serving(const wire::Request &req) const {
   for (const auto &path : paths_) {
-    if (path->serves(req)) return path;
+    if (path->carries_bytes() != req.by_reference && path->serves(req)) return path;
   }
   return nullptr;
 }
@@ -145,7 +143,18 @@ void Link::serve_by_path(Connection &conn, const FrameHeader &header, wire::Requ
   frame->view = std::move(view);
   const Status st = resolve_in_group(frame->req, frame->target);
   if (st != LLM_SUCCESS) {
-    send_answer(conn, answer(write ? FrameType::kWriteAck : FrameType::kReadData, header.op_id, st, frame->target.why));
+    OutFrame refusal = answer(write ? FrameType::kWriteAck : FrameType::kReadData, header.op_id, st, frame->target.why);
+    if (header.data_len == 0) {
+      send_answer(conn, std::move(refusal));
+      return;
+    }
+    // The bytes that follow go nowhere; the refusal once they are read.
+    auto sent = std::make_shared<OutFrame>(std::move(refusal));
+    Connection *c = &conn;
+    expect_data(conn, {}, header.data_len, [this, c, sent] {
+      send_answer(*c, std::move(*sent));
+      return true;
+    });
     return;
   }
   if (path->checks_initiator_first() && initiator_gone(conn)) return;
@@ -156,15 +165,18 @@ void Link::serve_by_path(Connection &conn, const FrameHeader &header, wire::Requ
   const uint64_t op_id = header.op_id;
   Connection *c = &conn;
   ServedFrame *served = frame.get();
-  frame->done = [self, c, op_id, served, counted](Moved moved) {
+  DataPath *by = path.get();
+  frame->done = [self, c, op_id, served, by, counted](Moved moved) {
     if (!counted && !self->begin_work()) return;  // reaped meanwhile: no answer
-    self->end_served(*c, op_id, *served, std::move(moved));
+    self->end_served(*c, op_id, *served, *by, std::move(moved));
     self->end_work();
   };
+  ConnectionData data(*this, conn);
+  if (header.data_len != 0) frame->data = &data;
   path->serve(std::move(frame));
 }
 
-void Link::end_served(Connection &conn, uint64_t op_id, const ServedFrame &frame, Moved moved) {
+void Link::end_served(Connection &conn, uint64_t op_id, const ServedFrame &frame, DataPath &path, Moved moved) {
   if (moved.peer_gone) {
     fail(LLM_LINK_FAILED, "the peer process is gone");
     return;
@@ -178,7 +190,22 @@ void Link::end_served(Connection &conn, uint64_t op_id, const ServedFrame &frame
   } else if (!frame.write) {
     note_read(frame.req);
   }
-  send_answer(conn, answer(frame.write ? FrameType::kWriteAck : FrameType::kReadData, op_id, st, words));
+  OutFrame out = answer(frame.write ? FrameType::kWriteAck : FrameType::kReadData, op_id, st, words);
+  if (st == LLM_SUCCESS && !frame.write && moved.data_bytes != 0) {
+    out.header.data_len = moved.data_bytes;
+    out.data = std::move(moved.data);
+    out.device = std::move(moved.device);
+    out.path = &path;
+    out.pin = std::move(moved.pin);
+  }
+  send_answer(conn, std::move(out));
+}
+
+void Link::note_read(const wire::Request &req) {
+  if ((req.target.flags & wire::kReleaseKey) == 0) return;
+  std::vector<uint32_t> tensors;
+  for (const wire::Range &r : req.ranges) tensors.push_back(r.tensor);
+  host_->registry().note_pulled({req.target.req_id, req.target.model_id, req.target.prefix_id}, tensors);
 }
 
 }  // namespace datadist

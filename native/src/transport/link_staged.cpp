@@ -1,6 +1,8 @@
-// Inline frames on device memory: their bytes go through pinned host
-// buffers (device/staging.h), a chunk's copy overlapping the socket, on a
-// thread of the I/O loop's blocking pool (the copies may wait).
+// Frames whose device memory follows them on the connection: their path
+// stages the bytes through pinned host buffers (paths/inline/), a chunk's
+// copy overlapping the socket, on a thread of the I/O loop's blocking pool
+// (the copies may wait); the link sends the chunks, and pads or fails a
+// frame whose copy failed.
 #include <algorithm>
 #include <cstdint>
 #include <memory>
@@ -51,12 +53,7 @@ bool Link::finish_staged(Connection &conn, OutFrame &frame) {
     header_out = true;
     return send_all(conn, iov, count);
   };
-  staging::Result result;
-  {
-    cuda::StreamCopier copier(*device);
-    result = staging::stage_out(device->staging_pool(false), copier, frame.data, staging::kDepth, sink);
-    if (frame.op_id == 0) device_stream_waits_.fetch_add(copier.waits(), std::memory_order_relaxed);  // a read's data
-  }
+  const staging::Result result = frame.path->send_device(*device, frame.data, frame.op_id == 0, sink);
   if (result.outcome == staging::Outcome::kDone) return after_send(frame, true);
   if (result.outcome == staging::Outcome::kIoFailed) return after_send(frame, false);
   const std::string why = "copying out of device memory failed: " + result.why;
@@ -88,22 +85,6 @@ bool Link::finish_staged(Connection &conn, OutFrame &frame) {
     left -= n;
   }
   return after_send(frame, ok);
-}
-
-bool Link::receive_staged(net::Reader &in, const cuda::Device &device, const std::vector<iovec> &to, uint64_t bytes,
-                          bool serving, bool &io_ok, std::string &why) {
-  staging::Result result;
-  {
-    cuda::StreamCopier copier(device);
-    result = staging::stage_in(device.staging_pool(true), copier, to, staging::kDepth,
-                               [&](uint8_t *buffer, size_t n) { return in.read(buffer, n); });
-    if (serving) device_stream_waits_.fetch_add(copier.waits(), std::memory_order_relaxed);
-  }
-  io_ok = result.outcome != staging::Outcome::kIoFailed;
-  if (result.outcome != staging::Outcome::kCopyFailed) return true;
-  why = result.why;
-  io_ok = in.discard(bytes - result.moved);  // the frame's rest, so the next frame is read whole
-  return false;
 }
 
 }  // namespace datadist

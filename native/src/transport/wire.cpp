@@ -108,6 +108,7 @@ std::string unroll(const std::vector<Stride> &strides, Request &out) {
 std::string decode_request(const std::vector<uint8_t> &body, Request &out, bool with_segments) {
   if (body.size() < sizeof(Target)) return "request body too short";
   std::memcpy(&out.target, body.data(), sizeof(Target));
+  out.by_reference = with_segments;
   const Target &t = out.target;
   if (t.kind < kById || t.kind > kRawAddress) return "unknown target kind";
   if ((t.flags & ~(kWithinSlot | kReleaseKey | kStrided | kPathTrailer)) != 0) return "unknown target flags";

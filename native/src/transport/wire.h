@@ -234,6 +234,9 @@ std::string check_header(const FrameHeader &header);
 // each range and the trailer of its path (kPathTrailer).
 struct Request {
   Target target{};
+  // Decoded with segments: the frame names the sender's memory (kWriteFrom,
+  // kReadInto) instead of carrying its bytes.
+  bool by_reference = false;
   std::vector<Range> ranges;
   std::vector<Range> bounds;
   std::vector<Segment> segments;

@@ -1,6 +1,7 @@
 #include "transport/paths/paths.h"
 
 #include "transport/paths/device/cuda_ipc_path.h"
+#include "transport/paths/inline/inline_path.h"
 #include "transport/paths/same_host/same_host_kind.h"
 #include "transport/paths/same_host/same_host_path.h"
 #include "transport/paths/test/test_path.h"
@@ -19,7 +20,10 @@ std::vector<std::unique_ptr<PathKind>> make_kinds(const PathOptions &options, co
   return kinds;
 }
 
+std::shared_ptr<DataPath> inline_path() { return std::make_shared<InlinePath>(); }
+
 void zero_counters(std::map<std::string, uint64_t> &out) {
+  InlinePath::zero_counters(out);
   UcxDataPath::zero_counters(out);
   CudaIpcPath::zero_counters(out);
   SameHostPath::zero_counters(out);

@@ -129,9 +129,13 @@ class PathKind {
 
 // Every kind the options turn on, in the order a link lists their paths
 // (operations try them so): UCX, the same host (device memory by CUDA IPC,
-// host memory by a kernel copy); inline on the connections takes what none
-// carries.
+// host memory by a kernel copy).
 std::vector<std::unique_ptr<PathKind>> make_kinds(const PathOptions &options, const PathServices &services);
+
+// The path every link has, after those its handshake settled: inline on
+// the link's connections (paths/inline/), which carries every frame the
+// others do not.
+std::shared_ptr<DataPath> inline_path();
 
 // Every path's counters, at 0: link_stats names them all on every link.
 void zero_counters(std::map<std::string, uint64_t> &out);
