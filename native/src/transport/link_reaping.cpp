@@ -63,6 +63,10 @@ void Link::reap() {
       std::lock_guard<std::mutex> lock(conn->mu);
       dropped.swap(conn->queue);
     }
+    // What a frame cut short was to run once its bytes were in (a served
+    // frame, which holds the link) never runs now: it goes here, with the
+    // link's hold on itself.
+    next_frame(*conn);
   }
   std::vector<OpenOp> open;
   Status reason;

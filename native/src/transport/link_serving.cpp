@@ -172,7 +172,7 @@ void Link::serve_by_path(Connection &conn, const FrameHeader &header, wire::Requ
     self->end_work();
   };
   ConnectionData data(*this, conn);
-  if (header.data_len != 0) frame->data = &data;
+  if (path->carries_bytes()) frame->data = &data;
   path->serve(std::move(frame));
 }
 
