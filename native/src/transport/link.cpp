@@ -11,6 +11,16 @@
 
 namespace datadist {
 
+namespace {
+
+// `paths`, then the inline path, which carries every frame they do not.
+std::vector<std::shared_ptr<DataPath>> with_inline(std::vector<std::shared_ptr<DataPath>> paths) {
+  paths.push_back(inline_path());
+  return paths;
+}
+
+}  // namespace
+
 using llm_datadist::LLM_SUCCESS;
 using wire::FrameType;
 
@@ -26,11 +36,6 @@ Link::Link(uint64_t peer_id, uint32_t peer_role, bool initiated_here, std::vecto
   for (size_t i = 0; i < fds.size(); ++i) {
     conns_.push_back(std::make_unique<Connection>(fds[i], i < sessions.size() ? std::move(sessions[i]) : nullptr));
   }
-}
-
-std::vector<std::shared_ptr<DataPath>> Link::with_inline(std::vector<std::shared_ptr<DataPath>> paths) {
-  paths.push_back(inline_path());
-  return paths;
 }
 
 Link::~Link() {

@@ -396,8 +396,6 @@ class Link : public std::enable_shared_from_this<Link>,
   Registry &registry() override { return host_->registry(); }
   IoLoop &io_loop() override { return host_->io_loop(); }
   std::function<void(std::vector<uint8_t> body)> messenger() override;
-  // `paths`, then the inline path.
-  static std::vector<std::shared_ptr<DataPath>> with_inline(std::vector<std::shared_ptr<DataPath>> paths);
   // Puts the connections in the I/O loop (start()'s first part).
   bool start_connections();
   // A frame a path moved itself was refused here: the rest of its ordered

@@ -8,7 +8,9 @@
 #define DATADIST_TRANSPORT_PIDFD_H_
 
 #include <poll.h>
+
 #include <cerrno>
+#include <memory>
 #include <sys/syscall.h>
 #include <sys/types.h>
 #include <unistd.h>
@@ -46,6 +48,14 @@ struct Pidfd {
     return static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
   }
 };
+
+// Whether process `pid` has exited, watched through `watch`, its pidfd
+// opened on the first call (a grantor opens it only once a wait begins;
+// what is then held for the process keeps watching it).
+inline bool exited(std::shared_ptr<Pidfd> &watch, pid_t pid) {
+  if (!watch) watch = std::make_shared<Pidfd>(pid);
+  return !watch->alive();
+}
 
 }  // namespace datadist
 

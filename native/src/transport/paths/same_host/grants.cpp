@@ -319,11 +319,8 @@ void Grantor::revoke(Given given) {
       quiet = true;
       break;
     }
-    if (!holder) {
-      revoke_waits_.fetch_add(1, std::memory_order_relaxed);
-      holder = std::make_shared<Pidfd>(holder_);
-    }
-    if (!holder->alive()) {
+    if (!holder) revoke_waits_.fetch_add(1, std::memory_order_relaxed);
+    if (exited(holder, holder_)) {
       quiet = true;
       break;
     }

@@ -222,11 +222,7 @@ void Grantor::removed(const std::shared_ptr<CacheEntry> &entry) {
     // DIRECT: a holder that exited holds nothing (its count stays where it
     // died); its pidfd is opened once the wait begins.
     std::shared_ptr<Pidfd> holder;
-    auto gone = [&] {
-      if (!table_) return false;
-      if (!holder) holder = std::make_shared<Pidfd>(holder_);
-      return !holder->alive();
-    };
+    auto gone = [&] { return table_ && exited(holder, holder_); };
     const auto until = std::chrono::steady_clock::now() + kRevokeWait;
     bool waited = false;
     while (!through_now() && !gone() && std::chrono::steady_clock::now() < until) {
@@ -310,15 +306,11 @@ void Grantor::reap() {
   for (Given &g : outstanding) mark_revoked(g);
   const auto until = std::chrono::steady_clock::now() + kRevokeWait;
   std::shared_ptr<Pidfd> holder;  // opened once a grant is not through at once
-  auto gone = [&] {
-    if (!holder) holder = std::make_shared<Pidfd>(holder_);
-    return !holder->alive();
-  };
   for (Given &g : outstanding) {
-    while (table_ && !quiet(g) && !gone() && std::chrono::steady_clock::now() < until) {
+    while (table_ && !quiet(g) && !exited(holder, holder_) && std::chrono::steady_clock::now() < until) {
       std::this_thread::sleep_for(std::chrono::microseconds(200));
     }
-    if (!table_ || quiet(g) || gone()) {
+    if (!table_ || quiet(g) || exited(holder, holder_)) {
       g.pin.reset();
     } else {
       held_.fetch_add(1, std::memory_order_relaxed);
