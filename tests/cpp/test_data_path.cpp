@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "completion_queue.h"
+#include "link_host.h"
 #include "registry.h"
 #include "request.h"
 #include "transport/data_path.h"
@@ -67,18 +68,6 @@ class InProcessPath : public DataPath {
   std::atomic<uint64_t> carried{0}, served{0};
 };
 
-class Host : public LinkHost {
- public:
-  Registry &registry() override { return registry_; }
-  void link_down(const std::shared_ptr<Link> &) override {}
-  void detach(const std::shared_ptr<Link> &) override {}
-  IoLoop &io_loop() override { return loop_; }
-
- private:
-  Registry registry_;
-  IoLoop loop_{2};
-};
-
 constexpr uint64_t kSlot = 64, kSlots = 4;
 
 // Runs one operation of `frames` on `link`; its status.
@@ -103,18 +92,11 @@ PlannedFrame frame(int64_t cache_id, uint64_t slot, uint64_t length, uint8_t *lo
 }
 
 TEST(DataPath, APathOfItsOwnCarriesAndServesFramesThroughTheLinksSequences) {
-  Host initiator_host, owner_host;
+  TestLinkHost initiator_host, owner_host;
   // The owner's cache: one tensor of 4 slots of 64 bytes, remote-accessible.
   std::vector<uint8_t> theirs(kSlot * kSlots, 0);
-  auto entry = std::make_shared<CacheEntry>();
-  entry->spec.num_tensors = 1;
-  entry->spec.shape = {static_cast<int64_t>(kSlots), static_cast<int64_t>(kSlot)};
-  entry->spec.data_type = 4;  // uint8
-  entry->geometry = {kSlot * kSlots, kSlot, kSlots};
-  entry->addrs = {theirs.data()};
-  entry->remote_accessible = true;
-  int64_t cache_id = -1;
-  ASSERT_EQ(owner_host.registry().add(entry, {}, std::nullopt, false, cache_id), LLM_SUCCESS);
+  const int64_t cache_id = add_slot_cache(owner_host, theirs, kSlot, kSlots);
+  ASSERT_GE(cache_id, 0);
 
   int fds[2];
   ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds), 0);

@@ -19,8 +19,7 @@
 #include <thread>
 #include <vector>
 
-#include "registry.h"
-#include "transport/io_loop.h"
+#include "link_host.h"
 #include "transport/link.h"
 #include "transport/wire.h"
 
@@ -32,31 +31,12 @@ using llm_datadist::LLM_SUCCESS;
 
 constexpr uint64_t kSlot = 4096, kSlots = 4;
 
-class Host : public LinkHost {
- public:
-  Registry &registry() override { return registry_; }
-  void link_down(const std::shared_ptr<Link> &) override { down = true; }
-  void detach(const std::shared_ptr<Link> &) override {}
-  IoLoop &io_loop() override { return loop_; }
-  std::atomic<bool> down{false};
-
- private:
-  Registry registry_;
-  IoLoop loop_{2};
-};
-
 // An owner's link with one remote-accessible cache of 4 slots; `peer` is
 // the test's end of its connection.
 struct Owner {
   Owner() : bytes(kSlot * kSlots, 0) {
-    auto entry = std::make_shared<CacheEntry>();
-    entry->spec.num_tensors = 1;
-    entry->spec.shape = {static_cast<int64_t>(kSlots), static_cast<int64_t>(kSlot)};
-    entry->spec.data_type = 4;  // uint8
-    entry->geometry = {kSlot * kSlots, kSlot, kSlots};
-    entry->addrs = {bytes.data()};
-    entry->remote_accessible = true;
-    EXPECT_EQ(host.registry().add(entry, {}, std::nullopt, false, cache_id), LLM_SUCCESS);
+    cache_id = add_slot_cache(host, bytes, kSlot, kSlots);
+    EXPECT_GE(cache_id, 0);
     int fds[2];
     EXPECT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds), 0);
     peer = fds[1];
@@ -95,7 +75,7 @@ struct Owner {
     return header;
   }
 
-  Host host;
+  TestLinkHost host;
   std::vector<uint8_t> bytes;
   int64_t cache_id = -1;
   int peer = -1;

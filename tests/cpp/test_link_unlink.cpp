@@ -15,8 +15,7 @@
 #include <thread>
 #include <vector>
 
-#include "registry.h"
-#include "transport/io_loop.h"
+#include "link_host.h"
 #include "transport/link.h"
 #include "transport/paths/same_host/same_host.h"
 #include "transport/wire.h"
@@ -27,19 +26,6 @@ namespace {
 using namespace std::chrono_literals;
 using llm_datadist::LLM_SUCCESS;
 using llm_datadist::LLM_TIMEOUT;
-
-class Host : public LinkHost {
- public:
-  Registry &registry() override { return registry_; }
-  void link_down(const std::shared_ptr<Link> &) override { down = true; }
-  void detach(const std::shared_ptr<Link> &) override {}
-  IoLoop &io_loop() override { return loop_; }
-  std::atomic<bool> down{false};
-
- private:
-  Registry registry_;
-  IoLoop loop_{2};
-};
 
 // The link's two connections; `peer[i]` is the test's end of connection i.
 struct Linked {
@@ -74,7 +60,7 @@ struct Linked {
     peer[i] = -1;
   }
 
-  Host host;
+  TestLinkHost host;
   int peer[2] = {-1, -1};
   std::shared_ptr<Link> link;
 };
