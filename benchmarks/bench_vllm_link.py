@@ -259,9 +259,9 @@ def run_pair(kind: str, pair: netns.Joined, model: Path, prompts: list[list[int]
     logs = tuple(TimingLog(tmp / f"run{run_index}-{kind}-{side}.jsonl") for side in ("prefill", "decode"))
 
     def launch(side: int, model: Path, config: dict[str, Any], own_env: dict[str, str],
-               policy: Optional[str]) -> Engine:
+               policy: Optional[str], llm_args: dict[str, Any]) -> Engine:
         timed = dict(config, kv_connector_module_path="vllm_timing")
-        return NetnsEngine(pair.names[side], model, timed, policy=policy, start_timeout=args.start_timeout,
+        return NetnsEngine(pair.names[side], model, timed, policy=policy, start_timeout=args.start_timeout, **llm_args,
                            env={**env, **own_env, vllm_timing.ENV: str(logs[side].path)},
                            cores=host_cores(side) if args.pin else None)
 

@@ -64,6 +64,13 @@ while the phases are measured (the warm-up runs without them); with
 ``--connectors datadist,owner,nixl`` it sets our one-sided reads (the
 decode's own kernel copies under the prefill's grant, the default) against
 reads served by the prefill's engine (``access`` ``"owner"``) and NIXL's.
+``--executor mp`` runs each instance's model in a worker process of vLLM's
+multiprocess executor: the engine and its worker then busy-poll vLLM's
+shared-memory queues (yielding the core each turn) for a second after each
+message, so while requests come the four processes keep the cores busy
+themselves. Each phase reports how busy the machine was while it ran
+(``host_busy``, from ``/proc/stat``) and how many requests' transfers took
+over 5 ms.
 
 Instances of different shapes (TP 2 into 1, 1 into 2, blocks of 32 into
 64, with prefix caching and the control) are measured by
@@ -159,22 +166,25 @@ def pair_configs(kind: str, layout: str, ports: tuple[int, int], hosts: tuple[st
             (connector_config("datadist", decode_role, decode_port, side_channel_host=decode_host, **mode), env))
 
 
-# Starts one instance: (side: 0 the prefill, 1 the decode; model; KVTransferConfig fields; environment; policy).
-Launch = Callable[[int, Path, dict[str, Any], dict[str, str], Optional[str]], Engine]
+# Starts one instance: (side: 0 the prefill, 1 the decode; model; KVTransferConfig fields; environment; policy;
+# arguments for ``vllm.LLM``).
+Launch = Callable[[int, Path, dict[str, Any], dict[str, str], Optional[str], dict[str, Any]], Engine]
 
 
 def _launch_here(side: int, model: Path, config: dict[str, Any], env: dict[str, str],
-                 policy: Optional[str]) -> Engine:
-    return Engine(model, config, policy=policy, env=env)
+                 policy: Optional[str], llm_args: dict[str, Any]) -> Engine:
+    return Engine(model, config, policy=policy, env=env, **llm_args)
 
 
 def start_pair(kind: str, layout: str, model: Path, *, launch: Launch = _launch_here,
                ports: Optional[tuple[int, int]] = None,
-               hosts: tuple[str, str] = (LOOPBACK, LOOPBACK), transport: str = "auto") -> tuple[Engine, Engine]:
+               hosts: tuple[str, str] = (LOOPBACK, LOOPBACK), transport: str = "auto",
+               llm_args: Optional[dict[str, Any]] = None) -> tuple[Engine, Engine]:
     """A prefill and a decode instance (policy ``recompute``), each with its own side-channel port.
 
     ``launch`` starts each (default: an ``Engine`` in this namespace);
-    ``ports`` are their side-channel ports (default: two free ones). The
+    ``ports`` are their side-channel ports (default: two free ones);
+    ``llm_args`` go to both instances' ``vllm.LLM``. The
     push's decode instance starts first (its inbox listens before the
     prefill names it). vLLM keeps its hybrid KV cache manager on for a hybrid model
     (``--model sliding``) with either connector: both declare ``SupportsHMA``."""
@@ -184,9 +194,10 @@ def start_pair(kind: str, layout: str, model: Path, *, launch: Launch = _launch_
     configs = pair_configs(kind, layout, ports, hosts, transport)
     policies = (None, "recompute")
     first = 1 if kind == "push" else 0
-    started = launch(first, model, configs[first][0], configs[first][1], policies[first])
+    llm_args = dict(llm_args or {})
+    started = launch(first, model, configs[first][0], configs[first][1], policies[first], llm_args)
     try:
-        other = launch(1 - first, model, configs[1 - first][0], configs[1 - first][1], policies[1 - first])
+        other = launch(1 - first, model, configs[1 - first][0], configs[1 - first][1], policies[1 - first], llm_args)
     except BaseException:
         started.close()
         raise
@@ -249,6 +260,20 @@ def _p99(values: list[float]) -> Optional[float]:
     return ordered[min(len(ordered) - 1, -(-99 * len(ordered) // 100) - 1)]
 
 
+def host_cpu() -> tuple[int, int]:
+    """This machine's CPU time so far, in ticks: (all of it, idle or waiting)."""
+    with open("/proc/stat") as stat:
+        ticks = [int(v) for v in stat.readline().split()[1:]]
+    return sum(ticks[:8]), ticks[3] + ticks[4]
+
+
+def host_busy(since: tuple[int, int]) -> Optional[float]:
+    """The share of the machine's CPU time busy since ``host_cpu()`` gave ``since``."""
+    total, idle = host_cpu()
+    spent = total - since[0]
+    return 1.0 - (idle - since[1]) / spent if spent > 0 else None
+
+
 def summarize_phase(rows: list[dict[str, Any]], reference: list[list[int]], kind: str) -> dict[str, Any]:
     """Medians over one phase of one run; a row is one request or one batch.
 
@@ -276,6 +301,7 @@ def summarize_phase(rows: list[dict[str, Any]], reference: list[list[int]], kind
         "median_xfer_ms": ms(per_request("xfer_s", measured)),
         "p99_xfer_ms": ms(_p99(xfers)),
         "max_xfer_ms": ms(max(xfers) if xfers else None),
+        "over_5ms": sum(1 for x in xfers if x > 5e-3),
         "failed_loads": sum(row["failed"] for row in rows),
         "median_push_ms": ms(per_request("push_s", measured)) if kind == "push" else None,
         "median_bytes": per_request("bytes", measured),
@@ -297,7 +323,8 @@ def summarize_phase(rows: list[dict[str, Any]], reference: list[list[int]], kind
 def run_pair(kind: str, layout: str, model: Path, phases: dict[str, tuple[list[list[list[int]]], list[list[int]]]],
              args: argparse.Namespace) -> list[dict[str, Any]]:
     """One fresh pair serving every phase: (groups of prompts, reference tokens) by phase."""
-    prefill, decode = start_pair(kind, layout, model, transport=args.transport)
+    executor = {"distributed_executor_backend": "mp"} if args.executor == "mp" else {}
+    prefill, decode = start_pair(kind, layout, model, transport=args.transport, llm_args=executor)
     try:
         first: Optional[dict[str, Any]] = None
         for prompt in prompts_of_lengths([100] * args.warmup, seed=99):
@@ -310,8 +337,9 @@ def run_pair(kind: str, layout: str, model: Path, phases: dict[str, tuple[list[l
         busy = spinners(args.busy)
         try:
             for phase, (groups, reference) in phases.items():
+                since = host_cpu()
                 rows = [one_batch(prefill, decode, group, args.max_tokens, kind) for group in groups]
-                results.append({"layout": layout, "phase": phase, "kind": kind,
+                results.append({"layout": layout, "phase": phase, "kind": kind, "host_busy": host_busy(since),
                                 **summarize_phase(rows, reference, kind)})
         finally:
             stop_spinners(busy)
@@ -357,6 +385,10 @@ def main() -> None:
                              "(the pull served by the prefill's engine, access \"owner\"), nixl")
     parser.add_argument("--busy", type=int, default=0,
                         help="spinning processes beside the instances while the phases are measured (a busy host)")
+    parser.add_argument("--executor", choices=("uni", "mp"), default="uni",
+                        help="vLLM's executor: uni (the model runs in the engine's process, which sleeps when idle) "
+                             "or mp (a worker process beside it; both busy-poll vLLM's shared-memory queues, "
+                             "yielding the core, for a second after each message)")
     parser.add_argument("--transport", choices=("auto", "tcp"), default="auto",
                         help="our connectors' links: auto (the same-host path here) or tcp (sockets, where link "
                              "encryption covers every byte: compare secret and tls so)")
@@ -444,6 +476,8 @@ def main() -> None:
                             + (f" push={_fmt(result['median_push_ms'], 2)} ms" if kind == "push" else "")
                             + f" ttft={_fmt(result['median_ttft_ms'], 1)} ms"
                             f" (p99 {_fmt(result['p99_ttft_ms'], 1)}, max {_fmt(result['max_ttft_ms'], 1)})"
+                            f" over 5 ms={result['over_5ms']}"
+                            f" host busy={_fmt(100 * result['host_busy'] if result['host_busy'] is not None else None, 0)}%"
                             f" failed={result['failed_loads']:.0f}"
                             f" first request: xfer={_fmt(result['first_xfer_ms'], 2)} ms"
                             f" ttft={_fmt(result['first_ttft_ms'], 1)} ms"
@@ -457,8 +491,8 @@ def main() -> None:
 
     print(f"\nMedians per run; median (range) over the runs. {elapsed:.0f} s in all.")
     header = (f"{'layout':17s}  {'phase':10s}  {'connector':9s}  runs  {'transfer ms/req':20s}  {'push ms/req':18s}"
-              f"  {'TTFT ms':20s}  {'wall ms/req':22s}  exact  {'max xfer':8s}  {'max TTFT':8s}  failed  "
-              "KV MiB/req  answers read / by sweep (decode)")
+              f"  {'TTFT ms':20s}  {'wall ms/req':22s}  exact  {'max xfer':8s}  over 5 ms  {'max TTFT':8s}  failed  "
+              "KV MiB/req  host busy %  answers read / by sweep (decode)")
     print(header)
     summary: dict[str, dict[str, dict[str, Any]]] = {}
     ratios: dict[str, dict[str, dict[str, Any]]] = {}
@@ -475,6 +509,8 @@ def main() -> None:
                     "push_ms": _agg([r["median_push_ms"] for r in mine]) if kind == "push" else None,
                     "ttft_ms": _agg([r["median_ttft_ms"] for r in mine]),
                     "max_xfer_ms": max((r["max_xfer_ms"] for r in mine if r["max_xfer_ms"] is not None), default=None),
+                    "over_5ms": sum(r["over_5ms"] for r in mine),
+                    "host_busy": _agg([r["host_busy"] for r in mine]),
                     "p99_xfer_ms": _agg([r["p99_xfer_ms"] for r in mine]),
                     "max_ttft_ms": max((r["max_ttft_ms"] for r in mine if r["max_ttft_ms"] is not None), default=None),
                     "p99_ttft_ms": _agg([r["p99_ttft_ms"] for r in mine]),
@@ -497,9 +533,11 @@ def main() -> None:
                 print(f"{layout:17s}  {phase:10s}  {kind:9s}  {len(mine):4d}  {_fmt_agg(entry['xfer_ms'], 2):20s}"
                       f"  {_fmt_agg(entry['push_ms'], 2):18s}  {_fmt_agg(entry['ttft_ms'], 1):20s}"
                       f"  {_fmt_agg(entry['wall_ms'], 1):22s}  {str(entry['exact']):5s}"
-                      f"  {_fmt(entry['max_xfer_ms'], 2):8s}  {_fmt(entry['max_ttft_ms'], 1):8s}"
+                      f"  {_fmt(entry['max_xfer_ms'], 2):8s}  {entry['over_5ms']:9d}  {_fmt(entry['max_ttft_ms'], 1):8s}"
                       f"  {entry['failed_loads']:6.0f}"
-                      f"  {_fmt(entry['bytes'][0] / 2**20 if entry['bytes'] else None, 3):10s}  {answers}")
+                      f"  {_fmt(entry['bytes'][0] / 2**20 if entry['bytes'] else None, 3):10s}"
+                      f"  {_fmt_agg([100 * b for b in entry['host_busy']] if entry['host_busy'] else None, 0):11s}"
+                      f"  {answers}")
             summary.setdefault(layout, {})[phase] = cell
             if "nixl" in cell:
                 for kind in OURS:

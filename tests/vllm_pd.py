@@ -276,9 +276,11 @@ class Engine:
         conn, child = ctx.Pipe()
         process = ctx.Process(
             target=_engine_main, args=(child, *args),
-            # A daemonic process may not start vLLM's TP or PP workers; close()
-            # and kill() end it either way.
-            daemon=int(args[-1].get("tensor_parallel_size", 1)) * int(args[-1].get("pipeline_parallel_size", 1)) == 1,
+            # A daemonic process may not start vLLM's worker processes (TP or
+            # PP, or the multiprocess executor asked for); close() and kill()
+            # end it either way.
+            daemon=int(args[-1].get("tensor_parallel_size", 1)) * int(args[-1].get("pipeline_parallel_size", 1)) == 1
+            and args[-1].get("distributed_executor_backend") != "mp",
         )
         process.start()
         child.close()

@@ -184,11 +184,16 @@ TEST(IoLoop, EveryBlockingJobGetsAThreadAtOnceAndIdleOnesEnd) {
     EXPECT_EQ(saw_all, kJobs);
   }
   // A job that comes while threads are idle takes one of them; where they
-  // have already ended (idle past 200 ms), one new thread.
+  // have already ended (idle past 200 ms), one new thread. (A job's thread
+  // is idle once back from it, after the job said it finished.)
+  auto deadline = std::chrono::steady_clock::now() + 60s;
+  while (loop.idle_blocking_threads() < loop.blocking_threads() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(1ms);
+  }
   const size_t threads = loop.blocking_threads();
   std::atomic<bool> ran{false};
   ASSERT_TRUE(loop.run_blocking([&] { ran = true; }));
-  const auto deadline = std::chrono::steady_clock::now() + 60s;
+  deadline = std::chrono::steady_clock::now() + 60s;
   while (!ran && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(1ms);
   EXPECT_TRUE(ran.load());
   EXPECT_LE(loop.blocking_threads(), std::max<size_t>(threads, 1));

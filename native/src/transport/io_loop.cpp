@@ -151,6 +151,11 @@ size_t IoLoop::blocking_threads() const {
   return blocking_.size();
 }
 
+size_t IoLoop::idle_blocking_threads() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return idle_;
+}
+
 void IoLoop::join_ended_locked() {
   for (auto &thread : ended_) thread.join();
   ended_.clear();

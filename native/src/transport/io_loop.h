@@ -74,8 +74,9 @@ class IoLoop {
   // Runs `job` on the blocking pool; false once the loop is stopping or
   // no thread can start for it.
   bool run_blocking(std::function<void()> job);
-  // Threads of the blocking pool now.
+  // Threads of the blocking pool now, and those of them waiting for a job.
   size_t blocking_threads() const;
+  size_t idle_blocking_threads() const;
 
  private:
   void run();
