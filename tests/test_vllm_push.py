@@ -247,11 +247,21 @@ def _prefill(conn: Any, decode_port: int, shape: tuple[int, ...]) -> None:
                     side.save_layer(name)
                 side.finish_step()
                 conn.send([(r.blocks, r.ok) for r in side.take_records()])
+            elif command == "linked":  # once the prefill has its share and its link (it asks as it starts)
+                deadline = time.monotonic() + 10
+                while (side.pusher is None or side.pusher._decode is None) and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                conn.send(side.pusher is not None and side.pusher._decode is not None)
             elif command == "forward":  # as vLLM orders a step; each layer takes `layer_s` to compute
                 plan = StepPlan(saves={s.req_id: s for s in value["saves"]})
                 side.begin_step(plan)  # bind_connector_metadata, before the forward
                 for name in NAMES[:value["layers"]]:
-                    time.sleep(value["layer_s"])
+                    if value.get("spin"):  # computing in Python, the GIL held
+                        until = time.perf_counter() + value["layer_s"]
+                        while time.perf_counter() < until:
+                            pass
+                    else:
+                        time.sleep(value["layer_s"])
                     side.save_layer(name)
                 if value["raise"]:
                     try:
@@ -364,14 +374,21 @@ def test_pushed_request_is_copied_from_the_inbox_exactly(pair: Any) -> None:
     assert freed == ["p-a", "p-b"] and available == 8, "the decode side's release freed the prefill's share"
 
 
-def test_the_push_leaves_while_the_forward_computes(pair: Any) -> None:
+@pytest.mark.parametrize("layer_s,spin", [(0.1, False), (0.0005, True)],
+                         ids=["layers of 100 ms", "layers of 0.5 ms holding the GIL"])
+def test_the_push_leaves_while_the_forward_computes(pair: Any, layer_s: float, spin: bool) -> None:
     """vLLM's order: the step's metadata bound, the forward saving its layers
     one by one, start_load_kv after the forward, then wait_for_save. The
     push starts at the bind, so its first layer is on its way before the
-    forward has saved its last; the commit comes once all have landed."""
+    forward has saved its last; the commit comes once all have landed. The
+    forward starts only once the push's claim was answered and its transfer
+    watches the layers, so even a forward far shorter than that round trip
+    is overlapped."""
     pconn = pair["prefill"][1]
+    assert _ask(pconn, "linked", None) is True
     saves = [SaveSpec("p-a", [3, 9, 4], 0, 3, True)]
-    records, steps = _ask(pconn, "forward", {"saves": saves, "layers": LAYERS, "layer_s": 0.1, "raise": False})
+    records, steps = _ask(pconn, "forward", {"saves": saves, "layers": LAYERS, "layer_s": layer_s, "spin": spin,
+                                              "raise": False})
     assert records == [(3, True)]
     assert len(steps) == 1 and steps[0].overlapped and not steps[0].aborted, steps
     assert 0 <= steps[0].tail_seconds < 5

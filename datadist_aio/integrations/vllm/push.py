@@ -336,10 +336,10 @@ class Pusher:
         armed = threading.Event()
         future = asyncio.run_coroutine_threadsafe(self._push(inbox, direct, release, armed.set), self._loop)
         self._step = _Step(release, future)
-        # The forward starts once the step's decode-first transfers watch
-        # their first layers: the loop's thread would otherwise wait for the
-        # GIL while the forward runs, and a short forward could end before
-        # its push began.
+        # The forward starts once the step's transfers watch their first
+        # layers (into the inbox: after its claim's round trip): the loop's
+        # thread would otherwise wait for the GIL while the forward runs, and
+        # a short forward could end before its push began.
         armed.wait(_ARM_WAIT_S)
 
     def save_layer(self, name: str) -> None:
@@ -470,14 +470,23 @@ class Pusher:
     async def _push(self, inbox: list[SaveSpec], direct: list[SaveSpec], release: LayerRelease,
                     armed: Callable[[], None]) -> None:
         """The step's pushes: into the inbox, and into the decodes' own
-        blocks. ``armed`` once the decode-first transfers were started (the
-        inbox's wait for its claim, a round trip: it is not waited for)."""
+        blocks. ``armed`` once each has started its transfer or given up
+        (the inbox's after its claim was answered)."""
         pushes: list[Awaitable[None]] = []
+        waiting = {name for name, saves in (("inbox", inbox), ("direct", direct)) if saves}
+
+        def arm(name: str) -> Callable[[], None]:
+            def started() -> None:
+                waiting.discard(name)
+                if not waiting:
+                    armed()
+            return started
+
         if inbox:
-            pushes.append(self._push_inbox(inbox, release))
+            pushes.append(self._push_inbox(inbox, release, arm("inbox")))
         if direct:
-            pushes.append(self.directs.push_step(direct, release, release.forward_over(), armed))
-        else:
+            pushes.append(self.directs.push_step(direct, release, release.forward_over(), arm("direct")))
+        if not waiting:
             armed()
         try:
             for outcome in await asyncio.gather(*pushes, return_exceptions=True):
@@ -486,18 +495,21 @@ class Pusher:
         finally:
             armed()
 
-    async def _push_inbox(self, saves: list[SaveSpec], release: LayerRelease) -> None:
+    async def _push_inbox(self, saves: list[SaveSpec], release: LayerRelease, armed: Callable[[], None]) -> None:
         """The step's push into the inbox, all of it within ``timeout_s``; what
-        it does not finish is not committed (the decode side then pulls)."""
+        it does not finish is not committed (the decode side then pulls).
+        ``armed`` once its transfer started, or it gave up before."""
         try:
             async with asyncio.timeout(self.settings.timeout_s):
-                await self._push_step(saves, release)
+                await self._push_step(saves, release, armed)
         except (Exception, TimeoutError) as exc:
             log.warning("datadist_aio connector: no push this step (%s: %s)", type(exc).__name__, str(exc))
             with self._lock:
                 self._pushing.difference_update(spec.req_id for spec in saves)
+        finally:
+            armed()
 
-    async def _push_step(self, saves: list[SaveSpec], release: LayerRelease) -> None:
+    async def _push_step(self, saves: list[SaveSpec], release: LayerRelease, armed: Callable[[], None]) -> None:
         start = time.perf_counter()
         if self._decode is None and time.monotonic() < self._retry_at:
             raise ConnectionError("the decode side was unreachable a moment ago")
@@ -519,7 +531,7 @@ class Pusher:
                     pushed.append(spec)
         if not pushed:
             return
-        ok = await self._transfer(decode, src, dst, release)
+        ok = await self._transfer(decode, src, dst, release, armed)
         took = time.perf_counter() - start
         # Committed only once the forward is over and did not fail: a forward
         # that raises after its last layer went out still aborts the push
@@ -559,7 +571,8 @@ class Pusher:
         for blocks in refused:
             decode.share.free(blocks)
 
-    async def _transfer(self, decode: _Decode, src: list[int], dst: list[int], release: LayerRelease) -> bool:
+    async def _transfer(self, decode: _Decode, src: list[int], dst: list[int], release: LayerRelease,
+                        armed: Callable[[], None]) -> bool:
         span = self._spans[0]
         assert span.layers is not None
         layers = len(span.layers)
@@ -574,6 +587,7 @@ class Pusher:
         except Exception as exc:
             log.warning("datadist_aio connector: push refused: %s", str(exc))
             return False
+        armed()
         try:
             await task
             return True
