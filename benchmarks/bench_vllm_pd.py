@@ -121,6 +121,7 @@ SECURED = {"secret": {**SECRET_ENV, "DATADIST_AIO_LINK_ENCRYPTION": "off"},
            "tls": {**SECRET_ENV, "DATADIST_AIO_LINK_ENCRYPTION": "tls"}}
 ANSWERS, ANSWERS_BY_SWEEP = "vllm:datadist_aio_answers_read", "vllm:datadist_aio_answers_read_by_sweep"
 SETUP = "vllm:datadist_aio_load_setup_seconds_sum"  # ours: from a load's start until its reads were posted
+PUSH_STEPS = "vllm:datadist_aio_push_steps"
 LAYOUTS = {"kv_both": ("kv_both", "kv_both"), "producer_consumer": ("kv_producer", "kv_consumer")}
 PHASES = ("sequential", "batched")
 OURS = ("datadist", "push", "direct", "secret", "tls", "owner")
@@ -209,7 +210,7 @@ def one_batch(prefill: Engine, decode: Engine, prompts: list[list[int]], max_tok
     """Prefills ``prompts`` in one call, then decodes them in one (a single prompt: one request)."""
     time_metric, bytes_metric = METRICS[kind]
     before = decode.metrics()
-    pushed_before = prefill.metrics() if kind == "push" else {}
+    pushed_before = prefill.metrics() if kind in ("push", "direct") else {}
     start = time.monotonic()
     if kind == "direct":  # decode-first: both at once, the prefill pushing into the decode's blocks
         both = decode_first_run([(prefill, prefill.side_channel_port, decode, p, p) for p in prompts], max_tokens,
@@ -221,7 +222,7 @@ def one_batch(prefill: Engine, decode: Engine, prompts: list[list[int]], max_tok
         dec = decode.generate(prompts, max_tokens, params)
     wall = time.monotonic() - start
     after = decode.metrics()
-    pushed_after = prefill.metrics() if kind == "push" else {}
+    pushed_after = prefill.metrics() if kind in ("push", "direct") else {}
     results = dec["results"]
     return {
         "size": len(prompts),
@@ -238,6 +239,10 @@ def one_batch(prefill: Engine, decode: Engine, prompts: list[list[int]], max_tok
         "answers_read_by_sweep": delta(after, before, ANSWERS_BY_SWEEP),
         "prefill_answers_read": delta(pushed_after, pushed_before, ANSWERS),  # push: the pushes' answers
         "prefill_answers_read_by_sweep": delta(pushed_after, pushed_before, ANSWERS_BY_SWEEP),
+        # The layer-wise pushes: the prefill's steps that pushed, and those whose
+        # first layer went to the engine before the forward saved its last.
+        "push_steps": delta(pushed_after, pushed_before, PUSH_STEPS),
+        "push_steps_overlapped": delta(pushed_after, pushed_before, PUSH_STEPS + "_overlapped"),
         "prefill_wall_s": pre["wall"],
         "decode_wall_s": dec["wall"],
         # What a proxy's client waits for its first token: after the prefill's
@@ -313,6 +318,10 @@ def summarize_phase(rows: list[dict[str, Any]], reference: list[list[int]], kind
         "answers_read": sum(row["answers_read"] for row in rows),
         "answers_read_by_sweep": sum(row["answers_read_by_sweep"] for row in rows),
         "prefill_answers_read": sum(row["prefill_answers_read"] for row in rows) if kind == "push" else None,
+        "push_steps": sum(row["push_steps"] for row in rows) if kind in ("push", "direct") else None,
+        "push_steps_overlapped": (
+            sum(row["push_steps_overlapped"] for row in rows) if kind in ("push", "direct") else None
+        ),
         "prefill_answers_read_by_sweep": (
             sum(row["prefill_answers_read_by_sweep"] for row in rows) if kind == "push" else None
         ),
@@ -467,6 +476,9 @@ def main() -> None:
                         if kind == "push":
                             answers += (f" (prefill: read={result['prefill_answers_read']:.0f}"
                                         f" by sweep={result['prefill_answers_read_by_sweep']:.0f})")
+                        if kind in ("push", "direct"):
+                            answers += (f" pushed steps overlapped={result['push_steps_overlapped']:.0f}"
+                                        f" of {result['push_steps']:.0f}")
                         kv = result["median_bytes"]
                         print(
                             f"round {round_index + 1} {layout:17s} {result['phase']:10s} {kind:8s}"
