@@ -9,7 +9,7 @@
  * COPIES x 6 MiB (about the largest load of bench_vllm_pd.py). It prints
  * how many copies took over 4 and 5 ms.
  *
- *   cc -O2 -o build/tick_preemption benchmarks/tick_preemption.c
+ *   mkdir -p build && cc -O2 -o build/tick_preemption benchmarks/tick_preemption.c
  *   build/tick_preemption spin 150 3 5
  *   build/tick_preemption yield 150 3 5
  *
