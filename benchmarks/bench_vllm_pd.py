@@ -125,6 +125,7 @@ PUSH_STEPS = "vllm:datadist_aio_push_steps"
 LAYOUTS = {"kv_both": ("kv_both", "kv_both"), "producer_consumer": ("kv_producer", "kv_consumer")}
 PHASES = ("sequential", "batched")
 OURS = ("datadist", "push", "direct", "secret", "tls", "owner")
+PUSHING = ("push", "direct")  # the prefill pushes, layer by layer
 
 
 def free_ports(count: int) -> list[int]:
@@ -210,7 +211,7 @@ def one_batch(prefill: Engine, decode: Engine, prompts: list[list[int]], max_tok
     """Prefills ``prompts`` in one call, then decodes them in one (a single prompt: one request)."""
     time_metric, bytes_metric = METRICS[kind]
     before = decode.metrics()
-    pushed_before = prefill.metrics() if kind in ("push", "direct") else {}
+    pushed_before = prefill.metrics() if kind in PUSHING else {}
     start = time.monotonic()
     if kind == "direct":  # decode-first: both at once, the prefill pushing into the decode's blocks
         both = decode_first_run([(prefill, prefill.side_channel_port, decode, p, p) for p in prompts], max_tokens,
@@ -222,7 +223,7 @@ def one_batch(prefill: Engine, decode: Engine, prompts: list[list[int]], max_tok
         dec = decode.generate(prompts, max_tokens, params)
     wall = time.monotonic() - start
     after = decode.metrics()
-    pushed_after = prefill.metrics() if kind in ("push", "direct") else {}
+    pushed_after = prefill.metrics() if kind in PUSHING else {}
     results = dec["results"]
     return {
         "size": len(prompts),
@@ -318,13 +319,11 @@ def summarize_phase(rows: list[dict[str, Any]], reference: list[list[int]], kind
         "answers_read": sum(row["answers_read"] for row in rows),
         "answers_read_by_sweep": sum(row["answers_read_by_sweep"] for row in rows),
         "prefill_answers_read": sum(row["prefill_answers_read"] for row in rows) if kind == "push" else None,
-        "push_steps": sum(row["push_steps"] for row in rows) if kind in ("push", "direct") else None,
-        "push_steps_overlapped": (
-            sum(row["push_steps_overlapped"] for row in rows) if kind in ("push", "direct") else None
-        ),
         "prefill_answers_read_by_sweep": (
             sum(row["prefill_answers_read_by_sweep"] for row in rows) if kind == "push" else None
         ),
+        "push_steps": sum(row["push_steps"] for row in rows) if kind in PUSHING else None,
+        "push_steps_overlapped": sum(row["push_steps_overlapped"] for row in rows) if kind in PUSHING else None,
         "rows": rows,
     }
 
@@ -476,10 +475,11 @@ def main() -> None:
                         if kind == "push":
                             answers += (f" (prefill: read={result['prefill_answers_read']:.0f}"
                                         f" by sweep={result['prefill_answers_read_by_sweep']:.0f})")
-                        if kind in ("push", "direct"):
+                        if kind in PUSHING:
                             answers += (f" pushed steps overlapped={result['push_steps_overlapped']:.0f}"
                                         f" of {result['push_steps']:.0f}")
                         kv = result["median_bytes"]
+                        busy_pct = 100 * result["host_busy"] if result["host_busy"] is not None else None
                         print(
                             f"round {round_index + 1} {layout:17s} {result['phase']:10s} {kind:8s}"
                             f" exact={result['exact']} measured={result['measured']}/{result['requests']}"
@@ -489,7 +489,7 @@ def main() -> None:
                             + f" ttft={_fmt(result['median_ttft_ms'], 1)} ms"
                             f" (p99 {_fmt(result['p99_ttft_ms'], 1)}, max {_fmt(result['max_ttft_ms'], 1)})"
                             f" over 5 ms={result['over_5ms']}"
-                            f" host busy={_fmt(100 * result['host_busy'] if result['host_busy'] is not None else None, 0)}%"
+                            f" host busy={_fmt(busy_pct, 0)}%"
                             f" failed={result['failed_loads']:.0f}"
                             f" first request: xfer={_fmt(result['first_xfer_ms'], 2)} ms"
                             f" ttft={_fmt(result['first_ttft_ms'], 1)} ms"
@@ -545,7 +545,8 @@ def main() -> None:
                 print(f"{layout:17s}  {phase:10s}  {kind:9s}  {len(mine):4d}  {_fmt_agg(entry['xfer_ms'], 2):20s}"
                       f"  {_fmt_agg(entry['push_ms'], 2):18s}  {_fmt_agg(entry['ttft_ms'], 1):20s}"
                       f"  {_fmt_agg(entry['wall_ms'], 1):22s}  {str(entry['exact']):5s}"
-                      f"  {_fmt(entry['max_xfer_ms'], 2):8s}  {entry['over_5ms']:9d}  {_fmt(entry['max_ttft_ms'], 1):8s}"
+                      f"  {_fmt(entry['max_xfer_ms'], 2):8s}  {entry['over_5ms']:9d}"
+                      f"  {_fmt(entry['max_ttft_ms'], 1):8s}"
                       f"  {entry['failed_loads']:6.0f}"
                       f"  {_fmt(entry['bytes'][0] / 2**20 if entry['bytes'] else None, 3):10s}"
                       f"  {_fmt_agg([100 * b for b in entry['host_busy']] if entry['host_busy'] else None, 0):11s}"

@@ -129,6 +129,17 @@ def _metric_values(llm: Any) -> dict[str, float]:
     return values
 
 
+def _ranks(llm_args: dict[str, Any]) -> int:
+    """The model's ranks under ``vllm.LLM(**llm_args)``: its TP size times its PP size."""
+    return int(llm_args.get("tensor_parallel_size", 1)) * int(llm_args.get("pipeline_parallel_size", 1))
+
+
+def _starts_worker_processes(llm_args: dict[str, Any]) -> bool:
+    """Whether ``vllm.LLM(**llm_args)`` runs its model in worker processes (the
+    multiprocess executor: several ranks, or asked for)."""
+    return _ranks(llm_args) > 1 or llm_args.get("distributed_executor_backend") == "mp"
+
+
 def _engine_main(conn: Any, model: str, kv_transfer: Optional[dict[str, Any]], env: dict[str, str],
                  policy: Optional[str], llm_args: dict[str, Any]) -> None:
     os.environ.update(env)
@@ -158,7 +169,7 @@ def _engine_main(conn: Any, model: str, kv_transfer: Optional[dict[str, Any]], e
             seed=0,
         )
         args.update(llm_args)
-        workers = int(args.get("tensor_parallel_size", 1)) * int(args.get("pipeline_parallel_size", 1))
+        workers = _ranks(args)
         if workers > 1:
             args.setdefault("distributed_executor_backend", "mp")
             # vLLM's CPU workers each bind their OpenMP threads to a CPU list:
@@ -279,8 +290,7 @@ class Engine:
             # A daemonic process may not start vLLM's worker processes (TP or
             # PP, or the multiprocess executor asked for); close() and kill()
             # end it either way.
-            daemon=int(args[-1].get("tensor_parallel_size", 1)) * int(args[-1].get("pipeline_parallel_size", 1)) == 1
-            and args[-1].get("distributed_executor_backend") != "mp",
+            daemon=not _starts_worker_processes(args[-1]),
         )
         process.start()
         child.close()
