@@ -54,10 +54,11 @@ from support.wire_frames import (
     MAGIC,
     PATH_PARTS,
     PATH_TRAILER,
-    PEER_COPIES_T,
+    PATH_MESSAGE_T,
     READ_DATA_T,
     READ_INTO_T,
     READ_T,
+    REACHES_YOU_MESSAGE,
     SAME_HOST_INFO,
     SAME_HOST_PART,
     SAME_HOST_PATH,
@@ -316,7 +317,7 @@ def test_an_announcement_without_an_offer_closes_the_link(server):
     datadist, _ = server
     sock, *_ = offer(datadist.listen_port, None, nonce=38)
     with sock:
-        sock.sendall(frame(PEER_COPIES_T))
+        sock.sendall(frame(PATH_MESSAGE_T, REACHES_YOU_MESSAGE))
         sock.settimeout(5)
         with pytest.raises(ConnectionError):
             recv_exact(sock, HEADER.size)

@@ -44,10 +44,11 @@ from support.wire_frames import (
     LOOKUP_T,
     MAX_BODY_BYTES,
     MAX_FRAME_DATA,
-    PEER_COPIES_T,
+    PATH_MESSAGE_T,
     PROOF_T,
     RANGE,
     RAW_ADDRESS,
+    REACHES_YOU_MESSAGE,
     RELEASE_KEY,
     READ_DATA_T,
     READ_INTO_T,
@@ -140,7 +141,7 @@ class Forger:
     def valid_frame(self) -> bytes:
         r = self.rng
         op = r.randrange(1, 1000)
-        kind = r.choice([WRITE_T] * 4 + [READ_T] * 3 + [LOOKUP_T, WRITE_FROM_T, READ_INTO_T, PEER_COPIES_T,
+        kind = r.choice([WRITE_T] * 4 + [READ_T] * 3 + [LOOKUP_T, WRITE_FROM_T, READ_INTO_T, PATH_MESSAGE_T,
                                                           UNLINK_T, WRITE_ACK_T, READ_DATA_T, HELLO_T, CHALLENGE_T,
                                                           PROOF_T])
         if kind in (WRITE_T, READ_T):
@@ -163,6 +164,8 @@ class Forger:
             return frame(kind, r.randbytes(16))
         if kind == PROOF_T:
             return frame(kind, r.randbytes(32))
+        if kind == PATH_MESSAGE_T:
+            return frame(kind, REACHES_YOU_MESSAGE if r.random() < 0.5 else r.randbytes(r.randrange(4, 40)))
         return frame(kind, op_id=op)
 
     def big_frame(self) -> bytes:

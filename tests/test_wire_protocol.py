@@ -32,6 +32,7 @@ from support.wire_frames import (
     MAGIC,
     READ_DATA_T,
     READ_T,
+    UNASSIGNED_T,
     VERSION,
     WITHIN_SLOT,
     WRITE_ACK_T,
@@ -156,6 +157,8 @@ def test_forged_strided_write_is_refused_whole(server, ranges, strides, flags, d
     [
         frame(WRITE_T, request([(0, 0, 0, BLOCK)]), b"\x01" * BLOCK, magic=0xDEADBEEF),  # bad magic
         HEADER.pack(MAGIC, VERSION, 77, 0, 0, 1, 0),  # unknown frame type
+        HEADER.pack(MAGIC, VERSION, UNASSIGNED_T, 0, 0, 1, 0),  # the type no frame has
+        frame(WRITE_T, request([(0, 0, 0, BLOCK)]), b"\x01" * BLOCK, version=VERSION - 1),  # an older protocol
         HEADER.pack(MAGIC, VERSION, WRITE_T, 1 << 30, 0, 1, 0),  # body over the limit
         frame(WRITE_T, request([(0, 0, 0, BLOCK)]), b"\x01" * (BLOCK - 1)) + b"\x00" * 64,  # data length mismatch
         frame(WRITE_T, request([(0, 0, 0, BLOCK)])[:-8], b""),  # truncated range table

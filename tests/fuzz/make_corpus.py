@@ -25,7 +25,10 @@ from support.wire_frames import (  # noqa: E402
     CHALLENGE_T,
     DEVICE_EXPORT,
     DEVICE_FD,
+    DEVICE_GRANT,
     EXPORT_FD,
+    GRANT,
+    GRANT_TABLE,
     HEADER,
     HELLO_ACK,
     HELLO_ACK_T,
@@ -37,16 +40,18 @@ from support.wire_frames import (  # noqa: E402
     MAGIC,
     PATH_MESSAGE_T,
     PATH_TRAILER,
-    PEER_COPIES_T,
     PROOF_T,
     RAW_ADDRESS,
+    REACHES_YOU_MESSAGE,
     READ_DATA_T,
     READ_INTO_T,
     READ_T,
     RELEASE_KEY,
     SAME_HOST_INFO,
     SAME_HOST_PATH,
+    TABLE_TAKEN,
     UCX_PATH,
+    UNASSIGNED_T,
     UNLINK_ACK_T,
     UNLINK_T,
     VERSION,
@@ -68,8 +73,6 @@ PEER = 0x6B0000000000
 CACHE_A0 = ARENA + 0x1000
 # Mode bits of fuzz_link.cpp.
 OFFERED, PEER_COPIES, REACHES, ANNOUNCE, SUBMIT, INITIATED, ONE_SIDED = 1, 2, 4, 8, 16, 32, 64
-# The same-host path's grant messages (paths/same_host/grants.cpp).
-GRANT_TABLE, GRANT, DEVICE_GRANT, TABLE_TAKEN = 0x53480001, 0x53480002, 0x53480003, 0x53480004
 EXPORT_IPC, EXPORT_FD = 0, 1  # wire::DeviceExportKind
 LLM_PARAM_INVALID = 0x2000  # any non-zero status refuses
 
@@ -136,7 +139,7 @@ def wire_seeds() -> dict[str, bytes]:
         "read-data": plain + HEADER.pack(MAGIC, VERSION, READ_DATA_T, 0, 0, 1, 64),
         "lookup-reply": plain + frame(LOOKUP_REPLY_T, LOOKUP_REPLY.pack(1, 2, 1, 64, 4, 0)),
         "unlink": plain + frame(UNLINK_T) + frame(UNLINK_ACK_T),
-        "peer-copies": plain + frame(PEER_COPIES_T),
+        "reaches-you": plain + frame(PATH_MESSAGE_T, REACHES_YOU_MESSAGE),
         # UCX grant path messages (flags bit 2): a grant of cache 5 (two
         # tensors, blocks of model 3), a revocation, a request for grants.
         "ucx-grant": b"\x02" + ucx_grant(number=1, cache_id=5, tensor_size=4096, slot_size=1024, slots=4,
@@ -223,7 +226,7 @@ def link_seeds() -> dict[str, bytes]:
         "same-host-device-fd": bytes([OFFERED | REACHES])
         + frame(WRITE_FROM_T, device_request([(0, 0, 0, 64)], [(PEER + 4096 - 32, 64)], [PEER, PEER + 4096],
                                              fd_size=4096, kind=BY_ID, cache_id=2)),
-        "peer-copies": bytes([OFFERED | REACHES | ANNOUNCE]) + frame(PEER_COPIES_T),
+        "reaches-you": bytes([OFFERED | REACHES | ANNOUNCE]) + frame(PATH_MESSAGE_T, REACHES_YOU_MESSAGE),
         "answers": bytes([SUBMIT])
         + HEADER.pack(MAGIC, VERSION, READ_DATA_T, 0, 0, 1, 64) + b"\x07" * 64
         + frame(WRITE_ACK_T, b"the peer says no", op_id=2, status=LLM_PARAM_INVALID),
@@ -298,7 +301,7 @@ def listen_seeds() -> dict[str, bytes]:
 
 
 def dictionary() -> list[bytes]:
-    entries = [HEADER.pack(MAGIC, VERSION, kind, 0, 0, 0, 0)[:8] for kind in range(1, 17)]
+    entries = [HEADER.pack(MAGIC, VERSION, kind, 0, 0, 0, 0)[:8] for kind in range(1, 17) if kind != UNASSIGNED_T]
     entries += [ARENA.to_bytes(8, "little"), CACHE_A0.to_bytes(8, "little"), PEER.to_bytes(8, "little")]
     return entries
 

@@ -23,12 +23,13 @@ DEVICE_FD = struct.Struct("<iIQQ")  # the handle of a descriptor export: fd, zer
 STRIDE = struct.Struct("<IIQQ")
 LOOKUP_REPLY = struct.Struct("<qIIQQQ")
 PATH_PART = struct.Struct("<HHI")  # path number, zero, length
-MAGIC, VERSION = 0x4F414444, 2
+MAGIC, VERSION = 0x4F414444, 3
 
 # Frame types.
 HELLO_T, HELLO_ACK_T, WRITE_T, WRITE_ACK_T, READ_T, READ_DATA_T = 1, 2, 3, 4, 5, 6
 LOOKUP_T, LOOKUP_REPLY_T, UNLINK_T, UNLINK_ACK_T = 7, 8, 9, 10
-WRITE_FROM_T, READ_INTO_T, PEER_COPIES_T = 11, 12, 13
+WRITE_FROM_T, READ_INTO_T = 11, 12
+UNASSIGNED_T = 13  # no frame has this type
 CHALLENGE_T, PROOF_T = 14, 15
 PATH_MESSAGE_T = 16
 # Hello flags.
@@ -41,6 +42,10 @@ SAME_HOST_PATH, UCX_PATH = 1, 2
 # the descriptors the acceptor may move the link to
 # (native/src/transport/paths/same_host/same_host_kind.h).
 SAME_HOST_INFO = struct.Struct("<16sQQ24s")
+# The same-host path's messages (paths/same_host/grants.h), each opening with
+# its kind: the first one says the sender reaches the receiver's memory.
+REACHES_YOU, GRANT_TABLE, GRANT, DEVICE_GRANT, TABLE_TAKEN = range(0x53480000, 0x53480005)
+REACHES_YOU_MESSAGE = struct.pack("<I", REACHES_YOU)
 SAME_HOST_PART = struct.Struct("<56sIIII")
 OPENS_DEVICE, TAKES_FDS, BIG_DEVICE_FRAMES, COPIES_FOR_YOU, LOCAL_SOCKET, ANSWER_SOCKET_CAP = 1, 2, 4, 8, 16, 32
 # Device export kinds.

@@ -273,20 +273,19 @@ class DataPath {
   virtual void serve(std::shared_ptr<ServedFrame> frame) = 0;
 
   // -- both ----------------------------------------------------------------
-  // A frame this path sends first on the link, before any other (true, its
-  // type in `type`): the same-host path tells the peer it reaches its memory.
-  virtual bool first_frame(wire::FrameType &type) const {
-    (void)type;
+  // A message (wire::FrameType::kPathMessage) this path sends first on the
+  // link, before any other frame (true, its body in `body`): the same-host
+  // path tells the peer it reaches its memory.
+  virtual bool first_message(std::vector<uint8_t> &body) const {
+    (void)body;
     return false;
   }
   // Called once the link runs (its connections read and write), after
   // start(): a path may send messages from here on.
   virtual void running() {}
-  // A frame of the path's own from the peer (kPeerCopies, kPathMessage):
-  // whether this path takes it
+  // A path message (kPathMessage) from the peer: whether this path takes it
   // (`ok` false: it was malformed, and the link fails).
-  virtual bool takes(wire::FrameType type, const std::vector<uint8_t> &body, bool &ok) {
-    (void)type;
+  virtual bool takes(const std::vector<uint8_t> &body, bool &ok) {
     (void)body;
     (void)ok;
     return false;

@@ -49,7 +49,7 @@ const char *Link::transport() const {
   for (const auto &path : paths_) {
     if (path->active()) return path->name();
   }
-  return "tcp";  // not reached: the inline path is always active
+  return paths_.back()->name();  // not reached: the inline path, last, is always active
 }
 
 bool Link::device_frames_by_reference() const {
@@ -148,11 +148,12 @@ bool Link::start_connections() {
     path->start(*this, [weak](const std::string &why) {
       if (auto link = weak.lock()) link->fail(llm_datadist::LLM_LINK_FAILED, why);
     });
-    FrameType type;
-    if (path->first_frame(type)) {
+    std::vector<uint8_t> body;
+    if (path->first_message(body)) {
       // Before any thread runs, so it is the first frame the peer reads.
       OutFrame first;
-      first.header = wire::make_header(type, 0, 0, 0);
+      first.header = wire::make_header(FrameType::kPathMessage, 0, static_cast<uint32_t>(body.size()), 0);
+      first.body = std::move(body);
       conns_[0]->queue.push_back(std::move(first));
     }
   }

@@ -55,16 +55,13 @@ bool Link::handle_frame(Connection &conn, const FrameHeader &header, std::vector
       serve_by_path(conn, header, std::move(req), write, path, std::move(view));
       return !is_down();
     }
-    case FrameType::kPeerCopies:
     case FrameType::kPathMessage: {
       bool ok = false;
       for (const auto &path : paths_) {
-        if (path->takes(type, body, ok)) break;
+        if (path->takes(body, ok)) break;
       }
       if (!ok) {
-        fail(LLM_LINK_FAILED, type == FrameType::kPeerCopies
-                                  ? "an unexpected announcement (kPeerCopies) from the peer; closing the link"
-                                  : "a path message from the peer that no path of the link takes; closing the link");
+        fail(LLM_LINK_FAILED, "a path message from the peer that no path of the link takes; closing the link");
         return false;
       }
       return true;

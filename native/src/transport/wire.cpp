@@ -21,7 +21,8 @@ FrameHeader make_header(FrameType type, uint64_t op_id, uint32_t body_len, uint6
 std::string check_header(const FrameHeader &h) {
   if (h.magic != kMagic) return "bad magic";
   if (h.version != kVersion) return "unsupported protocol version " + std::to_string(h.version);
-  if (h.type < static_cast<uint16_t>(FrameType::kHello) || h.type > static_cast<uint16_t>(FrameType::kPathMessage)) {
+  if (h.type < static_cast<uint16_t>(FrameType::kHello) || h.type > static_cast<uint16_t>(FrameType::kPathMessage) ||
+      h.type == kUnassignedFrameType) {
     return "unknown frame type " + std::to_string(h.type);
   }
   if (h.body_len > kMaxBodyBytes) return "body too long";

@@ -23,7 +23,7 @@ namespace datadist::wire {
 using llm_datadist::Status;
 
 constexpr uint32_t kMagic = 0x4F414444;  // "DDAO"
-constexpr uint16_t kVersion = 2;
+constexpr uint16_t kVersion = 3;
 constexpr uint32_t kMaxBodyBytes = 1u << 20;
 constexpr uint64_t kMaxFrameData = 64ull << 20;
 // A frame by reference with a path's trailer (kPathTrailer) may name this
@@ -55,9 +55,7 @@ enum class FrameType : uint16_t {
   // without data.
   kWriteFrom = 11,
   kReadInto = 12,
-  // A path of the sender's reaches the receiver's memory: the receiver may
-  // send its operations by reference from now on (the path's first frame).
-  kPeerCopies = 13,
+  // 13: no frame has this type (kUnassignedFrameType).
   // Handshake with a link secret: the acceptor's fresh nonce, then the
   // initiator's proof (see transport/auth.h).
   kChallenge = 14,
@@ -67,6 +65,7 @@ enum class FrameType : uint16_t {
   // until one takes it); no data, no answer.
   kPathMessage = 16,
 };
+constexpr uint16_t kUnassignedFrameType = 13;
 
 #pragma pack(push, 1)
 struct FrameHeader {

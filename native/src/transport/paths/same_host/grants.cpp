@@ -103,15 +103,17 @@ bool names_model(const wire::Target &target, const CacheEntry &cache) {
   return target.kind != wire::kBlocksOfModel || (cache.blocks_model_id && *cache.blocks_model_id == target.model_id);
 }
 
-uint32_t grant_message_kind(const uint8_t *body, size_t size) {
+uint32_t message_kind(const uint8_t *body, size_t size) {
   uint32_t kind = 0;
   if (size < sizeof(kind)) return 0;
   std::memcpy(&kind, body, sizeof(kind));
-  return kind == kGrantTableMessage || kind == kGrantMessage || kind == kDeviceGrantMessage ||
-                 kind == kTableTakenMessage
+  return kind == kReachesYouMessage || kind == kGrantTableMessage || kind == kGrantMessage ||
+                 kind == kDeviceGrantMessage || kind == kTableTakenMessage
              ? kind
              : 0;
 }
+
+std::vector<uint8_t> reaches_you_message() { return bytes_of(kReachesYouMessage); }
 
 std::vector<uint8_t> table_taken_message(bool taken) {
   return bytes_of(TableMessage{kTableTakenMessage, taken ? 1u : 0u, 0, 0});

@@ -104,9 +104,12 @@ bool granted_id(const wire::Target &target, const std::map<uint64_t, int64_t> &b
 // model's cache that was replaced no longer does); true for targets by id.
 bool names_model(const wire::Target &target, const CacheEntry &cache);
 
-// The messages (wire::FrameType::kPathMessage bodies), each opening with
-// its kind.
+// The same-host path's messages (wire::FrameType::kPathMessage bodies),
+// each opening with its kind.
 enum MessageKind : uint32_t {
+  // The sender reaches the receiver's memory, which may send its operations
+  // by reference from now on: the path's first message, the kind alone.
+  kReachesYouMessage = 0x53480000,
   kGrantTableMessage = 0x53480001,  // the owner's table: its descriptor's number in the owner's process
   kGrantMessage = 0x53480002,       // a grant of one cache in host memory
   kDeviceGrantMessage = 0x53480003,  // a grant of one cache in device memory
@@ -114,7 +117,9 @@ enum MessageKind : uint32_t {
 };
 
 // The kind of a path message that is one of these; 0 otherwise.
-uint32_t grant_message_kind(const uint8_t *body, size_t size);
+uint32_t message_kind(const uint8_t *body, size_t size);
+// The path's first message (kReachesYouMessage).
+std::vector<uint8_t> reaches_you_message();
 // The holder's answer to a table: whether it took it.
 std::vector<uint8_t> table_taken_message(bool taken);
 

@@ -367,42 +367,41 @@ int SameHostPath::copy_staged(const cuda::Device &device, const std::vector<iove
   return 0;
 }
 
-bool SameHostPath::first_frame(wire::FrameType &type) const {
+bool SameHostPath::first_message(std::vector<uint8_t> &body) const {
   if (!announce_) return false;
-  type = wire::FrameType::kPeerCopies;
+  body = same_host::reaches_you_message();
   return true;
 }
 
-bool SameHostPath::takes(wire::FrameType type, const std::vector<uint8_t> &body, bool &ok) {
-  if (type == wire::FrameType::kPathMessage) {
-    const uint32_t kind = same_host::grant_message_kind(body.data(), body.size());
-    if (kind == 0) return false;
-    ok = offered_;
-    if (!ok) return true;
-    if (kind == same_host::kTableTakenMessage) {
-      // The peer took this end's table (or could not): the descriptor goes.
-      const std::shared_ptr<same_host::Grantor> granting = grantor();
-      ok = granting != nullptr && granting->take_answer(body.data(), body.size());
-      return true;
+bool SameHostPath::takes(const std::vector<uint8_t> &body, bool &ok) {
+  const uint32_t kind = same_host::message_kind(body.data(), body.size());
+  if (kind == 0) return false;
+  ok = offered_;
+  if (!ok) return true;
+  if (kind == same_host::kReachesYouMessage) {
+    // The peer reached this end's memory: operations started here go as
+    // same-host frames from now on, and the peer may be granted its caches.
+    ok = body.size() == sizeof(kind);
+    if (ok) {
+      peer_copies_.store(true, std::memory_order_release);
+      if (running_.load()) start_granting();
     }
-    std::vector<uint8_t> answer;
-    if (book_ != nullptr) {
-      ok = book_->take(body.data(), body.size(), answer);
-    } else if (kind == same_host::kGrantTableMessage) {
-      // An end that does not move bytes itself takes no table: it says so.
-      answer = same_host::table_taken_message(false);
-    }
-    if (ok && !answer.empty() && host_ != nullptr) host_->messenger()(std::move(answer));
     return true;
   }
-  if (type != wire::FrameType::kPeerCopies) return false;
-  // The peer reached this end's memory: operations started here go as
-  // same-host frames from now on, and the peer may be granted its caches.
-  ok = offered_ && body.empty();
-  if (ok) {
-    peer_copies_.store(true, std::memory_order_release);
-    if (running_.load()) start_granting();
+  if (kind == same_host::kTableTakenMessage) {
+    // The peer took this end's table (or could not): the descriptor goes.
+    const std::shared_ptr<same_host::Grantor> granting = grantor();
+    ok = granting != nullptr && granting->take_answer(body.data(), body.size());
+    return true;
   }
+  std::vector<uint8_t> answer;
+  if (book_ != nullptr) {
+    ok = book_->take(body.data(), body.size(), answer);
+  } else if (kind == same_host::kGrantTableMessage) {
+    // An end that does not move bytes itself takes no table: it says so.
+    answer = same_host::table_taken_message(false);
+  }
+  if (ok && !answer.empty() && host_ != nullptr) host_->messenger()(std::move(answer));
   return true;
 }
 

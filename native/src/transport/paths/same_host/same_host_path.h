@@ -61,8 +61,8 @@ class SameHostPath : public DataPath {
   void start(PathHost &host, LinkFailer fail) override;
   void running() override;
   void reap() override;
-  bool first_frame(wire::FrameType &type) const override;
-  bool takes(wire::FrameType type, const std::vector<uint8_t> &body, bool &ok) override;
+  bool first_message(std::vector<uint8_t> &body) const override;
+  bool takes(const std::vector<uint8_t> &body, bool &ok) override;
   void counters(std::map<std::string, uint64_t> &out) const override;
   // Its counters' names, at 0 (paths.h).
   static void zero_counters(std::map<std::string, uint64_t> &out);

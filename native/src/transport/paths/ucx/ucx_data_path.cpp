@@ -53,8 +53,7 @@ std::shared_ptr<ucx::Grantor> UcxDataPath::grantor() const {
   return grantor_;
 }
 
-bool UcxDataPath::takes(wire::FrameType type, const std::vector<uint8_t> &body, bool &ok) {
-  if (type != wire::FrameType::kPathMessage) return false;
+bool UcxDataPath::takes(const std::vector<uint8_t> &body, bool &ok) {
   const uint32_t kind = ucx::grant_message_kind(body.data(), body.size());
   if (kind == 0) return false;
   switch (kind) {

@@ -56,7 +56,7 @@ class UcxDataPath : public DataPath {
   bool move(bool write, const PlannedFrame &planned, const std::shared_ptr<cuda::Device> &device,
             const Settle &settle) override;
   void running() override;
-  bool takes(wire::FrameType type, const std::vector<uint8_t> &body, bool &ok) override;
+  bool takes(const std::vector<uint8_t> &body, bool &ok) override;
   void counters(std::map<std::string, uint64_t> &out) const override;
   // Its counters' names, at 0 (paths.h).
   static void zero_counters(std::map<std::string, uint64_t> &out);
