@@ -505,6 +505,9 @@ void ep_close(datadist_ucx_ep *ep, int force) {
   }
   ucp_request_param_t param{};
   param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  // Forced at both ends of a TCP connection whose send a frozen peer cut
+  // short, UCX's TCP transport may free the endpoint under its own send
+  // handler (docs/design.md, "Limits"; tools/ucx_close_race.c).
   param.flags = force && ep->handles_errors ? UCP_EP_CLOSE_FLAG_FORCE : 0;
   param.cb.send = on_close_done;
   param.user_data = ep;
