@@ -489,7 +489,9 @@ int arm(datadist_ucx_worker *w) {
   return s;
 }
 
-void ep_close(datadist_ucx_ep *ep, int force) {
+// Closes `ep` at once (`force`, which UCX allows only with peer-failure
+// handling) or once what is posted on it has gone (a flush).
+void close_endpoint(datadist_ucx_ep *ep, bool force) {
   datadist_ucx_worker *w = ep->worker;
   {
     std::lock_guard<std::mutex> lock(w->mutex);
@@ -505,9 +507,6 @@ void ep_close(datadist_ucx_ep *ep, int force) {
   }
   ucp_request_param_t param{};
   param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-  // Forced at both ends of a TCP connection whose send a frozen peer cut
-  // short, UCX's TCP transport may free the endpoint under its own send
-  // handler (docs/design.md, "Limits"; tools/ucx_close_race.c).
   param.flags = force && ep->handles_errors ? UCP_EP_CLOSE_FLAG_FORCE : 0;
   param.cb.send = on_close_done;
   param.user_data = ep;
@@ -521,6 +520,19 @@ void ep_close(datadist_ucx_ep *ep, int force) {
   }
   w->wake();  // a forced close fails the pending operations at once
 }
+
+// A forced close is asked for where a link fails. An endpoint whose host
+// ranges move as active messages flushes instead: forced at both ends of a
+// TCP connection whose send a frozen peer cut short, UCX's TCP transport
+// frees the endpoint under its own send handler (docs/design.md, "Limits";
+// tools/ucx_close_race.c), and a flushing close at either end prevents it.
+// Its ranges fail on return all the same, and UCX drops the peer's
+// messages on it from the close on, flushing or not: a frozen owner's late
+// puts into the survivor's memory do not land
+// (test_peer_frozen_mid_operation_then_resumed[ucx]). Only an endpoint with
+// RDMA, whose gets and puts UCX moves without this end's help, is closed at
+// once.
+void ep_close(datadist_ucx_ep *ep, int force) { close_endpoint(ep, force != 0 && ep->native_host_rma); }
 
 int mem_unmap(datadist_ucx_mem *mem) {
   if (mem == nullptr) return UCS_ERR_INVALID_PARAM;
@@ -542,7 +554,7 @@ void worker_destroy(datadist_ucx_worker *w) {
     std::lock_guard<std::mutex> lock(w->mutex);
     eps.assign(w->eps.begin(), w->eps.end());
   }
-  for (auto *ep : eps) ep_close(ep, 1);
+  for (auto *ep : eps) close_endpoint(ep, true);
   // Forced closes finish without the peer; bounded all the same.
   auto deadline = Clock::now() + std::chrono::seconds(5);
   for (;;) {

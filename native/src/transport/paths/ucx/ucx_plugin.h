@@ -129,11 +129,13 @@ typedef struct datadist_ucx_plugin_v1 {
   /* done runs once every operation posted on ep so far is complete at the
    * peer. */
   int (*ep_flush)(datadist_ucx_ep *ep, datadist_ucx_done_fn done, void *arg);
-  /* Closes ep (force: at once, without flushing; required after an error).
-   * The handle is gone on return; the close finishes in progress. Pending
-   * operations fail with UCS_ERR_CANCELED; a range moving as active messages
-   * fails on return, and bytes that come for it later are dropped. Its
-   * rkeys are to be destroyed first. */
+  /* Closes ep (force: at once, without flushing, where the endpoint has
+   * RDMA; one whose host ranges move as active messages flushes instead,
+   * see ucx_plugin.cpp). The handle is gone on return; the close finishes in
+   * progress. Pending operations of a forced close fail with
+   * UCS_ERR_CANCELED; a range moving as active messages fails on return, and
+   * bytes that come for it later are dropped. Its rkeys are to be destroyed
+   * first. */
   void (*ep_close)(datadist_ucx_ep *ep, int force);
 
   /* An endpoint for one-sided moves into and out of memory the peer
