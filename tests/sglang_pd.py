@@ -186,7 +186,10 @@ class Router(_Process):
         super().__init__(argv, log_dir / f"sglang-router-{port}.log", {})
 
     def ready(self, deadline: float) -> "Router":
-        self.wait_healthy(f"{self.url}/health", deadline)
+        # /health answers as soon as the router listens, before it has
+        # registered its workers (a request then gets 503, "No prefill
+        # workers available"); /readiness waits for healthy workers.
+        self.wait_healthy(f"{self.url}/readiness", deadline)
         return self
 
 
