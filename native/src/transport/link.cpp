@@ -112,12 +112,16 @@ std::function<void(std::vector<uint8_t> body)> Link::messenger() {
   return [weak](std::vector<uint8_t> body) {
     auto link = weak.lock();
     if (!link || link->is_down() || link->closing_.load(std::memory_order_acquire)) return;
-    OutFrame out;
-    out.header = wire::make_header(FrameType::kPathMessage, 0, static_cast<uint32_t>(body.size()), 0);
-    out.body = std::move(body);
     // One connection, so that the peer reads them in the order sent.
-    link->enqueue(*link->conns_[0], std::move(out));
+    link->enqueue(*link->conns_[0], path_message(std::move(body)));
   };
+}
+
+Link::OutFrame Link::path_message(std::vector<uint8_t> body) {
+  OutFrame out;
+  out.header = wire::make_header(FrameType::kPathMessage, 0, static_cast<uint32_t>(body.size()), 0);
+  out.body = std::move(body);
+  return out;
 }
 
 void Link::refuse_moved(uint64_t group) {
@@ -151,10 +155,7 @@ bool Link::start_connections() {
     std::vector<uint8_t> body;
     if (path->first_message(body)) {
       // Before any thread runs, so it is the first frame the peer reads.
-      OutFrame first;
-      first.header = wire::make_header(FrameType::kPathMessage, 0, static_cast<uint32_t>(body.size()), 0);
-      first.body = std::move(body);
-      conns_[0]->queue.push_back(std::move(first));
+      conns_[0]->queue.push_back(path_message(std::move(body)));
     }
   }
   IoLoop &loop = host_->io_loop();

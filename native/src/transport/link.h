@@ -221,6 +221,8 @@ class Link : public std::enable_shared_from_this<Link>,
     std::shared_ptr<cuda::Device> device;
     DataPath *path = nullptr;
   };
+  // A path message (wire::FrameType::kPathMessage) carrying `body`.
+  static OutFrame path_message(std::vector<uint8_t> body);
 
   // Where the frame being read is.
   enum class Stage { kHeader, kBody, kData };
