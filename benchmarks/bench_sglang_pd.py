@@ -103,15 +103,16 @@ def _one(prefill: Server, decode: Server, ids: list[int], new_tokens: int, room:
 
 def run_backend(backend: str, model: Path, root: Path, prompts: list[list[int]], references: list[list[int]],
                 new_tokens: int, warmup: int, prefill_pp: int = 1) -> dict[str, Any]:
-    base = free_port_run(4)
+    base = free_port_run(6)  # the last two: the servers' rendezvous ports
     env = BACKENDS[backend]
     metrics = ["--enable-metrics"]
     # A prefill of pipeline stages: each rank its share of the cores, asleep when idle.
     staged = ["--pp-size", str(prefill_pp), "--sleep-on-idle"] if prefill_pp > 1 else []
     prefill_env = {**env, **tp_env(prefill_pp)} if prefill_pp > 1 else env
-    prefill = Server(model, "prefill", base, root, backend=backend, bootstrap_port=base + 1, page_size=PAGE_SIZE,
-                     extra=metrics + staged, env=prefill_env)
-    decode = Server(model, "decode", base + 2, root, backend=backend, page_size=PAGE_SIZE, extra=metrics, env=env)
+    prefill = Server(model, "prefill", base, root, nccl_port=base + 4, backend=backend, bootstrap_port=base + 1,
+                     page_size=PAGE_SIZE, extra=metrics + staged, env=prefill_env)
+    decode = Server(model, "decode", base + 2, root, nccl_port=base + 5, backend=backend, page_size=PAGE_SIZE,
+                    extra=metrics, env=env)
     try:
         deadline = time.monotonic() + 600
         prefill.ready(deadline)
@@ -155,7 +156,8 @@ def main() -> None:
     model = model_dir(args.root)
     rng = random.Random(2026)
     prompts = [[rng.randrange(3, 1024) for _ in range(args.length)] for _ in range(args.requests)]
-    reference = Server(model, "null", free_port_run(1), args.root)
+    port = free_port_run(2)
+    reference = Server(model, "null", port, args.root, nccl_port=port + 1)
     try:
         reference.ready(time.monotonic() + 600)
         references = [generate(reference.url, ids, args.new_tokens)["output_ids"] for ids in prompts]

@@ -139,10 +139,15 @@ def _wait_all(processes: "list[_Process]", seconds: float) -> None:
 
 
 class Server(_Process):
-    """One SGLang server: ``mode`` is "null" (no disaggregation), "prefill" or "decode"."""
+    """One SGLang server: ``mode`` is "null" (no disaggregation), "prefill" or "decode".
 
-    def __init__(self, model: Path, mode: str, port: int, log_dir: Path, *, backend: str = "datadist_aio",
-                 bootstrap_port: int = 0, page_size: int = 1, tp_size: int = 1, extra: Optional[list[str]] = None,
+    ``nccl_port`` is the port of its ranks' rendezvous (torch's TCPStore). It
+    is given, from the caller's run of free ports: left to SGLang, it is a
+    random free port below the ephemeral range, which can be one a caller
+    reserved for another server that has not bound it yet."""
+
+    def __init__(self, model: Path, mode: str, port: int, log_dir: Path, *, nccl_port: int,
+                 backend: str = "datadist_aio", bootstrap_port: int = 0, page_size: int = 1, tp_size: int = 1, extra: Optional[list[str]] = None,
                  env: Optional[dict[str, str]] = None) -> None:
         self.port, self.mode, self.bootstrap_port = port, mode, bootstrap_port
         self.url = f"http://127.0.0.1:{port}"
@@ -151,7 +156,7 @@ class Server(_Process):
             "--port", str(port), "--device", "cpu", "--attention-backend", "torch_native",
             "--disable-overlap-schedule", "--skip-tokenizer-init", "--dtype", "float32",
             "--max-total-tokens", "8192", "--page-size", str(page_size), "--tp-size", str(tp_size),
-            "--mem-fraction-static", "0.6", "--log-level", "info",
+            "--mem-fraction-static", "0.6", "--log-level", "info", "--nccl-port", str(nccl_port),
         ]
         if mode != "null":
             argv += ["--disaggregation-mode", mode, "--disaggregation-transfer-backend", backend]
@@ -296,18 +301,18 @@ def two_prefills_into_one_decode(model: Path, root: Path, page_size: int) -> Ite
     in front of each prefill and the decode (``PAIRS``); every process stopped on the way out."""
     tp2_extra = ["--sleep-on-idle"]  # idle, a TP 2 scheduler spins on the CPU (test_sglang_e2e.py)
     chunks = ["--chunked-prefill-size", "64"]
-    base = free_port_run(10)
+    base = free_port_run(14)
     started: list[Any] = []
     try:
-        reference = Server(model, "null", base, root)
+        reference = Server(model, "null", base, root, nccl_port=base + 10)
         started.append(reference)
-        prefill = Server(model, "prefill", base + 1, root, bootstrap_port=base + 2, page_size=page_size,
-                         extra=chunks)
+        prefill = Server(model, "prefill", base + 1, root, nccl_port=base + 11, bootstrap_port=base + 2,
+                         page_size=page_size, extra=chunks)
         started.append(prefill)
-        decode = Server(model, "decode", base + 3, root, page_size=page_size)
+        decode = Server(model, "decode", base + 3, root, nccl_port=base + 12, page_size=page_size)
         started.append(decode)
-        prefill_tp2 = Server(model, "prefill", base + 4, root, bootstrap_port=base + 5, page_size=page_size,
-                             tp_size=2, extra=chunks + tp2_extra)
+        prefill_tp2 = Server(model, "prefill", base + 4, root, nccl_port=base + 13, bootstrap_port=base + 5,
+                             page_size=page_size, tp_size=2, extra=chunks + tp2_extra)
         started.append(prefill_tp2)
         deadline = time.monotonic() + 600
         for server in (prefill, decode, reference, prefill_tp2):

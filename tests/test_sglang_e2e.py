@@ -61,6 +61,7 @@ DECODE_ENV = {
     "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2",
 }
 FAILED_WITHIN_S = 30.0
+NCCL_PORTS = 9  # eight servers, and a prefill started again
 # An idle scheduler of TP 2 on the CPU spins (its ranks exchange every loop
 # through gloo: about 1.4 cores a server); it sleeps on its socket instead,
 # up to a second a step while it waits for a transfer.
@@ -75,30 +76,35 @@ def _prompt(rng: random.Random, length: int) -> list[int]:
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     root = tmp_path_factory.mktemp("sglang")
     model = model_dir(root)
-    base = free_port_run(26)
+    # base .. base + 24: the servers' and routers' ports; from base + 25: each
+    # server's rendezvous port, the last for a restarted prefill.
+    base = free_port_run(25 + NCCL_PORTS)
+    nccl = iter(range(base + 25, base + 25 + NCCL_PORTS - 1))
     started: list[Any] = []
     try:
-        reference = Server(model, "null", base, root)
+        reference = Server(model, "null", base, root, nccl_port=next(nccl))
         started.append(reference)
-        prefill = _prefill(model, base, root)
+        prefill = _prefill(model, base, root, next(nccl))
         started.append(prefill)
-        decode = Server(model, "decode", base + 3, root, page_size=PAGE_SIZE, env=DECODE_ENV)
+        decode = Server(model, "decode", base + 3, root, nccl_port=next(nccl), page_size=PAGE_SIZE, env=DECODE_ENV)
         started.append(decode)
-        prefill_tp2 = _prefill(model, base + 4, root, tp_size=2)
+        prefill_tp2 = _prefill(model, base + 4, root, next(nccl), tp_size=2)
         started.append(prefill_tp2)
-        decode_tp2 = Server(model, "decode", base + 7, root, page_size=PAGE_SIZE, tp_size=2, env=DECODE_ENV,
-                            extra=TP2_EXTRA)
+        decode_tp2 = Server(model, "decode", base + 7, root, nccl_port=next(nccl), page_size=PAGE_SIZE, tp_size=2,
+                            env=DECODE_ENV, extra=TP2_EXTRA)
         started.append(decode_tp2)
         # Two pipeline stages: each only its own layers' KV buffers.
-        prefill_pp2 = Server(model, "prefill", base + 14, root, bootstrap_port=base + 15, page_size=PAGE_SIZE,
+        prefill_pp2 = Server(model, "prefill", base + 14, root, nccl_port=next(nccl), bootstrap_port=base + 15,
+                             page_size=PAGE_SIZE,
                              extra=["--chunked-prefill-size", "64", "--pp-size", "2", *TP2_EXTRA], env=tp_env(2))
         started.append(prefill_pp2)
         # A pair with a link secret and link encryption: links, the backend's messages and the
         # KV in TLS.
-        prefill_tls = Server(model, "prefill", base + 20, root, bootstrap_port=base + 21, page_size=PAGE_SIZE,
-                             extra=["--chunked-prefill-size", "64"], env=TLS_ENV)
+        prefill_tls = Server(model, "prefill", base + 20, root, nccl_port=next(nccl), bootstrap_port=base + 21,
+                             page_size=PAGE_SIZE, extra=["--chunked-prefill-size", "64"], env=TLS_ENV)
         started.append(prefill_tls)
-        decode_tls = Server(model, "decode", base + 22, root, page_size=PAGE_SIZE, env={**DECODE_ENV, **TLS_ENV})
+        decode_tls = Server(model, "decode", base + 22, root, nccl_port=next(nccl), page_size=PAGE_SIZE,
+                            env={**DECODE_ENV, **TLS_ENV})
         started.append(decode_tls)
         deadline = time.monotonic() + 600
         for server in (prefill, decode, reference, prefill_tp2, decode_tp2, prefill_pp2, prefill_tls, decode_tls):
@@ -119,8 +125,9 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         stop_all(list(reversed(started)))
 
 
-def _prefill(model: Path, base: int, root: Path, tp_size: int = 1) -> Server:
-    return Server(model, "prefill", base + 1, root, bootstrap_port=base + 2, page_size=PAGE_SIZE, tp_size=tp_size,
+def _prefill(model: Path, base: int, root: Path, nccl_port: int, tp_size: int = 1) -> Server:
+    return Server(model, "prefill", base + 1, root, nccl_port=nccl_port, bootstrap_port=base + 2,
+                  page_size=PAGE_SIZE, tp_size=tp_size,
                   extra=["--chunked-prefill-size", "64"] + (TP2_EXTRA if tp_size > 1 else []))
 
 
@@ -314,7 +321,8 @@ def test_killed_prefill_fails_the_request_then_a_restarted_one_relinks(servers: 
     assert ("LLM_LINK_FAILED" in message or "LLM_NOT_YET_LINK" in message) and \
         "Lost connection with prefill" not in message, message
     old.stop()
-    new = _prefill(servers["model"], servers["base"], servers["root"])
+    new = _prefill(servers["model"], servers["base"], servers["root"],
+                   servers["base"] + 25 + NCCL_PORTS - 1)
     servers["started"].append(new)
     servers["prefill"] = new
     new.ready(time.monotonic() + 400)

@@ -45,13 +45,14 @@ PP_EXTRA = ["--pp-size", "2", "--sleep-on-idle"]  # asleep when idle
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     root = tmp_path_factory.mktemp("sglang-pp")
     model = model_dir(root)
-    base = free_port_run(6)
+    base = free_port_run(9)  # the last three: the servers' rendezvous ports
     started: list[Any] = []
     try:
-        reference = Server(model, "null", base, root)
-        prefill = Server(model, "prefill", base + 1, root, bootstrap_port=base + 2, page_size=PAGE_SIZE,
-                         extra=["--chunked-prefill-size", "64", *PP_EXTRA], env=tp_env(2))
-        decode = Server(model, "decode", base + 3, root, page_size=PAGE_SIZE, extra=PP_EXTRA, env=tp_env(2))
+        reference = Server(model, "null", base, root, nccl_port=base + 6)
+        prefill = Server(model, "prefill", base + 1, root, nccl_port=base + 7, bootstrap_port=base + 2,
+                         page_size=PAGE_SIZE, extra=["--chunked-prefill-size", "64", *PP_EXTRA], env=tp_env(2))
+        decode = Server(model, "decode", base + 3, root, nccl_port=base + 8, page_size=PAGE_SIZE, extra=PP_EXTRA,
+                        env=tp_env(2))
         started += [reference, prefill, decode]
         deadline = time.monotonic() + 600
         for server in started:
