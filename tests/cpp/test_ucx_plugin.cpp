@@ -475,6 +475,128 @@ INSTANTIATE_TEST_SUITE_P(Transports, UcxPlugin, ::testing::Values("tcp", "sm"),
                            for (char &c : name) c = c == ',' ? '_' : c;
                            return name; });
 
+// One run of a frozen peer that resumes, in this process (a forked child):
+// worker 0 puts `rounds` chunks into worker 1's memory while worker 1 does
+// not progress, so that a send is left cut short in a full socket; worker
+// 0's endpoint is closed with force asked for, worker 1 drains, then its
+// endpoint is closed the same way. Exits 0 when both workers got through,
+// kCloseRaceSetup when UCX did not start or the two never exchanged a first
+// put, kCloseRaceRanges when the closed endpoint's puts did not all fail.
+constexpr int kCloseRaceSetup = 3;
+constexpr int kCloseRaceRanges = 4;
+
+[[noreturn]] void frozen_peer_resumes_then_both_close(const datadist_ucx_plugin_v1 &api, int rounds) {
+  alarm(30);  // a hang is a failure too
+  struct Counts {
+    int done = 0, failed = 0;
+    static void fn(void *arg, int status) {
+      auto *c = static_cast<Counts *>(arg);
+      ++c->done;
+      c->failed += status != 0;
+    }
+  } counts[2];
+  datadist_ucx_worker *workers[2] = {};
+  datadist_ucx_mem *mems[2] = {};
+  datadist_ucx_ep *eps[2] = {};
+  datadist_ucx_rkey *rkeys[2] = {};
+  const void *rkey[2], *address[2];
+  size_t rkey_length[2], address_length[2];
+  const size_t chunk = 256 * kKiB, size = chunk * (rounds + 1);
+  std::vector<uint8_t> memory[2] = {std::vector<uint8_t>(size, 1), std::vector<uint8_t>(size, 2)};
+  for (int i = 0; i < 2; ++i) {
+    if (api.worker_create(&workers[i]) != 0 ||
+        api.mem_map(workers[i], memory[i].data(), size, DATADIST_UCX_HOST, &mems[i], &rkey[i], &rkey_length[i]) != 0 ||
+        api.worker_address(workers[i], &address[i], &address_length[i]) != 0) {
+      _exit(kCloseRaceSetup);
+    }
+  }
+  auto no_error = [](void *, int) {};
+  for (int i = 0; i < 2; ++i) {
+    if (api.ep_create(workers[i], address[1 - i], address_length[1 - i], no_error, nullptr, &eps[i]) != 0 ||
+        api.rkey_unpack(eps[i], rkey[1 - i], rkey_length[1 - i], &rkeys[i]) != 0) {
+      _exit(kCloseRaceSetup);
+    }
+  }
+  auto progress = [&](int i, int times) {
+    for (int k = 0; k < times; ++k) api.progress(workers[i]);
+  };
+  auto at = [&](int i, size_t offset) { return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(&memory[i][offset])); };
+  for (int i = 0; i < 2; ++i) {  // a first put each way: both connections up
+    datadist_ucx_range range{at(i, 0), at(1 - i, 0), 8, mems[i]};
+    if (api.put(eps[i], rkeys[i], &range, 1, Counts::fn, &counts[i]) != 0) _exit(kCloseRaceSetup);
+  }
+  for (int k = 0; k < 20000 && (counts[0].done == 0 || counts[1].done == 0); ++k) {
+    progress(0, 1);
+    progress(1, 1);
+    usleep(100);
+  }
+  if (counts[0].done != 1 || counts[1].done != 1 || counts[0].failed + counts[1].failed != 0) _exit(kCloseRaceSetup);
+  for (int k = 0; k < rounds; ++k) {  // worker 1 frozen
+    datadist_ucx_range range{at(0, k * chunk), at(1, k * chunk), chunk, mems[0]};
+    if (api.put(eps[0], rkeys[0], &range, 1, Counts::fn, &counts[0]) != 0) _exit(kCloseRaceSetup);
+    progress(0, 20);
+  }
+  progress(0, 200);
+  api.rkey_destroy(rkeys[0]);
+  api.ep_close(eps[0], 1);
+  progress(0, 200);
+  if (counts[0].done != 1 + rounds || counts[0].failed != rounds) _exit(kCloseRaceRanges);
+  progress(1, 2000);  // worker 1 resumes
+  api.rkey_destroy(rkeys[1]);
+  api.ep_close(eps[1], 1);
+  for (int k = 0; k < 2000; ++k) {
+    progress(1, 1);
+    progress(0, 1);
+  }
+  _exit(0);
+}
+
+// A failed link closes its UCX endpoint with force asked for, at both ends.
+// Where the two ends' TCP connection still held a send that a frozen peer
+// had cut short, UCX's TCP transport (1.13.1 and 1.22.0) freed the endpoint
+// under its own send handler once the peer resumed: the process died of
+// SIGSEGV in progress, in about 4 of 5 runs of this case. The plugin's
+// ep_close flushes such an endpoint instead (ucx_plugin.cpp, ep_close;
+// docs/design.md, "Limits"; tools/ucx_close_race.c shows it without the
+// plugin). Twenty runs, each in a child of its own; the pending puts of the
+// endpoint closed first fail when the close returns.
+TEST(UcxPluginClose, ForcedClosesAtBothEndsOfACutShortSendLeaveTheProcessStanding) {
+#ifndef DATADIST_TEST_UCX_PLUGIN
+  GTEST_SKIP() << "the UCX plugin was not built (UCX was not found, or DATADIST_UCX=OFF)";
+#else
+  std::string why;
+  const Plugin *plugin = datadist::ucx::load_plugin(why);
+  ASSERT_NE(plugin, nullptr) << why;
+  setenv("UCX_TLS", "tcp", 1);
+  setenv("UCX_NET_DEVICES", "lo", 1);
+  constexpr int kRuns = 20;
+  constexpr int kRounds = 16;
+  int survived = 0;
+  for (int run = 0; run < kRuns; ++run) {
+    pid_t child = fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) frozen_peer_resumes_then_both_close(*plugin->api, kRounds);
+    int status = 0;
+    ASSERT_EQ(waitpid(child, &status, 0), child);
+    if (run == 0 && WIFEXITED(status) && WEXITSTATUS(status) == kCloseRaceSetup) {
+      unsetenv("UCX_TLS");
+      unsetenv("UCX_NET_DEVICES");
+      GTEST_SKIP() << "UCX over tcp on loopback does not start or connect here";
+    }
+    ASSERT_FALSE(WIFSIGNALED(status)) << "run " << run << " died of signal " << WTERMSIG(status)
+                                      << " after both ends closed (UCX " << plugin->version << ")";
+    ASSERT_TRUE(WIFEXITED(status));
+    ASSERT_NE(WEXITSTATUS(status), kCloseRaceRanges)
+        << "run " << run << ": the puts pending on the closed endpoint did not all fail when it closed";
+    ASSERT_EQ(WEXITSTATUS(status), 0) << "run " << run;
+    ++survived;
+  }
+  EXPECT_EQ(survived, kRuns);
+  unsetenv("UCX_TLS");
+  unsetenv("UCX_NET_DEVICES");
+#endif
+}
+
 TEST(UcxPluginLifecycle, MapUnmapAndDestroyLeaveNoFileDescriptors) {
 #ifndef DATADIST_TEST_UCX_PLUGIN
   GTEST_SKIP() << "the UCX plugin was not built (UCX was not found, or DATADIST_UCX=OFF)";
