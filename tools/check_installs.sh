@@ -43,7 +43,9 @@ demo_over_ucx() {  # venv, where to run from
 }
 
 built_against_wheel() {  # the clone's build folder names the wheel's headers
-  grep -h '^DATADIST_UCX_INCLUDE_DIR:' "$work"/src/build/*/CMakeCache.txt | tee /dev/stderr | grep -q '/libucx/include$'
+  # tee appends (-a): opened plainly, /dev/stderr is truncated, and where it
+  # is a file (a run's log) all it held before is lost.
+  grep -h '^DATADIST_UCX_INCLUDE_DIR:' "$work"/src/build/*/CMakeCache.txt | tee -a /dev/stderr | grep -q '/libucx/include$'
 }
 
 fresh_venv() {  # folder, "bundled" or "newest" pip
