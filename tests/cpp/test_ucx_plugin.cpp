@@ -475,6 +475,31 @@ INSTANTIATE_TEST_SUITE_P(Transports, UcxPlugin, ::testing::Values("tcp", "sm"),
                            for (char &c : name) c = c == ',' ? '_' : c;
                            return name; });
 
+// Tests of the plugin alone, without a forked initiator: the plugin loaded
+// (skipped where it was not built), and the UCX_* variables a test sets
+// unset after it.
+class UcxPluginAlone : public ::testing::Test {
+ protected:
+  void SetUp() override {
+#ifndef DATADIST_TEST_UCX_PLUGIN
+    GTEST_SKIP() << "the UCX plugin was not built (UCX was not found, or DATADIST_UCX=OFF)";
+#else
+    std::string why;
+    plugin = datadist::ucx::load_plugin(why);
+    ASSERT_NE(plugin, nullptr) << why;
+#endif
+  }
+
+  void TearDown() override {
+    unsetenv("UCX_TLS");
+    unsetenv("UCX_NET_DEVICES");
+  }
+
+  const Plugin *plugin = nullptr;
+};
+using UcxPluginClose = UcxPluginAlone;
+using UcxPluginLifecycle = UcxPluginAlone;
+
 // One run of a frozen peer that resumes, in this process (a forked child):
 // worker 0 puts `rounds` chunks into worker 1's memory while worker 1 does
 // not progress, so that a send is left cut short in a full socket; worker
@@ -560,13 +585,7 @@ constexpr int kCloseRaceRanges = 4;
 // docs/design.md, "Limits"; tools/ucx_close_race.c shows it without the
 // plugin). Twenty runs, each in a child of its own; the pending puts of the
 // endpoint closed first fail when the close returns.
-TEST(UcxPluginClose, ForcedClosesAtBothEndsOfACutShortSendLeaveTheProcessStanding) {
-#ifndef DATADIST_TEST_UCX_PLUGIN
-  GTEST_SKIP() << "the UCX plugin was not built (UCX was not found, or DATADIST_UCX=OFF)";
-#else
-  std::string why;
-  const Plugin *plugin = datadist::ucx::load_plugin(why);
-  ASSERT_NE(plugin, nullptr) << why;
+TEST_F(UcxPluginClose, ForcedClosesAtBothEndsOfACutShortSendLeaveTheProcessStanding) {
   setenv("UCX_TLS", "tcp", 1);
   setenv("UCX_NET_DEVICES", "lo", 1);
   constexpr int kRuns = 20;
@@ -579,8 +598,6 @@ TEST(UcxPluginClose, ForcedClosesAtBothEndsOfACutShortSendLeaveTheProcessStandin
     int status = 0;
     ASSERT_EQ(waitpid(child, &status, 0), child);
     if (run == 0 && WIFEXITED(status) && WEXITSTATUS(status) == kCloseRaceSetup) {
-      unsetenv("UCX_TLS");
-      unsetenv("UCX_NET_DEVICES");
       GTEST_SKIP() << "UCX over tcp on loopback does not start or connect here";
     }
     ASSERT_FALSE(WIFSIGNALED(status)) << "run " << run << " died of signal " << WTERMSIG(status)
@@ -592,18 +609,9 @@ TEST(UcxPluginClose, ForcedClosesAtBothEndsOfACutShortSendLeaveTheProcessStandin
     ++survived;
   }
   EXPECT_EQ(survived, kRuns);
-  unsetenv("UCX_TLS");
-  unsetenv("UCX_NET_DEVICES");
-#endif
 }
 
-TEST(UcxPluginLifecycle, MapUnmapAndDestroyLeaveNoFileDescriptors) {
-#ifndef DATADIST_TEST_UCX_PLUGIN
-  GTEST_SKIP() << "the UCX plugin was not built (UCX was not found, or DATADIST_UCX=OFF)";
-#else
-  std::string why;
-  const Plugin *plugin = datadist::ucx::load_plugin(why);
-  ASSERT_NE(plugin, nullptr) << why;
+TEST_F(UcxPluginLifecycle, MapUnmapAndDestroyLeaveNoFileDescriptors) {
   const datadist_ucx_plugin_v1 &api = *plugin->api;
   setenv("UCX_TLS", "tcp,sm", 1);
   setenv("UCX_NET_DEVICES", "lo", 1);
@@ -630,11 +638,7 @@ TEST(UcxPluginLifecycle, MapUnmapAndDestroyLeaveNoFileDescriptors) {
     return st;
   };
   int st = cycle();  // UCX's process-wide state, once
-  unsetenv("UCX_TLS");
-  unsetenv("UCX_NET_DEVICES");
   if (st != 0) GTEST_SKIP() << "UCX cannot start: " << plugin->describe(st);
-  setenv("UCX_TLS", "tcp,sm", 1);
-  setenv("UCX_NET_DEVICES", "lo", 1);
   int before = open_fds();
   for (int i = 0; i < 3; ++i) ASSERT_EQ(cycle(), 0);
   {
@@ -667,7 +671,6 @@ TEST(UcxPluginLifecycle, MapUnmapAndDestroyLeaveNoFileDescriptors) {
   EXPECT_NE(api.ep_create(worker, nullptr, 0, nullptr, nullptr, nullptr), 0);
   api.worker_destroy(worker);
   EXPECT_FALSE(plugin->version.empty());
-#endif
 }
 
 }  // namespace
