@@ -70,6 +70,15 @@ class TestPathTest : public ::testing::TestWithParam<bool> {
     owner_.finalize();
   }
 
+  // A cache of `engine`'s, kept until both engines are finalized: a
+  // request's end is not the end of the owner's use of the memory (its I/O
+  // thread may still be in the send of a pull's answer when the initiator
+  // has the bytes), and registered memory is the caller's to keep until then.
+  Blocks &blocks(Engine &engine, uint8_t seed) {
+    blocks_.push_back(std::make_unique<Blocks>(engine, seed));
+    return *blocks_.back();
+  }
+
   // Pushes the initiator's blocks `src` to the owner's `dst`, or pulls the
   // owner's `src` into the initiator's `dst`; the first status that is not
   // LLM_SUCCESS, else LLM_SUCCESS.
@@ -95,10 +104,11 @@ class TestPathTest : public ::testing::TestWithParam<bool> {
 
   Engine owner_{kOwner};
   Engine initiator_{kInitiator};
+  std::vector<std::unique_ptr<Blocks>> blocks_;
 };
 
 TEST_P(TestPathTest, PushesAndPullsMoveEveryByte) {
-  Blocks theirs(owner_, 1), mine(initiator_, 2);
+  Blocks &theirs = blocks(owner_, 1), &mine = blocks(initiator_, 2);
   ASSERT_EQ(transfer(true, mine, {1, 3}, {5, 0}), LLM_SUCCESS);
   for (size_t t = 0; t < 2; ++t) {
     EXPECT_EQ(block(theirs, t, 5), block(mine, t, 1));
@@ -125,7 +135,7 @@ TEST_P(TestPathTest, PushesAndPullsMoveEveryByte) {
 }
 
 TEST_P(TestPathTest, TheOwnersChecksRefuseWhatTheOwnerWould) {
-  Blocks theirs(owner_, 3), mine(initiator_, 4);
+  Blocks &theirs = blocks(owner_, 3), &mine = blocks(initiator_, 4);
   const std::vector<std::vector<uint8_t>> before = theirs.bytes;
   // Block kBlocks is past the owner's cache: refused whole, nothing written.
   EXPECT_EQ(transfer(true, mine, {0, 1}, {2, kBlocks}), LLM_PARAM_INVALID);
