@@ -434,7 +434,12 @@ class CacheManager:
         return self._register(cache_desc, addrs, (), blocks_cache_key, remote_accessible, True)
 
     def unregister_cache(self, cache_id: int) -> None:
-        """Forgets a registered cache; an unknown id is not an error."""
+        """Forgets a registered cache; an unknown id is not an error.
+
+        Returns once no peer's operation can touch the cache's memory: one
+        the engine was serving from it or into it is waited for, and one
+        that has not ended within 2 s has its link cut (docs/security.md).
+        """
         check_int64("cache_id", cache_id)
         self._check_valid()
         raise_for_status(self._engine.unregister_cache(cache_id), f"unregister cache {cache_id}")

@@ -32,6 +32,10 @@ using llm_datadist::LLM_SUCCESS;
 namespace {
 constexpr uint64_t kTensorAlign = 64;
 constexpr int kCommUnlinkTimeoutMs = 3000;
+// How long unregister_cache waits for peers' operations on the cache's
+// memory before it cuts their links, and then for the cut links to let go.
+constexpr std::chrono::milliseconds kServedUsePatience{2000};
+constexpr std::chrono::milliseconds kServedUseCut{5000};
 
 Status not_ready(bool finalized) {
   return refuse(LLM_FAILED, finalized ? "the engine is finalized" : "the engine is not initialized");
@@ -308,7 +312,14 @@ Status Engine::unregister_cache(int64_t cache_id) {
   clear_error_detail();
   std::shared_lock<std::shared_mutex> lock(state_mu_);
   if (state_ != State::kReady) return not_ready(state_ == State::kFinalized);
+  const std::shared_ptr<CacheEntry> entry = registry_.find(cache_id);
   registry_.unregister(cache_id);
+  // The memory is the caller's again on return: a peer's operation that was
+  // served from it or into it before has ended by then, or its link is cut.
+  if (entry && entry->caller_owned() && !entry->wait_unused(kServedUsePatience, kServedUseCut)) {
+    log_warning("cache " + std::to_string(cache_id) + " was unregistered while a peer's operation on it outlasted " +
+              "the cut of its link; its memory may still be touched");
+  }
   return LLM_SUCCESS;
 }
 

@@ -22,6 +22,36 @@ CacheEntry::~CacheEntry() {
   if (device_allocated) device->free(addrs);
 }
 
+bool CacheEntry::wait_unused(std::chrono::milliseconds patience, std::chrono::milliseconds after_cut) {
+  std::unique_lock<std::mutex> lock(uses_mu_);
+  if (uses_cv_.wait_for(lock, patience, [this] { return uses_.empty(); })) return true;
+  const std::vector<std::function<void()>> cuts(uses_.begin(), uses_.end());
+  lock.unlock();
+  for (const auto &cut : cuts) cut();
+  lock.lock();
+  return uses_cv_.wait_for(lock, after_cut, [this] { return uses_.empty(); });
+}
+
+std::shared_ptr<MemoryUse> MemoryUse::take(std::shared_ptr<CacheEntry> entry, std::function<void()> cut) {
+  std::shared_ptr<MemoryUse> use(new MemoryUse());
+  std::lock_guard<std::mutex> lock(entry->uses_mu_);
+  // Withdrawn is set before a waiter takes the lock: either the waiter
+  // finds this use, or this finds the cache withdrawn.
+  if (entry->withdrawn.load()) return nullptr;
+  use->at_ = entry->uses_.insert(entry->uses_.end(), std::move(cut));
+  use->entry_ = std::move(entry);
+  return use;
+}
+
+MemoryUse::~MemoryUse() {
+  if (!entry_) return;
+  {
+    std::lock_guard<std::mutex> lock(entry_->uses_mu_);
+    entry_->uses_.erase(at_);
+  }
+  entry_->uses_cv_.notify_all();
+}
+
 Registry::KeyId Registry::key_id(const KeySpec &key) {
   if (key.prefix_id != kInvalidId) return KeyId{kPrefixKeys, key.prefix_id, key.model_id};
   return KeyId{kRequestKeys, key.req_id, key.model_id};

@@ -10,7 +10,11 @@
 #define DATADIST_REGISTRY_H_
 
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <functional>
+#include <list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -38,6 +42,8 @@ class CacheAttachment {
   virtual ~CacheAttachment() = default;
 };
 
+class MemoryUse;
+
 struct CacheEntry {
   CacheEntry() = default;
   ~CacheEntry();
@@ -62,6 +68,16 @@ struct CacheEntry {
   // cleared), before the registry's watchers hear of it.
   std::atomic<bool> withdrawn{false};
 
+  // Whether the memory is the caller's (registered), not the engine's: the
+  // caller may free it once the cache is unregistered.
+  bool caller_owned() const { return !pool && !device_allocated; }
+
+  // Waits until no owner-served operation can touch the memory any more
+  // (no MemoryUse of it is left), after the cache was withdrawn. Uses left
+  // after `patience` are cut (each fails the link its operation came by),
+  // then waited for `after_cut` more. False if some are still left then.
+  bool wait_unused(std::chrono::milliseconds patience, std::chrono::milliseconds after_cut);
+
   // The tensor whose memory holds all of [addr, addr + length), trying
   // `hint` first; addrs.size() when none does.
   size_t tensor_holding(uintptr_t addr, uint64_t length, size_t hint = 0) const;
@@ -81,8 +97,33 @@ struct CacheEntry {
   }
 
  private:
+  friend class MemoryUse;
   std::mutex attached_mu_;
   std::vector<std::pair<const void *, std::shared_ptr<CacheAttachment>>> attached_;
+  // Each MemoryUse of the cache, as the call that cuts it.
+  std::mutex uses_mu_;
+  std::condition_variable uses_cv_;
+  std::list<std::function<void()>> uses_;
+};
+
+// An owner-served operation's hold on a cache's memory: taken once the
+// peer's ranges are resolved, let go when no byte of the operation can touch
+// the memory any more (a write's data are in, a read's answer is sent or
+// dropped). Registered memory is the caller's again when unregister_cache
+// returns, so that waits for the cache's uses (CacheEntry::wait_unused).
+class MemoryUse {
+ public:
+  // Null when the cache was withdrawn already: the operation is refused.
+  // `cut` ends the operation if it outlasts the wait: it fails the link.
+  static std::shared_ptr<MemoryUse> take(std::shared_ptr<CacheEntry> entry, std::function<void()> cut);
+  ~MemoryUse();
+  MemoryUse(const MemoryUse &) = delete;
+  MemoryUse &operator=(const MemoryUse &) = delete;
+
+ private:
+  MemoryUse() = default;
+  std::shared_ptr<CacheEntry> entry_;
+  std::list<std::function<void()>>::iterator at_;
 };
 
 // A key as the user spells it: `req_id` (or `prefix_id` when it is not the

@@ -184,6 +184,9 @@ class LlmDataDist {
   // block (dimension 0 of the shape); peers may read and write it.
   Status RegisterKvCache(const CacheDesc &cache_desc, const std::vector<uint64_t> &addrs, const RegisterCfg &cfg,
                          int64_t &cache_id);
+  // Returns once no peer's operation can touch the cache's memory (an
+  // operation in flight is waited for; one that outlasts 2 s has its link
+  // cut), so the caller may free it then.
   Status UnregisterKvCache(int64_t cache_id);
   // Allocates from the host pool (OPTION_HOST_MEM_POOL_CFG) for kHost, in
   // CUDA device memory of OPTION_DEVICE_ID for kDevice.

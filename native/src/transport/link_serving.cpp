@@ -98,8 +98,31 @@ Status Link::resolve_in_group(const wire::Request &req, ResolvedTarget &target) 
     }
   }
   Status st = resolve_request(host_->registry(), req, target);
+  if (st == LLM_SUCCESS) st = take_uses(target);
   if (st != LLM_SUCCESS) refuse_group(group);
   return st;
+}
+
+Status Link::take_uses(ResolvedTarget &target) {
+  const std::weak_ptr<Link> weak = shared_from_this();
+  for (const std::shared_ptr<CacheEntry> &entry : target.pins) {
+    const int64_t id = entry->id;
+    auto cut = [weak, id] {
+      if (auto link = weak.lock()) {
+        link->fail(LLM_LINK_FAILED, "cache " + std::to_string(id) +
+                                        " was unregistered while the peer's operation on it was still running; "
+                                        "closing the link");
+      }
+    };
+    std::shared_ptr<MemoryUse> use = MemoryUse::take(entry, std::move(cut));
+    if (!use) {
+      target.uses.clear();
+      target.why = "cache " + std::to_string(id) + " was unregistered as the request came";
+      return llm_datadist::LLM_KV_CACHE_NOT_EXIST;
+    }
+    target.uses.push_back(std::move(use));
+  }
+  return LLM_SUCCESS;
 }
 
 void Link::refuse_group(uint64_t group) {

@@ -49,12 +49,13 @@ void InlinePath::serve(std::shared_ptr<ServedFrame> frame) {
   const uint64_t bytes = frame->req.total_bytes;
   if (target.device) staged_bytes_served_.fetch_add(bytes, std::memory_order_relaxed);
   if (!frame->write) {
-    // The data follow the answer, from this end's memory, pinned until sent.
+    // The data follow the answer, from this end's memory, pinned (and in
+    // use) until sent.
     Moved moved;
     moved.data = std::move(target.iov);
     moved.data_bytes = bytes;
     moved.device = std::move(target.device);
-    moved.pin = std::make_shared<std::vector<std::shared_ptr<CacheEntry>>>(std::move(target.pins));
+    moved.pin = std::make_shared<ResolvedTarget>(std::move(target));
     frame->done(std::move(moved));
     return;
   }
