@@ -7,7 +7,9 @@ call waits for a peer's write or read that the engine was serving from the
 cache, and cuts the link of one that does not end in time (2 s).
 
 A raw client of this process plays the peer (support/raw_client.py), so a
-write's data can stop half-way and a read's answer can be left unread.
+write's data can stop half-way and a read's answer can be left unread. An
+operation that ended holds nothing: the last case, between two processes,
+over each data path.
 """
 
 from __future__ import annotations
@@ -21,14 +23,16 @@ import numpy as np
 import pytest
 
 import datadist_aio as dd
+from support.links import assert_blocks_push, small_desc
 from support.options import make_options
+from support.peer import HAVE_UCX, UCX_WHY, MiB, PeerGroup, pool_cfg
 from support.raw_client import SERVER_ID, linked
 from support.wire_frames import HEADER, READ_T, WRITE_ACK_T, WRITE_T, frame, recv_frame
 from support.wire_frames import request as encode_request
 
 pytestmark = pytest.mark.timeout(60)
 
-MiB = 1 << 20
+UCX = pytest.param("ucx", marks=pytest.mark.skipif(not HAVE_UCX, reason=f"no UCX: {UCX_WHY}"))
 BLOCKS = 16
 PATIENCE_S = 2.0  # the engine's wait before it cuts the link (engine.cpp, kServedUsePatience)
 ORIGINAL, WRITTEN, AFTER = 0x11, 0x07, 0xAA  # the cache's bytes, the peer's, the caller's once unregistered
@@ -160,3 +164,34 @@ def test_unregister_cuts_a_stalled_read(registered):
     data = bytes(received[HEADER.size:])
     assert AFTER not in data, "bytes the caller wrote after unregister_cache reached the peer"
     assert set(data) == {ORIGINAL}
+
+
+@pytest.fixture
+def group() -> Iterator[PeerGroup]:
+    with PeerGroup() as peers:
+        yield peers
+
+
+@pytest.mark.parametrize("transport", ["tcp", "auto", UCX])
+def test_unregister_after_finished_operations_is_at_once_and_keeps_the_link(group, transport):
+    """Operations that ended hold nothing: with owner-served pushes and
+    pulls done (over TCP, the same-host path or UCX), unregistering the
+    owner's registered cache takes no wait and cuts nothing; the link still
+    moves bytes."""
+    theirs = {"transport": "ucx"} if transport == "ucx" else {}
+    initiator = group.start("initiator", dd.LLMRole.PROMPT, 1,
+                            options={"transport": transport, "access": "owner", "host_mem_pool_cfg": pool_cfg(16 * MiB)})
+    owner = group.start("owner", dd.LLMRole.DECODER, 2, options={"host_mem_pool_cfg": pool_cfg(16 * MiB)} | theirs)
+    assert initiator.link(owner) == (dd.LLMStatusCode.LLM_SUCCESS, [dd.LLMStatusCode.LLM_SUCCESS])
+    mine = initiator.allocate(small_desc(), blocks=True)
+    registered = owner.register(small_desc(), blocks=True, model_id=5)
+    sent = initiator.fill(mine, 3)
+    initiator.cm_async("push_blocks", registered.blocks_key(), mine, [1, 2], [4, 5])
+    initiator.cm_async("pull_blocks", registered.blocks_key(), mine, [4, 5], [6, 7])
+    got = initiator.read(mine)
+    for t in range(2):  # blocks of 256 bytes: 1 and 2 went there and came back as 6 and 7
+        np.testing.assert_array_equal(got[t][6 * 256 : 8 * 256], sent[t][1 * 256 : 3 * 256])
+    start = time.monotonic()
+    owner.free(registered)
+    assert time.monotonic() - start < 1.0, "unregister waited for operations that had ended"
+    assert_blocks_push(initiator, owner, 6, 4)
