@@ -312,13 +312,12 @@ Status Engine::unregister_cache(int64_t cache_id) {
   clear_error_detail();
   std::shared_lock<std::shared_mutex> lock(state_mu_);
   if (state_ != State::kReady) return not_ready(state_ == State::kFinalized);
-  const std::shared_ptr<CacheEntry> entry = registry_.find(cache_id);
-  registry_.unregister(cache_id);
+  const std::shared_ptr<CacheEntry> entry = registry_.unregister(cache_id);
   // The memory is the caller's again on return: a peer's operation that was
   // served from it or into it before has ended by then, or its link is cut.
   if (entry && entry->caller_owned() && !entry->wait_unused(kServedUsePatience, kServedUseCut)) {
     log_warning("cache " + std::to_string(cache_id) + " was unregistered while a peer's operation on it outlasted " +
-              "the cut of its link; its memory may still be touched");
+                "the cut of its link; its memory may still be touched");
   }
   return LLM_SUCCESS;
 }

@@ -178,18 +178,19 @@ void Registry::deallocate(int64_t cache_id) {
   tell_removed({doomed});
 }
 
-void Registry::unregister(int64_t cache_id) {
+std::shared_ptr<CacheEntry> Registry::unregister(int64_t cache_id) {
   std::shared_ptr<CacheEntry> doomed;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = by_id_.find(cache_id);
-    if (it == by_id_.end()) return;
+    if (it == by_id_.end()) return nullptr;
     doomed = it->second;
     by_id_.erase(it);
     drop_keys_locked(doomed.get());
     doomed->withdrawn.store(true);
   }
   tell_removed({doomed});
+  return doomed;
 }
 
 void Registry::remove_key(const KeySpec &key) {

@@ -170,8 +170,9 @@ class Registry {
   // blocks cache, its blocks key; bound contiguous keys keep it alive until
   // they are removed. Registered caches are left alone.
   void deallocate(int64_t cache_id);
-  // Forgets a cache and every key bound to it.
-  void unregister(int64_t cache_id);
+  // Forgets a cache and every key bound to it; the cache it withdrew
+  // (none for an unknown id).
+  std::shared_ptr<CacheEntry> unregister(int64_t cache_id);
   void remove_key(const KeySpec &key);
   // A peer read `tensors` of the slot bound to `key`; once every tensor was
   // read, the key is released (allocated caches only, as remove_key).
