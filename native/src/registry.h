@@ -106,11 +106,12 @@ struct CacheEntry {
   std::list<std::function<void()>> uses_;
 };
 
-// An owner-served operation's hold on a cache's memory: taken once the
-// peer's ranges are resolved, let go when no byte of the operation can touch
-// the memory any more (a write's data are in, a read's answer is sent or
-// dropped). Registered memory is the caller's again when unregister_cache
-// returns, so that waits for the cache's uses (CacheEntry::wait_unused).
+// An owner-served operation's hold on a registered cache's memory: taken
+// once the peer's ranges are resolved, let go when no byte of the operation
+// can touch the memory any more (a write's data are in, a read's answer is
+// sent or dropped). Registered memory is the caller's again when
+// unregister_cache returns, so that waits for the cache's uses
+// (CacheEntry::wait_unused).
 class MemoryUse {
  public:
   // Null when the cache was withdrawn already: the operation is refused.

@@ -421,8 +421,9 @@ class Link : public std::enable_shared_from_this<Link>,
   Status ask(wire::FrameType type, const std::vector<uint8_t> &body, int timeout_ms, wire::LookupReply *reply);
   // resolve_request, refusing the rest of a group once one of it was refused.
   Status resolve_in_group(const wire::Request &req, ResolvedTarget &target);
-  // The served operation's MemoryUse of each cache it pins, each cut by
-  // failing this link; LLM_KV_CACHE_NOT_EXIST if one was withdrawn meanwhile.
+  // The served operation's MemoryUse of each registered cache it pins, each
+  // cut by failing this link; LLM_KV_CACHE_NOT_EXIST if one was withdrawn
+  // meanwhile.
   Status take_uses(ResolvedTarget &target);
   void refuse_group(uint64_t group);
   // An operation this end serves fails: `why` (logged after `context`) is

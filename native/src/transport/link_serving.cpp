@@ -106,6 +106,9 @@ Status Link::resolve_in_group(const wire::Request &req, ResolvedTarget &target) 
 Status Link::take_uses(ResolvedTarget &target) {
   const std::weak_ptr<Link> weak = shared_from_this();
   for (const std::shared_ptr<CacheEntry> &entry : target.pins) {
+    // Memory the engine allocated is held by the pin itself; only the
+    // caller's is waited for.
+    if (!entry->caller_owned()) continue;
     const int64_t id = entry->id;
     auto cut = [weak, id] {
       if (auto link = weak.lock()) {

@@ -22,8 +22,9 @@ struct ResolvedTarget {
   uint64_t bound_slot = 0;
   std::vector<iovec> iov;             // one per range, in order
   std::vector<std::shared_ptr<CacheEntry>> pins;  // keep the memory alive while bytes move
-  // An owner-served operation's hold on each pinned cache's memory, which
-  // unregistering the cache waits for (taken by the link that serves it).
+  // An owner-served operation's hold on each pinned registered cache's
+  // memory, which unregistering the cache waits for (taken by the link that
+  // serves it).
   std::vector<std::shared_ptr<MemoryUse>> uses;
   std::string why;  // a refusal's reason, for the initiator
   // Set when `iov` are addresses of this device (the host never touches
